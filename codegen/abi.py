@@ -1,0 +1,38 @@
+"""The kernels' C ABI: one list of (type, name) arguments per kernel entry point.
+
+Templates, the header, cffi declarations and CUDA launches all read these lists, so the
+signatures cannot drift apart. ``T`` stands for the spec's scalar type. This module is
+import-light (used on the cached-load path).
+"""
+from __future__ import annotations
+
+KERNELS = ("forward", "adjoint", "dt_vjp", "dt_jvp")
+START = ("p0", "v0", "a0", "j0")
+
+
+def arguments(kernel: str, order: int) -> list[tuple[str, str]]:
+    """Arguments of one entry point, in call order."""
+    outs = range(order + 1)
+    inputs = [("const T*", "u")] + [("const T*", s) for s in START] + [("const int64_t*", "idx")]
+    if kernel == "forward":
+        return [("int64_t", "B")] + inputs + [("const T*", "dt_in")] + [("T*", f"y{k}") for k in outs]
+    if kernel == "adjoint":
+        return ([("int64_t", "B")] + [("const T*", f"g{k}") for k in outs] + [("const T*", "dt_in")]
+                + [("T*", "gu")] + [("T*", f"g{s}") for s in START])
+    if kernel == "dt_vjp":
+        return ([("int64_t", "B")] + inputs + [("const T*", f"g{k}") for k in outs]
+                + [("const T*", "dt_in"), ("double*", "gdt")])
+    if kernel == "dt_jvp":
+        return ([("int64_t", "B")] + inputs + [("const T*", "du")] + [("const T*", f"d{s}") for s in START]
+                + [("const T*", "dt_in"), ("const T*", "ddt_in")] + [("T*", f"ty{k}") for k in outs])
+    raise ValueError(f"unknown kernel {kernel!r}; allowed: {', '.join(KERNELS)}")
+
+
+def signature(kernel: str, order: int, ctype: str) -> str:
+    """The comma-separated parameter list with T replaced by the concrete type."""
+    return ", ".join(f"{t.replace('T', ctype) if 'T*' in t else t} {n}" for t, n in arguments(kernel, order))
+
+
+def symbol(name: str, kernel: str) -> str:
+    """Exported symbol of one entry point of a spec (unique per spec name)."""
+    return f"{name}_{kernel}"

@@ -1,0 +1,118 @@
+"""The operator IR: an affine straight-line program over one (batch, dof) column.
+
+Every variant — finite-difference stencils, integration recurrences, cuRobo's legacy
+kernels — is expressed as an ordered list of rows ``Y[k][h] = Σ coeff(dt) · ref``, where a
+ref is an action ``("u", j)``, a start-state entry ``("s", m)`` (p0, v0, a0, j0) or an
+earlier row ``("y", k, h)``. Coefficients are SymPy expressions in the step-duration
+symbols. The adjoint (reverse accumulation), the dt-derivatives and the dense matrices are
+all derived from this one description.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterable, Sequence
+
+import numpy as np
+import sympy as sp
+
+Ref = tuple  # ("u", j) | ("s", m) | ("y", k, h)
+Term = tuple  # (coefficient: sp.Expr, ref: Ref)
+
+N_START = 4  # p0, v0, a0, j0
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One output value: ``Y[k][h] = Σ coeff · ref`` over ``terms``."""
+
+    k: int
+    h: int
+    terms: tuple[Term, ...]
+
+
+@dataclasses.dataclass
+class Operator:
+    """An affine operator on one column, in evaluation order."""
+
+    horizon: int
+    order: int
+    n_actions: int
+    dt_symbols: tuple[sp.Symbol, ...]
+    rows: list[Row]
+
+    @property
+    def n_outputs(self) -> int:
+        return self.order + 1
+
+    def coefficients(self) -> list[sp.Expr]:
+        """Distinct non-unit coefficients, in first-use order."""
+        seen: dict[sp.Expr, None] = {}
+        for row in self.rows:
+            for coef, _ in row.terms:
+                if coef not in (sp.Integer(1), sp.Integer(-1)):
+                    seen.setdefault(coef, None)
+        return list(seen)
+
+    def dense(self, dt_values: Sequence[float]) -> tuple[np.ndarray, np.ndarray]:
+        """Dense float64 matrices (M_u [K, H, N], M_s [K, H, 4]) at numeric step durations.
+
+        Y_k = M_u[k] @ u + M_s[k] @ s for one column, s = (p0, v0, a0, j0).
+        """
+        coefs = self.coefficients()
+        values = sp.lambdify(self.dt_symbols, coefs, "math")(*dt_values) if coefs else []
+        value_of = {c: float(v) for c, v in zip(coefs, values)}
+        value_of[sp.Integer(1)], value_of[sp.Integer(-1)] = 1.0, -1.0
+        width = self.n_actions + N_START
+        rows: dict[tuple[int, int], np.ndarray] = {}
+        for row in self.rows:
+            vec = np.zeros(width)
+            for coef, ref in row.terms:
+                vec += value_of[coef] * self._ref_vector(ref, rows, width)
+            rows[(row.k, row.h)] = vec
+        out = np.zeros((self.n_outputs, self.horizon, width))
+        for (k, h), vec in rows.items():
+            out[k, h] = vec
+        return out[:, :, : self.n_actions], out[:, :, self.n_actions :]
+
+    def _ref_vector(self, ref: Ref, rows: dict, width: int) -> np.ndarray:
+        if ref[0] == "y":
+            return rows[(ref[1], ref[2])]
+        vec = np.zeros(width)
+        vec[ref[1] if ref[0] == "u" else self.n_actions + ref[1]] = 1.0
+        return vec
+
+
+def combine(terms: Iterable[Term]) -> tuple[Term, ...]:
+    """Merge terms on the same ref, drop zero coefficients, keep first-use order."""
+    acc: dict[Ref, sp.Expr] = {}
+    for coef, ref in terms:
+        acc[ref] = acc.get(ref, sp.Integer(0)) + coef
+    return tuple((c, r) for r, c in acc.items() if c != 0)
+
+
+def dt_symbols(horizon: int, mode: str) -> tuple[sp.Symbol, ...]:
+    """The step-duration symbols the kernel reads: (dt,) or (dt_0, ..., dt_{H-1})."""
+    if mode == "uniform":
+        return (sp.Symbol("dt", positive=True),)
+    return tuple(sp.Symbol(f"dt_{h}", positive=True) for h in range(horizon))
+
+
+def step_durations(symbols: Sequence[sp.Symbol], horizon: int) -> list[sp.Symbol]:
+    """dt_h for every row h (uniform: the one symbol repeated)."""
+    return list(symbols) * horizon if len(symbols) == 1 else list(symbols)
+
+
+def start_rows(order: int) -> list[Row]:
+    """Row 0 of each output is the start state as given (snap starts at zero)."""
+    return [Row(k, 0, ((sp.Integer(1), ("s", k)),) if k < N_START else ()) for k in range(order + 1)]
+
+
+def row_ref(k: int, h: int) -> list[Term]:
+    """Terms that stand for Y[k][h]; row 0 is the start state itself (so no row dependency)."""
+    if h == 0:
+        return [(sp.Integer(1), ("s", k))] if k < N_START else []
+    return [(sp.Integer(1), ("y", k, h))]
+
+
+def scaled(terms: Iterable[Term], factor: sp.Expr) -> list[Term]:
+    return [(factor * c, r) for c, r in terms]

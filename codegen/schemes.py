@@ -1,0 +1,135 @@
+"""Builders: KernelSpec → Operator rows (SPEC §2). Each scheme is data fed to one IR."""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import sympy as sp
+
+from .operator import N_START, Operator, Row, Term, combine, dt_symbols, row_ref, scaled, start_rows, step_durations
+from .spec import KernelSpec
+from .stencils import stencil_offsets, uniform_weights, weights_at
+
+
+def build_operator(spec: KernelSpec) -> Operator:
+    """Derive the operator of a native spec."""
+    syms = dt_symbols(spec.horizon, spec.dt)
+    if spec.control == "position":
+        rows = position_rows(spec, syms)
+    else:
+        rows = integration_rows(spec, syms)
+    return Operator(spec.horizon, spec.order, spec.n_actions, syms, rows)
+
+
+# ---- position control: finite differences over points q_j ------------------------------------
+
+class PositionPoints:
+    """The points q_j of position control, with their times relative to any row.
+
+    q_0 = p0, q_h = u_{h-1} for 1 ≤ h ≤ H-1, Taylor ghosts before the start, the last
+    point held after the end.
+    """
+
+    def __init__(self, horizon: int, durations: list[sp.Expr]):
+        self.H = horizon
+        self.dts = durations
+
+    def value(self, j: int) -> list[Term]:
+        if j > self.H - 1:
+            j = self.H - 1
+        if j > 0:
+            return [(sp.Integer(1), ("u", j - 1))]
+        if j == 0:
+            return [(sp.Integer(1), ("s", 0))]
+        t = j * self.dts[0]
+        return [(t**m / math.factorial(m), ("s", m)) for m in range(N_START)]
+
+    def time(self, j: int, h: int) -> sp.Expr:
+        """t_j - t_h, built as a short sum of step durations (no O(H) cancellation)."""
+        last = self.H - 1
+        extra = sp.Integer(0)
+        if j > last:
+            extra = (j - last) * self.dts[last]
+            j = last
+        if j < 0:
+            extra = j * self.dts[0]
+            j = 0
+        if j >= h:
+            return extra + sp.Add(*self.dts[h + 1 : j + 1])
+        return extra - sp.Add(*self.dts[j + 1 : h + 1])
+
+
+def stencil_points(spec: KernelSpec, k: int, h: int) -> list[int]:
+    """Point indices of derivative k at row h (one-sided near the end when asked)."""
+    a = spec.accuracy[k - 1]
+    points = [h + o for o in stencil_offsets(k, a, spec.difference)]
+    if spec.end == "one_sided" and points[-1] > spec.horizon - 1:
+        n = k + a
+        points = list(range(spec.horizon - n, spec.horizon))
+    return points
+
+
+def stencil_row(k: int, h: int, weights: list[sp.Expr], values: list[list[Term]]) -> Row:
+    """Row Y[k][h] = Σ_i w_i · value_i (values are linear combinations of refs)."""
+    terms: list[Term] = []
+    for w, value in zip(weights, values):
+        terms += scaled(value, w)
+    return Row(k, h, combine(terms))
+
+
+def position_rows(spec: KernelSpec, syms: tuple[sp.Symbol, ...]) -> list[Row]:
+    H = spec.horizon
+    dts = step_durations(syms, H)
+    pts = PositionPoints(H, dts)
+    rows = start_rows(spec.order)
+    for h in range(1, H):
+        rows.append(Row(0, h, tuple(pts.value(h))))
+        for k in range(1, spec.order + 1):
+            points = stencil_points(spec, k, h)
+            if spec.dt == "uniform":
+                base = uniform_weights(tuple(j - h for j in points), k)
+                weights = [w / syms[0] ** k for w in base]
+            else:
+                weights = weights_at([pts.time(j, h) for j in points], k)
+            rows.append(stencil_row(k, h, weights, [pts.value(j) for j in points]))
+    return rows
+
+
+# ---- integration control: recurrences ----------------------------------------------------------
+
+Integrator = Callable[[int, int, int, sp.Expr], list[Term]]
+
+
+def semi_implicit_euler(k: int, c: int, h: int, dt: sp.Expr) -> list[Term]:
+    """Y_k[h] = Y_k[h-1] + dt_h · Y_{k+1}[h] (applied from the action downwards)."""
+    return row_ref(k, h - 1) + scaled(row_ref(k + 1, h), dt)
+
+
+def exact_hold(k: int, c: int, h: int, dt: sp.Expr) -> list[Term]:
+    """Exact polynomial integral with the action (derivative c) held over the step."""
+    terms: list[Term] = []
+    for m in range(c - k):
+        terms += scaled(row_ref(k + m, h - 1), dt**m / math.factorial(m))
+    return terms + scaled(row_ref(c, h), dt ** (c - k) / math.factorial(c - k))
+
+
+INTEGRATORS: dict[str, Integrator] = {"semi_implicit_euler": semi_implicit_euler, "exact": exact_hold}
+
+
+def backward_difference(k: int, h: int, dt: sp.Expr) -> list[Term]:
+    """Y_k[h] = (Y_{k-1}[h] - Y_{k-1}[h-1]) / dt_h for derivatives above the action."""
+    return scaled(row_ref(k - 1, h), 1 / dt) + scaled(row_ref(k - 1, h - 1), -1 / dt)
+
+
+def integration_rows(spec: KernelSpec, syms: tuple[sp.Symbol, ...]) -> list[Row]:
+    c = spec.control_order
+    integrate = INTEGRATORS[spec.integrator]
+    dts = step_durations(syms, spec.horizon)
+    rows = start_rows(spec.order)
+    for h in range(1, spec.horizon):
+        rows.append(Row(c, h, ((sp.Integer(1), ("u", h - 1)),)))
+        for k in range(c - 1, -1, -1):
+            rows.append(Row(k, h, combine(integrate(k, c, h, dts[h]))))
+        for k in range(c + 1, spec.order + 1):
+            rows.append(Row(k, h, combine(backward_difference(k, h, dts[h]))))
+    return rows

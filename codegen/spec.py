@@ -1,0 +1,174 @@
+"""KernelSpec: the immutable, validated description of one kernel variant (SPEC §3).
+
+This module imports nothing heavy: the runtime uses it on the cached-load path,
+which must not import SymPy or Jinja2.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+from typing import Any, Mapping
+
+CONTROLS = ("position", "velocity", "acceleration", "jerk")
+DIFFERENCES = ("backward", "central")
+INTEGRATORS = ("semi_implicit_euler", "exact")
+STARTS = ("taylor",)
+ENDS = ("hold", "one_sided")
+DT_MODES = ("uniform", "per_step")
+LAYOUTS = ("bhd", "bdh")
+DTYPES = ("float32", "float64")
+ORDERS = (3, 4)
+MAX_HORIZON = 4096
+MAX_DOF = 4096
+MAX_ACCURACY = 8
+
+#: Derivative index of each control mode's action (0 = position).
+CONTROL_ORDER = {"position": 0, "velocity": 1, "acceleration": 2, "jerk": 3}
+DERIVATIVE_NAMES = ("position", "velocity", "acceleration", "jerk", "snap")
+DEFAULT_ACCURACY = {"backward": (1, 1, 1, 1), "central": (4, 4, 2, 2)}
+
+
+def _fail(field: str, value: Any, allowed: str) -> ValueError:
+    return ValueError(f"KernelSpec.{field}={value!r} is invalid: {allowed}")
+
+
+def _check_int(field: str, value: Any, lo: int, hi: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _fail(field, value, f"expected an integer in [{lo}, {hi}]")
+    if not lo <= value <= hi:
+        raise _fail(field, value, f"expected an integer in [{lo}, {hi}]")
+    return value
+
+
+def _check_choice(field: str, value: Any, allowed: tuple) -> Any:
+    if value not in allowed:
+        raise _fail(field, value, "allowed: " + ", ".join(repr(a) for a in allowed))
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelSpec:
+    """One kernel variant. Immutable and hashable; invalid combinations raise ValueError."""
+
+    horizon: int
+    dof: int
+    control: str = "position"
+    difference: str = "central"
+    accuracy: Any = None
+    integrator: str = "semi_implicit_euler"
+    start: str = "taylor"
+    end: str = "hold"
+    dt: str = "uniform"
+    start_index: bool = False
+    layout: str = "bhd"
+    dtype: str = "float32"
+    order: int = 3
+
+    def __post_init__(self) -> None:
+        _check_int("horizon", self.horizon, 2, MAX_HORIZON)
+        _check_int("dof", self.dof, 1, MAX_DOF)
+        _check_choice("control", self.control, CONTROLS)
+        _check_choice("difference", self.difference, DIFFERENCES)
+        _check_choice("integrator", self.integrator, INTEGRATORS)
+        _check_choice("start", self.start, STARTS)
+        _check_choice("end", self.end, ENDS)
+        _check_choice("dt", self.dt, DT_MODES)
+        if not isinstance(self.start_index, bool):
+            raise _fail("start_index", self.start_index, "expected True or False")
+        _check_choice("layout", self.layout, LAYOUTS)
+        _check_choice("dtype", self.dtype, DTYPES)
+        if isinstance(self.order, bool) or self.order not in ORDERS:
+            raise _fail("order", self.order, "allowed: 3 (up to jerk), 4 (up to snap)")
+        object.__setattr__(self, "accuracy", self._normalise_accuracy(self.accuracy))
+
+    def _normalise_accuracy(self, accuracy: Any) -> tuple[int, ...]:
+        """Return one accuracy per derivative 1..order (a tuple), validating parity for central."""
+        n = self.order
+        if accuracy is None:
+            values = DEFAULT_ACCURACY[self.difference][:n]
+        elif isinstance(accuracy, bool):
+            raise _fail("accuracy", accuracy, "expected an int or a tuple of ints")
+        elif isinstance(accuracy, int):
+            values = (accuracy,) * n
+        elif isinstance(accuracy, (tuple, list)) and all(
+            isinstance(a, int) and not isinstance(a, bool) for a in accuracy
+        ):
+            values = tuple(accuracy)
+            if len(values) == 3 and n == 4:
+                values = values + (DEFAULT_ACCURACY[self.difference][3],)
+            if len(values) != n:
+                raise _fail("accuracy", accuracy, f"expected an int or a tuple of {n} ints (one per derivative)")
+        else:
+            raise _fail("accuracy", accuracy, "expected an int or a tuple of ints")
+        for a in values:
+            if not 1 <= a <= MAX_ACCURACY:
+                raise _fail("accuracy", accuracy, f"each accuracy must be in [1, {MAX_ACCURACY}]")
+            if self.difference == "central" and a % 2:
+                raise _fail("accuracy", accuracy, "central differences need even accuracies (2, 4, 6, 8)")
+        return tuple(values)
+
+    # ---- derived properties -------------------------------------------------------------
+    @property
+    def n_actions(self) -> int:
+        """Rows of the action tensor u (N = H - 1)."""
+        return self.horizon - 1
+
+    @property
+    def n_dt(self) -> int:
+        """Entries of the dt vector the kernel reads (1 uniform, H per step)."""
+        return 1 if self.dt == "uniform" else self.horizon
+
+    @property
+    def control_order(self) -> int:
+        return CONTROL_ORDER[self.control]
+
+    @property
+    def name(self) -> str:
+        """A stable, valid C identifier derived from the fields (never from user strings)."""
+        parts = ["ts", f"h{self.horizon}", f"d{self.dof}", self.control[:3]]
+        if self.control == "position":
+            parts += [self.difference[:3], "a" + "".join(str(a) for a in self.accuracy), self.end.replace("_", "")]
+        else:
+            parts += ["semi" if self.integrator == "semi_implicit_euler" else "exact"]
+        parts += [
+            "dtu" if self.dt == "uniform" else "dts",
+            "idx" if self.start_index else "noidx",
+            self.layout,
+            "f32" if self.dtype == "float32" else "f64",
+            f"o{self.order}",
+        ]
+        return "_".join(parts)
+
+    @property
+    def key(self) -> str:
+        """Short content hash of the spec (stable across runs and machines)."""
+        blob = json.dumps(self.to_dict(), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["accuracy"] = list(self.accuracy)
+        return d
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "KernelSpec":
+        unknown = set(data) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            allowed = ", ".join(f.name for f in dataclasses.fields(cls))
+            raise ValueError(f"unknown KernelSpec field(s) {sorted(unknown)}; allowed: {allowed}")
+        kwargs = dict(data)
+        if isinstance(kwargs.get("accuracy"), list):
+            kwargs["accuracy"] = tuple(kwargs["accuracy"])
+        return cls(**kwargs)
+
+    def replace(self, **changes: Any) -> "KernelSpec":
+        return dataclasses.replace(self, **changes)
+
+
+def check_dt_value(value: float, name: str = "dt") -> float:
+    """Validate one step duration: finite and positive."""
+    if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+        raise ValueError(f"{name}={value!r} is invalid: expected a finite, positive step duration")
+    return float(value)

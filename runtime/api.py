@@ -1,0 +1,110 @@
+"""The public API: load a compiled step, read its source, get its dense matrices."""
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence, Union
+
+import torch
+
+from ..codegen.spec import KernelSpec
+from . import validate
+from .autograd import StepFunction
+from .launch import DTYPES, CpuBackend, Launcher
+
+Tensor = torch.Tensor
+
+
+class Step(torch.nn.Module):
+    """A compiled trajectory step: ``P, V, A, J = step(u, p0, v0, a0, dt=..., j0=..., start_index=...)``."""
+
+    def __init__(self, spec: Any, device: torch.device, launcher: Launcher):
+        super().__init__()
+        self.spec = spec
+        self.device = device
+        self.launcher = launcher
+        self.dtype = DTYPES[spec.dtype]
+
+    def extra_repr(self) -> str:
+        return f"{self.spec.name}, device={self.device}"
+
+    def action_shape(self, batch: int) -> tuple[int, int, int]:
+        N, D = self.spec.n_actions, self.spec.dof
+        return (batch, N, D) if self.spec.layout == "bhd" else (batch, D, N)
+
+    def forward(
+        self,
+        u: Tensor,
+        p0: Tensor,
+        v0: Tensor,
+        a0: Tensor,
+        dt: Union[float, Tensor],
+        *,
+        j0: Optional[Tensor] = None,
+        start_index: Optional[Tensor] = None,
+    ) -> tuple[Tensor, ...]:
+        spec = self.spec
+        B = validate.check_batch(u)
+        validate.check_tensor("u", u, self.action_shape(B), self.dtype, self.device)
+        if spec.start_index != (start_index is not None):
+            need = "needs" if spec.start_index else "takes no"
+            raise ValueError(f"start_index: this kernel (start_index={spec.start_index}) {need} a start_index argument")
+        S = validate.start_rows(p0, B, spec.start_index)
+        for name, t in (("p0", p0), ("v0", v0), ("a0", a0)):
+            validate.check_tensor(name, t, (S, spec.dof), self.dtype, self.device)
+        if j0 is not None:
+            validate.check_tensor("j0", j0, (S, spec.dof), self.dtype, self.device)
+        idx = validate.check_index(start_index, B, S, self.device) if start_index is not None else None
+        dt_k = validate.dt_tensor(dt, spec.n_dt, spec.horizon, self.dtype, self.device)
+        return StepFunction.apply(self.launcher, u, p0, v0, a0, j0, idx, dt_k)
+
+
+def _device(device: Union[str, torch.device]) -> torch.device:
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device={device!r} is invalid: allowed 'cpu', 'cuda', 'cuda:N'")
+    return dev
+
+
+def load(spec: Any, device: Union[str, torch.device] = "cpu") -> Step:
+    """Compile (or load from the cache) the kernels of a spec for a device."""
+    dev = _device(device)
+    if dev.type == "cpu":
+        from .cbackend import load_library
+
+        backend: Any = CpuBackend(spec, load_library(spec))
+    else:
+        from .cuda_backend import CudaBackend
+
+        backend = CudaBackend(spec, dev)
+    return Step(spec, dev, Launcher(spec, backend))
+
+
+def source(spec: Any, target: str = "c") -> str:
+    """The generated source text ('c', 'cuda' or 'header')."""
+    from ..codegen.render import render
+
+    return render(spec, target)
+
+
+def operator_matrices(spec: Any, dt: Union[float, Sequence[float]]) -> dict[str, Any]:
+    """Dense float64 matrices of the operator at the given step durations.
+
+    Returns ``{"u": M_u [K, H, N], "start": M_s [K, H, 4]}`` with
+    ``Y_k = M_u[k] @ u + M_s[k] @ (p0, v0, a0, j0)`` for one (batch, dof) column.
+    """
+    from ..codegen.schemes import build_operator
+
+    values = [float(dt)] if isinstance(dt, (int, float)) else [float(x) for x in dt]
+    if len(values) != spec.n_dt:
+        raise ValueError(f"dt: expected {spec.n_dt} value(s) for dt={getattr(spec, 'dt', '?')!r}, got {len(values)}")
+    for v in values:
+        if not (v > 0 and v < float("inf")):
+            raise ValueError(f"dt: expected finite, positive step durations, got {v!r}")
+    builder = getattr(spec, "build_operator", None)
+    op = builder() if builder else build_operator(spec)
+    m_u, m_s = op.dense(values)
+    return {"u": m_u, "start": m_s}
+
+
+__all__ = ["KernelSpec", "Step", "load", "source", "operator_matrices"]

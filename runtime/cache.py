@@ -1,0 +1,149 @@
+"""The on-disk kernel cache: content-addressed builds plus a per-spec index.
+
+Layout under the cache root::
+
+    builds/<content-hash>/kernel.<ext>   the compiled artefact
+    builds/<content-hash>/source.<ext>   the source it was built from (for inspection)
+    builds/<content-hash>/meta.json      sha256 of the artefact (detects truncation/corruption)
+    index/<spec-key>-<env-key>.json      spec → content hash, so a warm load needs no codegen
+
+The content hash covers source + compiler identity + flags + ABI version. Builds take a
+per-hash file lock, write to a temporary name and rename, so concurrent processes build
+once and nobody ever reads a half-written file.
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Callable, Iterator
+
+ABI_VERSION = "1"
+
+
+def cache_root() -> Path:
+    """$TENSORSTEP_CACHE_DIR, else the per-user cache directory."""
+    env = os.environ.get("TENSORSTEP_CACHE_DIR")
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "tensorstep"
+
+
+def digest(*parts: str) -> str:
+    h = hashlib.sha256()
+    for part in parts:
+        h.update(part.encode())
+        h.update(b"\0")
+    return h.hexdigest()
+
+
+def file_sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """Write via a temporary file in the same folder and rename (never a half-written file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+@contextlib.contextmanager
+def locked(path: Path) -> Iterator[None]:
+    """An exclusive inter-process lock held on ``path`` (created if needed)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+class CacheError(RuntimeError):
+    """The cache directory cannot be used (e.g. read-only with nothing cached)."""
+
+
+class BuildCache:
+    """Content-addressed artefacts with verified reads and locked, atomic builds."""
+
+    def __init__(self, root: Path | None = None):
+        self.root = root or cache_root()
+
+    def build_dir(self, content_hash: str) -> Path:
+        return self.root / "builds" / content_hash
+
+    def index_path(self, spec_key: str, env_key: str) -> Path:
+        return self.root / "index" / f"{spec_key}-{env_key}.json"
+
+    def lookup(self, spec_key: str, env_key: str) -> str | None:
+        """Content hash recorded for a spec in this environment, if any."""
+        try:
+            return json.loads(self.index_path(spec_key, env_key).read_text())["hash"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def verified_artefact(self, content_hash: str, ext: str) -> Path | None:
+        """The artefact if present and intact (sha256 matches its meta), else None."""
+        folder = self.build_dir(content_hash)
+        artefact = folder / f"kernel.{ext}"
+        try:
+            meta = json.loads((folder / "meta.json").read_text())
+            if meta.get("sha256") == file_sha256(artefact):
+                return artefact
+        except (OSError, ValueError, AttributeError):
+            pass
+        return None
+
+    def build(
+        self,
+        content_hash: str,
+        ext: str,
+        source: str,
+        compile_fn: Callable[[Path, Path], None],
+    ) -> Path:
+        """Return the verified artefact, building it under a lock if missing or corrupt."""
+        found = self.verified_artefact(content_hash, ext)
+        if found:
+            return found
+        folder = self.build_dir(content_hash)
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise CacheError(
+                f"cannot create the kernel cache folder {folder}: {err}. Set TENSORSTEP_CACHE_DIR to a writable folder."
+            ) from err
+        with locked(folder / ".lock"):
+            found = self.verified_artefact(content_hash, ext)  # another process may have built it
+            if found:
+                return found
+            src = folder / f"source.{ext}.src"
+            atomic_write(src, source.encode())
+            artefact = folder / f"kernel.{ext}"
+            fd, tmp = tempfile.mkstemp(dir=folder, prefix=".kernel.", suffix=f".{ext}")
+            os.close(fd)
+            try:
+                compile_fn(src, Path(tmp))
+                os.replace(tmp, artefact)
+            finally:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+            atomic_write(folder / "meta.json", json.dumps({"sha256": file_sha256(artefact)}).encode())
+            return artefact
+
+    def record(self, spec_key: str, env_key: str, content_hash: str) -> None:
+        """Remember which build serves a spec (best effort: a read-only cache just skips it)."""
+        with contextlib.suppress(OSError):
+            atomic_write(self.index_path(spec_key, env_key), json.dumps({"hash": content_hash}).encode())

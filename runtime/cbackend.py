@@ -1,0 +1,84 @@
+"""C backend: compile generated C with the system compiler, load it through cffi (ABI mode)."""
+from __future__ import annotations
+
+import functools
+import os
+import platform
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import cffi
+
+from ..codegen import abi
+from .cache import ABI_VERSION, BuildCache, digest
+from .fingerprint import generator_fingerprint
+
+C_FLAGS = ("-O3", "-march=native", "-std=gnu99", "-shared", "-fPIC", "-fno-math-errno")
+
+
+class CompilerNotFound(RuntimeError):
+    """No usable C compiler."""
+
+
+@functools.lru_cache(maxsize=1)
+def compiler() -> str:
+    """Path of the C compiler: $CC, else cc or gcc on PATH."""
+    candidates = [os.environ["CC"]] if os.environ.get("CC") else ["cc", "gcc"]
+    for name in candidates:
+        path = shutil.which(name)
+        if path:
+            return path
+    raise CompilerNotFound(
+        f"no C compiler found (looked for {', '.join(candidates)}): install one, "
+        "e.g. 'apt-get install gcc' (Debian/Ubuntu), or set CC to its path"
+    )
+
+
+@functools.lru_cache(maxsize=1)
+def environment_key() -> str:
+    """Identity of compiler + flags + ABI + generator: part of every cache key (cheap: stat only)."""
+    cc = os.path.realpath(compiler())
+    st = os.stat(cc)
+    return digest(cc, str(st.st_mtime_ns), str(st.st_size), " ".join(C_FLAGS), ABI_VERSION,
+                  platform.machine(), generator_fingerprint())[:16]
+
+
+def _compile(src: Path, out: Path) -> None:
+    cmd = [compiler(), *C_FLAGS, "-x", "c", str(src), "-o", str(out)]
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"C compilation failed ({' '.join(cmd)}):\n{result.stderr[-4000:]}")
+
+
+def cdef(name: str, order: int) -> str:
+    """cffi declarations of a spec's entry points; pointers are passed as integers."""
+    lines = []
+    for kernel in abi.KERNELS:
+        params = ", ".join(("intptr_t" if "*" in t else t) + f" {n}" for t, n in abi.arguments(kernel, order))
+        lines.append(f"void {abi.symbol(name, kernel)}({params});")
+    return "\n".join(lines)
+
+
+_LOADED: dict[str, Any] = {}
+
+
+def load_library(spec: Any, cache: BuildCache | None = None) -> Any:
+    """The loaded cffi library of a spec: from the cache when possible, else generate and build."""
+    cache = cache or BuildCache()
+    env = environment_key()
+    content_hash = cache.lookup(spec.key, env)
+    path = cache.verified_artefact(content_hash, "so") if content_hash else None
+    if path is None:
+        from ..codegen.render import render  # SymPy and Jinja2 only on a cache miss
+
+        source = render(spec, "c")
+        content_hash = digest(source, env)
+        path = cache.build(content_hash, "so", source, _compile)
+        cache.record(spec.key, env, content_hash)
+    if content_hash not in _LOADED:
+        ffi = cffi.FFI()
+        ffi.cdef(cdef(spec.name, spec.order))
+        _LOADED[content_hash] = (ffi, ffi.dlopen(str(path)))
+    return _LOADED[content_hash][1]

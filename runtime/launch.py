@@ -1,0 +1,106 @@
+"""Launching a spec's four kernels on torch tensors (allocation, pointers, layouts).
+
+Inputs are assumed validated (runtime.validate) and contiguous. The backend object
+supplies ``call(kernel, B, args)`` for C (cffi) or CUDA (CuPy); everything else here is
+backend-neutral.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import torch
+
+Tensor = torch.Tensor
+OptTensor = Optional[Tensor]
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+
+def ptr(t: OptTensor) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+def contiguous(t: OptTensor) -> OptTensor:
+    return None if t is None else t.contiguous()
+
+
+class Launcher:
+    """The four entry points of one spec on one device."""
+
+    def __init__(self, spec: Any, backend: Any):
+        self.spec = spec
+        self.backend = backend
+        self.dtype = DTYPES[spec.dtype]
+        self.K = spec.order + 1
+
+    def output_shape(self, B: int) -> tuple[int, int, int]:
+        H, D = self.spec.horizon, self.spec.dof
+        return (B, H, D) if self.spec.layout == "bhd" else (B, D, H)
+
+    def _empty_outputs(self, like: Tensor, B: int) -> list[Tensor]:
+        return [torch.empty(self.output_shape(B), dtype=self.dtype, device=like.device) for _ in range(self.K)]
+
+    def forward(self, u: Tensor, start: Sequence[OptTensor], idx: OptTensor, dt: Tensor) -> list[Tensor]:
+        B = u.shape[0]
+        ys = self._empty_outputs(u, B)
+        if B:
+            self.backend.call("forward", B, [ptr(u), *map(ptr, start), ptr(idx), ptr(dt), *map(ptr, ys)])
+        return ys
+
+    def adjoint(
+        self, grads: Sequence[OptTensor], dt: Tensor, B: int, start_needed: Sequence[bool]
+    ) -> tuple[Tensor, list[OptTensor]]:
+        """(gu, per-batch start gradients [B, D] or None where not needed)."""
+        grads = [contiguous(g) for g in grads]
+        like = next(g for g in grads if g is not None)
+        N = self.spec.n_actions
+        D = self.spec.dof
+        gu_shape = (B, N, D) if self.spec.layout == "bhd" else (B, D, N)
+        gu = torch.empty(gu_shape, dtype=self.dtype, device=like.device)
+        gs = [torch.empty((B, D), dtype=self.dtype, device=like.device) if need else None for need in start_needed]
+        if B:
+            self.backend.call("adjoint", B, [*map(ptr, grads), ptr(dt), ptr(gu), *map(ptr, gs)])
+        return gu, gs
+
+    def dt_vjp(
+        self, u: Tensor, start: Sequence[OptTensor], idx: OptTensor, grads: Sequence[OptTensor], dt: Tensor
+    ) -> Tensor:
+        """Gradient with respect to the dt vector the kernel reads (float64, summed over the batch)."""
+        grads = [contiguous(g) for g in grads]
+        gdt = torch.zeros(self.spec.n_dt, dtype=torch.float64, device=u.device)
+        B = u.shape[0]
+        if B:
+            self.backend.call("dt_vjp", B, [ptr(u), *map(ptr, start), ptr(idx), *map(ptr, grads), ptr(dt), ptr(gdt)])
+        return gdt
+
+    def dt_jvp(
+        self,
+        u: Tensor,
+        start: Sequence[OptTensor],
+        idx: OptTensor,
+        du: OptTensor,
+        dstart: Sequence[OptTensor],
+        dt: Tensor,
+        ddt: Tensor,
+    ) -> list[Tensor]:
+        B = u.shape[0]
+        ys = self._empty_outputs(u, B)
+        du = contiguous(du)
+        dstart = [contiguous(t) for t in dstart]
+        if B:
+            self.backend.call(
+                "dt_jvp", B, [ptr(u), *map(ptr, start), ptr(idx), ptr(du), *map(ptr, dstart), ptr(dt), ptr(ddt), *map(ptr, ys)]
+            )
+        return ys
+
+
+class CpuBackend:
+    """Calls into a cffi-loaded library."""
+
+    def __init__(self, spec: Any, lib: Any):
+        from ..codegen import abi
+
+        self.functions = {k: getattr(lib, abi.symbol(spec.name, k)) for k in abi.KERNELS}
+
+    def call(self, kernel: str, B: int, args: list[int]) -> None:
+        self.functions[kernel](B, *args)
