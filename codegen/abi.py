@@ -6,7 +6,9 @@ import-light (used on the cached-load path).
 """
 from __future__ import annotations
 
-KERNELS = ("forward", "adjoint", "dt_vjp", "dt_jvp")
+KERNELS = ("forward", "adjoint", "dt_vjp", "dt_vjp_finish", "dt_jvp")
+#: Kernels are built in two libraries: the core (always) and the dt derivatives (on first use).
+PARTS = {"core": ("forward", "adjoint"), "dt": ("dt_vjp", "dt_vjp_finish", "dt_jvp"), "all": KERNELS}
 START = ("p0", "v0", "a0", "j0")
 
 
@@ -21,7 +23,9 @@ def arguments(kernel: str, order: int) -> list[tuple[str, str]]:
                 + [("T*", "gu")] + [("T*", f"g{s}") for s in START])
     if kernel == "dt_vjp":
         return ([("int64_t", "B")] + inputs + [("const T*", f"g{k}") for k in outs]
-                + [("const T*", "dt_in"), ("double*", "gdt")])
+                + [("const T*", "dt_in"), ("double*", "gc")])
+    if kernel == "dt_vjp_finish":
+        return [("int64_t", "B"), ("const T*", "dt_in"), ("const double*", "gc"), ("double*", "gdt")]
     if kernel == "dt_jvp":
         return ([("int64_t", "B")] + inputs + [("const T*", "du")] + [("const T*", f"d{s}") for s in START]
                 + [("const T*", "dt_in"), ("const T*", "ddt_in")] + [("T*", f"ty{k}") for k in outs])

@@ -9,6 +9,7 @@ in their own loops. Body code uses these macros, defined by each template:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections import defaultdict
 
 import sympy as sp
@@ -47,21 +48,28 @@ class KernelCode:
     body: list[str]
 
 
-@dataclasses.dataclass
-class LoweredOperator:
-    forward: KernelCode
-    adjoint: KernelCode
-    dt_vjp: KernelCode
-    dt_jvp: KernelCode
-    n_dt: int
-
-
 class _Coefficients:
-    """Names coefficient expressions (c<q>) and emits their CSE'd double-precision preamble."""
+    """Names coefficient expressions (c<q>) and turns them into a double-precision program.
 
-    def __init__(self, dt_syms: tuple[sp.Symbol, ...], ddt_syms: tuple[sp.Symbol, ...] = ()):
-        self.dt_syms, self.ddt_syms = dt_syms, ddt_syms
+    The program is a list of small assignments (chunked CSE keeps it linear in the
+    horizon). Its derivatives are taken line by line: forward mode for dt_jvp, reverse
+    mode for dt_vjp, so no large expression is ever differentiated symbolically.
+    """
+
+    CHUNK = 48
+
+    def __init__(self, op: Operator):
+        self.dt_syms = op.dt_symbols
+        self.base = list(op.program)
         self.names: dict[sp.Expr, str] = {}
+        for coef in op.coefficients():  # fixed names, shared by every kernel of the operator
+            self.name(coef)
+
+    def varies(self, expr: sp.Expr) -> bool:
+        """Whether a coefficient depends on dt (directly or through program quantities)."""
+        if not hasattr(self, "_varying"):
+            self._varying = set(self.dt_syms) | {s for s, _ in self.base}
+        return bool(expr.free_symbols & self._varying)
 
     def name(self, expr: sp.Expr) -> str:
         if expr not in self.names:
@@ -76,15 +84,62 @@ class _Coefficients:
             return f"-{operand}"
         return f"+{self.name(coef)}*{operand}"
 
-    def preamble(self) -> list[str]:
-        lines = [f"const double {s} = (double)DT({i});" for i, s in enumerate(self.dt_syms)]
-        lines += [f"const double {s} = (double)DDT({i});" for i, s in enumerate(self.ddt_syms)]
+    @functools.cached_property
+    def lines(self) -> list[tuple[sp.Symbol, sp.Expr]]:
+        return self.program()
+
+    def program(self) -> list[tuple[sp.Symbol, sp.Expr]]:
+        """Assignments computing k<q> (the value of c<q>) from the dt symbols."""
         exprs = list(self.names)
-        if not exprs:
-            return lines
-        subs, reduced = sp.cse(exprs, symbols=sp.numbered_symbols("t"), optimizations=None)
-        lines += [f"const double {s} = {c_expr(e)};" for s, e in subs]
-        lines += [f"const T {self.names[e]} = (T)({c_expr(r)});" for e, r in zip(exprs, reduced)]
+        temps = sp.numbered_symbols("t")
+        lines: list[tuple[sp.Symbol, sp.Expr]] = list(self.base)
+        for lo in range(0, len(exprs), self.CHUNK):
+            chunk = exprs[lo : lo + self.CHUNK]
+            subs, reduced = sp.cse(chunk, symbols=temps, optimizations=None)
+            lines += subs
+            lines += [(sp.Symbol(f"k{lo + i}"), r) for i, r in enumerate(reduced)]
+        return lines
+
+    def _inputs(self, tangent: bool = False) -> list[str]:
+        lines = [f"const double {s} = (double)DT({i});" for i, s in enumerate(self.dt_syms)]
+        if tangent:
+            lines += [f"const double d_{s} = (double)DDT({i});" for i, s in enumerate(self.dt_syms)]
+        return lines
+
+    def _casts(self, prefix: str, source: str) -> list[str]:
+        return [f"const T {prefix}{q} = (T)({source}{q});" for q in range(len(self.names))]
+
+    def preamble(self) -> list[str]:
+        """Values c<q> (type T)."""
+        body = [f"const double {s} = {c_expr(e)};" for s, e in self.lines]
+        return self._inputs() + body + self._casts("c", "k")
+
+    def tangent_preamble(self) -> list[str]:
+        """Values c<q> and their dt-tangents cd<q> = Σ_m ∂c/∂dt_m · ddt_m (forward mode)."""
+        lines = self._inputs(tangent=True)
+        for s, e in self.lines:
+            lines.append(f"const double {s} = {c_expr(e)};")
+            parts = [f"({c_expr(sp.diff(e, a))})*d_{a}" for a in sorted(e.free_symbols, key=str)]
+            lines.append(f"const double d_{s} = {' + '.join(parts) if parts else '0.0'};")
+        return lines + self._casts("c", "k") + self._casts("cd", "d_k")
+
+    def reverse_program(self) -> list[str]:
+        """gdt from GC(q) = ∂L/∂c<q> by reverse accumulation over the program's lines."""
+        program = self.lines
+        lines = self._inputs() + [f"const double {s} = {c_expr(e)};" for s, e in program]
+        contributions: dict[str, list[str]] = defaultdict(list)
+        for q in range(len(self.names)):
+            contributions[f"k{q}"].append(f"GC({q})")
+        for s, e in reversed(program):
+            parts = contributions.pop(str(s), [])
+            if not parts:
+                continue
+            lines.append(f"const double b_{s} = {' + '.join(parts)};")
+            for a in e.free_symbols:
+                contributions[str(a)].append(f"({c_expr(sp.diff(e, a))})*b_{s}")
+        for i, sym in enumerate(self.dt_syms):
+            parts = contributions.get(str(sym), [])
+            lines.append(f"GDT({i}) = {' + '.join(parts) if parts else '0.0'};")
         return lines
 
 
@@ -136,57 +191,77 @@ def _adjoint_lines(op: Operator, coefs: _Coefficients) -> tuple[list[str], dict[
     return lines, contributions
 
 
-def _forward(op: Operator) -> KernelCode:
-    coefs = _Coefficients(op.dt_symbols)
+def _forward(op: Operator, coefs: _Coefficients) -> KernelCode:
     body = _loads(op) + _forward_lines(op, coefs, store=True)
     return KernelCode(coefs.preamble(), body)
 
 
-def _adjoint(op: Operator) -> KernelCode:
-    coefs = _Coefficients(op.dt_symbols)
+def _adjoint(op: Operator, coefs: _Coefficients) -> KernelCode:
     lines, contributions = _adjoint_lines(op, coefs)
     lines += [f"GU({j}, {_sum(contributions.get(('u', j), []))});" for j in range(op.n_actions)]
     lines += [f"GS{m}({_sum(contributions.get(('s', m), []))});" for m in range(4)]
     return KernelCode(coefs.preamble(), lines)
 
 
-def _dt_vjp(op: Operator) -> KernelCode:
-    """ACC(m) += Σ_rows yb_row · Σ_terms ∂coef/∂dt_m · value (values from a forward recompute)."""
-    coefs = _Coefficients(op.dt_symbols)
+def _dt_vjp(op: Operator, coefs: _Coefficients) -> KernelCode:
+    """GC(q) += Σ yb_row · value over the uses of each dt-dependent coefficient (summed over
+    columns); dt_vjp_finish then maps GC to the dt gradient through the coefficient program."""
     body = _loads(op) + _forward_lines(op, coefs, store=False)
     adjoint, _ = _adjoint_lines(op, coefs)
     body += adjoint
-    per_param: dict[int, list[str]] = defaultdict(list)
-    index = {s: i for i, s in enumerate(op.dt_symbols)}
+    uses: dict[str, list[str]] = defaultdict(list)
     for row in op.rows:
-        by_param: dict[int, list[str]] = defaultdict(list)
         for c, ref in row.terms:
-            for sym in sorted(c.free_symbols & set(index), key=index.get):
-                by_param[index[sym]].append(coefs.term(sp.diff(c, sym), _var(ref)))
-        for m, parts in by_param.items():
-            per_param[m].append(f"yb{row.k}_{row.h}*({_sum(parts)})")
-    for m in sorted(per_param):
-        body.append(f"ACC({m}) += (double)({' + '.join(per_param[m])});")
+            if coefs.varies(c):
+                uses[coefs.name(c)[1:]].append(f"yb{row.k}_{row.h}*{_var(ref)}")
+    body += [f"ACC({q}) += (double)({' + '.join(parts)});" for q, parts in uses.items()]
     return KernelCode(coefs.preamble(), body)
 
 
-def _dt_jvp(op: Operator) -> KernelCode:
+def _dt_jvp(op: Operator, coefs: _Coefficients) -> KernelCode:
     """Tangent: ty = Σ (ċ · value + c · tangent), ċ = Σ_m ∂c/∂dt_m · ddt_m."""
-    ddt = tuple(sp.Symbol(f"d{s.name}") for s in op.dt_symbols)
-    coefs = _Coefficients(op.dt_symbols, ddt)
     body = _loads(op, tangent=True) + _forward_lines(op, coefs, store=False)
     for row in op.rows:
         parts = []
         for c, ref in row.terms:
-            cdot = sum((sp.diff(c, s) * d for s, d in zip(op.dt_symbols, ddt)), sp.Integer(0))
-            if cdot != 0:
-                parts.append(coefs.term(cdot, _var(ref)))
+            if coefs.varies(c):
+                parts.append(f"+cd{coefs.name(c)[1:]}*{_var(ref)}")
             parts.append(coefs.term(c, _var(ref, "t")))
         body.append(f"const T ty{row.k}_{row.h} = {_sum(parts)};")
         body.append(f"TY{row.k}({row.h}) = ty{row.k}_{row.h};")
-    return KernelCode(coefs.preamble(), body)
+    return KernelCode(coefs.tangent_preamble(), body)
+
+
+class LoweredOperator:
+    """The statements of an operator's kernels, each lowered on first use."""
+
+    def __init__(self, op: Operator):
+        self.op = op
+        self.coefs = _Coefficients(op)
+        self.n_dt = len(op.dt_symbols)
+        self.n_coefficients = max(1, len(self.coefs.names))
+
+    @functools.cached_property
+    def forward(self) -> KernelCode:
+        return _forward(self.op, self.coefs)
+
+    @functools.cached_property
+    def adjoint(self) -> KernelCode:
+        return _adjoint(self.op, self.coefs)
+
+    @functools.cached_property
+    def dt_vjp(self) -> KernelCode:
+        return _dt_vjp(self.op, self.coefs)
+
+    @functools.cached_property
+    def dt_vjp_finish(self) -> KernelCode:
+        return KernelCode([], self.coefs.reverse_program())
+
+    @functools.cached_property
+    def dt_jvp(self) -> KernelCode:
+        return _dt_jvp(self.op, self.coefs)
 
 
 def lower(op: Operator) -> LoweredOperator:
-    """Lower an operator to the statements of its four kernels."""
-    return LoweredOperator(_forward(op), _adjoint(op), _dt_vjp(op), _dt_jvp(op), len(op.dt_symbols))
+    """Lower an operator; each kernel's statements are produced when first asked for."""
+    return LoweredOperator(op)

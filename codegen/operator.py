@@ -39,6 +39,9 @@ class Operator:
     n_actions: int
     dt_symbols: tuple[sp.Symbol, ...]
     rows: list[Row]
+    #: Named intermediate quantities (e.g. node times), in dependency order; coefficients
+    #: may use these symbols. Kept as short lines so that they are differentiated line by line.
+    program: list[tuple[sp.Symbol, sp.Expr]] = dataclasses.field(default_factory=list)
 
     @property
     def n_outputs(self) -> int:
@@ -59,7 +62,11 @@ class Operator:
         Y_k = M_u[k] @ u + M_s[k] @ s for one column, s = (p0, v0, a0, j0).
         """
         coefs = self.coefficients()
-        values = sp.lambdify(self.dt_symbols, coefs, "math")(*dt_values) if coefs else []
+        env = dict(zip(self.dt_symbols, (float(v) for v in dt_values)))
+        for sym, expr in self.program:
+            env[sym] = float(expr.xreplace(env))
+        args = list(env)
+        values = sp.lambdify(args, coefs, "math")(*env.values()) if coefs else []
         value_of = {c: float(v) for c, v in zip(coefs, values)}
         value_of[sp.Integer(1)], value_of[sp.Integer(-1)] = 1.0, -1.0
         width = self.n_actions + N_START

@@ -20,6 +20,7 @@ _TEMPLATE_FILES = {"c": "kernel.c.j2", "cuda": "kernel.cu.j2", "header": "header
 @functools.lru_cache(maxsize=1)
 def _environment() -> jinja2.Environment:
     return jinja2.Environment(
+        extensions=["jinja2.ext.loopcontrols"],
         loader=jinja2.PackageLoader("tensorstep", "templates"),
         undefined=jinja2.StrictUndefined,
         keep_trailing_newline=True,
@@ -41,10 +42,16 @@ def lowered(spec: Any) -> LoweredOperator:
     return lower(builder() if builder else build_operator(spec))
 
 
-def render(spec: Any, target: str) -> str:
-    """Generated source text of one spec for a target ('c', 'cuda' or 'header')."""
+def render(spec: Any, target: str, part: str = "all") -> str:
+    """Generated source text of one spec for a target ('c', 'cuda' or 'header').
+
+    ``part`` selects the kernels: 'core' (forward, adjoint), 'dt' (dt derivatives) or 'all'.
+    """
     if target not in TARGETS:
         raise ValueError(f"target={target!r} is invalid: allowed {', '.join(TARGETS)}")
+    if part not in abi.PARTS:
+        raise ValueError(f"part={part!r} is invalid: allowed {', '.join(abi.PARTS)}")
+    kernels = abi.PARTS[part]
     ctype = CTYPES[spec.dtype]
     code = lowered(spec)
     u = strides(spec.layout, spec.n_actions, spec.dof)
@@ -54,12 +61,13 @@ def render(spec: Any, target: str) -> str:
         spec_json=json.dumps(spec.to_dict(), sort_keys=True),
         name=spec.name,
         ctype=ctype,
-        H=spec.horizon, N=spec.n_actions, D=spec.dof, n_dt=code.n_dt, order=spec.order,
+        H=spec.horizon, N=spec.n_actions, D=spec.dof, n_dt=code.n_dt, n_coef=code.n_coefficients,
+        order=spec.order,
         layout=spec.layout,
         u_sb=u[0], u_sh=u[1], u_sd=u[2], y_sb=y[0], y_sh=y[1], y_sd=y[2],
-        kernels=abi.KERNELS,
-        codes={k: getattr(code, k) for k in abi.KERNELS},
-        signatures={k: abi.signature(k, spec.order, ctype) for k in abi.KERNELS},
+        kernels=kernels,
+        codes={k: getattr(code, k) for k in kernels},
+        signatures={k: abi.signature(k, spec.order, ctype) for k in kernels},
         export="",
     )
     return _environment().get_template(_TEMPLATE_FILES[target]).render(**context)

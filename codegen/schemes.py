@@ -8,16 +8,17 @@ import sympy as sp
 
 from .operator import N_START, Operator, Row, Term, combine, dt_symbols, row_ref, scaled, start_rows, step_durations
 from .spec import KernelSpec
-from .stencils import stencil_offsets, uniform_weights, weights_at
+from .stencils import lagrange_weights, stencil_offsets, uniform_weights
 
 
 def build_operator(spec: KernelSpec) -> Operator:
     """Derive the operator of a native spec."""
     syms = dt_symbols(spec.horizon, spec.dt)
     if spec.control == "position":
-        rows = position_rows(spec, syms)
-    else:
-        rows = integration_rows(spec, syms)
+        points = PositionPoints(spec.horizon, step_durations(syms, spec.horizon))
+        rows = position_rows(spec, syms, points)
+        return Operator(spec.horizon, spec.order, spec.n_actions, syms, rows, points.program)
+    rows = integration_rows(spec, syms)
     return Operator(spec.horizon, spec.order, spec.n_actions, syms, rows)
 
 
@@ -33,6 +34,18 @@ class PositionPoints:
     def __init__(self, horizon: int, durations: list[sp.Expr]):
         self.H = horizon
         self.dts = durations
+        self.program: list[tuple[sp.Symbol, sp.Expr]] = []
+        self._named: dict[tuple[int, int], sp.Symbol] = {}
+
+    def time_symbol(self, j: int, h: int) -> sp.Expr:
+        """t_j - t_h as a named program quantity (0 for the row's own point)."""
+        if j == h:
+            return sp.Integer(0)
+        if (j, h) not in self._named:
+            sym = sp.Symbol(f"x{j}_{h}".replace("-", "m"))
+            self.program.append((sym, self.time(j, h)))
+            self._named[(j, h)] = sym
+        return self._named[(j, h)]
 
     def value(self, j: int) -> list[Term]:
         if j > self.H - 1:
@@ -77,10 +90,8 @@ def stencil_row(k: int, h: int, weights: list[sp.Expr], values: list[list[Term]]
     return Row(k, h, combine(terms))
 
 
-def position_rows(spec: KernelSpec, syms: tuple[sp.Symbol, ...]) -> list[Row]:
+def position_rows(spec: KernelSpec, syms: tuple[sp.Symbol, ...], pts: PositionPoints) -> list[Row]:
     H = spec.horizon
-    dts = step_durations(syms, H)
-    pts = PositionPoints(H, dts)
     rows = start_rows(spec.order)
     for h in range(1, H):
         rows.append(Row(0, h, tuple(pts.value(h))))
@@ -90,7 +101,7 @@ def position_rows(spec: KernelSpec, syms: tuple[sp.Symbol, ...]) -> list[Row]:
                 base = uniform_weights(tuple(j - h for j in points), k)
                 weights = [w / syms[0] ** k for w in base]
             else:
-                weights = weights_at([pts.time(j, h) for j in points], k)
+                weights = lagrange_weights([pts.time_symbol(j, h) for j in points], k)
             rows.append(stencil_row(k, h, weights, [pts.value(j) for j in points]))
     return rows
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import itertools
 from typing import Sequence
 
 import sympy as sp
@@ -62,18 +63,22 @@ def uniform_weights(offsets: tuple[int, ...], derivative: int) -> tuple[sp.Ratio
     return tuple(sp.nsimplify(w) for w in fornberg([sp.Integer(o) for o in offsets], derivative))
 
 
-@functools.lru_cache(maxsize=None)
-def _generic_weights(n: int, derivative: int) -> tuple[tuple[sp.Symbol, ...], tuple[sp.Expr, ...]]:
-    xs = sp.symbols(f"x0:{n}")
-    return xs, tuple(fornberg(list(xs), derivative))
+def lagrange_weights(node_times: Sequence[sp.Expr], derivative: int) -> list[sp.Expr]:
+    """Weights of derivative k at time 0 over nodes at the given relative times (closed form).
 
-
-def weights_at(node_times: Sequence[sp.Expr], derivative: int) -> list[sp.Expr]:
-    """Weights of derivative k at time 0 over nodes at the given (symbolic) relative times.
-
-    The symbolic Fornberg recurrence is derived once per (points, derivative) on generic
-    node symbols and then substituted, so each row costs one substitution.
+    w_i = k! (-1)^(n-1-k) e_{n-1-k}({x_j}_{j≠i}) / Π_{j≠i} (x_i - x_j), with e_m the
+    elementary symmetric polynomial: compact in the node-time symbols, so derivatives and
+    CSE stay cheap (the recurrence form grows into very large expressions on symbols).
     """
-    xs, generic = _generic_weights(len(node_times), derivative)
-    mapping = dict(zip(xs, node_times))
-    return [w.xreplace(mapping) for w in generic]
+    n = len(node_times)
+    if derivative >= n:
+        raise ValueError(f"derivative {derivative} needs at least {derivative + 1} points, got {n}")
+    m = n - 1 - derivative
+    sign = -1 if m % 2 else 1
+    weights = []
+    for i, xi in enumerate(node_times):
+        others = [x for j, x in enumerate(node_times) if j != i]
+        e_m = sp.Add(*[sp.Mul(*combo) for combo in itertools.combinations(others, m)])
+        denominator = sp.Mul(*[xi - x for x in others])
+        weights.append(sign * sp.factorial(derivative) * e_m / denominator)
+    return weights

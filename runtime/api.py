@@ -70,9 +70,7 @@ def load(spec: Any, device: Union[str, torch.device] = "cpu") -> Step:
     """Compile (or load from the cache) the kernels of a spec for a device."""
     dev = _device(device)
     if dev.type == "cpu":
-        from .cbackend import load_library
-
-        backend: Any = CpuBackend(spec, load_library(spec))
+        backend: Any = CpuBackend(spec)
     else:
         from .cuda_backend import CudaBackend
 

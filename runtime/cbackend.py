@@ -52,33 +52,36 @@ def _compile(src: Path, out: Path) -> None:
         raise RuntimeError(f"C compilation failed ({' '.join(cmd)}):\n{result.stderr[-4000:]}")
 
 
-def cdef(name: str, order: int) -> str:
-    """cffi declarations of a spec's entry points; pointers are passed as integers."""
+def cdef(name: str, order: int, part: str) -> str:
+    """cffi declarations of one library's entry points; pointers are passed as integers."""
     lines = []
-    for kernel in abi.KERNELS:
+    for kernel in abi.PARTS[part]:
         params = ", ".join(("intptr_t" if "*" in t else t) + f" {n}" for t, n in abi.arguments(kernel, order))
         lines.append(f"void {abi.symbol(name, kernel)}({params});")
+    if "dt_vjp" in abi.PARTS[part]:
+        lines.append(f"int64_t {abi.symbol(name, 'n_coefficients')}(void);")
     return "\n".join(lines)
 
 
 _LOADED: dict[str, Any] = {}
 
 
-def load_library(spec: Any, cache: BuildCache | None = None) -> Any:
-    """The loaded cffi library of a spec: from the cache when possible, else generate and build."""
+def load_library(spec: Any, part: str = "core", cache: BuildCache | None = None) -> Any:
+    """One loaded cffi library of a spec ('core' or 'dt'): from the cache, else generated and built."""
     cache = cache or BuildCache()
     env = environment_key()
-    content_hash = cache.lookup(spec.key, env)
+    index_key = f"{spec.key}-{part}"
+    content_hash = cache.lookup(index_key, env)
     path = cache.verified_artefact(content_hash, "so") if content_hash else None
     if path is None:
         from ..codegen.render import render  # SymPy and Jinja2 only on a cache miss
 
-        source = render(spec, "c")
+        source = render(spec, "c", part)
         content_hash = digest(source, env)
         path = cache.build(content_hash, "so", source, _compile)
-        cache.record(spec.key, env, content_hash)
+        cache.record(index_key, env, content_hash)
     if content_hash not in _LOADED:
         ffi = cffi.FFI()
-        ffi.cdef(cdef(spec.name, spec.order))
+        ffi.cdef(cdef(spec.name, spec.order, part))
         _LOADED[content_hash] = (ffi, ffi.dlopen(str(path)))
     return _LOADED[content_hash][1]

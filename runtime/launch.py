@@ -6,6 +6,7 @@ backend-neutral.
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Optional, Sequence
 
 import torch
@@ -67,10 +68,12 @@ class Launcher:
     ) -> Tensor:
         """Gradient with respect to the dt vector the kernel reads (float64, summed over the batch)."""
         grads = [contiguous(g) for g in grads]
-        gdt = torch.zeros(self.spec.n_dt, dtype=torch.float64, device=u.device)
+        gc = torch.zeros(self.backend.n_coefficients, dtype=torch.float64, device=u.device)
+        gdt = torch.empty(self.spec.n_dt, dtype=torch.float64, device=u.device)
         B = u.shape[0]
         if B:
-            self.backend.call("dt_vjp", B, [ptr(u), *map(ptr, start), ptr(idx), *map(ptr, grads), ptr(dt), ptr(gdt)])
+            self.backend.call("dt_vjp", B, [ptr(u), *map(ptr, start), ptr(idx), *map(ptr, grads), ptr(dt), ptr(gc)])
+        self.backend.call("dt_vjp_finish", 1, [ptr(dt), ptr(gc), ptr(gdt)])
         return gdt
 
     def dt_jvp(
@@ -95,12 +98,31 @@ class Launcher:
 
 
 class CpuBackend:
-    """Calls into a cffi-loaded library."""
+    """Calls into cffi-loaded libraries: the core now, the dt derivatives on first use."""
 
-    def __init__(self, spec: Any, lib: Any):
+    def __init__(self, spec: Any):
+        from .cbackend import load_library
+
+        self.spec = spec
+        self._load = load_library
+        self.functions: dict[str, Any] = {}
+        self._bind("core")
+
+    def _bind(self, part: str) -> Any:
         from ..codegen import abi
 
-        self.functions = {k: getattr(lib, abi.symbol(spec.name, k)) for k in abi.KERNELS}
+        lib = self._load(self.spec, part)
+        self.functions.update({k: getattr(lib, abi.symbol(self.spec.name, k)) for k in abi.PARTS[part]})
+        return lib
+
+    @functools.cached_property
+    def n_coefficients(self) -> int:
+        from ..codegen import abi
+
+        lib = self._bind("dt")
+        return int(getattr(lib, abi.symbol(self.spec.name, "n_coefficients"))())
 
     def call(self, kernel: str, B: int, args: list[int]) -> None:
+        if kernel not in self.functions:
+            self._bind("dt")
         self.functions[kernel](B, *args)
