@@ -73,10 +73,15 @@ class StepFunction(torch.autograd.Function):
 
     @staticmethod
     def jvp(ctx, _launcher, du, dp0, dv0, da0, dj0, _didx, ddt):
+        # Routed through Functions (not raw kernels) so that vmap-over-jvp (jacfwd) works.
         launcher: Launcher = ctx.launcher
         u, p0, v0, a0, j0, idx, dt = ctx.saved_tensors
-        ddt = torch.zeros_like(dt) if ddt is None else ddt.contiguous()
-        return tuple(launcher.dt_jvp(u, (p0, v0, a0, j0), idx, du, (dp0, dv0, da0, dj0), dt, ddt))
+        if ddt is not None:
+            return DtJvpFunction.apply(launcher, u, p0, v0, a0, j0, idx, dt, du, dp0, dv0, da0, dj0, ddt)
+        # affine in (u, start): the tangent is the step applied to the tangents
+        du = _zeros_like_or(du, u)
+        dp0, dv0, da0 = (_zeros_like_or(t, s) for t, s in ((dp0, p0), (dv0, v0), (da0, a0)))
+        return StepFunction.apply(launcher, du, dp0, dv0, da0, dj0, idx, dt)
 
     @staticmethod
     def vmap(info, in_dims, launcher, u, p0, v0, a0, j0, idx, dt):
@@ -113,10 +118,7 @@ class AdjointFunction(torch.autograd.Function):
         if ddt is not None:
             raise RuntimeError(NO_SECOND_DT)
         (dt,) = ctx.saved_tensors
-        if all(g is None for g in dgrads):
-            raise RuntimeError("tensorstep: adjoint jvp called with no tangents")
-        gu, gs = ctx.launcher.adjoint(dgrads, dt, ctx.B, (True, True, True, True))
-        return (gu, *gs)
+        return AdjointFunction.apply(ctx.launcher, dt, ctx.B, *dgrads)  # linear in the grads
 
     @staticmethod
     def vmap(info, in_dims, launcher, dt, B, *grads):
@@ -163,6 +165,30 @@ class DtVjpFunction(torch.autograd.Function):
     @staticmethod
     def vmap(info, in_dims, *args):
         return vmap_by_loop(DtVjpFunction.apply, info, in_dims, args)
+
+
+class DtJvpFunction(torch.autograd.Function):
+    """Output tangents when dt has a tangent too: Ṁ x + M ẋ in one generated kernel."""
+
+    @staticmethod
+    def forward(launcher: Launcher, u, p0, v0, a0, j0, idx, dt, du, dp0, dv0, da0, dj0, ddt):  # type: ignore[override]
+        return tuple(launcher.dt_jvp(u, (p0, v0, a0, j0), idx, du, (dp0, dv0, da0, dj0), dt, ddt.contiguous()))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, *_):
+        raise RuntimeError(NO_SECOND_DT)
+
+    @staticmethod
+    def jvp(ctx, *_):
+        raise RuntimeError(NO_SECOND_DT)
+
+    @staticmethod
+    def vmap(info, in_dims, *args):
+        return vmap_by_loop(DtJvpFunction.apply, info, in_dims, args)
 
 
 # ---- vmap helpers ------------------------------------------------------------------------------

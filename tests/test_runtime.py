@@ -1,0 +1,125 @@
+"""Runtime: cache, cached loads without SymPy/Jinja2, input errors, unused outputs."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import tensorstep as ts
+from tensorstep.runtime import launch
+
+SPEC = ts.KernelSpec(horizon=6, dof=2, dtype="float64")
+
+
+def run_python(code: str, cache: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, TENSORSTEP_CACHE_DIR=cache)
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True)
+
+
+def test_second_process_loads_from_cache_without_codegen(tmp_path):
+    code = """
+        import sys, time, tensorstep as ts
+        spec = ts.KernelSpec(horizon=6, dof=2, dtype="float64")
+        t = time.perf_counter(); ts.load(spec); dt = time.perf_counter() - t
+        print("sympy" in sys.modules, "jinja2" in sys.modules)
+    """
+    first = run_python(code, str(tmp_path))
+    assert first.returncode == 0, first.stderr
+    assert first.stdout.split() == ["True", "True"]  # cold: generated
+    second = run_python(code, str(tmp_path))
+    assert second.returncode == 0, second.stderr
+    assert second.stdout.split() == ["False", "False"]  # warm: no code generation at all
+    assert list((tmp_path / "builds").iterdir()), "artefacts live under TENSORSTEP_CACHE_DIR"
+
+
+def test_corrupt_cached_library_is_rebuilt(tmp_path):
+    code = """
+        import torch, tensorstep as ts
+        spec = ts.KernelSpec(horizon=6, dof=2, dtype="float64")
+        step = ts.load(spec)
+        u = torch.ones(1, 5, 2, dtype=torch.float64); z = torch.zeros(1, 2, dtype=torch.float64)
+        print(float(step(u, z, z, z, 0.1)[0].sum()))
+    """
+    assert run_python(code, str(tmp_path)).returncode == 0
+    for lib in (tmp_path / "builds").glob("*/kernel.so"):
+        lib.write_bytes(lib.read_bytes()[:100])  # truncate
+    again = run_python(code, str(tmp_path))
+    assert again.returncode == 0, again.stderr
+    assert float(again.stdout) == 10.0
+
+
+def inputs(B=2, dtype=torch.float64):
+    u = torch.randn(B, 5, 2, dtype=dtype)
+    s = [torch.randn(B, 2, dtype=dtype) for _ in range(3)]
+    return u, s
+
+
+@pytest.mark.parametrize(
+    "mutate, error, fragment",
+    [
+        (lambda u, s: (u[:, :4], s), ValueError, "u: expected shape (2, 5, 2)"),
+        (lambda u, s: (u[0], s), ValueError, "u: expected 3 dims"),
+        (lambda u, s: (u.float(), s), TypeError, "u: expected dtype torch.float64"),
+        (lambda u, s: (u.transpose(1, 2).contiguous().transpose(1, 2), s), ValueError, "u: expected a contiguous tensor"),
+        (lambda u, s: (u, [s[0][:1], s[1], s[2]]), ValueError, "p0: expected shape (2, 2)"),
+        (lambda u, s: (u[:0], s), ValueError, "batch size is 0"),
+    ],
+)
+def test_bad_inputs_raise_named_errors(mutate, error, fragment):
+    step = ts.load(SPEC)
+    u, s = mutate(*inputs())
+    with pytest.raises(error) as err:
+        step(u, *s, 0.1)
+    assert fragment in str(err.value)
+
+
+@pytest.mark.parametrize("dt", [0.0, -0.1, float("nan"), float("inf")])
+def test_bad_dt_raises(dt):
+    step = ts.load(SPEC)
+    u, s = inputs()
+    with pytest.raises(ValueError, match="dt: expected"):
+        step(u, *s, dt)
+    with pytest.raises(ValueError, match="dt: expected"):
+        step(u, *s, torch.tensor(dt, dtype=torch.float64))
+
+
+def test_start_index_out_of_range_raises():
+    spec = SPEC.replace(start_index=True)
+    step = ts.load(spec)
+    u, s = inputs()
+    for bad in ([0, 2], [-1, 0]):
+        with pytest.raises(IndexError, match="start_index: entry"):
+            step(u, *s, 0.1, start_index=torch.tensor(bad))
+
+
+def test_unused_outputs_are_not_materialised(monkeypatch):
+    seen = []
+    original = launch.Launcher.adjoint
+
+    def spy(self, grads, *args, **kwargs):
+        seen.append([g is None for g in grads])
+        return original(self, grads, *args, **kwargs)
+
+    monkeypatch.setattr(launch.Launcher, "adjoint", spy)
+    step = ts.load(SPEC)
+    u, s = inputs()
+    u.requires_grad_(True)
+    P, V, A, J = step(u, *s, 0.1)
+    (P.sum() + A.sum()).backward()
+    assert seen == [[False, True, False, True]]
+    assert u.grad is not None
+
+
+def test_second_derivative_through_dt_raises_not_silent():
+    step = ts.load(SPEC)
+    u, s = inputs()
+    u.requires_grad_(True)
+    dt = torch.tensor(0.1, dtype=torch.float64, requires_grad=True)
+    P, V, A, J = step(u, *s, dt)
+    (gdt,) = torch.autograd.grad(J.square().sum(), dt, create_graph=True)
+    with pytest.raises(RuntimeError, match="second derivatives with respect to dt"):
+        gdt.backward()
