@@ -80,6 +80,17 @@ def load_library(spec: Any, part: str = "core", cache: BuildCache | None = None)
         content_hash = digest(source, env)
         path = cache.build(content_hash, "so", source, _compile)
         cache.record(index_key, env, content_hash)
+    return _open(content_hash, path, spec, part)
+
+
+def load_source(spec: Any, source: str, cache: BuildCache | None = None) -> Any:
+    """Build and load a given C source holding all of a spec's kernels (e.g. from `generate`)."""
+    cache = cache or BuildCache()
+    content_hash = digest(source, environment_key())
+    return _open(content_hash, cache.build(content_hash, "so", source, _compile), spec, "all")
+
+
+def _open(content_hash: str, path: Path, spec: Any, part: str) -> Any:
     if content_hash not in _LOADED:
         ffi = cffi.FFI()
         ffi.cdef(cdef(spec.name, spec.order, part))

@@ -100,13 +100,14 @@ class Launcher:
 class CpuBackend:
     """Calls into cffi-loaded libraries: the core now, the dt derivatives on first use."""
 
-    def __init__(self, spec: Any):
-        from .cbackend import load_library
+    def __init__(self, spec: Any, source: Optional[str] = None):
+        """Kernels generated for ``spec``, or built from a given C ``source`` (all kernels)."""
+        from .cbackend import load_library, load_source
 
         self.spec = spec
-        self._load = load_library
+        self._load = load_library if source is None else (lambda spec, part: load_source(spec, source))
         self.functions: dict[str, Any] = {}
-        self._bind("core")
+        self._bind("core" if source is None else "all")
 
     def _bind(self, part: str) -> Any:
         from ..codegen import abi

@@ -1,0 +1,4 @@
+"""`python -m tensorstep` runs the CLI."""
+from .cli import main
+
+main()

@@ -1,0 +1,255 @@
+"""The `tensorstep` command line (click): generate, show, list, check, stencil, run, bench."""
+from __future__ import annotations
+
+import functools
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterable, Optional
+
+import click
+
+from .codegen.spec import CONTROLS, DIFFERENCES, DT_MODES, DTYPES, ENDS, INTEGRATORS, LAYOUTS, KernelSpec
+
+
+class UserError(click.ClickException):
+    """An error worth one line, not a traceback."""
+
+    def show(self, file: Any = None) -> None:
+        click.echo(f"error: {self.format_message()}", err=True)
+
+
+def friendly(fn: Callable) -> Callable:
+    """Turn expected failures (bad config, bad spec, refused overwrite) into one-line errors."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        from .codegen.emit import OverwriteError
+        from .config import ConfigError
+        from .runtime.cache import CacheError
+        from .runtime.cbackend import CompilerNotFound
+
+        try:
+            return fn(*args, **kwargs)
+        except (ConfigError, OverwriteError, CacheError, CompilerNotFound, ValueError) as err:
+            raise UserError(str(err)) from None
+
+    return wrapper
+
+
+def progress(items: list, label: str) -> Iterable:
+    """A progress bar on a terminal; plain lines otherwise."""
+    if sys.stderr.isatty():
+        with click.progressbar(items, label=label, file=sys.stderr) as bar:
+            yield from bar
+    else:
+        for i, item in enumerate(items, 1):
+            click.echo(f"{label} [{i}/{len(items)}] {item}", err=True)
+            yield item
+
+
+def load_config(path: str, task: Optional[str]) -> Any:
+    from .config import load_config as _load
+
+    return _load(path, task)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="tensorstep")
+def main() -> None:
+    """Generate, inspect, verify and benchmark trajectory step kernels."""
+
+
+@main.command()
+@click.argument("config", type=click.Path(dir_okay=False))
+@click.option("--task", type=click.Path(dir_okay=False), help="cuRobo task file (with a cuRobo robot file).")
+@click.option("-o", "--output", default="generated", show_default=True, type=click.Path(file_okay=False))
+@click.option("--target", type=click.Choice(["c", "cuda", "all"]), default="all", show_default=True)
+@click.option("--force", is_flag=True, help="Overwrite files tensorstep did not write.")
+@friendly
+def generate(config: str, task: Optional[str], output: str, target: str, force: bool) -> None:
+    """Emit C/CUDA sources, headers and manifest.json for a robot CONFIG."""
+    from .codegen import emit
+
+    cfg = load_config(config, task)
+    files: dict[str, bytes] = {}
+    for spec in progress(list(cfg.specs), "deriving"):
+        files.update({k: v for k, v in emit.plan(_single(cfg, spec), target).items() if k != emit.MANIFEST})
+    files[emit.MANIFEST] = emit.plan_manifest(cfg, target, files)
+    written = emit.write(Path(output), files, force=force)
+    click.echo(f"wrote {len(written)} files for {cfg.robot} ({cfg.dof} dof, {len(cfg.specs)} kernels) to {output}/")
+
+
+def _single(cfg: Any, spec: KernelSpec) -> Any:
+    import dataclasses
+
+    return dataclasses.replace(cfg, specs=(spec,))
+
+
+def spec_options(fn: Callable) -> Callable:
+    """KernelSpec fields as options (for `show` without a config)."""
+    options = [
+        click.option("--horizon", type=int, default=32, show_default=True),
+        click.option("--dof", type=int, default=7, show_default=True),
+        click.option("--control", type=click.Choice(CONTROLS), default="position", show_default=True),
+        click.option("--difference", type=click.Choice(DIFFERENCES), default="central", show_default=True),
+        click.option("--accuracy", type=str, default=None, help="int, or comma-separated per derivative"),
+        click.option("--integrator", type=click.Choice(INTEGRATORS), default="semi_implicit_euler", show_default=True),
+        click.option("--end", type=click.Choice(ENDS), default="hold", show_default=True),
+        click.option("--dt", "dt_mode", type=click.Choice(DT_MODES), default="uniform", show_default=True),
+        click.option("--start-index", is_flag=True),
+        click.option("--layout", type=click.Choice(LAYOUTS), default="bhd", show_default=True),
+        click.option("--dtype", type=click.Choice(DTYPES), default="float32", show_default=True),
+        click.option("--order", type=click.Choice(["3", "4"]), default="3", show_default=True),
+    ]
+    for option in reversed(options):
+        fn = option(fn)
+    return fn
+
+
+def parse_accuracy(text: Optional[str]) -> Any:
+    if text is None:
+        return None
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise UserError(f"--accuracy={text!r}: expected an int or comma-separated ints") from None
+    return values[0] if len(values) == 1 else values
+
+
+def spec_from_options(o: dict[str, Any]) -> KernelSpec:
+    return KernelSpec(
+        horizon=o["horizon"], dof=o["dof"], control=o["control"], difference=o["difference"],
+        accuracy=parse_accuracy(o["accuracy"]), integrator=o["integrator"], end=o["end"], dt=o["dt_mode"],
+        start_index=o["start_index"], layout=o["layout"], dtype=o["dtype"], order=int(o["order"]),
+    )
+
+
+@main.command()
+@click.argument("config", required=False, type=click.Path(dir_okay=False))
+@click.option("--task", type=click.Path(dir_okay=False))
+@click.option("--target", type=click.Choice(["c", "cuda", "header"]), default="c", show_default=True)
+@click.option("--kernel", type=click.Choice(["all", "core", "dt"]), default="all", show_default=True,
+              help="core = forward + adjoint; dt = dt derivatives")
+@spec_options
+@friendly
+def show(config: Optional[str], task: Optional[str], target: str, kernel: str, **options: Any) -> None:
+    """Print generated source for a CONFIG, or for the spec given by options."""
+    from .codegen.render import render
+
+    specs = load_config(config, task).specs if config else (spec_from_options(options),)
+    for spec in specs:
+        click.echo(render(spec, target, kernel))
+
+
+@main.command(name="list")
+@click.argument("directory", type=click.Path(file_okay=False, exists=True))
+@friendly
+def list_(directory: str) -> None:
+    """List the variants in a generated DIRECTORY."""
+    from .codegen.emit import read_manifest
+
+    manifest = read_manifest(Path(directory))
+    if manifest is None:
+        raise UserError(f"{directory}: no tensorstep manifest.json here")
+    click.echo(f"{manifest['robot']}: {manifest['dof']} dof, tensorstep {manifest['version']}")
+    for k in manifest["kernels"]:
+        s = k["spec"]
+        scheme = s["difference"] if s["control"] == "position" else s["integrator"]
+        files = ", ".join(v["path"] for v in k["files"].values())
+        click.echo(f"  H={s['horizon']:<4} {s['control']:<12} {scheme:<20} dt={s['dt']:<8} {s['dtype']:<8} {files}")
+
+
+@main.command()
+@click.argument("target", type=click.Path(exists=True))
+@click.option("--task", type=click.Path(dir_okay=False))
+@friendly
+def check(target: str, task: Optional[str]) -> None:
+    """Compile a generated DIR (or a CONFIG) and verify it against the dense reference."""
+    from .runtime import verify
+
+    rows = verify.check_target(Path(target), task)
+    ok = all(r["ok"] for r in rows)
+    click.echo(f"{'kernel':<60} {'device':<6} {'forward err':>12} {'adjoint err':>12}  result")
+    for r in rows:
+        click.echo(f"{r['name']:<60} {r['device']:<6} {r['forward']:>12.2e} {r['adjoint']:>12.2e}  {'PASS' if r['ok'] else 'FAIL'}")
+    click.echo("all passed" if ok else "FAILED")
+    if not ok:
+        sys.exit(1)
+
+
+@main.command()
+@click.option("--difference", type=click.Choice(DIFFERENCES), default="central", show_default=True)
+@click.option("--accuracy", type=int, default=4, show_default=True)
+@click.option("--derivative", type=click.IntRange(1, 4), multiple=True, help="default: 1, 2, 3")
+@friendly
+def stencil(difference: str, accuracy: int, derivative: tuple[int, ...]) -> None:
+    """Print the derived finite-difference weights (exact rationals, unit spacing)."""
+    from .codegen.stencils import stencil_offsets, uniform_weights
+
+    if difference == "central" and accuracy % 2:
+        raise UserError(f"--accuracy={accuracy}: central differences need an even accuracy")
+    for k in derivative or (1, 2, 3):
+        offsets = stencil_offsets(k, accuracy, difference)
+        weights = uniform_weights(tuple(offsets), k)
+        click.echo(f"derivative {k} ({difference}, accuracy {accuracy}, {len(offsets)} points), times 1/dt^{k}:")
+        for o, w in zip(offsets, weights):
+            click.echo(f"  {o:+d}: {str(w):>10}  ({float(w):+.12g})")
+
+
+@main.command()
+@click.argument("config", type=click.Path(dir_okay=False))
+@click.option("--task", type=click.Path(dir_okay=False))
+@click.option("-o", "--output", default="generated-run", show_default=True, type=click.Path(file_okay=False))
+@click.option("--batch", type=int, default=400, show_default=True)
+@click.option("--device", default="cpu", show_default=True)
+@friendly
+def run(config: str, task: Optional[str], output: str, batch: int, device: str) -> None:
+    """Generate a CONFIG's kernels, run forward+backward on each, say where the source is."""
+    import torch
+
+    import tensorstep as ts
+
+    from .codegen import emit
+
+    cfg = load_config(config, task)
+    files: dict[str, bytes] = {}
+    for spec in cfg.specs:
+        files.update({k: v for k, v in emit.plan(_single(cfg, spec), "all").items() if k != emit.MANIFEST})
+    files[emit.MANIFEST] = emit.plan_manifest(cfg, "all", files)
+    emit.write(Path(output), files)
+    click.echo(f"{cfg.robot}: {cfg.dof} dof, dt={cfg.dt}, batch={batch}, device={device}")
+    for spec in cfg.specs:
+        t0 = time.perf_counter()
+        step = ts.load(spec, device)
+        load_s = time.perf_counter() - t0
+        dtype = step.dtype
+        S = batch
+        u = torch.randn(step.action_shape(batch), dtype=dtype, device=step.device, requires_grad=True)
+        start = [torch.randn(S, spec.dof, dtype=dtype, device=step.device) for _ in range(3)]
+        kw = {"start_index": torch.arange(batch, device=step.device)} if spec.start_index else {}
+        dt: Any = cfg.dt if spec.dt == "uniform" else torch.full((spec.horizon,), cfg.dt, dtype=dtype, device=step.device)
+        outs = step(u, *start, dt, **kw)
+        sum(o.square().sum() for o in outs).backward()
+        reps = 20
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            outs = step(u, *start, dt, **kw)
+            sum(o.sum() for o in outs).backward()
+        if step.device.type == "cuda":
+            torch.cuda.synchronize()
+        per_call = (time.perf_counter() - t0) / reps * 1e6
+        shapes = " ".join("x".join(map(str, o.shape)) for o in outs)
+        click.echo(f"  {spec.name}\n    outputs {shapes}; load {load_s * 1e3:.0f} ms; "
+                   f"forward+backward {per_call:.0f} us/call; grad u {tuple(u.grad.shape)}")
+        click.echo(f"    source: {Path(output) / (spec.name + '.c')} and {Path(output) / (spec.name + '.cu')}")
+    click.echo(f"manifest: {Path(output) / emit.MANIFEST}")
+
+
+def _bench_entry() -> None:  # pragma: no cover - thin alias
+    main(["bench"])
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

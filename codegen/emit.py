@@ -1,0 +1,101 @@
+"""Writing generated sources for a robot config: sources, headers, manifest.json.
+
+Deterministic (same input, same bytes), atomic (a file is written under a temporary name
+and renamed), and careful: a file that exists and was not written by tensorstep — or was
+edited since — is never overwritten unless the caller forces it.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Callable, Iterable, Optional
+
+from .. import __version__
+from ..runtime.cache import atomic_write
+from .render import render
+
+MANIFEST = "manifest.json"
+EXTENSIONS = {"c": "c", "cuda": "cu", "header": "h"}
+TARGET_SETS = {"c": ("c", "header"), "cuda": ("cuda", "header"), "all": ("c", "cuda", "header")}
+
+
+class OverwriteError(RuntimeError):
+    """Refused to overwrite files that tensorstep did not write."""
+
+
+def sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def read_manifest(folder: Path) -> Optional[dict[str, Any]]:
+    """The manifest in a folder if it is tensorstep's, else None."""
+    try:
+        data = json.loads((folder / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) and data.get("tool") == "tensorstep" else None
+
+
+def _owned_files(manifest: Optional[dict[str, Any]]) -> dict[str, str]:
+    """file name → sha256 recorded by an earlier generate."""
+    owned: dict[str, str] = {}
+    for kernel in (manifest or {}).get("kernels", []):
+        for entry in kernel.get("files", {}).values():
+            owned[entry["path"]] = entry["sha256"]
+    return owned
+
+
+def plan(config: Any, target: str) -> dict[str, bytes]:
+    """file name → bytes for every source of every kernel, and the manifest."""
+    files: dict[str, bytes] = {}
+    for spec in config.specs:
+        for t in TARGET_SETS[target]:
+            files[f"{spec.name}.{EXTENSIONS[t]}"] = render(spec, t).encode()
+    files[MANIFEST] = plan_manifest(config, target, files)
+    return files
+
+
+def plan_manifest(config: Any, target: str, files: dict[str, bytes]) -> bytes:
+    """manifest.json: the config's robot data, each kernel's spec and its files' hashes."""
+    kernels = []
+    for spec in config.specs:
+        entry: dict[str, Any] = {"name": spec.name, "spec": spec.to_dict(), "files": {}}
+        for t in TARGET_SETS[target]:
+            name = f"{spec.name}.{EXTENSIONS[t]}"
+            entry["files"][t] = {"path": name, "sha256": sha256(files[name])}
+        kernels.append(entry)
+    manifest = {"tool": "tensorstep", "version": __version__, **config.to_dict(), "target": target, "kernels": kernels}
+    return (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode()
+
+
+def write(folder: Path, files: dict[str, bytes], force: bool = False,
+          progress: Callable[[Iterable[str]], Iterable[str]] = lambda x: x) -> list[Path]:
+    """Write planned files, refusing to clobber anything tensorstep did not write."""
+    folder.mkdir(parents=True, exist_ok=True)
+    manifest_path = folder / MANIFEST
+    old = read_manifest(folder)
+    owned = _owned_files(old)
+    if not force:
+        if manifest_path.exists() and old is None:
+            raise OverwriteError(f"{manifest_path} exists and was not written by tensorstep (use --force to replace it)")
+        foreign = []
+        for name in files:
+            path = folder / name
+            if name == MANIFEST or not path.exists():
+                continue
+            current = sha256(path.read_bytes())
+            if current not in (owned.get(name), sha256(files[name])):  # same bytes: nothing to lose
+                foreign.append(str(path))
+        if foreign:
+            raise OverwriteError(
+                "refusing to overwrite files tensorstep did not write (or that were edited since): "
+                + ", ".join(foreign) + " (use --force to overwrite)"
+            )
+    written = []
+    for name in progress(list(files)):
+        path = folder / name
+        if not (path.exists() and path.read_bytes() == files[name]):
+            atomic_write(path, files[name])
+        written.append(path)
+    return written

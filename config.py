@@ -1,0 +1,182 @@
+"""Robot configs (YAML): tensorstep's native form and cuRobo's robot + task files.
+
+Native form::
+
+    robot: franka_panda            # a label: stored in manifests as data, never in source
+    joints: [j1, j2, ...]          # or  dof: 7
+    dt: 0.02                       # step duration used by `run` and `check`
+    defaults: {horizon: 32}        # KernelSpec fields shared by every kernel
+    kernels:                       # one KernelSpec (fields of SPEC §3) per entry
+      - {control: position, difference: central}
+      - {control: acceleration}
+
+cuRobo form: a robot file with ``robot_cfg.kinematics.cspace.joint_names`` plus a task
+file with ``model.horizon``, ``model.dt_traj_params``, ``model.control_space`` and
+``model.state_finite_difference_mode``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+from .codegen.spec import KernelSpec
+
+MAX_CONFIG_BYTES = 1 << 20
+
+
+class ConfigError(ValueError):
+    """A bad config: names the file, the key path and the problem."""
+
+    def __init__(self, path: Any, key: str, problem: str):
+        self.path, self.key, self.problem = str(path), key, problem
+        super().__init__(f"{path}: {key or '<top level>'}: {problem}")
+
+
+@dataclasses.dataclass(frozen=True)
+class RobotConfig:
+    robot: str
+    dof: int
+    joints: tuple[str, ...]
+    dt: float
+    specs: tuple[KernelSpec, ...]
+    source: str  # the file(s) it came from
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"robot": self.robot, "dof": self.dof, "joints": list(self.joints), "dt": self.dt}
+
+
+def _read_yaml(path: Path) -> Any:
+    try:
+        if path.stat().st_size > MAX_CONFIG_BYTES:
+            raise ConfigError(path, "", f"file is larger than {MAX_CONFIG_BYTES} bytes")
+        text = path.read_text()
+    except OSError as err:
+        raise ConfigError(path, "", f"cannot read the file: {err.strerror or err}") from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise ConfigError(path, "", f"invalid YAML: {err}") from None
+
+
+def _get(data: Any, path: Path, keys: str, required: bool = True) -> Any:
+    node = data
+    walked = []
+    for key in keys.split("."):
+        walked.append(key)
+        if not isinstance(node, dict) or key not in node:
+            if not required:
+                return None
+            raise ConfigError(path, ".".join(walked), "missing key")
+        node = node[key]
+    return node
+
+
+def _positive_float(path: Path, key: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ConfigError(path, key, f"expected a finite, positive number, got {value!r}")
+    return float(value)
+
+
+def _joint_names(path: Path, key: str, value: Any) -> tuple[str, ...]:
+    if not isinstance(value, list) or not value or not all(isinstance(j, str) for j in value):
+        raise ConfigError(path, key, "expected a non-empty list of joint names (strings)")
+    if len(set(value)) != len(value):
+        raise ConfigError(path, key, "joint names must be unique")
+    return tuple(value)
+
+
+def _spec(path: Path, key: str, fields: Any, dof: int) -> KernelSpec:
+    if not isinstance(fields, dict):
+        raise ConfigError(path, key, f"expected a mapping of KernelSpec fields, got {type(fields).__name__}")
+    fields = {k: v for k, v in fields.items() if k != "name"}  # 'name' is an optional human label
+    if "dof" in fields and fields["dof"] != dof:
+        raise ConfigError(path, f"{key}.dof", f"{fields['dof']!r} disagrees with the robot's {dof} joints")
+    fields["dof"] = dof
+    if isinstance(fields.get("accuracy"), list):
+        fields["accuracy"] = tuple(fields["accuracy"])
+    try:
+        return KernelSpec.from_dict(fields)
+    except (TypeError, ValueError) as err:
+        raise ConfigError(path, key, str(err)) from None
+
+
+def load_native(path: Path, data: Any) -> RobotConfig:
+    if not isinstance(data, dict):
+        raise ConfigError(path, "", "expected a mapping with robot, joints/dof and kernels")
+    robot = data.get("robot")
+    if not isinstance(robot, str) or not robot:
+        raise ConfigError(path, "robot", "expected a non-empty robot name (string)")
+    if "joints" in data:
+        joints = _joint_names(path, "joints", data["joints"])
+        dof = len(joints)
+        if "dof" in data and data["dof"] != dof:
+            raise ConfigError(path, "dof", f"{data['dof']!r} disagrees with {dof} joint names")
+    elif "dof" in data:
+        dof = data["dof"]
+        if isinstance(dof, bool) or not isinstance(dof, int) or dof < 1:
+            raise ConfigError(path, "dof", f"expected a positive integer, got {dof!r}")
+        joints = tuple(f"joint_{i}" for i in range(dof))
+    else:
+        raise ConfigError(path, "joints", "missing key (give joint names, or dof)")
+    dt = _positive_float(path, "dt", data.get("dt", 0.02))
+    defaults = data.get("defaults") or {}
+    if not isinstance(defaults, dict):
+        raise ConfigError(path, "defaults", "expected a mapping of KernelSpec fields")
+    kernels = data.get("kernels")
+    if not isinstance(kernels, list) or not kernels:
+        raise ConfigError(path, "kernels", "expected a non-empty list of kernel specs")
+    specs = tuple(_spec(path, f"kernels[{i}]", {**defaults, **(k or {})}, dof) for i, k in enumerate(kernels))
+    unknown = set(data) - {"robot", "joints", "dof", "dt", "defaults", "kernels"}
+    if unknown:
+        raise ConfigError(path, sorted(unknown)[0], "unknown key (allowed: robot, joints, dof, dt, defaults, kernels)")
+    return RobotConfig(robot, dof, joints, dt, specs, str(path))
+
+
+CUROBO_CONTROL = {"POSITION": {"control": "position"}, "ACCELERATION": {"control": "acceleration"}}
+CUROBO_DIFFERENCE = {"BACKWARD": {"difference": "backward", "accuracy": 1}, "CENTRAL": {"difference": "central"}}
+
+
+def load_curobo(robot_path: Path, robot: Any, task_path: Path) -> RobotConfig:
+    joints = _joint_names(robot_path, "robot_cfg.kinematics.cspace.joint_names",
+                          _get(robot, robot_path, "robot_cfg.kinematics.cspace.joint_names"))
+    task = _read_yaml(task_path)
+    horizon = _get(task, task_path, "model.horizon")
+    if isinstance(horizon, bool) or not isinstance(horizon, int):
+        raise ConfigError(task_path, "model.horizon", f"expected an integer, got {horizon!r}")
+    dt_params = _get(task, task_path, "model.dt_traj_params")
+    if not isinstance(dt_params, dict):
+        raise ConfigError(task_path, "model.dt_traj_params", "expected a mapping with base_dt")
+    base_dt = _positive_float(task_path, "model.dt_traj_params.base_dt", dt_params.get("base_dt"))
+    ratio = dt_params.get("base_ratio", 1.0)
+    control = _get(task, task_path, "model.control_space")
+    if control not in CUROBO_CONTROL:
+        raise ConfigError(task_path, "model.control_space", f"{control!r} is not supported: allowed {', '.join(CUROBO_CONTROL)}")
+    mode = _get(task, task_path, "model.state_finite_difference_mode", required=False) or "BACKWARD"
+    if mode not in CUROBO_DIFFERENCE:
+        raise ConfigError(task_path, "model.state_finite_difference_mode",
+                          f"{mode!r} is not supported: allowed {', '.join(CUROBO_DIFFERENCE)}")
+    fields: dict[str, Any] = {"horizon": horizon, **CUROBO_CONTROL[control]}
+    if control == "POSITION":
+        fields.update(CUROBO_DIFFERENCE[mode])
+    if ratio != 1.0:
+        fields["dt"] = "per_step"
+    spec = _spec(task_path, "model", fields, len(joints))
+    name = Path(robot_path).stem
+    return RobotConfig(name, len(joints), joints, base_dt, (spec,), f"{robot_path} + {task_path}")
+
+
+def load_config(path: Any, task: Optional[Any] = None) -> RobotConfig:
+    """Read a native config, or a cuRobo robot file together with its task file."""
+    path = Path(path)
+    data = _read_yaml(path)
+    if isinstance(data, dict) and "robot_cfg" in data:
+        if task is None:
+            raise ConfigError(path, "robot_cfg", "a cuRobo robot file needs its task file too (--task TASK.yml)")
+        return load_curobo(path, data, Path(task))
+    if task is not None:
+        raise ConfigError(path, "", "--task is only for cuRobo robot files (with robot_cfg)")
+    return load_native(path, data)
