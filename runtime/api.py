@@ -22,6 +22,9 @@ class Step(torch.nn.Module):
         self.device = device
         self.launcher = launcher
         self.dtype = DTYPES[spec.dtype]
+        from . import ops  # registers the custom ops torch.compile traces
+
+        self.op_key = ops.register(launcher, device)
 
     def extra_repr(self) -> str:
         return f"{self.spec.name}, device={self.device}"
@@ -54,6 +57,8 @@ class Step(torch.nn.Module):
             validate.check_tensor("j0", j0, (S, spec.dof), self.dtype, self.device)
         idx = validate.check_index(start_index, B, S, self.device) if start_index is not None else None
         dt_k = validate.dt_tensor(dt, spec.n_dt, spec.horizon, self.dtype, self.device)
+        if torch.compiler.is_compiling():
+            return tuple(torch.ops.tensorstep.step(self.op_key, u, p0, v0, a0, j0, idx, dt_k))
         return StepFunction.apply(self.launcher, u, p0, v0, a0, j0, idx, dt_k)
 
 

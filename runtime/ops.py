@@ -1,0 +1,166 @@
+"""torch.library custom ops: how torch.compile sees a step (no graph breaks).
+
+``tensorstep::step`` (forward), ``tensorstep::step_adjoint`` and ``tensorstep::step_dt_vjp``
+take a kernel key (a constant string naming a loaded spec on a device) plus tensors. Each has
+a fake kernel (shapes only), the forward's autograd calls the adjoint op, the adjoint's
+autograd calls the forward op (double backward), and the forward has a vmap rule.
+Value checks that need the data (index range, dt) run inside the op implementations.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .autograd import NO_SECOND_DT, scatter_start
+from .launch import Launcher
+
+_REGISTRY: dict[str, Launcher] = {}
+
+
+def register(launcher: Launcher, device: torch.device) -> str:
+    """Make a launcher reachable from the ops; returns its key."""
+    key = f"{launcher.spec.name}@{launcher.spec.key}@{device}"
+    _REGISTRY[key] = launcher
+    return key
+
+
+def _launcher(key: str) -> Launcher:
+    try:
+        return _REGISTRY[key]
+    except KeyError:
+        raise RuntimeError(f"tensorstep: kernel {key!r} is not loaded in this process (call tensorstep.load)") from None
+
+
+def _check_values(idx: Optional[Tensor], rows: int, dt: Tensor) -> None:
+    if idx is not None and idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= rows):
+        raise IndexError(f"start_index: entries must be in 0..{rows - 1}")
+    if not bool(torch.isfinite(dt).all()) or not bool((dt > 0).all()):
+        raise ValueError("dt: expected finite, positive step durations")
+
+
+@torch.library.custom_op("tensorstep::step", mutates_args=())
+def step(key: str, u: Tensor, p0: Tensor, v0: Tensor, a0: Tensor, j0: Optional[Tensor],
+         idx: Optional[Tensor], dt: Tensor) -> list[Tensor]:
+    if u.device.type == "cpu":
+        _check_values(idx, p0.shape[0], dt)
+    return _launcher(key).forward(u, (p0, v0, a0, j0), idx, dt)
+
+
+@step.register_fake
+def _(key, u, p0, v0, a0, j0, idx, dt):
+    launcher = _launcher(key)
+    shape = launcher.output_shape(u.shape[0])
+    return [u.new_empty(shape) for _ in range(launcher.K)]
+
+
+@torch.library.custom_op("tensorstep::step_adjoint", mutates_args=())
+def step_adjoint(key: str, batch: int, grads: list[Optional[Tensor]], dt: Tensor) -> list[Tensor]:
+    """(gu, per-batch gp0, gv0, ga0, gj0) for output gradients (None = unused output)."""
+    launcher = _launcher(key)
+    if all(g is None for g in grads):
+        gu = dt.new_zeros((batch, *_action_tail(launcher)))
+        return [gu] + [dt.new_zeros((batch, launcher.spec.dof)) for _ in range(4)]
+    gu, gs = launcher.adjoint(grads, dt, batch, (True,) * 4)
+    return [gu, *gs]
+
+
+def _action_tail(launcher: Launcher) -> tuple[int, int]:
+    N, D = launcher.spec.n_actions, launcher.spec.dof
+    return (N, D) if launcher.spec.layout == "bhd" else (D, N)
+
+
+@step_adjoint.register_fake
+def _(key, batch, grads, dt):
+    launcher = _launcher(key)
+    return [dt.new_empty((batch, *_action_tail(launcher)))] + [
+        dt.new_empty((batch, launcher.spec.dof)) for _ in range(4)
+    ]
+
+
+@torch.library.custom_op("tensorstep::step_dt_vjp", mutates_args=())
+def step_dt_vjp(key: str, u: Tensor, p0: Tensor, v0: Tensor, a0: Tensor, j0: Optional[Tensor],
+                idx: Optional[Tensor], dt: Tensor, grads: list[Optional[Tensor]]) -> Tensor:
+    return _launcher(key).dt_vjp(u, (p0, v0, a0, j0), idx, grads, dt).to(dt.dtype)
+
+
+@step_dt_vjp.register_fake
+def _(key, u, p0, v0, a0, j0, idx, dt, grads):
+    return dt.new_empty(dt.shape)
+
+
+# ---- autograd -----------------------------------------------------------------------------------
+
+def _step_setup(ctx, inputs, output):
+    key, u, p0, v0, a0, j0, idx, dt = inputs
+    ctx.key = key
+    ctx.has_j0 = j0 is not None
+    ctx.save_for_backward(u, p0, v0, a0, j0, idx, dt)
+
+
+def _step_backward(ctx, grads):
+    u, p0, v0, a0, j0, idx, dt = ctx.saved_tensors
+    need = ctx.needs_input_grad
+    out: list[Optional[Tensor]] = [None] * 8
+    if any(need[1:6]):
+        gu, *gs = step_adjoint(ctx.key, u.shape[0], list(grads), dt)
+        out[1] = gu
+        for m, start in enumerate((p0, v0, a0, j0)):
+            if need[2 + m] and start is not None:
+                out[2 + m] = scatter_start(gs[m], idx, start.shape[0])
+    if need[7]:
+        out[7] = step_dt_vjp(ctx.key, u, p0, v0, a0, j0, idx, dt, list(grads))
+    return tuple(out)
+
+
+step.register_autograd(_step_backward, setup_context=_step_setup)
+
+
+def _adjoint_setup(ctx, inputs, output):
+    key, batch, grads, dt = inputs
+    ctx.key, ctx.batch = key, batch
+    ctx.save_for_backward(dt)
+
+
+def _adjoint_backward(ctx, outs_grads):
+    if ctx.needs_input_grad[3]:
+        raise RuntimeError(NO_SECOND_DT)
+    (dt,) = ctx.saved_tensors
+    launcher = _launcher(ctx.key)
+    ggu, *ggs = outs_grads
+    like = next((g for g in outs_grads if g is not None), None)
+    if like is None:
+        return None, None, None, None
+    D = launcher.spec.dof
+    gu = ggu if ggu is not None else like.new_zeros((ctx.batch, *_action_tail(launcher)))
+    start = [g if g is not None else like.new_zeros((ctx.batch, D)) for g in ggs]
+    grads = step(ctx.key, gu.contiguous(), *(s.contiguous() for s in start[:3]), start[3].contiguous(), None, dt)
+    return None, None, list(grads), None
+
+
+step_adjoint.register_autograd(_adjoint_backward, setup_context=_adjoint_setup)
+
+
+# ---- vmap ---------------------------------------------------------------------------------------
+
+def _step_vmap(info, in_dims, key, u, p0, v0, a0, j0, idx, dt):
+    from .autograd import _fold
+
+    _, u_dim, *start_dims, idx_dim, dt_dim = in_dims
+    V = info.batch_size
+    if dt_dim is not None or idx_dim is not None or idx is not None:
+        results = []
+        for v in range(V):
+            pick = lambda t, d: t.select(d, v) if (t is not None and d is not None) else t
+            results.append(step(key, pick(u, u_dim), *(pick(s, d) for s, d in zip((p0, v0, a0, j0), start_dims)),
+                                pick(idx, idx_dim), pick(dt, dt_dim)))
+        outs = [torch.stack(parts) for parts in zip(*results)]
+        return outs, [0] * len(outs)
+    flat = [_fold(t, d, V) for t, d in zip((u, p0, v0, a0, j0), (u_dim, *start_dims))]
+    B = flat[0].shape[0] // V
+    outs = step(key, *flat, None, dt)
+    return [o.reshape(V, B, *o.shape[1:]) for o in outs], [0] * len(outs)
+
+
+torch.library.register_vmap("tensorstep::step", _step_vmap)
