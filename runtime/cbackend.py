@@ -1,7 +1,10 @@
 """C backend: compile generated C with the system compiler, load it through cffi (ABI mode)."""
 from __future__ import annotations
 
+import contextlib
 import functools
+import importlib.util
+import io
 import os
 import platform
 import shutil
@@ -91,8 +94,28 @@ def load_source(spec: Any, source: str, cache: BuildCache | None = None) -> Any:
 
 
 def _open(content_hash: str, path: Path, spec: Any, part: str) -> Any:
+    """dlopen a built library through its pre-parsed cffi module (no C parsing on warm loads)."""
     if content_hash not in _LOADED:
-        ffi = cffi.FFI()
-        ffi.cdef(cdef(spec.name, spec.order, part))
+        ffi = _ffi_module(path.parent / f"ffi_{part}.py", spec, part).ffi
         _LOADED[content_hash] = (ffi, ffi.dlopen(str(path)))
     return _LOADED[content_hash][1]
+
+
+def _ffi_module(module_path: Path, spec: Any, part: str) -> Any:
+    """cffi's out-of-line ABI mode: the declarations parsed once, saved as a Python module."""
+    if not module_path.exists():
+        builder = cffi.FFI()
+        builder.cdef(cdef(spec.name, spec.order, part))
+        builder.set_source(f"_tensorstep_ffi_{spec.name}_{part}", None)
+        tmp = module_path.with_suffix(".tmp")
+        with contextlib.redirect_stdout(io.StringIO()):  # cffi announces what it writes
+            builder.emit_python_code(str(tmp))
+        os.replace(tmp, module_path)
+    loader_spec = importlib.util.spec_from_file_location(f"_tensorstep_ffi_{module_path.parent.name}_{part}", module_path)
+    module = importlib.util.module_from_spec(loader_spec)
+    try:
+        loader_spec.loader.exec_module(module)
+    except Exception:  # a damaged module: rebuild it once
+        module_path.unlink(missing_ok=True)
+        return _ffi_module(module_path, spec, part)
+    return module
