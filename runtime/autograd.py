@@ -37,7 +37,22 @@ def scatter_start(grad_per_batch: Tensor, idx: OptTensor, rows: int) -> Tensor:
     return out.index_add(0, idx, grad_per_batch)
 
 
-class StepFunction(torch.autograd.Function):
+class _FastApply(torch.autograd.Function):
+    """Function.apply without per-call inspect.signature binding (ours take no defaults).
+
+    Outside functorch transforms torch binds default arguments with inspect on every call,
+    which costs more than a small kernel; inside transforms torch's own path is kept.
+    """
+
+    @classmethod
+    def apply(cls, *args):  # type: ignore[override]
+        if torch._C._are_functorch_transforms_active():
+            return super().apply(*args)
+        args = torch._functorch.utils.unwrap_dead_wrappers(args)
+        return super(torch.autograd.Function, cls).apply(*args)
+
+
+class StepFunction(_FastApply):
     """(u, p0, v0, a0, j0, idx, dt) → (P, V, A, J[, S]) as one autograd node."""
 
     @staticmethod
@@ -62,7 +77,10 @@ class StepFunction(torch.autograd.Function):
             return tuple(out)
         starts = (p0, v0, a0, j0)
         if any(need[1:6]):
-            gu, *gs = AdjointFunction.apply(launcher, dt, u.shape[0], *grads)
+            if torch.is_grad_enabled():  # create_graph: keep the adjoint differentiable
+                gu, *gs = AdjointFunction.apply(launcher, dt, u.shape[0], *grads)
+            else:  # plain backward: straight to the kernel, start gradients only where needed
+                gu, gs = launcher.adjoint(grads, dt, u.shape[0], need[2:6])
             out[1] = gu if need[1] else None
             for m, start in enumerate(starts):
                 if need[2 + m]:
@@ -88,7 +106,7 @@ class StepFunction(torch.autograd.Function):
         return vmap_step(info, in_dims, launcher, u, (p0, v0, a0, j0), idx, dt)
 
 
-class AdjointFunction(torch.autograd.Function):
+class AdjointFunction(_FastApply):
     """(grads of P, V, A, J[, S]) → (gu, per-batch gp0, gv0, ga0, gj0); linear in the grads."""
 
     @staticmethod
@@ -143,7 +161,7 @@ def _apply_forward(launcher: Launcher, B: int, gu: OptTensor, gs: Sequence[OptTe
     return StepFunction.apply(launcher, gu, *start, None, dt)
 
 
-class DtVjpFunction(torch.autograd.Function):
+class DtVjpFunction(_FastApply):
     """Gradient with respect to the kernel's dt vector; first order only."""
 
     @staticmethod
@@ -167,7 +185,7 @@ class DtVjpFunction(torch.autograd.Function):
         return vmap_by_loop(DtVjpFunction.apply, info, in_dims, args)
 
 
-class DtJvpFunction(torch.autograd.Function):
+class DtJvpFunction(_FastApply):
     """Output tangents when dt has a tangent too: Ṁ x + M ẋ in one generated kernel."""
 
     @staticmethod
