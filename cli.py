@@ -247,8 +247,32 @@ def run(config: str, task: Optional[str], output: str, batch: int, device: str) 
     click.echo(f"manifest: {Path(output) / emit.MANIFEST}")
 
 
-def _bench_entry() -> None:  # pragma: no cover - thin alias
-    main(["bench"])
+@main.command()
+@click.option("--device", default="cpu", show_default=True, help="cpu or cuda")
+@click.option("--quick", is_flag=True, help="fewer sizes (B up to 4000)")
+@click.option("--scheme", type=click.Choice(["central", "backward", "accel"]), multiple=True)
+@click.option("--batch", type=int, multiple=True, help="batch sizes (default: the standard set)")
+@click.option("--horizon", type=int, multiple=True, help="horizons (default: 32, plus 8/128/256 at B=400)")
+@click.option("--dtype", type=click.Choice(["float32", "float64"]), multiple=True)
+@click.option("--budget", type=float, default=0.6, show_default=True, help="seconds of timing per case")
+@click.option("--codegen/--no-codegen", default=True, show_default=True, help="also time cold and warm loads")
+@friendly
+def bench(device: str, quick: bool, scheme: tuple, batch: tuple, horizon: tuple, dtype: tuple,
+          budget: float, codegen: bool) -> None:
+    """Time forward+backward against the dense-matrix and slicing PyTorch baselines and the copy bound."""
+    from .bench import harness
+
+    if scheme or batch or horizon or dtype:
+        cases = [harness.Case(s, h, b, d, device) for s in (scheme or ("central",)) for h in (horizon or (32,))
+                 for b in (batch or (1, 400, 4000, 40000)) for d in (dtype or ("float32",))]
+    else:
+        cases = harness.default_cases(device, quick)
+    harness.run_cases(cases, click.echo, budget)
+    if device == "cpu":
+        click.echo(f"\nautograd floor (trivial 4-output autograd.Function, fwd+bwd, B=1): "
+                   f"{harness.format_time(harness.autograd_floor())}")
+    if codegen:
+        harness.codegen_cost(click.echo)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -41,11 +41,27 @@ def c_expr(expr: sp.Expr) -> str:
 
 
 @dataclasses.dataclass
+class Loop:
+    """Rows [start, stop) that share one translation-invariant statement: emitted as a loop.
+
+    For the C 'bhd' layout the loop runs over the flattened (row, dof) index, which is
+    contiguous, so it vectorises at full width. ``guard`` names a pointer that must be
+    non-null for the loop to run (absent gradients skip their loop).
+    """
+
+    start: int
+    stop: int
+    lines: list[str]
+    guard: str = ""
+
+
+@dataclasses.dataclass
 class KernelCode:
-    """Preamble (double-precision coefficient math, once per call) and per-column body."""
+    """Preamble (double-precision coefficient math, once per call), interior loops, per-column body."""
 
     preamble: list[str]
     body: list[str]
+    loops: list[Loop] = dataclasses.field(default_factory=list)
 
 
 class _Coefficients:
@@ -152,18 +168,16 @@ def _sum(parts: list[str]) -> str:
 
 def _var(ref: Ref, prefix: str = "") -> str:
     """SSA name of a ref's value (forward: u3, s1, y2_5; with prefix 't' its tangent)."""
-    if ref[0] == "u":
-        return f"{prefix}u{ref[1]}"
+    if ref[0] == "u":  # read at the point of use: keeps register pressure flat in long bodies
+        return f"{'DU' if prefix else 'U'}({ref[1]})"
     if ref[0] == "s":
         return f"{prefix}s{ref[1]}"
     return f"{prefix}y{ref[1]}_{ref[2]}"
 
 
 def _loads(op: Operator, tangent: bool = False) -> list[str]:
-    lines = [f"const T u{j} = U({j});" for j in range(op.n_actions)]
-    lines += [f"const T s{m} = S{m};" for m in range(4)]
+    lines = [f"const T s{m} = S{m};" for m in range(4)]
     if tangent:
-        lines += [f"const T tu{j} = DU({j});" for j in range(op.n_actions)]
         lines += [f"const T ts{m} = DS{m};" for m in range(4)]
     return lines
 
@@ -191,16 +205,84 @@ def _adjoint_lines(op: Operator, coefs: _Coefficients) -> tuple[list[str], dict[
     return lines, contributions
 
 
+MIN_LOOP = 3  # shorter runs of identical rows stay straight-line
+
+
+def _runs(signatures: dict[int, tuple | None]) -> list[tuple[int, int, tuple]]:
+    """Maximal runs [start, stop) of consecutive indices with one (non-None) signature."""
+    runs = []
+    index = sorted(signatures)
+    i = 0
+    while i < len(index):
+        sig = signatures[index[i]]
+        j = i
+        while j + 1 < len(index) and index[j + 1] == index[j] + 1 and signatures[index[j + 1]] == sig:
+            j += 1
+        if sig is not None and j - i + 1 >= MIN_LOOP:
+            runs.append((index[i], index[j] + 1, sig))
+        i = j + 1
+    return runs
+
+
+def _is_stencil(op: Operator) -> bool:
+    """No row reads another row: every output is a direct combination of the inputs."""
+    return all(ref[0] != "y" for row in op.rows for _, ref in row.terms)
+
+
+def _forward_loops(op: Operator, coefs: _Coefficients) -> tuple[list[Loop], set[tuple[int, int]]]:
+    """Interior rows whose terms are the same up to a shift in the action index."""
+    loops, covered = [], set()
+    if not _is_stencil(op):
+        return loops, covered
+    for k in range(op.n_outputs):
+        sigs = {}
+        for row in op.rows:
+            if row.k == k and row.h > 0:
+                ok = row.terms and all(ref[0] == "u" for _, ref in row.terms)
+                sigs[row.h] = tuple((c, ref[1] - row.h) for c, ref in row.terms) if ok else None
+        for start, stop, sig in _runs(sigs):
+            value = _sum([coefs.term(c, f"SU({rel})") for c, rel in sig])
+            loops.append(Loop(start, stop, [f"SY{k} = {value};"]))
+            covered.update((k, h) for h in range(start, stop))
+    return loops, covered
+
+
+def _adjoint_loops(op: Operator, coefs: _Coefficients) -> tuple[list[Loop], set[int]]:
+    """Interior actions whose gradient gathers the same shifted output gradients."""
+    loops: list[Loop] = []
+    covered: set[int] = set()
+    if not _is_stencil(op):
+        return loops, covered
+    gathers: dict[int, list[tuple]] = defaultdict(list)
+    for row in op.rows:
+        for c, ref in row.terms:
+            if ref[0] == "u":
+                gathers[ref[1]].append((row.k, row.h - ref[1], c))
+    sigs = {j: tuple(sorted(gathers[j], key=lambda t: (t[0], t[1]))) or None for j in range(op.n_actions)}
+    for start, stop, sig in _runs(sigs):
+        loops.append(Loop(start, stop, ["SGU = (T)0;"]))
+        for k in sorted({t[0] for t in sig}):
+            value = _sum([coefs.term(c, f"SG{k}({rel})") for kk, rel, c in sig if kk == k])
+            loops.append(Loop(start, stop, [f"SGU += {value};"], guard=f"g{k}"))
+        covered.update(range(start, stop))
+    return loops, covered
+
+
 def _forward(op: Operator, coefs: _Coefficients) -> KernelCode:
-    body = _loads(op) + _forward_lines(op, coefs, store=True)
-    return KernelCode(coefs.preamble(), body)
+    loops, covered = _forward_loops(op, coefs)
+    body = _loads(op)
+    for line, row in zip(_forward_lines(op, coefs, store=False), op.rows):
+        if (row.k, row.h) not in covered:
+            body += [line, f"Y{row.k}({row.h}) = y{row.k}_{row.h};"]
+    return KernelCode(coefs.preamble(), body, loops)
 
 
 def _adjoint(op: Operator, coefs: _Coefficients) -> KernelCode:
+    loops, covered = _adjoint_loops(op, coefs)
     lines, contributions = _adjoint_lines(op, coefs)
-    lines += [f"GU({j}, {_sum(contributions.get(('u', j), []))});" for j in range(op.n_actions)]
+    lines += [f"GU({j}, {_sum(contributions.get(('u', j), []))});" for j in range(op.n_actions) if j not in covered]
     lines += [f"GS{m}({_sum(contributions.get(('s', m), []))});" for m in range(4)]
-    return KernelCode(coefs.preamble(), lines)
+    return KernelCode(coefs.preamble(), lines, loops)
 
 
 def _dt_vjp(op: Operator, coefs: _Coefficients) -> KernelCode:

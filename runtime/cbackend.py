@@ -18,7 +18,13 @@ from ..codegen import abi
 from .cache import ABI_VERSION, BuildCache, digest
 from .fingerprint import generator_fingerprint
 
-C_FLAGS = ("-O3", "-march=native", "-std=gnu99", "-shared", "-fPIC", "-fno-math-errno")
+C_FLAGS = ("-O3", "-march=native", "-std=gnu99", "-shared", "-fPIC", "-fno-math-errno", "-fopenmp-simd", "-DTS_OPENMP_SIMD")
+
+
+@functools.lru_cache(maxsize=1)
+def c_flags() -> tuple[str, ...]:
+    """The compiler flags: C_FLAGS plus $TENSORSTEP_CFLAGS (part of the cache key)."""
+    return C_FLAGS + tuple(os.environ.get("TENSORSTEP_CFLAGS", "").split())
 
 
 class CompilerNotFound(RuntimeError):
@@ -44,12 +50,12 @@ def environment_key() -> str:
     """Identity of compiler + flags + ABI + generator: part of every cache key (cheap: stat only)."""
     cc = os.path.realpath(compiler())
     st = os.stat(cc)
-    return digest(cc, str(st.st_mtime_ns), str(st.st_size), " ".join(C_FLAGS), ABI_VERSION,
+    return digest(cc, str(st.st_mtime_ns), str(st.st_size), " ".join(c_flags()), ABI_VERSION,
                   platform.machine(), generator_fingerprint())[:16]
 
 
 def _compile(src: Path, out: Path) -> None:
-    cmd = [compiler(), *C_FLAGS, "-x", "c", str(src), "-o", str(out)]
+    cmd = [compiler(), *c_flags(), "-x", "c", str(src), "-o", str(out)]
     result = subprocess.run(cmd, capture_output=True, text=True)
     if result.returncode != 0:
         raise RuntimeError(f"C compilation failed ({' '.join(cmd)}):\n{result.stderr[-4000:]}")

@@ -1,0 +1,212 @@
+"""`tensorstep bench`: forward+backward timings against the baselines, in one interleaved run."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Callable, Iterable, Optional
+
+import torch
+
+import tensorstep as ts
+
+from .baselines import copy_elements, dense_step, slicing_step
+
+SCHEMES = {
+    "central": dict(control="position", difference="central"),
+    "backward": dict(control="position", difference="backward"),
+    "accel": dict(control="acceleration", integrator="semi_implicit_euler"),
+}
+DT = 0.02
+
+
+@dataclasses.dataclass
+class Case:
+    scheme: str
+    horizon: int
+    batch: int
+    dtype: str
+    device: str = "cpu"
+    dof: int = 7
+
+    @property
+    def spec(self) -> ts.KernelSpec:
+        return ts.KernelSpec(horizon=self.horizon, dof=self.dof, dtype=self.dtype, **SCHEMES[self.scheme])
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _fwd_bwd(step: Callable, u, starts, grads) -> Callable[[], None]:
+    def run() -> None:
+        outs = step(u, *starts)
+        torch.autograd.backward(outs, grads)
+
+    return run
+
+
+def case_callables(case: Case) -> dict[str, Callable[[], None]]:
+    """Each method's forward+backward as a no-argument callable (inputs prepared once)."""
+    spec = case.spec
+    dtype = torch.float32 if case.dtype == "float32" else torch.float64
+    dev = torch.device(case.device)
+    B, D, H = case.batch, case.dof, case.horizon
+    gen = torch.Generator().manual_seed(0)
+    u = torch.randn(B, H - 1, D, generator=gen, dtype=dtype).to(dev).requires_grad_(True)
+    starts = [torch.randn(B, D, generator=gen, dtype=dtype).to(dev) for _ in range(3)]
+    grads = [torch.randn(B, H, D, generator=gen, dtype=dtype).to(dev) for _ in range(spec.order + 1)]
+    step = ts.load(spec, dev)
+    launcher = step.launcher
+    dt_k = torch.full((1,), DT, dtype=dtype, device=dev)
+
+    def kernels() -> None:  # the generated forward and adjoint launched directly (no autograd)
+        launcher.forward(u.detach(), (*starts, None), None, dt_k)
+        launcher.adjoint(grads, dt_k, B, (False,) * 4)
+
+    methods = {
+        "tensorstep": _fwd_bwd(lambda u, *s: step(u, *s, DT), u, starts, grads),
+        "kernels": kernels,
+        "dense": _fwd_bwd(dense_step(spec, DT, dtype), u, starts, grads),
+    }
+    try:
+        methods["slicing"] = _fwd_bwd(slicing_step(spec, DT), u, starts, grads)
+    except ValueError:
+        pass
+    src = torch.empty(copy_elements(spec, B), dtype=dtype, device=dev)
+    methods["copy"] = lambda: src.clone()
+    return methods
+
+
+def time_interleaved(methods: dict[str, Callable[[], None]], device: str, budget_s: float = 0.6,
+                     repeats: int = 7) -> dict[str, float]:
+    """Median seconds per call of each method; methods take turns in every repeat."""
+    for fn in methods.values():  # warm up (compiles, allocator)
+        fn()
+        fn()
+    _sync(device)
+    start = time.perf_counter()
+    for fn in methods.values():
+        fn()
+    _sync(device)
+    one_round = max(time.perf_counter() - start, 1e-6)
+    inner = max(1, int(budget_s / repeats / one_round))
+    samples: dict[str, list[float]] = {name: [] for name in methods}
+    for _ in range(repeats):
+        for name, fn in methods.items():
+            _sync(device)
+            t0 = time.perf_counter()
+            for _ in range(inner):
+                fn()
+            _sync(device)
+            samples[name].append((time.perf_counter() - t0) / inner)
+    return {name: statistics.median(v) for name, v in samples.items()}
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    text = f"{cpu}; {os.cpu_count()} cores; torch {torch.__version__}, {torch.get_num_threads()} threads"
+    if torch.cuda.is_available():
+        text += f"; GPU {torch.cuda.get_device_name()}"
+    return text
+
+
+def default_cases(device: str, quick: bool = False) -> list[Case]:
+    batches = (1, 400, 4000) if quick else (1, 400, 4000, 40000)
+    if device.startswith("cuda"):
+        batches = (1, 400, 4000, 40000, 400000)
+    cases = [Case(s, 32, b, "float32", device) for s in SCHEMES for b in batches]
+    cases += [Case("central", 32, b, "float64", device) for b in batches[1:3]]
+    cases += [Case("central", h, 400, "float32", device) for h in (8, 128, 256)]
+    cases += [Case("accel", h, 400, "float32", device) for h in (8, 128, 256)]
+    return cases
+
+
+def format_time(seconds: float) -> str:
+    if seconds < 1e-3:
+        return f"{seconds * 1e6:.1f} µs"
+    return f"{seconds * 1e3:.2f} ms"
+
+
+def run_cases(cases: Iterable[Case], echo: Callable[[str], None], budget_s: float = 0.6) -> list[dict]:
+    rows = []
+    echo(f"machine: {machine()}")
+    echo("")
+    echo("| scheme | H | B | dtype | tensorstep (autograd) | kernels only | dense | slicing | copy bound | slicing / tensorstep | tensorstep / copy |")
+    echo("|---|---|---|---|---|---|---|---|---|---|---|")
+    for case in cases:
+        t = time_interleaved(case_callables(case), case.device, budget_s)
+        row = dict(dataclasses.asdict(case), **t)
+        rows.append(row)
+        sl = t.get("slicing")
+        echo(
+            f"| {case.scheme} | {case.horizon} | {case.batch} | {case.dtype} | {format_time(t['tensorstep'])} | "
+            f"{format_time(t['kernels'])} | {format_time(t['dense'])} | {format_time(sl) if sl else 'n/a'} | "
+            f"{format_time(t['copy'])} | {(sl / t['tensorstep']) if sl else float('nan'):.1f}× | "
+            f"{t['tensorstep'] / t['copy']:.2f}× |"
+        )
+    return rows
+
+
+COLD_SNIPPET = """
+import time, sys
+t0 = time.perf_counter()
+import tensorstep as ts
+spec = ts.KernelSpec(horizon={H}, dof=7, **{kw})
+t1 = time.perf_counter()
+ts.load(spec)
+t2 = time.perf_counter()
+print(t2 - t1, "sympy" in sys.modules)
+"""
+
+
+def codegen_cost(echo: Callable[[str], None], horizons=(8, 32, 128, 256)) -> list[dict]:
+    """Cold derive+render+compile and warm (cached) load per variant, each in a fresh process."""
+    echo("")
+    echo("| variant | H | cold generate + compile | warm load (cached) | SymPy imported on warm load |")
+    echo("|---|---|---|---|---|")
+    rows = []
+    for scheme in ("central", "accel"):
+        for H in horizons:
+            with tempfile.TemporaryDirectory() as cache:
+                env = dict(os.environ, TENSORSTEP_CACHE_DIR=cache)
+                code = COLD_SNIPPET.format(H=H, kw=repr(SCHEMES[scheme]))
+                cold = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+                warm = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+                if cold.returncode or warm.returncode:
+                    echo(f"| {scheme} | {H} | failed: {(cold.stderr or warm.stderr)[-200:]} | | |")
+                    continue
+                c_s = float(cold.stdout.split()[0])
+                w_s, w_sympy = warm.stdout.split()
+                rows.append(dict(scheme=scheme, horizon=H, cold=c_s, warm=float(w_s)))
+                echo(f"| {scheme} | {H} | {c_s:.2f} s | {float(w_s) * 1e3:.1f} ms | {w_sympy} |")
+    return rows
+
+
+def autograd_floor() -> float:
+    """Forward+backward of a trivial 4-output autograd.Function: this machine's fixed cost."""
+
+    class Trivial(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return tuple(x.new_empty(1, 32, 7) for _ in range(4))
+
+        @staticmethod
+        def backward(ctx, *g):
+            return torch.empty(1, 31, 7)
+
+    x = torch.randn(1, 31, 7, requires_grad=True)
+    g = [torch.ones(1, 32, 7)] * 4
+    t = time_interleaved({"floor": lambda: torch.autograd.backward(Trivial.apply(x), g)}, "cpu", 0.3)
+    return t["floor"]
