@@ -25,9 +25,21 @@ class Step(torch.nn.Module):
         from . import ops  # registers the custom ops torch.compile traces
 
         self.op_key = ops.register(launcher, device)
+        self._dt_cache: dict[float, Tensor] = {}
 
     def extra_repr(self) -> str:
         return f"{self.spec.name}, device={self.device}"
+
+    def _dt_tensor(self, dt: Union[float, Tensor]) -> Tensor:
+        """The kernel's dt vector; tensors for repeated Python floats are reused (cheap calls)."""
+        if isinstance(dt, float) and not torch.compiler.is_compiling():
+            cached = self._dt_cache.get(dt)
+            if cached is None:
+                cached = validate.dt_tensor(dt, self.spec.n_dt, self.spec.horizon, self.dtype, self.device)
+                if len(self._dt_cache) < 64:
+                    self._dt_cache[dt] = cached
+            return cached
+        return validate.dt_tensor(dt, self.spec.n_dt, self.spec.horizon, self.dtype, self.device)
 
     def action_shape(self, batch: int) -> tuple[int, int, int]:
         N, D = self.spec.n_actions, self.spec.dof
@@ -56,7 +68,7 @@ class Step(torch.nn.Module):
         if j0 is not None:
             validate.check_tensor("j0", j0, (S, spec.dof), self.dtype, self.device)
         idx = validate.check_index(start_index, B, S, self.device) if start_index is not None else None
-        dt_k = validate.dt_tensor(dt, spec.n_dt, spec.horizon, self.dtype, self.device)
+        dt_k = self._dt_tensor(dt)
         if torch.compiler.is_compiling():
             return tuple(torch.ops.tensorstep.step(self.op_key, u, p0, v0, a0, j0, idx, dt_k))
         return StepFunction.apply(self.launcher, u, p0, v0, a0, j0, idx, dt_k)

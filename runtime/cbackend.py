@@ -18,7 +18,9 @@ from ..codegen import abi
 from .cache import ABI_VERSION, BuildCache, digest
 from .fingerprint import generator_fingerprint
 
-C_FLAGS = ("-O3", "-march=native", "-std=gnu99", "-shared", "-fPIC", "-fno-math-errno", "-fopenmp-simd", "-DTS_OPENMP_SIMD")
+# -fopenmp: the batch loop runs on all cores; the library links libgomp.so.1, the same soname
+# PyTorch ships, so one OpenMP runtime serves both.
+C_FLAGS = ("-O3", "-march=native", "-std=gnu99", "-shared", "-fPIC", "-fno-math-errno", "-fopenmp")
 
 
 @functools.lru_cache(maxsize=1)
