@@ -1,0 +1,127 @@
+"""The command line: generate (deterministic, careful), show, list, check, stencil, errors."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+import tensorstep as ts
+from tensorstep.cli import main
+
+ROOT = Path(ts.__file__).resolve().parent
+EXAMPLES = ["franka_panda", "ur5e", "mobile_manipulator"]
+DATA = Path(__file__).parent / "data"
+
+
+def run(*args: str):
+    return CliRunner().invoke(main, list(args), catch_exceptions=False)
+
+
+@pytest.mark.parametrize("robot", EXAMPLES)
+def test_generated_folder_is_up_to_date(robot, tmp_path):
+    """generated/ must be exactly what `tensorstep generate` writes today (byte for byte)."""
+    result = run("generate", str(ROOT / "examples" / f"{robot}.yml"), "-o", str(tmp_path))
+    assert result.exit_code == 0, result.output
+    checked_in = ROOT / "generated" / robot
+    fresh = sorted(p.name for p in tmp_path.iterdir())
+    assert fresh == sorted(p.name for p in checked_in.iterdir())
+    for name in fresh:
+        assert (tmp_path / name).read_bytes() == (checked_in / name).read_bytes(), (
+            f"generated/{robot}/{name} is stale: run `tensorstep generate examples/{robot}.yml -o generated/{robot}`"
+        )
+
+
+def test_generate_is_deterministic_and_manifest_describes_files(tmp_path):
+    cfg = str(ROOT / "examples" / "ur5e.yml")
+    assert run("generate", cfg, "-o", str(tmp_path / "a")).exit_code == 0
+    assert run("generate", cfg, "-o", str(tmp_path / "b")).exit_code == 0
+    a = {p.name: p.read_bytes() for p in (tmp_path / "a").iterdir()}
+    b = {p.name: p.read_bytes() for p in (tmp_path / "b").iterdir()}
+    assert a == b
+    manifest = json.loads(a["manifest.json"])
+    assert manifest["tool"] == "tensorstep" and manifest["dof"] == 6
+    assert {f["path"] for k in manifest["kernels"] for f in k["files"].values()} == set(a) - {"manifest.json"}
+
+
+def test_generate_refuses_to_overwrite_foreign_or_edited_files(tmp_path):
+    cfg = str(ROOT / "examples" / "ur5e.yml")
+    out = tmp_path / "out"
+    assert run("generate", cfg, "-o", str(out)).exit_code == 0
+    victim = next(out.glob("*.c"))
+    victim.write_text("/* my edits */\n")
+    result = CliRunner().invoke(main, ["generate", cfg, "-o", str(out)])
+    assert result.exit_code != 0
+    assert "refusing to overwrite" in result.output and "Traceback" not in result.output
+    assert victim.read_text() == "/* my edits */\n"  # nothing lost
+    assert run("generate", cfg, "-o", str(out), "--force").exit_code == 0
+    assert victim.read_text() != "/* my edits */\n"
+
+
+def test_generate_refuses_foreign_manifest(tmp_path):
+    (tmp_path / "manifest.json").write_text('{"mine": true}')
+    result = CliRunner().invoke(main, ["generate", str(ROOT / "examples" / "ur5e.yml"), "-o", str(tmp_path)])
+    assert result.exit_code != 0 and "not written by tensorstep" in result.output
+    assert (tmp_path / "manifest.json").read_text() == '{"mine": true}'
+
+
+def test_list_and_check_generated_folder(tmp_path):
+    shutil.copytree(ROOT / "generated" / "franka_panda", tmp_path / "g")
+    listing = run("list", str(tmp_path / "g"))
+    assert listing.exit_code == 0 and "franka_panda: 7 dof" in listing.output
+    checked = run("check", str(tmp_path / "g"))
+    assert checked.exit_code == 0, checked.output
+    assert checked.output.count("PASS") == 3 and "all passed" in checked.output
+
+
+def test_check_config_and_show_and_stencil():
+    checked = run("check", str(ROOT / "examples" / "mobile_manipulator.yml"))
+    assert checked.exit_code == 0 and "all passed" in checked.output
+    shown = run("show", "--horizon", "8", "--dof", "2", "--control", "jerk", "--target", "cuda", "--kernel", "core")
+    assert shown.exit_code == 0 and '__global__ void ts_h8_d2_jer' in shown.output
+    stencil = run("stencil", "--difference", "central", "--accuracy", "4", "--derivative", "2")
+    assert stencil.exit_code == 0 and "-5/2" in stencil.output and "4/3" in stencil.output
+
+
+def test_curobo_files(tmp_path):
+    result = run("generate", str(DATA / "curobo_robot.yml"), "--task", str(DATA / "curobo_task.yml"), "-o", str(tmp_path))
+    assert result.exit_code == 0, result.output
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    (spec,) = [k["spec"] for k in manifest["kernels"]]
+    assert (spec["horizon"], spec["dof"], spec["control"], spec["difference"]) == (30, 6, "position", "central")
+    assert manifest["dt"] == 0.025
+
+
+@pytest.mark.parametrize(
+    "text, fragment",
+    [
+        ("robot: x\njoints: [a, b]\nkernels: [{horizon: 1}]\n", "kernels[0]: KernelSpec.horizon=1"),
+        ("robot: x\njoints: [a, a]\nkernels: [{horizon: 8}]\n", "joints: joint names must be unique"),
+        ("robot: x\ndof: 2\ndt: -1\nkernels: [{horizon: 8}]\n", "dt: expected a finite, positive number"),
+        ("robot: x\ndof: 2\nkernels: [{horizon: 8, control: torque}]\n", "KernelSpec.control='torque'"),
+        ("robot: x\ndof: 2\n", "kernels: expected a non-empty list"),
+        ("robot: [x\n", "invalid YAML"),
+        ("robot_cfg: {kinematics: {}}\n", "needs its task file"),
+    ],
+)
+def test_bad_configs_name_file_key_and_problem(tmp_path, text, fragment):
+    path = tmp_path / "robot.yml"
+    path.write_text(text)
+    result = CliRunner().invoke(main, ["generate", str(path), "-o", str(tmp_path / "out")])
+    assert result.exit_code != 0
+    assert str(path) in result.output and fragment in result.output
+    assert "Traceback" not in result.output
+
+
+def test_python_dash_m_and_plain_output_when_piped(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "tensorstep", "generate", str(ROOT / "examples" / "ur5e.yml"),
+                           "-o", str(tmp_path)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "deriving [1/2]" in proc.stderr and "\x1b" not in proc.stderr  # plain lines, no bar
+    missing = subprocess.run([sys.executable, "-m", "tensorstep", "generate", str(tmp_path / "nope.yml")],
+                             capture_output=True, text=True)
+    assert missing.returncode != 0 and "Traceback" not in missing.stderr and "cannot read the file" in missing.stderr
