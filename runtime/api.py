@@ -76,6 +76,13 @@ class Step(torch.nn.Module):
 
 def _device(device: Union[str, torch.device]) -> torch.device:
     dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        from .cuda_backend import CudaUnavailable
+
+        raise CudaUnavailable(
+            f"device={str(device)!r}: this PyTorch build sees no CUDA device (torch.cuda.is_available() is False); "
+            "install a CUDA build of PyTorch and CuPy (pip install tensorstep[cuda]) on a machine with an NVIDIA GPU"
+        )
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
     if dev.type not in ("cpu", "cuda"):

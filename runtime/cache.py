@@ -60,11 +60,19 @@ def atomic_write(path: Path, data: bytes) -> None:
         raise
 
 
+class CacheLockError(OSError):
+    """The lock file could not be created or taken."""
+
+
 @contextlib.contextmanager
 def locked(path: Path) -> Iterator[None]:
     """An exclusive inter-process lock held on ``path`` (created if needed)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a+") as f:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        f = open(path, "a+")
+    except OSError as err:
+        raise CacheLockError(str(err)) from err
+    with f:
         fcntl.flock(f, fcntl.LOCK_EX)
         try:
             yield
@@ -125,23 +133,30 @@ class BuildCache:
             raise CacheError(
                 f"cannot create the kernel cache folder {folder}: {err}. Set TENSORSTEP_CACHE_DIR to a writable folder."
             ) from err
-        with locked(folder / ".lock"):
-            found = self.verified_artefact(content_hash, ext)  # another process may have built it
-            if found:
-                return found
-            src = folder / f"source.{ext}.src"
-            atomic_write(src, source.encode())
-            artefact = folder / f"kernel.{ext}"
-            fd, tmp = tempfile.mkstemp(dir=folder, prefix=".kernel.", suffix=f".{ext}")
-            os.close(fd)
-            try:
-                compile_fn(src, Path(tmp))
-                os.replace(tmp, artefact)
-            finally:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)
-            atomic_write(folder / "meta.json", json.dumps({"sha256": file_sha256(artefact)}).encode())
-            return artefact
+        try:
+            with locked(folder / ".lock"):
+                return self._build_locked(folder, content_hash, ext, source, compile_fn)
+        except (PermissionError, CacheLockError) as err:
+            raise CacheError(f"cannot write to the kernel cache folder {folder}: {err}") from err
+
+    def _build_locked(self, folder: Path, content_hash: str, ext: str, source: str,
+                      compile_fn: Callable[[Path, Path], None]) -> Path:
+        found = self.verified_artefact(content_hash, ext)  # another process may have built it
+        if found:
+            return found
+        src = folder / f"source.{ext}.src"
+        atomic_write(src, source.encode())
+        artefact = folder / f"kernel.{ext}"
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".kernel.", suffix=f".{ext}")
+        os.close(fd)
+        try:
+            compile_fn(src, Path(tmp))
+            os.replace(tmp, artefact)
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+        atomic_write(folder / "meta.json", json.dumps({"sha256": file_sha256(artefact)}).encode())
+        return artefact
 
     def record(self, spec_key: str, env_key: str, content_hash: str) -> None:
         """Remember which build serves a spec (best effort: a read-only cache just skips it)."""

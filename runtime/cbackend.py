@@ -9,13 +9,15 @@ import os
 import platform
 import shutil
 import subprocess
+import tempfile
+import warnings
 from pathlib import Path
 from typing import Any
 
 import cffi
 
 from ..codegen import abi
-from .cache import ABI_VERSION, BuildCache, digest
+from .cache import ABI_VERSION, BuildCache, CacheError, digest
 from .fingerprint import generator_fingerprint
 
 # -fopenmp: the batch loop runs on all cores; the library links libgomp.so.1, the same soname
@@ -78,8 +80,25 @@ _LOADED: dict[str, Any] = {}
 
 
 def load_library(spec: Any, part: str = "core", cache: BuildCache | None = None) -> Any:
-    """One loaded cffi library of a spec ('core' or 'dt'): from the cache, else generated and built."""
-    cache = cache or BuildCache()
+    """One loaded cffi library of a spec ('core' or 'dt'): from the cache, else generated and built.
+
+    An unusable cache folder (read-only, or not a folder) falls back to a private temporary
+    cache with a warning, so a kernel still loads.
+    """
+    try:
+        return _load_library(spec, part, cache or BuildCache())
+    except CacheError as err:
+        fallback = BuildCache(fallback_cache_root())
+        warnings.warn(f"{err}; using a temporary kernel cache at {fallback.root} for this process", stacklevel=3)
+        return _load_library(spec, part, fallback)
+
+
+@functools.lru_cache(maxsize=1)
+def fallback_cache_root() -> Path:
+    return Path(tempfile.mkdtemp(prefix="tensorstep-cache-"))
+
+
+def _load_library(spec: Any, part: str, cache: BuildCache) -> Any:
     env = environment_key()
     index_key = f"{spec.key}-{part}"
     content_hash = cache.lookup(index_key, env)

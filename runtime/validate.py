@@ -17,6 +17,8 @@ def check_tensor(name: str, t: Any, shape: tuple, dtype: torch.dtype, device: to
     """Type, shape, dtype, device and contiguity of one input tensor."""
     if not isinstance(t, Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor of shape {shape}, got {type(t).__name__}")
+    if t.layout != torch.strided:
+        raise TypeError(f"{name}: expected a dense (strided) tensor, got layout {t.layout}")
     if t.dim() != len(shape):
         raise ValueError(f"{name}: expected {len(shape)} dims {shape}, got {_describe(t)}")
     if tuple(t.shape) != tuple(shape):
@@ -36,6 +38,8 @@ def check_index(idx: Any, batch: int, rows: int, device: torch.device) -> Tensor
         raise TypeError(f"start_index: expected an integer torch.Tensor of shape ({batch},), got {type(idx).__name__}")
     if idx.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"start_index: expected dtype torch.int32 or torch.int64, got {idx.dtype}")
+    if idx.layout != torch.strided:
+        raise TypeError(f"start_index: expected a dense tensor, got layout {idx.layout}")
     if tuple(idx.shape) != (batch,):
         raise ValueError(f"start_index: expected shape ({batch},), got {tuple(idx.shape)}")
     if idx.device != device:
