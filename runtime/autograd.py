@@ -161,52 +161,40 @@ def _apply_forward(launcher: Launcher, B: int, gu: OptTensor, gs: Sequence[OptTe
     return StepFunction.apply(launcher, gu, *start, None, dt)
 
 
-class DtVjpFunction(_FastApply):
-    """Gradient with respect to the kernel's dt vector; first order only."""
+class _FirstOrderOnly(_FastApply):
+    """A dt-derivative node: exact to first order; differentiating it again raises (never a silent zero)."""
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, *_):
+        raise RuntimeError(NO_SECOND_DT)
+
+    @staticmethod
+    def jvp(ctx, *_):
+        raise RuntimeError(NO_SECOND_DT)
+
+    @classmethod
+    def vmap(cls, info, in_dims, *args):
+        return vmap_by_loop(cls.apply, info, in_dims, args)
+
+
+class DtVjpFunction(_FirstOrderOnly):
+    """Gradient with respect to the kernel's dt vector."""
 
     @staticmethod
     def forward(launcher: Launcher, u, p0, v0, a0, j0, idx, dt, *grads):  # type: ignore[override]
         return launcher.dt_vjp(u, (p0, v0, a0, j0), idx, grads, dt)
 
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        pass
 
-    @staticmethod
-    def backward(ctx, *_):
-        raise RuntimeError(NO_SECOND_DT)
-
-    @staticmethod
-    def jvp(ctx, *_):
-        raise RuntimeError(NO_SECOND_DT)
-
-    @staticmethod
-    def vmap(info, in_dims, *args):
-        return vmap_by_loop(DtVjpFunction.apply, info, in_dims, args)
-
-
-class DtJvpFunction(_FastApply):
+class DtJvpFunction(_FirstOrderOnly):
     """Output tangents when dt has a tangent too: Ṁ x + M ẋ in one generated kernel."""
 
     @staticmethod
     def forward(launcher: Launcher, u, p0, v0, a0, j0, idx, dt, du, dp0, dv0, da0, dj0, ddt):  # type: ignore[override]
         return tuple(launcher.dt_jvp(u, (p0, v0, a0, j0), idx, du, (dp0, dv0, da0, dj0), dt, ddt.contiguous()))
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        pass
-
-    @staticmethod
-    def backward(ctx, *_):
-        raise RuntimeError(NO_SECOND_DT)
-
-    @staticmethod
-    def jvp(ctx, *_):
-        raise RuntimeError(NO_SECOND_DT)
-
-    @staticmethod
-    def vmap(info, in_dims, *args):
-        return vmap_by_loop(DtJvpFunction.apply, info, in_dims, args)
 
 
 # ---- vmap helpers ------------------------------------------------------------------------------

@@ -158,6 +158,19 @@ class BuildCache:
         atomic_write(folder / "meta.json", json.dumps({"sha256": file_sha256(artefact)}).encode())
         return artefact
 
+    def artefact_for(self, index_key: str, env_key: str, ext: str, make_source: Callable[[], str],
+                     compile_fn: Callable[[Path, Path], None]) -> tuple[str, Path]:
+        """(content hash, verified artefact) for a spec: via the index when cached, else the
+        source is generated (make_source), built and recorded."""
+        content_hash = self.lookup(index_key, env_key)
+        path = self.verified_artefact(content_hash, ext) if content_hash else None
+        if path is None:
+            source = make_source()
+            content_hash = digest(source, env_key)
+            path = self.build(content_hash, ext, source, compile_fn)
+            self.record(index_key, env_key, content_hash)
+        return content_hash, path
+
     def record(self, spec_key: str, env_key: str, content_hash: str) -> None:
         """Remember which build serves a spec (best effort: a read-only cache just skips it)."""
         with contextlib.suppress(OSError):

@@ -99,17 +99,12 @@ def fallback_cache_root() -> Path:
 
 
 def _load_library(spec: Any, part: str, cache: BuildCache) -> Any:
-    env = environment_key()
-    index_key = f"{spec.key}-{part}"
-    content_hash = cache.lookup(index_key, env)
-    path = cache.verified_artefact(content_hash, "so") if content_hash else None
-    if path is None:
+    def source() -> str:
         from ..codegen.render import render  # SymPy and Jinja2 only on a cache miss
 
-        source = render(spec, "c", part)
-        content_hash = digest(source, env)
-        path = cache.build(content_hash, "so", source, _compile)
-        cache.record(index_key, env, content_hash)
+        return render(spec, "c", part)
+
+    content_hash, path = cache.artefact_for(f"{spec.key}-{part}", environment_key(), "so", source, _compile)
     return _open(content_hash, path, spec, part)
 
 

@@ -44,18 +44,13 @@ def _copy(src: Path, out: Path) -> None:
 @functools.lru_cache(maxsize=None)
 def cuda_source(spec: Any, part: str) -> str:
     """The CUDA source of one library of a spec, from the cache or freshly generated."""
-    cache = BuildCache()
-    env = digest("cuda", ABI_VERSION, generator_fingerprint())[:16]
-    index_key = f"{spec.key}-{part}-cuda"
-    content_hash = cache.lookup(index_key, env)
-    path = cache.verified_artefact(content_hash, "cu") if content_hash else None
-    if path is None:
+    def source() -> str:
         from ..codegen.render import render
 
-        source = render(spec, "cuda", part)
-        content_hash = digest(source, env)
-        path = cache.build(content_hash, "cu", source, _copy)
-        cache.record(index_key, env, content_hash)
+        return render(spec, "cuda", part)
+
+    env = digest("cuda", ABI_VERSION, generator_fingerprint())[:16]
+    _, path = BuildCache().artefact_for(f"{spec.key}-{part}-cuda", env, "cu", source, _copy)
     return path.read_text()
 
 
