@@ -46,6 +46,7 @@ def _sync(device: str) -> None:
 
 def _fwd_bwd(step: Callable, u, starts, grads) -> Callable[[], None]:
     def run() -> None:
+        u.grad = None  # as optimizer.zero_grad(set_to_none=True): no accumulation pass
         outs = step(u, *starts)
         torch.autograd.backward(outs, grads)
 

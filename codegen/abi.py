@@ -32,9 +32,17 @@ def arguments(kernel: str, order: int) -> list[tuple[str, str]]:
     raise ValueError(f"unknown kernel {kernel!r}; allowed: {', '.join(KERNELS)}")
 
 
-def signature(kernel: str, order: int, ctype: str) -> str:
-    """The comma-separated parameter list with T replaced by the concrete type."""
-    return ", ".join(f"{t.replace('T', ctype) if 'T*' in t else t} {n}" for t, n in arguments(kernel, order))
+def signature(kernel: str, order: int, ctype: str, restrict: str = "") -> str:
+    """The comma-separated parameter list with T replaced by the concrete type.
+
+    ``restrict`` ('restrict' for C, '__restrict__' for CUDA) qualifies every pointer: the
+    runtime always passes distinct buffers (outputs are freshly allocated), so nothing aliases.
+    """
+    def param(t: str, n: str) -> str:
+        t = t.replace("T*", f"{ctype}*")
+        return f"{t} {restrict} {n}" if restrict and "*" in t else f"{t} {n}"
+
+    return ", ".join(param(t, n) for t, n in arguments(kernel, order))
 
 
 def symbol(name: str, kernel: str) -> str:

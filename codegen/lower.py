@@ -54,6 +54,10 @@ class Loop:
     lines: list[str]
     guard: str = ""
 
+    @property
+    def span(self) -> tuple[int, int]:
+        return (self.start, self.stop)
+
 
 @dataclasses.dataclass
 class KernelCode:

@@ -14,6 +14,7 @@ from .schemes import build_operator
 
 TARGETS = ("c", "cuda", "header")
 CTYPES = {"float32": "float", "float64": "double"}
+RESTRICT = {"c": "restrict", "cuda": "__restrict__", "header": "restrict"}
 _TEMPLATE_FILES = {"c": "kernel.c.j2", "cuda": "kernel.cu.j2", "header": "header.h.j2"}
 
 
@@ -67,7 +68,7 @@ def render(spec: Any, target: str, part: str = "all") -> str:
         u_sb=u[0], u_sh=u[1], u_sd=u[2], y_sb=y[0], y_sh=y[1], y_sd=y[2],
         kernels=kernels,
         codes={k: getattr(code, k) for k in kernels},
-        signatures={k: abi.signature(k, spec.order, ctype) for k in kernels},
+        signatures={k: abi.signature(k, spec.order, ctype, RESTRICT[target]) for k in kernels},
         export="",
     )
     return _environment().get_template(_TEMPLATE_FILES[target]).render(**context)

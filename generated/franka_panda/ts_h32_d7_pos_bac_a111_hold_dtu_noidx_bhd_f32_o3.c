@@ -81,7 +81,7 @@ enum { H_ = 32, N_ = 31, D_ = 7, NDT_ = 1, NC_ = 15 };
  int64_t ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_n_coefficients(void) { return NC_; }
 
 
- void ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_forward(int64_t B, const float* u, const float* p0, const float* v0, const float* a0, const float* j0, const int64_t* idx, const float* dt_in, float* y0, float* y1, float* y2, float* y3)
+ void ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_forward(int64_t B, const float* restrict u, const float* restrict p0, const float* restrict v0, const float* restrict a0, const float* restrict j0, const int64_t* restrict idx, const float* restrict dt_in, float* restrict y0, float* restrict y1, float* restrict y2, float* restrict y3)
 {
     const double dt = (double)DT(0);
     const double t0 = (1.0/dt);
@@ -180,7 +180,7 @@ enum { H_ = 32, N_ = 31, D_ = 7, NDT_ = 1, NC_ = 15 };
     }
 }
 
- void ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_adjoint(int64_t B, const float* g0, const float* g1, const float* g2, const float* g3, const float* dt_in, float* gu, float* gp0, float* gv0, float* ga0, float* gj0)
+ void ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_adjoint(int64_t B, const float* restrict g0, const float* restrict g1, const float* restrict g2, const float* restrict g3, const float* restrict dt_in, float* restrict gu, float* restrict gp0, float* restrict gv0, float* restrict ga0, float* restrict gj0)
 {
     const double dt = (double)DT(0);
     const double t0 = (1.0/dt);
@@ -526,7 +526,7 @@ enum { H_ = 32, N_ = 31, D_ = 7, NDT_ = 1, NC_ = 15 };
     }
 }
 
- void ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_dt_vjp(int64_t B, const float* u, const float* p0, const float* v0, const float* a0, const float* j0, const int64_t* idx, const float* g0, const float* g1, const float* g2, const float* g3, const float* dt_in, double* gc)
+ void ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_dt_vjp(int64_t B, const float* restrict u, const float* restrict p0, const float* restrict v0, const float* restrict a0, const float* restrict j0, const int64_t* restrict idx, const float* restrict g0, const float* restrict g1, const float* restrict g2, const float* restrict g3, const float* restrict dt_in, double* restrict gc)
 {
     const double dt = (double)DT(0);
     const double t0 = (1.0/dt);
@@ -976,7 +976,7 @@ enum { H_ = 32, N_ = 31, D_ = 7, NDT_ = 1, NC_ = 15 };
     for (int i = 0; i < NC_; ++i) gc[i] += acc[i];
 }
 
- void ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_dt_vjp_finish(int64_t B, const float* dt_in, const double* gc, double* gdt)
+ void ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_dt_vjp_finish(int64_t B, const float* restrict dt_in, const double* restrict gc, double* restrict gdt)
 {
     (void)B;
     const double dt = (double)DT(0);
@@ -1021,7 +1021,7 @@ enum { H_ = 32, N_ = 31, D_ = 7, NDT_ = 1, NC_ = 15 };
     GDT(0) = (-0.16666666666666667)*b_k4 + (-3/(dt*dt*dt*dt))*b_t2 + (-2/(dt*dt*dt))*b_t1 + (-1/(dt*dt))*b_t0;
 }
 
- void ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_dt_jvp(int64_t B, const float* u, const float* p0, const float* v0, const float* a0, const float* j0, const int64_t* idx, const float* du, const float* dp0, const float* dv0, const float* da0, const float* dj0, const float* dt_in, const float* ddt_in, float* ty0, float* ty1, float* ty2, float* ty3)
+ void ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_dt_jvp(int64_t B, const float* restrict u, const float* restrict p0, const float* restrict v0, const float* restrict a0, const float* restrict j0, const int64_t* restrict idx, const float* restrict du, const float* restrict dp0, const float* restrict dv0, const float* restrict da0, const float* restrict dj0, const float* restrict dt_in, const float* restrict ddt_in, float* restrict ty0, float* restrict ty1, float* restrict ty2, float* restrict ty3)
 {
     const double dt = (double)DT(0);
     const double d_dt = (double)DDT(0);

@@ -70,7 +70,7 @@ enum { H_ = 32, N_ = 31, D_ = 7, NDT_ = 1, NC_ = 15 };
 
 
 
-extern "C" __global__ void ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_forward(int64_t B, const float* u, const float* p0, const float* v0, const float* a0, const float* j0, const int64_t* idx, const float* dt_in, float* y0, float* y1, float* y2, float* y3)
+extern "C" __global__ void ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_forward(int64_t B, const float* __restrict__ u, const float* __restrict__ p0, const float* __restrict__ v0, const float* __restrict__ a0, const float* __restrict__ j0, const int64_t* __restrict__ idx, const float* __restrict__ dt_in, float* __restrict__ y0, float* __restrict__ y1, float* __restrict__ y2, float* __restrict__ y3)
 {
     const int64_t col = (int64_t)blockIdx.x * (int64_t)blockDim.x + (int64_t)threadIdx.x;
     if (col >= B * D_) return;
@@ -156,7 +156,7 @@ extern "C" __global__ void ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_forw
     }
 }
 
-extern "C" __global__ void ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_adjoint(int64_t B, const float* g0, const float* g1, const float* g2, const float* g3, const float* dt_in, float* gu, float* gp0, float* gv0, float* ga0, float* gj0)
+extern "C" __global__ void ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_adjoint(int64_t B, const float* __restrict__ g0, const float* __restrict__ g1, const float* __restrict__ g2, const float* __restrict__ g3, const float* __restrict__ dt_in, float* __restrict__ gu, float* __restrict__ gp0, float* __restrict__ gv0, float* __restrict__ ga0, float* __restrict__ gj0)
 {
     const int64_t* idx = 0;
     const int64_t col = (int64_t)blockIdx.x * (int64_t)blockDim.x + (int64_t)threadIdx.x;
@@ -203,22 +203,10 @@ extern "C" __global__ void ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_adjo
         for (int64_t r = 0; r < 28; ++r) {
             const int64_t su = uo + r * U_SH, sy = yo + r * Y_SH;
             SGU = (T)0;
-        }
-        if (g0) for (int64_t r = 0; r < 28; ++r) {
-            const int64_t su = uo + r * U_SH, sy = yo + r * Y_SH;
-            SGU += SG0(1);
-        }
-        if (g1) for (int64_t r = 0; r < 28; ++r) {
-            const int64_t su = uo + r * U_SH, sy = yo + r * Y_SH;
-            SGU += c1*SG1(1)+c0*SG1(2);
-        }
-        if (g2) for (int64_t r = 0; r < 28; ++r) {
-            const int64_t su = uo + r * U_SH, sy = yo + r * Y_SH;
-            SGU += c5*SG2(1)+c10*SG2(2)+c5*SG2(3);
-        }
-        if (g3) for (int64_t r = 0; r < 28; ++r) {
-            const int64_t su = uo + r * U_SH, sy = yo + r * Y_SH;
-            SGU += c9*SG3(1)+c13*SG3(2)+c14*SG3(3)+c6*SG3(4);
+            if (g0) SGU += SG0(1);
+            if (g1) SGU += c1*SG1(1)+c0*SG1(2);
+            if (g2) SGU += c5*SG2(1)+c10*SG2(2)+c5*SG2(3);
+            if (g3) SGU += c9*SG3(1)+c13*SG3(2)+c14*SG3(3)+c6*SG3(4);
         }
         const T g0_0 = G0(0);
         const T g1_0 = G1(0);
@@ -486,7 +474,7 @@ extern "C" __global__ void ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_adjo
     }
 }
 
-extern "C" __global__ void ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_dt_vjp(int64_t B, const float* u, const float* p0, const float* v0, const float* a0, const float* j0, const int64_t* idx, const float* g0, const float* g1, const float* g2, const float* g3, const float* dt_in, double* gc)
+extern "C" __global__ void ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_dt_vjp(int64_t B, const float* __restrict__ u, const float* __restrict__ p0, const float* __restrict__ v0, const float* __restrict__ a0, const float* __restrict__ j0, const int64_t* __restrict__ idx, const float* __restrict__ g0, const float* __restrict__ g1, const float* __restrict__ g2, const float* __restrict__ g3, const float* __restrict__ dt_in, double* __restrict__ gc)
 {
     const int64_t col = (int64_t)blockIdx.x * (int64_t)blockDim.x + (int64_t)threadIdx.x;
     double acc[NC_];
@@ -939,7 +927,7 @@ extern "C" __global__ void ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_dt_v
     }
 }
 
-extern "C" __global__ void ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_dt_vjp_finish(int64_t B, const float* dt_in, const double* gc, double* gdt)
+extern "C" __global__ void ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_dt_vjp_finish(int64_t B, const float* __restrict__ dt_in, const double* __restrict__ gc, double* __restrict__ gdt)
 {
     (void)B;
     if (blockIdx.x != 0 || threadIdx.x != 0) return;
@@ -985,7 +973,7 @@ extern "C" __global__ void ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_dt_v
     GDT(0) = (-0.16666666666666667)*b_k4 + (-3/(dt*dt*dt*dt))*b_t2 + (-2/(dt*dt*dt))*b_t1 + (-1/(dt*dt))*b_t0;
 }
 
-extern "C" __global__ void ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_dt_jvp(int64_t B, const float* u, const float* p0, const float* v0, const float* a0, const float* j0, const int64_t* idx, const float* du, const float* dp0, const float* dv0, const float* da0, const float* dj0, const float* dt_in, const float* ddt_in, float* ty0, float* ty1, float* ty2, float* ty3)
+extern "C" __global__ void ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_dt_jvp(int64_t B, const float* __restrict__ u, const float* __restrict__ p0, const float* __restrict__ v0, const float* __restrict__ a0, const float* __restrict__ j0, const int64_t* __restrict__ idx, const float* __restrict__ du, const float* __restrict__ dp0, const float* __restrict__ dv0, const float* __restrict__ da0, const float* __restrict__ dj0, const float* __restrict__ dt_in, const float* __restrict__ ddt_in, float* __restrict__ ty0, float* __restrict__ ty1, float* __restrict__ ty2, float* __restrict__ ty3)
 {
     const int64_t col = (int64_t)blockIdx.x * (int64_t)blockDim.x + (int64_t)threadIdx.x;
     if (col >= B * D_) return;

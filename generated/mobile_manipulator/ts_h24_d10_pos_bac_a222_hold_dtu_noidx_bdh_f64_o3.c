@@ -81,7 +81,7 @@ enum { H_ = 24, N_ = 23, D_ = 10, NDT_ = 1, NC_ = 32 };
  int64_t ts_h24_d10_pos_bac_a222_hold_dtu_noidx_bdh_f64_o3_n_coefficients(void) { return NC_; }
 
 
- void ts_h24_d10_pos_bac_a222_hold_dtu_noidx_bdh_f64_o3_forward(int64_t B, const double* u, const double* p0, const double* v0, const double* a0, const double* j0, const int64_t* idx, const double* dt_in, double* y0, double* y1, double* y2, double* y3)
+ void ts_h24_d10_pos_bac_a222_hold_dtu_noidx_bdh_f64_o3_forward(int64_t B, const double* restrict u, const double* restrict p0, const double* restrict v0, const double* restrict a0, const double* restrict j0, const int64_t* restrict idx, const double* restrict dt_in, double* restrict y0, double* restrict y1, double* restrict y2, double* restrict y3)
 {
     const double dt = (double)DT(0);
     const double t0 = (1.0/dt);
@@ -232,7 +232,7 @@ enum { H_ = 24, N_ = 23, D_ = 10, NDT_ = 1, NC_ = 32 };
     }
 }
 
- void ts_h24_d10_pos_bac_a222_hold_dtu_noidx_bdh_f64_o3_adjoint(int64_t B, const double* g0, const double* g1, const double* g2, const double* g3, const double* dt_in, double* gu, double* gp0, double* gv0, double* ga0, double* gj0)
+ void ts_h24_d10_pos_bac_a222_hold_dtu_noidx_bdh_f64_o3_adjoint(int64_t B, const double* restrict g0, const double* restrict g1, const double* restrict g2, const double* restrict g3, const double* restrict dt_in, double* restrict gu, double* restrict gp0, double* restrict gv0, double* restrict ga0, double* restrict gj0)
 {
     const double dt = (double)DT(0);
     const double t0 = (1.0/dt);
@@ -563,7 +563,7 @@ enum { H_ = 24, N_ = 23, D_ = 10, NDT_ = 1, NC_ = 32 };
     }
 }
 
- void ts_h24_d10_pos_bac_a222_hold_dtu_noidx_bdh_f64_o3_dt_vjp(int64_t B, const double* u, const double* p0, const double* v0, const double* a0, const double* j0, const int64_t* idx, const double* g0, const double* g1, const double* g2, const double* g3, const double* dt_in, double* gc)
+ void ts_h24_d10_pos_bac_a222_hold_dtu_noidx_bdh_f64_o3_dt_vjp(int64_t B, const double* restrict u, const double* restrict p0, const double* restrict v0, const double* restrict a0, const double* restrict j0, const int64_t* restrict idx, const double* restrict g0, const double* restrict g1, const double* restrict g2, const double* restrict g3, const double* restrict dt_in, double* restrict gc)
 {
     const double dt = (double)DT(0);
     const double t0 = (1.0/dt);
@@ -971,7 +971,7 @@ enum { H_ = 24, N_ = 23, D_ = 10, NDT_ = 1, NC_ = 32 };
     for (int i = 0; i < NC_; ++i) gc[i] += acc[i];
 }
 
- void ts_h24_d10_pos_bac_a222_hold_dtu_noidx_bdh_f64_o3_dt_vjp_finish(int64_t B, const double* dt_in, const double* gc, double* gdt)
+ void ts_h24_d10_pos_bac_a222_hold_dtu_noidx_bdh_f64_o3_dt_vjp_finish(int64_t B, const double* restrict dt_in, const double* restrict gc, double* restrict gdt)
 {
     (void)B;
     const double dt = (double)DT(0);
@@ -1058,7 +1058,7 @@ enum { H_ = 24, N_ = 23, D_ = 10, NDT_ = 1, NC_ = 32 };
     GDT(0) = (0.16666666666666667)*b_k17 + (0.66666666666666667)*b_k7 + (0.25)*b_k2 + (-3/(dt*dt*dt*dt))*b_t5 + (2*dt)*b_t2 + (-1/(dt*dt))*b_t0;
 }
 
- void ts_h24_d10_pos_bac_a222_hold_dtu_noidx_bdh_f64_o3_dt_jvp(int64_t B, const double* u, const double* p0, const double* v0, const double* a0, const double* j0, const int64_t* idx, const double* du, const double* dp0, const double* dv0, const double* da0, const double* dj0, const double* dt_in, const double* ddt_in, double* ty0, double* ty1, double* ty2, double* ty3)
+ void ts_h24_d10_pos_bac_a222_hold_dtu_noidx_bdh_f64_o3_dt_jvp(int64_t B, const double* restrict u, const double* restrict p0, const double* restrict v0, const double* restrict a0, const double* restrict j0, const int64_t* restrict idx, const double* restrict du, const double* restrict dp0, const double* restrict dv0, const double* restrict da0, const double* restrict dj0, const double* restrict dt_in, const double* restrict ddt_in, double* restrict ty0, double* restrict ty1, double* restrict ty2, double* restrict ty3)
 {
     const double dt = (double)DT(0);
     const double d_dt = (double)DDT(0);

@@ -70,7 +70,7 @@ enum { H_ = 24, N_ = 23, D_ = 10, NDT_ = 1, NC_ = 32 };
 
 
 
-extern "C" __global__ void ts_h24_d10_pos_bac_a222_hold_dtu_noidx_bdh_f64_o3_forward(int64_t B, const double* u, const double* p0, const double* v0, const double* a0, const double* j0, const int64_t* idx, const double* dt_in, double* y0, double* y1, double* y2, double* y3)
+extern "C" __global__ void ts_h24_d10_pos_bac_a222_hold_dtu_noidx_bdh_f64_o3_forward(int64_t B, const double* __restrict__ u, const double* __restrict__ p0, const double* __restrict__ v0, const double* __restrict__ a0, const double* __restrict__ j0, const int64_t* __restrict__ idx, const double* __restrict__ dt_in, double* __restrict__ y0, double* __restrict__ y1, double* __restrict__ y2, double* __restrict__ y3)
 {
     const int64_t col = (int64_t)blockIdx.x * (int64_t)blockDim.x + (int64_t)threadIdx.x;
     if (col >= B * D_) return;
@@ -200,7 +200,7 @@ extern "C" __global__ void ts_h24_d10_pos_bac_a222_hold_dtu_noidx_bdh_f64_o3_for
     }
 }
 
-extern "C" __global__ void ts_h24_d10_pos_bac_a222_hold_dtu_noidx_bdh_f64_o3_adjoint(int64_t B, const double* g0, const double* g1, const double* g2, const double* g3, const double* dt_in, double* gu, double* gp0, double* gv0, double* ga0, double* gj0)
+extern "C" __global__ void ts_h24_d10_pos_bac_a222_hold_dtu_noidx_bdh_f64_o3_adjoint(int64_t B, const double* __restrict__ g0, const double* __restrict__ g1, const double* __restrict__ g2, const double* __restrict__ g3, const double* __restrict__ dt_in, double* __restrict__ gu, double* __restrict__ gp0, double* __restrict__ gv0, double* __restrict__ ga0, double* __restrict__ gj0)
 {
     const int64_t* idx = 0;
     const int64_t col = (int64_t)blockIdx.x * (int64_t)blockDim.x + (int64_t)threadIdx.x;
@@ -285,22 +285,10 @@ extern "C" __global__ void ts_h24_d10_pos_bac_a222_hold_dtu_noidx_bdh_f64_o3_adj
         for (int64_t r = 0; r < 19; ++r) {
             const int64_t su = uo + r * U_SH, sy = yo + r * Y_SH;
             SGU = (T)0;
-        }
-        if (g0) for (int64_t r = 0; r < 19; ++r) {
-            const int64_t su = uo + r * U_SH, sy = yo + r * Y_SH;
-            SGU += SG0(1);
-        }
-        if (g1) for (int64_t r = 0; r < 19; ++r) {
-            const int64_t su = uo + r * U_SH, sy = yo + r * Y_SH;
-            SGU += c4*SG1(1)+c6*SG1(2)+c14*SG1(3);
-        }
-        if (g2) for (int64_t r = 0; r < 19; ++r) {
-            const int64_t su = uo + r * U_SH, sy = yo + r * Y_SH;
-            SGU += c8*SG2(1)+c18*SG2(2)+c20*SG2(3)+c24*SG2(4);
-        }
-        if (g3) for (int64_t r = 0; r < 19; ++r) {
-            const int64_t su = uo + r * U_SH, sy = yo + r * Y_SH;
-            SGU += c13*SG3(1)+c23*SG3(2)+c29*SG3(3)+c31*SG3(4)+c30*SG3(5);
+            if (g0) SGU += SG0(1);
+            if (g1) SGU += c4*SG1(1)+c6*SG1(2)+c14*SG1(3);
+            if (g2) SGU += c8*SG2(1)+c18*SG2(2)+c20*SG2(3)+c24*SG2(4);
+            if (g3) SGU += c13*SG3(1)+c23*SG3(2)+c29*SG3(3)+c31*SG3(4)+c30*SG3(5);
         }
         const T g0_0 = G0(0);
         const T g1_0 = G1(0);
@@ -505,7 +493,7 @@ extern "C" __global__ void ts_h24_d10_pos_bac_a222_hold_dtu_noidx_bdh_f64_o3_adj
     }
 }
 
-extern "C" __global__ void ts_h24_d10_pos_bac_a222_hold_dtu_noidx_bdh_f64_o3_dt_vjp(int64_t B, const double* u, const double* p0, const double* v0, const double* a0, const double* j0, const int64_t* idx, const double* g0, const double* g1, const double* g2, const double* g3, const double* dt_in, double* gc)
+extern "C" __global__ void ts_h24_d10_pos_bac_a222_hold_dtu_noidx_bdh_f64_o3_dt_vjp(int64_t B, const double* __restrict__ u, const double* __restrict__ p0, const double* __restrict__ v0, const double* __restrict__ a0, const double* __restrict__ j0, const int64_t* __restrict__ idx, const double* __restrict__ g0, const double* __restrict__ g1, const double* __restrict__ g2, const double* __restrict__ g3, const double* __restrict__ dt_in, double* __restrict__ gc)
 {
     const int64_t col = (int64_t)blockIdx.x * (int64_t)blockDim.x + (int64_t)threadIdx.x;
     double acc[NC_];
@@ -916,7 +904,7 @@ extern "C" __global__ void ts_h24_d10_pos_bac_a222_hold_dtu_noidx_bdh_f64_o3_dt_
     }
 }
 
-extern "C" __global__ void ts_h24_d10_pos_bac_a222_hold_dtu_noidx_bdh_f64_o3_dt_vjp_finish(int64_t B, const double* dt_in, const double* gc, double* gdt)
+extern "C" __global__ void ts_h24_d10_pos_bac_a222_hold_dtu_noidx_bdh_f64_o3_dt_vjp_finish(int64_t B, const double* __restrict__ dt_in, const double* __restrict__ gc, double* __restrict__ gdt)
 {
     (void)B;
     if (blockIdx.x != 0 || threadIdx.x != 0) return;
@@ -1004,7 +992,7 @@ extern "C" __global__ void ts_h24_d10_pos_bac_a222_hold_dtu_noidx_bdh_f64_o3_dt_
     GDT(0) = (0.16666666666666667)*b_k17 + (0.66666666666666667)*b_k7 + (0.25)*b_k2 + (-3/(dt*dt*dt*dt))*b_t5 + (2*dt)*b_t2 + (-1/(dt*dt))*b_t0;
 }
 
-extern "C" __global__ void ts_h24_d10_pos_bac_a222_hold_dtu_noidx_bdh_f64_o3_dt_jvp(int64_t B, const double* u, const double* p0, const double* v0, const double* a0, const double* j0, const int64_t* idx, const double* du, const double* dp0, const double* dv0, const double* da0, const double* dj0, const double* dt_in, const double* ddt_in, double* ty0, double* ty1, double* ty2, double* ty3)
+extern "C" __global__ void ts_h24_d10_pos_bac_a222_hold_dtu_noidx_bdh_f64_o3_dt_jvp(int64_t B, const double* __restrict__ u, const double* __restrict__ p0, const double* __restrict__ v0, const double* __restrict__ a0, const double* __restrict__ j0, const int64_t* __restrict__ idx, const double* __restrict__ du, const double* __restrict__ dp0, const double* __restrict__ dv0, const double* __restrict__ da0, const double* __restrict__ dj0, const double* __restrict__ dt_in, const double* __restrict__ ddt_in, double* __restrict__ ty0, double* __restrict__ ty1, double* __restrict__ ty2, double* __restrict__ ty3)
 {
     const int64_t col = (int64_t)blockIdx.x * (int64_t)blockDim.x + (int64_t)threadIdx.x;
     if (col >= B * D_) return;

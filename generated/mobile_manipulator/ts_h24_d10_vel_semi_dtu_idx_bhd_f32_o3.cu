@@ -70,7 +70,7 @@ enum { H_ = 24, N_ = 23, D_ = 10, NDT_ = 1, NC_ = 3 };
 
 
 
-extern "C" __global__ void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_forward(int64_t B, const float* u, const float* p0, const float* v0, const float* a0, const float* j0, const int64_t* idx, const float* dt_in, float* y0, float* y1, float* y2, float* y3)
+extern "C" __global__ void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_forward(int64_t B, const float* __restrict__ u, const float* __restrict__ p0, const float* __restrict__ v0, const float* __restrict__ a0, const float* __restrict__ j0, const int64_t* __restrict__ idx, const float* __restrict__ dt_in, float* __restrict__ y0, float* __restrict__ y1, float* __restrict__ y2, float* __restrict__ y3)
 {
     const int64_t col = (int64_t)blockIdx.x * (int64_t)blockDim.x + (int64_t)threadIdx.x;
     if (col >= B * D_) return;
@@ -285,7 +285,7 @@ extern "C" __global__ void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_forward(int64_
     }
 }
 
-extern "C" __global__ void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_adjoint(int64_t B, const float* g0, const float* g1, const float* g2, const float* g3, const float* dt_in, float* gu, float* gp0, float* gv0, float* ga0, float* gj0)
+extern "C" __global__ void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_adjoint(int64_t B, const float* __restrict__ g0, const float* __restrict__ g1, const float* __restrict__ g2, const float* __restrict__ g3, const float* __restrict__ dt_in, float* __restrict__ gu, float* __restrict__ gp0, float* __restrict__ gv0, float* __restrict__ ga0, float* __restrict__ gj0)
 {
     const int64_t* idx = 0;
     const int64_t col = (int64_t)blockIdx.x * (int64_t)blockDim.x + (int64_t)threadIdx.x;
@@ -524,7 +524,7 @@ extern "C" __global__ void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_adjoint(int64_
     }
 }
 
-extern "C" __global__ void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_dt_vjp(int64_t B, const float* u, const float* p0, const float* v0, const float* a0, const float* j0, const int64_t* idx, const float* g0, const float* g1, const float* g2, const float* g3, const float* dt_in, double* gc)
+extern "C" __global__ void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_dt_vjp(int64_t B, const float* __restrict__ u, const float* __restrict__ p0, const float* __restrict__ v0, const float* __restrict__ a0, const float* __restrict__ j0, const int64_t* __restrict__ idx, const float* __restrict__ g0, const float* __restrict__ g1, const float* __restrict__ g2, const float* __restrict__ g3, const float* __restrict__ dt_in, double* __restrict__ gc)
 {
     const int64_t col = (int64_t)blockIdx.x * (int64_t)blockDim.x + (int64_t)threadIdx.x;
     double acc[NC_];
@@ -845,7 +845,7 @@ extern "C" __global__ void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_dt_vjp(int64_t
     }
 }
 
-extern "C" __global__ void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_dt_vjp_finish(int64_t B, const float* dt_in, const double* gc, double* gdt)
+extern "C" __global__ void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_dt_vjp_finish(int64_t B, const float* __restrict__ dt_in, const double* __restrict__ gc, double* __restrict__ gdt)
 {
     (void)B;
     if (blockIdx.x != 0 || threadIdx.x != 0) return;
@@ -861,7 +861,7 @@ extern "C" __global__ void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_dt_vjp_finish(
     GDT(0) = (1)*b_k0 + (-1/(dt*dt))*b_t0;
 }
 
-extern "C" __global__ void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_dt_jvp(int64_t B, const float* u, const float* p0, const float* v0, const float* a0, const float* j0, const int64_t* idx, const float* du, const float* dp0, const float* dv0, const float* da0, const float* dj0, const float* dt_in, const float* ddt_in, float* ty0, float* ty1, float* ty2, float* ty3)
+extern "C" __global__ void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_dt_jvp(int64_t B, const float* __restrict__ u, const float* __restrict__ p0, const float* __restrict__ v0, const float* __restrict__ a0, const float* __restrict__ j0, const int64_t* __restrict__ idx, const float* __restrict__ du, const float* __restrict__ dp0, const float* __restrict__ dv0, const float* __restrict__ da0, const float* __restrict__ dj0, const float* __restrict__ dt_in, const float* __restrict__ ddt_in, float* __restrict__ ty0, float* __restrict__ ty1, float* __restrict__ ty2, float* __restrict__ ty3)
 {
     const int64_t col = (int64_t)blockIdx.x * (int64_t)blockDim.x + (int64_t)threadIdx.x;
     if (col >= B * D_) return;

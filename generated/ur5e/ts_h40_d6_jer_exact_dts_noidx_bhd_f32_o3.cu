@@ -70,7 +70,7 @@ enum { H_ = 40, N_ = 39, D_ = 6, NDT_ = 40, NC_ = 117 };
 
 
 
-extern "C" __global__ void ts_h40_d6_jer_exact_dts_noidx_bhd_f32_o3_forward(int64_t B, const float* u, const float* p0, const float* v0, const float* a0, const float* j0, const int64_t* idx, const float* dt_in, float* y0, float* y1, float* y2, float* y3)
+extern "C" __global__ void ts_h40_d6_jer_exact_dts_noidx_bhd_f32_o3_forward(int64_t B, const float* __restrict__ u, const float* __restrict__ p0, const float* __restrict__ v0, const float* __restrict__ a0, const float* __restrict__ j0, const int64_t* __restrict__ idx, const float* __restrict__ dt_in, float* __restrict__ y0, float* __restrict__ y1, float* __restrict__ y2, float* __restrict__ y3)
 {
     const int64_t col = (int64_t)blockIdx.x * (int64_t)blockDim.x + (int64_t)threadIdx.x;
     if (col >= B * D_) return;
@@ -679,7 +679,7 @@ extern "C" __global__ void ts_h40_d6_jer_exact_dts_noidx_bhd_f32_o3_forward(int6
     }
 }
 
-extern "C" __global__ void ts_h40_d6_jer_exact_dts_noidx_bhd_f32_o3_adjoint(int64_t B, const float* g0, const float* g1, const float* g2, const float* g3, const float* dt_in, float* gu, float* gp0, float* gv0, float* ga0, float* gj0)
+extern "C" __global__ void ts_h40_d6_jer_exact_dts_noidx_bhd_f32_o3_adjoint(int64_t B, const float* __restrict__ g0, const float* __restrict__ g1, const float* __restrict__ g2, const float* __restrict__ g3, const float* __restrict__ dt_in, float* __restrict__ gu, float* __restrict__ gp0, float* __restrict__ gv0, float* __restrict__ ga0, float* __restrict__ gj0)
 {
     const int64_t* idx = 0;
     const int64_t col = (int64_t)blockIdx.x * (int64_t)blockDim.x + (int64_t)threadIdx.x;
@@ -1328,7 +1328,7 @@ extern "C" __global__ void ts_h40_d6_jer_exact_dts_noidx_bhd_f32_o3_adjoint(int6
     }
 }
 
-extern "C" __global__ void ts_h40_d6_jer_exact_dts_noidx_bhd_f32_o3_dt_vjp(int64_t B, const float* u, const float* p0, const float* v0, const float* a0, const float* j0, const int64_t* idx, const float* g0, const float* g1, const float* g2, const float* g3, const float* dt_in, double* gc)
+extern "C" __global__ void ts_h40_d6_jer_exact_dts_noidx_bhd_f32_o3_dt_vjp(int64_t B, const float* __restrict__ u, const float* __restrict__ p0, const float* __restrict__ v0, const float* __restrict__ a0, const float* __restrict__ j0, const int64_t* __restrict__ idx, const float* __restrict__ g0, const float* __restrict__ g1, const float* __restrict__ g2, const float* __restrict__ g3, const float* __restrict__ dt_in, double* __restrict__ gc)
 {
     const int64_t col = (int64_t)blockIdx.x * (int64_t)blockDim.x + (int64_t)threadIdx.x;
     double acc[NC_];
@@ -2221,7 +2221,7 @@ extern "C" __global__ void ts_h40_d6_jer_exact_dts_noidx_bhd_f32_o3_dt_vjp(int64
     }
 }
 
-extern "C" __global__ void ts_h40_d6_jer_exact_dts_noidx_bhd_f32_o3_dt_vjp_finish(int64_t B, const float* dt_in, const double* gc, double* gdt)
+extern "C" __global__ void ts_h40_d6_jer_exact_dts_noidx_bhd_f32_o3_dt_vjp_finish(int64_t B, const float* __restrict__ dt_in, const double* __restrict__ gc, double* __restrict__ gdt)
 {
     (void)B;
     if (blockIdx.x != 0 || threadIdx.x != 0) return;
@@ -2541,7 +2541,7 @@ extern "C" __global__ void ts_h40_d6_jer_exact_dts_noidx_bhd_f32_o3_dt_vjp_finis
     GDT(39) = ((1.0/2.0)*(dt_39*dt_39))*b_k116 + (dt_39)*b_k115 + (1)*b_k114;
 }
 
-extern "C" __global__ void ts_h40_d6_jer_exact_dts_noidx_bhd_f32_o3_dt_jvp(int64_t B, const float* u, const float* p0, const float* v0, const float* a0, const float* j0, const int64_t* idx, const float* du, const float* dp0, const float* dv0, const float* da0, const float* dj0, const float* dt_in, const float* ddt_in, float* ty0, float* ty1, float* ty2, float* ty3)
+extern "C" __global__ void ts_h40_d6_jer_exact_dts_noidx_bhd_f32_o3_dt_jvp(int64_t B, const float* __restrict__ u, const float* __restrict__ p0, const float* __restrict__ v0, const float* __restrict__ a0, const float* __restrict__ j0, const int64_t* __restrict__ idx, const float* __restrict__ du, const float* __restrict__ dp0, const float* __restrict__ dv0, const float* __restrict__ da0, const float* __restrict__ dj0, const float* __restrict__ dt_in, const float* __restrict__ ddt_in, float* __restrict__ ty0, float* __restrict__ ty1, float* __restrict__ ty2, float* __restrict__ ty3)
 {
     const int64_t col = (int64_t)blockIdx.x * (int64_t)blockDim.x + (int64_t)threadIdx.x;
     if (col >= B * D_) return;

@@ -70,7 +70,7 @@ enum { H_ = 40, N_ = 39, D_ = 6, NDT_ = 1, NC_ = 49 };
 
 
 
-extern "C" __global__ void ts_h40_d6_pos_cen_a442_onesided_dtu_noidx_bhd_f32_o3_forward(int64_t B, const float* u, const float* p0, const float* v0, const float* a0, const float* j0, const int64_t* idx, const float* dt_in, float* y0, float* y1, float* y2, float* y3)
+extern "C" __global__ void ts_h40_d6_pos_cen_a442_onesided_dtu_noidx_bhd_f32_o3_forward(int64_t B, const float* __restrict__ u, const float* __restrict__ p0, const float* __restrict__ v0, const float* __restrict__ a0, const float* __restrict__ j0, const int64_t* __restrict__ idx, const float* __restrict__ dt_in, float* __restrict__ y0, float* __restrict__ y1, float* __restrict__ y2, float* __restrict__ y3)
 {
     const int64_t col = (int64_t)blockIdx.x * (int64_t)blockDim.x + (int64_t)threadIdx.x;
     if (col >= B * D_) return;
@@ -196,13 +196,7 @@ extern "C" __global__ void ts_h40_d6_pos_cen_a442_onesided_dtu_noidx_bhd_f32_o3_
         for (int64_t r = 3; r < 38; ++r) {
             const int64_t su = uo + r * U_SH, sy = yo + r * Y_SH;
             SY1 = c7*SU(-3)+c18*SU(-2)+c4*SU(0)+c5*SU(1);
-        }
-        for (int64_t r = 3; r < 38; ++r) {
-            const int64_t su = uo + r * U_SH, sy = yo + r * Y_SH;
             SY2 = c12*SU(-3)+c11*SU(-2)+c10*SU(-1)+c11*SU(0)+c12*SU(1);
-        }
-        for (int64_t r = 3; r < 38; ++r) {
-            const int64_t su = uo + r * U_SH, sy = yo + r * Y_SH;
             SY3 = c19*SU(-3)+c20*SU(-2)+c17*SU(0)+c13*SU(1);
         }
         const T s0 = S0;
@@ -244,7 +238,7 @@ extern "C" __global__ void ts_h40_d6_pos_cen_a442_onesided_dtu_noidx_bhd_f32_o3_
     }
 }
 
-extern "C" __global__ void ts_h40_d6_pos_cen_a442_onesided_dtu_noidx_bhd_f32_o3_adjoint(int64_t B, const float* g0, const float* g1, const float* g2, const float* g3, const float* dt_in, float* gu, float* gp0, float* gv0, float* ga0, float* gj0)
+extern "C" __global__ void ts_h40_d6_pos_cen_a442_onesided_dtu_noidx_bhd_f32_o3_adjoint(int64_t B, const float* __restrict__ g0, const float* __restrict__ g1, const float* __restrict__ g2, const float* __restrict__ g3, const float* __restrict__ dt_in, float* __restrict__ gu, float* __restrict__ gp0, float* __restrict__ gv0, float* __restrict__ ga0, float* __restrict__ gj0)
 {
     const int64_t* idx = 0;
     const int64_t col = (int64_t)blockIdx.x * (int64_t)blockDim.x + (int64_t)threadIdx.x;
@@ -367,22 +361,10 @@ extern "C" __global__ void ts_h40_d6_pos_cen_a442_onesided_dtu_noidx_bhd_f32_o3_
         for (int64_t r = 2; r < 33; ++r) {
             const int64_t su = uo + r * U_SH, sy = yo + r * Y_SH;
             SGU = (T)0;
-        }
-        if (g0) for (int64_t r = 2; r < 33; ++r) {
-            const int64_t su = uo + r * U_SH, sy = yo + r * Y_SH;
-            SGU += SG0(1);
-        }
-        if (g1) for (int64_t r = 2; r < 33; ++r) {
-            const int64_t su = uo + r * U_SH, sy = yo + r * Y_SH;
-            SGU += c5*SG1(-1)+c4*SG1(0)+c18*SG1(2)+c7*SG1(3);
-        }
-        if (g2) for (int64_t r = 2; r < 33; ++r) {
-            const int64_t su = uo + r * U_SH, sy = yo + r * Y_SH;
-            SGU += c12*SG2(-1)+c11*SG2(0)+c10*SG2(1)+c11*SG2(2)+c12*SG2(3);
-        }
-        if (g3) for (int64_t r = 2; r < 33; ++r) {
-            const int64_t su = uo + r * U_SH, sy = yo + r * Y_SH;
-            SGU += c13*SG3(-1)+c17*SG3(0)+c20*SG3(2)+c19*SG3(3);
+            if (g0) SGU += SG0(1);
+            if (g1) SGU += c5*SG1(-1)+c4*SG1(0)+c18*SG1(2)+c7*SG1(3);
+            if (g2) SGU += c12*SG2(-1)+c11*SG2(0)+c10*SG2(1)+c11*SG2(2)+c12*SG2(3);
+            if (g3) SGU += c13*SG3(-1)+c17*SG3(0)+c20*SG3(2)+c19*SG3(3);
         }
         const T g0_0 = G0(0);
         const T g1_0 = G1(0);
@@ -719,7 +701,7 @@ extern "C" __global__ void ts_h40_d6_pos_cen_a442_onesided_dtu_noidx_bhd_f32_o3_
     }
 }
 
-extern "C" __global__ void ts_h40_d6_pos_cen_a442_onesided_dtu_noidx_bhd_f32_o3_dt_vjp(int64_t B, const float* u, const float* p0, const float* v0, const float* a0, const float* j0, const int64_t* idx, const float* g0, const float* g1, const float* g2, const float* g3, const float* dt_in, double* gc)
+extern "C" __global__ void ts_h40_d6_pos_cen_a442_onesided_dtu_noidx_bhd_f32_o3_dt_vjp(int64_t B, const float* __restrict__ u, const float* __restrict__ p0, const float* __restrict__ v0, const float* __restrict__ a0, const float* __restrict__ j0, const int64_t* __restrict__ idx, const float* __restrict__ g0, const float* __restrict__ g1, const float* __restrict__ g2, const float* __restrict__ g3, const float* __restrict__ dt_in, double* __restrict__ gc)
 {
     const int64_t col = (int64_t)blockIdx.x * (int64_t)blockDim.x + (int64_t)threadIdx.x;
     double acc[NC_];
@@ -1378,7 +1360,7 @@ extern "C" __global__ void ts_h40_d6_pos_cen_a442_onesided_dtu_noidx_bhd_f32_o3_
     }
 }
 
-extern "C" __global__ void ts_h40_d6_pos_cen_a442_onesided_dtu_noidx_bhd_f32_o3_dt_vjp_finish(int64_t B, const float* dt_in, const double* gc, double* gdt)
+extern "C" __global__ void ts_h40_d6_pos_cen_a442_onesided_dtu_noidx_bhd_f32_o3_dt_vjp_finish(int64_t B, const float* __restrict__ dt_in, const double* __restrict__ gc, double* __restrict__ gdt)
 {
     (void)B;
     if (blockIdx.x != 0 || threadIdx.x != 0) return;
@@ -1508,7 +1490,7 @@ extern "C" __global__ void ts_h40_d6_pos_cen_a442_onesided_dtu_noidx_bhd_f32_o3_
     GDT(0) = (-(15.0/2.0)/(dt*dt*dt*dt))*b_k48 + (0.013888888888888889)*b_k9 + (0.041666666666666667)*b_k2 + (-3/(dt*dt*dt*dt))*b_t7 + (2*dt)*b_t1 + (-1/(dt*dt))*b_t0;
 }
 
-extern "C" __global__ void ts_h40_d6_pos_cen_a442_onesided_dtu_noidx_bhd_f32_o3_dt_jvp(int64_t B, const float* u, const float* p0, const float* v0, const float* a0, const float* j0, const int64_t* idx, const float* du, const float* dp0, const float* dv0, const float* da0, const float* dj0, const float* dt_in, const float* ddt_in, float* ty0, float* ty1, float* ty2, float* ty3)
+extern "C" __global__ void ts_h40_d6_pos_cen_a442_onesided_dtu_noidx_bhd_f32_o3_dt_jvp(int64_t B, const float* __restrict__ u, const float* __restrict__ p0, const float* __restrict__ v0, const float* __restrict__ a0, const float* __restrict__ j0, const int64_t* __restrict__ idx, const float* __restrict__ du, const float* __restrict__ dp0, const float* __restrict__ dv0, const float* __restrict__ da0, const float* __restrict__ dj0, const float* __restrict__ dt_in, const float* __restrict__ ddt_in, float* __restrict__ ty0, float* __restrict__ ty1, float* __restrict__ ty2, float* __restrict__ ty3)
 {
     const int64_t col = (int64_t)blockIdx.x * (int64_t)blockDim.x + (int64_t)threadIdx.x;
     if (col >= B * D_) return;
