@@ -81,7 +81,7 @@ class _Coefficients:
     def __init__(self, op: Operator):
         self.dt_syms = op.dt_symbols
         self.base = list(op.program)
-        self.names: dict[sp.Expr, str] = {}
+        self.names: dict[sp.Expr, int] = {}
         for coef in op.coefficients():  # fixed names, shared by every kernel of the operator
             self.name(coef)
 
@@ -91,10 +91,16 @@ class _Coefficients:
             self._varying = set(self.dt_syms) | {s for s, _ in self.base}
         return bool(expr.free_symbols & self._varying)
 
-    def name(self, expr: sp.Expr) -> str:
+    def index(self, expr: sp.Expr) -> int:
+        """Slot of a coefficient in the kernel's coefficient table."""
         if expr not in self.names:
-            self.names[expr] = f"c{len(self.names)}"
+            self.names[expr] = len(self.names)
         return self.names[expr]
+
+    def name(self, expr: sp.Expr) -> str:
+        """A coefficient as the body reads it: from the table (not one local per coefficient,
+        which makes compile time superlinear in the horizon)."""
+        return f"C({self.index(expr)})"
 
     def term(self, coef: sp.Expr, operand: str) -> str:
         """A signed product 'coef*operand' (units inlined)."""
@@ -109,7 +115,7 @@ class _Coefficients:
         return self.program()
 
     def program(self) -> list[tuple[sp.Symbol, sp.Expr]]:
-        """Assignments computing k<q> (the value of c<q>) from the dt symbols."""
+        """Assignments computing k<q> (the value of C(q)) from the dt symbols."""
         exprs = list(self.names)
         temps = sp.numbered_symbols("t")
         lines: list[tuple[sp.Symbol, sp.Expr]] = list(self.base)
@@ -126,22 +132,22 @@ class _Coefficients:
             lines += [f"const double d_{s} = (double)DDT({i});" for i, s in enumerate(self.dt_syms)]
         return lines
 
-    def _casts(self, prefix: str, source: str) -> list[str]:
-        return [f"const T {prefix}{q} = (T)({source}{q});" for q in range(len(self.names))]
+    def _casts(self, table: str, source: str) -> list[str]:
+        return [f"{table}({q}) = (T)({source}{q});" for q in range(len(self.names))]
 
     def preamble(self) -> list[str]:
-        """Values c<q> (type T)."""
+        """The coefficient table C(q) (type T)."""
         body = [f"const double {s} = {c_expr(e)};" for s, e in self.lines]
-        return self._inputs() + body + self._casts("c", "k")
+        return self._inputs() + body + self._casts("C", "k")
 
     def tangent_preamble(self) -> list[str]:
-        """Values c<q> and their dt-tangents cd<q> = Σ_m ∂c/∂dt_m · ddt_m (forward mode)."""
+        """The table C(q) and the dt-tangents CD(q) = Σ_m ∂C(q)/∂dt_m · ddt_m (forward mode)."""
         lines = self._inputs(tangent=True)
         for s, e in self.lines:
             lines.append(f"const double {s} = {c_expr(e)};")
             parts = [f"({c_expr(sp.diff(e, a))})*d_{a}" for a in sorted(e.free_symbols, key=str)]
             lines.append(f"const double d_{s} = {' + '.join(parts) if parts else '0.0'};")
-        return lines + self._casts("c", "k") + self._casts("cd", "d_k")
+        return lines + self._casts("C", "k") + self._casts("CD", "d_k")
 
     def reverse_program(self) -> list[str]:
         """gdt from GC(q) = ∂L/∂c<q> by reverse accumulation over the program's lines."""
@@ -299,7 +305,7 @@ def _dt_vjp(op: Operator, coefs: _Coefficients) -> KernelCode:
     for row in op.rows:
         for c, ref in row.terms:
             if coefs.varies(c):
-                uses[coefs.name(c)[1:]].append(f"yb{row.k}_{row.h}*{_var(ref)}")
+                uses[coefs.index(c)].append(f"yb{row.k}_{row.h}*{_var(ref)}")
     body += [f"ACC({q}) += (double)({' + '.join(parts)});" for q, parts in uses.items()]
     return KernelCode(coefs.preamble(), body)
 
@@ -311,7 +317,7 @@ def _dt_jvp(op: Operator, coefs: _Coefficients) -> KernelCode:
         parts = []
         for c, ref in row.terms:
             if coefs.varies(c):
-                parts.append(f"+cd{coefs.name(c)[1:]}*{_var(ref)}")
+                parts.append(f"+CD({coefs.index(c)})*{_var(ref)}")
             parts.append(coefs.term(c, _var(ref, "t")))
         body.append(f"const T ty{row.k}_{row.h} = {_sum(parts)};")
         body.append(f"TY{row.k}({row.h}) = ty{row.k}_{row.h};")
