@@ -53,6 +53,7 @@ class Loop:
     stop: int
     lines: list[str]
     guard: str = ""
+    row_dependent: bool = False  # coefficients change with the row (per-step dt): loop over r
 
     @property
     def span(self) -> tuple[int, int]:
@@ -136,9 +137,15 @@ class _Coefficients:
         return [f"{table}({q}) = (T)({source}{q});" for q in range(len(self.names))]
 
     def preamble(self) -> list[str]:
-        """The coefficient table C(q) (type T)."""
-        body = [f"const double {s} = {c_expr(e)};" for s, e in self.lines]
-        return self._inputs() + body + self._casts("C", "k")
+        """Statements filling the coefficient table C(q) (type T); each value is stored as soon
+        as it is computed, so no more than one CSE chunk is live at a time."""
+        lines = self._inputs()
+        for s, e in self.lines:
+            if s.name.startswith("k"):
+                lines.append(f"C({s.name[1:]}) = (T)({c_expr(e)});")
+            else:
+                lines.append(f"const double {s} = {c_expr(e)};")
+        return lines
 
     def tangent_preamble(self) -> list[str]:
         """The table C(q) and the dt-tangents CD(q) = Σ_m ∂C(q)/∂dt_m · ddt_m (forward mode)."""
@@ -217,19 +224,35 @@ def _adjoint_lines(op: Operator, coefs: _Coefficients) -> tuple[list[str], dict[
 
 MIN_LOOP = 3  # shorter runs of identical rows stay straight-line
 
+# A row's terms as loop material: a shape (offsets and unit coefficients, same along a run)
+# and the coefficient-table slot of every other coefficient (advancing by one stride per row).
+Shape = tuple
+Slots = tuple
 
-def _runs(signatures: dict[int, tuple | None]) -> list[tuple[int, int, tuple]]:
-    """Maximal runs [start, stop) of consecutive indices with one (non-None) signature."""
+
+def _runs(rows: dict[int, tuple[Shape, Slots] | None]) -> list[tuple[int, int, Shape, Slots, int]]:
+    """Maximal runs [start, stop) of consecutive indices with one shape whose slots advance by a
+    constant stride (0 for uniform dt, where rows share coefficients)."""
     runs = []
-    index = sorted(signatures)
+    index = sorted(rows)
     i = 0
     while i < len(index):
-        sig = signatures[index[i]]
-        j = i
-        while j + 1 < len(index) and index[j + 1] == index[j] + 1 and signatures[index[j + 1]] == sig:
+        if rows[index[i]] is None:
+            i += 1
+            continue
+        shape, slots0 = rows[index[i]]
+        stride, j = None, i
+        while j + 1 < len(index) and index[j + 1] == index[j] + 1 and rows[index[j + 1]] is not None:
+            nxt_shape, nxt_slots = rows[index[j + 1]]
+            if nxt_shape != shape:
+                break
+            steps = {b - a for a, b in zip(rows[index[j]][1], nxt_slots) if a is not None}
+            if len(steps) > 1 or (stride is not None and steps and steps != {stride}):
+                break
+            stride = next(iter(steps), 0) if stride is None else stride
             j += 1
-        if sig is not None and j - i + 1 >= MIN_LOOP:
-            runs.append((index[i], index[j] + 1, sig))
+        if j - i + 1 >= MIN_LOOP:
+            runs.append((index[i], index[j] + 1, shape, slots0, stride or 0))
         i = j + 1
     return runs
 
@@ -239,20 +262,36 @@ def _is_stencil(op: Operator) -> bool:
     return all(ref[0] != "y" for row in op.rows for _, ref in row.terms)
 
 
+def _coefficient(coefs: _Coefficients, coef: sp.Expr) -> tuple[sp.Expr | None, int | None]:
+    """(literal, None) for units, (None, slot) for table coefficients."""
+    return (coef, None) if coef in (ONE, MINUS_ONE) else (None, coefs.index(coef))
+
+
+def _loop_term(lit: sp.Expr | None, slot: int | None, stride: int, start: int, operand: str) -> str:
+    if lit is not None:
+        return f"+{operand}" if lit == ONE else f"-{operand}"
+    if stride == 0:
+        return f"+C({slot})*{operand}"
+    return f"+C({slot} + {stride} * (r - {start}))*{operand}"
+
+
 def _forward_loops(op: Operator, coefs: _Coefficients) -> tuple[list[Loop], set[tuple[int, int]]]:
     """Interior rows whose terms are the same up to a shift in the action index."""
     loops, covered = [], set()
     if not _is_stencil(op):
         return loops, covered
     for k in range(op.n_outputs):
-        sigs = {}
+        rows = {}
         for row in op.rows:
             if row.k == k and row.h > 0:
-                ok = row.terms and all(ref[0] == "u" for _, ref in row.terms)
-                sigs[row.h] = tuple((c, ref[1] - row.h) for c, ref in row.terms) if ok else None
-        for start, stop, sig in _runs(sigs):
-            value = _sum([coefs.term(c, f"SU({rel})") for c, rel in sig])
-            loops.append(Loop(start, stop, [f"SY{k} = {value};"]))
+                if not row.terms or any(ref[0] != "u" for _, ref in row.terms):
+                    rows[row.h] = None
+                    continue
+                parts = [(ref[1] - row.h, *_coefficient(coefs, c)) for c, ref in row.terms]
+                rows[row.h] = (tuple((rel, lit) for rel, lit, _ in parts), tuple(slot for _, _, slot in parts))
+        for start, stop, shape, slots, stride in _runs(rows):
+            value = _sum([_loop_term(lit, slot, stride, start, f"SU({rel})") for (rel, lit), slot in zip(shape, slots)])
+            loops.append(Loop(start, stop, [f"SY{k} = {value};"], row_dependent=stride != 0))
             covered.update((k, h) for h in range(start, stop))
     return loops, covered
 
@@ -267,15 +306,23 @@ def _adjoint_loops(op: Operator, coefs: _Coefficients) -> tuple[list[Loop], set[
     for row in op.rows:
         for c, ref in row.terms:
             if ref[0] == "u":
-                gathers[ref[1]].append((row.k, row.h - ref[1], c))
-    sigs = {j: tuple(sorted(gathers[j], key=lambda t: (t[0], t[1]))) or None for j in range(op.n_actions)}
-    for start, stop, sig in _runs(sigs):
-        loops.append(Loop(start, stop, ["SGU = (T)0;"]))
-        for k in sorted({t[0] for t in sig}):
-            value = _sum([coefs.term(c, f"SG{k}({rel})") for kk, rel, c in sig if kk == k])
-            loops.append(Loop(start, stop, [f"SGU += {value};"], guard=f"g{k}"))
+                gathers[ref[1]].append((row.k, row.h - ref[1], *_coefficient(coefs, c)))
+    rows = {}
+    for j in range(op.n_actions):
+        parts = sorted(gathers[j], key=lambda t: (t[0], t[1]))
+        rows[j] = (tuple((k, rel, lit) for k, rel, lit, _ in parts), tuple(slot for *_, slot in parts)) if parts else None
+    for start, stop, shape, slots, stride in _runs(rows):
+        dependent = stride != 0
+        loops.append(Loop(start, stop, ["SGU = (T)0;"], row_dependent=dependent))
+        for k in sorted({kk for kk, _, _ in shape}):
+            value = _sum([_loop_term(lit, slot, stride, start, f"SG{k}({rel})")
+                          for (kk, rel, lit), slot in zip(shape, slots) if kk == k])
+            loops.append(Loop(start, stop, [f"SGU += {value};"], guard=f"g{k}", row_dependent=dependent))
         covered.update(range(start, stop))
     return loops, covered
+
+
+TABLE_CALL = ["COEFFICIENTS(dt_in, coef);"]  # the shared table function (templates define it)
 
 
 def _forward(op: Operator, coefs: _Coefficients) -> KernelCode:
@@ -284,7 +331,7 @@ def _forward(op: Operator, coefs: _Coefficients) -> KernelCode:
     for line, row in zip(_forward_lines(op, coefs, store=False), op.rows):
         if (row.k, row.h) not in covered:
             body += [line, f"Y{row.k}({row.h}) = y{row.k}_{row.h};"]
-    return KernelCode(coefs.preamble(), body, loops)
+    return KernelCode(TABLE_CALL, body, loops)
 
 
 def _adjoint(op: Operator, coefs: _Coefficients) -> KernelCode:
@@ -292,7 +339,7 @@ def _adjoint(op: Operator, coefs: _Coefficients) -> KernelCode:
     lines, contributions = _adjoint_lines(op, coefs)
     lines += [f"GU({j}, {_sum(contributions.get(('u', j), []))});" for j in range(op.n_actions) if j not in covered]
     lines += [f"GS{m}({_sum(contributions.get(('s', m), []))});" for m in range(4)]
-    return KernelCode(coefs.preamble(), lines, loops)
+    return KernelCode(TABLE_CALL, lines, loops)
 
 
 def _dt_vjp(op: Operator, coefs: _Coefficients) -> KernelCode:
@@ -307,7 +354,7 @@ def _dt_vjp(op: Operator, coefs: _Coefficients) -> KernelCode:
             if coefs.varies(c):
                 uses[coefs.index(c)].append(f"yb{row.k}_{row.h}*{_var(ref)}")
     body += [f"ACC({q}) += (double)({' + '.join(parts)});" for q, parts in uses.items()]
-    return KernelCode(coefs.preamble(), body)
+    return KernelCode(TABLE_CALL, body)
 
 
 def _dt_jvp(op: Operator, coefs: _Coefficients) -> KernelCode:
@@ -332,6 +379,11 @@ class LoweredOperator:
         self.coefs = _Coefficients(op)
         self.n_dt = len(op.dt_symbols)
         self.n_coefficients = max(1, len(self.coefs.names))
+
+    @functools.cached_property
+    def table(self) -> list[str]:
+        """Statements of the shared function that fills the coefficient table from dt."""
+        return self.coefs.preamble()
 
     @functools.cached_property
     def forward(self) -> KernelCode:

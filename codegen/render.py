@@ -68,6 +68,7 @@ def render(spec: Any, target: str, part: str = "all") -> str:
         u_sb=u[0], u_sh=u[1], u_sd=u[2], y_sb=y[0], y_sh=y[1], y_sd=y[2],
         kernels=kernels,
         codes={k: getattr(code, k) for k in kernels},
+        table=code.table if set(kernels) & {"forward", "adjoint", "dt_vjp"} else None,
         signatures={k: abi.signature(k, spec.order, ctype, RESTRICT[target]) for k in kernels},
         export="",
     )

@@ -129,10 +129,15 @@ def _ffi_module(module_path: Path, spec: Any, part: str) -> Any:
         builder = cffi.FFI()
         builder.cdef(cdef(spec.name, spec.order, part))
         builder.set_source(f"_tensorstep_ffi_{spec.name}_{part}", None)
-        tmp = module_path.with_suffix(".tmp")
-        with contextlib.redirect_stdout(io.StringIO()):  # cffi announces what it writes
-            builder.emit_python_code(str(tmp))
-        os.replace(tmp, module_path)
+        fd, tmp = tempfile.mkstemp(dir=module_path.parent, prefix=f".{module_path.stem}.", suffix=".tmp")
+        os.close(fd)  # a unique name per writer: concurrent processes never share a temporary
+        try:
+            with contextlib.redirect_stdout(io.StringIO()):  # cffi announces what it writes
+                builder.emit_python_code(tmp)
+            os.replace(tmp, module_path)
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
     loader_spec = importlib.util.spec_from_file_location(f"_tensorstep_ffi_{module_path.parent.name}_{part}", module_path)
     module = importlib.util.module_from_spec(loader_spec)
     try:

@@ -81,46 +81,37 @@ enum { H_ = 32, N_ = 31, D_ = 7, NDT_ = 1, NC_ = 15 };
 
 /* entries of the dt_vjp coefficient accumulator (the runtime allocates it) */
  int64_t ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_n_coefficients(void) { return NC_; }
-
-
- void ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_forward(int64_t B, const float* restrict u, const float* restrict p0, const float* restrict v0, const float* restrict a0, const float* restrict j0, const int64_t* restrict idx, const float* restrict dt_in, float* restrict y0, float* restrict y1, float* restrict y2, float* restrict y3)
+/* the step coefficients, computed once per call from dt (double precision, stored as T) */
+#define COEFFICIENTS(dt, c) ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_coefficients((dt), (c))
+static void ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_coefficients(const T* restrict dt_in, T* restrict coef)
 {
-    T coef[NC_];
     const double dt = (double)DT(0);
     const double t0 = (1.0/dt);
     const double t1 = (1.0/(dt*dt));
     const double t2 = (1.0/(dt*dt*dt));
     const double t3 = 3*t2;
-    const double k0 = -t0;
-    const double k1 = t0;
-    const double k2 = -t1;
-    const double k3 = 0.5;
-    const double k4 = -1.0/6.0*dt;
-    const double k5 = t1;
-    const double k6 = -t2;
-    const double k7 = -1.0/2.0*t0;
-    const double k8 = 0.83333333333333333;
-    const double k9 = t2;
-    const double k10 = -2*t1;
-    const double k11 = 2*t2;
-    const double k12 = 0.16666666666666667;
-    const double k13 = -t3;
-    const double k14 = t3;
-    C(0) = (T)(k0);
-    C(1) = (T)(k1);
-    C(2) = (T)(k2);
-    C(3) = (T)(k3);
-    C(4) = (T)(k4);
-    C(5) = (T)(k5);
-    C(6) = (T)(k6);
-    C(7) = (T)(k7);
-    C(8) = (T)(k8);
-    C(9) = (T)(k9);
-    C(10) = (T)(k10);
-    C(11) = (T)(k11);
-    C(12) = (T)(k12);
-    C(13) = (T)(k13);
-    C(14) = (T)(k14);
+    C(0) = (T)(-t0);
+    C(1) = (T)(t0);
+    C(2) = (T)(-t1);
+    C(3) = (T)(0.5);
+    C(4) = (T)(-1.0/6.0*dt);
+    C(5) = (T)(t1);
+    C(6) = (T)(-t2);
+    C(7) = (T)(-1.0/2.0*t0);
+    C(8) = (T)(0.83333333333333333);
+    C(9) = (T)(t2);
+    C(10) = (T)(-2*t1);
+    C(11) = (T)(2*t2);
+    C(12) = (T)(0.16666666666666667);
+    C(13) = (T)(-t3);
+    C(14) = (T)(t3);
+}
+
+
+ void ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_forward(int64_t B, const float* restrict u, const float* restrict p0, const float* restrict v0, const float* restrict a0, const float* restrict j0, const int64_t* restrict idx, const float* restrict dt_in, float* restrict y0, float* restrict y1, float* restrict y2, float* restrict y3)
+{
+    T coef[NC_];
+    COEFFICIENTS(dt_in, coef);
     TS_PARALLEL_FOR
     for (int64_t b = 0; b < B; ++b) {
         const int64_t srow = idx ? idx[b] : b;
@@ -186,41 +177,7 @@ enum { H_ = 32, N_ = 31, D_ = 7, NDT_ = 1, NC_ = 15 };
  void ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_adjoint(int64_t B, const float* restrict g0, const float* restrict g1, const float* restrict g2, const float* restrict g3, const float* restrict dt_in, float* restrict gu, float* restrict gp0, float* restrict gv0, float* restrict ga0, float* restrict gj0)
 {
     T coef[NC_];
-    const double dt = (double)DT(0);
-    const double t0 = (1.0/dt);
-    const double t1 = (1.0/(dt*dt));
-    const double t2 = (1.0/(dt*dt*dt));
-    const double t3 = 3*t2;
-    const double k0 = -t0;
-    const double k1 = t0;
-    const double k2 = -t1;
-    const double k3 = 0.5;
-    const double k4 = -1.0/6.0*dt;
-    const double k5 = t1;
-    const double k6 = -t2;
-    const double k7 = -1.0/2.0*t0;
-    const double k8 = 0.83333333333333333;
-    const double k9 = t2;
-    const double k10 = -2*t1;
-    const double k11 = 2*t2;
-    const double k12 = 0.16666666666666667;
-    const double k13 = -t3;
-    const double k14 = t3;
-    C(0) = (T)(k0);
-    C(1) = (T)(k1);
-    C(2) = (T)(k2);
-    C(3) = (T)(k3);
-    C(4) = (T)(k4);
-    C(5) = (T)(k5);
-    C(6) = (T)(k6);
-    C(7) = (T)(k7);
-    C(8) = (T)(k8);
-    C(9) = (T)(k9);
-    C(10) = (T)(k10);
-    C(11) = (T)(k11);
-    C(12) = (T)(k12);
-    C(13) = (T)(k13);
-    C(14) = (T)(k14);
+    COEFFICIENTS(dt_in, coef);
     const int64_t* idx = NULL; /* start gradients are per batch row; the runtime scatters them */
     TS_PARALLEL_FOR
     for (int64_t b = 0; b < B; ++b) {
@@ -533,41 +490,7 @@ enum { H_ = 32, N_ = 31, D_ = 7, NDT_ = 1, NC_ = 15 };
  void ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_dt_vjp(int64_t B, const float* restrict u, const float* restrict p0, const float* restrict v0, const float* restrict a0, const float* restrict j0, const int64_t* restrict idx, const float* restrict g0, const float* restrict g1, const float* restrict g2, const float* restrict g3, const float* restrict dt_in, double* restrict gc)
 {
     T coef[NC_];
-    const double dt = (double)DT(0);
-    const double t0 = (1.0/dt);
-    const double t1 = (1.0/(dt*dt));
-    const double t2 = (1.0/(dt*dt*dt));
-    const double t3 = 3*t2;
-    const double k0 = -t0;
-    const double k1 = t0;
-    const double k2 = -t1;
-    const double k3 = 0.5;
-    const double k4 = -1.0/6.0*dt;
-    const double k5 = t1;
-    const double k6 = -t2;
-    const double k7 = -1.0/2.0*t0;
-    const double k8 = 0.83333333333333333;
-    const double k9 = t2;
-    const double k10 = -2*t1;
-    const double k11 = 2*t2;
-    const double k12 = 0.16666666666666667;
-    const double k13 = -t3;
-    const double k14 = t3;
-    C(0) = (T)(k0);
-    C(1) = (T)(k1);
-    C(2) = (T)(k2);
-    C(3) = (T)(k3);
-    C(4) = (T)(k4);
-    C(5) = (T)(k5);
-    C(6) = (T)(k6);
-    C(7) = (T)(k7);
-    C(8) = (T)(k8);
-    C(9) = (T)(k9);
-    C(10) = (T)(k10);
-    C(11) = (T)(k11);
-    C(12) = (T)(k12);
-    C(13) = (T)(k13);
-    C(14) = (T)(k14);
+    COEFFICIENTS(dt_in, coef);
     double acc[NC_];
     for (int i = 0; i < NC_; ++i) acc[i] = 0.0;
     TS_PARALLEL_FOR

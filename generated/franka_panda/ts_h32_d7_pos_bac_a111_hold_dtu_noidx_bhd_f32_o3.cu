@@ -70,6 +70,31 @@ enum { H_ = 32, N_ = 31, D_ = 7, NDT_ = 1, NC_ = 15 };
     const int64_t bo = (b) * D_ + (d); \
     (void)uo; (void)yo; (void)so; (void)bo;
 
+/* the step coefficients from dt (double precision, stored as T) */
+#define COEFFICIENTS(dt, c) ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_coefficients((dt), (c))
+static __device__ __forceinline__ void ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_coefficients(const T* __restrict__ dt_in, T* __restrict__ coef)
+{
+    const double dt = (double)DT(0);
+    const double t0 = (1.0/dt);
+    const double t1 = (1.0/(dt*dt));
+    const double t2 = (1.0/(dt*dt*dt));
+    const double t3 = 3*t2;
+    C(0) = (T)(-t0);
+    C(1) = (T)(t0);
+    C(2) = (T)(-t1);
+    C(3) = (T)(0.5);
+    C(4) = (T)(-1.0/6.0*dt);
+    C(5) = (T)(t1);
+    C(6) = (T)(-t2);
+    C(7) = (T)(-1.0/2.0*t0);
+    C(8) = (T)(0.83333333333333333);
+    C(9) = (T)(t2);
+    C(10) = (T)(-2*t1);
+    C(11) = (T)(2*t2);
+    C(12) = (T)(0.16666666666666667);
+    C(13) = (T)(-t3);
+    C(14) = (T)(t3);
+}
 
 
 extern "C" __global__ void ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_forward(int64_t B, const float* __restrict__ u, const float* __restrict__ p0, const float* __restrict__ v0, const float* __restrict__ a0, const float* __restrict__ j0, const int64_t* __restrict__ idx, const float* __restrict__ dt_in, float* __restrict__ y0, float* __restrict__ y1, float* __restrict__ y2, float* __restrict__ y3)
@@ -80,41 +105,7 @@ extern "C" __global__ void ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_forw
         const int64_t b = col / D_, d = col % D_;
         const int64_t srow = idx ? idx[b] : b;
         T coef[NC_];
-        const double dt = (double)DT(0);
-        const double t0 = (1.0/dt);
-        const double t1 = (1.0/(dt*dt));
-        const double t2 = (1.0/(dt*dt*dt));
-        const double t3 = 3*t2;
-        const double k0 = -t0;
-        const double k1 = t0;
-        const double k2 = -t1;
-        const double k3 = 0.5;
-        const double k4 = -1.0/6.0*dt;
-        const double k5 = t1;
-        const double k6 = -t2;
-        const double k7 = -1.0/2.0*t0;
-        const double k8 = 0.83333333333333333;
-        const double k9 = t2;
-        const double k10 = -2*t1;
-        const double k11 = 2*t2;
-        const double k12 = 0.16666666666666667;
-        const double k13 = -t3;
-        const double k14 = t3;
-        C(0) = (T)(k0);
-        C(1) = (T)(k1);
-        C(2) = (T)(k2);
-        C(3) = (T)(k3);
-        C(4) = (T)(k4);
-        C(5) = (T)(k5);
-        C(6) = (T)(k6);
-        C(7) = (T)(k7);
-        C(8) = (T)(k8);
-        C(9) = (T)(k9);
-        C(10) = (T)(k10);
-        C(11) = (T)(k11);
-        C(12) = (T)(k12);
-        C(13) = (T)(k13);
-        C(14) = (T)(k14);
+        COEFFICIENTS(dt_in, coef);
         COLUMN_BASES(b, d)
         for (int64_t r = 1; r < 32; ++r) {
             const int64_t su = uo + r * U_SH, sy = yo + r * Y_SH;
@@ -168,41 +159,7 @@ extern "C" __global__ void ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_adjo
         const int64_t b = col / D_, d = col % D_;
         const int64_t srow = idx ? idx[b] : b;
         T coef[NC_];
-        const double dt = (double)DT(0);
-        const double t0 = (1.0/dt);
-        const double t1 = (1.0/(dt*dt));
-        const double t2 = (1.0/(dt*dt*dt));
-        const double t3 = 3*t2;
-        const double k0 = -t0;
-        const double k1 = t0;
-        const double k2 = -t1;
-        const double k3 = 0.5;
-        const double k4 = -1.0/6.0*dt;
-        const double k5 = t1;
-        const double k6 = -t2;
-        const double k7 = -1.0/2.0*t0;
-        const double k8 = 0.83333333333333333;
-        const double k9 = t2;
-        const double k10 = -2*t1;
-        const double k11 = 2*t2;
-        const double k12 = 0.16666666666666667;
-        const double k13 = -t3;
-        const double k14 = t3;
-        C(0) = (T)(k0);
-        C(1) = (T)(k1);
-        C(2) = (T)(k2);
-        C(3) = (T)(k3);
-        C(4) = (T)(k4);
-        C(5) = (T)(k5);
-        C(6) = (T)(k6);
-        C(7) = (T)(k7);
-        C(8) = (T)(k8);
-        C(9) = (T)(k9);
-        C(10) = (T)(k10);
-        C(11) = (T)(k11);
-        C(12) = (T)(k12);
-        C(13) = (T)(k13);
-        C(14) = (T)(k14);
+        COEFFICIENTS(dt_in, coef);
         COLUMN_BASES(b, d)
         for (int64_t r = 0; r < 28; ++r) {
             const int64_t su = uo + r * U_SH, sy = yo + r * Y_SH;
@@ -487,41 +444,7 @@ extern "C" __global__ void ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_dt_v
         const int64_t b = col / D_, d = col % D_;
         const int64_t srow = idx ? idx[b] : b;
         T coef[NC_];
-        const double dt = (double)DT(0);
-        const double t0 = (1.0/dt);
-        const double t1 = (1.0/(dt*dt));
-        const double t2 = (1.0/(dt*dt*dt));
-        const double t3 = 3*t2;
-        const double k0 = -t0;
-        const double k1 = t0;
-        const double k2 = -t1;
-        const double k3 = 0.5;
-        const double k4 = -1.0/6.0*dt;
-        const double k5 = t1;
-        const double k6 = -t2;
-        const double k7 = -1.0/2.0*t0;
-        const double k8 = 0.83333333333333333;
-        const double k9 = t2;
-        const double k10 = -2*t1;
-        const double k11 = 2*t2;
-        const double k12 = 0.16666666666666667;
-        const double k13 = -t3;
-        const double k14 = t3;
-        C(0) = (T)(k0);
-        C(1) = (T)(k1);
-        C(2) = (T)(k2);
-        C(3) = (T)(k3);
-        C(4) = (T)(k4);
-        C(5) = (T)(k5);
-        C(6) = (T)(k6);
-        C(7) = (T)(k7);
-        C(8) = (T)(k8);
-        C(9) = (T)(k9);
-        C(10) = (T)(k10);
-        C(11) = (T)(k11);
-        C(12) = (T)(k12);
-        C(13) = (T)(k13);
-        C(14) = (T)(k14);
+        COEFFICIENTS(dt_in, coef);
         COLUMN_BASES(b, d)
         const T s0 = S0;
         const T s1 = S1;

@@ -81,11 +81,10 @@ enum { H_ = 32, N_ = 31, D_ = 7, NDT_ = 1, NC_ = 23 };
 
 /* entries of the dt_vjp coefficient accumulator (the runtime allocates it) */
  int64_t ts_h32_d7_pos_cen_a442_hold_dtu_noidx_bhd_f32_o3_n_coefficients(void) { return NC_; }
-
-
- void ts_h32_d7_pos_cen_a442_hold_dtu_noidx_bhd_f32_o3_forward(int64_t B, const float* restrict u, const float* restrict p0, const float* restrict v0, const float* restrict a0, const float* restrict j0, const int64_t* restrict idx, const float* restrict dt_in, float* restrict y0, float* restrict y1, float* restrict y2, float* restrict y3)
+/* the step coefficients, computed once per call from dt (double precision, stored as T) */
+#define COEFFICIENTS(dt, c) ts_h32_d7_pos_cen_a442_hold_dtu_noidx_bhd_f32_o3_coefficients((dt), (c))
+static void ts_h32_d7_pos_cen_a442_hold_dtu_noidx_bhd_f32_o3_coefficients(const T* restrict dt_in, T* restrict coef)
 {
-    T coef[NC_];
     const double dt = (double)DT(0);
     const double t0 = (1.0/dt);
     const double t1 = (7.0/12.0)*t0;
@@ -96,52 +95,36 @@ enum { H_ = 32, N_ = 31, D_ = 7, NDT_ = 1, NC_ = 23 };
     const double t6 = (5.0/4.0)*t5;
     const double t7 = (1.0/(dt*dt*dt));
     const double t8 = (1.0/2.0)*t7;
-    const double k0 = -t1;
-    const double k1 = -0.083333333333333333;
-    const double k2 = (1.0/24.0)*dt;
-    const double k3 = -1.0/72.0*t2;
-    const double k4 = t3;
-    const double k5 = -t4;
-    const double k6 = t6;
-    const double k7 = t4;
-    const double k8 = -0.041666666666666667;
-    const double k9 = (1.0/72.0)*dt;
-    const double k10 = -5.0/2.0*t5;
-    const double k11 = (4.0/3.0)*t5;
-    const double k12 = -1.0/12.0*t5;
-    const double k13 = t8;
-    const double k14 = (1.0/2.0)*t5;
-    const double k15 = -1.0/4.0*t0;
-    const double k16 = 0.083333333333333333;
-    const double k17 = -t7;
-    const double k18 = -t3;
-    const double k19 = -t8;
-    const double k20 = t7;
-    const double k21 = t1;
-    const double k22 = -t6;
-    C(0) = (T)(k0);
-    C(1) = (T)(k1);
-    C(2) = (T)(k2);
-    C(3) = (T)(k3);
-    C(4) = (T)(k4);
-    C(5) = (T)(k5);
-    C(6) = (T)(k6);
-    C(7) = (T)(k7);
-    C(8) = (T)(k8);
-    C(9) = (T)(k9);
-    C(10) = (T)(k10);
-    C(11) = (T)(k11);
-    C(12) = (T)(k12);
-    C(13) = (T)(k13);
-    C(14) = (T)(k14);
-    C(15) = (T)(k15);
-    C(16) = (T)(k16);
-    C(17) = (T)(k17);
-    C(18) = (T)(k18);
-    C(19) = (T)(k19);
-    C(20) = (T)(k20);
-    C(21) = (T)(k21);
-    C(22) = (T)(k22);
+    C(0) = (T)(-t1);
+    C(1) = (T)(-0.083333333333333333);
+    C(2) = (T)((1.0/24.0)*dt);
+    C(3) = (T)(-1.0/72.0*t2);
+    C(4) = (T)(t3);
+    C(5) = (T)(-t4);
+    C(6) = (T)(t6);
+    C(7) = (T)(t4);
+    C(8) = (T)(-0.041666666666666667);
+    C(9) = (T)((1.0/72.0)*dt);
+    C(10) = (T)(-5.0/2.0*t5);
+    C(11) = (T)((4.0/3.0)*t5);
+    C(12) = (T)(-1.0/12.0*t5);
+    C(13) = (T)(t8);
+    C(14) = (T)((1.0/2.0)*t5);
+    C(15) = (T)(-1.0/4.0*t0);
+    C(16) = (T)(0.083333333333333333);
+    C(17) = (T)(-t7);
+    C(18) = (T)(-t3);
+    C(19) = (T)(-t8);
+    C(20) = (T)(t7);
+    C(21) = (T)(t1);
+    C(22) = (T)(-t6);
+}
+
+
+ void ts_h32_d7_pos_cen_a442_hold_dtu_noidx_bhd_f32_o3_forward(int64_t B, const float* restrict u, const float* restrict p0, const float* restrict v0, const float* restrict a0, const float* restrict j0, const int64_t* restrict idx, const float* restrict dt_in, float* restrict y0, float* restrict y1, float* restrict y2, float* restrict y3)
+{
+    T coef[NC_];
+    COEFFICIENTS(dt_in, coef);
     TS_PARALLEL_FOR
     for (int64_t b = 0; b < B; ++b) {
         const int64_t srow = idx ? idx[b] : b;
@@ -219,62 +202,7 @@ enum { H_ = 32, N_ = 31, D_ = 7, NDT_ = 1, NC_ = 23 };
  void ts_h32_d7_pos_cen_a442_hold_dtu_noidx_bhd_f32_o3_adjoint(int64_t B, const float* restrict g0, const float* restrict g1, const float* restrict g2, const float* restrict g3, const float* restrict dt_in, float* restrict gu, float* restrict gp0, float* restrict gv0, float* restrict ga0, float* restrict gj0)
 {
     T coef[NC_];
-    const double dt = (double)DT(0);
-    const double t0 = (1.0/dt);
-    const double t1 = (7.0/12.0)*t0;
-    const double t2 = (dt*dt);
-    const double t3 = (2.0/3.0)*t0;
-    const double t4 = (1.0/12.0)*t0;
-    const double t5 = (1.0/t2);
-    const double t6 = (5.0/4.0)*t5;
-    const double t7 = (1.0/(dt*dt*dt));
-    const double t8 = (1.0/2.0)*t7;
-    const double k0 = -t1;
-    const double k1 = -0.083333333333333333;
-    const double k2 = (1.0/24.0)*dt;
-    const double k3 = -1.0/72.0*t2;
-    const double k4 = t3;
-    const double k5 = -t4;
-    const double k6 = t6;
-    const double k7 = t4;
-    const double k8 = -0.041666666666666667;
-    const double k9 = (1.0/72.0)*dt;
-    const double k10 = -5.0/2.0*t5;
-    const double k11 = (4.0/3.0)*t5;
-    const double k12 = -1.0/12.0*t5;
-    const double k13 = t8;
-    const double k14 = (1.0/2.0)*t5;
-    const double k15 = -1.0/4.0*t0;
-    const double k16 = 0.083333333333333333;
-    const double k17 = -t7;
-    const double k18 = -t3;
-    const double k19 = -t8;
-    const double k20 = t7;
-    const double k21 = t1;
-    const double k22 = -t6;
-    C(0) = (T)(k0);
-    C(1) = (T)(k1);
-    C(2) = (T)(k2);
-    C(3) = (T)(k3);
-    C(4) = (T)(k4);
-    C(5) = (T)(k5);
-    C(6) = (T)(k6);
-    C(7) = (T)(k7);
-    C(8) = (T)(k8);
-    C(9) = (T)(k9);
-    C(10) = (T)(k10);
-    C(11) = (T)(k11);
-    C(12) = (T)(k12);
-    C(13) = (T)(k13);
-    C(14) = (T)(k14);
-    C(15) = (T)(k15);
-    C(16) = (T)(k16);
-    C(17) = (T)(k17);
-    C(18) = (T)(k18);
-    C(19) = (T)(k19);
-    C(20) = (T)(k20);
-    C(21) = (T)(k21);
-    C(22) = (T)(k22);
+    COEFFICIENTS(dt_in, coef);
     const int64_t* idx = NULL; /* start gradients are per batch row; the runtime scatters them */
     TS_PARALLEL_FOR
     for (int64_t b = 0; b < B; ++b) {
@@ -588,62 +516,7 @@ enum { H_ = 32, N_ = 31, D_ = 7, NDT_ = 1, NC_ = 23 };
  void ts_h32_d7_pos_cen_a442_hold_dtu_noidx_bhd_f32_o3_dt_vjp(int64_t B, const float* restrict u, const float* restrict p0, const float* restrict v0, const float* restrict a0, const float* restrict j0, const int64_t* restrict idx, const float* restrict g0, const float* restrict g1, const float* restrict g2, const float* restrict g3, const float* restrict dt_in, double* restrict gc)
 {
     T coef[NC_];
-    const double dt = (double)DT(0);
-    const double t0 = (1.0/dt);
-    const double t1 = (7.0/12.0)*t0;
-    const double t2 = (dt*dt);
-    const double t3 = (2.0/3.0)*t0;
-    const double t4 = (1.0/12.0)*t0;
-    const double t5 = (1.0/t2);
-    const double t6 = (5.0/4.0)*t5;
-    const double t7 = (1.0/(dt*dt*dt));
-    const double t8 = (1.0/2.0)*t7;
-    const double k0 = -t1;
-    const double k1 = -0.083333333333333333;
-    const double k2 = (1.0/24.0)*dt;
-    const double k3 = -1.0/72.0*t2;
-    const double k4 = t3;
-    const double k5 = -t4;
-    const double k6 = t6;
-    const double k7 = t4;
-    const double k8 = -0.041666666666666667;
-    const double k9 = (1.0/72.0)*dt;
-    const double k10 = -5.0/2.0*t5;
-    const double k11 = (4.0/3.0)*t5;
-    const double k12 = -1.0/12.0*t5;
-    const double k13 = t8;
-    const double k14 = (1.0/2.0)*t5;
-    const double k15 = -1.0/4.0*t0;
-    const double k16 = 0.083333333333333333;
-    const double k17 = -t7;
-    const double k18 = -t3;
-    const double k19 = -t8;
-    const double k20 = t7;
-    const double k21 = t1;
-    const double k22 = -t6;
-    C(0) = (T)(k0);
-    C(1) = (T)(k1);
-    C(2) = (T)(k2);
-    C(3) = (T)(k3);
-    C(4) = (T)(k4);
-    C(5) = (T)(k5);
-    C(6) = (T)(k6);
-    C(7) = (T)(k7);
-    C(8) = (T)(k8);
-    C(9) = (T)(k9);
-    C(10) = (T)(k10);
-    C(11) = (T)(k11);
-    C(12) = (T)(k12);
-    C(13) = (T)(k13);
-    C(14) = (T)(k14);
-    C(15) = (T)(k15);
-    C(16) = (T)(k16);
-    C(17) = (T)(k17);
-    C(18) = (T)(k18);
-    C(19) = (T)(k19);
-    C(20) = (T)(k20);
-    C(21) = (T)(k21);
-    C(22) = (T)(k22);
+    COEFFICIENTS(dt_in, coef);
     double acc[NC_];
     for (int i = 0; i < NC_; ++i) acc[i] = 0.0;
     TS_PARALLEL_FOR

@@ -81,19 +81,22 @@ enum { H_ = 24, N_ = 23, D_ = 10, NDT_ = 1, NC_ = 3 };
 
 /* entries of the dt_vjp coefficient accumulator (the runtime allocates it) */
  int64_t ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_n_coefficients(void) { return NC_; }
+/* the step coefficients, computed once per call from dt (double precision, stored as T) */
+#define COEFFICIENTS(dt, c) ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_coefficients((dt), (c))
+static void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_coefficients(const T* restrict dt_in, T* restrict coef)
+{
+    const double dt = (double)DT(0);
+    const double t0 = (1.0/dt);
+    C(0) = (T)(dt);
+    C(1) = (T)(t0);
+    C(2) = (T)(-t0);
+}
 
 
  void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_forward(int64_t B, const float* restrict u, const float* restrict p0, const float* restrict v0, const float* restrict a0, const float* restrict j0, const int64_t* restrict idx, const float* restrict dt_in, float* restrict y0, float* restrict y1, float* restrict y2, float* restrict y3)
 {
     T coef[NC_];
-    const double dt = (double)DT(0);
-    const double t0 = (1.0/dt);
-    const double k0 = dt;
-    const double k1 = t0;
-    const double k2 = -t0;
-    C(0) = (T)(k0);
-    C(1) = (T)(k1);
-    C(2) = (T)(k2);
+    COEFFICIENTS(dt_in, coef);
     TS_PARALLEL_FOR
     for (int64_t b = 0; b < B; ++b) {
         const int64_t srow = idx ? idx[b] : b;
@@ -303,14 +306,7 @@ enum { H_ = 24, N_ = 23, D_ = 10, NDT_ = 1, NC_ = 3 };
  void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_adjoint(int64_t B, const float* restrict g0, const float* restrict g1, const float* restrict g2, const float* restrict g3, const float* restrict dt_in, float* restrict gu, float* restrict gp0, float* restrict gv0, float* restrict ga0, float* restrict gj0)
 {
     T coef[NC_];
-    const double dt = (double)DT(0);
-    const double t0 = (1.0/dt);
-    const double k0 = dt;
-    const double k1 = t0;
-    const double k2 = -t0;
-    C(0) = (T)(k0);
-    C(1) = (T)(k1);
-    C(2) = (T)(k2);
+    COEFFICIENTS(dt_in, coef);
     const int64_t* idx = NULL; /* start gradients are per batch row; the runtime scatters them */
     TS_PARALLEL_FOR
     for (int64_t b = 0; b < B; ++b) {
@@ -544,14 +540,7 @@ enum { H_ = 24, N_ = 23, D_ = 10, NDT_ = 1, NC_ = 3 };
  void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_dt_vjp(int64_t B, const float* restrict u, const float* restrict p0, const float* restrict v0, const float* restrict a0, const float* restrict j0, const int64_t* restrict idx, const float* restrict g0, const float* restrict g1, const float* restrict g2, const float* restrict g3, const float* restrict dt_in, double* restrict gc)
 {
     T coef[NC_];
-    const double dt = (double)DT(0);
-    const double t0 = (1.0/dt);
-    const double k0 = dt;
-    const double k1 = t0;
-    const double k2 = -t0;
-    C(0) = (T)(k0);
-    C(1) = (T)(k1);
-    C(2) = (T)(k2);
+    COEFFICIENTS(dt_in, coef);
     double acc[NC_];
     for (int i = 0; i < NC_; ++i) acc[i] = 0.0;
     TS_PARALLEL_FOR

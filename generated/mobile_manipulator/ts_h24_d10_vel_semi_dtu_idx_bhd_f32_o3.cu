@@ -70,6 +70,16 @@ enum { H_ = 24, N_ = 23, D_ = 10, NDT_ = 1, NC_ = 3 };
     const int64_t bo = (b) * D_ + (d); \
     (void)uo; (void)yo; (void)so; (void)bo;
 
+/* the step coefficients from dt (double precision, stored as T) */
+#define COEFFICIENTS(dt, c) ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_coefficients((dt), (c))
+static __device__ __forceinline__ void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_coefficients(const T* __restrict__ dt_in, T* __restrict__ coef)
+{
+    const double dt = (double)DT(0);
+    const double t0 = (1.0/dt);
+    C(0) = (T)(dt);
+    C(1) = (T)(t0);
+    C(2) = (T)(-t0);
+}
 
 
 extern "C" __global__ void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_forward(int64_t B, const float* __restrict__ u, const float* __restrict__ p0, const float* __restrict__ v0, const float* __restrict__ a0, const float* __restrict__ j0, const int64_t* __restrict__ idx, const float* __restrict__ dt_in, float* __restrict__ y0, float* __restrict__ y1, float* __restrict__ y2, float* __restrict__ y3)
@@ -80,14 +90,7 @@ extern "C" __global__ void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_forward(int64_
         const int64_t b = col / D_, d = col % D_;
         const int64_t srow = idx ? idx[b] : b;
         T coef[NC_];
-        const double dt = (double)DT(0);
-        const double t0 = (1.0/dt);
-        const double k0 = dt;
-        const double k1 = t0;
-        const double k2 = -t0;
-        C(0) = (T)(k0);
-        C(1) = (T)(k1);
-        C(2) = (T)(k2);
+        COEFFICIENTS(dt_in, coef);
         COLUMN_BASES(b, d)
         const T s0 = S0;
         const T s1 = S1;
@@ -297,14 +300,7 @@ extern "C" __global__ void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_adjoint(int64_
         const int64_t b = col / D_, d = col % D_;
         const int64_t srow = idx ? idx[b] : b;
         T coef[NC_];
-        const double dt = (double)DT(0);
-        const double t0 = (1.0/dt);
-        const double k0 = dt;
-        const double k1 = t0;
-        const double k2 = -t0;
-        C(0) = (T)(k0);
-        C(1) = (T)(k1);
-        C(2) = (T)(k2);
+        COEFFICIENTS(dt_in, coef);
         COLUMN_BASES(b, d)
         const T g0_0 = G0(0);
         const T g1_0 = G1(0);
@@ -537,14 +533,7 @@ extern "C" __global__ void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_dt_vjp(int64_t
         const int64_t b = col / D_, d = col % D_;
         const int64_t srow = idx ? idx[b] : b;
         T coef[NC_];
-        const double dt = (double)DT(0);
-        const double t0 = (1.0/dt);
-        const double k0 = dt;
-        const double k1 = t0;
-        const double k2 = -t0;
-        C(0) = (T)(k0);
-        C(1) = (T)(k1);
-        C(2) = (T)(k2);
+        COEFFICIENTS(dt_in, coef);
         COLUMN_BASES(b, d)
         const T s0 = S0;
         const T s1 = S1;
