@@ -45,7 +45,8 @@ def progress(items: list, label: str) -> Iterable:
             yield from bar
     else:
         for i, item in enumerate(items, 1):
-            click.echo(f"{label} [{i}/{len(items)}] {item}", err=True)
+            name = item.get("name") if isinstance(item, dict) else getattr(item, "name", item)
+            click.echo(f"{label} [{i}/{len(items)}] {name}", err=True)
             yield item
 
 
@@ -130,8 +131,9 @@ def spec_from_options(o: dict[str, Any]) -> KernelSpec:
 @click.argument("config", required=False, type=click.Path(dir_okay=False))
 @click.option("--task", type=click.Path(dir_okay=False))
 @click.option("--target", type=click.Choice(["c", "cuda", "header"]), default="c", show_default=True)
-@click.option("--kernel", type=click.Choice(["all", "core", "dt"]), default="all", show_default=True,
-              help="core = forward + adjoint; dt = dt derivatives")
+@click.option("--kernel", type=click.Choice(["all", "core", "dt", "forward", "backward", "adjoint", "dt_vjp", "dt_jvp"]),
+              default="all", show_default=True,
+              help="core = forward + adjoint (backward); dt = the dt derivatives (dt_vjp, dt_jvp)")
 @spec_options
 @friendly
 def show(config: Optional[str], task: Optional[str], target: str, kernel: str, **options: Any) -> None:
@@ -169,7 +171,7 @@ def check(target: str, task: Optional[str]) -> None:
     """Compile a generated DIR (or a CONFIG) and verify it against the dense reference."""
     from .runtime import verify
 
-    rows = verify.check_target(Path(target), task)
+    rows = verify.check_target(Path(target), task, progress=lambda items: progress(items, "checking"))
     ok = all(r["ok"] for r in rows)
     click.echo(f"{'kernel':<60} {'device':<6} {'forward err':>12} {'adjoint err':>12}  result")
     for r in rows:

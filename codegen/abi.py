@@ -8,7 +8,10 @@ from __future__ import annotations
 
 KERNELS = ("forward", "adjoint", "dt_vjp", "dt_vjp_finish", "dt_jvp")
 #: Kernels are built in two libraries: the core (always) and the dt derivatives (on first use).
-PARTS = {"core": ("forward", "adjoint"), "dt": ("dt_vjp", "dt_vjp_finish", "dt_jvp"), "all": KERNELS}
+PARTS = {"core": ("forward", "adjoint"), "dt": ("dt_vjp", "dt_vjp_finish", "dt_jvp"), "all": KERNELS,
+         # single kernels, for reading (`tensorstep show --kernel`)
+         "forward": ("forward",), "adjoint": ("adjoint",), "backward": ("adjoint",),
+         "dt_vjp": ("dt_vjp", "dt_vjp_finish"), "dt_jvp": ("dt_jvp",)}
 START = ("p0", "v0", "a0", "j0")
 
 

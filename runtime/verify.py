@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import numpy as np
 import torch
@@ -48,7 +48,8 @@ def verify_launcher(spec: Any, launcher: Launcher, device: torch.device, B: int 
             "ok": forward_err <= tol and adjoint_err <= 10 * tol}
 
 
-def check_target(target: Path, task: Optional[str] = None) -> list[dict[str, Any]]:
+def check_target(target: Path, task: Optional[str] = None,
+                 progress: Callable[[list], Iterable] = lambda items: items) -> list[dict[str, Any]]:
     """Verify a generated folder (its own .c files) or a config (freshly generated kernels)."""
     from ..codegen.emit import read_manifest
 
@@ -57,7 +58,7 @@ def check_target(target: Path, task: Optional[str] = None) -> list[dict[str, Any
         manifest = read_manifest(target)
         if manifest is None:
             raise ValueError(f"{target}: no tensorstep manifest.json here")
-        for kernel in manifest["kernels"]:
+        for kernel in progress(manifest["kernels"]):
             spec = KernelSpec.from_dict(kernel["spec"])
             c_file = kernel["files"].get("c")
             if c_file is None:
@@ -68,7 +69,7 @@ def check_target(target: Path, task: Optional[str] = None) -> list[dict[str, Any
         from ..config import load_config
         from .api import load
 
-        for spec in load_config(target, task).specs:
+        for spec in progress(list(load_config(target, task).specs)):
             rows.append(verify_launcher(spec, load(spec, "cpu").launcher, torch.device("cpu")))
             if torch.cuda.is_available():
                 rows.append(verify_launcher(spec, load(spec, "cuda").launcher, torch.device("cuda")))
