@@ -199,14 +199,9 @@ def _loads(op: Operator, tangent: bool = False) -> list[str]:
     return lines
 
 
-def _forward_lines(op: Operator, coefs: _Coefficients, store: bool) -> list[str]:
-    lines = []
-    for row in op.rows:
-        value = _sum([coefs.term(c, _var(r)) for c, r in row.terms])
-        lines.append(f"const T y{row.k}_{row.h} = {value};")
-        if store:
-            lines.append(f"Y{row.k}({row.h}) = y{row.k}_{row.h};")
-    return lines
+def _forward_lines(op: Operator, coefs: _Coefficients) -> list[str]:
+    """One SSA assignment per row, in evaluation order (stores are added by the caller)."""
+    return [f"const T y{row.k}_{row.h} = {_sum([coefs.term(c, _var(r)) for c, r in row.terms])};" for row in op.rows]
 
 
 def _adjoint_lines(op: Operator, coefs: _Coefficients) -> tuple[list[str], dict[Ref, list[str]]]:
@@ -328,7 +323,7 @@ TABLE_CALL = ["COEFFICIENTS(dt_in, coef);"]  # the shared table function (templa
 def _forward(op: Operator, coefs: _Coefficients) -> KernelCode:
     loops, covered = _forward_loops(op, coefs)
     body = _loads(op)
-    for line, row in zip(_forward_lines(op, coefs, store=False), op.rows):
+    for line, row in zip(_forward_lines(op, coefs), op.rows):
         if (row.k, row.h) not in covered:
             body += [line, f"Y{row.k}({row.h}) = y{row.k}_{row.h};"]
     return KernelCode(TABLE_CALL, body, loops)
@@ -345,7 +340,7 @@ def _adjoint(op: Operator, coefs: _Coefficients) -> KernelCode:
 def _dt_vjp(op: Operator, coefs: _Coefficients) -> KernelCode:
     """GC(q) += Σ yb_row · value over the uses of each dt-dependent coefficient (summed over
     columns); dt_vjp_finish then maps GC to the dt gradient through the coefficient program."""
-    body = _loads(op) + _forward_lines(op, coefs, store=False)
+    body = _loads(op) + _forward_lines(op, coefs)
     adjoint, _ = _adjoint_lines(op, coefs)
     body += adjoint
     uses: dict[str, list[str]] = defaultdict(list)
@@ -359,7 +354,7 @@ def _dt_vjp(op: Operator, coefs: _Coefficients) -> KernelCode:
 
 def _dt_jvp(op: Operator, coefs: _Coefficients) -> KernelCode:
     """Tangent: ty = Σ (ċ · value + c · tangent), ċ = Σ_m ∂c/∂dt_m · ddt_m."""
-    body = _loads(op, tangent=True) + _forward_lines(op, coefs, store=False)
+    body = _loads(op, tangent=True) + _forward_lines(op, coefs)
     for row in op.rows:
         parts = []
         for c, ref in row.terms:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import math
 from typing import Any, Mapping
 
 CONTROLS = ("position", "velocity", "acceleration", "jerk")
@@ -166,9 +165,3 @@ class KernelSpec:
     def replace(self, **changes: Any) -> "KernelSpec":
         return dataclasses.replace(self, **changes)
 
-
-def check_dt_value(value: float, name: str = "dt") -> float:
-    """Validate one step duration: finite and positive."""
-    if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-        raise ValueError(f"{name}={value!r} is invalid: expected a finite, positive step duration")
-    return float(value)

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -102,5 +102,3 @@ def start_rows(p0: Any, batch: int, indexed: bool) -> int:
         raise ValueError("p0: start tensors have 0 rows; start_index needs at least one")
     return int(p0.shape[0])
 
-
-OptTensor = Optional[Tensor]
