@@ -42,8 +42,8 @@ class Step(torch.nn.Module):
         return validate.dt_tensor(dt, self.spec.n_dt, self.spec.horizon, self.dtype, self.device)
 
     def action_shape(self, batch: int) -> tuple[int, int, int]:
-        N, D = self.spec.n_actions, self.spec.dof
-        return (batch, N, D) if self.spec.layout == "bhd" else (batch, D, N)
+        """Shape the actions u must have for a batch of ``batch`` trajectories."""
+        return self.launcher.action_shape(batch)
 
     def forward(
         self,

@@ -150,15 +150,10 @@ class AdjointFunction(_FastApply):
 
 def _apply_forward(launcher: Launcher, B: int, gu: OptTensor, gs: Sequence[OptTensor], dt: Tensor) -> tuple:
     """The adjoint's own adjoint: the forward operator on (gu, per-batch start), no index."""
-    if gu is None and all(g is None for g in gs):
-        return (None,) * (launcher.K)
-    like = next(g for g in (gu, *gs) if g is not None)
-    D = launcher.spec.dof
-    N = launcher.spec.n_actions
-    u_shape = (B, N, D) if launcher.spec.layout == "bhd" else (B, D, N)
-    gu = gu.contiguous() if gu is not None else like.new_zeros(u_shape)
-    start = [g.contiguous() if g is not None else like.new_zeros((B, D)) for g in gs]
-    return StepFunction.apply(launcher, gu, *start, None, dt)
+    inputs = launcher.forward_inputs(B, gu, gs)
+    if inputs is None:
+        return (None,) * launcher.K
+    return StepFunction.apply(launcher, *inputs, None, dt)
 
 
 class _FirstOrderOnly(_FastApply):

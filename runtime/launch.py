@@ -34,9 +34,26 @@ class Launcher:
         self.dtype = DTYPES[spec.dtype]
         self.K = spec.order + 1
 
+    def _shape(self, B: int, rows: int) -> tuple[int, int, int]:
+        D = self.spec.dof
+        return (B, rows, D) if self.spec.layout == "bhd" else (B, D, rows)
+
     def output_shape(self, B: int) -> tuple[int, int, int]:
-        H, D = self.spec.horizon, self.spec.dof
-        return (B, H, D) if self.spec.layout == "bhd" else (B, D, H)
+        """Shape of each output (P, V, A, J[, S]) for a batch of B."""
+        return self._shape(B, self.spec.horizon)
+
+    def action_shape(self, B: int) -> tuple[int, int, int]:
+        """Shape of the actions u (and of their gradient) for a batch of B."""
+        return self._shape(B, self.spec.n_actions)
+
+    def forward_inputs(self, B: int, gu: OptTensor, gs: Sequence[OptTensor]) -> Optional[list[Tensor]]:
+        """(u, p0, v0, a0, j0) for running the forward on adjoint-shaped tensors (double
+        backward): missing ones become zeros, all contiguous; None when all are missing."""
+        like = next((g for g in (gu, *gs) if g is not None), None)
+        if like is None:
+            return None
+        u = gu.contiguous() if gu is not None else like.new_zeros(self.action_shape(B))
+        return [u] + [g.contiguous() if g is not None else like.new_zeros((B, self.spec.dof)) for g in gs]
 
     def _empty_outputs(self, like: Tensor, B: int) -> list[Tensor]:
         return [torch.empty(self.output_shape(B), dtype=self.dtype, device=like.device) for _ in range(self.K)]
@@ -54,10 +71,8 @@ class Launcher:
         """(gu, per-batch start gradients [B, D] or None where not needed)."""
         grads = [contiguous(g) for g in grads]
         like = next(g for g in grads if g is not None)
-        N = self.spec.n_actions
         D = self.spec.dof
-        gu_shape = (B, N, D) if self.spec.layout == "bhd" else (B, D, N)
-        gu = torch.empty(gu_shape, dtype=self.dtype, device=like.device)
+        gu = torch.empty(self.action_shape(B), dtype=self.dtype, device=like.device)
         gs = [torch.empty((B, D), dtype=self.dtype, device=like.device) if need else None for need in start_needed]
         if B:
             self.backend.call("adjoint", B, [*map(ptr, grads), ptr(dt), ptr(gu), *map(ptr, gs)])

@@ -60,21 +60,16 @@ def step_adjoint(key: str, batch: int, grads: list[Optional[Tensor]], dt: Tensor
     """(gu, per-batch gp0, gv0, ga0, gj0) for output gradients (None = unused output)."""
     launcher = _launcher(key)
     if all(g is None for g in grads):
-        gu = dt.new_zeros((batch, *_action_tail(launcher)))
+        gu = dt.new_zeros(launcher.action_shape(batch))
         return [gu] + [dt.new_zeros((batch, launcher.spec.dof)) for _ in range(4)]
     gu, gs = launcher.adjoint(grads, dt, batch, (True,) * 4)
     return [gu, *gs]
 
 
-def _action_tail(launcher: Launcher) -> tuple[int, int]:
-    N, D = launcher.spec.n_actions, launcher.spec.dof
-    return (N, D) if launcher.spec.layout == "bhd" else (D, N)
-
-
 @step_adjoint.register_fake
 def _(key, batch, grads, dt):
     launcher = _launcher(key)
-    return [dt.new_empty((batch, *_action_tail(launcher)))] + [
+    return [dt.new_empty(launcher.action_shape(batch))] + [
         dt.new_empty((batch, launcher.spec.dof)) for _ in range(4)
     ]
 
@@ -127,16 +122,11 @@ def _adjoint_backward(ctx, outs_grads):
     if ctx.needs_input_grad[3]:
         raise RuntimeError(NO_SECOND_DT)
     (dt,) = ctx.saved_tensors
-    launcher = _launcher(ctx.key)
     ggu, *ggs = outs_grads
-    like = next((g for g in outs_grads if g is not None), None)
-    if like is None:
+    inputs = _launcher(ctx.key).forward_inputs(ctx.batch, ggu, ggs)
+    if inputs is None:
         return None, None, None, None
-    D = launcher.spec.dof
-    gu = ggu if ggu is not None else like.new_zeros((ctx.batch, *_action_tail(launcher)))
-    start = [g if g is not None else like.new_zeros((ctx.batch, D)) for g in ggs]
-    grads = step(ctx.key, gu.contiguous(), *(s.contiguous() for s in start[:3]), start[3].contiguous(), None, dt)
-    return None, None, list(grads), None
+    return None, None, list(step(ctx.key, *inputs, None, dt)), None
 
 
 step_adjoint.register_autograd(_adjoint_backward, setup_context=_adjoint_setup)
