@@ -79,6 +79,18 @@ enum { H_ = 24, N_ = 23, D_ = 10, NDT_ = 1, NC_ = 3 };
     const int64_t bo = (b) * D_ + (d); \
     (void)uo; (void)yo; (void)so; (void)bo;
 
+/* A missing output gradient (an unused output) reads zeros from this block, one batch
+ * element in size (zero-initialised, never written): loads stay unconditional and
+ * vectorise, and no full-size zero tensor is ever made. */
+static T ts_zero_outputs[Y_SB];
+#undef G0
+#define G0(h) gb0[d * Y_SD + (h) * Y_SH]
+#undef G1
+#define G1(h) gb1[d * Y_SD + (h) * Y_SH]
+#undef G2
+#define G2(h) gb2[d * Y_SD + (h) * Y_SH]
+#undef G3
+#define G3(h) gb3[d * Y_SD + (h) * Y_SH]
 /* entries of the dt_vjp coefficient accumulator (the runtime allocates it) */
  int64_t ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_n_coefficients(void) { return NC_; }
 /* the step coefficients, computed once per call from dt (double precision, stored as T) */
@@ -311,6 +323,10 @@ static void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_coefficients(const T* restric
     TS_PARALLEL_FOR
     for (int64_t b = 0; b < B; ++b) {
         const int64_t srow = idx ? idx[b] : b;
+        const T* restrict gb0 = g0 ? g0 + b * Y_SB : ts_zero_outputs;
+        const T* restrict gb1 = g1 ? g1 + b * Y_SB : ts_zero_outputs;
+        const T* restrict gb2 = g2 ? g2 + b * Y_SB : ts_zero_outputs;
+        const T* restrict gb3 = g3 ? g3 + b * Y_SB : ts_zero_outputs;
         TS_SIMD
         for (int64_t d = 0; d < D_; ++d) {
             COLUMN_BASES(b, d)
@@ -546,6 +562,10 @@ static void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_coefficients(const T* restric
     TS_PARALLEL_FOR
     for (int64_t b = 0; b < B; ++b) {
         const int64_t srow = idx ? idx[b] : b;
+        const T* restrict gb0 = g0 ? g0 + b * Y_SB : ts_zero_outputs;
+        const T* restrict gb1 = g1 ? g1 + b * Y_SB : ts_zero_outputs;
+        const T* restrict gb2 = g2 ? g2 + b * Y_SB : ts_zero_outputs;
+        const T* restrict gb3 = g3 ? g3 + b * Y_SB : ts_zero_outputs;
         TS_SIMD
         for (int64_t d = 0; d < D_; ++d) {
             COLUMN_BASES(b, d)
