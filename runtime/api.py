@@ -70,8 +70,20 @@ class Step(torch.nn.Module):
         idx = validate.check_index(start_index, B, S, self.device) if start_index is not None else None
         dt_k = self._dt_tensor(dt)
         if torch.compiler.is_compiling():
+            if _forward_mode_active():
+                # torch.library custom ops carry no forward-mode rule: never return a silent zero
+                raise RuntimeError(
+                    "tensorstep: forward-mode AD (jvp, jacfwd, hessian) inside torch.compile is not supported; "
+                    "call the step outside the compiled region for forward mode (eager jvp is exact)"
+                )
             return tuple(torch.ops.tensorstep.step(self.op_key, u, p0, v0, a0, j0, idx, dt_k))
         return StepFunction.apply(self.launcher, u, p0, v0, a0, j0, idx, dt_k)
+
+
+def _forward_mode_active() -> bool:
+    """A functorch transform (jvp, jacfwd, vmap over them) or a forward-AD dual level is live."""
+    # (both predicates also evaluate correctly while dynamo traces)
+    return torch._C._are_functorch_transforms_active() or torch.autograd.forward_ad._current_level >= 0
 
 
 def _device(device: Union[str, torch.device]) -> torch.device:

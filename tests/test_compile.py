@@ -92,3 +92,25 @@ def test_custom_op_checks_index_values():
     bad = torch.tensor([0, 1, 9, 0])
     with pytest.raises(IndexError, match="start_index"):
         torch.ops.tensorstep.step(step.op_key, u, p0, v0, a0, None, bad, dt.detach().reshape(1))
+
+
+def test_forward_mode_inside_compile_is_never_a_silent_zero():
+    """Custom ops have no forward-mode rule: inside torch.compile, jvp must be right or raise."""
+    from torch.func import jvp
+
+    spec = SPECS[0]
+    step, u, (p0, v0, a0), dt, _ = make(spec, B=2)
+    u = u.detach()
+    f = lambda u: step(u, p0.detach(), v0.detach(), a0.detach(), 0.1)[1]
+    tangent = torch.ones_like(u)
+    _, expected = jvp(f, (u,), (tangent,))
+    assert float(expected.abs().sum()) > 0
+    torch._dynamo.reset()
+    _, outside = jvp(torch.compile(f, backend="aot_eager"), (u,), (tangent,))
+    assert torch.allclose(outside, expected)
+    torch._dynamo.reset()
+    inside = torch.compile(lambda u: jvp(f, (u,), (tangent,))[1], backend="aot_eager")(u)  # falls back to eager
+    assert torch.allclose(inside, expected)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="forward-mode AD"):
+        torch.compile(lambda u: jvp(f, (u,), (tangent,))[1], backend="aot_eager", fullgraph=True)(u)
