@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from . import validate
 from .autograd import NO_SECOND_DT, scatter_start
 from .launch import Launcher
 
@@ -33,18 +34,13 @@ def _launcher(key: str) -> Launcher:
         raise RuntimeError(f"tensorstep: kernel {key!r} is not loaded in this process (call tensorstep.load)") from None
 
 
-def _check_values(idx: Optional[Tensor], rows: int, dt: Tensor) -> None:
-    if idx is not None and idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= rows):
-        raise IndexError(f"start_index: entries must be in 0..{rows - 1}")
-    if not bool(torch.isfinite(dt).all()) or not bool((dt > 0).all()):
-        raise ValueError("dt: expected finite, positive step durations")
-
-
 @torch.library.custom_op("tensorstep::step", mutates_args=())
 def step(key: str, u: Tensor, p0: Tensor, v0: Tensor, a0: Tensor, j0: Optional[Tensor],
          idx: Optional[Tensor], dt: Tensor) -> list[Tensor]:
     if u.device.type == "cpu":
-        _check_values(idx, p0.shape[0], dt)
+        if idx is not None:
+            validate.check_index_values(idx, p0.shape[0])
+        validate.check_dt_values(dt)
     return _launcher(key).forward(u, (p0, v0, a0, j0), idx, dt)
 
 

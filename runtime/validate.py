@@ -48,12 +48,24 @@ def check_index(idx: Any, batch: int, rows: int, device: torch.device) -> Tensor
     if torch.compiler.is_compiling():
         pass  # checked inside the custom op, on real data
     elif idx.device.type == "cpu":
-        if batch and (int(idx.min()) < 0 or int(idx.max()) >= rows):
-            bad = idx[(idx < 0) | (idx >= rows)][0].item()
-            raise IndexError(f"start_index: entry {bad} is out of range: start tensors have {rows} rows (allowed 0..{rows - 1})")
+        check_index_values(idx, rows)
     else:  # device-side assert: no host synchronisation on the hot path
         torch._assert_async(((idx >= 0) & (idx < rows)).all(), "start_index out of range")
     return idx
+
+
+def check_index_values(idx: Tensor, rows: int) -> None:
+    """Every start_index entry in [0, rows) (reads the values: CPU tensors)."""
+    if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= rows):
+        bad = idx[(idx < 0) | (idx >= rows)][0].item()
+        raise IndexError(f"start_index: entry {bad} is out of range: start tensors have {rows} rows (allowed 0..{rows - 1})")
+
+
+def check_dt_values(dt: Tensor) -> None:
+    """Finite, positive step durations (reads the values: CPU tensors)."""
+    with torch.no_grad():
+        if not bool(torch.isfinite(dt).all()) or not bool((dt > 0).all()):
+            raise ValueError(f"dt: expected finite, positive step durations, got {dt.detach().flatten().tolist()[:8]}")
 
 
 def dt_tensor(dt: Any, n_dt: int, horizon: int, dtype: torch.dtype, device: torch.device) -> Tensor:
@@ -76,9 +88,7 @@ def dt_tensor(dt: Any, n_dt: int, horizon: int, dtype: torch.dtype, device: torc
     if dt.device != device:
         raise ValueError(f"dt: expected device {device}, got {dt.device}")
     if dt.device.type == "cpu" and not torch.compiler.is_compiling():
-        with torch.no_grad():
-            if not bool(torch.isfinite(dt).all()) or not bool((dt > 0).all()):
-                raise ValueError(f"dt: expected finite, positive step durations, got {dt.detach().flatten().tolist()[:8]}")
+        check_dt_values(dt)
     return dt.reshape(n_dt).to(dtype).contiguous()
 
 
