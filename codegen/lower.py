@@ -69,8 +69,14 @@ class KernelCode:
     loops: list[Loop] = dataclasses.field(default_factory=list)
 
 
+def table_term(index: str, operand: str) -> str:
+    """'+C(index)*operand': coefficients are read from the table, not held one local each
+    (which makes compile time superlinear in the horizon)."""
+    return f"+C({index})*{operand}"
+
+
 class _Coefficients:
-    """Names coefficient expressions (c<q>) and turns them into a double-precision program.
+    """Gives each coefficient expression a slot C(q) and turns them into a double-precision program.
 
     The program is a list of small assignments (chunked CSE keeps it linear in the
     horizon). Its derivatives are taken line by line: forward mode for dt_jvp, reverse
@@ -82,14 +88,13 @@ class _Coefficients:
     def __init__(self, op: Operator):
         self.dt_syms = op.dt_symbols
         self.base = list(op.program)
+        self._varying = set(self.dt_syms) | {s for s, _ in self.base}
         self.names: dict[sp.Expr, int] = {}
-        for coef in op.coefficients():  # fixed names, shared by every kernel of the operator
-            self.name(coef)
+        for coef in op.coefficients():  # fixed slots, shared by every kernel of the operator
+            self.index(coef)
 
     def varies(self, expr: sp.Expr) -> bool:
         """Whether a coefficient depends on dt (directly or through program quantities)."""
-        if not hasattr(self, "_varying"):
-            self._varying = set(self.dt_syms) | {s for s, _ in self.base}
         return bool(expr.free_symbols & self._varying)
 
     def index(self, expr: sp.Expr) -> int:
@@ -98,24 +103,16 @@ class _Coefficients:
             self.names[expr] = len(self.names)
         return self.names[expr]
 
-    def name(self, expr: sp.Expr) -> str:
-        """A coefficient as the body reads it: from the table (not one local per coefficient,
-        which makes compile time superlinear in the horizon)."""
-        return f"C({self.index(expr)})"
-
     def term(self, coef: sp.Expr, operand: str) -> str:
-        """A signed product 'coef*operand' (units inlined)."""
+        """A signed product 'coef*operand' (units inlined, other coefficients from the table)."""
         if coef == ONE:
             return f"+{operand}"
         if coef == MINUS_ONE:
             return f"-{operand}"
-        return f"+{self.name(coef)}*{operand}"
+        return table_term(str(self.index(coef)), operand)
 
     @functools.cached_property
     def lines(self) -> list[tuple[sp.Symbol, sp.Expr]]:
-        return self.program()
-
-    def program(self) -> list[tuple[sp.Symbol, sp.Expr]]:
         """Assignments computing k<q> (the value of C(q)) from the dt symbols."""
         exprs = list(self.names)
         temps = sp.numbered_symbols("t")
@@ -192,7 +189,7 @@ def _var(ref: Ref, prefix: str = "") -> str:
     return f"{prefix}y{ref[1]}_{ref[2]}"
 
 
-def _loads(op: Operator, tangent: bool = False) -> list[str]:
+def _loads(tangent: bool = False) -> list[str]:
     lines = [f"const T s{m} = S{m};" for m in range(4)]
     if tangent:
         lines += [f"const T ts{m} = DS{m};" for m in range(4)]
@@ -258,16 +255,16 @@ def _is_stencil(op: Operator) -> bool:
 
 
 def _coefficient(coefs: _Coefficients, coef: sp.Expr) -> tuple[sp.Expr | None, int | None]:
-    """(literal, None) for units, (None, slot) for table coefficients."""
+    """(unit, None) for ±1, (None, slot) for table coefficients: a loop's shape keeps the units,
+    its slots advance along the run."""
     return (coef, None) if coef in (ONE, MINUS_ONE) else (None, coefs.index(coef))
 
 
-def _loop_term(lit: sp.Expr | None, slot: int | None, stride: int, start: int, operand: str) -> str:
-    if lit is not None:
-        return f"+{operand}" if lit == ONE else f"-{operand}"
-    if stride == 0:
-        return f"+C({slot})*{operand}"
-    return f"+C({slot} + {stride} * (r - {start}))*{operand}"
+def _loop_term(coefs: _Coefficients, unit: sp.Expr | None, slot: int | None, stride: int, start: int,
+               operand: str) -> str:
+    if unit is not None:
+        return coefs.term(unit, operand)
+    return table_term(str(slot) if stride == 0 else f"{slot} + {stride} * (r - {start})", operand)
 
 
 def _forward_loops(op: Operator, coefs: _Coefficients) -> tuple[list[Loop], set[tuple[int, int]]]:
@@ -285,7 +282,7 @@ def _forward_loops(op: Operator, coefs: _Coefficients) -> tuple[list[Loop], set[
                 parts = [(ref[1] - row.h, *_coefficient(coefs, c)) for c, ref in row.terms]
                 rows[row.h] = (tuple((rel, lit) for rel, lit, _ in parts), tuple(slot for _, _, slot in parts))
         for start, stop, shape, slots, stride in _runs(rows):
-            value = _sum([_loop_term(lit, slot, stride, start, f"SU({rel})") for (rel, lit), slot in zip(shape, slots)])
+            value = _sum([_loop_term(coefs, lit, slot, stride, start, f"SU({rel})") for (rel, lit), slot in zip(shape, slots)])
             loops.append(Loop(start, stop, [f"SY{k} = {value};"], row_dependent=stride != 0))
             covered.update((k, h) for h in range(start, stop))
     return loops, covered
@@ -310,7 +307,7 @@ def _adjoint_loops(op: Operator, coefs: _Coefficients) -> tuple[list[Loop], set[
         dependent = stride != 0
         loops.append(Loop(start, stop, ["SGU = (T)0;"], row_dependent=dependent))
         for k in sorted({kk for kk, _, _ in shape}):
-            value = _sum([_loop_term(lit, slot, stride, start, f"SG{k}({rel})")
+            value = _sum([_loop_term(coefs, lit, slot, stride, start, f"SG{k}({rel})")
                           for (kk, rel, lit), slot in zip(shape, slots) if kk == k])
             loops.append(Loop(start, stop, [f"SGU += {value};"], guard=f"g{k}", row_dependent=dependent))
         covered.update(range(start, stop))
@@ -322,7 +319,7 @@ TABLE_CALL = ["COEFFICIENTS(dt_in, coef);"]  # the shared table function (templa
 
 def _forward(op: Operator, coefs: _Coefficients) -> KernelCode:
     loops, covered = _forward_loops(op, coefs)
-    body = _loads(op)
+    body = _loads()
     for line, row in zip(_forward_lines(op, coefs), op.rows):
         if (row.k, row.h) not in covered:
             body += [line, f"Y{row.k}({row.h}) = y{row.k}_{row.h};"]
@@ -340,10 +337,10 @@ def _adjoint(op: Operator, coefs: _Coefficients) -> KernelCode:
 def _dt_vjp(op: Operator, coefs: _Coefficients) -> KernelCode:
     """GC(q) += Σ yb_row · value over the uses of each dt-dependent coefficient (summed over
     columns); dt_vjp_finish then maps GC to the dt gradient through the coefficient program."""
-    body = _loads(op) + _forward_lines(op, coefs)
+    body = _loads() + _forward_lines(op, coefs)
     adjoint, _ = _adjoint_lines(op, coefs)
     body += adjoint
-    uses: dict[str, list[str]] = defaultdict(list)
+    uses: dict[int, list[str]] = defaultdict(list)
     for row in op.rows:
         for c, ref in row.terms:
             if coefs.varies(c):
@@ -354,7 +351,7 @@ def _dt_vjp(op: Operator, coefs: _Coefficients) -> KernelCode:
 
 def _dt_jvp(op: Operator, coefs: _Coefficients) -> KernelCode:
     """Tangent: ty = Σ (ċ · value + c · tangent), ċ = Σ_m ∂c/∂dt_m · ddt_m."""
-    body = _loads(op, tangent=True) + _forward_lines(op, coefs)
+    body = _loads(tangent=True) + _forward_lines(op, coefs)
     for row in op.rows:
         parts = []
         for c, ref in row.terms:
