@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -76,6 +77,10 @@ def case_callables(case: Case) -> dict[str, Callable[[], None]]:
         "kernels": kernels,
         "dense": _fwd_bwd(dense_step(spec, DT, dtype), u, starts, grads),
     }
+    if step.native is not None:  # the same kernels behind the Python autograd.Function
+        python_step = ts.load(spec, dev)
+        python_step.native = None
+        methods["python"] = _fwd_bwd(lambda u, *s: python_step(u, *s, DT), u, starts, grads)
     try:
         methods["slicing"] = _fwd_bwd(slicing_step(spec, DT), u, starts, grads)
     except ValueError:
@@ -144,8 +149,9 @@ def run_cases(cases: Iterable[Case], echo: Callable[[str], None], budget_s: floa
     rows = []
     echo(f"machine: {machine()}")
     echo("")
-    echo("| scheme | H | B | dtype | tensorstep (autograd) | kernels only | dense | slicing | copy bound | slicing / tensorstep | tensorstep / copy |")
-    echo("|---|---|---|---|---|---|---|---|---|---|---|")
+    echo("| scheme | H | B | dtype | tensorstep (autograd) | via Python autograd | kernels only | dense | slicing "
+         "| copy bound | slicing / tensorstep | tensorstep / copy |")
+    echo("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for case in cases:
         t = time_interleaved(case_callables(case), case.device, budget_s)
         row = dict(dataclasses.asdict(case), **t)
@@ -153,7 +159,7 @@ def run_cases(cases: Iterable[Case], echo: Callable[[str], None], budget_s: floa
         sl = t.get("slicing")
         echo(
             f"| {case.scheme} | {case.horizon} | {case.batch} | {case.dtype} | {format_time(t['tensorstep'])} | "
-            f"{format_time(t['kernels'])} | {format_time(t['dense'])} | {format_time(sl) if sl else 'n/a'} | "
+            f"{format_time(t['python']) if 'python' in t else 'n/a'} | {format_time(t['kernels'])} | {format_time(t['dense'])} | {format_time(sl) if sl else 'n/a'} | "
             f"{format_time(t['copy'])} | {(sl / t['tensorstep']) if sl else float('nan'):.1f}× | "
             f"{t['tensorstep'] / t['copy']:.2f}× |"
         )
@@ -172,8 +178,40 @@ print(t2 - t1, "sympy" in sys.modules)
 """
 
 
+NATIVE_SNIPPET = """
+import time
+from tensorstep.runtime import native
+t0 = time.perf_counter()
+path = native.library()
+print(time.perf_counter() - t0, path.parent if path else "")
+"""
+
+
+def native_build(echo: Callable[[str], None], cache: str) -> Optional[str]:
+    """Build the native autograd node in an empty cache (once per PyTorch install); its build folder."""
+    env = dict(os.environ, TENSORSTEP_CACHE_DIR=cache)
+    run = subprocess.run([sys.executable, "-c", NATIVE_SNIPPET], env=env, capture_output=True, text=True)
+    parts = run.stdout.split()
+    if run.returncode or len(parts) < 2:
+        echo(f"\nnative autograd node: not built ({(run.stderr or 'disabled')[-200:].strip()})")
+        return None
+    echo(f"\nnative autograd node: built in {float(parts[0]):.1f} s (once per PyTorch install and compiler)")
+    return parts[1]
+
+
 def codegen_cost(echo: Callable[[str], None], horizons=(8, 32, 128, 256)) -> list[dict]:
-    """Cold derive+render+compile and warm (cached) load per variant, each in a fresh process."""
+    """Cold derive+render+compile and warm (cached) load per variant, each in a fresh process.
+
+    Each cold cache already holds the native autograd node (built once per PyTorch install,
+    timed on its own), so the cold column is the variant's own cost; warm loads include
+    loading the node.
+    """
+    with tempfile.TemporaryDirectory() as native_cache:
+        node = native_build(echo, native_cache)
+        return _codegen_cost(echo, horizons, node)
+
+
+def _codegen_cost(echo: Callable[[str], None], horizons, node: Optional[str]) -> list[dict]:
     echo("")
     echo("| variant | H | cold generate + compile | warm load (cached) | SymPy imported on warm load |")
     echo("|---|---|---|---|---|")
@@ -181,6 +219,8 @@ def codegen_cost(echo: Callable[[str], None], horizons=(8, 32, 128, 256)) -> lis
     for scheme in ("central", "accel"):
         for H in horizons:
             with tempfile.TemporaryDirectory() as cache:
+                if node:
+                    shutil.copytree(node, os.path.join(cache, "builds", os.path.basename(node)))
                 env = dict(os.environ, TENSORSTEP_CACHE_DIR=cache)
                 code = COLD_SNIPPET.format(H=H, kw=repr(SCHEMES[scheme]))
                 cold = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
@@ -195,8 +235,9 @@ def codegen_cost(echo: Callable[[str], None], horizons=(8, 32, 128, 256)) -> lis
     return rows
 
 
-def autograd_floor() -> float:
-    """Forward+backward of a trivial 4-output autograd.Function: this machine's fixed cost."""
+def autograd_floors() -> dict[str, float]:
+    """This machine's fixed costs of one autograd call at B=1, forward+backward:
+    a trivial 4-output Python autograd.Function, and one built-in op (x * 2)."""
 
     class Trivial(torch.autograd.Function):
         @staticmethod
@@ -209,5 +250,8 @@ def autograd_floor() -> float:
 
     x = torch.randn(1, 31, 7, requires_grad=True)
     g = [torch.ones(1, 32, 7)] * 4
-    t = time_interleaved({"floor": lambda: torch.autograd.backward(Trivial.apply(x), g)}, "cpu", 0.3)
-    return t["floor"]
+    g1 = [torch.ones(1, 31, 7)]
+    return time_interleaved({
+        "python_function": lambda: torch.autograd.backward(Trivial.apply(x), g),
+        "builtin_op": lambda: torch.autograd.backward([x * 2], g1),
+    }, "cpu", 0.3)

@@ -26,6 +26,12 @@ class Step(torch.nn.Module):
 
         self.op_key = ops.register(launcher, device)
         self._dt_cache: dict[float, Tensor] = {}
+        self.native: Optional[int] = None  # handle of the native autograd node (CPU), if built
+        if device.type == "cpu":
+            from . import native
+
+            self.native = native.handle(launcher)
+        self._native_step = torch.ops.tensorstep_native.step.default if self.native is not None else None
 
     def extra_repr(self) -> str:
         return f"{self.spec.name}, device={self.device}"
@@ -77,6 +83,8 @@ class Step(torch.nn.Module):
                     "call the step outside the compiled region for forward mode (eager jvp is exact)"
                 )
             return tuple(torch.ops.tensorstep.step(self.op_key, u, p0, v0, a0, j0, idx, dt_k))
+        if self.native is not None and not dt_k.requires_grad and not _forward_mode_active():
+            return tuple(self._native_step(self.native, u, p0, v0, a0, j0, idx, dt_k))
         return StepFunction.apply(self.launcher, u, p0, v0, a0, j0, idx, dt_k)
 
 

@@ -118,6 +118,7 @@ class AdjointFunction(_FastApply):
     def setup_context(ctx, inputs, output):
         launcher, dt, B = inputs[:3]
         ctx.launcher, ctx.B = launcher, B
+        ctx.present = tuple(g is not None for g in inputs[3:])  # gradients only for tensors given
         ctx.save_for_backward(dt)
         ctx.save_for_forward(dt)
         ctx.set_materialize_grads(False)
@@ -129,7 +130,7 @@ class AdjointFunction(_FastApply):
         (dt,) = ctx.saved_tensors
         launcher: Launcher = ctx.launcher
         grads = _apply_forward(launcher, ctx.B, ggu, ggs, dt)
-        return (None, None, None, *grads)
+        return (None, None, None, *(g if present else None for g, present in zip(grads, ctx.present)))
 
     @staticmethod
     def jvp(ctx, _launcher, ddt, _dB, *dgrads):

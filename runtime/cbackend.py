@@ -115,6 +115,12 @@ def load_source(spec: Any, source: str, cache: BuildCache | None = None) -> Any:
     return _open(content_hash, cache.build(content_hash, "so", source, _compile), spec, "all")
 
 
+def address(lib: Any, symbol: str) -> int:
+    """The address of a loaded library's function (for the native autograd node)."""
+    ffi = next(f for f, loaded in _LOADED.values() if loaded is lib)
+    return int(ffi.cast("intptr_t", getattr(lib, symbol)))
+
+
 def _open(content_hash: str, path: Path, spec: Any, part: str) -> Any:
     """dlopen a built library through its pre-parsed cffi module (no C parsing on warm loads)."""
     if content_hash not in _LOADED:

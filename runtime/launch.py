@@ -122,7 +122,7 @@ class CpuBackend:
         self.spec = spec
         self._load = load_library if source is None else (lambda spec, part: load_source(spec, source))
         self.functions: dict[str, Any] = {}
-        self._bind("core" if source is None else "all")
+        self._core = self._bind("core" if source is None else "all")
 
     def _bind(self, part: str) -> Any:
         from ..codegen import abi
@@ -130,6 +130,13 @@ class CpuBackend:
         lib = self._load(self.spec, part)
         self.functions.update({k: getattr(lib, abi.symbol(self.spec.name, k)) for k in abi.PARTS[part]})
         return lib
+
+    def address(self, kernel: str) -> int:
+        """Address of a core kernel ('forward', 'adjoint'), for the native autograd node."""
+        from ..codegen import abi
+        from .cbackend import address
+
+        return address(self._core, abi.symbol(self.spec.name, kernel))
 
     @functools.cached_property
     def n_coefficients(self) -> int:

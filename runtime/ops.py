@@ -111,6 +111,7 @@ step.register_autograd(_step_backward, setup_context=_step_setup)
 def _adjoint_setup(ctx, inputs, output):
     key, batch, grads, dt = inputs
     ctx.key, ctx.batch = key, batch
+    ctx.present = [g is not None for g in grads]
     ctx.save_for_backward(dt)
 
 
@@ -122,7 +123,8 @@ def _adjoint_backward(ctx, outs_grads):
     inputs = _launcher(ctx.key).forward_inputs(ctx.batch, ggu, ggs)
     if inputs is None:
         return None, None, None, None
-    return None, None, list(step(ctx.key, *inputs, None, dt)), None
+    outs = step(ctx.key, *inputs, None, dt)
+    return None, None, [y if present else None for y, present in zip(outs, ctx.present)], None
 
 
 step_adjoint.register_autograd(_adjoint_backward, setup_context=_adjoint_setup)

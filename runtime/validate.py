@@ -15,6 +15,9 @@ def _describe(t: Tensor) -> str:
 
 def check_tensor(name: str, t: Any, shape: tuple, dtype: torch.dtype, device: torch.device) -> Tensor:
     """Type, shape, dtype, device and contiguity of one input tensor."""
+    if (type(t) is Tensor and t.layout is torch.strided and t.dtype is dtype and t.shape == shape
+            and t.device == device and t.is_contiguous()):
+        return t  # the common case in one expression; the checks below name what is wrong
     if not isinstance(t, Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor of shape {shape}, got {type(t).__name__}")
     if t.layout != torch.strided:

@@ -12,3 +12,17 @@ def spec(request) -> ts.KernelSpec:
     return make_spec(request.param)
 
 
+
+
+@pytest.fixture(params=["native", "python"])
+def autograd_path(request):
+    """Run a test through the native autograd node and through the Python Functions."""
+
+    def use(step):
+        if request.param == "python":
+            step.native = None
+        elif step.native is None:
+            pytest.skip("the native autograd node is unavailable here (no C++ compiler?)")
+        return step
+
+    return use

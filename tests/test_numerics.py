@@ -37,9 +37,9 @@ def test_c_kernel_matches_reference(spec):
         scale_close(to_bhd(y, spec), expected[k], 1e-12)
 
 
-def test_adjoint_dot_product(spec):
+def test_adjoint_dot_product(spec, autograd_path):
     """<A x, g> = <x, Aᵀ g> to 1e-12 with the generated forward and adjoint kernels."""
-    step = ts.load(spec, "cpu")
+    step = autograd_path(ts.load(spec, "cpu"))
     x = Inputs(spec, requires_grad=True)
     dt = dt_value(spec)
     outs = step(x.u, x.p0, x.v0, x.a0, dt, **x.kwargs())
@@ -61,8 +61,8 @@ def test_gradcheck_with_forward_ad(spec):
     assert torch.autograd.gradcheck(f, (x.u, x.p0, x.v0, x.a0, x.j0, dt), check_forward_ad=True)
 
 
-def test_gradgradcheck(spec):
-    step = ts.load(spec, "cpu")
+def test_gradgradcheck(spec, autograd_path):
+    step = autograd_path(ts.load(spec, "cpu"))
     x = Inputs(spec, batch=2, requires_grad=True)
     dt = dt_value(spec)
     kw = {"start_index": x.idx} if x.idx is not None else {}

@@ -164,7 +164,7 @@ def _cc_wrapper(tmp_path: Path) -> Path:
 
 
 def test_concurrent_processes_build_once(tmp_path):
-    env = dict(os.environ, TENSORSTEP_CACHE_DIR=str(tmp_path / "cache"), CC=str(_cc_wrapper(tmp_path)))
+    env = dict(os.environ, TENSORSTEP_NATIVE="0", TENSORSTEP_CACHE_DIR=str(tmp_path / "cache"), CC=str(_cc_wrapper(tmp_path)))
     procs = [subprocess.Popen([sys.executable, "-c", LOAD], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True) for _ in range(2)]
     outputs = [p.communicate(timeout=300) for p in procs]
@@ -177,7 +177,7 @@ def test_concurrent_processes_build_once(tmp_path):
 def test_unusable_cache_folder_falls_back_with_warning(tmp_path):
     blocker = tmp_path / "not-a-folder"
     blocker.write_text("x")
-    env = dict(os.environ, TENSORSTEP_CACHE_DIR=str(blocker / "cache"))
+    env = dict(os.environ, TENSORSTEP_NATIVE="0", TENSORSTEP_CACHE_DIR=str(blocker / "cache"))
     proc = subprocess.run([sys.executable, "-c", LOAD], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "sum 18.0" in proc.stdout
@@ -185,7 +185,7 @@ def test_unusable_cache_folder_falls_back_with_warning(tmp_path):
 
 
 def test_missing_compiler_says_what_to_install(tmp_path):
-    env = dict(os.environ, TENSORSTEP_CACHE_DIR=str(tmp_path), CC="/nonexistent/bin/cc")
+    env = dict(os.environ, TENSORSTEP_NATIVE="0", TENSORSTEP_CACHE_DIR=str(tmp_path), CC="/nonexistent/bin/cc")
     proc = subprocess.run([sys.executable, "-c", LOAD], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
     assert "no C compiler found" in proc.stderr and "apt-get install gcc" in proc.stderr
@@ -198,7 +198,7 @@ def test_cuda_unavailable_is_a_clear_error():
 
 
 def test_corrupt_ffi_module_is_rebuilt(tmp_path):
-    env = dict(os.environ, TENSORSTEP_CACHE_DIR=str(tmp_path))
+    env = dict(os.environ, TENSORSTEP_NATIVE="0", TENSORSTEP_CACHE_DIR=str(tmp_path))
     assert subprocess.run([sys.executable, "-c", LOAD], env=env, capture_output=True).returncode == 0
     for module in tmp_path.glob("builds/*/ffi_*.py"):
         module.write_text("this is not python (")

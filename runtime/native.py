@@ -1,0 +1,118 @@
+"""The native autograd node (runtime/native_node.cpp): build once per PyTorch install, load, route.
+
+Python's autograd.Function adds tens of microseconds per call, more than the kernels cost at
+small batches. The native node is one generic C++ autograd Function that calls the generated
+kernels by address. It is compiled against the installed PyTorch's headers (about 20 s, once
+per PyTorch install and compiler, kept in the kernel cache) and used for plain CPU calls:
+gradients to u and the start state. dt gradients, forward mode, functorch transforms and
+torch.compile keep the Python Functions. ``TENSORSTEP_NATIVE=0`` turns it off; when it
+cannot be built (no C++ compiler, no PyTorch headers) steps run on the Python path with one
+warning.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from .cache import ABI_VERSION, BuildCache, CacheError, digest
+
+SOURCE = Path(__file__).with_name("native_node.cpp")
+CXX_FLAGS = ("-O2", "-std=c++17", "-shared", "-fPIC", "-w")
+
+
+def enabled() -> bool:
+    """False when TENSORSTEP_NATIVE is 0/false/off/no."""
+    return os.environ.get("TENSORSTEP_NATIVE", "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+def _torch_paths() -> tuple[Path, list[Path]]:
+    root = Path(torch.__file__).resolve().parent
+    return root / "lib", [root / "include", root / "include" / "torch" / "csrc" / "api" / "include"]
+
+
+def _cxx() -> Optional[str]:
+    candidates = [os.environ["CXX"]] if os.environ.get("CXX") else ["c++", "g++", "clang++"]
+    return next((p for p in map(shutil.which, candidates) if p), None)
+
+
+def _command(cxx: str, src: Path, out: Path) -> list[str]:
+    lib, includes = _torch_paths()
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    return [cxx, *CXX_FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *(f"-I{p}" for p in includes), "-x", "c++",
+            str(src), "-o", str(out), f"-L{lib}", f"-Wl,-rpath,{lib}", "-ltorch", "-ltorch_cpu", "-lc10"]
+
+
+def _compile(src: Path, out: Path) -> None:
+    cxx = _cxx()
+    assert cxx is not None
+    print(f"tensorstep: building the native autograd node for torch {torch.__version__} "
+          "(once per PyTorch install, about 20 s)...", file=sys.stderr, flush=True)
+    result = subprocess.run(_command(cxx, src, out), capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"C++ compilation failed:\n{result.stderr[-3000:]}")
+
+
+def build_key(cxx: str) -> str:
+    """Content hash of the node's build: source, compiler, flags, PyTorch version and location."""
+    st = os.stat(os.path.realpath(cxx))
+    return digest(SOURCE.read_text(), os.path.realpath(cxx), str(st.st_mtime_ns), str(st.st_size), " ".join(CXX_FLAGS),
+                  torch.__version__, str(_torch_paths()[0]), ABI_VERSION, platform.machine())
+
+
+@functools.lru_cache(maxsize=1)
+def library() -> Optional[Path]:
+    """The built node (from the cache, else built now); None when off or impossible (warned)."""
+    if not enabled() or platform.system() == "Windows":
+        return None
+    cxx = _cxx()
+    _, includes = _torch_paths()
+    if cxx is None or not (includes[0] / "torch" / "library.h").exists():
+        warnings.warn("tensorstep: no C++ compiler or PyTorch headers, so the native autograd node is not built; "
+                      "steps use the Python autograd path (correct, more overhead per call). Install g++ to enable it.",
+                      stacklevel=3)
+        return None
+    try:
+        path = BuildCache().build(build_key(cxx), "native.so", SOURCE.read_text(), _compile)
+        torch.ops.load_library(str(path))
+    except (CacheError, RuntimeError, OSError) as err:
+        warnings.warn(f"tensorstep: the native autograd node could not be built or loaded ({err}); "
+                      "steps use the Python autograd path", stacklevel=3)
+        return None
+    _register_python_parts()
+    return path
+
+
+_LAUNCHERS: dict[int, Any] = {}
+
+
+def _register_python_parts() -> None:
+    """The create_graph adjoint, in Python: AdjointFunction is differentiable (backward, jvp, vmap)."""
+    from .autograd import AdjointFunction
+
+    def adjoint_graph(handle: int, grads: list, dt: torch.Tensor, batch: int) -> list[torch.Tensor]:
+        return list(AdjointFunction.apply(_LAUNCHERS[handle], dt, batch, *grads))
+
+    lib = torch.library.Library("tensorstep_native", "IMPL")
+    lib.impl("adjoint_graph", adjoint_graph, "CompositeImplicitAutograd")
+    _register_python_parts.lib = lib  # type: ignore[attr-defined]  # keep the registration alive
+
+
+def handle(launcher: Any) -> Optional[int]:
+    """Register a CPU launcher's kernels with the node; None when the node is unavailable."""
+    if library() is None:
+        return None
+    B = 1
+    h = int(torch.ops.tensorstep_native.register_kernels(
+        launcher.backend.address("forward"), launcher.backend.address("adjoint"), launcher.K,
+        list(launcher.output_shape(B)[1:]), list(launcher.action_shape(B)[1:]), launcher.spec.dof))
+    _LAUNCHERS[h] = launcher
+    return h
