@@ -116,3 +116,23 @@ def test_native_off_by_environment_and_warm_load_without_sympy(tmp_path):
     assert on.returncode == 0, on.stderr
     expected_native = "True" if ts.load(SPEC).native is not None else "False"
     assert on.stdout.split() == [expected_native, "False", "False"]
+
+
+def test_unbuildable_node_falls_back_to_python_path_with_warning(tmp_path):
+    """A C++ compiler that fails: one warning, and the step still works (Python autograd path)."""
+    code = textwrap.dedent(
+        """
+        import warnings, torch, tensorstep as ts
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            s = ts.load(ts.KernelSpec(horizon=7, dof=2, dtype="float64"))
+        u = torch.randn(1, 6, 2, dtype=torch.float64, requires_grad=True)
+        z = torch.zeros(1, 2, dtype=torch.float64)
+        s(u, z, z, z, 0.1)[0].sum().backward()
+        print(s.native, u.grad is not None, sum("native autograd node" in str(w.message) for w in caught))
+        """
+    )
+    env = dict(os.environ, TENSORSTEP_CACHE_DIR=str(tmp_path), CXX="/bin/false")
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == ["None", "True", "1"]
