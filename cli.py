@@ -271,11 +271,6 @@ def bench(device: str, quick: bool, scheme: tuple, batch: tuple, horizon: tuple,
     else:
         cases = harness.default_cases(device, quick)
     harness.run_cases(cases, click.echo, budget)
-    if device == "cpu":
-        floors = harness.autograd_floors()
-        click.echo(f"\nautograd floor, fwd+bwd at B=1: a trivial 4-output Python autograd.Function "
-                   f"{harness.format_time(floors['python_function'])}; one built-in op (x * 2) "
-                   f"{harness.format_time(floors['builtin_op'])}")
     if codegen:
         harness.codegen_cost(click.echo)
 

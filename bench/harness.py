@@ -87,7 +87,23 @@ def case_callables(case: Case) -> dict[str, Callable[[], None]]:
         pass
     src = torch.empty(copy_elements(spec, B), dtype=dtype, device=dev)
     methods["copy"] = lambda: src.clone()
+    if B == 1 and case.device == "cpu":
+        methods.update(autograd_floors())
+        methods["engine_direct"] = _fwd_engine(lambda u, *s: step(u, *s, DT), u, starts, grads)
     return methods
+
+
+def _fwd_engine(step: Callable, u, starts, grads) -> Callable[[], None]:
+    """As _fwd_bwd, but handing the outputs to the autograd engine directly, without the Python
+    wrapper of torch.autograd.backward (whose argument checks cost ~10 µs per output here)."""
+    engine = torch.autograd.Variable._execution_engine
+    grads = tuple(grads)
+
+    def run() -> None:
+        u.grad = None
+        engine.run_backward(tuple(step(u, *starts)), grads, False, False, (), True, True)
+
+    return run
 
 
 def time_interleaved(methods: dict[str, Callable[[], None]], device: str, budget_s: float = 0.6,
@@ -163,6 +179,15 @@ def run_cases(cases: Iterable[Case], echo: Callable[[str], None], budget_s: floa
             f"{format_time(t['copy'])} | {(sl / t['tensorstep']) if sl else float('nan'):.1f}× | "
             f"{t['tensorstep'] / t['copy']:.2f}× |"
         )
+    floors = [r for r in rows if "floor_builtin_op" in r]
+    if floors:
+        echo("\nB=1 against this machine's autograd floor, timed in the same interleaved runs "
+             "(forward+backward):")
+    for r in floors:
+        echo(f"* {r['scheme']} {r['dtype']}: tensorstep {format_time(r['tensorstep'])} (outputs handed to the engine "
+             f"directly: {format_time(r['engine_direct'])}); one built-in op (x * 2) "
+             f"{format_time(r['floor_builtin_op'])}; a trivial 4-output Python autograd.Function "
+             f"{format_time(r['floor_python_function'])}")
     return rows
 
 
@@ -235,9 +260,9 @@ def _codegen_cost(echo: Callable[[str], None], horizons, node: Optional[str]) ->
     return rows
 
 
-def autograd_floors() -> dict[str, float]:
-    """This machine's fixed costs of one autograd call at B=1, forward+backward:
-    a trivial 4-output Python autograd.Function, and one built-in op (x * 2)."""
+def autograd_floors() -> dict[str, Callable[[], None]]:
+    """This machine's fixed cost of one autograd call at B=1, forward+backward, timed with the
+    B=1 cases: a trivial 4-output Python autograd.Function, and one built-in op (x * 2)."""
 
     class Trivial(torch.autograd.Function):
         @staticmethod
@@ -251,7 +276,7 @@ def autograd_floors() -> dict[str, float]:
     x = torch.randn(1, 31, 7, requires_grad=True)
     g = [torch.ones(1, 32, 7)] * 4
     g1 = [torch.ones(1, 31, 7)]
-    return time_interleaved({
-        "python_function": lambda: torch.autograd.backward(Trivial.apply(x), g),
-        "builtin_op": lambda: torch.autograd.backward([x * 2], g1),
-    }, "cpu", 0.3)
+    return {
+        "floor_python_function": lambda: torch.autograd.backward(Trivial.apply(x), g),
+        "floor_builtin_op": lambda: torch.autograd.backward([x * 2], g1),
+    }

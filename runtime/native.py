@@ -92,6 +92,7 @@ def library() -> Optional[Path]:
 
 
 _LAUNCHERS: dict[int, Any] = {}
+_HANDLES: dict[tuple[int, int], int] = {}  # kernel addresses → handle: loading a spec again reuses it
 
 
 def _register_python_parts() -> None:
@@ -110,9 +111,11 @@ def handle(launcher: Any) -> Optional[int]:
     """Register a CPU launcher's kernels with the node; None when the node is unavailable."""
     if library() is None:
         return None
-    B = 1
-    h = int(torch.ops.tensorstep_native.register_kernels(
-        launcher.backend.address("forward"), launcher.backend.address("adjoint"), launcher.K,
-        list(launcher.output_shape(B)[1:]), list(launcher.action_shape(B)[1:]), launcher.spec.dof))
-    _LAUNCHERS[h] = launcher
-    return h
+    addresses = (launcher.backend.address("forward"), launcher.backend.address("adjoint"))
+    if addresses not in _HANDLES:
+        h = int(torch.ops.tensorstep_native.register_kernels(
+            *addresses, launcher.K, list(launcher.output_shape(1)[1:]), list(launcher.action_shape(1)[1:]),
+            launcher.spec.dof))
+        _LAUNCHERS[h] = launcher
+        _HANDLES[addresses] = h
+    return _HANDLES[addresses]

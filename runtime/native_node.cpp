@@ -16,6 +16,7 @@
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
+#include <deque>
 #include <mutex>
 #include <vector>
 
@@ -41,7 +42,7 @@ struct Kernels {
 };
 
 std::mutex registry_mutex;
-std::vector<Kernels> registry;  // append-only: handles stay valid for the process
+std::deque<Kernels> registry;  // append-only; a deque never moves its elements, so references stay valid
 
 const Kernels& kernels(int64_t handle) {
   std::lock_guard<std::mutex> guard(registry_mutex);

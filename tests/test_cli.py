@@ -125,3 +125,12 @@ def test_python_dash_m_and_plain_output_when_piped(tmp_path):
     missing = subprocess.run([sys.executable, "-m", "tensorstep", "generate", str(tmp_path / "nope.yml")],
                              capture_output=True, text=True)
     assert missing.returncode != 0 and "Traceback" not in missing.stderr and "cannot read the file" in missing.stderr
+
+
+def test_bench_smoke_prints_table_and_same_run_floor():
+    """`bench` runs end to end (tiny budget: this checks the command, not speed)."""
+    result = CliRunner().invoke(main, ["bench", "--scheme", "backward", "--batch", "1", "--no-codegen", "--budget", "0.01"])
+    assert result.exit_code == 0, result.output
+    row = next(line for line in result.output.splitlines() if line.startswith("| backward | 32 | 1 |"))
+    assert row.count("|") == 13 and "µs" in row
+    assert "one built-in op (x * 2)" in result.output and "threads" in result.output
