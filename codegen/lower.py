@@ -2,14 +2,17 @@
 
 The statement lists are target-neutral C: the C and CUDA templates wrap the same text
 in their own loops. Body code uses these macros, defined by each template:
-``U(j)`` action j, ``S<m>`` start entry m, ``Y<k>(h)`` output, ``G<k>(h)`` incoming gradient
-(0 when absent), ``DU(j)``/``DS<m>`` input tangents, ``TY<k>(h)`` output tangent,
-``GU(j)``/``GS<m>(value)`` adjoint stores, ``ACC(m)`` the dt-gradient accumulator.
+``U(j)`` action j, ``S<m>`` start entry m, ``Y<k>(h, value)`` output store, ``G<k>(h)``
+incoming gradient (0 when absent), ``DU(j)``/``DS<m>`` input tangents, ``TY<k>(h, value)``
+output tangent store, ``GU(j, value)``/``GS<m>(value)`` adjoint stores, ``ZERO``, ``ACC(m)``
+the dt-gradient accumulator. ``to_lanes`` renames a column body for the C template's
+all-dof vector form (every value one masked vector over the dof lanes).
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 from collections import defaultdict
 
 import sympy as sp
@@ -173,9 +176,19 @@ class _Coefficients:
         return lines
 
 
+_LANE_NAMES = re.compile(r"\b(const T|U|S[0-3]|Y\d+|G\d+|GU|GS[0-3]|ZERO)\b")
+
+
+def to_lanes(lines: list[str]) -> list[str]:
+    """A forward or adjoint column body with every value a vector over all dof lanes: the same
+    statements, over the C template's lane macros (VU, VS0, VY0, ..., type VT)."""
+    return [_LANE_NAMES.sub(lambda m: "const VT" if m.group(1) == "const T" else "V" + m.group(1), line)
+            for line in lines]
+
+
 def _sum(parts: list[str]) -> str:
     if not parts:
-        return "(T)0"
+        return "ZERO"
     text = "".join(parts)
     return text[1:] if text.startswith("+") else text
 
@@ -322,7 +335,7 @@ def _forward(op: Operator, coefs: _Coefficients) -> KernelCode:
     body = _loads()
     for line, row in zip(_forward_lines(op, coefs), op.rows):
         if (row.k, row.h) not in covered:
-            body += [line, f"Y{row.k}({row.h}) = y{row.k}_{row.h};"]
+            body += [line, f"Y{row.k}({row.h}, y{row.k}_{row.h});"]
     return KernelCode(TABLE_CALL, body, loops)
 
 
@@ -359,7 +372,7 @@ def _dt_jvp(op: Operator, coefs: _Coefficients) -> KernelCode:
                 parts.append(f"+CD({coefs.index(c)})*{_var(ref)}")
             parts.append(coefs.term(c, _var(ref, "t")))
         body.append(f"const T ty{row.k}_{row.h} = {_sum(parts)};")
-        body.append(f"TY{row.k}({row.h}) = ty{row.k}_{row.h};")
+        body.append(f"TY{row.k}({row.h}, ty{row.k}_{row.h});")
     return KernelCode(coefs.tangent_preamble(), body)
 
 

@@ -9,7 +9,7 @@ import jinja2
 
 from .. import __version__
 from . import abi
-from .lower import LoweredOperator, lower
+from .lower import LoweredOperator, lower, to_lanes
 from .schemes import build_operator
 
 TARGETS = ("c", "cuda", "header")
@@ -34,6 +34,30 @@ def strides(layout: str, rows: int, dof: int) -> tuple[int, int, int]:
     if layout == "bhd":
         return rows * dof, dof, 1
     return rows * dof, 1, rows
+
+
+#: Vector widths (bits) tried for the all-dof lane form, smallest first: AVX-512 masked loads
+#: and stores (VL for 256 bits) cover D dof in one vector when D fits.
+LANE_BITS = (256, 512)
+
+
+def lanes(spec: Any) -> dict | None:
+    """The C template's all-dof vector form: one masked vector holds a row's D dof values.
+
+    Only for layout 'bhd' (a row's dof are contiguous) and D up to 16 (float32) / 8 (float64);
+    the generated code still falls back to the per-dof loop where AVX-512 is unavailable.
+    """
+    if spec.layout != "bhd":
+        return None
+    size = 4 if spec.dtype == "float32" else 8
+    for bits in LANE_BITS:
+        width = bits // (8 * size)
+        if spec.dof <= width:
+            return dict(bits=bits, bytes=bits // 8, width=width, mask=f"0x{(1 << spec.dof) - 1:X}",
+                        mask_type="__mmask16" if width == 16 else "__mmask8",
+                        suffix="ps" if size == 4 else "pd",
+                        vector=f"__m{bits}" + ("" if size == 4 else "d"))
+    return None
 
 
 @functools.lru_cache(maxsize=256)
@@ -68,6 +92,8 @@ def render(spec: Any, target: str, part: str = "all") -> str:
         u_sb=u[0], u_sh=u[1], u_sd=u[2], y_sb=y[0], y_sh=y[1], y_sd=y[2],
         kernels=kernels,
         codes={k: getattr(code, k) for k in kernels},
+        lanes=lanes(spec) if target == "c" else None,
+        lane_bodies={k: to_lanes(getattr(code, k).body) for k in kernels if k in ("forward", "adjoint")},
         table=code.table if set(kernels) & {"forward", "adjoint", "dt_vjp"} else None,
         signatures={k: abi.signature(k, spec.order, ctype, RESTRICT[target]) for k in kernels},
         export="",

@@ -17,6 +17,7 @@ import platform
 import shutil
 import subprocess
 import sys
+import threading
 import warnings
 from pathlib import Path
 from typing import Any, Optional
@@ -68,9 +69,18 @@ def build_key(cxx: str) -> str:
                   torch.__version__, str(_torch_paths()[0]), ABI_VERSION, platform.machine())
 
 
-@functools.lru_cache(maxsize=1)
+_LOCK = threading.Lock()
+
+
 def library() -> Optional[Path]:
-    """The built node (from the cache, else built now); None when off or impossible (warned)."""
+    """The built node (from the cache, else built now); None when off or impossible (warned).
+    Decided once per process (the node registers ops, which cannot happen twice)."""
+    with _LOCK:
+        return _library()
+
+
+@functools.lru_cache(maxsize=1)
+def _library() -> Optional[Path]:
     if not enabled() or platform.system() == "Windows":
         return None
     cxx = _cxx()
@@ -111,6 +121,11 @@ def handle(launcher: Any) -> Optional[int]:
     """Register a CPU launcher's kernels with the node; None when the node is unavailable."""
     if library() is None:
         return None
+    with _LOCK:
+        return _handle(launcher)
+
+
+def _handle(launcher: Any) -> int:
     addresses = (launcher.backend.address("forward"), launcher.backend.address("adjoint"))
     if addresses not in _HANDLES:
         h = int(torch.ops.tensorstep_native.register_kernels(

@@ -42,17 +42,17 @@ enum { H_ = 32, N_ = 31, D_ = 7, NDT_ = 1, NC_ = 15 };
 #define DS3 (dj0 ? dj0[so] : (T)0)
 #define GS3(v) do { if (gj0) gj0[bo] = (v); } while (0)
 #define GU(j, v) gu[uo + (j) * U_SH] = (v)
-#define Y0(h) y0[yo + (h) * Y_SH]
-#define TY0(h) ty0[yo + (h) * Y_SH]
+#define Y0(h, v) y0[yo + (h) * Y_SH] = (v)
+#define TY0(h, v) ty0[yo + (h) * Y_SH] = (v)
 #define G0(h) (g0 ? g0[yo + (h) * Y_SH] : (T)0)
-#define Y1(h) y1[yo + (h) * Y_SH]
-#define TY1(h) ty1[yo + (h) * Y_SH]
+#define Y1(h, v) y1[yo + (h) * Y_SH] = (v)
+#define TY1(h, v) ty1[yo + (h) * Y_SH] = (v)
 #define G1(h) (g1 ? g1[yo + (h) * Y_SH] : (T)0)
-#define Y2(h) y2[yo + (h) * Y_SH]
-#define TY2(h) ty2[yo + (h) * Y_SH]
+#define Y2(h, v) y2[yo + (h) * Y_SH] = (v)
+#define TY2(h, v) ty2[yo + (h) * Y_SH] = (v)
 #define G2(h) (g2 ? g2[yo + (h) * Y_SH] : (T)0)
-#define Y3(h) y3[yo + (h) * Y_SH]
-#define TY3(h) ty3[yo + (h) * Y_SH]
+#define Y3(h, v) y3[yo + (h) * Y_SH] = (v)
+#define TY3(h, v) ty3[yo + (h) * Y_SH] = (v)
 #define G3(h) (g3 ? g3[yo + (h) * Y_SH] : (T)0)
 /* inside interior loops: su / sy are the action / output element of the loop's row */
 #define SU(rel) u[su + (rel) * U_SH]
@@ -65,6 +65,7 @@ enum { H_ = 32, N_ = 31, D_ = 7, NDT_ = 1, NC_ = 15 };
 #define SG2(rel) g2[sy + (rel) * Y_SH]
 #define SY3 y3[sy]
 #define SG3(rel) g3[sy + (rel) * Y_SH]
+#define ZERO ((T)0)
 #define C(q) coef[(q)]
 #define CD(q) coefd[(q)]
 #define ACC(m) acc[(m)]
@@ -79,6 +80,35 @@ enum { H_ = 32, N_ = 31, D_ = 7, NDT_ = 1, NC_ = 15 };
     const int64_t bo = (b) * D_ + (d); \
     (void)uo; (void)yo; (void)so; (void)bo;
 
+#if defined(__AVX512F__) && defined(__AVX512VL__) && !defined(TS_NO_LANES)
+/* Forward and adjoint columns as one masked 256-bit vector over the 7 dof of a row
+ * (GCC's own vectoriser splits 7 lanes into a vector part plus scalar ones). */
+#define TS_LANES 1
+#include <immintrin.h>
+typedef T VT __attribute__((vector_size(32)));
+#define TS_MASK ((__mmask8)0x7F)
+#define VLOAD(p) ((VT)_mm256_maskz_loadu_ps(TS_MASK, (p)))
+#define VSTORE(p, v) _mm256_mask_storeu_ps((p), TS_MASK, (__m256)(v))
+#define VZERO ((VT){0})
+#define VU(j) VLOAD(u + uo + (j) * U_SH)
+#define VS0 VLOAD(p0 + so)
+#define VS1 VLOAD(v0 + so)
+#define VS2 VLOAD(a0 + so)
+#define VS3 (j0 ? VLOAD(j0 + so) : VZERO)
+#define VGU(j, v) VSTORE(gu + uo + (j) * U_SH, (v))
+#define VGS0(v) do { if (gp0) VSTORE(gp0 + bo, (v)); } while (0)
+#define VGS1(v) do { if (gv0) VSTORE(gv0 + bo, (v)); } while (0)
+#define VGS2(v) do { if (ga0) VSTORE(ga0 + bo, (v)); } while (0)
+#define VGS3(v) do { if (gj0) VSTORE(gj0 + bo, (v)); } while (0)
+#define VY0(h, v) VSTORE(y0 + yo + (h) * Y_SH, (v))
+#define VG0(h) VLOAD(gb0 + (h) * Y_SH)
+#define VY1(h, v) VSTORE(y1 + yo + (h) * Y_SH, (v))
+#define VG1(h) VLOAD(gb1 + (h) * Y_SH)
+#define VY2(h, v) VSTORE(y2 + yo + (h) * Y_SH, (v))
+#define VG2(h) VLOAD(gb2 + (h) * Y_SH)
+#define VY3(h, v) VSTORE(y3 + yo + (h) * Y_SH, (v))
+#define VG3(h) VLOAD(gb3 + (h) * Y_SH)
+#endif
 /* A missing output gradient (an unused output) reads zeros from this block, one batch
  * element in size (zero-initialised, never written): loads stay unconditional and
  * vectorise, and no full-size zero tensor is ever made. */
@@ -155,6 +185,35 @@ static void ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_coefficients(const 
                 SY3 = C(6)*SU(-4)+C(14)*SU(-3)+C(13)*SU(-2)+C(9)*SU(-1);
             }
         }
+#if defined(TS_LANES)
+        {
+            COLUMN_BASES(b, 0)
+            const VT s0 = VS0;
+            const VT s1 = VS1;
+            const VT s2 = VS2;
+            const VT s3 = VS3;
+            const VT y0_0 = s0;
+            VY0(0, y0_0);
+            const VT y1_0 = s1;
+            VY1(0, y1_0);
+            const VT y2_0 = s2;
+            VY2(0, y2_0);
+            const VT y3_0 = s3;
+            VY3(0, y3_0);
+            const VT y1_1 = C(0)*s0+C(1)*VU(0);
+            VY1(1, y1_1);
+            const VT y2_1 = C(2)*s0+C(0)*s1+C(3)*s2+C(4)*s3+C(5)*VU(0);
+            VY2(1, y2_1);
+            const VT y3_1 = C(6)*s0+C(2)*s1+C(7)*s2+C(8)*s3+C(9)*VU(0);
+            VY3(1, y3_1);
+            const VT y2_2 = C(5)*s0+C(10)*VU(0)+C(5)*VU(1);
+            VY2(2, y2_2);
+            const VT y3_2 = C(11)*s0+C(5)*s1+C(7)*s2+C(12)*s3+C(13)*VU(0)+C(9)*VU(1);
+            VY3(2, y3_2);
+            const VT y3_3 = C(6)*s0+C(14)*VU(0)+C(13)*VU(1)+C(9)*VU(2);
+            VY3(3, y3_3);
+        }
+#else
         TS_SIMD
         for (int64_t d = 0; d < D_; ++d) {
             COLUMN_BASES(b, d)
@@ -163,26 +222,27 @@ static void ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_coefficients(const 
             const T s2 = S2;
             const T s3 = S3;
             const T y0_0 = s0;
-            Y0(0) = y0_0;
+            Y0(0, y0_0);
             const T y1_0 = s1;
-            Y1(0) = y1_0;
+            Y1(0, y1_0);
             const T y2_0 = s2;
-            Y2(0) = y2_0;
+            Y2(0, y2_0);
             const T y3_0 = s3;
-            Y3(0) = y3_0;
+            Y3(0, y3_0);
             const T y1_1 = C(0)*s0+C(1)*U(0);
-            Y1(1) = y1_1;
+            Y1(1, y1_1);
             const T y2_1 = C(2)*s0+C(0)*s1+C(3)*s2+C(4)*s3+C(5)*U(0);
-            Y2(1) = y2_1;
+            Y2(1, y2_1);
             const T y3_1 = C(6)*s0+C(2)*s1+C(7)*s2+C(8)*s3+C(9)*U(0);
-            Y3(1) = y3_1;
+            Y3(1, y3_1);
             const T y2_2 = C(5)*s0+C(10)*U(0)+C(5)*U(1);
-            Y2(2) = y2_2;
+            Y2(2, y2_2);
             const T y3_2 = C(11)*s0+C(5)*s1+C(7)*s2+C(12)*s3+C(13)*U(0)+C(9)*U(1);
-            Y3(2) = y3_2;
+            Y3(2, y3_2);
             const T y3_3 = C(6)*s0+C(14)*U(0)+C(13)*U(1)+C(9)*U(2);
-            Y3(3) = y3_3;
+            Y3(3, y3_3);
         }
+#endif
     }
 }
 
@@ -233,6 +293,274 @@ static void ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_coefficients(const 
                 SGU += C(9)*SG3(1)+C(13)*SG3(2)+C(14)*SG3(3)+C(6)*SG3(4);
             }
         }
+#if defined(TS_LANES)
+        {
+            COLUMN_BASES(b, 0)
+            const VT g0_0 = VG0(0);
+            const VT g1_0 = VG1(0);
+            const VT g2_0 = VG2(0);
+            const VT g3_0 = VG3(0);
+            const VT g0_1 = VG0(1);
+            const VT g1_1 = VG1(1);
+            const VT g2_1 = VG2(1);
+            const VT g3_1 = VG3(1);
+            const VT g0_2 = VG0(2);
+            const VT g1_2 = VG1(2);
+            const VT g2_2 = VG2(2);
+            const VT g3_2 = VG3(2);
+            const VT g0_3 = VG0(3);
+            const VT g1_3 = VG1(3);
+            const VT g2_3 = VG2(3);
+            const VT g3_3 = VG3(3);
+            const VT g0_4 = VG0(4);
+            const VT g1_4 = VG1(4);
+            const VT g2_4 = VG2(4);
+            const VT g3_4 = VG3(4);
+            const VT g0_5 = VG0(5);
+            const VT g1_5 = VG1(5);
+            const VT g2_5 = VG2(5);
+            const VT g3_5 = VG3(5);
+            const VT g0_6 = VG0(6);
+            const VT g1_6 = VG1(6);
+            const VT g2_6 = VG2(6);
+            const VT g3_6 = VG3(6);
+            const VT g0_7 = VG0(7);
+            const VT g1_7 = VG1(7);
+            const VT g2_7 = VG2(7);
+            const VT g3_7 = VG3(7);
+            const VT g0_8 = VG0(8);
+            const VT g1_8 = VG1(8);
+            const VT g2_8 = VG2(8);
+            const VT g3_8 = VG3(8);
+            const VT g0_9 = VG0(9);
+            const VT g1_9 = VG1(9);
+            const VT g2_9 = VG2(9);
+            const VT g3_9 = VG3(9);
+            const VT g0_10 = VG0(10);
+            const VT g1_10 = VG1(10);
+            const VT g2_10 = VG2(10);
+            const VT g3_10 = VG3(10);
+            const VT g0_11 = VG0(11);
+            const VT g1_11 = VG1(11);
+            const VT g2_11 = VG2(11);
+            const VT g3_11 = VG3(11);
+            const VT g0_12 = VG0(12);
+            const VT g1_12 = VG1(12);
+            const VT g2_12 = VG2(12);
+            const VT g3_12 = VG3(12);
+            const VT g0_13 = VG0(13);
+            const VT g1_13 = VG1(13);
+            const VT g2_13 = VG2(13);
+            const VT g3_13 = VG3(13);
+            const VT g0_14 = VG0(14);
+            const VT g1_14 = VG1(14);
+            const VT g2_14 = VG2(14);
+            const VT g3_14 = VG3(14);
+            const VT g0_15 = VG0(15);
+            const VT g1_15 = VG1(15);
+            const VT g2_15 = VG2(15);
+            const VT g3_15 = VG3(15);
+            const VT g0_16 = VG0(16);
+            const VT g1_16 = VG1(16);
+            const VT g2_16 = VG2(16);
+            const VT g3_16 = VG3(16);
+            const VT g0_17 = VG0(17);
+            const VT g1_17 = VG1(17);
+            const VT g2_17 = VG2(17);
+            const VT g3_17 = VG3(17);
+            const VT g0_18 = VG0(18);
+            const VT g1_18 = VG1(18);
+            const VT g2_18 = VG2(18);
+            const VT g3_18 = VG3(18);
+            const VT g0_19 = VG0(19);
+            const VT g1_19 = VG1(19);
+            const VT g2_19 = VG2(19);
+            const VT g3_19 = VG3(19);
+            const VT g0_20 = VG0(20);
+            const VT g1_20 = VG1(20);
+            const VT g2_20 = VG2(20);
+            const VT g3_20 = VG3(20);
+            const VT g0_21 = VG0(21);
+            const VT g1_21 = VG1(21);
+            const VT g2_21 = VG2(21);
+            const VT g3_21 = VG3(21);
+            const VT g0_22 = VG0(22);
+            const VT g1_22 = VG1(22);
+            const VT g2_22 = VG2(22);
+            const VT g3_22 = VG3(22);
+            const VT g0_23 = VG0(23);
+            const VT g1_23 = VG1(23);
+            const VT g2_23 = VG2(23);
+            const VT g3_23 = VG3(23);
+            const VT g0_24 = VG0(24);
+            const VT g1_24 = VG1(24);
+            const VT g2_24 = VG2(24);
+            const VT g3_24 = VG3(24);
+            const VT g0_25 = VG0(25);
+            const VT g1_25 = VG1(25);
+            const VT g2_25 = VG2(25);
+            const VT g3_25 = VG3(25);
+            const VT g0_26 = VG0(26);
+            const VT g1_26 = VG1(26);
+            const VT g2_26 = VG2(26);
+            const VT g3_26 = VG3(26);
+            const VT g0_27 = VG0(27);
+            const VT g1_27 = VG1(27);
+            const VT g2_27 = VG2(27);
+            const VT g3_27 = VG3(27);
+            const VT g0_28 = VG0(28);
+            const VT g1_28 = VG1(28);
+            const VT g2_28 = VG2(28);
+            const VT g3_28 = VG3(28);
+            const VT g0_29 = VG0(29);
+            const VT g1_29 = VG1(29);
+            const VT g2_29 = VG2(29);
+            const VT g3_29 = VG3(29);
+            const VT g0_30 = VG0(30);
+            const VT g1_30 = VG1(30);
+            const VT g2_30 = VG2(30);
+            const VT g3_30 = VG3(30);
+            const VT g0_31 = VG0(31);
+            const VT g1_31 = VG1(31);
+            const VT g2_31 = VG2(31);
+            const VT g3_31 = VG3(31);
+            const VT yb3_31 = g3_31;
+            const VT yb2_31 = g2_31;
+            const VT yb1_31 = g1_31;
+            const VT yb0_31 = g0_31;
+            const VT yb3_30 = g3_30;
+            const VT yb2_30 = g2_30;
+            const VT yb1_30 = g1_30;
+            const VT yb0_30 = g0_30;
+            const VT yb3_29 = g3_29;
+            const VT yb2_29 = g2_29;
+            const VT yb1_29 = g1_29;
+            const VT yb0_29 = g0_29;
+            const VT yb3_28 = g3_28;
+            const VT yb2_28 = g2_28;
+            const VT yb1_28 = g1_28;
+            const VT yb0_28 = g0_28;
+            const VT yb3_27 = g3_27;
+            const VT yb2_27 = g2_27;
+            const VT yb1_27 = g1_27;
+            const VT yb0_27 = g0_27;
+            const VT yb3_26 = g3_26;
+            const VT yb2_26 = g2_26;
+            const VT yb1_26 = g1_26;
+            const VT yb0_26 = g0_26;
+            const VT yb3_25 = g3_25;
+            const VT yb2_25 = g2_25;
+            const VT yb1_25 = g1_25;
+            const VT yb0_25 = g0_25;
+            const VT yb3_24 = g3_24;
+            const VT yb2_24 = g2_24;
+            const VT yb1_24 = g1_24;
+            const VT yb0_24 = g0_24;
+            const VT yb3_23 = g3_23;
+            const VT yb2_23 = g2_23;
+            const VT yb1_23 = g1_23;
+            const VT yb0_23 = g0_23;
+            const VT yb3_22 = g3_22;
+            const VT yb2_22 = g2_22;
+            const VT yb1_22 = g1_22;
+            const VT yb0_22 = g0_22;
+            const VT yb3_21 = g3_21;
+            const VT yb2_21 = g2_21;
+            const VT yb1_21 = g1_21;
+            const VT yb0_21 = g0_21;
+            const VT yb3_20 = g3_20;
+            const VT yb2_20 = g2_20;
+            const VT yb1_20 = g1_20;
+            const VT yb0_20 = g0_20;
+            const VT yb3_19 = g3_19;
+            const VT yb2_19 = g2_19;
+            const VT yb1_19 = g1_19;
+            const VT yb0_19 = g0_19;
+            const VT yb3_18 = g3_18;
+            const VT yb2_18 = g2_18;
+            const VT yb1_18 = g1_18;
+            const VT yb0_18 = g0_18;
+            const VT yb3_17 = g3_17;
+            const VT yb2_17 = g2_17;
+            const VT yb1_17 = g1_17;
+            const VT yb0_17 = g0_17;
+            const VT yb3_16 = g3_16;
+            const VT yb2_16 = g2_16;
+            const VT yb1_16 = g1_16;
+            const VT yb0_16 = g0_16;
+            const VT yb3_15 = g3_15;
+            const VT yb2_15 = g2_15;
+            const VT yb1_15 = g1_15;
+            const VT yb0_15 = g0_15;
+            const VT yb3_14 = g3_14;
+            const VT yb2_14 = g2_14;
+            const VT yb1_14 = g1_14;
+            const VT yb0_14 = g0_14;
+            const VT yb3_13 = g3_13;
+            const VT yb2_13 = g2_13;
+            const VT yb1_13 = g1_13;
+            const VT yb0_13 = g0_13;
+            const VT yb3_12 = g3_12;
+            const VT yb2_12 = g2_12;
+            const VT yb1_12 = g1_12;
+            const VT yb0_12 = g0_12;
+            const VT yb3_11 = g3_11;
+            const VT yb2_11 = g2_11;
+            const VT yb1_11 = g1_11;
+            const VT yb0_11 = g0_11;
+            const VT yb3_10 = g3_10;
+            const VT yb2_10 = g2_10;
+            const VT yb1_10 = g1_10;
+            const VT yb0_10 = g0_10;
+            const VT yb3_9 = g3_9;
+            const VT yb2_9 = g2_9;
+            const VT yb1_9 = g1_9;
+            const VT yb0_9 = g0_9;
+            const VT yb3_8 = g3_8;
+            const VT yb2_8 = g2_8;
+            const VT yb1_8 = g1_8;
+            const VT yb0_8 = g0_8;
+            const VT yb3_7 = g3_7;
+            const VT yb2_7 = g2_7;
+            const VT yb1_7 = g1_7;
+            const VT yb0_7 = g0_7;
+            const VT yb3_6 = g3_6;
+            const VT yb2_6 = g2_6;
+            const VT yb1_6 = g1_6;
+            const VT yb0_6 = g0_6;
+            const VT yb3_5 = g3_5;
+            const VT yb2_5 = g2_5;
+            const VT yb1_5 = g1_5;
+            const VT yb0_5 = g0_5;
+            const VT yb3_4 = g3_4;
+            const VT yb2_4 = g2_4;
+            const VT yb1_4 = g1_4;
+            const VT yb0_4 = g0_4;
+            const VT yb3_3 = g3_3;
+            const VT yb2_3 = g2_3;
+            const VT yb1_3 = g1_3;
+            const VT yb0_3 = g0_3;
+            const VT yb3_2 = g3_2;
+            const VT yb2_2 = g2_2;
+            const VT yb1_2 = g1_2;
+            const VT yb0_2 = g0_2;
+            const VT yb3_1 = g3_1;
+            const VT yb2_1 = g2_1;
+            const VT yb1_1 = g1_1;
+            const VT yb0_1 = g0_1;
+            const VT yb3_0 = g3_0;
+            const VT yb2_0 = g2_0;
+            const VT yb1_0 = g1_0;
+            const VT yb0_0 = g0_0;
+            VGU(28, C(14)*yb3_31+C(5)*yb2_31+C(13)*yb3_30+C(10)*yb2_30+C(0)*yb1_30+C(9)*yb3_29+C(5)*yb2_29+C(1)*yb1_29+yb0_29);
+            VGU(29, C(13)*yb3_31+C(10)*yb2_31+C(0)*yb1_31+C(9)*yb3_30+C(5)*yb2_30+C(1)*yb1_30+yb0_30);
+            VGU(30, C(9)*yb3_31+C(5)*yb2_31+C(1)*yb1_31+yb0_31);
+            VGS0(C(6)*yb3_3+C(11)*yb3_2+C(5)*yb2_2+C(6)*yb3_1+C(2)*yb2_1+C(0)*yb1_1+yb0_0);
+            VGS1(C(5)*yb3_2+C(2)*yb3_1+C(0)*yb2_1+yb1_0);
+            VGS2(C(7)*yb3_2+C(7)*yb3_1+C(3)*yb2_1+yb2_0);
+            VGS3(C(12)*yb3_2+C(8)*yb3_1+C(4)*yb2_1+yb3_0);
+        }
+#else
         TS_SIMD
         for (int64_t d = 0; d < D_; ++d) {
             COLUMN_BASES(b, d)
@@ -500,6 +828,7 @@ static void ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_coefficients(const 
             GS2(C(7)*yb3_2+C(7)*yb3_1+C(3)*yb2_1+yb2_0);
             GS3(C(12)*yb3_2+C(8)*yb3_1+C(4)*yb2_1+yb3_0);
         }
+#endif
     }
 }
 
@@ -1185,261 +1514,261 @@ static void ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_coefficients(const 
             const T y2_31 = C(5)*U(28)+C(10)*U(29)+C(5)*U(30);
             const T y3_31 = C(6)*U(27)+C(14)*U(28)+C(13)*U(29)+C(9)*U(30);
             const T ty0_0 = ts0;
-            TY0(0) = ty0_0;
+            TY0(0, ty0_0);
             const T ty1_0 = ts1;
-            TY1(0) = ty1_0;
+            TY1(0, ty1_0);
             const T ty2_0 = ts2;
-            TY2(0) = ty2_0;
+            TY2(0, ty2_0);
             const T ty3_0 = ts3;
-            TY3(0) = ty3_0;
+            TY3(0, ty3_0);
             const T ty0_1 = DU(0);
-            TY0(1) = ty0_1;
+            TY0(1, ty0_1);
             const T ty1_1 = CD(0)*s0+C(0)*ts0+CD(1)*U(0)+C(1)*DU(0);
-            TY1(1) = ty1_1;
+            TY1(1, ty1_1);
             const T ty2_1 = CD(2)*s0+C(2)*ts0+CD(0)*s1+C(0)*ts1+C(3)*ts2+CD(4)*s3+C(4)*ts3+CD(5)*U(0)+C(5)*DU(0);
-            TY2(1) = ty2_1;
+            TY2(1, ty2_1);
             const T ty3_1 = CD(6)*s0+C(6)*ts0+CD(2)*s1+C(2)*ts1+CD(7)*s2+C(7)*ts2+C(8)*ts3+CD(9)*U(0)+C(9)*DU(0);
-            TY3(1) = ty3_1;
+            TY3(1, ty3_1);
             const T ty0_2 = DU(1);
-            TY0(2) = ty0_2;
+            TY0(2, ty0_2);
             const T ty1_2 = CD(0)*U(0)+C(0)*DU(0)+CD(1)*U(1)+C(1)*DU(1);
-            TY1(2) = ty1_2;
+            TY1(2, ty1_2);
             const T ty2_2 = CD(5)*s0+C(5)*ts0+CD(10)*U(0)+C(10)*DU(0)+CD(5)*U(1)+C(5)*DU(1);
-            TY2(2) = ty2_2;
+            TY2(2, ty2_2);
             const T ty3_2 = CD(11)*s0+C(11)*ts0+CD(5)*s1+C(5)*ts1+CD(7)*s2+C(7)*ts2+C(12)*ts3+CD(13)*U(0)+C(13)*DU(0)+CD(9)*U(1)+C(9)*DU(1);
-            TY3(2) = ty3_2;
+            TY3(2, ty3_2);
             const T ty0_3 = DU(2);
-            TY0(3) = ty0_3;
+            TY0(3, ty0_3);
             const T ty1_3 = CD(0)*U(1)+C(0)*DU(1)+CD(1)*U(2)+C(1)*DU(2);
-            TY1(3) = ty1_3;
+            TY1(3, ty1_3);
             const T ty2_3 = CD(5)*U(0)+C(5)*DU(0)+CD(10)*U(1)+C(10)*DU(1)+CD(5)*U(2)+C(5)*DU(2);
-            TY2(3) = ty2_3;
+            TY2(3, ty2_3);
             const T ty3_3 = CD(6)*s0+C(6)*ts0+CD(14)*U(0)+C(14)*DU(0)+CD(13)*U(1)+C(13)*DU(1)+CD(9)*U(2)+C(9)*DU(2);
-            TY3(3) = ty3_3;
+            TY3(3, ty3_3);
             const T ty0_4 = DU(3);
-            TY0(4) = ty0_4;
+            TY0(4, ty0_4);
             const T ty1_4 = CD(0)*U(2)+C(0)*DU(2)+CD(1)*U(3)+C(1)*DU(3);
-            TY1(4) = ty1_4;
+            TY1(4, ty1_4);
             const T ty2_4 = CD(5)*U(1)+C(5)*DU(1)+CD(10)*U(2)+C(10)*DU(2)+CD(5)*U(3)+C(5)*DU(3);
-            TY2(4) = ty2_4;
+            TY2(4, ty2_4);
             const T ty3_4 = CD(6)*U(0)+C(6)*DU(0)+CD(14)*U(1)+C(14)*DU(1)+CD(13)*U(2)+C(13)*DU(2)+CD(9)*U(3)+C(9)*DU(3);
-            TY3(4) = ty3_4;
+            TY3(4, ty3_4);
             const T ty0_5 = DU(4);
-            TY0(5) = ty0_5;
+            TY0(5, ty0_5);
             const T ty1_5 = CD(0)*U(3)+C(0)*DU(3)+CD(1)*U(4)+C(1)*DU(4);
-            TY1(5) = ty1_5;
+            TY1(5, ty1_5);
             const T ty2_5 = CD(5)*U(2)+C(5)*DU(2)+CD(10)*U(3)+C(10)*DU(3)+CD(5)*U(4)+C(5)*DU(4);
-            TY2(5) = ty2_5;
+            TY2(5, ty2_5);
             const T ty3_5 = CD(6)*U(1)+C(6)*DU(1)+CD(14)*U(2)+C(14)*DU(2)+CD(13)*U(3)+C(13)*DU(3)+CD(9)*U(4)+C(9)*DU(4);
-            TY3(5) = ty3_5;
+            TY3(5, ty3_5);
             const T ty0_6 = DU(5);
-            TY0(6) = ty0_6;
+            TY0(6, ty0_6);
             const T ty1_6 = CD(0)*U(4)+C(0)*DU(4)+CD(1)*U(5)+C(1)*DU(5);
-            TY1(6) = ty1_6;
+            TY1(6, ty1_6);
             const T ty2_6 = CD(5)*U(3)+C(5)*DU(3)+CD(10)*U(4)+C(10)*DU(4)+CD(5)*U(5)+C(5)*DU(5);
-            TY2(6) = ty2_6;
+            TY2(6, ty2_6);
             const T ty3_6 = CD(6)*U(2)+C(6)*DU(2)+CD(14)*U(3)+C(14)*DU(3)+CD(13)*U(4)+C(13)*DU(4)+CD(9)*U(5)+C(9)*DU(5);
-            TY3(6) = ty3_6;
+            TY3(6, ty3_6);
             const T ty0_7 = DU(6);
-            TY0(7) = ty0_7;
+            TY0(7, ty0_7);
             const T ty1_7 = CD(0)*U(5)+C(0)*DU(5)+CD(1)*U(6)+C(1)*DU(6);
-            TY1(7) = ty1_7;
+            TY1(7, ty1_7);
             const T ty2_7 = CD(5)*U(4)+C(5)*DU(4)+CD(10)*U(5)+C(10)*DU(5)+CD(5)*U(6)+C(5)*DU(6);
-            TY2(7) = ty2_7;
+            TY2(7, ty2_7);
             const T ty3_7 = CD(6)*U(3)+C(6)*DU(3)+CD(14)*U(4)+C(14)*DU(4)+CD(13)*U(5)+C(13)*DU(5)+CD(9)*U(6)+C(9)*DU(6);
-            TY3(7) = ty3_7;
+            TY3(7, ty3_7);
             const T ty0_8 = DU(7);
-            TY0(8) = ty0_8;
+            TY0(8, ty0_8);
             const T ty1_8 = CD(0)*U(6)+C(0)*DU(6)+CD(1)*U(7)+C(1)*DU(7);
-            TY1(8) = ty1_8;
+            TY1(8, ty1_8);
             const T ty2_8 = CD(5)*U(5)+C(5)*DU(5)+CD(10)*U(6)+C(10)*DU(6)+CD(5)*U(7)+C(5)*DU(7);
-            TY2(8) = ty2_8;
+            TY2(8, ty2_8);
             const T ty3_8 = CD(6)*U(4)+C(6)*DU(4)+CD(14)*U(5)+C(14)*DU(5)+CD(13)*U(6)+C(13)*DU(6)+CD(9)*U(7)+C(9)*DU(7);
-            TY3(8) = ty3_8;
+            TY3(8, ty3_8);
             const T ty0_9 = DU(8);
-            TY0(9) = ty0_9;
+            TY0(9, ty0_9);
             const T ty1_9 = CD(0)*U(7)+C(0)*DU(7)+CD(1)*U(8)+C(1)*DU(8);
-            TY1(9) = ty1_9;
+            TY1(9, ty1_9);
             const T ty2_9 = CD(5)*U(6)+C(5)*DU(6)+CD(10)*U(7)+C(10)*DU(7)+CD(5)*U(8)+C(5)*DU(8);
-            TY2(9) = ty2_9;
+            TY2(9, ty2_9);
             const T ty3_9 = CD(6)*U(5)+C(6)*DU(5)+CD(14)*U(6)+C(14)*DU(6)+CD(13)*U(7)+C(13)*DU(7)+CD(9)*U(8)+C(9)*DU(8);
-            TY3(9) = ty3_9;
+            TY3(9, ty3_9);
             const T ty0_10 = DU(9);
-            TY0(10) = ty0_10;
+            TY0(10, ty0_10);
             const T ty1_10 = CD(0)*U(8)+C(0)*DU(8)+CD(1)*U(9)+C(1)*DU(9);
-            TY1(10) = ty1_10;
+            TY1(10, ty1_10);
             const T ty2_10 = CD(5)*U(7)+C(5)*DU(7)+CD(10)*U(8)+C(10)*DU(8)+CD(5)*U(9)+C(5)*DU(9);
-            TY2(10) = ty2_10;
+            TY2(10, ty2_10);
             const T ty3_10 = CD(6)*U(6)+C(6)*DU(6)+CD(14)*U(7)+C(14)*DU(7)+CD(13)*U(8)+C(13)*DU(8)+CD(9)*U(9)+C(9)*DU(9);
-            TY3(10) = ty3_10;
+            TY3(10, ty3_10);
             const T ty0_11 = DU(10);
-            TY0(11) = ty0_11;
+            TY0(11, ty0_11);
             const T ty1_11 = CD(0)*U(9)+C(0)*DU(9)+CD(1)*U(10)+C(1)*DU(10);
-            TY1(11) = ty1_11;
+            TY1(11, ty1_11);
             const T ty2_11 = CD(5)*U(8)+C(5)*DU(8)+CD(10)*U(9)+C(10)*DU(9)+CD(5)*U(10)+C(5)*DU(10);
-            TY2(11) = ty2_11;
+            TY2(11, ty2_11);
             const T ty3_11 = CD(6)*U(7)+C(6)*DU(7)+CD(14)*U(8)+C(14)*DU(8)+CD(13)*U(9)+C(13)*DU(9)+CD(9)*U(10)+C(9)*DU(10);
-            TY3(11) = ty3_11;
+            TY3(11, ty3_11);
             const T ty0_12 = DU(11);
-            TY0(12) = ty0_12;
+            TY0(12, ty0_12);
             const T ty1_12 = CD(0)*U(10)+C(0)*DU(10)+CD(1)*U(11)+C(1)*DU(11);
-            TY1(12) = ty1_12;
+            TY1(12, ty1_12);
             const T ty2_12 = CD(5)*U(9)+C(5)*DU(9)+CD(10)*U(10)+C(10)*DU(10)+CD(5)*U(11)+C(5)*DU(11);
-            TY2(12) = ty2_12;
+            TY2(12, ty2_12);
             const T ty3_12 = CD(6)*U(8)+C(6)*DU(8)+CD(14)*U(9)+C(14)*DU(9)+CD(13)*U(10)+C(13)*DU(10)+CD(9)*U(11)+C(9)*DU(11);
-            TY3(12) = ty3_12;
+            TY3(12, ty3_12);
             const T ty0_13 = DU(12);
-            TY0(13) = ty0_13;
+            TY0(13, ty0_13);
             const T ty1_13 = CD(0)*U(11)+C(0)*DU(11)+CD(1)*U(12)+C(1)*DU(12);
-            TY1(13) = ty1_13;
+            TY1(13, ty1_13);
             const T ty2_13 = CD(5)*U(10)+C(5)*DU(10)+CD(10)*U(11)+C(10)*DU(11)+CD(5)*U(12)+C(5)*DU(12);
-            TY2(13) = ty2_13;
+            TY2(13, ty2_13);
             const T ty3_13 = CD(6)*U(9)+C(6)*DU(9)+CD(14)*U(10)+C(14)*DU(10)+CD(13)*U(11)+C(13)*DU(11)+CD(9)*U(12)+C(9)*DU(12);
-            TY3(13) = ty3_13;
+            TY3(13, ty3_13);
             const T ty0_14 = DU(13);
-            TY0(14) = ty0_14;
+            TY0(14, ty0_14);
             const T ty1_14 = CD(0)*U(12)+C(0)*DU(12)+CD(1)*U(13)+C(1)*DU(13);
-            TY1(14) = ty1_14;
+            TY1(14, ty1_14);
             const T ty2_14 = CD(5)*U(11)+C(5)*DU(11)+CD(10)*U(12)+C(10)*DU(12)+CD(5)*U(13)+C(5)*DU(13);
-            TY2(14) = ty2_14;
+            TY2(14, ty2_14);
             const T ty3_14 = CD(6)*U(10)+C(6)*DU(10)+CD(14)*U(11)+C(14)*DU(11)+CD(13)*U(12)+C(13)*DU(12)+CD(9)*U(13)+C(9)*DU(13);
-            TY3(14) = ty3_14;
+            TY3(14, ty3_14);
             const T ty0_15 = DU(14);
-            TY0(15) = ty0_15;
+            TY0(15, ty0_15);
             const T ty1_15 = CD(0)*U(13)+C(0)*DU(13)+CD(1)*U(14)+C(1)*DU(14);
-            TY1(15) = ty1_15;
+            TY1(15, ty1_15);
             const T ty2_15 = CD(5)*U(12)+C(5)*DU(12)+CD(10)*U(13)+C(10)*DU(13)+CD(5)*U(14)+C(5)*DU(14);
-            TY2(15) = ty2_15;
+            TY2(15, ty2_15);
             const T ty3_15 = CD(6)*U(11)+C(6)*DU(11)+CD(14)*U(12)+C(14)*DU(12)+CD(13)*U(13)+C(13)*DU(13)+CD(9)*U(14)+C(9)*DU(14);
-            TY3(15) = ty3_15;
+            TY3(15, ty3_15);
             const T ty0_16 = DU(15);
-            TY0(16) = ty0_16;
+            TY0(16, ty0_16);
             const T ty1_16 = CD(0)*U(14)+C(0)*DU(14)+CD(1)*U(15)+C(1)*DU(15);
-            TY1(16) = ty1_16;
+            TY1(16, ty1_16);
             const T ty2_16 = CD(5)*U(13)+C(5)*DU(13)+CD(10)*U(14)+C(10)*DU(14)+CD(5)*U(15)+C(5)*DU(15);
-            TY2(16) = ty2_16;
+            TY2(16, ty2_16);
             const T ty3_16 = CD(6)*U(12)+C(6)*DU(12)+CD(14)*U(13)+C(14)*DU(13)+CD(13)*U(14)+C(13)*DU(14)+CD(9)*U(15)+C(9)*DU(15);
-            TY3(16) = ty3_16;
+            TY3(16, ty3_16);
             const T ty0_17 = DU(16);
-            TY0(17) = ty0_17;
+            TY0(17, ty0_17);
             const T ty1_17 = CD(0)*U(15)+C(0)*DU(15)+CD(1)*U(16)+C(1)*DU(16);
-            TY1(17) = ty1_17;
+            TY1(17, ty1_17);
             const T ty2_17 = CD(5)*U(14)+C(5)*DU(14)+CD(10)*U(15)+C(10)*DU(15)+CD(5)*U(16)+C(5)*DU(16);
-            TY2(17) = ty2_17;
+            TY2(17, ty2_17);
             const T ty3_17 = CD(6)*U(13)+C(6)*DU(13)+CD(14)*U(14)+C(14)*DU(14)+CD(13)*U(15)+C(13)*DU(15)+CD(9)*U(16)+C(9)*DU(16);
-            TY3(17) = ty3_17;
+            TY3(17, ty3_17);
             const T ty0_18 = DU(17);
-            TY0(18) = ty0_18;
+            TY0(18, ty0_18);
             const T ty1_18 = CD(0)*U(16)+C(0)*DU(16)+CD(1)*U(17)+C(1)*DU(17);
-            TY1(18) = ty1_18;
+            TY1(18, ty1_18);
             const T ty2_18 = CD(5)*U(15)+C(5)*DU(15)+CD(10)*U(16)+C(10)*DU(16)+CD(5)*U(17)+C(5)*DU(17);
-            TY2(18) = ty2_18;
+            TY2(18, ty2_18);
             const T ty3_18 = CD(6)*U(14)+C(6)*DU(14)+CD(14)*U(15)+C(14)*DU(15)+CD(13)*U(16)+C(13)*DU(16)+CD(9)*U(17)+C(9)*DU(17);
-            TY3(18) = ty3_18;
+            TY3(18, ty3_18);
             const T ty0_19 = DU(18);
-            TY0(19) = ty0_19;
+            TY0(19, ty0_19);
             const T ty1_19 = CD(0)*U(17)+C(0)*DU(17)+CD(1)*U(18)+C(1)*DU(18);
-            TY1(19) = ty1_19;
+            TY1(19, ty1_19);
             const T ty2_19 = CD(5)*U(16)+C(5)*DU(16)+CD(10)*U(17)+C(10)*DU(17)+CD(5)*U(18)+C(5)*DU(18);
-            TY2(19) = ty2_19;
+            TY2(19, ty2_19);
             const T ty3_19 = CD(6)*U(15)+C(6)*DU(15)+CD(14)*U(16)+C(14)*DU(16)+CD(13)*U(17)+C(13)*DU(17)+CD(9)*U(18)+C(9)*DU(18);
-            TY3(19) = ty3_19;
+            TY3(19, ty3_19);
             const T ty0_20 = DU(19);
-            TY0(20) = ty0_20;
+            TY0(20, ty0_20);
             const T ty1_20 = CD(0)*U(18)+C(0)*DU(18)+CD(1)*U(19)+C(1)*DU(19);
-            TY1(20) = ty1_20;
+            TY1(20, ty1_20);
             const T ty2_20 = CD(5)*U(17)+C(5)*DU(17)+CD(10)*U(18)+C(10)*DU(18)+CD(5)*U(19)+C(5)*DU(19);
-            TY2(20) = ty2_20;
+            TY2(20, ty2_20);
             const T ty3_20 = CD(6)*U(16)+C(6)*DU(16)+CD(14)*U(17)+C(14)*DU(17)+CD(13)*U(18)+C(13)*DU(18)+CD(9)*U(19)+C(9)*DU(19);
-            TY3(20) = ty3_20;
+            TY3(20, ty3_20);
             const T ty0_21 = DU(20);
-            TY0(21) = ty0_21;
+            TY0(21, ty0_21);
             const T ty1_21 = CD(0)*U(19)+C(0)*DU(19)+CD(1)*U(20)+C(1)*DU(20);
-            TY1(21) = ty1_21;
+            TY1(21, ty1_21);
             const T ty2_21 = CD(5)*U(18)+C(5)*DU(18)+CD(10)*U(19)+C(10)*DU(19)+CD(5)*U(20)+C(5)*DU(20);
-            TY2(21) = ty2_21;
+            TY2(21, ty2_21);
             const T ty3_21 = CD(6)*U(17)+C(6)*DU(17)+CD(14)*U(18)+C(14)*DU(18)+CD(13)*U(19)+C(13)*DU(19)+CD(9)*U(20)+C(9)*DU(20);
-            TY3(21) = ty3_21;
+            TY3(21, ty3_21);
             const T ty0_22 = DU(21);
-            TY0(22) = ty0_22;
+            TY0(22, ty0_22);
             const T ty1_22 = CD(0)*U(20)+C(0)*DU(20)+CD(1)*U(21)+C(1)*DU(21);
-            TY1(22) = ty1_22;
+            TY1(22, ty1_22);
             const T ty2_22 = CD(5)*U(19)+C(5)*DU(19)+CD(10)*U(20)+C(10)*DU(20)+CD(5)*U(21)+C(5)*DU(21);
-            TY2(22) = ty2_22;
+            TY2(22, ty2_22);
             const T ty3_22 = CD(6)*U(18)+C(6)*DU(18)+CD(14)*U(19)+C(14)*DU(19)+CD(13)*U(20)+C(13)*DU(20)+CD(9)*U(21)+C(9)*DU(21);
-            TY3(22) = ty3_22;
+            TY3(22, ty3_22);
             const T ty0_23 = DU(22);
-            TY0(23) = ty0_23;
+            TY0(23, ty0_23);
             const T ty1_23 = CD(0)*U(21)+C(0)*DU(21)+CD(1)*U(22)+C(1)*DU(22);
-            TY1(23) = ty1_23;
+            TY1(23, ty1_23);
             const T ty2_23 = CD(5)*U(20)+C(5)*DU(20)+CD(10)*U(21)+C(10)*DU(21)+CD(5)*U(22)+C(5)*DU(22);
-            TY2(23) = ty2_23;
+            TY2(23, ty2_23);
             const T ty3_23 = CD(6)*U(19)+C(6)*DU(19)+CD(14)*U(20)+C(14)*DU(20)+CD(13)*U(21)+C(13)*DU(21)+CD(9)*U(22)+C(9)*DU(22);
-            TY3(23) = ty3_23;
+            TY3(23, ty3_23);
             const T ty0_24 = DU(23);
-            TY0(24) = ty0_24;
+            TY0(24, ty0_24);
             const T ty1_24 = CD(0)*U(22)+C(0)*DU(22)+CD(1)*U(23)+C(1)*DU(23);
-            TY1(24) = ty1_24;
+            TY1(24, ty1_24);
             const T ty2_24 = CD(5)*U(21)+C(5)*DU(21)+CD(10)*U(22)+C(10)*DU(22)+CD(5)*U(23)+C(5)*DU(23);
-            TY2(24) = ty2_24;
+            TY2(24, ty2_24);
             const T ty3_24 = CD(6)*U(20)+C(6)*DU(20)+CD(14)*U(21)+C(14)*DU(21)+CD(13)*U(22)+C(13)*DU(22)+CD(9)*U(23)+C(9)*DU(23);
-            TY3(24) = ty3_24;
+            TY3(24, ty3_24);
             const T ty0_25 = DU(24);
-            TY0(25) = ty0_25;
+            TY0(25, ty0_25);
             const T ty1_25 = CD(0)*U(23)+C(0)*DU(23)+CD(1)*U(24)+C(1)*DU(24);
-            TY1(25) = ty1_25;
+            TY1(25, ty1_25);
             const T ty2_25 = CD(5)*U(22)+C(5)*DU(22)+CD(10)*U(23)+C(10)*DU(23)+CD(5)*U(24)+C(5)*DU(24);
-            TY2(25) = ty2_25;
+            TY2(25, ty2_25);
             const T ty3_25 = CD(6)*U(21)+C(6)*DU(21)+CD(14)*U(22)+C(14)*DU(22)+CD(13)*U(23)+C(13)*DU(23)+CD(9)*U(24)+C(9)*DU(24);
-            TY3(25) = ty3_25;
+            TY3(25, ty3_25);
             const T ty0_26 = DU(25);
-            TY0(26) = ty0_26;
+            TY0(26, ty0_26);
             const T ty1_26 = CD(0)*U(24)+C(0)*DU(24)+CD(1)*U(25)+C(1)*DU(25);
-            TY1(26) = ty1_26;
+            TY1(26, ty1_26);
             const T ty2_26 = CD(5)*U(23)+C(5)*DU(23)+CD(10)*U(24)+C(10)*DU(24)+CD(5)*U(25)+C(5)*DU(25);
-            TY2(26) = ty2_26;
+            TY2(26, ty2_26);
             const T ty3_26 = CD(6)*U(22)+C(6)*DU(22)+CD(14)*U(23)+C(14)*DU(23)+CD(13)*U(24)+C(13)*DU(24)+CD(9)*U(25)+C(9)*DU(25);
-            TY3(26) = ty3_26;
+            TY3(26, ty3_26);
             const T ty0_27 = DU(26);
-            TY0(27) = ty0_27;
+            TY0(27, ty0_27);
             const T ty1_27 = CD(0)*U(25)+C(0)*DU(25)+CD(1)*U(26)+C(1)*DU(26);
-            TY1(27) = ty1_27;
+            TY1(27, ty1_27);
             const T ty2_27 = CD(5)*U(24)+C(5)*DU(24)+CD(10)*U(25)+C(10)*DU(25)+CD(5)*U(26)+C(5)*DU(26);
-            TY2(27) = ty2_27;
+            TY2(27, ty2_27);
             const T ty3_27 = CD(6)*U(23)+C(6)*DU(23)+CD(14)*U(24)+C(14)*DU(24)+CD(13)*U(25)+C(13)*DU(25)+CD(9)*U(26)+C(9)*DU(26);
-            TY3(27) = ty3_27;
+            TY3(27, ty3_27);
             const T ty0_28 = DU(27);
-            TY0(28) = ty0_28;
+            TY0(28, ty0_28);
             const T ty1_28 = CD(0)*U(26)+C(0)*DU(26)+CD(1)*U(27)+C(1)*DU(27);
-            TY1(28) = ty1_28;
+            TY1(28, ty1_28);
             const T ty2_28 = CD(5)*U(25)+C(5)*DU(25)+CD(10)*U(26)+C(10)*DU(26)+CD(5)*U(27)+C(5)*DU(27);
-            TY2(28) = ty2_28;
+            TY2(28, ty2_28);
             const T ty3_28 = CD(6)*U(24)+C(6)*DU(24)+CD(14)*U(25)+C(14)*DU(25)+CD(13)*U(26)+C(13)*DU(26)+CD(9)*U(27)+C(9)*DU(27);
-            TY3(28) = ty3_28;
+            TY3(28, ty3_28);
             const T ty0_29 = DU(28);
-            TY0(29) = ty0_29;
+            TY0(29, ty0_29);
             const T ty1_29 = CD(0)*U(27)+C(0)*DU(27)+CD(1)*U(28)+C(1)*DU(28);
-            TY1(29) = ty1_29;
+            TY1(29, ty1_29);
             const T ty2_29 = CD(5)*U(26)+C(5)*DU(26)+CD(10)*U(27)+C(10)*DU(27)+CD(5)*U(28)+C(5)*DU(28);
-            TY2(29) = ty2_29;
+            TY2(29, ty2_29);
             const T ty3_29 = CD(6)*U(25)+C(6)*DU(25)+CD(14)*U(26)+C(14)*DU(26)+CD(13)*U(27)+C(13)*DU(27)+CD(9)*U(28)+C(9)*DU(28);
-            TY3(29) = ty3_29;
+            TY3(29, ty3_29);
             const T ty0_30 = DU(29);
-            TY0(30) = ty0_30;
+            TY0(30, ty0_30);
             const T ty1_30 = CD(0)*U(28)+C(0)*DU(28)+CD(1)*U(29)+C(1)*DU(29);
-            TY1(30) = ty1_30;
+            TY1(30, ty1_30);
             const T ty2_30 = CD(5)*U(27)+C(5)*DU(27)+CD(10)*U(28)+C(10)*DU(28)+CD(5)*U(29)+C(5)*DU(29);
-            TY2(30) = ty2_30;
+            TY2(30, ty2_30);
             const T ty3_30 = CD(6)*U(26)+C(6)*DU(26)+CD(14)*U(27)+C(14)*DU(27)+CD(13)*U(28)+C(13)*DU(28)+CD(9)*U(29)+C(9)*DU(29);
-            TY3(30) = ty3_30;
+            TY3(30, ty3_30);
             const T ty0_31 = DU(30);
-            TY0(31) = ty0_31;
+            TY0(31, ty0_31);
             const T ty1_31 = CD(0)*U(29)+C(0)*DU(29)+CD(1)*U(30)+C(1)*DU(30);
-            TY1(31) = ty1_31;
+            TY1(31, ty1_31);
             const T ty2_31 = CD(5)*U(28)+C(5)*DU(28)+CD(10)*U(29)+C(10)*DU(29)+CD(5)*U(30)+C(5)*DU(30);
-            TY2(31) = ty2_31;
+            TY2(31, ty2_31);
             const T ty3_31 = CD(6)*U(27)+C(6)*DU(27)+CD(14)*U(28)+C(14)*DU(28)+CD(13)*U(29)+C(13)*DU(29)+CD(9)*U(30)+C(9)*DU(30);
-            TY3(31) = ty3_31;
+            TY3(31, ty3_31);
         }
     }
 }
