@@ -229,7 +229,7 @@ def codegen_cost(echo: Callable[[str], None], horizons=(8, 32, 128, 256)) -> lis
 
     Each cold cache already holds the native autograd node (built once per PyTorch install,
     timed on its own), so the cold column is the variant's own cost; warm loads include
-    loading the node.
+    loading the node. Both processes keep Python's bytecode cache, as a user's would.
     """
     with tempfile.TemporaryDirectory() as native_cache:
         node = native_build(echo, native_cache)
@@ -246,7 +246,9 @@ def _codegen_cost(echo: Callable[[str], None], horizons, node: Optional[str]) ->
             with tempfile.TemporaryDirectory() as cache:
                 if node:
                     shutil.copytree(node, os.path.join(cache, "builds", os.path.basename(node)))
-                env = dict(os.environ, TENSORSTEP_CACHE_DIR=cache)
+                # Python's usual bytecode cache (some machines turn it off), as a user's process has it
+                env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+                env["TENSORSTEP_CACHE_DIR"] = cache
                 code = COLD_SNIPPET.format(H=H, kw=repr(SCHEMES[scheme]))
                 cold = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
                 warm = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)

@@ -36,6 +36,10 @@ class Step(torch.nn.Module):
     def extra_repr(self) -> str:
         return f"{self.spec.name}, device={self.device}"
 
+    def __reduce__(self):
+        # pickle and deepcopy by spec (loaded libraries and ops are per process)
+        return load, (self.spec, str(self.device))
+
     def _dt_tensor(self, dt: Union[float, Tensor]) -> Tensor:
         """The kernel's dt vector; tensors for repeated Python floats are reused (cheap calls)."""
         if isinstance(dt, float) and not torch.compiler.is_compiling():

@@ -124,3 +124,16 @@ def test_second_derivative_through_dt_raises_not_silent():
     (gdt,) = torch.autograd.grad(J.square().sum(), dt, create_graph=True)
     with pytest.raises(RuntimeError, match="second derivatives with respect to dt"):
         gdt.backward()
+
+
+def test_step_pickles_and_deepcopies_by_spec():
+    import copy
+    import pickle
+
+    step = ts.load(SPEC)
+    u, s = inputs()
+    expected = step(u, *s, 0.1)
+    for clone in (copy.deepcopy(step), pickle.loads(pickle.dumps(step))):
+        assert clone.spec == step.spec and clone is not step
+        for a, b in zip(clone(u, *s, 0.1), expected):
+            assert torch.equal(a, b)
