@@ -229,7 +229,8 @@ def codegen_cost(echo: Callable[[str], None], horizons=(8, 32, 128, 256)) -> lis
 
     Each cold cache already holds the native autograd node (built once per PyTorch install,
     timed on its own), so the cold column is the variant's own cost; warm loads include
-    loading the node. Both processes keep Python's bytecode cache, as a user's would.
+    loading the node (median of three processes). All keep Python's bytecode cache, as a user's
+    process would.
     """
     with tempfile.TemporaryDirectory() as native_cache:
         node = native_build(echo, native_cache)
@@ -250,15 +251,18 @@ def _codegen_cost(echo: Callable[[str], None], horizons, node: Optional[str]) ->
                 env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
                 env["TENSORSTEP_CACHE_DIR"] = cache
                 code = COLD_SNIPPET.format(H=H, kw=repr(SCHEMES[scheme]))
-                cold = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-                warm = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-                if cold.returncode or warm.returncode:
-                    echo(f"| {scheme} | {H} | failed: {(cold.stderr or warm.stderr)[-200:]} | | |")
+                run = lambda: subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+                cold = run()
+                warms = [run() for _ in range(3)]
+                failed = next((r for r in (cold, *warms) if r.returncode), None)
+                if failed:
+                    echo(f"| {scheme} | {H} | failed: {failed.stderr[-200:]} | | |")
                     continue
                 c_s = float(cold.stdout.split()[0])
-                w_s, w_sympy = warm.stdout.split()
-                rows.append(dict(scheme=scheme, horizon=H, cold=c_s, warm=float(w_s)))
-                echo(f"| {scheme} | {H} | {c_s:.2f} s | {float(w_s) * 1e3:.1f} ms | {w_sympy} |")
+                w_s = statistics.median(float(w.stdout.split()[0]) for w in warms)
+                w_sympy = any(w.stdout.split()[1] == "True" for w in warms)
+                rows.append(dict(scheme=scheme, horizon=H, cold=c_s, warm=w_s))
+                echo(f"| {scheme} | {H} | {c_s:.2f} s | {w_s * 1e3:.1f} ms | {w_sympy} |")
     return rows
 
 
