@@ -108,7 +108,8 @@ def _fwd_engine(step: Callable, u, starts, grads) -> Callable[[], None]:
 
 def time_interleaved(methods: dict[str, Callable[[], None]], device: str, budget_s: float = 0.6,
                      repeats: int = 7) -> dict[str, float]:
-    """Median seconds per call of each method; methods take turns in every repeat."""
+    """Median seconds per call of each method; methods take turns in every repeat, each turn
+    starting with one untimed call (steady state, equally for every method)."""
     for fn in methods.values():  # warm up (compiles, allocator)
         fn()
         fn()
@@ -122,6 +123,7 @@ def time_interleaved(methods: dict[str, Callable[[], None]], device: str, budget
     samples: dict[str, list[float]] = {name: [] for name in methods}
     for _ in range(repeats):
         for name, fn in methods.items():
+            fn()  # untimed: the first call after another method pays for its cache and heap state
             _sync(device)
             t0 = time.perf_counter()
             for _ in range(inner):
