@@ -127,3 +127,10 @@ def apply(spec, dt, u: np.ndarray, start: np.ndarray) -> np.ndarray:
     """Batched reference: u [B, N, D] (bhd), start [B, 4, D] → outputs [K, B, H, D]."""
     M_u, M_s = matrices(spec, dt)
     return np.einsum("khn,bnd->kbhd", M_u, u) + np.einsum("khm,bmd->kbhd", M_s, start)
+
+
+def apply_adjoint(spec, dt, grads: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Batched reference transpose: output gradients [K, B, H, D] (bhd) → (gradient of u
+    [B, N, D], per-batch gradient of the start state [B, 4, D])."""
+    M_u, M_s = matrices(spec, dt)
+    return np.einsum("khn,kbhd->bnd", M_u, grads), np.einsum("khm,kbhd->bmd", M_s, grads)

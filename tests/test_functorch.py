@@ -1,7 +1,6 @@
 """torch.func transforms through the step agree with the dense reference."""
 from __future__ import annotations
 
-import numpy as np
 import torch
 from torch.func import grad, hessian, jacfwd, jacrev, jvp, vjp, vmap
 

@@ -8,14 +8,7 @@ import torch
 import tensorstep as ts
 
 import reference
-from helpers import GRID, Inputs, dt_value, grid_id, make_spec, to_bhd
-
-
-def scale_close(actual: np.ndarray, expected: np.ndarray, rtol: float) -> None:
-    """|actual - expected| ≤ rtol · max|expected| (derivative rows scale like 1/dt^k)."""
-    scale = max(1.0, float(np.abs(expected).max()))
-    err = float(np.abs(actual - expected).max())
-    assert err <= rtol * scale, f"max error {err:.3e} > {rtol:.0e} x scale {scale:.3e}"
+from helpers import GRID, Inputs, dt_value, grid_id, make_spec, scale_close, to_bhd
 
 
 def test_operator_matrices_match_reference(spec):
