@@ -45,11 +45,17 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _fwd_bwd(step: Callable, u, starts, grads) -> Callable[[], None]:
+def _engine_backward(outs, grads) -> None:
+    """torch.autograd.backward without its Python wrapper (whose argument checks cost ~10 µs per
+    output here): the outputs go to the autograd engine directly."""
+    torch.autograd.Variable._execution_engine.run_backward(tuple(outs), tuple(grads), False, False, (), True, True)
+
+
+def _fwd_bwd(step: Callable, u, starts, grads, backward: Callable = torch.autograd.backward) -> Callable[[], None]:
     def run() -> None:
         u.grad = None  # as optimizer.zero_grad(set_to_none=True): no accumulation pass
         outs = step(u, *starts)
-        torch.autograd.backward(outs, grads)
+        backward(outs, grads)
 
     return run
 
@@ -63,7 +69,7 @@ def case_callables(case: Case) -> dict[str, Callable[[], None]]:
     gen = torch.Generator().manual_seed(0)
     u = torch.randn(B, H - 1, D, generator=gen, dtype=dtype).to(dev).requires_grad_(True)
     starts = [torch.randn(B, D, generator=gen, dtype=dtype).to(dev) for _ in range(3)]
-    grads = [torch.randn(B, H, D, generator=gen, dtype=dtype).to(dev) for _ in range(spec.order + 1)]
+    grads = tuple(torch.randn(B, H, D, generator=gen, dtype=dtype).to(dev) for _ in range(spec.order + 1))
     step = ts.load(spec, dev)
     launcher = step.launcher
     dt_k = torch.full((1,), DT, dtype=dtype, device=dev)
@@ -89,21 +95,8 @@ def case_callables(case: Case) -> dict[str, Callable[[], None]]:
     methods["copy"] = lambda: src.clone()
     if B == 1 and case.device == "cpu":
         methods.update(autograd_floors())
-        methods["engine_direct"] = _fwd_engine(lambda u, *s: step(u, *s, DT), u, starts, grads)
+        methods["engine_direct"] = _fwd_bwd(lambda u, *s: step(u, *s, DT), u, starts, grads, _engine_backward)
     return methods
-
-
-def _fwd_engine(step: Callable, u, starts, grads) -> Callable[[], None]:
-    """As _fwd_bwd, but handing the outputs to the autograd engine directly, without the Python
-    wrapper of torch.autograd.backward (whose argument checks cost ~10 µs per output here)."""
-    engine = torch.autograd.Variable._execution_engine
-    grads = tuple(grads)
-
-    def run() -> None:
-        u.grad = None
-        engine.run_backward(tuple(step(u, *starts)), grads, False, False, (), True, True)
-
-    return run
 
 
 def time_interleaved(methods: dict[str, Callable[[], None]], device: str, budget_s: float = 0.6,

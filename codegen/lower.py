@@ -18,7 +18,7 @@ from collections import defaultdict
 import sympy as sp
 from sympy.printing.c import C99CodePrinter
 
-from .operator import Operator, Ref, Row
+from .operator import Operator, Ref
 
 ONE, MINUS_ONE = sp.Integer(1), sp.Integer(-1)
 

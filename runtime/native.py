@@ -52,9 +52,7 @@ def _command(cxx: str, src: Path, out: Path) -> list[str]:
             str(src), "-o", str(out), f"-L{lib}", f"-Wl,-rpath,{lib}", "-ltorch", "-ltorch_cpu", "-lc10"]
 
 
-def _compile(src: Path, out: Path) -> None:
-    cxx = _cxx()
-    assert cxx is not None
+def _compile(cxx: str, src: Path, out: Path) -> None:
     print(f"tensorstep: building the native autograd node for torch {torch.__version__} "
           "(once per PyTorch install, about 20 s)...", file=sys.stderr, flush=True)
     result = subprocess.run(_command(cxx, src, out), capture_output=True, text=True)
@@ -62,10 +60,10 @@ def _compile(src: Path, out: Path) -> None:
         raise RuntimeError(f"C++ compilation failed:\n{result.stderr[-3000:]}")
 
 
-def build_key(cxx: str) -> str:
+def build_key(cxx: str, source: str) -> str:
     """Content hash of the node's build: source, compiler, flags, PyTorch version and location."""
     st = os.stat(os.path.realpath(cxx))
-    return digest(SOURCE.read_text(), os.path.realpath(cxx), str(st.st_mtime_ns), str(st.st_size), " ".join(CXX_FLAGS),
+    return digest(source, os.path.realpath(cxx), str(st.st_mtime_ns), str(st.st_size), " ".join(CXX_FLAGS),
                   torch.__version__, str(_torch_paths()[0]), ABI_VERSION, platform.machine())
 
 
@@ -91,7 +89,8 @@ def _library() -> Optional[Path]:
                       stacklevel=3)
         return None
     try:
-        path = BuildCache().build(build_key(cxx), "native.so", SOURCE.read_text(), _compile)
+        source = SOURCE.read_text()
+        path = BuildCache().build(build_key(cxx, source), "native.so", source, functools.partial(_compile, cxx))
         torch.ops.load_library(str(path))
     except (CacheError, RuntimeError, OSError) as err:
         warnings.warn(f"tensorstep: the native autograd node could not be built or loaded ({err}); "
@@ -101,6 +100,7 @@ def _library() -> Optional[Path]:
     return path
 
 
+_PYTHON_IMPL: Optional[torch.library.Library] = None
 _LAUNCHERS: dict[int, Any] = {}
 _HANDLES: dict[tuple[int, int], int] = {}  # kernel addresses → handle: loading a spec again reuses it
 
@@ -112,9 +112,9 @@ def _register_python_parts() -> None:
     def adjoint_graph(handle: int, grads: list, dt: torch.Tensor, batch: int) -> list[torch.Tensor]:
         return list(AdjointFunction.apply(_LAUNCHERS[handle], dt, batch, *grads))
 
-    lib = torch.library.Library("tensorstep_native", "IMPL")
-    lib.impl("adjoint_graph", adjoint_graph, "CompositeImplicitAutograd")
-    _register_python_parts.lib = lib  # type: ignore[attr-defined]  # keep the registration alive
+    global _PYTHON_IMPL
+    _PYTHON_IMPL = torch.library.Library("tensorstep_native", "IMPL")  # kept alive: it holds the registration
+    _PYTHON_IMPL.impl("adjoint_graph", adjoint_graph, "CompositeImplicitAutograd")
 
 
 def handle(launcher: Any) -> Optional[int]:
