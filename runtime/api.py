@@ -32,6 +32,7 @@ class Step(torch.nn.Module):
 
             self.native = native.handle(launcher)
         self._native_step = torch.ops.tensorstep_native.step.default if self.native is not None else None
+        self._native_checked = torch.ops.tensorstep_native.checked_step.default if self.native is not None else None
 
     def extra_repr(self) -> str:
         return f"{self.spec.name}, device={self.device}"
@@ -66,6 +67,17 @@ class Step(torch.nn.Module):
         j0: Optional[Tensor] = None,
         start_index: Optional[Tensor] = None,
     ) -> tuple[Tensor, ...]:
+        if (self.native is not None and start_index is None and not self.spec.start_index and type(dt) is float
+                and type(u) is Tensor and type(p0) is Tensor and type(v0) is Tensor and type(a0) is Tensor
+                and (j0 is None or type(j0) is Tensor)
+                and not torch.compiler.is_compiling() and not _forward_mode_active()):
+            # the common call: the native op checks the tensors itself (an empty result means
+            # something is off, and the checks below say what); dt comes from the validated cache
+            dt_k = self._dt_cache.get(dt)
+            if dt_k is not None:
+                outs = self._native_checked(self.native, u, p0, v0, a0, j0, dt_k)
+                if outs:
+                    return tuple(outs)
         spec = self.spec
         B = validate.check_batch(u)
         validate.check_tensor("u", u, self.action_shape(B), self.dtype, self.device)

@@ -16,6 +16,7 @@
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
+#include <array>
 #include <deque>
 #include <mutex>
 #include <vector>
@@ -39,6 +40,7 @@ struct Kernels {
   int64_t forward, adjoint, outputs;        // addresses; K = order + 1 outputs
   std::vector<int64_t> output_tail, action_tail;  // shapes after the batch dimension
   int64_t dof;
+  at::ScalarType dtype;
 };
 
 std::mutex registry_mutex;
@@ -51,10 +53,11 @@ const Kernels& kernels(int64_t handle) {
 }
 
 int64_t register_kernels(int64_t forward, int64_t adjoint, int64_t outputs, std::vector<int64_t> output_tail,
-                         std::vector<int64_t> action_tail, int64_t dof) {
+                         std::vector<int64_t> action_tail, int64_t dof, at::ScalarType dtype) {
   TORCH_CHECK(outputs == 4 || outputs == 5, "tensorstep: kernels have 4 or 5 outputs, got ", outputs);
   std::lock_guard<std::mutex> guard(registry_mutex);
-  registry.push_back(Kernels{forward, adjoint, outputs, std::move(output_tail), std::move(action_tail), dof});
+  registry.push_back(
+      Kernels{forward, adjoint, outputs, std::move(output_tail), std::move(action_tail), dof, dtype});
   return static_cast<int64_t>(registry.size()) - 1;
 }
 
@@ -174,14 +177,42 @@ std::vector<Tensor> step(int64_t handle, const Tensor& u, const Tensor& p0, cons
   return NativeStep::apply(u, p0, v0, a0, j0, idx, dt, handle);
 }
 
+// What runtime/validate.py accepts for one input, checked without leaving C++: a dense,
+// contiguous CPU tensor of the kernel's dtype and exactly this shape.
+bool conforms(const Kernels& k, const Tensor& t, at::IntArrayRef shape) {
+  return t.defined() && t.layout() == at::kStrided && t.device().is_cpu() && t.scalar_type() == k.dtype &&
+         t.sizes() == shape && t.is_contiguous();
+}
+
+// A plain call (no start_index, dt from the validated cache), checked here rather than in
+// Python, which costs several microseconds per call. Anything unexpected returns an empty
+// list, and the caller runs the Python checks, which name the problem.
+std::vector<Tensor> checked_step(int64_t handle, const Tensor& u, const Tensor& p0, const Tensor& v0,
+                                 const Tensor& a0, const std::optional<Tensor>& j0, const Tensor& dt) {
+  const Kernels& k = kernels(handle);
+  if (!u.defined() || u.dim() != 3 || u.size(0) == 0) return {};
+  const int64_t B = u.size(0);
+  const auto action = with_batch(B, k.action_tail);
+  const std::array<int64_t, 2> start{B, k.dof};
+  const bool ok = conforms(k, u, action) && conforms(k, p0, start) && conforms(k, v0, start) &&
+                  conforms(k, a0, start) && (!j0.has_value() || conforms(k, *j0, start));
+  if (!ok) return {};
+  return NativeStep::apply(u, p0, v0, a0, j0, std::optional<Tensor>(), dt, handle);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(tensorstep_native, m) {
-  m.def("register_kernels(int forward, int adjoint, int outputs, int[] output_tail, int[] action_tail, int dof) -> int",
+  m.def("register_kernels(int forward, int adjoint, int outputs, int[] output_tail, int[] action_tail, int dof, "
+        "ScalarType dtype) -> int",
         &register_kernels);
   m.def("step(int handle, Tensor u, Tensor p0, Tensor v0, Tensor a0, Tensor? j0, Tensor? idx, Tensor dt) -> Tensor[]");
+  m.def("checked_step(int handle, Tensor u, Tensor p0, Tensor v0, Tensor a0, Tensor? j0, Tensor dt) -> Tensor[]");
   // implemented in Python (runtime/native.py): the create_graph adjoint
   m.def("adjoint_graph(int handle, Tensor?[] grads, Tensor dt, int batch) -> Tensor[]");
 }
 
-TORCH_LIBRARY_IMPL(tensorstep_native, CompositeImplicitAutograd, m) { m.impl("step", &step); }
+TORCH_LIBRARY_IMPL(tensorstep_native, CompositeImplicitAutograd, m) {
+  m.impl("step", &step);
+  m.impl("checked_step", &checked_step);
+}

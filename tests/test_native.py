@@ -36,6 +36,81 @@ def test_plain_calls_take_the_native_node(step):
     assert "NativeStep" in node_name(P)
 
 
+PLAIN = make_spec(dict(difference="central"))
+
+
+@pytest.fixture
+def plain_step():
+    s = ts.load(PLAIN)
+    if s.native is None:
+        pytest.skip("the native autograd node is unavailable here (no C++ compiler?)")
+    return s
+
+
+def test_plain_calls_are_checked_in_the_native_op(plain_step, monkeypatch):
+    """A plain call (float dt, no start_index) skips the Python checks: the native op checks
+    the tensors itself, and its outputs and gradients are the reference's."""
+    calls = []
+    checked = plain_step._native_checked
+    monkeypatch.setattr(plain_step, "_native_checked", lambda *a: calls.append(checked(*a)) or calls[-1])
+    x = Inputs(PLAIN, requires_grad=True)
+    outs = plain_step(x.u, x.p0, x.v0, x.a0, 0.1, **x.kwargs())
+    outs = plain_step(x.u, x.p0, x.v0, x.a0, 0.1, **x.kwargs())  # the first call filled the dt cache
+    assert len(calls) == 1 and len(calls[0]) == 4 and "NativeStep" in node_name(outs[0])
+    expect = reference.apply(PLAIN, [0.1], x.numpy_u_bhd(), x.numpy_start())
+    for k, y in enumerate(outs):
+        scale_close(y.detach().numpy(), expect[k], 1e-12)
+    grads = [torch.ones_like(y) for y in outs]
+    (gu,) = torch.autograd.grad(outs, [x.u], grads)
+    expect_u, _ = reference.apply_adjoint(PLAIN, [0.1], np.ones((4, *outs[0].shape)))
+    scale_close(gu.numpy(), expect_u, 1e-12)
+
+
+def _bad_plain_inputs(x):
+    """(the argument at fault, what is wrong with it, arguments u, p0, v0, a0, j0)."""
+    f32 = lambda t: t.detach().float()
+    wide = torch.zeros(x.B, PLAIN.n_actions, 2 * PLAIN.dof, dtype=torch.float64)[:, :, ::2]
+    return [
+        ("u", "dtype", f32(x.u), x.p0, x.v0, x.a0, x.j0),
+        ("u", "shape", x.u[:, :-1], x.p0, x.v0, x.a0, x.j0),
+        ("u", "dims", x.u[0], x.p0, x.v0, x.a0, x.j0),
+        ("u", "not contiguous", wide, x.p0, x.v0, x.a0, x.j0),
+        ("u", "empty batch", x.u[:0], x.p0[:0], x.v0[:0], x.a0[:0], x.j0[:0]),
+        ("p0", "rows", x.u, x.p0[:-1], x.v0, x.a0, x.j0),
+        ("v0", "dtype", x.u, x.p0, f32(x.v0), x.a0, x.j0),
+        ("a0", "dof", x.u, x.p0, x.v0, x.a0[:, :-1], x.j0),
+        ("j0", "dims", x.u, x.p0, x.v0, x.a0, x.j0[:, None]),
+        ("a0", "sparse", x.u, x.p0, x.v0, x.a0.detach().to_sparse(), x.j0),
+    ]
+
+
+def test_native_op_rejects_what_the_python_checks_reject(plain_step):
+    """Every kind of bad input makes the native op return nothing (no kernel runs), and the
+    step raises the Python checks' error, which names the argument."""
+    x = Inputs(PLAIN)
+    dt_k = plain_step._dt_tensor(0.1)
+    for name, what, u, p0, v0, a0, j0 in _bad_plain_inputs(x):
+        assert plain_step._native_checked(plain_step.native, u, p0, v0, a0, j0, dt_k) == [], (name, what)
+        with pytest.raises((TypeError, ValueError), match=f"^{name}:"):
+            plain_step(u, p0, v0, a0, 0.1, j0=j0)
+
+
+def test_missing_start_index_is_an_error_on_every_call(step):
+    x = Inputs(SPEC)
+    step(x.u, x.p0, x.v0, x.a0, 0.1, **x.kwargs())  # caches dt 0.1
+    for _ in range(2):
+        with pytest.raises(ValueError, match="needs a start_index argument"):
+            step(x.u, x.p0[: x.B], x.v0[: x.B], x.a0[: x.B], 0.1)
+
+
+def test_tensor_subclasses_take_the_checked_python_path(plain_step):
+    x = Inputs(PLAIN)
+    u = torch.nn.Parameter(x.u.clone())
+    P, *_ = plain_step(u, x.p0, x.v0, x.a0, 0.1, j0=x.j0)
+    expect = reference.apply(PLAIN, [0.1], x.numpy_u_bhd(), x.numpy_start())
+    scale_close(P.detach().numpy(), expect[0], 1e-12)
+
+
 def test_dt_gradient_and_forward_mode_take_the_python_path(step):
     x = Inputs(SPEC, requires_grad=True)
     dt = dt_value(SPEC, requires_grad=True)
