@@ -262,7 +262,8 @@ def run(config: str, task: Optional[str], output: str, batch: int, device: str) 
 @friendly
 def bench(device: str, quick: bool, scheme: tuple, batch: tuple, horizon: tuple, dtype: tuple,
           budget: float, codegen: bool) -> None:
-    """Time forward+backward against the dense-matrix and slicing PyTorch baselines and the copy bound."""
+    """Time forward+backward against the dense-matrix and slicing PyTorch baselines and the copy bound,
+    then the forward alone (rollouts) into new and into reused outputs (out=)."""
     from .bench import harness
 
     if scheme or batch or horizon or dtype:
@@ -271,6 +272,9 @@ def bench(device: str, quick: bool, scheme: tuple, batch: tuple, horizon: tuple,
     else:
         cases = harness.default_cases(device, quick)
     harness.run_cases(cases, click.echo, budget)
+    rollouts = [c for c in cases if c.horizon == 32 and c.dtype == "float32"]
+    if rollouts:
+        harness.run_rollouts(rollouts, click.echo, budget)
     if codegen:
         harness.codegen_cost(click.echo)
 

@@ -186,6 +186,54 @@ def run_cases(cases: Iterable[Case], echo: Callable[[str], None], budget_s: floa
     return rows
 
 
+def rollout_callables(case: Case) -> dict[str, Callable[[], None]]:
+    """Forward only, no autograd (sampling-based planners such as MPPI): into new outputs, into
+    reused ones (out=), the slicing baseline, and a copy of the bytes the forward moves into a
+    preallocated buffer."""
+    spec = case.spec
+    dtype = torch.float32 if case.dtype == "float32" else torch.float64
+    dev = torch.device(case.device)
+    gen = torch.Generator().manual_seed(0)
+    u = torch.randn(case.batch, case.horizon - 1, case.dof, generator=gen, dtype=dtype).to(dev)
+    starts = [torch.randn(case.batch, case.dof, generator=gen, dtype=dtype).to(dev) for _ in range(3)]
+    step = ts.load(spec, dev)
+    out = tuple(torch.empty(step.launcher.output_shape(case.batch), dtype=dtype, device=dev)
+                for _ in range(spec.order + 1))
+    slicing = slicing_step(spec, DT)
+    src = torch.randn(copy_elements(spec, case.batch) // 2, generator=gen, dtype=dtype).to(dev)
+    dst = torch.empty_like(src)
+
+    def no_grad(fn: Callable[[], object]) -> Callable[[], None]:
+        def run() -> None:
+            with torch.no_grad():
+                fn()
+        return run
+
+    return {
+        "new": no_grad(lambda: step(u, *starts, DT)),
+        "out": no_grad(lambda: step(u, *starts, DT, out=out)),
+        "slicing": no_grad(lambda: slicing(u, *starts)),
+        "copy": lambda: dst.copy_(src),
+    }
+
+
+def run_rollouts(cases: Iterable[Case], echo: Callable[[str], None], budget_s: float = 0.6) -> list[dict]:
+    """The forward-only table (rollouts), for the position-difference and integration cases given."""
+    echo("\nForward only (rollouts, under torch.no_grad), the same interleaved timing:")
+    echo("")
+    echo("| scheme | H | B | dtype | tensorstep, new outputs | tensorstep, out= | slicing | copy bound (preallocated) "
+         "| slicing / out= | out= / copy |")
+    echo("|---|---|---|---|---|---|---|---|---|---|")
+    rows = []
+    for case in cases:
+        t = time_interleaved(rollout_callables(case), case.device, budget_s)
+        rows.append(dict(dataclasses.asdict(case), **t))
+        echo(f"| {case.scheme} | {case.horizon} | {case.batch} | {case.dtype} | {format_time(t['new'])} | "
+             f"{format_time(t['out'])} | {format_time(t['slicing'])} | {format_time(t['copy'])} | "
+             f"{t['slicing'] / t['out']:.1f}× | {t['out'] / t['copy']:.2f}× |")
+    return rows
+
+
 COLD_SNIPPET = """
 import time, sys
 t0 = time.perf_counter()

@@ -33,6 +33,8 @@ class Step(torch.nn.Module):
             self.native = native.handle(launcher)
         self._native_step = torch.ops.tensorstep_native.step.default if self.native is not None else None
         self._native_checked = torch.ops.tensorstep_native.checked_step.default if self.native is not None else None
+        self._native_checked_out = (torch.ops.tensorstep_native.checked_step_out.default
+                                    if self.native is not None else None)
 
     def extra_repr(self) -> str:
         return f"{self.spec.name}, device={self.device}"
@@ -66,18 +68,23 @@ class Step(torch.nn.Module):
         *,
         j0: Optional[Tensor] = None,
         start_index: Optional[Tensor] = None,
+        out: Optional[Sequence[Tensor]] = None,
     ) -> tuple[Tensor, ...]:
         if (self.native is not None and start_index is None and not self.spec.start_index and type(dt) is float
                 and type(u) is Tensor and type(p0) is Tensor and type(v0) is Tensor and type(a0) is Tensor
                 and (j0 is None or type(j0) is Tensor)
                 and not torch.compiler.is_compiling() and not _forward_mode_active()):
-            # the common call: the native op checks the tensors itself (an empty result means
-            # something is off, and the checks below say what); dt comes from the validated cache
+            # the common call: the native op checks the tensors itself (an empty or false result
+            # means something is off, and the checks below say what); dt comes from the validated cache
             dt_k = self._dt_cache.get(dt)
             if dt_k is not None:
-                outs = self._native_checked(self.native, u, p0, v0, a0, j0, dt_k)
-                if outs:
-                    return tuple(outs)
+                if out is None:
+                    outs = self._native_checked(self.native, u, p0, v0, a0, j0, dt_k)
+                    if outs:
+                        return tuple(outs)
+                elif (type(out) in (tuple, list) and all(type(y) is Tensor for y in out)
+                      and self._native_checked_out(self.native, u, p0, v0, a0, j0, dt_k, out)):
+                    return tuple(out)
         spec = self.spec
         B = validate.check_batch(u)
         validate.check_tensor("u", u, self.action_shape(B), self.dtype, self.device)
@@ -91,6 +98,9 @@ class Step(torch.nn.Module):
             validate.check_tensor("j0", j0, (S, spec.dof), self.dtype, self.device)
         idx = validate.check_index(start_index, B, S, self.device) if start_index is not None else None
         dt_k = self._dt_tensor(dt)
+        if out is not None:
+            inputs = {"u": u, "p0": p0, "v0": v0, "a0": a0, "j0": j0, "start_index": start_index, "dt": dt_k}
+            return self._into(out, self.launcher.output_shape(B), inputs, u, p0, v0, a0, j0, idx, dt_k)
         if torch.compiler.is_compiling():
             if _forward_mode_active():
                 # torch.library custom ops carry no forward-mode rule: never return a silent zero
@@ -102,6 +112,20 @@ class Step(torch.nn.Module):
         if self.native is not None and not dt_k.requires_grad and not _forward_mode_active():
             return tuple(self._native_step(self.native, u, p0, v0, a0, j0, idx, dt_k))
         return StepFunction.apply(self.launcher, u, p0, v0, a0, j0, idx, dt_k)
+
+
+    def _into(self, out: Any, shape: tuple, inputs: dict, u: Tensor, p0: Tensor, v0: Tensor, a0: Tensor,
+              j0: Optional[Tensor], idx: Optional[Tensor], dt_k: Tensor) -> tuple[Tensor, ...]:
+        """The forward written into caller-owned outputs (rollouts: no allocation, no page faults)."""
+        out = validate.check_out(out, self.launcher.K, shape, self.dtype, self.device, inputs)
+        if torch.compiler.is_compiling():
+            for y, value in zip(out, torch.ops.tensorstep.step(self.op_key, u, p0, v0, a0, j0, idx, dt_k)):
+                y.copy_(value)
+            return out
+        self.launcher.forward(u, (p0, v0, a0, j0), idx, dt_k, out=out)
+        for y in out:  # the kernel wrote through raw pointers: tell autograd the tensors changed
+            torch.autograd.graph.increment_version(y)
+        return out
 
 
 def _forward_mode_active() -> bool:

@@ -58,9 +58,11 @@ class Launcher:
     def _empty_outputs(self, like: Tensor, B: int) -> list[Tensor]:
         return [torch.empty(self.output_shape(B), dtype=self.dtype, device=like.device) for _ in range(self.K)]
 
-    def forward(self, u: Tensor, start: Sequence[OptTensor], idx: OptTensor, dt: Tensor) -> list[Tensor]:
+    def forward(self, u: Tensor, start: Sequence[OptTensor], idx: OptTensor, dt: Tensor,
+                out: Optional[Sequence[Tensor]] = None) -> list[Tensor]:
+        """Outputs (P, V, A, J[, S]): new tensors, or ``out`` (validated by the caller) written in place."""
         B = u.shape[0]
-        ys = self._empty_outputs(u, B)
+        ys = list(out) if out is not None else self._empty_outputs(u, B)
         if B:
             self.backend.call("forward", B, [ptr(u), *map(ptr, start), ptr(idx), ptr(dt), *map(ptr, ys)])
         return ys

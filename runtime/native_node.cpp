@@ -184,20 +184,59 @@ bool conforms(const Kernels& k, const Tensor& t, at::IntArrayRef shape) {
          t.sizes() == shape && t.is_contiguous();
 }
 
+bool plain_inputs_conform(const Kernels& k, const Tensor& u, const Tensor& p0, const Tensor& v0, const Tensor& a0,
+                          const std::optional<Tensor>& j0) {
+  if (!u.defined() || u.dim() != 3 || u.size(0) == 0) return false;
+  const int64_t B = u.size(0);
+  const std::array<int64_t, 2> start{B, k.dof};
+  return conforms(k, u, with_batch(B, k.action_tail)) && conforms(k, p0, start) && conforms(k, v0, start) &&
+         conforms(k, a0, start) && (!j0.has_value() || conforms(k, *j0, start));
+}
+
 // A plain call (no start_index, dt from the validated cache), checked here rather than in
 // Python, which costs several microseconds per call. Anything unexpected returns an empty
 // list, and the caller runs the Python checks, which name the problem.
 std::vector<Tensor> checked_step(int64_t handle, const Tensor& u, const Tensor& p0, const Tensor& v0,
                                  const Tensor& a0, const std::optional<Tensor>& j0, const Tensor& dt) {
   const Kernels& k = kernels(handle);
-  if (!u.defined() || u.dim() != 3 || u.size(0) == 0) return {};
-  const int64_t B = u.size(0);
-  const auto action = with_batch(B, k.action_tail);
-  const std::array<int64_t, 2> start{B, k.dof};
-  const bool ok = conforms(k, u, action) && conforms(k, p0, start) && conforms(k, v0, start) &&
-                  conforms(k, a0, start) && (!j0.has_value() || conforms(k, *j0, start));
-  if (!ok) return {};
+  if (!plain_inputs_conform(k, u, p0, v0, a0, j0)) return {};
   return NativeStep::apply(u, p0, v0, a0, j0, std::optional<Tensor>(), dt, handle);
+}
+
+bool overlap(const Tensor& a, const Tensor& b) {  // both contiguous CPU tensors
+  const auto* a0 = static_cast<const char*>(a.data_ptr());
+  const auto* b0 = static_cast<const char*>(b.data_ptr());
+  return a0 < b0 + b.nbytes() && b0 < a0 + a.nbytes();
+}
+
+// out=: a plain call written into caller-owned outputs, with the rules of runtime/validate.py's
+// check_out (nothing to differentiate, outputs disjoint from each other and from the inputs).
+// False when anything is off: the caller then runs the Python checks, which name the problem.
+bool checked_step_out(int64_t handle, const Tensor& u, const Tensor& p0, const Tensor& v0, const Tensor& a0,
+                      const std::optional<Tensor>& j0, const Tensor& dt, at::TensorList out) {
+  const Kernels& k = kernels(handle);
+  if (!plain_inputs_conform(k, u, p0, v0, a0, j0) || static_cast<int64_t>(out.size()) != k.outputs) return false;
+  const bool grad = at::GradMode::is_enabled();
+  std::vector<Tensor> inputs{u, p0, v0, a0, dt};
+  if (j0.has_value()) inputs.push_back(*j0);
+  for (const auto& x : inputs) {
+    if (grad && x.requires_grad()) return false;
+  }
+  const auto shape = with_batch(u.size(0), k.output_tail);
+  for (size_t i = 0; i < out.size(); ++i) {
+    const Tensor& y = out[i];
+    if (!conforms(k, y, shape) || (grad && y.requires_grad()) || y.is_inference()) return false;
+    for (const auto& x : inputs) {
+      if (overlap(x, y)) return false;
+    }
+    for (size_t j = 0; j < i; ++j) {
+      if (overlap(out[j], y)) return false;
+    }
+  }
+  variable_list ys(out.begin(), out.end());
+  run_forward(k, u.size(0), u, p0, v0, a0, j0.value_or(Tensor()), Tensor(), dt, ys);
+  for (const auto& y : out) y.unsafeGetTensorImpl()->bump_version();  // written in place
+  return true;
 }
 
 }  // namespace
@@ -208,6 +247,8 @@ TORCH_LIBRARY(tensorstep_native, m) {
         &register_kernels);
   m.def("step(int handle, Tensor u, Tensor p0, Tensor v0, Tensor a0, Tensor? j0, Tensor? idx, Tensor dt) -> Tensor[]");
   m.def("checked_step(int handle, Tensor u, Tensor p0, Tensor v0, Tensor a0, Tensor? j0, Tensor dt) -> Tensor[]");
+  m.def("checked_step_out(int handle, Tensor u, Tensor p0, Tensor v0, Tensor a0, Tensor? j0, Tensor dt, "
+        "Tensor(a!)[] out) -> bool");
   // implemented in Python (runtime/native.py): the create_graph adjoint
   m.def("adjoint_graph(int handle, Tensor?[] grads, Tensor dt, int batch) -> Tensor[]");
 }
@@ -215,4 +256,5 @@ TORCH_LIBRARY(tensorstep_native, m) {
 TORCH_LIBRARY_IMPL(tensorstep_native, CompositeImplicitAutograd, m) {
   m.impl("step", &step);
   m.impl("checked_step", &checked_step);
+  m.impl("checked_step_out", &checked_step_out);
 }

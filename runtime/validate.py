@@ -115,3 +115,46 @@ def start_rows(p0: Any, batch: int, indexed: bool) -> int:
         raise ValueError("p0: start tensors have 0 rows; start_index needs at least one")
     return int(p0.shape[0])
 
+
+
+def _byte_range(t: Tensor) -> tuple[int, int]:
+    """The bytes a tensor can touch: its own extent if contiguous, else its whole storage."""
+    if t.is_contiguous():
+        return t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+    storage = t.untyped_storage()
+    return storage.data_ptr(), storage.data_ptr() + storage.nbytes()
+
+
+def check_out(out: Any, count: int, shape: tuple, dtype: torch.dtype, device: torch.device,
+              inputs: dict[str, Any]) -> tuple[Tensor, ...]:
+    """out=: ``count`` distinct dense outputs that alias no input, and nothing to differentiate
+    (as for torch's own out= functions, the result is not differentiable)."""
+    if not isinstance(out, (tuple, list)) or len(out) != count:
+        got = f"{type(out).__name__} of length {len(out)}" if isinstance(out, (tuple, list)) else type(out).__name__
+        raise TypeError(f"out: expected a tuple of {count} tensors (P, V, A, J{', S' if count == 5 else ''}), got {got}")
+    for k, t in enumerate(out):
+        check_tensor(f"out[{k}]", t, shape, dtype, device)
+    grad = torch.is_grad_enabled()
+    for name, t in inputs.items():
+        if grad and isinstance(t, Tensor) and t.requires_grad:
+            raise RuntimeError(f"out: outputs written into out= are not differentiable, and {name} requires grad; "
+                               "call the step under torch.no_grad() (rollouts) or without out=")
+    for k, t in enumerate(out):
+        if grad and t.requires_grad:
+            raise RuntimeError(f"out[{k}]: requires grad and would be overwritten in place; "
+                               "call the step under torch.no_grad() or pass tensors that do not require grad")
+    if torch.compiler.is_compiling():
+        # traced tensors have no addresses; the compiled step copies into out, so an overlap
+        # cannot reach memory the kernels do not own
+        return tuple(out)
+    seen: list[tuple[str, torch.device, int, int]] = []  # byte ranges of the inputs, then the outputs
+    for name, t in [*inputs.items(), *((f"out[{k}]", t) for k, t in enumerate(out))]:
+        if not isinstance(t, Tensor) or not t.numel():
+            continue
+        lo, hi = _byte_range(t)
+        for other, dev, olo, ohi in seen if name.startswith("out") else ():
+            if dev == t.device and lo < ohi and olo < hi:
+                raise ValueError(f"{name}: overlaps {other} in memory; every output needs memory of its own, "
+                                 "which no input uses")
+        seen.append((name, t.device, lo, hi))
+    return tuple(out)

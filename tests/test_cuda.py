@@ -86,6 +86,20 @@ def test_cuda_gradcheck(overrides):
 
 
 @gpu
+def test_cuda_out_matches_reference():
+    spec = make_spec(dict(control="acceleration", integrator="exact", start_index=True))
+    x = Inputs(spec, batch=5)
+    dev = torch.device("cuda")
+    kw = {k: v.to(dev) for k, v in x.kwargs().items()}
+    out = torch.full((4, 5, spec.horizon, spec.dof), float("nan"), dtype=torch.float64, device=dev).unbind(0)
+    with torch.no_grad():
+        ts.load(spec, "cuda")(x.u.to(dev), x.p0.to(dev), x.v0.to(dev), x.a0.to(dev), 0.1, out=out, **kw)
+    expected = reference.apply(spec, [0.1], x.numpy_u_bhd(), x.numpy_start())
+    for k, y in enumerate(out):
+        scale_close(y.cpu().numpy(), expected[k], 1e-12)
+
+
+@gpu
 def test_cuda_large_batch_matches_cpu():
     """The largest batch that fits comfortably: exercises 64-bit indexing when B·H·D > 2^31."""
     spec = ts.KernelSpec(horizon=32, dof=7, dtype="float32")
