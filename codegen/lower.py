@@ -6,7 +6,8 @@ in their own loops. Body code uses these macros, defined by each template:
 incoming gradient (0 when absent), ``DU(j)``/``DS<m>`` input tangents, ``TY<k>(h, value)``
 output tangent store, ``GU(j, value)``/``GS<m>(value)`` adjoint stores, ``ZERO``, ``ACC(m)``
 the dt-gradient accumulator. ``to_lanes`` renames a column body for the C template's
-all-dof vector form (every value one masked vector over the dof lanes).
+all-dof vector form (every value one masked vector over the dof lanes). For integrators the
+lane form gets the column with its repeating rows rolled into a loop (codegen/roll.py).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from collections import defaultdict
 import sympy as sp
 from sympy.printing.c import C99CodePrinter
 
+from . import roll
 from .operator import Operator, Ref
 
 ONE, MINUS_ONE = sp.Integer(1), sp.Integer(-1)
@@ -70,6 +72,10 @@ class KernelCode:
     preamble: list[str]
     body: list[str]
     loops: list[Loop] = dataclasses.field(default_factory=list)
+    #: The same column with the recurrence's repeating rows as one loop (integrators), for the C
+    #: lane form: its length does not grow with H. The per-dof form keeps ``body``, which GCC
+    #: vectorises across the dof; with an inner loop over rows it no longer does.
+    rolled: list[str] | None = None
 
 
 def table_term(index: str, operand: str) -> str:
@@ -182,7 +188,8 @@ _LANE_NAMES = re.compile(r"\b(const T|U|S[0-3]|Y\d+|G\d+|GU|GS[0-3]|ZERO)\b")
 def to_lanes(lines: list[str]) -> list[str]:
     """A forward or adjoint column body with every value a vector over all dof lanes: the same
     statements, over the C template's lane macros (VU, VS0, VY0, ..., type VT)."""
-    return [_LANE_NAMES.sub(lambda m: "const VT" if m.group(1) == "const T" else "V" + m.group(1), line)
+    return [_LANE_NAMES.sub(lambda m: "const VT" if m.group(1) == "const T" else "V" + m.group(1),
+                            "VT " + line[2:] if line.startswith("T ") else line)  # a loop's carried value
             for line in lines]
 
 
@@ -330,13 +337,20 @@ def _adjoint_loops(op: Operator, coefs: _Coefficients) -> tuple[list[Loop], set[
 TABLE_CALL = ["COEFFICIENTS(dt_in, coef);"]  # the shared table function (templates define it)
 
 
+def _renderer(coefs: _Coefficients) -> roll.Renderer:
+    return roll.Renderer(coefs.term, table_term, lambda c: None if c in (ONE, MINUS_ONE) else coefs.index(c), _sum)
+
+
 def _forward(op: Operator, coefs: _Coefficients) -> KernelCode:
     loops, covered = _forward_loops(op, coefs)
     body = _loads()
     for line, row in zip(_forward_lines(op, coefs), op.rows):
         if (row.k, row.h) not in covered:
             body += [line, f"Y{row.k}({row.h}, y{row.k}_{row.h});"]
-    return KernelCode(TABLE_CALL, body, loops)
+    rolled = None
+    if not _is_stencil(op):  # a recurrence along the horizon
+        rolled = _loads() + _renderer(coefs).render(roll.forward_groups(op))
+    return KernelCode(TABLE_CALL, body, loops, rolled)
 
 
 def _adjoint(op: Operator, coefs: _Coefficients) -> KernelCode:
@@ -344,7 +358,10 @@ def _adjoint(op: Operator, coefs: _Coefficients) -> KernelCode:
     lines, contributions = _adjoint_lines(op, coefs)
     lines += [f"GU({j}, {_sum(contributions.get(('u', j), []))});" for j in range(op.n_actions) if j not in covered]
     lines += [f"GS{m}({_sum(contributions.get(('s', m), []))});" for m in range(4)]
-    return KernelCode(TABLE_CALL, lines, loops)
+    rolled = None
+    if not _is_stencil(op):  # the recurrence's reverse scan
+        rolled = _renderer(coefs).render(*roll.adjoint_groups(op))
+    return KernelCode(TABLE_CALL, lines, loops, rolled)
 
 
 def _dt_vjp(op: Operator, coefs: _Coefficients) -> KernelCode:

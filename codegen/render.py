@@ -41,7 +41,8 @@ def strides(layout: str, rows: int, dof: int) -> tuple[int, int, int]:
 LANE_BITS = (256, 512)
 #: Longer straight-line bodies keep the per-dof loop: gcc's RTL combiner is superlinear on
 #: long vector-typed blocks (accel H=256: 23 s against 2.5 s), while up to here the lane
-#: form compiles as fast as the loop (H=96: 2.4 s against 3.0 s).
+#: form compiles as fast as the loop (H=96: 2.4 s against 3.0 s). Integrators' lane bodies
+#: are rolled (codegen/roll.py), so their length no longer grows with H.
 LANE_MAX_LINES = 1000
 
 
@@ -62,6 +63,12 @@ def lanes(spec: Any) -> dict | None:
                         suffix="ps" if size == 4 else "pd",
                         vector=f"__m{bits}" + ("" if size == 4 else "d"))
     return None
+
+
+def _lane_sources(code: LoweredOperator, kernels: tuple) -> list[tuple[str, list[str]]]:
+    """The forward and adjoint columns for the lane form: rolled (a loop over the horizon) where
+    the operator is a recurrence, else the straight-line body."""
+    return [(k, getattr(code, k).rolled or getattr(code, k).body) for k in kernels if k in ("forward", "adjoint")]
 
 
 @functools.lru_cache(maxsize=256)
@@ -98,8 +105,8 @@ def render(spec: Any, target: str, part: str = "all") -> str:
         kernels=kernels,
         codes={k: getattr(code, k) for k in kernels},
         lanes=lane_form,
-        lane_bodies={k: to_lanes(getattr(code, k).body) for k in kernels
-                     if lane_form and k in ("forward", "adjoint") and len(getattr(code, k).body) <= LANE_MAX_LINES},
+        lane_bodies={k: to_lanes(body) for k, body in _lane_sources(code, kernels) if len(body) <= LANE_MAX_LINES}
+        if lane_form else {},
         table=code.table if set(kernels) & {"forward", "adjoint", "dt_vjp"} else None,
         signatures={k: abi.signature(k, spec.order, ctype, RESTRICT[target]) for k in kernels},
         export="",

@@ -30,12 +30,14 @@ CASES = [
     dict(dof=7, dtype="float64", control="acceleration", integrator="exact"),
     dict(dof=12, dtype="float32", difference="backward", accuracy=2),
     dict(dof=17, dtype="float32", control="jerk"),
+    # a long horizon: the integrator's lane body is rolled (one loop over the rows)
+    dict(horizon=150, dof=7, dtype="float64", control="acceleration"),
 ]
 TOL = {"float64": 1e-12, "float32": 2e-5}
 
 
 def spec_of(case: dict) -> ts.KernelSpec:
-    return ts.KernelSpec(horizon=9, **case)
+    return ts.KernelSpec(**{"horizon": 9, **case})
 
 
 def check_against_reference(spec: ts.KernelSpec, outs: list[np.ndarray], grads: dict[str, np.ndarray],
@@ -55,7 +57,7 @@ RUN = textwrap.dedent(
     """
     import json, sys, numpy as np, torch, tensorstep as ts
     case, data = json.loads(sys.argv[1]), np.load(sys.argv[2])
-    spec = ts.KernelSpec(horizon=9, **case)
+    spec = ts.KernelSpec(**{"horizon": 9, **case})
     dtype = torch.float32 if spec.dtype == "float32" else torch.float64
     x = {n: torch.tensor(data[n], dtype=dtype, requires_grad=True) for n in ("u", "p0", "v0", "a0", "j0")}
     outs = ts.load(spec)(x["u"], x["p0"], x["v0"], x["a0"], 0.05, j0=x["j0"])
@@ -68,7 +70,7 @@ RUN = textwrap.dedent(
 
 
 @pytest.mark.parametrize("lane_form", [True, False], ids=["vector-lanes", "per-dof-loop"])
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c['dtype']}-D{c['dof']}")
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c['dtype']}-D{c['dof']}-H{c.get('horizon', 9)}")
 def test_column_forms_match_reference(case, lane_form, tmp_path):
     spec = spec_of(case)
     source = render(spec, "c", "core")
@@ -92,3 +94,19 @@ def test_column_forms_match_reference(case, lane_form, tmp_path):
     outs = [out[f"y{k}"] for k in range(spec.order + 1)]
     grads = {n: out[n] for n in ("u", "p0", "v0", "a0", "j0")}
     check_against_reference(spec, outs, grads, inputs, g)
+
+
+def test_integrator_lane_bodies_do_not_grow_with_the_horizon():
+    """Rolled: the lane form's forward and adjoint are the same length at H=32 and H=256 (and
+    so stay under the lane form's length limit), while the per-dof bodies grow with H."""
+    from tensorstep.codegen.render import lowered
+
+    short, long = (lowered(ts.KernelSpec(horizon=H, dof=7, control="acceleration", integrator="exact"))
+                   for H in (32, 256))
+    for kernel in ("forward", "adjoint"):
+        a, b = getattr(short, kernel), getattr(long, kernel)
+        assert len(a.rolled) == len(b.rolled) and any(line.startswith("for (int64_t r") for line in b.rolled)
+        assert len(b.body) > 6 * len(a.body)
+    source = render(ts.KernelSpec(horizon=256, dof=7, control="acceleration"), "c", "core")
+    assert source.count("for (int64_t r = 2; r <= 255; ++r)") == 1  # forward, in the lane block
+    assert source.count("for (int64_t r = 254; r >= 1; --r)") == 1  # the adjoint's reverse scan
