@@ -14,7 +14,11 @@ Tensor = torch.Tensor
 
 
 class Step(torch.nn.Module):
-    """A compiled trajectory step: ``P, V, A, J = step(u, p0, v0, a0, dt=..., j0=..., start_index=...)``."""
+    """A compiled trajectory step: ``P, V, A, J = step(u, p0, v0, a0, dt=..., j0=..., start_index=...)``.
+
+    ``out=(P, V, A, J)`` writes the forward into caller-owned tensors instead (rollouts under
+    ``torch.no_grad()``; not differentiable, like PyTorch's own ``out=`` functions).
+    """
 
     def __init__(self, spec: Any, device: torch.device, launcher: Launcher):
         super().__init__()
