@@ -36,6 +36,10 @@ class Case:
     dof: int = 7
 
     @property
+    def torch_dtype(self) -> torch.dtype:
+        return torch.float32 if self.dtype == "float32" else torch.float64
+
+    @property
     def spec(self) -> ts.KernelSpec:
         return ts.KernelSpec(horizon=self.horizon, dof=self.dof, dtype=self.dtype, **SCHEMES[self.scheme])
 
@@ -60,15 +64,23 @@ def _fwd_bwd(step: Callable, u, starts, grads, backward: Callable = torch.autogr
     return run
 
 
+def _inputs(case: Case) -> tuple[torch.Generator, torch.Tensor, list[torch.Tensor]]:
+    """A seeded generator (for further random tensors) and the case's actions and start state."""
+    gen = torch.Generator().manual_seed(0)
+    u = torch.randn(case.batch, case.horizon - 1, case.dof, generator=gen, dtype=case.torch_dtype).to(case.device)
+    starts = [torch.randn(case.batch, case.dof, generator=gen, dtype=case.torch_dtype).to(case.device)
+              for _ in range(3)]
+    return gen, u, starts
+
+
 def case_callables(case: Case) -> dict[str, Callable[[], None]]:
     """Each method's forward+backward as a no-argument callable (inputs prepared once)."""
     spec = case.spec
-    dtype = torch.float32 if case.dtype == "float32" else torch.float64
+    dtype = case.torch_dtype
     dev = torch.device(case.device)
     B, D, H = case.batch, case.dof, case.horizon
-    gen = torch.Generator().manual_seed(0)
-    u = torch.randn(B, H - 1, D, generator=gen, dtype=dtype).to(dev).requires_grad_(True)
-    starts = [torch.randn(B, D, generator=gen, dtype=dtype).to(dev) for _ in range(3)]
+    gen, u, starts = _inputs(case)
+    u.requires_grad_(True)
     grads = tuple(torch.randn(B, H, D, generator=gen, dtype=dtype).to(dev) for _ in range(spec.order + 1))
     step = ts.load(spec, dev)
     launcher = step.launcher
@@ -191,11 +203,9 @@ def rollout_callables(case: Case) -> dict[str, Callable[[], None]]:
     reused ones (out=), the slicing baseline, and a copy of the bytes the forward moves into a
     preallocated buffer."""
     spec = case.spec
-    dtype = torch.float32 if case.dtype == "float32" else torch.float64
+    dtype = case.torch_dtype
     dev = torch.device(case.device)
-    gen = torch.Generator().manual_seed(0)
-    u = torch.randn(case.batch, case.horizon - 1, case.dof, generator=gen, dtype=dtype).to(dev)
-    starts = [torch.randn(case.batch, case.dof, generator=gen, dtype=dtype).to(dev) for _ in range(3)]
+    gen, u, starts = _inputs(case)
     step = ts.load(spec, dev)
     out = tuple(torch.empty(step.launcher.output_shape(case.batch), dtype=dtype, device=dev)
                 for _ in range(spec.order + 1))

@@ -72,10 +72,6 @@ class KernelCode:
     preamble: list[str]
     body: list[str]
     loops: list[Loop] = dataclasses.field(default_factory=list)
-    #: The same column with the recurrence's repeating rows as one loop (integrators), for the C
-    #: lane form: its length does not grow with H. The per-dof form keeps ``body``, which GCC
-    #: vectorises across the dof; with an inner loop over rows it no longer does.
-    rolled: list[str] | None = None
 
 
 def table_term(index: str, operand: str) -> str:
@@ -347,10 +343,7 @@ def _forward(op: Operator, coefs: _Coefficients) -> KernelCode:
     for line, row in zip(_forward_lines(op, coefs), op.rows):
         if (row.k, row.h) not in covered:
             body += [line, f"Y{row.k}({row.h}, y{row.k}_{row.h});"]
-    rolled = None
-    if not _is_stencil(op):  # a recurrence along the horizon
-        rolled = _loads() + _renderer(coefs).render(roll.forward_groups(op))
-    return KernelCode(TABLE_CALL, body, loops, rolled)
+    return KernelCode(TABLE_CALL, body, loops)
 
 
 def _adjoint(op: Operator, coefs: _Coefficients) -> KernelCode:
@@ -358,10 +351,7 @@ def _adjoint(op: Operator, coefs: _Coefficients) -> KernelCode:
     lines, contributions = _adjoint_lines(op, coefs)
     lines += [f"GU({j}, {_sum(contributions.get(('u', j), []))});" for j in range(op.n_actions) if j not in covered]
     lines += [f"GS{m}({_sum(contributions.get(('s', m), []))});" for m in range(4)]
-    rolled = None
-    if not _is_stencil(op):  # the recurrence's reverse scan
-        rolled = _renderer(coefs).render(*roll.adjoint_groups(op))
-    return KernelCode(TABLE_CALL, lines, loops, rolled)
+    return KernelCode(TABLE_CALL, lines, loops)
 
 
 def _dt_vjp(op: Operator, coefs: _Coefficients) -> KernelCode:
@@ -414,6 +404,18 @@ class LoweredOperator:
     @functools.cached_property
     def adjoint(self) -> KernelCode:
         return _adjoint(self.op, self.coefs)
+
+    # The forward and adjoint columns of an integrator with the recurrence's repeating rows as one
+    # loop (None for stencils), for the C lane form at long horizons: their length does not grow
+    # with H. The per-dof form keeps the straight-line body, which GCC vectorises across the
+    # dof; with an inner loop over rows it no longer does.
+    @functools.cached_property
+    def forward_rolled(self) -> list[str] | None:
+        return None if _is_stencil(self.op) else _loads() + _renderer(self.coefs).render(roll.forward_groups(self.op))
+
+    @functools.cached_property
+    def adjoint_rolled(self) -> list[str] | None:
+        return None if _is_stencil(self.op) else _renderer(self.coefs).render(*roll.adjoint_groups(self.op))
 
     @functools.cached_property
     def dt_vjp(self) -> KernelCode:

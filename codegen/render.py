@@ -75,9 +75,9 @@ def _lane_sources(code: LoweredOperator, kernels: tuple) -> list[tuple[str, list
     sources = []
     for k in ("forward", "adjoint"):
         if k in kernels:
-            code_k = getattr(code, k)
-            long = len(code_k.body) > ROLL_ABOVE_LINES and code_k.rolled is not None
-            sources.append((k, code_k.rolled if long else code_k.body))
+            body = getattr(code, k).body
+            rolled = getattr(code, f"{k}_rolled") if len(body) > ROLL_ABOVE_LINES else None  # built on demand
+            sources.append((k, rolled or body))
     return sources
 
 

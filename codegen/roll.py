@@ -152,10 +152,9 @@ class Renderer:
     def shape(self, group: Group) -> tuple:
         return tuple(self._shape(s) for s in group.statements)
 
-    def _shape(self, s: Statement) -> tuple:
-        terms = tuple((c if self.slot(c) is None else None, o) for c, o in s.terms)
-        return (type(s).__name__, getattr(s, "prefix", None), getattr(s, "k", None), getattr(s, "macro", None),
-                getattr(s, "rel", None), terms)
+    def _shape(self, s: Statement) -> Statement:
+        """The statement with its table coefficients blanked (their slots may advance along a run)."""
+        return dataclasses.replace(s, terms=tuple((c if self.slot(c) is None else None, o) for c, o in s.terms))
 
     def slots(self, group: Group) -> tuple:
         return tuple(self.slot(c) for s in group.statements for c, _ in s.terms if self.slot(c) is not None)

@@ -103,8 +103,7 @@ class Step(torch.nn.Module):
         idx = validate.check_index(start_index, B, S, self.device) if start_index is not None else None
         dt_k = self._dt_tensor(dt)
         if out is not None:
-            inputs = {"u": u, "p0": p0, "v0": v0, "a0": a0, "j0": j0, "start_index": start_index, "dt": dt_k}
-            return self._into(out, self.launcher.output_shape(B), inputs, u, p0, v0, a0, j0, idx, dt_k)
+            return self._into(out, u, p0, v0, a0, j0, start_index, idx, dt_k)
         if torch.compiler.is_compiling():
             if _forward_mode_active():
                 # torch.library custom ops carry no forward-mode rule: never return a silent zero
@@ -118,9 +117,11 @@ class Step(torch.nn.Module):
         return StepFunction.apply(self.launcher, u, p0, v0, a0, j0, idx, dt_k)
 
 
-    def _into(self, out: Any, shape: tuple, inputs: dict, u: Tensor, p0: Tensor, v0: Tensor, a0: Tensor,
-              j0: Optional[Tensor], idx: Optional[Tensor], dt_k: Tensor) -> tuple[Tensor, ...]:
+    def _into(self, out: Any, u: Tensor, p0: Tensor, v0: Tensor, a0: Tensor, j0: Optional[Tensor],
+              start_index: Optional[Tensor], idx: Optional[Tensor], dt_k: Tensor) -> tuple[Tensor, ...]:
         """The forward written into caller-owned outputs (rollouts: no allocation, no page faults)."""
+        inputs = {"u": u, "p0": p0, "v0": v0, "a0": a0, "j0": j0, "start_index": start_index, "dt": dt_k}
+        shape = self.launcher.output_shape(u.shape[0])
         out = validate.check_out(out, self.launcher.K, shape, self.dtype, self.device, inputs)
         if torch.compiler.is_compiling():
             for y, value in zip(out, torch.ops.tensorstep.step(self.op_key, u, p0, v0, a0, j0, idx, dt_k)):

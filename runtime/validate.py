@@ -116,7 +116,6 @@ def start_rows(p0: Any, batch: int, indexed: bool) -> int:
     return int(p0.shape[0])
 
 
-
 def _byte_range(t: Tensor) -> tuple[int, int]:
     """The bytes a tensor can touch: its own extent if contiguous, else its whole storage."""
     if t.is_contiguous():
@@ -147,14 +146,14 @@ def check_out(out: Any, count: int, shape: tuple, dtype: torch.dtype, device: to
         # traced tensors have no addresses; the compiled step copies into out, so an overlap
         # cannot reach memory the kernels do not own
         return tuple(out)
-    seen: list[tuple[str, torch.device, int, int]] = []  # byte ranges of the inputs, then the outputs
-    for name, t in [*inputs.items(), *((f"out[{k}]", t) for k, t in enumerate(out))]:
-        if not isinstance(t, Tensor) or not t.numel():
+    taken = [(name, t.device, *_byte_range(t)) for name, t in inputs.items() if isinstance(t, Tensor) and t.numel()]
+    for k, t in enumerate(out):  # each output against the inputs and the outputs before it
+        if not t.numel():
             continue
         lo, hi = _byte_range(t)
-        for other, dev, olo, ohi in seen if name.startswith("out") else ():
+        for other, dev, olo, ohi in taken:
             if dev == t.device and lo < ohi and olo < hi:
-                raise ValueError(f"{name}: overlaps {other} in memory; every output needs memory of its own, "
+                raise ValueError(f"out[{k}]: overlaps {other} in memory; every output needs memory of its own, "
                                  "which no input uses")
-        seen.append((name, t.device, lo, hi))
+        taken.append((f"out[{k}]", t.device, lo, hi))
     return tuple(out)

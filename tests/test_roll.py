@@ -19,7 +19,7 @@ ONE = sp.Integer(1)
 
 def rolled(op: Operator) -> tuple[list[str], list[str]]:
     code = lower(op)
-    return code.forward.rolled, code.adjoint.rolled
+    return code.forward_rolled, code.adjoint_rolled
 
 
 def loops(lines: list[str]) -> int:
