@@ -6,7 +6,7 @@ from typing import Any, Optional, Sequence, Union
 import torch
 
 from ..codegen.spec import KernelSpec
-from . import validate
+from . import registry, validate
 from .autograd import StepFunction
 from .launch import DTYPES, CpuBackend, Launcher
 
@@ -26,9 +26,7 @@ class Step(torch.nn.Module):
         self.device = device
         self.launcher = launcher
         self.dtype = DTYPES[spec.dtype]
-        from . import ops  # registers the custom ops torch.compile traces
-
-        self.op_key = ops.register(launcher, device)
+        self.op_key = registry.register(launcher, device)
         self._dt_cache: dict[float, Tensor] = {}
         self.native: Optional[int] = None  # handle of the native autograd node (CPU), if built
         if device.type == "cpu":
@@ -111,6 +109,7 @@ class Step(torch.nn.Module):
                     "tensorstep: forward-mode AD (jvp, jacfwd, hessian) inside torch.compile is not supported; "
                     "call the step outside the compiled region for forward mode (eager jvp is exact)"
                 )
+            _custom_ops()
             return tuple(torch.ops.tensorstep.step(self.op_key, u, p0, v0, a0, j0, idx, dt_k))
         if self.native is not None and not dt_k.requires_grad and not _forward_mode_active():
             return tuple(self._native_step(self.native, u, p0, v0, a0, j0, idx, dt_k))
@@ -124,6 +123,7 @@ class Step(torch.nn.Module):
         shape = self.launcher.output_shape(u.shape[0])
         out = validate.check_out(out, self.launcher.K, shape, self.dtype, self.device, inputs)
         if torch.compiler.is_compiling():
+            _custom_ops()
             for y, value in zip(out, torch.ops.tensorstep.step(self.op_key, u, p0, v0, a0, j0, idx, dt_k)):
                 y.copy_(value)
             return out
@@ -131,6 +131,22 @@ class Step(torch.nn.Module):
         for y in out:  # the kernel wrote through raw pointers: tell autograd the tensors changed
             torch.autograd.graph.increment_version(y)
         return out
+
+
+def _custom_ops() -> bool:
+    """Registers the torch.library ops that torch.compile traces, once per process.
+
+    Dynamo calls a function marked as a constant while tracing, outside the graph, so the
+    registration's cost (about 6 ms) falls on a process's first compilation, not on every load.
+    """
+    from . import ops  # noqa: F401  (importing registers them)
+
+    return True
+
+
+# what torch.compiler.assume_constant_result(_custom_ops) sets, without importing Dynamo (and
+# SymPy with it) on every load; tests/test_compile.py checks the two stay the same
+_custom_ops._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def _forward_mode_active() -> bool:

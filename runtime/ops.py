@@ -5,6 +5,9 @@ take a kernel key (a constant string naming a loaded spec on a device) plus tens
 a fake kernel (shapes only), the forward's autograd calls the adjoint op, the adjoint's
 autograd calls the forward op (double backward), and the forward has a vmap rule.
 Value checks that need the data (index range, dt) run inside the op implementations.
+
+Importing this module registers the ops (about 6 ms, mostly inside ``torch.library.custom_op``),
+so ``Step`` imports it only when torch.compile first traces a step (``api._custom_ops``).
 """
 from __future__ import annotations
 
@@ -15,23 +18,7 @@ from torch import Tensor
 
 from . import validate
 from .autograd import NO_SECOND_DT, scatter_start
-from .launch import Launcher
-
-_REGISTRY: dict[str, Launcher] = {}
-
-
-def register(launcher: Launcher, device: torch.device) -> str:
-    """Make a launcher reachable from the ops; returns its key."""
-    key = f"{launcher.spec.name}@{launcher.spec.key}@{device}"
-    _REGISTRY[key] = launcher
-    return key
-
-
-def _launcher(key: str) -> Launcher:
-    try:
-        return _REGISTRY[key]
-    except KeyError:
-        raise RuntimeError(f"tensorstep: kernel {key!r} is not loaded in this process (call tensorstep.load)") from None
+from .registry import launcher as _launcher
 
 
 @torch.library.custom_op("tensorstep::step", mutates_args=())
