@@ -72,13 +72,14 @@ class Step(torch.nn.Module):
         start_index: Optional[Tensor] = None,
         out: Optional[Sequence[Tensor]] = None,
     ) -> tuple[Tensor, ...]:
-        if (self.native is not None and start_index is None and not self.spec.start_index and type(dt) is float
+        if (self.native is not None and start_index is None and not self.spec.start_index
                 and type(u) is Tensor and type(p0) is Tensor and type(v0) is Tensor and type(a0) is Tensor
                 and (j0 is None or type(j0) is Tensor)
                 and not torch.compiler.is_compiling() and not _forward_mode_active()):
-            # the common call: the native op checks the tensors itself (an empty or false result
-            # means something is off, and the checks below say what); dt comes from the validated cache
-            dt_k = self._dt_cache.get(dt)
+            # the common call: the native op checks the tensors and dt's values itself (an empty or
+            # false result means something is off, and the checks below say what); a float dt
+            # comes as the tensor cached for it
+            dt_k = dt if type(dt) is Tensor else self._dt_cache.get(dt) if type(dt) is float else None
             if dt_k is not None:
                 if out is None:
                     outs = self._native_checked(self.native, u, p0, v0, a0, j0, dt_k)

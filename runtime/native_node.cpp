@@ -17,6 +17,7 @@
 #include <torch/library.h>
 
 #include <array>
+#include <cmath>
 #include <deque>
 #include <mutex>
 #include <vector>
@@ -40,6 +41,7 @@ struct Kernels {
   int64_t forward, adjoint, outputs;        // addresses; K = order + 1 outputs
   std::vector<int64_t> output_tail, action_tail;  // shapes after the batch dimension
   int64_t dof;
+  int64_t n_dt;  // dt values the kernels read: 1 (uniform) or H (per step)
   at::ScalarType dtype;
 };
 
@@ -53,11 +55,11 @@ const Kernels& kernels(int64_t handle) {
 }
 
 int64_t register_kernels(int64_t forward, int64_t adjoint, int64_t outputs, std::vector<int64_t> output_tail,
-                         std::vector<int64_t> action_tail, int64_t dof, at::ScalarType dtype) {
+                         std::vector<int64_t> action_tail, int64_t dof, int64_t n_dt, at::ScalarType dtype) {
   TORCH_CHECK(outputs == 4 || outputs == 5, "tensorstep: kernels have 4 or 5 outputs, got ", outputs);
   std::lock_guard<std::mutex> guard(registry_mutex);
   registry.push_back(
-      Kernels{forward, adjoint, outputs, std::move(output_tail), std::move(action_tail), dof, dtype});
+      Kernels{forward, adjoint, outputs, std::move(output_tail), std::move(action_tail), dof, n_dt, dtype});
   return static_cast<int64_t>(registry.size()) - 1;
 }
 
@@ -193,13 +195,34 @@ bool plain_inputs_conform(const Kernels& k, const Tensor& u, const Tensor& p0, c
          conforms(k, a0, start) && (!j0.has_value() || conforms(k, *j0, start));
 }
 
-// A plain call (no start_index, dt from the validated cache), checked here rather than in
-// Python, which costs several microseconds per call. Anything unexpected returns an empty
-// list, and the caller runs the Python checks, which name the problem.
+template <typename T>
+bool finite_and_positive(const Tensor& dt) {
+  const T* x = dt.const_data_ptr<T>();
+  for (int64_t i = 0; i < dt.numel(); ++i) {
+    if (!(std::isfinite(x[i]) && x[i] > 0)) return false;
+  }
+  return true;
+}
+
+// dt as runtime/validate.py's dt_tensor accepts it without converting it: n_dt finite, positive
+// values of the kernel's dtype in a contiguous CPU tensor of at most one dimension, with nothing
+// to differentiate (dt gradients take the Python path).
+bool dt_conforms(const Kernels& k, const Tensor& dt) {
+  if (!dt.defined() || dt.layout() != at::kStrided || !dt.device().is_cpu() || dt.scalar_type() != k.dtype ||
+      dt.dim() > 1 || dt.numel() != k.n_dt || !dt.is_contiguous() ||
+      (at::GradMode::is_enabled() && dt.requires_grad())) {
+    return false;
+  }
+  return k.dtype == at::kFloat ? finite_and_positive<float>(dt) : finite_and_positive<double>(dt);
+}
+
+// A plain call (no start_index), checked here rather than in Python, which costs several
+// microseconds per call (tens with a dt tensor, whose values are read). Anything unexpected
+// returns an empty list, and the caller runs the Python checks, which name the problem.
 std::vector<Tensor> checked_step(int64_t handle, const Tensor& u, const Tensor& p0, const Tensor& v0,
                                  const Tensor& a0, const std::optional<Tensor>& j0, const Tensor& dt) {
   const Kernels& k = kernels(handle);
-  if (!plain_inputs_conform(k, u, p0, v0, a0, j0)) return {};
+  if (!plain_inputs_conform(k, u, p0, v0, a0, j0) || !dt_conforms(k, dt)) return {};
   return NativeStep::apply(u, p0, v0, a0, j0, std::optional<Tensor>(), dt, handle);
 }
 
@@ -215,7 +238,10 @@ bool overlap(const Tensor& a, const Tensor& b) {  // both contiguous CPU tensors
 bool checked_step_out(int64_t handle, const Tensor& u, const Tensor& p0, const Tensor& v0, const Tensor& a0,
                       const std::optional<Tensor>& j0, const Tensor& dt, at::TensorList out) {
   const Kernels& k = kernels(handle);
-  if (!plain_inputs_conform(k, u, p0, v0, a0, j0) || static_cast<int64_t>(out.size()) != k.outputs) return false;
+  if (!plain_inputs_conform(k, u, p0, v0, a0, j0) || !dt_conforms(k, dt) ||
+      static_cast<int64_t>(out.size()) != k.outputs) {
+    return false;
+  }
   const bool grad = at::GradMode::is_enabled();
   std::vector<Tensor> inputs{u, p0, v0, a0, dt};
   if (j0.has_value()) inputs.push_back(*j0);
@@ -243,7 +269,7 @@ bool checked_step_out(int64_t handle, const Tensor& u, const Tensor& p0, const T
 
 TORCH_LIBRARY(tensorstep_native, m) {
   m.def("register_kernels(int forward, int adjoint, int outputs, int[] output_tail, int[] action_tail, int dof, "
-        "ScalarType dtype) -> int",
+        "int n_dt, ScalarType dtype) -> int",
         &register_kernels);
   m.def("step(int handle, Tensor u, Tensor p0, Tensor v0, Tensor a0, Tensor? j0, Tensor? idx, Tensor dt) -> Tensor[]");
   m.def("checked_step(int handle, Tensor u, Tensor p0, Tensor v0, Tensor a0, Tensor? j0, Tensor dt) -> Tensor[]");

@@ -95,6 +95,85 @@ def test_native_op_rejects_what_the_python_checks_reject(plain_step):
             plain_step(u, p0, v0, a0, 0.1, j0=j0)
 
 
+PER_STEP = make_spec(dict(difference="central", dt="per_step"))
+
+
+@pytest.mark.parametrize("spec, dt", [
+    (PLAIN, torch.tensor(0.1, dtype=torch.float64)),
+    (PLAIN, torch.tensor([0.07], dtype=torch.float64)),
+    (PER_STEP, dt_value(PER_STEP, seed=3)),
+], ids=["uniform-0d", "uniform-1", "per_step"])
+def test_dt_tensors_are_checked_in_the_native_op(spec, dt, monkeypatch):
+    """A dt tensor of the kernel's dtype goes to the native op as it is (its values are checked
+    there); outputs and gradients are the reference's for those durations."""
+    step = ts.load(spec)
+    if step.native is None:
+        pytest.skip("the native autograd node is unavailable here (no C++ compiler?)")
+    calls = []
+    checked = step._native_checked
+    monkeypatch.setattr(step, "_native_checked", lambda *a: calls.append(checked(*a)) or calls[-1])
+    x = Inputs(spec, requires_grad=True)
+    outs = step(x.u, x.p0, x.v0, x.a0, dt, **x.kwargs())
+    assert len(calls) == 1 and len(calls[0]) == 4 and "NativeStep" in node_name(outs[0])
+    durations = dt.reshape(-1).tolist()
+    expect = reference.apply(spec, durations, x.numpy_u_bhd(), x.numpy_start())
+    for k, y in enumerate(outs):
+        scale_close(y.detach().numpy(), expect[k], 1e-12)
+    grads = [torch.ones_like(y) for y in outs]
+    (gu,) = torch.autograd.grad(outs, [x.u], grads)
+    expect_u, _ = reference.apply_adjoint(spec, durations, np.ones((4, *outs[0].shape)))
+    scale_close(gu.numpy(), expect_u, 1e-12)
+
+
+def _bad_dt_tensors(spec):
+    """(what is wrong, a dt tensor the Python checks reject for this kernel)."""
+    good = dt_value(spec)
+    n = good.numel()
+    return [
+        ("negative", -good),
+        ("zero", good * 0),
+        ("nan", good.reshape(n).index_fill(0, torch.tensor([n - 1]), float("nan"))),
+        ("inf", good.reshape(n).index_fill(0, torch.tensor([0]), float("inf"))),
+        ("too many values", torch.full((n + 1,), 0.1, dtype=good.dtype)),
+        ("two dims", good.reshape(1, n)),
+        ("integer", torch.ones(n, dtype=torch.int64)),
+    ]
+
+
+@pytest.mark.parametrize("spec", [PLAIN, PER_STEP], ids=["uniform", "per_step"])
+def test_native_op_rejects_the_dt_tensors_python_rejects(spec):
+    step = ts.load(spec)
+    if step.native is None:
+        pytest.skip("the native autograd node is unavailable here (no C++ compiler?)")
+    x = Inputs(spec)
+    for what, dt in _bad_dt_tensors(spec):
+        assert step._native_checked(step.native, x.u, x.p0, x.v0, x.a0, x.j0, dt) == [], what
+        with pytest.raises((TypeError, ValueError), match="^dt:"):
+            step(x.u, x.p0, x.v0, x.a0, dt, j0=x.j0)
+
+
+@pytest.mark.parametrize("spec", [PLAIN, PER_STEP], ids=["uniform", "per_step"])
+def test_dt_tensors_to_convert_take_the_python_path(spec):
+    """Another float dtype, a strided view, or a dt that requires grad: the native op declines,
+    and the Python path converts (or differentiates) and matches the reference."""
+    step = ts.load(spec)
+    if step.native is None:
+        pytest.skip("the native autograd node is unavailable here (no C++ compiler?)")
+    x = Inputs(spec)
+    good = dt_value(spec, seed=5)
+    spaced = torch.zeros(2 * good.numel(), dtype=good.dtype)
+    spaced[::2] = good.reshape(-1)
+    expect = reference.apply(spec, good.reshape(-1).tolist(), x.numpy_u_bhd(), x.numpy_start())
+    cases = [("float32", good.float()), ("requires grad", good.requires_grad_())]
+    if good.numel() > 1:  # (one element is contiguous at any stride)
+        cases.append(("strided", spaced[::2]))
+    for what, dt in cases:
+        assert step._native_checked(step.native, x.u, x.p0, x.v0, x.a0, x.j0, dt) == [], what
+        P, *_ = step(x.u, x.p0, x.v0, x.a0, dt, j0=x.j0)
+        tol = 1e-6 if what == "float32" else 1e-12
+        scale_close(P.detach().numpy(), expect[0], tol)
+
+
 def test_missing_start_index_is_an_error_on_every_call(step):
     x = Inputs(SPEC)
     step(x.u, x.p0, x.v0, x.a0, 0.1, **x.kwargs())  # caches dt 0.1
