@@ -72,28 +72,28 @@ class Step(torch.nn.Module):
         start_index: Optional[Tensor] = None,
         out: Optional[Sequence[Tensor]] = None,
     ) -> tuple[Tensor, ...]:
-        if (self.native is not None and start_index is None and not self.spec.start_index
+        if (self.native is not None
                 and type(u) is Tensor and type(p0) is Tensor and type(v0) is Tensor and type(a0) is Tensor
-                and (j0 is None or type(j0) is Tensor)
+                and (j0 is None or type(j0) is Tensor) and (start_index is None or type(start_index) is Tensor)
                 and not torch.compiler.is_compiling() and not _forward_mode_active()):
-            # the common call: the native op checks the tensors and dt's values itself (an empty or
-            # false result means something is off, and the checks below say what); a float dt
-            # comes as the tensor cached for it
+            # the common call: the native op checks the tensors and the values of dt and start_index
+            # itself (an empty or false result means something is off, and the checks below say
+            # what); a float dt comes as the tensor cached for it
             dt_k = dt if type(dt) is Tensor else self._dt_cache.get(dt) if type(dt) is float else None
             if dt_k is not None:
                 if out is None:
-                    outs = self._native_checked(self.native, u, p0, v0, a0, j0, dt_k)
+                    outs = self._native_checked(self.native, u, p0, v0, a0, j0, start_index, dt_k)
                     if outs:
                         return tuple(outs)
                 elif (type(out) in (tuple, list) and all(type(y) is Tensor for y in out)
-                      and self._native_checked_out(self.native, u, p0, v0, a0, j0, dt_k, out)):
+                      and self._native_checked_out(self.native, u, p0, v0, a0, j0, start_index, dt_k, out)):
                     return tuple(out)
         spec = self.spec
         B = validate.check_batch(u)
         validate.check_tensor("u", u, self.action_shape(B), self.dtype, self.device)
         if spec.start_index != (start_index is not None):
-            need = "needs" if spec.start_index else "takes no"
-            raise ValueError(f"start_index: this kernel (start_index={spec.start_index}) {need} a start_index argument")
+            need = "needs a" if spec.start_index else "takes no"
+            raise ValueError(f"start_index: this kernel (start_index={spec.start_index}) {need} start_index argument")
         S = validate.start_rows(p0, B, spec.start_index)
         for name, t in (("p0", p0), ("v0", v0), ("a0", a0)):
             validate.check_tensor(name, t, (S, spec.dof), self.dtype, self.device)

@@ -130,7 +130,7 @@ def _handle(launcher: Any) -> int:
     if addresses not in _HANDLES:
         h = int(torch.ops.tensorstep_native.register_kernels(
             *addresses, launcher.K, list(launcher.output_shape(1)[1:]), list(launcher.action_shape(1)[1:]),
-            launcher.spec.dof, launcher.spec.n_dt, launcher.dtype))
+            launcher.spec.dof, launcher.spec.n_dt, launcher.spec.start_index, launcher.dtype))
         _LAUNCHERS[h] = launcher
         _HANDLES[addresses] = h
     return _HANDLES[addresses]

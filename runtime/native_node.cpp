@@ -42,6 +42,7 @@ struct Kernels {
   std::vector<int64_t> output_tail, action_tail;  // shapes after the batch dimension
   int64_t dof;
   int64_t n_dt;  // dt values the kernels read: 1 (uniform) or H (per step)
+  bool indexed;  // the kernels read start rows through start_index
   at::ScalarType dtype;
 };
 
@@ -55,11 +56,12 @@ const Kernels& kernels(int64_t handle) {
 }
 
 int64_t register_kernels(int64_t forward, int64_t adjoint, int64_t outputs, std::vector<int64_t> output_tail,
-                         std::vector<int64_t> action_tail, int64_t dof, int64_t n_dt, at::ScalarType dtype) {
+                         std::vector<int64_t> action_tail, int64_t dof, int64_t n_dt, bool indexed,
+                         at::ScalarType dtype) {
   TORCH_CHECK(outputs == 4 || outputs == 5, "tensorstep: kernels have 4 or 5 outputs, got ", outputs);
   std::lock_guard<std::mutex> guard(registry_mutex);
   registry.push_back(
-      Kernels{forward, adjoint, outputs, std::move(output_tail), std::move(action_tail), dof, n_dt, dtype});
+      Kernels{forward, adjoint, outputs, std::move(output_tail), std::move(action_tail), dof, n_dt, indexed, dtype});
   return static_cast<int64_t>(registry.size()) - 1;
 }
 
@@ -186,11 +188,32 @@ bool conforms(const Kernels& k, const Tensor& t, at::IntArrayRef shape) {
          t.sizes() == shape && t.is_contiguous();
 }
 
-bool plain_inputs_conform(const Kernels& k, const Tensor& u, const Tensor& p0, const Tensor& v0, const Tensor& a0,
-                          const std::optional<Tensor>& j0) {
-  if (!u.defined() || u.dim() != 3 || u.size(0) == 0) return false;
+// start_index as runtime/validate.py's check_index accepts it without converting it: int64, one
+// entry per trajectory, each naming one of the start tensors' rows.
+bool index_conforms(const Tensor& idx, int64_t B, int64_t rows) {
+  if (!idx.defined() || idx.layout() != at::kStrided || !idx.device().is_cpu() || idx.scalar_type() != at::kLong ||
+      idx.dim() != 1 || idx.size(0) != B || !idx.is_contiguous()) {
+    return false;
+  }
+  const int64_t* x = idx.const_data_ptr<int64_t>();
+  for (int64_t i = 0; i < B; ++i) {
+    if (x[i] < 0 || x[i] >= rows) return false;
+  }
+  return true;
+}
+
+// u and the start state (start rows: one per trajectory, or any number ≥ 1 picked by start_index).
+bool inputs_conform(const Kernels& k, const Tensor& u, const Tensor& p0, const Tensor& v0, const Tensor& a0,
+                    const std::optional<Tensor>& j0, const std::optional<Tensor>& idx) {
+  if (!u.defined() || u.dim() != 3 || u.size(0) == 0 || k.indexed != idx.has_value()) return false;
   const int64_t B = u.size(0);
-  const std::array<int64_t, 2> start{B, k.dof};
+  int64_t rows = B;
+  if (k.indexed) {
+    if (!p0.defined() || p0.dim() != 2 || p0.size(0) == 0) return false;
+    rows = p0.size(0);
+    if (!index_conforms(*idx, B, rows)) return false;
+  }
+  const std::array<int64_t, 2> start{rows, k.dof};
   return conforms(k, u, with_batch(B, k.action_tail)) && conforms(k, p0, start) && conforms(k, v0, start) &&
          conforms(k, a0, start) && (!j0.has_value() || conforms(k, *j0, start));
 }
@@ -216,14 +239,15 @@ bool dt_conforms(const Kernels& k, const Tensor& dt) {
   return k.dtype == at::kFloat ? finite_and_positive<float>(dt) : finite_and_positive<double>(dt);
 }
 
-// A plain call (no start_index), checked here rather than in Python, which costs several
-// microseconds per call (tens with a dt tensor, whose values are read). Anything unexpected
-// returns an empty list, and the caller runs the Python checks, which name the problem.
+// A call checked here rather than in Python, whose checks cost several microseconds per call
+// (tens with a dt tensor or a start_index, whose values are read). Anything unexpected returns
+// an empty list, and the caller runs the Python checks, which name the problem.
 std::vector<Tensor> checked_step(int64_t handle, const Tensor& u, const Tensor& p0, const Tensor& v0,
-                                 const Tensor& a0, const std::optional<Tensor>& j0, const Tensor& dt) {
+                                 const Tensor& a0, const std::optional<Tensor>& j0, const std::optional<Tensor>& idx,
+                                 const Tensor& dt) {
   const Kernels& k = kernels(handle);
-  if (!plain_inputs_conform(k, u, p0, v0, a0, j0) || !dt_conforms(k, dt)) return {};
-  return NativeStep::apply(u, p0, v0, a0, j0, std::optional<Tensor>(), dt, handle);
+  if (!inputs_conform(k, u, p0, v0, a0, j0, idx) || !dt_conforms(k, dt)) return {};
+  return NativeStep::apply(u, p0, v0, a0, j0, idx, dt, handle);
 }
 
 bool overlap(const Tensor& a, const Tensor& b) {  // both contiguous CPU tensors
@@ -236,15 +260,17 @@ bool overlap(const Tensor& a, const Tensor& b) {  // both contiguous CPU tensors
 // check_out (nothing to differentiate, outputs disjoint from each other and from the inputs).
 // False when anything is off: the caller then runs the Python checks, which name the problem.
 bool checked_step_out(int64_t handle, const Tensor& u, const Tensor& p0, const Tensor& v0, const Tensor& a0,
-                      const std::optional<Tensor>& j0, const Tensor& dt, at::TensorList out) {
+                      const std::optional<Tensor>& j0, const std::optional<Tensor>& idx, const Tensor& dt,
+                      at::TensorList out) {
   const Kernels& k = kernels(handle);
-  if (!plain_inputs_conform(k, u, p0, v0, a0, j0) || !dt_conforms(k, dt) ||
+  if (!inputs_conform(k, u, p0, v0, a0, j0, idx) || !dt_conforms(k, dt) ||
       static_cast<int64_t>(out.size()) != k.outputs) {
     return false;
   }
   const bool grad = at::GradMode::is_enabled();
   std::vector<Tensor> inputs{u, p0, v0, a0, dt};
   if (j0.has_value()) inputs.push_back(*j0);
+  if (idx.has_value()) inputs.push_back(*idx);
   for (const auto& x : inputs) {
     if (grad && x.requires_grad()) return false;
   }
@@ -260,7 +286,7 @@ bool checked_step_out(int64_t handle, const Tensor& u, const Tensor& p0, const T
     }
   }
   variable_list ys(out.begin(), out.end());
-  run_forward(k, u.size(0), u, p0, v0, a0, j0.value_or(Tensor()), Tensor(), dt, ys);
+  run_forward(k, u.size(0), u, p0, v0, a0, j0.value_or(Tensor()), idx.value_or(Tensor()), dt, ys);
   for (const auto& y : out) y.unsafeGetTensorImpl()->bump_version();  // written in place
   return true;
 }
@@ -269,12 +295,13 @@ bool checked_step_out(int64_t handle, const Tensor& u, const Tensor& p0, const T
 
 TORCH_LIBRARY(tensorstep_native, m) {
   m.def("register_kernels(int forward, int adjoint, int outputs, int[] output_tail, int[] action_tail, int dof, "
-        "int n_dt, ScalarType dtype) -> int",
+        "int n_dt, bool indexed, ScalarType dtype) -> int",
         &register_kernels);
   m.def("step(int handle, Tensor u, Tensor p0, Tensor v0, Tensor a0, Tensor? j0, Tensor? idx, Tensor dt) -> Tensor[]");
-  m.def("checked_step(int handle, Tensor u, Tensor p0, Tensor v0, Tensor a0, Tensor? j0, Tensor dt) -> Tensor[]");
-  m.def("checked_step_out(int handle, Tensor u, Tensor p0, Tensor v0, Tensor a0, Tensor? j0, Tensor dt, "
-        "Tensor(a!)[] out) -> bool");
+  m.def("checked_step(int handle, Tensor u, Tensor p0, Tensor v0, Tensor a0, Tensor? j0, Tensor? idx, "
+        "Tensor dt) -> Tensor[]");
+  m.def("checked_step_out(int handle, Tensor u, Tensor p0, Tensor v0, Tensor a0, Tensor? j0, Tensor? idx, "
+        "Tensor dt, Tensor(a!)[] out) -> bool");
   // implemented in Python (runtime/native.py): the create_graph adjoint
   m.def("adjoint_graph(int handle, Tensor?[] grads, Tensor dt, int batch) -> Tensor[]");
 }

@@ -90,7 +90,7 @@ def test_native_op_rejects_what_the_python_checks_reject(plain_step):
     x = Inputs(PLAIN)
     dt_k = plain_step._dt_tensor(0.1)
     for name, what, u, p0, v0, a0, j0 in _bad_plain_inputs(x):
-        assert plain_step._native_checked(plain_step.native, u, p0, v0, a0, j0, dt_k) == [], (name, what)
+        assert plain_step._native_checked(plain_step.native, u, p0, v0, a0, j0, None, dt_k) == [], (name, what)
         with pytest.raises((TypeError, ValueError), match=f"^{name}:"):
             plain_step(u, p0, v0, a0, 0.1, j0=j0)
 
@@ -147,7 +147,7 @@ def test_native_op_rejects_the_dt_tensors_python_rejects(spec):
         pytest.skip("the native autograd node is unavailable here (no C++ compiler?)")
     x = Inputs(spec)
     for what, dt in _bad_dt_tensors(spec):
-        assert step._native_checked(step.native, x.u, x.p0, x.v0, x.a0, x.j0, dt) == [], what
+        assert step._native_checked(step.native, x.u, x.p0, x.v0, x.a0, x.j0, None, dt) == [], what
         with pytest.raises((TypeError, ValueError), match="^dt:"):
             step(x.u, x.p0, x.v0, x.a0, dt, j0=x.j0)
 
@@ -168,10 +168,53 @@ def test_dt_tensors_to_convert_take_the_python_path(spec):
     if good.numel() > 1:  # (one element is contiguous at any stride)
         cases.append(("strided", spaced[::2]))
     for what, dt in cases:
-        assert step._native_checked(step.native, x.u, x.p0, x.v0, x.a0, x.j0, dt) == [], what
+        assert step._native_checked(step.native, x.u, x.p0, x.v0, x.a0, x.j0, None, dt) == [], what
         P, *_ = step(x.u, x.p0, x.v0, x.a0, dt, j0=x.j0)
         tol = 1e-6 if what == "float32" else 1e-12
         scale_close(P.detach().numpy(), expect[0], tol)
+
+
+def test_indexed_calls_are_checked_in_the_native_op(step, monkeypatch):
+    calls = []
+    checked = step._native_checked
+    monkeypatch.setattr(step, "_native_checked", lambda *a: calls.append(checked(*a)) or calls[-1])
+    x = Inputs(SPEC, batch=5)
+    x.idx = torch.tensor([4, 0, 6, 0, 2])
+    step(x.u, x.p0, x.v0, x.a0, 0.1, **x.kwargs())  # fills the dt cache
+    outs = step(x.u, x.p0, x.v0, x.a0, 0.1, **x.kwargs())
+    assert len(calls) == 1 and len(calls[0]) == 4
+    expect = reference.apply(SPEC, [0.1], x.numpy_u_bhd(), x.numpy_start())
+    for k, y in enumerate(outs):
+        scale_close(y.numpy(), expect[k], 1e-12)
+
+
+def test_native_op_rejects_the_start_indices_python_rejects(step, plain_step):
+    x = Inputs(SPEC)
+    dt_k = step._dt_tensor(0.1)
+    S = x.S
+    for what, idx in [("past the last row", torch.tensor([0, S, 1])), ("negative", torch.tensor([0, -1, 1])),
+                      ("one short", x.idx[:-1]), ("two dims", x.idx[None]), ("float", x.idx.double()),
+                      ("missing", None)]:
+        assert step._native_checked(step.native, x.u, x.p0, x.v0, x.a0, x.j0, idx, dt_k) == [], what
+        with pytest.raises((IndexError, TypeError, ValueError), match="^start_index:"):
+            step(x.u, x.p0, x.v0, x.a0, 0.1, j0=x.j0, start_index=idx)
+    y = Inputs(PLAIN)
+    idx = torch.zeros(y.B, dtype=torch.int64)
+    assert plain_step._native_checked(plain_step.native, y.u, y.p0, y.v0, y.a0, y.j0, idx, dt_k) == []
+    with pytest.raises(ValueError, match="^start_index: .* takes no start_index"):
+        plain_step(y.u, y.p0, y.v0, y.a0, 0.1, j0=y.j0, start_index=idx)
+
+
+def test_start_indices_to_convert_take_the_python_path(step):
+    x = Inputs(SPEC)
+    dt_k = step._dt_tensor(0.1)
+    spaced = torch.zeros(2 * x.B, dtype=torch.int64)
+    spaced[::2] = x.idx
+    expect = reference.apply(SPEC, [0.1], x.numpy_u_bhd(), x.numpy_start())
+    for what, idx in [("int32", x.idx.int()), ("strided", spaced[::2])]:
+        assert step._native_checked(step.native, x.u, x.p0, x.v0, x.a0, x.j0, idx, dt_k) == [], what
+        outs = step(x.u, x.p0, x.v0, x.a0, 0.1, j0=x.j0, start_index=idx)
+        scale_close(outs[1].numpy(), expect[1], 1e-12)
 
 
 def test_missing_start_index_is_an_error_on_every_call(step):
