@@ -108,6 +108,8 @@ def case_callables(case: Case) -> dict[str, Callable[[], None]]:
     if B == 1 and case.device == "cpu":
         methods.update(autograd_floors())
         methods["engine_direct"] = _fwd_bwd(lambda u, *s: step(u, *s, DT), u, starts, grads, _engine_backward)
+        dt_tensor = torch.tensor(DT, dtype=dtype)  # as cuRobo passes traj_dt
+        methods["dt_tensor"] = _fwd_bwd(lambda u, *s: step(u, *s, dt_tensor), u, starts, grads)
     return methods
 
 
@@ -192,7 +194,8 @@ def run_cases(cases: Iterable[Case], echo: Callable[[str], None], budget_s: floa
              "(forward+backward):")
     for r in floors:
         echo(f"* {r['scheme']} {r['dtype']}: tensorstep {format_time(r['tensorstep'])} (outputs handed to the engine "
-             f"directly: {format_time(r['engine_direct'])}); one built-in op (x * 2) "
+             f"directly: {format_time(r['engine_direct'])}; dt as a tensor: {format_time(r['dt_tensor'])}); "
+             f"one built-in op (x * 2) "
              f"{format_time(r['floor_builtin_op'])}; a trivial 4-output Python autograd.Function "
              f"{format_time(r['floor_python_function'])}")
     return rows

@@ -133,7 +133,8 @@ def test_bench_smoke_prints_table_and_same_run_floor():
     assert result.exit_code == 0, result.output
     row = next(line for line in result.output.splitlines() if line.startswith("| backward | 32 | 1 |"))
     assert row.count("|") == 13 and "µs" in row
-    assert "one built-in op (x * 2)" in result.output and "threads" in result.output
+    assert "one built-in op (x * 2)" in result.output and "dt as a tensor: " in result.output
+    assert "threads" in result.output
     rollout = [line for line in result.output.split("Forward only (rollouts")[1].splitlines()
                if line.startswith("| backward | 32 | 1 |")]
     assert len(rollout) == 1 and rollout[0].count("|") == 11
