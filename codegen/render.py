@@ -1,6 +1,7 @@
 """Rendering: a spec's lowered operator → C source, CUDA source, header (Jinja2)."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 from typing import Any
@@ -81,6 +82,25 @@ def _lane_sources(code: LoweredOperator, kernels: tuple) -> list[tuple[str, list
     return sources
 
 
+#: CUDA keeps every row's gradients of a straight-line integrator adjoint live in registers
+#: (ptxas, sm_90: accel float32 147 registers at H=32, 254 at H=60 and spilling beyond;
+#: float64 spills from H=40), while the rolled column needs about 40 at any H. Adjoint bodies
+#: whose values exceed this many bytes (lines x element size: float32 from H=56, float64 from
+#: H=28) are rolled; shorter ones keep straight-line, which has more loads in flight.
+CUDA_ROLL_ABOVE_BYTES = 2000
+
+
+def _cuda_codes(code: LoweredOperator, kernels: tuple, itemsize: int) -> dict:
+    """The kernels' code for the CUDA template: an integrator's long adjoint rolled (see above)."""
+    codes = {k: getattr(code, k) for k in kernels}
+    adjoint = codes.get("adjoint")
+    if adjoint is not None and len(adjoint.body) * itemsize > CUDA_ROLL_ABOVE_BYTES:
+        rolled = code.adjoint_rolled  # None for stencils, whose columns hold few values
+        if rolled:
+            codes["adjoint"] = dataclasses.replace(adjoint, body=rolled)
+    return codes
+
+
 @functools.lru_cache(maxsize=256)
 def lowered(spec: Any) -> LoweredOperator:
     """The lowered operator of a spec (derived once per process)."""
@@ -113,7 +133,8 @@ def render(spec: Any, target: str, part: str = "all") -> str:
         layout=spec.layout,
         u_sb=u[0], u_sh=u[1], u_sd=u[2], y_sb=y[0], y_sh=y[1], y_sd=y[2],
         kernels=kernels,
-        codes={k: getattr(code, k) for k in kernels},
+        codes=_cuda_codes(code, kernels, 4 if spec.dtype == "float32" else 8) if target == "cuda"
+        else {k: getattr(code, k) for k in kernels},
         lanes=lane_form,
         lane_bodies={k: to_lanes(body) for k, body in _lane_sources(code, kernels) if len(body) <= LANE_MAX_LINES}
         if lane_form else {},

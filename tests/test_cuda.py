@@ -4,11 +4,16 @@ from __future__ import annotations
 import shutil
 import subprocess
 
+import numpy as np
 import pytest
 import torch
 
 import reference
 import tensorstep as ts
+from cuda_on_host import host_source
+from tensorstep.codegen import render
+from tensorstep.runtime.launch import CpuBackend, Launcher
+from tensorstep.runtime.verify import verify_launcher
 from helpers import GRID, Inputs, dt_value, grid_id, make_spec, to_bhd
 from test_numerics import scale_close
 
@@ -127,3 +132,64 @@ def test_cuda_second_device_if_present():
     outs = ts.load(spec, dev)(u, z, z, z, 0.1)
     ref = ts.load(spec, "cpu")(u.cpu(), z.cpu(), z.cpu(), z.cpu(), 0.1)
     assert all(torch.allclose(a.cpu(), b) for a, b in zip(outs, ref))
+
+
+# Integrator adjoints this long (float64) roll into a reverse loop for CUDA (render.CUDA_ROLL_ABOVE_BYTES):
+# straight-line they would hold every row's gradients in registers and spill.
+INTEGRATORS = [g for g in GRID if g.get("control", "position") != "position"]
+LONG = 40
+
+
+def _kernel_text(source: str, name: str) -> str:
+    start = source.index(f"void {name}(")
+    return source[start:source.index("\n}\n", start)]
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not installed")
+def test_long_integrator_adjoints_roll_and_compile(tmp_path):
+    specs = [make_spec(g, horizon=LONG) for g in INTEGRATORS]
+    sources = [ts.source(spec, "cuda") for spec in specs]
+    for spec, src in zip(specs, sources):
+        assert "; --r)" in _kernel_text(src, f"{spec.name}_adjoint"), spec.name  # the reverse scan
+        assert "; --r)" not in _kernel_text(src, f"{spec.name}_forward"), spec.name
+    short = make_spec(INTEGRATORS[0], dtype="float32", horizon=32)
+    assert "; --r)" not in _kernel_text(ts.source(short, "cuda"), f"{short.name}_adjoint")
+    unit = tmp_path / "rolled.cu"
+    unit.write_text("\n".join(f"namespace v{i} {{\n{src}\n}}" for i, src in enumerate(sources)).replace(
+        'extern "C" ', ""))
+    result = subprocess.run([NVCC, "-ptx", "-arch=sm_80", str(unit), "-o", str(tmp_path / "rolled.ptx")],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+@gpu
+@pytest.mark.parametrize("overrides", INTEGRATORS, ids=[grid_id(g) for g in INTEGRATORS])
+def test_cuda_rolled_adjoint_matches_reference(overrides):
+    spec = make_spec(overrides, horizon=LONG)
+    dev = torch.device("cuda")
+    x = Inputs(spec, batch=5)
+    dt = dt_value(spec)
+    u = x.u.detach().to(dev).requires_grad_(True)
+    kw = {k: v.to(dev) for k, v in x.kwargs().items()}
+    outs = ts.load(spec, "cuda")(u, x.p0.to(dev), x.v0.to(dev), x.a0.to(dev), dt.to(dev), **kw)
+    gen = torch.Generator().manual_seed(1)
+    grads = [torch.randn(y.shape, generator=gen, dtype=torch.float64) for y in outs]
+    (gu,) = torch.autograd.grad(outs, [u], [g.to(dev) for g in grads])
+    expect_u, _ = reference.apply_adjoint(spec, dt.tolist(), np.stack([to_bhd(g, spec) for g in grads]))
+    scale_close(to_bhd(gu.cpu(), spec), expect_u, 1e-12)
+
+
+@pytest.mark.parametrize("rolled", [False, True], ids=["straight", "rolled"])
+@pytest.mark.parametrize("overrides", GRID, ids=[grid_id(g) for g in GRID])
+def test_cuda_source_run_on_the_host_matches_reference(overrides, rolled, monkeypatch):
+    """The CUDA kernels' own code, every thread of the grid run in turn on the host (no GPU
+    needed): forward against the dense float64 operator, adjoint by the dot test."""
+    if rolled:
+        if overrides.get("control", "position") == "position":
+            pytest.skip("stencil adjoints are never rolled")
+        monkeypatch.setattr(render, "CUDA_ROLL_ABOVE_BYTES", 0)
+    spec = make_spec(overrides)
+    source = host_source(spec)
+    assert ("; --r)" in source) == rolled
+    row = verify_launcher(spec, Launcher(spec, CpuBackend(spec, source)), torch.device("cpu"), B=150)  # 2 blocks
+    assert row["forward"] <= 1e-12 and row["adjoint"] <= 1e-12, row
