@@ -62,7 +62,7 @@ def lanes(spec: Any) -> dict | None:
         width = bits // (8 * size)
         if spec.dof <= width:
             return dict(bits=bits, bytes=bits // 8, width=width, mask=f"0x{(1 << spec.dof) - 1:X}",
-                        mask_type="__mmask16" if width == 16 else "__mmask8",
+                        mask_type="unsigned short" if width == 16 else "unsigned char",  # __mmask16 / __mmask8
                         suffix="ps" if size == 4 else "pd",
                         vector=f"__m{bits}" + ("" if size == 4 else "d"))
     return None

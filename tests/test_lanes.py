@@ -72,7 +72,8 @@ RUN = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("lane_form", [True, False], ids=["vector-lanes", "per-dof-loop"])
+@pytest.mark.parametrize("lane_form", [True, "intrinsics", False],
+                         ids=["vector-lanes", "vector-lanes-immintrin", "per-dof-loop"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c['dtype']}-D{c['dof']}-H{c.get('horizon', 9)}")
 def test_column_forms_match_reference(case, lane_form, tmp_path):
     spec = spec_of(case)
@@ -88,8 +89,10 @@ def test_column_forms_match_reference(case, lane_form, tmp_path):
         g = [v.astype(np.float32).astype(np.float64) for v in g]
     np.savez(tmp_path / "in.npz", **inputs, **{f"g{k}": v for k, v in enumerate(g)})
     env = dict(os.environ)
-    if not lane_form:  # the generated code's own switch; a different flag is a different cache entry
-        env["TENSORSTEP_CFLAGS"] = (env.get("TENSORSTEP_CFLAGS", "") + " -DTS_NO_LANES").strip()
+    # the generated code's own switches (a different flag is a different cache entry): the
+    # per-dof loop, or the lanes through <immintrin.h> as where the compiler lacks the builtins
+    switch = {False: " -DTS_NO_LANES", "intrinsics": " -DTS_LANE_INTRINSICS"}.get(lane_form, "")
+    env["TENSORSTEP_CFLAGS"] = (env.get("TENSORSTEP_CFLAGS", "") + switch).strip()
     run = subprocess.run([sys.executable, "-c", RUN, json.dumps(case), str(tmp_path / "in.npz"), str(tmp_path / "out.npz")],
                          env=env, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr

@@ -84,12 +84,22 @@ enum { H_ = 32, N_ = 31, D_ = 7, NDT_ = 1, NC_ = 15 };
 /* Forward and adjoint columns as one masked 256-bit vector over the 7 dof of a row
  * (GCC's own vectoriser splits 7 lanes into a vector part plus scalar ones). */
 #define TS_LANES 1
-#include <immintrin.h>
 typedef T VT __attribute__((vector_size(32)));
-#define TS_MASK ((__mmask8)0x7F)
+#define TS_MASK ((unsigned char)0x7F)
+#define VZERO ((VT){0})
+#ifndef __has_builtin
+#define __has_builtin(x) 0
+#endif
+#if __has_builtin(__builtin_ia32_loadups256_mask) && !defined(TS_LANE_INTRINSICS)
+/* the builtins behind _mm256_maskz_loadu_ps / _mm256_mask_storeu_ps: parsing <immintrin.h>
+ * would be about half of the compiler's time on this file */
+#define VLOAD(p) ((VT)__builtin_ia32_loadups256_mask((p), VZERO, TS_MASK))
+#define VSTORE(p, v) __builtin_ia32_storeups256_mask((p), (VT)(v), TS_MASK)
+#else
+#include <immintrin.h>
 #define VLOAD(p) ((VT)_mm256_maskz_loadu_ps(TS_MASK, (p)))
 #define VSTORE(p, v) _mm256_mask_storeu_ps((p), TS_MASK, (__m256)(v))
-#define VZERO ((VT){0})
+#endif
 #define VU(j) VLOAD(u + uo + (j) * U_SH)
 #define VS0 VLOAD(p0 + so)
 #define VS1 VLOAD(v0 + so)

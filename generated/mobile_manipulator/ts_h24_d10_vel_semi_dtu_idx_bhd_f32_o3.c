@@ -84,12 +84,22 @@ enum { H_ = 24, N_ = 23, D_ = 10, NDT_ = 1, NC_ = 3 };
 /* Forward and adjoint columns as one masked 512-bit vector over the 10 dof of a row
  * (GCC's own vectoriser splits 10 lanes into a vector part plus scalar ones). */
 #define TS_LANES 1
-#include <immintrin.h>
 typedef T VT __attribute__((vector_size(64)));
-#define TS_MASK ((__mmask16)0x3FF)
+#define TS_MASK ((unsigned short)0x3FF)
+#define VZERO ((VT){0})
+#ifndef __has_builtin
+#define __has_builtin(x) 0
+#endif
+#if __has_builtin(__builtin_ia32_loadups512_mask) && !defined(TS_LANE_INTRINSICS)
+/* the builtins behind _mm512_maskz_loadu_ps / _mm512_mask_storeu_ps: parsing <immintrin.h>
+ * would be about half of the compiler's time on this file */
+#define VLOAD(p) ((VT)__builtin_ia32_loadups512_mask((p), VZERO, TS_MASK))
+#define VSTORE(p, v) __builtin_ia32_storeups512_mask((p), (VT)(v), TS_MASK)
+#else
+#include <immintrin.h>
 #define VLOAD(p) ((VT)_mm512_maskz_loadu_ps(TS_MASK, (p)))
 #define VSTORE(p, v) _mm512_mask_storeu_ps((p), TS_MASK, (__m512)(v))
-#define VZERO ((VT){0})
+#endif
 #define VU(j) VLOAD(u + uo + (j) * U_SH)
 #define VS0 VLOAD(p0 + so)
 #define VS1 VLOAD(v0 + so)
