@@ -138,7 +138,7 @@ def _custom_ops() -> bool:
     """Registers the torch.library ops that torch.compile traces, once per process.
 
     Dynamo calls a function marked as a constant while tracing, outside the graph, so the
-    registration's cost (about 6 ms) falls on a process's first compilation, not on every load.
+    registration's cost (6–10 ms here) falls on a process's first compilation, not on every load.
     """
     from . import ops  # noqa: F401  (importing registers them)
 

@@ -6,7 +6,7 @@ a fake kernel (shapes only), the forward's autograd calls the adjoint op, the ad
 autograd calls the forward op (double backward), and the forward has a vmap rule.
 Value checks that need the data (index range, dt) run inside the op implementations.
 
-Importing this module registers the ops (about 6 ms, mostly inside ``torch.library.custom_op``),
+Importing this module registers the ops (6–10 ms, mostly inside ``torch.library.custom_op``),
 so ``Step`` imports it only when torch.compile first traces a step (``api._custom_ops``).
 """
 from __future__ import annotations
