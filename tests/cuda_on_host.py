@@ -1,9 +1,11 @@
 """The generated CUDA source run on the host, a test double for the GPU (CI has none).
 
-The CUDA forward and adjoint kernels are compiled as C with the CUDA keywords defined away,
-and each entry point runs every (block, thread) of the launch grid the runtime would use, in
-turn. Their arithmetic and indexing can then be checked against the dense reference. The dt
-kernels use warp shuffles, which a sequential run cannot reproduce: they are stubs that abort.
+Every CUDA kernel is compiled as C with the CUDA keywords defined away, and each entry point
+runs every (block, thread) of the launch grid the runtime would use, one after another. The
+kernels' arithmetic and indexing can then be checked against the dense reference and by
+gradcheck. One substitution: dt_vjp's warp reduction (a shuffle tree, then one atomic add per
+warp) needs 32 threads in lockstep, so here every thread adds its own partial sums; the total
+is the same sum in another order.
 """
 from __future__ import annotations
 
@@ -18,30 +20,32 @@ PRELUDE = f"""/* CUDA keywords for a sequential run on the host */
 #define __device__
 #define __forceinline__ inline
 #define __restrict__ restrict
-#include <stdlib.h>
+#define __shfl_down_sync(mask, value, offset) 0.0
+#define atomicAdd(address, value) (*(address) += (value))
 typedef struct {{ long long x; }} ts_dim3;
 static ts_dim3 blockIdx, threadIdx, blockDim = {{{THREADS}}};
 """
+WARP_SUM = "if ((threadIdx.x & 31) == 0) atomicAdd"
 
 
 def host_source(spec: Any) -> str:
-    """C source with every kernel of the ABI: CUDA's core kernels looped over their grid, dt stubs."""
-    source = render(spec, "cuda", "core").replace('extern "C" ', "")
+    """C source with every kernel of the ABI: the CUDA kernels, each looped over its launch grid."""
+    source = render(spec, "cuda", "all").replace('extern "C" ', "")
+    assert WARP_SUM in source, "the CUDA template's warp reduction changed: update this test double"
+    source = source.replace(WARP_SUM, "atomicAdd")
     ctype = CTYPES[spec.dtype]
     entry_points = []
     for kernel in abi.PARTS["all"]:
         symbol = abi.symbol(spec.name, kernel)
-        params = abi.signature(kernel, spec.order, ctype, "restrict")
-        if kernel in abi.PARTS["core"]:
-            source = source.replace(f"void {symbol}(", f"void {symbol}_thread(")
-            names = ", ".join(name for _, name in abi.arguments(kernel, spec.order))
-            body = (f"const long long blocks = (B * D_ + {THREADS} - 1) / {THREADS};\n"
-                    f"    for (long long b = 0; b < (blocks > 0 ? blocks : 1); ++b)\n"
-                    f"        for (long long t = 0; t < {THREADS}; ++t) {{\n"
-                    f"            blockIdx.x = b; threadIdx.x = t; {symbol}_thread({names});\n"
-                    f"        }}")
-        else:
-            body = "abort();"
-        entry_points.append(f"void {symbol}({params})\n{{\n    {body}\n}}")
-    entry_points.append(f"int64_t {abi.symbol(spec.name, 'n_coefficients')}(void) {{ abort(); }}")
-    return PRELUDE + source + "\n" + "\n".join(entry_points) + "\n"
+        source = source.replace(f"void {symbol}(", f"void {symbol}_thread(")
+        names = ", ".join(name for _, name in abi.arguments(kernel, spec.order))
+        columns = "1" if kernel == "dt_vjp_finish" else "B * D_"  # as runtime/cuda_backend.py launches
+        entry_points.append(
+            f"void {symbol}({abi.signature(kernel, spec.order, ctype, 'restrict')})\n{{\n"
+            f"    const long long blocks = ({columns} + {THREADS} - 1) / {THREADS};\n"
+            f"    for (long long b = 0; b < (blocks > 0 ? blocks : 1); ++b)\n"
+            f"        for (long long t = 0; t < {THREADS}; ++t) {{\n"
+            f"            blockIdx.x = b; threadIdx.x = t; {symbol}_thread({names});\n"
+            f"        }}\n}}")
+    entry_points.append(f"int64_t {abi.symbol(spec.name, 'n_coefficients')}(void) {{ return NC_; }}")
+    return PRELUDE + source + "\n" + "\n\n".join(entry_points) + "\n"
