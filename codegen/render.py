@@ -90,6 +90,13 @@ def _lane_sources(code: LoweredOperator, kernels: tuple) -> list[tuple[str, list
 CUDA_ROLL_ABOVE_BYTES = 2000
 
 
+#: CUDA kernels hold the step coefficients in shared memory, computed once per block, up to this
+#: size: computed per thread, a per-step table (central, H=32: 462 values) took 255 registers
+#: and ~2 KB of local memory per thread (ptxas, sm_90). Larger tables (long per-step horizons)
+#: stay per thread.
+CUDA_SHARED_COEF_BYTES = 16384
+
+
 def _cuda_codes(code: LoweredOperator, kernels: tuple, itemsize: int) -> dict:
     """The kernels' code for the CUDA template: an integrator's long adjoint rolled (see above)."""
     codes = {k: getattr(code, k) for k in kernels}
@@ -119,6 +126,7 @@ def render(spec: Any, target: str, part: str = "all") -> str:
         raise ValueError(f"part={part!r} is invalid: allowed {', '.join(abi.PARTS)}")
     kernels = abi.PARTS[part]
     ctype = CTYPES[spec.dtype]
+    itemsize = 4 if spec.dtype == "float32" else 8
     code = lowered(spec)
     u = strides(spec.layout, spec.n_actions, spec.dof)
     y = strides(spec.layout, spec.horizon, spec.dof)
@@ -133,7 +141,7 @@ def render(spec: Any, target: str, part: str = "all") -> str:
         layout=spec.layout,
         u_sb=u[0], u_sh=u[1], u_sd=u[2], y_sb=y[0], y_sh=y[1], y_sd=y[2],
         kernels=kernels,
-        codes=_cuda_codes(code, kernels, 4 if spec.dtype == "float32" else 8) if target == "cuda"
+        codes=_cuda_codes(code, kernels, itemsize) if target == "cuda"
         else {k: getattr(code, k) for k in kernels},
         lanes=lane_form,
         lane_bodies={k: to_lanes(body) for k, body in _lane_sources(code, kernels) if len(body) <= LANE_MAX_LINES}
@@ -141,5 +149,7 @@ def render(spec: Any, target: str, part: str = "all") -> str:
         table=code.table if set(kernels) & {"forward", "adjoint", "dt_vjp"} else None,
         signatures={k: abi.signature(k, spec.order, ctype, RESTRICT[target]) for k in kernels},
         export="",
+        itemsize=itemsize,
+        shared_coef_bytes=CUDA_SHARED_COEF_BYTES,
     )
     return _environment().get_template(_TEMPLATE_FILES[target]).render(**context)

@@ -3,7 +3,8 @@
 Every CUDA kernel is compiled as C with the CUDA keywords defined away, and each entry point
 runs every (block, thread) of the launch grid the runtime would use, one after another. The
 kernels' arithmetic and indexing can then be checked against the dense reference and by
-gradcheck. One substitution: dt_vjp's warp reduction (a shuffle tree, then one atomic add per
+gradcheck. Shared memory is one static array per kernel, which is faithful here: thread 0 of
+each block, the one that fills it, runs first. One substitution: dt_vjp's warp reduction (a shuffle tree, then one atomic add per
 warp) needs 32 threads in lockstep, so here every thread adds its own partial sums; the total
 is the same sum in another order.
 """
@@ -20,6 +21,8 @@ PRELUDE = f"""/* CUDA keywords for a sequential run on the host */
 #define __device__
 #define __forceinline__ inline
 #define __restrict__ restrict
+#define __shared__ static
+#define __syncthreads()
 #define __shfl_down_sync(mask, value, offset) 0.0
 #define atomicAdd(address, value) (*(address) += (value))
 typedef struct {{ long long x; }} ts_dim3;

@@ -32,10 +32,15 @@ PTX_GRID = GRID + [dict(g, **{}) for g in GRID[:4]]
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not installed")
-@pytest.mark.parametrize("dtype", ["float32", "float64"])
-def test_every_variant_compiles_to_ptx(tmp_path, dtype):
-    """All variants of the grid, both dtypes, all kernels, in one translation unit per dtype."""
+@pytest.mark.parametrize("dtype, coefficients", [("float32", "shared"), ("float64", "shared"),
+                                                 ("float64", "per-thread")])
+def test_every_variant_compiles_to_ptx(tmp_path, dtype, coefficients, monkeypatch):
+    """All variants of the grid, both dtypes, all kernels, in one translation unit per dtype;
+    the step coefficients in shared memory, and per thread (tables too large to share)."""
+    if coefficients == "per-thread":
+        monkeypatch.setattr(render, "CUDA_SHARED_COEF_BYTES", 0)
     sources = [ts.source(make_spec(g, dtype=dtype), "cuda") for g in GRID]
+    assert all(("__shared__ T coef" in src) == (coefficients == "shared") for src in sources)
     unit = tmp_path / f"grid_{dtype}.cu"
     # one unit: typedef and enum per spec are scoped by wrapping each source in a namespace
     unit.write_text("\n".join(f"namespace v{i} {{\n{src}\n}}" for i, src in enumerate(sources)).replace(
@@ -180,18 +185,21 @@ def test_cuda_rolled_adjoint_matches_reference(overrides):
     scale_close(to_bhd(gu.cpu(), spec), expect_u, 1e-12)
 
 
-@pytest.mark.parametrize("rolled", [False, True], ids=["straight", "rolled"])
+@pytest.mark.parametrize("form", ["straight", "rolled", "per-thread-coefficients"])
 @pytest.mark.parametrize("overrides", GRID, ids=[grid_id(g) for g in GRID])
-def test_cuda_source_run_on_the_host_matches_reference(overrides, rolled, monkeypatch):
+def test_cuda_source_run_on_the_host_matches_reference(overrides, form, monkeypatch):
     """The CUDA forward and adjoint, every thread of the grid run in turn on the host (no GPU
     needed): forward against the dense float64 operator, adjoint by the dot test."""
-    if rolled:
+    if form == "rolled":
         if overrides.get("control", "position") == "position":
             pytest.skip("stencil adjoints are never rolled")
         monkeypatch.setattr(render, "CUDA_ROLL_ABOVE_BYTES", 0)
+    if form == "per-thread-coefficients":
+        monkeypatch.setattr(render, "CUDA_SHARED_COEF_BYTES", 0)
     spec = make_spec(overrides)
     source = host_source(spec)
-    assert ("; --r)" in source) == rolled
+    assert ("; --r)" in source) == (form == "rolled")
+    assert ("__shared__ T coef" in source) == (form != "per-thread-coefficients")
     row = verify_launcher(spec, Launcher(spec, CpuBackend(spec, source)), torch.device("cpu"), B=150)  # 2 blocks
     assert row["forward"] <= 1e-12 and row["adjoint"] <= 1e-12, row
 

@@ -121,13 +121,17 @@ static __device__ __forceinline__ void ts_h24_d10_pos_bac_a222_hold_dtu_noidx_bd
 
 extern "C" __global__ void ts_h24_d10_pos_bac_a222_hold_dtu_noidx_bdh_f64_o3_forward(int64_t B, const double* __restrict__ u, const double* __restrict__ p0, const double* __restrict__ v0, const double* __restrict__ a0, const double* __restrict__ j0, const int64_t* __restrict__ idx, const double* __restrict__ dt_in, double* __restrict__ y0, double* __restrict__ y1, double* __restrict__ y2, double* __restrict__ y3)
 {
+    /* the step coefficients: one thread per block computes them, every thread reads them */
+    __shared__ T coef[NC_];
+    if (threadIdx.x == 0) {
+        COEFFICIENTS(dt_in, coef);
+    }
+    __syncthreads();
     const int64_t col = (int64_t)blockIdx.x * (int64_t)blockDim.x + (int64_t)threadIdx.x;
     if (col >= B * D_) return;
     {
         const int64_t b = col / D_, d = col % D_;
         const int64_t srow = idx ? idx[b] : b;
-        T coef[NC_];
-        COEFFICIENTS(dt_in, coef);
         COLUMN_BASES(b, d)
         for (int64_t r = 1; r < 24; ++r) {
             const int64_t su = uo + r * U_SH, sy = yo + r * Y_SH;
@@ -181,13 +185,17 @@ extern "C" __global__ void ts_h24_d10_pos_bac_a222_hold_dtu_noidx_bdh_f64_o3_for
 extern "C" __global__ void ts_h24_d10_pos_bac_a222_hold_dtu_noidx_bdh_f64_o3_adjoint(int64_t B, const double* __restrict__ g0, const double* __restrict__ g1, const double* __restrict__ g2, const double* __restrict__ g3, const double* __restrict__ dt_in, double* __restrict__ gu, double* __restrict__ gp0, double* __restrict__ gv0, double* __restrict__ ga0, double* __restrict__ gj0)
 {
     const int64_t* idx = 0;
+    /* the step coefficients: one thread per block computes them, every thread reads them */
+    __shared__ T coef[NC_];
+    if (threadIdx.x == 0) {
+        COEFFICIENTS(dt_in, coef);
+    }
+    __syncthreads();
     const int64_t col = (int64_t)blockIdx.x * (int64_t)blockDim.x + (int64_t)threadIdx.x;
     if (col >= B * D_) return;
     {
         const int64_t b = col / D_, d = col % D_;
         const int64_t srow = idx ? idx[b] : b;
-        T coef[NC_];
-        COEFFICIENTS(dt_in, coef);
         COLUMN_BASES(b, d)
         for (int64_t r = 0; r < 19; ++r) {
             const int64_t su = uo + r * U_SH, sy = yo + r * Y_SH;
@@ -402,14 +410,18 @@ extern "C" __global__ void ts_h24_d10_pos_bac_a222_hold_dtu_noidx_bdh_f64_o3_adj
 
 extern "C" __global__ void ts_h24_d10_pos_bac_a222_hold_dtu_noidx_bdh_f64_o3_dt_vjp(int64_t B, const double* __restrict__ u, const double* __restrict__ p0, const double* __restrict__ v0, const double* __restrict__ a0, const double* __restrict__ j0, const int64_t* __restrict__ idx, const double* __restrict__ g0, const double* __restrict__ g1, const double* __restrict__ g2, const double* __restrict__ g3, const double* __restrict__ dt_in, double* __restrict__ gc)
 {
+    /* the step coefficients: one thread per block computes them, every thread reads them */
+    __shared__ T coef[NC_];
+    if (threadIdx.x == 0) {
+        COEFFICIENTS(dt_in, coef);
+    }
+    __syncthreads();
     const int64_t col = (int64_t)blockIdx.x * (int64_t)blockDim.x + (int64_t)threadIdx.x;
     double acc[NC_];
     for (int i = 0; i < NC_; ++i) acc[i] = 0.0;
     if (col < B * D_) {
         const int64_t b = col / D_, d = col % D_;
         const int64_t srow = idx ? idx[b] : b;
-        T coef[NC_];
-        COEFFICIENTS(dt_in, coef);
         COLUMN_BASES(b, d)
         const T s0 = S0;
         const T s1 = S1;
@@ -830,12 +842,9 @@ extern "C" __global__ void ts_h24_d10_pos_bac_a222_hold_dtu_noidx_bdh_f64_o3_dt_
 
 extern "C" __global__ void ts_h24_d10_pos_bac_a222_hold_dtu_noidx_bdh_f64_o3_dt_jvp(int64_t B, const double* __restrict__ u, const double* __restrict__ p0, const double* __restrict__ v0, const double* __restrict__ a0, const double* __restrict__ j0, const int64_t* __restrict__ idx, const double* __restrict__ du, const double* __restrict__ dp0, const double* __restrict__ dv0, const double* __restrict__ da0, const double* __restrict__ dj0, const double* __restrict__ dt_in, const double* __restrict__ ddt_in, double* __restrict__ ty0, double* __restrict__ ty1, double* __restrict__ ty2, double* __restrict__ ty3)
 {
-    const int64_t col = (int64_t)blockIdx.x * (int64_t)blockDim.x + (int64_t)threadIdx.x;
-    if (col >= B * D_) return;
-    {
-        const int64_t b = col / D_, d = col % D_;
-        const int64_t srow = idx ? idx[b] : b;
-        T coef[NC_]; T coefd[NC_];
+    /* the step coefficients: one thread per block computes them, every thread reads them */
+    __shared__ T coef[NC_]; __shared__ T coefd[NC_];
+    if (threadIdx.x == 0) {
         const double dt = (double)DT(0);
         const double d_dt = (double)DDT(0);
         const double t0 = (1.0/dt);
@@ -982,6 +991,13 @@ extern "C" __global__ void ts_h24_d10_pos_bac_a222_hold_dtu_noidx_bdh_f64_o3_dt_
         CD(29) = (T)(d_k29);
         CD(30) = (T)(d_k30);
         CD(31) = (T)(d_k31);
+    }
+    __syncthreads();
+    const int64_t col = (int64_t)blockIdx.x * (int64_t)blockDim.x + (int64_t)threadIdx.x;
+    if (col >= B * D_) return;
+    {
+        const int64_t b = col / D_, d = col % D_;
+        const int64_t srow = idx ? idx[b] : b;
         COLUMN_BASES(b, d)
         const T s0 = S0;
         const T s1 = S1;

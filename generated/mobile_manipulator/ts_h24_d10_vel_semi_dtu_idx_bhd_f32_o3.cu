@@ -85,13 +85,17 @@ static __device__ __forceinline__ void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_co
 
 extern "C" __global__ void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_forward(int64_t B, const float* __restrict__ u, const float* __restrict__ p0, const float* __restrict__ v0, const float* __restrict__ a0, const float* __restrict__ j0, const int64_t* __restrict__ idx, const float* __restrict__ dt_in, float* __restrict__ y0, float* __restrict__ y1, float* __restrict__ y2, float* __restrict__ y3)
 {
+    /* the step coefficients: one thread per block computes them, every thread reads them */
+    __shared__ T coef[NC_];
+    if (threadIdx.x == 0) {
+        COEFFICIENTS(dt_in, coef);
+    }
+    __syncthreads();
     const int64_t col = (int64_t)blockIdx.x * (int64_t)blockDim.x + (int64_t)threadIdx.x;
     if (col >= B * D_) return;
     {
         const int64_t b = col / D_, d = col % D_;
         const int64_t srow = idx ? idx[b] : b;
-        T coef[NC_];
-        COEFFICIENTS(dt_in, coef);
         COLUMN_BASES(b, d)
         const T s0 = S0;
         const T s1 = S1;
@@ -295,13 +299,17 @@ extern "C" __global__ void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_forward(int64_
 extern "C" __global__ void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_adjoint(int64_t B, const float* __restrict__ g0, const float* __restrict__ g1, const float* __restrict__ g2, const float* __restrict__ g3, const float* __restrict__ dt_in, float* __restrict__ gu, float* __restrict__ gp0, float* __restrict__ gv0, float* __restrict__ ga0, float* __restrict__ gj0)
 {
     const int64_t* idx = 0;
+    /* the step coefficients: one thread per block computes them, every thread reads them */
+    __shared__ T coef[NC_];
+    if (threadIdx.x == 0) {
+        COEFFICIENTS(dt_in, coef);
+    }
+    __syncthreads();
     const int64_t col = (int64_t)blockIdx.x * (int64_t)blockDim.x + (int64_t)threadIdx.x;
     if (col >= B * D_) return;
     {
         const int64_t b = col / D_, d = col % D_;
         const int64_t srow = idx ? idx[b] : b;
-        T coef[NC_];
-        COEFFICIENTS(dt_in, coef);
         COLUMN_BASES(b, d)
         const T g0_0 = G0(0);
         const T g1_0 = G1(0);
@@ -527,14 +535,18 @@ extern "C" __global__ void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_adjoint(int64_
 
 extern "C" __global__ void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_dt_vjp(int64_t B, const float* __restrict__ u, const float* __restrict__ p0, const float* __restrict__ v0, const float* __restrict__ a0, const float* __restrict__ j0, const int64_t* __restrict__ idx, const float* __restrict__ g0, const float* __restrict__ g1, const float* __restrict__ g2, const float* __restrict__ g3, const float* __restrict__ dt_in, double* __restrict__ gc)
 {
+    /* the step coefficients: one thread per block computes them, every thread reads them */
+    __shared__ T coef[NC_];
+    if (threadIdx.x == 0) {
+        COEFFICIENTS(dt_in, coef);
+    }
+    __syncthreads();
     const int64_t col = (int64_t)blockIdx.x * (int64_t)blockDim.x + (int64_t)threadIdx.x;
     double acc[NC_];
     for (int i = 0; i < NC_; ++i) acc[i] = 0.0;
     if (col < B * D_) {
         const int64_t b = col / D_, d = col % D_;
         const int64_t srow = idx ? idx[b] : b;
-        T coef[NC_];
-        COEFFICIENTS(dt_in, coef);
         COLUMN_BASES(b, d)
         const T s0 = S0;
         const T s1 = S1;
@@ -858,12 +870,9 @@ extern "C" __global__ void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_dt_vjp_finish(
 
 extern "C" __global__ void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_dt_jvp(int64_t B, const float* __restrict__ u, const float* __restrict__ p0, const float* __restrict__ v0, const float* __restrict__ a0, const float* __restrict__ j0, const int64_t* __restrict__ idx, const float* __restrict__ du, const float* __restrict__ dp0, const float* __restrict__ dv0, const float* __restrict__ da0, const float* __restrict__ dj0, const float* __restrict__ dt_in, const float* __restrict__ ddt_in, float* __restrict__ ty0, float* __restrict__ ty1, float* __restrict__ ty2, float* __restrict__ ty3)
 {
-    const int64_t col = (int64_t)blockIdx.x * (int64_t)blockDim.x + (int64_t)threadIdx.x;
-    if (col >= B * D_) return;
-    {
-        const int64_t b = col / D_, d = col % D_;
-        const int64_t srow = idx ? idx[b] : b;
-        T coef[NC_]; T coefd[NC_];
+    /* the step coefficients: one thread per block computes them, every thread reads them */
+    __shared__ T coef[NC_]; __shared__ T coefd[NC_];
+    if (threadIdx.x == 0) {
         const double dt = (double)DT(0);
         const double d_dt = (double)DDT(0);
         const double t0 = (1.0/dt);
@@ -880,6 +889,13 @@ extern "C" __global__ void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_dt_jvp(int64_t
         CD(0) = (T)(d_k0);
         CD(1) = (T)(d_k1);
         CD(2) = (T)(d_k2);
+    }
+    __syncthreads();
+    const int64_t col = (int64_t)blockIdx.x * (int64_t)blockDim.x + (int64_t)threadIdx.x;
+    if (col >= B * D_) return;
+    {
+        const int64_t b = col / D_, d = col % D_;
+        const int64_t srow = idx ? idx[b] : b;
         COLUMN_BASES(b, d)
         const T s0 = S0;
         const T s1 = S1;
