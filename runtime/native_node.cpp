@@ -181,20 +181,22 @@ std::vector<Tensor> step(int64_t handle, const Tensor& u, const Tensor& p0, cons
   return NativeStep::apply(u, p0, v0, a0, j0, idx, dt, handle);
 }
 
+// A dense, contiguous CPU tensor of this dtype: what the kernels can read through a raw pointer.
+bool dense_cpu(const Tensor& t, at::ScalarType dtype) {
+  return t.defined() && t.layout() == at::kStrided && t.device().is_cpu() && t.scalar_type() == dtype &&
+         t.is_contiguous();
+}
+
 // What runtime/validate.py accepts for one input, checked without leaving C++: a dense,
 // contiguous CPU tensor of the kernel's dtype and exactly this shape.
 bool conforms(const Kernels& k, const Tensor& t, at::IntArrayRef shape) {
-  return t.defined() && t.layout() == at::kStrided && t.device().is_cpu() && t.scalar_type() == k.dtype &&
-         t.sizes() == shape && t.is_contiguous();
+  return dense_cpu(t, k.dtype) && t.sizes() == shape;
 }
 
 // start_index as runtime/validate.py's check_index accepts it without converting it: int64, one
 // entry per trajectory, each naming one of the start tensors' rows.
 bool index_conforms(const Tensor& idx, int64_t B, int64_t rows) {
-  if (!idx.defined() || idx.layout() != at::kStrided || !idx.device().is_cpu() || idx.scalar_type() != at::kLong ||
-      idx.dim() != 1 || idx.size(0) != B || !idx.is_contiguous()) {
-    return false;
-  }
+  if (!dense_cpu(idx, at::kLong) || idx.dim() != 1 || idx.size(0) != B) return false;
   const int64_t* x = idx.const_data_ptr<int64_t>();
   for (int64_t i = 0; i < B; ++i) {
     if (x[i] < 0 || x[i] >= rows) return false;
@@ -231,8 +233,7 @@ bool finite_and_positive(const Tensor& dt) {
 // values of the kernel's dtype in a contiguous CPU tensor of at most one dimension, with nothing
 // to differentiate (dt gradients take the Python path).
 bool dt_conforms(const Kernels& k, const Tensor& dt) {
-  if (!dt.defined() || dt.layout() != at::kStrided || !dt.device().is_cpu() || dt.scalar_type() != k.dtype ||
-      dt.dim() > 1 || dt.numel() != k.n_dt || !dt.is_contiguous() ||
+  if (!dense_cpu(dt, k.dtype) || dt.dim() > 1 || dt.numel() != k.n_dt ||
       (at::GradMode::is_enabled() && dt.requires_grad())) {
     return false;
   }
