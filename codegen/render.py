@@ -15,6 +15,7 @@ from .schemes import build_operator
 
 TARGETS = ("c", "cuda", "header")
 CTYPES = {"float32": "float", "float64": "double"}
+ITEMSIZE = {"float32": 4, "float64": 8}
 RESTRICT = {"c": "restrict", "cuda": "__restrict__", "header": "restrict"}
 _TEMPLATE_FILES = {"c": "kernel.c.j2", "cuda": "kernel.cu.j2", "header": "header.h.j2"}
 
@@ -57,7 +58,7 @@ def lanes(spec: Any) -> dict | None:
     """
     if spec.layout != "bhd":
         return None
-    size = 4 if spec.dtype == "float32" else 8
+    size = ITEMSIZE[spec.dtype]
     for bits in LANE_BITS:
         width = bits // (8 * size)
         if spec.dof <= width:
@@ -126,7 +127,7 @@ def render(spec: Any, target: str, part: str = "all") -> str:
         raise ValueError(f"part={part!r} is invalid: allowed {', '.join(abi.PARTS)}")
     kernels = abi.PARTS[part]
     ctype = CTYPES[spec.dtype]
-    itemsize = 4 if spec.dtype == "float32" else 8
+    itemsize = ITEMSIZE[spec.dtype]
     code = lowered(spec)
     u = strides(spec.layout, spec.n_actions, spec.dof)
     y = strides(spec.layout, spec.horizon, spec.dof)
