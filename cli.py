@@ -138,11 +138,11 @@ def spec_from_options(o: dict[str, Any]) -> KernelSpec:
 @friendly
 def show(config: Optional[str], task: Optional[str], target: str, kernel: str, **options: Any) -> None:
     """Print generated source for a CONFIG, or for the spec given by options."""
-    from .codegen.render import render
+    from .codegen.driver import generate
 
     specs = load_config(config, task).specs if config else (spec_from_options(options),)
     for spec in specs:
-        click.echo(render(spec, target, kernel))
+        click.echo(generate(spec, targets=(target,), parts=(kernel,)).source(target, kernel))
 
 
 @main.command(name="list")

@@ -9,11 +9,11 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Optional
 
-from .. import __version__
-from ..runtime.cache import atomic_write
-from .render import render
+from ..version import __version__
+from .driver import generate
+from .files import atomic_write
 
 MANIFEST = "manifest.json"
 EXTENSIONS = {"c": "c", "cuda": "cu", "header": "h"}
@@ -50,8 +50,9 @@ def plan(config: Any, target: str) -> dict[str, bytes]:
     """file name → bytes for every source of every kernel, and the manifest."""
     files: dict[str, bytes] = {}
     for spec in config.specs:
+        generated = generate(spec, targets=TARGET_SETS[target])
         for t in TARGET_SETS[target]:
-            files[f"{spec.name}.{EXTENSIONS[t]}"] = render(spec, t).encode()
+            files[f"{spec.name}.{EXTENSIONS[t]}"] = generated.source(t).encode()
     files[MANIFEST] = plan_manifest(config, target, files)
     return files
 
@@ -69,8 +70,7 @@ def plan_manifest(config: Any, target: str, files: dict[str, bytes]) -> bytes:
     return (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode()
 
 
-def write(folder: Path, files: dict[str, bytes], force: bool = False,
-          progress: Callable[[Iterable[str]], Iterable[str]] = lambda x: x) -> list[Path]:
+def write(folder: Path, files: dict[str, bytes], force: bool = False) -> list[Path]:
     """Write planned files, refusing to clobber anything tensorstep did not write."""
     folder.mkdir(parents=True, exist_ok=True)
     manifest_path = folder / MANIFEST
@@ -93,7 +93,7 @@ def write(folder: Path, files: dict[str, bytes], force: bool = False,
                 + ", ".join(foreign) + " (use --force to overwrite)"
             )
     written = []
-    for name in progress(list(files)):
+    for name in files:
         path = folder / name
         if not (path.exists() and path.read_bytes() == files[name]):
             atomic_write(path, files[name])

@@ -17,6 +17,7 @@ from typing import Any
 import cffi
 
 from ..codegen import abi
+from ..codegen.arguments import table
 from .cache import ABI_VERSION, BuildCache, CacheError, digest
 from .fingerprint import generator_fingerprint
 
@@ -65,22 +66,22 @@ def _compile(src: Path, out: Path) -> None:
         raise RuntimeError(f"C compilation failed ({' '.join(cmd)}):\n{result.stderr[-4000:]}")
 
 
-def cdef(name: str, order: int, part: str) -> str:
+def cdef(spec: Any, part: str) -> str:
     """cffi declarations of one library's entry points; pointers are passed as integers."""
+    args = table(spec)
     lines = []
     for kernel in abi.PARTS[part]:
-        params = ", ".join(("intptr_t" if "*" in t else t) + f" {n}" for t, n in abi.arguments(kernel, order))
-        lines.append(f"void {abi.symbol(name, kernel)}({params});")
-    if "dt_vjp" in abi.PARTS[part]:
-        lines.append(f"int64_t {abi.symbol(name, 'n_coefficients')}(void);")
+        params = ", ".join(("intptr_t" if "*" in t else t) + f" {n}" for t, n in abi.arguments(kernel, args))
+        lines.append(f"void {abi.symbol(spec.name, kernel)}({params});")
     return "\n".join(lines)
 
 
 _LOADED: dict[str, Any] = {}
 
 
-def load_library(spec: Any, part: str = "core", cache: BuildCache | None = None) -> Any:
-    """One loaded cffi library of a spec ('core' or 'dt'): from the cache, else generated and built.
+def load_library(spec: Any, part: str = "core", cache: BuildCache | None = None) -> tuple[Any, dict]:
+    """One loaded cffi library of a spec ('core' or 'dt') and its build metadata: from the
+    cache, else generated (codegen's driver) and built.
 
     An unusable cache folder (read-only, or not a folder) falls back to a private temporary
     cache with a warning, so a kernel still loads.
@@ -98,21 +99,24 @@ def fallback_cache_root() -> Path:
     return Path(tempfile.mkdtemp(prefix="tensorstep-cache-"))
 
 
-def _load_library(spec: Any, part: str, cache: BuildCache) -> Any:
-    def source() -> str:
-        from ..codegen.render import render  # SymPy and Jinja2 only on a cache miss
+def _load_library(spec: Any, part: str, cache: BuildCache) -> tuple[Any, dict]:
+    def generate() -> tuple[str, dict]:
+        from ..codegen.driver import generate  # SymPy and Jinja2 only on a cache miss
 
-        return render(spec, "c", part)
+        generated = generate(spec, targets=("c",), parts=(part,))
+        return generated.source("c", part), dict(generated.metadata)
 
-    content_hash, path = cache.artefact_for(f"{spec.key}-{part}", environment_key(), "so", source, _compile)
-    return _open(content_hash, path, spec, part)
+    content_hash, path, metadata = cache.artefact_for(f"{spec.key}-{part}", environment_key(), "so", generate,
+                                                      _compile)
+    return _open(content_hash, path, spec, part), metadata
 
 
-def load_source(spec: Any, source: str, cache: BuildCache | None = None) -> Any:
-    """Build and load a given C source holding all of a spec's kernels (e.g. from `generate`)."""
+def load_source(spec: Any, source: str, metadata: dict, cache: BuildCache | None = None) -> tuple[Any, dict]:
+    """Build and load a given C source holding all of a spec's kernels (e.g. from `generate`),
+    with the metadata its manifest recorded."""
     cache = cache or BuildCache()
     content_hash = digest(source, environment_key())
-    return _open(content_hash, cache.build(content_hash, "so", source, _compile), spec, "all")
+    return _open(content_hash, cache.build(content_hash, "so", source, _compile, metadata), spec, "all"), metadata
 
 
 def address(lib: Any, symbol: str) -> int:
@@ -133,7 +137,7 @@ def _ffi_module(module_path: Path, spec: Any, part: str) -> Any:
     """cffi's out-of-line ABI mode: the declarations parsed once, saved as a Python module."""
     if not module_path.exists():
         builder = cffi.FFI()
-        builder.cdef(cdef(spec.name, spec.order, part))
+        builder.cdef(cdef(spec, part))
         builder.set_source(f"_tensorstep_ffi_{spec.name}_{part}", None)
         fd, tmp = tempfile.mkstemp(dir=module_path.parent, prefix=f".{module_path.stem}.", suffix=".tmp")
         os.close(fd)  # a unique name per writer: concurrent processes never share a temporary
