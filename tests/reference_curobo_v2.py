@@ -129,9 +129,12 @@ def acceleration_v2(u_act, start_p, start_v, start_a, start_idx, traj_dt, H: int
 # --------------------------------------------------------------------------------------------
 
 
-def _falling(n: int, k: int) -> int:
-    """n·(n−1)·…·(n−k+1): the factor the k-th derivative of x^n brings down."""
-    return math.perm(n, k)
+def _truncated_power_term(degree: int, m: int, x: float, deriv: int) -> float:
+    """The k-th derivative of term m, (−1)^m C(D+1, m) (x − m)^D, on its active side x ≥ m.
+
+    math.perm(D, k) = D·(D−1)·…·(D−k+1) is the factor the k-th derivative brings down.
+    """
+    return (-1) ** m * math.comb(degree + 1, m) * math.perm(degree, deriv) * (x - m) ** (degree - deriv)
 
 
 def cardinal_bspline(degree: int, x: float, deriv: int = 0) -> float:
@@ -145,7 +148,7 @@ def cardinal_bspline(degree: int, x: float, deriv: int = 0) -> float:
     total = 0.0
     for m in range(degree + 2):
         if x - m >= 0:
-            total += (-1) ** m * math.comb(degree + 1, m) * _falling(degree, deriv) * (x - m) ** (degree - deriv)
+            total += _truncated_power_term(degree, m, x, deriv)
     return total / math.factorial(degree)
 
 
@@ -160,14 +163,16 @@ def cardinal_bspline_piece(degree: int, x: float, piece: int, deriv: int = 0) ->
         return 0.0
     total = 0.0
     for m in range(piece + 1):
-        total += (-1) ** m * math.comb(degree + 1, m) * _falling(degree, deriv) * (x - m) ** (degree - deriv)
+        total += _truncated_power_term(degree, m, x, deriv)
     return total / math.factorial(degree)
 
 
 def span_basis(degree: int, t: float, deriv: int = 0) -> np.ndarray:
     """[B_0^{(k)}(t), …, B_D^{(k)}(t)] with B_i(t) = N_D(t + D − i), t ∈ [0, 1] on one span.
 
-    Control point i of the span sees the piece [D − i, D − i + 1] of N_D.
+    Control point i of the span sees the piece [D − i, D − i + 1] of N_D. N_D is supported on
+    [0, D+1]: the document calls it "centred", but a centred N_D shifted by D − i would not sum
+    to 1, nor match ξ_i and σ of the boundary points.
     """
     return np.array(
         [cardinal_bspline_piece(degree, t + degree - i, degree - i, deriv) for i in range(degree + 1)]
@@ -196,8 +201,9 @@ def bspline_control_points(knots, start_state, goal_state, use_goal: bool, kdt: 
     """The control sequence of one trajectory (knots [n, d]; states are (p, v, a, j) tuples).
 
     Flag off: [F(start), u_0..u_{n−1}, u_{n−1} repeated D times] (the goal has no effect);
-    flag on: [F(start), u_0..u_{n−2}, G(goal)] (u_{n−1} is never used). G = F's formula applied
-    to the goal state (see the report: the document does not write G out).
+    flag on: [F(start), u_0..u_{n−2}, G(goal)] (u_{n−1} is never used). The document does not
+    write G out: G is F's formula applied to the goal state, so the last span starts at the goal
+    (row (n+D)·s, as the document says) and follows its Taylor polynomial.
     """
     knots = _f64(knots)
     F = boundary_points(*start_state, kdt, degree)
@@ -225,8 +231,21 @@ def _check_bspline(n: int, degree: int, use_goal: bool) -> None:
         )
 
 
-def _bspline_rows(q: np.ndarray, rows: int, s: int, T: int, kdt: float, degree: int):
-    """P, V, A, J [rows, d] of one trajectory: Σ B_i^{(k)} q_{j+i} / kdt^k over its span's points."""
+def bspline_trajectory(
+    knots, start_state, goal_state, use_goal: bool, dt: float, s: int, rows: int, degree: int
+) -> np.ndarray:
+    """[4, rows, d] (P, V, A, J) of one trajectory, s rows per span, kdt = max(dt, 1e−6)·s:
+
+    row h in span j (``bspline_row``) is Σ_i B_i^{(k)}(t) q_{j+i} / kdt^k, i = 0..D, k = 0..3.
+    """
+    knots = _f64(knots)
+    n = knots.shape[0]
+    T = n + degree + 1
+    _check_bspline(n, degree, use_goal)
+    if s < 1:
+        raise ValueError(f"s = 0 rows per span (T = {T} spans)")
+    kdt = max(dt, DT_FLOOR) * s
+    q = bspline_control_points(knots, start_state, goal_state, use_goal, kdt, degree)
     out = np.zeros((4, rows, q.shape[1]))
     for h in range(rows):
         j, t = bspline_row(h, s, T)
@@ -234,6 +253,10 @@ def _bspline_rows(q: np.ndarray, rows: int, s: int, T: int, kdt: float, degree: 
         for k in range(4):
             out[k, h] = span_basis(degree, t, k) @ pts / kdt**k
     return out
+
+
+def _tables(*tables) -> tuple[np.ndarray, ...]:
+    return tuple(_f64(x) for x in tables)
 
 
 # --------------------------------------------------------------------------------------------
@@ -252,34 +275,29 @@ def bspline_v2(
     J = Σ B_i''' q_i/kdt³ over span j's points q_j..q_{j+D}. out_dt[b] = the raw dt.
     """
     u_act = _f64(u_act)
-    starts = tuple(map(_f64, (start_p, start_v, start_a, start_j)))
-    goals = tuple(map(_f64, (goal_p, goal_v, goal_a, goal_j)))
+    starts = _tables(start_p, start_v, start_a, start_j)
+    goals = _tables(goal_p, goal_v, goal_a, goal_j)
     traj_dt, flag = _f64(traj_dt).reshape(-1), np.asarray(flag).reshape(-1)
     start_idx, goal_idx = _idx(start_idx), _idx(goal_idx)
     B, n, d = u_act.shape
-    T = n + degree + 1
-    s = (R - 1) // T
-    if s < 1:
-        raise ValueError(f"R = {R} rows give s = 0 rows per span (T = {T} spans)")
+    s = (R - 1) // (n + degree + 1)
     P, V, A, J = (np.zeros((B, R, d)) for _ in range(4))
     out_dt = np.zeros(B)
     for b in range(B):
         si, g = start_idx[b], goal_idx[b]
-        use_goal = bool(flag[g])
-        _check_bspline(n, degree, use_goal)
         dt = float(traj_dt[g])
-        kdt = max(dt, DT_FLOOR) * s
-        q = bspline_control_points(
-            u_act[b], [x[si] for x in starts], [x[g] for x in goals], use_goal, kdt, degree
+        start, goal = [x[si] for x in starts], [x[g] for x in goals]
+        P[b], V[b], A[b], J[b] = bspline_trajectory(
+            u_act[b], start, goal, bool(flag[g]), dt, s, R, degree
         )
-        P[b], V[b], A[b], J[b] = _bspline_rows(q, R, s, T, kdt, degree)
         out_dt[b] = dt
     return P, V, A, J, out_dt
 
 
 def bspline_interpolation_v2(
     knots, start_p, start_v, start_a, start_j, goal_p, goal_v, goal_a, goal_j,
-    start_idx, goal_idx, interpolation_dt, flag, interpolated_horizon, max_out: int, degree: int = 4,
+    start_idx, goal_idx, interpolation_dt, flag, interpolated_horizon, max_out: int,
+    degree: int = 4,
 ):
     """get_bspline_interpolation: per trajectory b, H_b = min(interpolated_horizon[b], max_out − 1),
 
@@ -288,28 +306,21 @@ def bspline_interpolation_v2(
     The flag is read at goal_idx[b], as in the forward.
     """
     knots = _f64(knots)
-    starts = tuple(map(_f64, (start_p, start_v, start_a, start_j)))
-    goals = tuple(map(_f64, (goal_p, goal_v, goal_a, goal_j)))
+    starts = _tables(start_p, start_v, start_a, start_j)
+    goals = _tables(goal_p, goal_v, goal_a, goal_j)
     flag = np.asarray(flag).reshape(-1)
     start_idx, goal_idx = _idx(start_idx), _idx(goal_idx)
     horizon = _idx(interpolated_horizon)
     dt = float(_f64(interpolation_dt).reshape(-1)[0])
     B, n, d = knots.shape
-    T = n + degree + 1
     P, V, A, J = (np.zeros((B, max_out, d)) for _ in range(4))
     for b in range(B):
         si, g = start_idx[b], goal_idx[b]
-        use_goal = bool(flag[g])
-        _check_bspline(n, degree, use_goal)
-        H_b = min(int(horizon[b]), max_out - 1)
-        s_b = H_b // T
-        if s_b < 1:
-            raise ValueError(f"interpolated_horizon {H_b} gives s = 0 rows per span (T = {T})")
-        kdt = max(dt, DT_FLOOR) * s_b
-        q = bspline_control_points(
-            knots[b], [x[si] for x in starts], [x[g] for x in goals], use_goal, kdt, degree
+        s_b = min(int(horizon[b]), max_out - 1) // (n + degree + 1)
+        start, goal = [x[si] for x in starts], [x[g] for x in goals]
+        P[b], V[b], A[b], J[b] = bspline_trajectory(
+            knots[b], start, goal, bool(flag[g]), dt, s_b, max_out, degree
         )
-        P[b], V[b], A[b], J[b] = _bspline_rows(q, max_out, s_b, T, kdt, degree)
     return P, V, A, J, np.full(B, dt)
 
 

@@ -271,11 +271,12 @@ def test_acceleration_matches_cumulative_sums():
         _close(P[b], np.vstack([inp["start_p"][s], pos]))
         _close(V[b], np.vstack([inp["start_v"][s], vel]))
         _close(A[b], np.vstack([inp["start_a"][s], acc]), atol=0, rtol=0)
-        _close(J[b], np.vstack([np.zeros(D_OF), np.diff(np.vstack([inp["start_a"][s], acc]), axis=0) / dt[:, None]]))
+        jerk = np.diff(np.vstack([inp["start_a"][s], acc]), axis=0) / dt[:, None]
+        _close(J[b], np.vstack([np.zeros(D_OF), jerk]))
 
 
 def test_acceleration_closed_form_for_constant_action():
-    """Uniform dt, u ≡ c: V[h] = v0 + c·h·dt, P[h] = p0 + v0·h·dt + c·dt²·h(h+1)/2 (semi-implicit Euler)."""
+    """Uniform dt, u ≡ c (semi-implicit Euler): V[h] = v0 + c·h·dt, P[h] = p0 + v0·h·dt + c·dt²·h(h+1)/2."""
     inp = accel_inputs(11)
     dt, H = 0.07, inp["H"]
     inp["traj_dt"] = np.full(H, dt)
@@ -504,6 +505,8 @@ def test_bspline_dt_read_at_goal_idx_with_floor():
     floored = {**inp, "traj_dt": np.array([0.05, 1e-6, 1e-6])}
     for x, y in zip(outs, ref.bspline_v2(**floored)[:4]):
         _close(x, y, atol=0, rtol=0)
+    above = {**inp, "traj_dt": np.array([0.05, 2e-6, 2e-6])}  # sanity: the floor is 1e-6, no higher
+    assert not np.allclose(outs[1], ref.bspline_v2(**above)[1])
     single = {**inp, "u_act": inp["u_act"][1:2], "start_idx": inp["start_idx"][1:2], "goal_idx": [0]}
     for x, y in zip(outs, ref.bspline_v2(**single)[:4]):
         _close(x[1], y[0], atol=0, rtol=0)
@@ -511,7 +514,10 @@ def test_bspline_dt_read_at_goal_idx_with_floor():
 
 @pytest.mark.parametrize(
     "degree, n, flag, ok",
-    [(4, 4, 1, False), (4, 5, 1, True), (4, 3, 0, False), (4, 4, 0, True), (3, 3, 1, False), (6, 8, 0, False)],
+    [
+        (4, 4, 1, False), (4, 5, 1, True), (4, 3, 0, False),
+        (4, 4, 0, True), (3, 3, 1, False), (6, 8, 0, False),
+    ],
 )
 def test_bspline_refuses_spans_that_are_both_boundaries(degree, n, flag, ok):
     inp = bspline_inputs(23, min(degree, 5), 1, n=n, flags=(flag,) * 3)
@@ -559,12 +565,12 @@ def test_interpolation_per_trajectory_horizon():
     degree, n = 4, 7
     T = n + degree + 1
     inp = bspline_inputs(26, degree, 1, n=n, flags=(1, 0, 1))
-    max_out = 4 * T + 3
-    horizon = [2 * T + 1, 10 * T, 3 * T]  # s_b = 2, 4 (clamped: H_b = 4T + 2), 3
+    max_out = 4 * T
+    horizon = [2 * T + 1, 10 * T, 3 * T]  # s_b = 2, 3 (clamped: H_b = 4T − 1), 3
     inp["traj_dt"][:] = 0.03
     P, V, A, J, dt = ref.bspline_interpolation_v2(**_interp_inputs(inp, 0.03, horizon, max_out))
     _close(dt, [0.03] * 3, atol=0, rtol=0)
-    for b, H_b in enumerate([2 * T + 1, 4 * T + 2, 3 * T]):
+    for b, H_b in enumerate([2 * T + 1, 4 * T - 1, 3 * T]):
         alone = {
             **inp, "u_act": inp["u_act"][b : b + 1], "start_idx": inp["start_idx"][b : b + 1],
             "goal_idx": inp["goal_idx"][b : b + 1], "R": H_b + 1,
