@@ -6,7 +6,7 @@ Native form::
     joints: [j1, j2, ...]          # or  dof: 7
     dt: 0.02                       # step duration used by `run` and `check`
     defaults: {horizon: 32}        # KernelSpec fields shared by every kernel
-    kernels:                       # one KernelSpec (fields of SPEC §3) per entry
+    kernels:                       # one KernelSpec per entry (fields: docs/kernelspec.md)
       - {control: position, difference: central}
       - {control: acceleration}
 

@@ -1,11 +1,12 @@
-"""cuRobo's `integration_utils` names on tensorstep (COMPAT.md): switch the import, keep working.
+"""cuRobo's `integration_utils` names on tensorstep: switch the import, keep working.
 
     from tensorstep.compat.curobo import CliqueTensorStepKernel, build_fd_matrix, ...
 
 Forward results match cuRobo's wherever cuRobo completes a call; the kernel classes are
 tensorstep kernels (generated C on CPU, generated CUDA on GPU) with exact gradients, also
 where cuRobo approximates (last central action), refuses (acceleration backward) or breaks
-(the Idx backward-difference and Coalesce kernels). Written from COMPAT.md's math.
+(the Idx backward-difference and Coalesce kernels). Every name, its formulas and each
+difference from cuRobo: docs/compat_curobo.md.
 """
 from __future__ import annotations
 
@@ -76,7 +77,7 @@ def _forward_difference(horizon: int, device: Any, dtype: torch.dtype, shift: bo
 
 def build_fd_matrix(horizon: int, device: Any = "cpu", dtype: torch.dtype = torch.float32, order: int = 1,
                     PREV_STATE: bool = False, FULL_RANK: bool = False, SHIFT: bool = False) -> Tensor:
-    """Finite-difference matrices (COMPAT.md: default, SHIFT, PREV_STATE, FULL_RANK forms)."""
+    """Finite-difference matrices: the default, SHIFT, PREV_STATE and FULL_RANK forms (docs/compat_curobo.md)."""
     if PREV_STATE:
         G = build_fd_matrix(horizon + order, device=device, dtype=dtype, order=1)
         return -torch.linalg.matrix_power(G, order)[:horizon, :]
