@@ -101,8 +101,10 @@ def generate(config: str, task: Optional[str], output: str, target: str, force: 
     for spec in progress(list(cfg.specs), "deriving"):
         files.update({k: v for k, v in emit.plan(_single(cfg, spec), target).items() if k != emit.MANIFEST})
     files[emit.MANIFEST] = emit.plan_manifest(cfg, target, files)
-    written = emit.write(Path(output), files, force=force)
-    click.echo(f"wrote {len(written)} files for {cfg.robot} ({cfg.dof} dof, {len(cfg.specs)} kernels) to {output}/")
+    report = emit.write(Path(output), files, force=force)
+    click.echo(f"{report.summary()} for {cfg.robot} ({cfg.dof} dof, {len(cfg.specs)} kernels) in {output}/")
+    for line in report.notes():
+        click.echo(line)
 
 
 def _single(cfg: Any, spec: KernelSpec) -> Any:
@@ -256,7 +258,8 @@ def run(config: str, task: Optional[str], output: str, batch: int, device: str) 
     for spec in cfg.specs:
         files.update({k: v for k, v in emit.plan(_single(cfg, spec), "all").items() if k != emit.MANIFEST})
     files[emit.MANIFEST] = emit.plan_manifest(cfg, "all", files)
-    emit.write(Path(output), files)
+    for line in emit.write(Path(output), files).notes():
+        click.echo(line)
     click.echo(f"{cfg.robot}: {cfg.dof} dof, dt={cfg.dt}, batch={batch}, device={device}")
     for spec in cfg.specs:
         t0 = time.perf_counter()

@@ -185,3 +185,33 @@ def test_check_a_folder_whose_source_does_not_compile(tmp_path):
     broken.write_text(broken.read_text().replace("#include", "@@@ #include", 1))
     line = error_line(run("check", str(tmp_path / "g")))
     assert f"{broken} does not compile" in line and "stray" in line
+
+
+def test_generate_reports_unchanged_files_and_follows_the_umask(tmp_path):
+    import os
+
+    old = os.umask(0o022)
+    try:
+        first = run("generate", "ur5e", "-o", str(tmp_path))
+    finally:
+        os.umask(old)
+    assert "\nwrote 7 files for ur5e" in first.output
+    assert {oct(p.stat().st_mode & 0o777) for p in tmp_path.iterdir()} == {"0o644"}
+    again = run("generate", "ur5e", "-o", str(tmp_path))
+    assert again.exit_code == 0 and "\nnothing changed (7 files up to date) for ur5e" in again.output
+
+
+def test_generating_another_config_removes_only_its_own_unchanged_files(tmp_path):
+    assert run("generate", "franka_panda", "-o", str(tmp_path)).exit_code == 0
+    old = json.loads((tmp_path / "manifest.json").read_text())
+    old_files = sorted(f["path"] for k in old["kernels"] for f in k["files"].values())
+    edited = tmp_path / old_files[0]
+    edited.write_text("/* my edits */\n")
+    (tmp_path / "notes.txt").write_text("mine")
+    result = run("generate", "ur5e", "-o", str(tmp_path))
+    assert result.exit_code == 0, result.output
+    removed = [p for p in old_files[1:]]
+    assert f"removed {len(removed)} files of kernels no longer in the config: {', '.join(removed)}" in result.output
+    assert f"left 1 files of kernels no longer in the config (edited since tensorstep wrote them): {edited.name}" in result.output
+    assert edited.read_text() == "/* my edits */\n" and (tmp_path / "notes.txt").read_text() == "mine"
+    assert not any((tmp_path / name).exists() for name in removed)
