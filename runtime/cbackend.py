@@ -36,6 +36,24 @@ class CompilerNotFound(RuntimeError):
     """No usable C compiler."""
 
 
+class CompileError(RuntimeError):
+    """A C source did not compile; the compiler's output is kept in ``stderr``."""
+
+    def __init__(self, command: list[str], source: str, stderr: str):
+        self.source, self.stderr = source, stderr  # source: the compiled file (callers may name theirs)
+        super().__init__(f"C compilation failed ({' '.join(command)}):\n{stderr[-4000:]}")
+
+    def summary(self) -> str:
+        """One line: the source and the compiler's first error, located by line and column."""
+        for line in self.stderr.splitlines():
+            if "error" in line:
+                where, _, message = line.rpartition(" error: ") if " error: " in line else ("", "", line)
+                position = where.rstrip(":").split(":")[-2:] if where.count(":") >= 2 else []
+                at = f" (line {':'.join(position)})" if position else ""
+                return f"{self.source} does not compile{at}: {message.strip()}"
+        return f"{self.source} does not compile (the compiler gave no error message)"
+
+
 @functools.lru_cache(maxsize=1)
 def compiler() -> str:
     """Path of the C compiler: $CC, else cc or gcc on PATH."""
@@ -63,7 +81,7 @@ def _compile(src: Path, out: Path) -> None:
     cmd = [compiler(), *c_flags(), "-x", "c", str(src), "-o", str(out)]
     result = subprocess.run(cmd, capture_output=True, text=True)
     if result.returncode != 0:
-        raise RuntimeError(f"C compilation failed ({' '.join(cmd)}):\n{result.stderr[-4000:]}")
+        raise CompileError(cmd, str(src), result.stderr)
 
 
 def cdef(spec: Any, part: str) -> str:

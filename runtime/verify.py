@@ -9,6 +9,7 @@ import torch
 
 from ..codegen.spec import KernelSpec
 from .api import operator_matrices
+from .cbackend import CompileError
 from .launch import DTYPES, CpuBackend, Launcher
 
 TOLERANCE = {"float32": 2e-5, "float64": 1e-10}
@@ -64,8 +65,12 @@ def check_target(target: Path, task: Optional[str] = None,
             if c_file is None:
                 raise ValueError(f"{target}: kernel {kernel['name']} has no C source (generated with --target cuda)")
             source = (target / c_file["path"]).read_text()
-            backend = CpuBackend(spec, source, kernel.get("metadata", {}))
-            rows.append(verify_launcher(spec, Launcher(spec, backend), torch.device("cpu")))
+            try:
+                backend = CpuBackend(spec, source, kernel.get("metadata", {}))
+                rows.append(verify_launcher(spec, Launcher(spec, backend), torch.device("cpu")))
+            except CompileError as err:
+                err.source = str(target / c_file["path"])  # the user's file, not the cache's copy
+                raise
     else:
         from ..config import load_config
         from .api import load

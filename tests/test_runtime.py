@@ -136,3 +136,14 @@ def test_step_pickles_and_deepcopies_by_spec():
         assert clone.spec == step.spec and clone is not step
         for a, b in zip(clone(u, *s, 0.1), expected):
             assert torch.equal(a, b)
+
+
+def test_the_suite_never_builds_into_the_users_cache():
+    """conftest.py gives the session a temporary cache unless one is set (as .ci/run does)."""
+    from pathlib import Path
+
+    from tensorstep.runtime.cache import cache_root
+
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    assert os.environ.get("TENSORSTEP_CACHE_DIR")
+    assert cache_root().resolve() != (Path(base) / "tensorstep").resolve()
