@@ -408,8 +408,10 @@ class _KernelClass(torch.autograd.Function):
         step = _step(cls.kind, u, cls.indexed)
         H = step.spec.horizon
         index = idx.to(torch.int64).contiguous() if idx is not None else None
-        return tuple(DtJvpFunction.apply(step.launcher, *_contiguous(u, p, v, a), None, index, cls._dt(traj_dt, u, H),
-                                         *_contiguous(du, dp, dv, da), None, cls._dt(ddt, u, H)))
+        inputs = [*_contiguous(u, p, v, a), None, index]  # the step's table order (no j0)
+        tangents = [*_contiguous(du, dp, dv, da), None]  # of its differentiable inputs
+        return tuple(DtJvpFunction.apply(step.launcher, cls._dt(traj_dt, u, H), cls._dt(ddt, u, H).contiguous(),
+                                         *inputs, *tangents))
 
 
 class _Plain(_KernelClass):
