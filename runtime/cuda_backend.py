@@ -78,11 +78,6 @@ class CudaBackend:
                 self.functions[kernel] = module.get_function(abi.symbol(self.spec.name, kernel))
         return metadata
 
-    @property
-    def n_coefficients(self) -> int:
-        """Entries of the dt_vjp accumulator, from the build's metadata (no code generation)."""
-        return int(self.metadata["n_coefficients"])
-
     def call(self, kernel: str, B: int, args: list[int]) -> None:
         if kernel not in self.functions:
             self._bind("dt")
