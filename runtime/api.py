@@ -53,8 +53,8 @@ class Step(torch.nn.Module):
         if probe.dtype != self.dtype or probe.device != self.device:
             name = {v: k for k, v in DTYPES.items()}.get(probe.dtype)
             if name is None:
-                raise TypeError(f"Step.to({probe.dtype}): tensorstep kernels are float32 or float64 "
-                                f"(KernelSpec.dtype); load a spec with dtype='float32' or 'float64'")
+                raise TypeError(f"Step cannot convert to {probe.dtype}: tensorstep kernels are float32 or "
+                                f"float64 (KernelSpec.dtype); use .float() or .double()")
             fresh = load(dataclasses.replace(self.spec, dtype=name), probe.device)
             module_state = vars(torch.nn.Module())
             self.__dict__.update({k: v for k, v in vars(fresh).items() if k not in module_state})
