@@ -1,7 +1,8 @@
 """The public API: load a compiled step, read its source, get its dense matrices."""
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence, Union
+import dataclasses
+from typing import Any, Mapping, Optional, Sequence, Union
 
 import torch
 
@@ -18,6 +19,10 @@ class Step(torch.nn.Module):
 
     ``out=(P, V, A, J)`` writes the forward into caller-owned tensors instead (rollouts under
     ``torch.no_grad()``; not differentiable, like PyTorch's own ``out=`` functions).
+
+    ``step.to(torch.float64)``, ``.double()``, ``.float()``, ``.to("cuda")`` and ``.cpu()`` work as
+    on any module: in place, they load this module with the kernels of ``spec.replace(dtype=...)``
+    and/or for the new device, and return it. Other dtypes (float16, ...) raise a TypeError.
     """
 
     def __init__(self, spec: Any, device: torch.device, launcher: Launcher):
@@ -39,6 +44,21 @@ class Step(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.spec.name}, device={self.device}"
+
+    def _apply(self, fn: Any, recurse: bool = True) -> "Step":
+        """Module conversions (``to``, ``double``, ``cuda``, ...): the kernel is fixed per spec and
+        device, so a new dtype or device loads that kernel into this module (there are no tensors
+        to convert). ``fn`` is applied to a probe tensor to see what the conversion asks for."""
+        probe = fn(torch.zeros((), dtype=self.dtype, device=self.device))
+        if probe.dtype != self.dtype or probe.device != self.device:
+            name = {v: k for k, v in DTYPES.items()}.get(probe.dtype)
+            if name is None:
+                raise TypeError(f"Step cannot convert to {probe.dtype}: tensorstep kernels are float32 or "
+                                f"float64 (KernelSpec.dtype); use .float() or .double()")
+            fresh = load(dataclasses.replace(self.spec, dtype=name), probe.device)
+            module_state = vars(torch.nn.Module())
+            self.__dict__.update({k: v for k, v in vars(fresh).items() if k not in module_state})
+        return super()._apply(fn, recurse)
 
     def __reduce__(self):
         # pickle and deepcopy by spec (loaded libraries and ops are per process)
@@ -197,8 +217,20 @@ def _device(device: Union[str, torch.device]) -> torch.device:
     return dev
 
 
+def _spec(spec: Any, caller: str) -> Any:
+    """A KernelSpec from a dict of its fields; a TypeError saying what to pass for anything else
+    that is not a spec."""
+    if isinstance(spec, Mapping):
+        return KernelSpec.from_dict(spec)
+    if not all(hasattr(spec, field) for field in ("name", "horizon", "dof", "dtype")):
+        raise TypeError(f"ts.{caller}: expected a KernelSpec, e.g. ts.{caller}(ts.KernelSpec(horizon=32, dof=7)), "
+                        f"or a dict of its fields, got {type(spec).__name__}")
+    return spec
+
+
 def load(spec: Any, device: Union[str, torch.device] = "cpu") -> Step:
-    """Compile (or load from the cache) the kernels of a spec for a device."""
+    """Compile (or load from the cache) the kernels of a spec (or a dict of its fields) for a device."""
+    spec = _spec(spec, "load")
     dev = _device(device)
     if dev.type == "cpu":
         backend: Any = CpuBackend(spec)
@@ -213,7 +245,7 @@ def source(spec: Any, target: str = "c") -> str:
     """The generated source text ('c', 'cuda' or 'header')."""
     from ..codegen.driver import generate
 
-    return generate(spec, targets=(target,)).source(target)
+    return generate(_spec(spec, "source"), targets=(target,)).source(target)
 
 
 def operator_matrices(spec: Any, dt: Union[float, Sequence[float]]) -> dict[str, Any]:
@@ -224,6 +256,7 @@ def operator_matrices(spec: Any, dt: Union[float, Sequence[float]]) -> dict[str,
     """
     from ..codegen.builders import build_operator
 
+    spec = _spec(spec, "operator_matrices")
     values = [float(dt)] if isinstance(dt, (int, float)) else [float(x) for x in dt]
     if len(values) != spec.n_dt:
         raise ValueError(f"dt: expected {spec.n_dt} value(s) for dt={getattr(spec, 'dt', '?')!r}, got {len(values)}")
