@@ -102,8 +102,9 @@ def _start_build(cxx: str, key: str, source: str) -> Callable[[], None]:
         process.stdin.write(json.dumps(job))
 
     def finish() -> None:
-        errors = process.communicate()[1]
-        if process.returncode != 0:
+        with process.stderr:
+            errors = process.stderr.read()
+        if process.wait() != 0:
             raise RuntimeError(errors.strip()[-3000:] or f"the build process exited with {process.returncode}")
 
     return finish

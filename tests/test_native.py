@@ -455,32 +455,37 @@ def test_native_off_by_environment_starts_no_build(tmp_path):
 
 
 FAKE_CXX = """#!/bin/sh
-# a stand-in compiler: logs its run, takes a moment, writes a file that is no library
+# a stand-in compiler: logs its run, takes a moment, writes {what} as its output
 echo run >> "{log}"
 sleep 2
 while [ "$1" != "-o" ]; do shift; done
-echo "not a library" > "$2"
+{write} "$2"
 """
 
 
-def _fake_cxx(tmp_path):
+def _fake_cxx(tmp_path, node=None):
+    """A compiler that writes the session's node (as built) or, without one, a file that is no library."""
     log = tmp_path / "compiler.log"
     cxx = tmp_path / "fake-c++"
-    cxx.write_text(FAKE_CXX.format(log=log))
+    write = f"cp '{node}'" if node else "echo 'not a library' >"
+    cxx.write_text(FAKE_CXX.format(log=log, what="the node" if node else "no library", write=write))
     cxx.chmod(0o755)
     return cxx, log
 
 
 def test_two_processes_building_at_once_build_once(tmp_path):
-    cxx, log = _fake_cxx(tmp_path)
-    code = FIRST_USE + "ts.load(spec); native.wait()"
+    """Both start the build process; the cache's lock lets one compile, and both load its node."""
+    node = native.wait()
+    cxx, log = _fake_cxx(tmp_path, node)
+    code = FIRST_USE + "step = ts.load(spec); native.wait(); print(call(step)[0])"
     env = {k: v for k, v in os.environ.items() if k != "TENSORSTEP_NATIVE"}
     env.update(TENSORSTEP_CACHE_DIR=str(tmp_path / "cache"), CXX=str(cxx))
-    runs = [subprocess.Popen([sys.executable, "-c", code], env=env, stderr=subprocess.PIPE, text=True)
-            for _ in range(2)]
+    runs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True) for _ in range(2)]
     for run in runs:
-        _, err = run.communicate(timeout=300)
+        out, err = run.communicate(timeout=300)
         assert run.returncode == 0, err
+        assert ("NativeStep" in out) == (node is not None), (out, err)
     assert log.read_text().split() == ["run"]
 
 
