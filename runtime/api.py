@@ -34,13 +34,24 @@ class Step(torch.nn.Module):
         self.dtype = DTYPES[spec.dtype]
         self.op_key = registry.register(launcher, device)
         self._dt_cache: dict[float, Tensor] = {}
-        self.native: Optional[int] = None  # handle of the native autograd node (CPU), if built
-        if device.type == "cpu":
-            from . import native
+        self.native: Optional[int] = None  # handle of the native autograd node (CPU), once built
+        self._native_step = self._native_step_out = None
+        self._native_pending = device.type == "cpu"
+        if self._native_pending:
+            self._take_native()
 
-            self.native = native.handle(launcher)
-        self._native_step = torch.ops.tensorstep_native.step.default if self.native is not None else None
-        self._native_step_out = torch.ops.tensorstep_native.step_out.default if self.native is not None else None
+    def _take_native(self) -> None:
+        """Use the native node once built. While it builds (in the background), calls take the
+        Python path and each checks again (runtime/native.py)."""
+        from . import native
+
+        settled = native.ready()  # asked first: a build that ends in between is taken on the next call
+        handle = native.handle(self.launcher)
+        if handle is not None:
+            self._native_step = torch.ops.tensorstep_native.step.default
+            self._native_step_out = torch.ops.tensorstep_native.step_out.default
+        self.native = handle
+        self._native_pending = handle is None and not settled
 
     def extra_repr(self) -> str:
         return f"{self.spec.name}, device={self.device}"
@@ -92,6 +103,8 @@ class Step(torch.nn.Module):
         out: Optional[Sequence[Tensor]] = None,
         **more: Optional[Tensor],
     ) -> tuple[Tensor, ...]:
+        if self._native_pending and not torch.compiler.is_compiling():
+            self._take_native()
         named = {"u": u, "p0": p0, "v0": v0, "a0": a0, "j0": j0, "start_index": start_index}
         if more:  # the kernel family's other arguments, by their names in the argument table
             named.update(_more_arguments(self.table, more))
