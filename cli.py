@@ -315,8 +315,9 @@ def run(config: str, task: Optional[str], output: str, batch: int, device: str) 
             torch.cuda.synchronize()
         per_call = (time.perf_counter() - t0) / reps * 1e6
         shapes = " ".join("x".join(map(str, o.shape)) for o in outs)
+        path = "native node" if step.native is not None else "Python autograd path"
         click.echo(f"  {spec.name}\n    outputs {shapes}; load {load_s * 1e3:.0f} ms; "
-                   f"forward+backward {per_call:.0f} us/call; grad u {tuple(u.grad.shape)}")
+                   f"forward+backward {per_call:.0f} us/call ({path}); grad u {tuple(u.grad.shape)}")
         click.echo(f"    source: {Path(output) / (spec.name + '.c')} and {Path(output) / (spec.name + '.cu')}")
     click.echo(f"manifest: {Path(output) / emit.MANIFEST}")
 
