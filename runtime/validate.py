@@ -126,8 +126,8 @@ def check_dt_values(dt: Tensor, name: str = "dt") -> None:
 def dt_tensor(dt: Any, table: ArgumentTable, dtype: torch.dtype, device: torch.device) -> Tensor:
     """Normalise dt (a float or a tensor) to the kernel's dt vector; refuse non-finite or ≤ 0.
 
-    Under torch.compile a float dt may arrive as a symbolic float: it becomes a tensor with no
-    value check (the custom op checks the values on real data)."""
+    Under torch.compile a float dt may arrive as a symbolic float (a recompilation for a new
+    value): it becomes a tensor with no value check (the custom op checks the values on real data)."""
     arg = table.dt
     n = table.size("NDT")
     expected = "a scalar (0-dim or 1 element)" if n == 1 else f"shape ({n},)"
@@ -136,7 +136,8 @@ def dt_tensor(dt: Any, table: ArgumentTable, dtype: torch.dtype, device: torch.d
     if isinstance(dt, (int, float)) or _symbolic_float(dt):
         if n != 1:
             raise ValueError(f"{arg.name}: this kernel takes per-step durations, a tensor of {expected}; got a scalar")
-        if isinstance(dt, (int, float)) and not (math.isfinite(dt) and dt > 0):
+        # while Dynamo traces, a float may stand for a symbolic one (math.isfinite would break the graph)
+        if not torch.compiler.is_compiling() and not (math.isfinite(dt) and dt > 0):
             raise ValueError(message("dt_value", name=arg.name, got=dt))
         return torch.full((1,), dt, dtype=dtype, device=device)
     if not isinstance(dt, Tensor):

@@ -66,6 +66,31 @@ def test_compile_fullgraph_matches_eager(spec):
         assert torch.allclose(a, b, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compile_fullgraph_with_changing_float_dt(backend):
+    """An optimisation loop that anneals dt: the second float recompiles with a symbolic dt, which
+    must trace without a graph break (fullgraph=True raises on one); outputs and gradients as eager,
+    a tensor dt and its gradient too, and a bad float still refused on real data."""
+    spec = SPECS[0]
+    step, u, (p0, v0, a0), _, _ = make(spec)
+
+    def outputs(u, p0, v0, a0, dt):
+        return step(u, p0, v0, a0, dt)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(outputs, fullgraph=True, backend=backend)
+    for dt in (0.02, 0.03, 0.05, torch.tensor(0.04, dtype=torch.float64, requires_grad=True)):
+        got, expected = compiled(u, p0, v0, a0, dt), outputs(u, p0, v0, a0, dt)
+        weights = [torch.randn(y.shape, dtype=torch.float64) for y in expected]
+        inputs = (u, p0, v0, a0) + ((dt,) if isinstance(dt, torch.Tensor) else ())
+        g_got = torch.autograd.grad(got, inputs, weights)
+        g_expected = torch.autograd.grad(expected, inputs, weights)
+        for a, b in zip((*got, *g_got), (*expected, *g_expected)):
+            assert torch.allclose(a, b, rtol=1e-12, atol=1e-12), dt
+    with pytest.raises(ValueError, match="dt"):
+        compiled(u, p0, v0, a0, -0.1)
+
+
 def test_compile_inductor_cpu():
     spec = SPECS[0]
     step, u, starts, dt, kw = make(spec)
