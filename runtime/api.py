@@ -9,7 +9,7 @@ import torch
 from ..codegen.spec import KernelSpec
 from . import registry, validate
 from .autograd import StepFunction
-from .launch import DTYPES, CpuBackend, Launcher
+from .launch import DTYPES, CpuBackend, Launcher, capturing, warm_up_first
 
 Tensor = torch.Tensor
 
@@ -76,15 +76,34 @@ class Step(torch.nn.Module):
         return load, (self.spec, str(self.device))
 
     def _dt_tensor(self, dt: Union[float, Tensor]) -> Tensor:
-        """The kernel's dt vector; tensors for repeated Python floats are reused (cheap calls)."""
+        """The kernel's dt vector; tensors for repeated Python floats are reused (cheap calls).
+
+        Inside a CUDA graph capture a new float's tensor would only be recorded, never filled, and
+        later eager calls would read it: such a call raises (``prepare`` caches it beforehand)."""
         if isinstance(dt, float) and not torch.compiler.is_compiling():
             cached = self._dt_cache.get(dt)
             if cached is None:
+                if capturing():
+                    raise warm_up_first(f"the tensor for dt={dt!r} would be created")
                 cached = validate.dt_tensor(dt, self.table, self.dtype, self.device)
                 if len(self._dt_cache) < 64:
                     self._dt_cache[dt] = cached
             return cached
         return validate.dt_tensor(dt, self.table, self.dtype, self.device)
+
+    def prepare(self, dt: Optional[float] = None, dt_grad: bool = False) -> "Step":
+        """Do ahead of time what a first call does lazily, so that later calls can be captured in
+        a CUDA graph: cache the tensor for a float ``dt``, and with ``dt_grad=True`` load the dt
+        kernels (gradients and tangents with respect to dt). Returns the step."""
+        if capturing():
+            raise warm_up_first("prepare was called")
+        if dt is not None:
+            if not isinstance(dt, float):
+                raise TypeError(f"dt: prepare takes the float dt later calls pass, got {type(dt).__name__}")
+            if dt not in self._dt_cache:
+                self._dt_cache[dt] = validate.dt_tensor(dt, self.table, self.dtype, self.device)
+        self.launcher.prepare(dt_grad)
+        return self
 
     def action_shape(self, batch: int) -> tuple[int, ...]:
         """Shape the actions u must have for a batch of ``batch`` trajectories."""

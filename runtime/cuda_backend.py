@@ -1,7 +1,9 @@
 """CUDA backend: generated CUDA compiled by NVRTC through CuPy's RawModule.
 
-Launches go on PyTorch's current stream of the tensor's device (no host synchronisation,
-safe under CUDA graph capture); outputs come from PyTorch's allocator (runtime.launch).
+Launches go on PyTorch's current stream of the tensor's device (no host synchronisation);
+outputs come from PyTorch's allocator (runtime.launch). CUDA graph capture is safe once the
+kernels a capture runs are loaded: a module is never compiled or loaded inside a capture (the
+call raises instead); ``Step.prepare`` loads the dt kernels ahead of one.
 The generated source is kept in tensorstep's cache, so a warm load needs no code
 generation; CuPy's own disk cache then serves the compiled binary.
 """
@@ -17,6 +19,7 @@ import torch
 from ..codegen import abi
 from .cache import ABI_VERSION, BuildCache, digest
 from .fingerprint import generator_fingerprint
+from .launch import capturing, warm_up_first
 
 THREADS = 256  # a multiple of the warp size (the dt_vjp reduction relies on whole warps)
 NVRTC_OPTIONS = ("--std=c++14",)
@@ -70,6 +73,8 @@ class CudaBackend:
         self.metadata = self._bind("core")
 
     def _bind(self, part: str) -> dict:
+        if capturing():
+            raise warm_up_first(f"the {part} kernels would be compiled and loaded")
         cp = self.cupy
         source, metadata = cuda_source(self.spec, part)
         with cp.cuda.Device(self.device.index):
@@ -78,9 +83,14 @@ class CudaBackend:
                 self.functions[kernel] = module.get_function(abi.symbol(self.spec.name, kernel))
         return metadata
 
+    def load_part(self, part: str) -> None:
+        """Load a library's kernels unless they are loaded."""
+        if not all(k in self.functions for k in abi.PARTS[part]):
+            self._bind(part)
+
     def call(self, kernel: str, B: int, args: list[int]) -> None:
         if kernel not in self.functions:
-            self._bind("dt")
+            self.load_part("dt")
         columns = 1 if kernel == "dt_vjp_finish" else B * self.spec.dof
         blocks = max(1, (columns + THREADS - 1) // THREADS)
         stream = self._stream(torch.cuda.current_stream(self.device).cuda_stream)

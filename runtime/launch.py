@@ -19,6 +19,19 @@ OptTensor = Optional[Tensor]
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 
+def capturing() -> bool:
+    """A CUDA graph capture is under way on the current stream (never on builds without CUDA)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def warm_up_first(what: str) -> RuntimeError:
+    """The error for work that cannot happen inside a CUDA graph capture."""
+    return RuntimeError(
+        f"tensorstep: {what} during CUDA graph capture, where nothing may be allocated, compiled or loaded; "
+        "run one call outside the capture first (with the same float dt, and with dt gradients if the "
+        "captured work needs them), or call step.prepare(dt=..., dt_grad=True) before capturing")
+
+
 def ptr(t: OptTensor) -> int:
     return 0 if t is None else t.data_ptr()
 
@@ -37,6 +50,11 @@ class Launcher:
         self.table: ArgumentTable = table(spec)
         self.dtype = DTYPES[spec.dtype]
         self.K = len(self.table.outputs)
+
+    def prepare(self, dt_grad: bool) -> None:
+        """Load now what later calls would load lazily (the dt kernels, for dt gradients)."""
+        if dt_grad:
+            self.backend.load_part("dt")
 
     def output_shape(self, B: int) -> tuple[int, ...]:
         """Shape of each output (P, V, A, J[, S]) for a batch of B."""
@@ -142,7 +160,12 @@ class CpuBackend:
 
         return address(self._core, abi.symbol(self.spec.name, kernel))
 
+    def load_part(self, part: str) -> None:
+        """Load a library's kernels unless they are loaded."""
+        if not all(k in self.functions for k in abi.PARTS[part]):
+            self._bind(part)
+
     def call(self, kernel: str, B: int, args: list[int]) -> None:
         if kernel not in self.functions:
-            self._bind("dt")
+            self.load_part("dt")
         self.functions[kernel](B, *args)

@@ -1,8 +1,10 @@
 """CUDA: generated sources compile to PTX everywhere (nvcc); kernels verified where a GPU exists."""
 from __future__ import annotations
 
+import contextlib
 import shutil
 import subprocess
+import types
 
 import numpy as np
 import pytest
@@ -218,3 +220,131 @@ def test_cuda_source_run_on_the_host_passes_gradcheck(overrides):
     kw = {"start_index": x.idx} if x.idx is not None else {}
     f = lambda u, p0, v0, a0, j0, dt: step(u, p0, v0, a0, dt, j0=j0, **kw)
     assert torch.autograd.gradcheck(f, (*args, dt), check_forward_ad=True)
+
+
+# CUDA graph capture: nothing may be allocated, compiled or loaded while a stream is captured.
+# Without a GPU the capture is simulated by patching torch's predicate; the real capture is below.
+
+
+@pytest.fixture
+def capture(monkeypatch):
+    """A switch for a simulated CUDA graph capture on the current stream."""
+    state = {"on": False}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: state["on"])
+    return state
+
+
+def test_capture_refuses_a_new_float_dt_and_prepare_caches_it(capture):
+    spec = make_spec(GRID[0])
+    step = Step(spec, torch.device("cpu"), Launcher(spec, CpuBackend(spec)))
+    step.native = None  # the Python path, as on CUDA
+    x = Inputs(spec, batch=3)
+    args, kw = (x.u, x.p0, x.v0, x.a0), x.kwargs()
+    expected = step(*args, 0.25, **kw)
+    capture["on"] = True
+    with pytest.raises(RuntimeError, match=r"dt=0\.07 .*CUDA graph capture.*step\.prepare"):
+        step(*args, 0.07, **kw)
+    assert 0.07 not in step._dt_cache  # nothing was created for it
+    assert all(torch.equal(a, b) for a, b in zip(step(*args, 0.25, **kw), expected))  # a cached dt is fine
+    assert len(step(*args, torch.tensor(0.07, dtype=torch.float64), **kw)) == 4  # so is a tensor dt
+    with pytest.raises(RuntimeError, match="prepare was called"):
+        step.prepare(dt=0.07)
+    capture["on"] = False
+    assert step.prepare(dt=0.07) is step
+    cached = step._dt_cache[0.07]
+    capture["on"] = True
+    outs = step(*args, 0.07, **kw)
+    assert step._dt_cache[0.07] is cached
+    expect = reference.apply(spec, [0.07], x.numpy_u_bhd(), x.numpy_start())
+    for k, y in enumerate(outs):
+        scale_close(to_bhd(y, spec), expect[k], 1e-12)
+
+
+class FakeCupy:
+    """Just enough of CuPy for CudaBackend: records module builds and launches."""
+
+    def __init__(self):
+        self.built: list[str] = []
+        self.launched: list[str] = []
+        fake = self
+
+        class Module:
+            def __init__(self, code, options):
+                fake.built.append(code)
+
+            def get_function(self, symbol):
+                return lambda grid, block, args: fake.launched.append(symbol)
+
+        self.RawModule = Module
+        self.cuda = type("cuda", (), {"Device": staticmethod(lambda index: contextlib.nullcontext()),
+                                      "ExternalStream": staticmethod(lambda ptr, index: contextlib.nullcontext())})
+
+
+def fake_cuda_backend(spec, monkeypatch):
+    from tensorstep.runtime.cuda_backend import CudaBackend
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: types.SimpleNamespace(cuda_stream=7))
+    backend = CudaBackend.__new__(CudaBackend)
+    backend.cupy, backend.spec, backend.device = FakeCupy(), spec, torch.device("cuda", 0)
+    backend.functions, backend._streams = {}, {}
+    backend.metadata = backend._bind("core")
+    return backend
+
+
+def test_capture_never_builds_or_loads_a_cuda_module(capture, monkeypatch):
+    spec = make_spec(GRID[0])
+    backend = fake_cuda_backend(spec, monkeypatch)
+    assert len(backend.cupy.built) == 1
+    capture["on"] = True
+    backend.call("forward", 2, [0] * 8)  # loaded kernels launch inside a capture
+    with pytest.raises(RuntimeError, match="dt kernels would be compiled and loaded.*CUDA graph capture"):
+        backend.call("dt_vjp", 2, [0] * 8)
+    with pytest.raises(RuntimeError, match="CUDA graph capture"):
+        Launcher(spec, backend).prepare(dt_grad=True)
+    assert len(backend.cupy.built) == 1
+    capture["on"] = False
+    Launcher(spec, backend).prepare(dt_grad=True)
+    assert len(backend.cupy.built) == 2
+    Launcher(spec, backend).prepare(dt_grad=True)  # once only
+    capture["on"] = True
+    backend.call("dt_vjp", 2, [0] * 8)
+    backend.call("dt_vjp_finish", 1, [0] * 3)
+    assert len(backend.cupy.built) == 2
+    assert backend.cupy.launched == [f"{spec.name}_{k}" for k in ("forward", "dt_vjp", "dt_vjp_finish")]
+
+
+@gpu
+def test_cuda_graph_capture_and_replay():
+    """Forward and gradients (to u and a tensor dt) captured after prepare, replayed on new
+    actions: the same numbers as eager calls; a float dt cached before capture is read on replay."""
+    spec = make_spec(dict(control="acceleration", integrator="exact"))
+    dev = torch.device("cuda")
+    step = ts.load(spec, dev).prepare(dt=0.05, dt_grad=True)
+    x = Inputs(spec, batch=300)  # B·D = 600: several blocks in the dt reduction
+    u = x.u.to(dev).requires_grad_(True)
+    starts = [t.to(dev) for t in (x.p0, x.v0, x.a0)]
+    kw = {k: v.to(dev) for k, v in x.kwargs().items()}
+    dt = torch.tensor(0.05, dtype=torch.float64, device=dev, requires_grad=True)
+
+    def work():
+        outs = step(u, *starts, dt, **kw)
+        cost = sum(y.square().sum() for y in outs)
+        return (*torch.autograd.grad(cost, (u, dt)), *step(u.detach(), *starts, 0.05, **kw))
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        work()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = work()
+    for seed in (1, 2):
+        with torch.no_grad():
+            u.copy_(torch.randn(u.shape, generator=torch.Generator().manual_seed(seed), dtype=u.dtype).to(dev))
+        graph.replay()
+        expected = work()
+        for a, b in zip(captured, expected):
+            assert torch.equal(a, b)
+    assert torch.equal(step(u.detach(), *starts, 0.05, **kw)[0], step(u.detach(), *starts, dt.detach(), **kw)[0])
