@@ -21,7 +21,12 @@ from .cache import ABI_VERSION, BuildCache, digest
 from .fingerprint import generator_fingerprint
 from .launch import capturing, warm_up_first
 
-THREADS = 256  # a multiple of the warp size (the dt_vjp reduction relies on whole warps)
+THREADS = 256  # a multiple of the warp size, at most 1024 (the dt_vjp reduction relies on whole warps)
+
+
+def grid_blocks(B: int, dof: int) -> int:
+    """Blocks of a launch over the B·dof columns (dt_vjp: one row of partial sums per block)."""
+    return max(1, (B * dof + THREADS - 1) // THREADS)
 NVRTC_OPTIONS = ("--std=c++14",)
 
 
@@ -88,11 +93,14 @@ class CudaBackend:
         if not all(k in self.functions for k in abi.PARTS[part]):
             self._bind(part)
 
+    def dt_vjp_rows(self, B: int) -> int:
+        """Rows of dt_vjp's partial sums: one per block (no atomics, a fixed order of sums)."""
+        return grid_blocks(B, self.spec.dof)
+
     def call(self, kernel: str, B: int, args: list[int]) -> None:
         if kernel not in self.functions:
             self.load_part("dt")
-        columns = 1 if kernel == "dt_vjp_finish" else B * self.spec.dof
-        blocks = max(1, (columns + THREADS - 1) // THREADS)
+        blocks = 1 if kernel == "dt_vjp_finish" else grid_blocks(B, self.spec.dof)
         stream = self._stream(torch.cuda.current_stream(self.device).cuda_stream)
         with self.cupy.cuda.Device(self.device.index), stream:
             self.functions[kernel]((blocks,), (THREADS,), (B, *args))

@@ -115,13 +115,15 @@ class Launcher:
         """Gradient with respect to the dt vector the kernel reads (float64, summed over the batch)."""
         grads = [contiguous(g) for g in grads]
         u = inputs[0]
-        # the accumulator's size is in the build's metadata (no code generation, no parsing)
-        gc = torch.zeros(int(self.backend.metadata["n_coefficients"]), dtype=torch.float64, device=u.device)
-        gdt = torch.empty(dt.shape[0], dtype=torch.float64, device=u.device)
         B = u.shape[0]
+        # the partial sums: one row per CUDA block (the finish adds them in order), one on the CPU
+        rows = self.backend.dt_vjp_rows(B)
+        # (the coefficient count is in the build's metadata: no code generation, no parsing)
+        gc = torch.zeros(rows * int(self.backend.metadata["n_coefficients"]), dtype=torch.float64, device=u.device)
+        gdt = torch.empty(dt.shape[0], dtype=torch.float64, device=u.device)
         if B:
             self.backend.call("dt_vjp", B, [*map(ptr, inputs), *map(ptr, grads), ptr(dt), ptr(gc)])
-        self.backend.call("dt_vjp_finish", 1, [ptr(dt), ptr(gc), ptr(gdt)])
+        self.backend.call("dt_vjp_finish", B, [ptr(dt), ptr(gc), ptr(gdt)])
         return gdt
 
     def dt_jvp(self, inputs: Sequence[OptTensor], tangents: Sequence[OptTensor], dt: Tensor,
@@ -159,6 +161,10 @@ class CpuBackend:
         from .cbackend import address
 
         return address(self._core, abi.symbol(self.spec.name, kernel))
+
+    def dt_vjp_rows(self, B: int) -> int:
+        """Rows of dt_vjp's partial sums: one (the C kernels add every column in turn)."""
+        return 1
 
     def load_part(self, part: str) -> None:
         """Load a library's kernels unless they are loaded."""
