@@ -58,7 +58,8 @@ def check_device(device: str) -> None:
 
         if not torch.cuda.is_available():
             raise UserError(f"--device={device}: this PyTorch build sees no CUDA device; install a CUDA build of "
-                            "PyTorch and CuPy (pip install tensorstep[cuda]) on a machine with an NVIDIA GPU")
+                            "PyTorch and the CuPy of its CUDA version (pip install 'tensorstep[cuda12]' or "
+                            "'tensorstep[cuda13]', as torch.version.cuda says) on a machine with an NVIDIA GPU")
 
 
 def progress(items: list, label: str) -> Iterable:

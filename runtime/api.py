@@ -240,7 +240,8 @@ def _device(device: Union[str, torch.device]) -> torch.device:
 
         raise CudaUnavailable(
             f"device={str(device)!r}: this PyTorch build sees no CUDA device (torch.cuda.is_available() is False); "
-            "install a CUDA build of PyTorch and CuPy (pip install tensorstep[cuda]) on a machine with an NVIDIA GPU"
+            "install a CUDA build of PyTorch and the CuPy of its CUDA version (pip install 'tensorstep[cuda12]' "
+            "or 'tensorstep[cuda13]', as torch.version.cuda says) on a machine with an NVIDIA GPU"
         )
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())

@@ -34,14 +34,46 @@ class CudaUnavailable(RuntimeError):
     """CUDA was asked for but cannot be used here."""
 
 
+def install_hint(torch_cuda: Any) -> str:
+    """The install command for the CuPy that matches a PyTorch build's CUDA version."""
+    major = str(torch_cuda or "12").split(".")[0]
+    if major in ("12", "13"):
+        return f"pip install 'tensorstep[cuda{major}]' (CuPy for CUDA {major}: cupy-cuda{major}x)"
+    return f"pip install cupy-cuda{major}x"
+
+
+def check_versions(torch_cuda: Any, cupy_runtime: int, nvrtc: Any) -> None:
+    """CuPy's CUDA runtime and NVRTC must be of the CUDA major version PyTorch was built with
+    (a CUDA 13 PyTorch brings NVRTC 13 only; cupy-cuda12x needs NVRTC 12). ``cupy_runtime`` is
+    CuPy's runtime version number (12080 for 12.8), ``nvrtc`` NVRTC's (major, minor) or an
+    exception from loading it."""
+    want = str(torch_cuda).split(".")[0] if torch_cuda else None
+    have = str(cupy_runtime // 1000)
+    if want is not None and have != want:
+        raise CudaUnavailable(
+            f"CuPy is built for CUDA {have}, but PyTorch for CUDA {torch_cuda} (torch.version.cuda): "
+            f"install the matching CuPy, {install_hint(torch_cuda)}, and uninstall cupy-cuda{have}x")
+    if isinstance(nvrtc, BaseException):
+        raise CudaUnavailable(
+            f"CuPy cannot load NVRTC {have} ({nvrtc}), which compiles tensorstep's kernels: install it with "
+            f"'pip install \"cupy-cuda{have}x[ctk]>=14\"' (NVRTC as a wheel) or a CUDA {have} toolkit")
+    if want is not None and str(nvrtc[0]) != want:
+        raise CudaUnavailable(
+            f"NVRTC {nvrtc[0]}.{nvrtc[1]} was found, but PyTorch is built for CUDA {torch_cuda}: "
+            f"{install_hint(torch_cuda)}")
+
+
 def _cupy() -> Any:
     try:
         import cupy
     except ImportError as err:
         raise CudaUnavailable(
-            "device='cuda' needs CuPy: install it with 'pip install tensorstep[cuda]' "
-            "(or the cupy-cudaXXx wheel matching your CUDA toolkit)"
-        ) from err
+            f"device='cuda' needs CuPy: install it with {install_hint(torch.version.cuda)}") from err
+    try:
+        nvrtc: Any = cupy.cuda.nvrtc.getVersion()
+    except Exception as err:  # the shared library is missing or of another major version
+        nvrtc = err
+    check_versions(torch.version.cuda, cupy.cuda.runtime.runtimeGetVersion(), nvrtc)
     return cupy
 
 

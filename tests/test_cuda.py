@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import re
 import shutil
 import subprocess
 import types
@@ -375,3 +376,23 @@ def test_cuda_graph_capture_and_replay():
             assert torch.equal(a, b)
     assert torch.equal(step(u.detach(), *starts, 0.05, **kw)[0], step(u.detach(), *starts, dt.detach(), **kw)[0])
 
+
+
+@pytest.mark.parametrize("torch_cuda, runtime, nvrtc, fix", [
+    ("13.0", 12080, (12, 8), "tensorstep[cuda13]"),       # cupy-cuda12x beside a CUDA 13 PyTorch
+    ("12.8", 13000, (13, 0), "tensorstep[cuda12]"),
+    ("12.8", 12080, OSError("libnvrtc.so.12: cannot open"), "cupy-cuda12x[ctk]"),
+    ("13.0", 13000, (12, 9), "tensorstep[cuda13]"),
+])
+def test_cupy_of_another_cuda_major_is_refused_with_the_fix(torch_cuda, runtime, nvrtc, fix):
+    from tensorstep.runtime.cuda_backend import CudaUnavailable, check_versions
+
+    with pytest.raises(CudaUnavailable, match=re.escape(fix)):
+        check_versions(torch_cuda, runtime, nvrtc)
+
+
+def test_cupy_of_the_same_cuda_major_is_accepted():
+    from tensorstep.runtime.cuda_backend import check_versions
+
+    check_versions("12.8", 12060, (12, 6))
+    check_versions("13.0", 13000, (13, 0))
