@@ -860,18 +860,37 @@ extern "C" __global__ void ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_dt_v
         ACC(13) += (double)(yb3_2*U(0) + yb3_3*U(1) + yb3_4*U(2) + yb3_5*U(3) + yb3_6*U(4) + yb3_7*U(5) + yb3_8*U(6) + yb3_9*U(7) + yb3_10*U(8) + yb3_11*U(9) + yb3_12*U(10) + yb3_13*U(11) + yb3_14*U(12) + yb3_15*U(13) + yb3_16*U(14) + yb3_17*U(15) + yb3_18*U(16) + yb3_19*U(17) + yb3_20*U(18) + yb3_21*U(19) + yb3_22*U(20) + yb3_23*U(21) + yb3_24*U(22) + yb3_25*U(23) + yb3_26*U(24) + yb3_27*U(25) + yb3_28*U(26) + yb3_29*U(27) + yb3_30*U(28) + yb3_31*U(29));
         ACC(14) += (double)(yb3_3*U(0) + yb3_4*U(1) + yb3_5*U(2) + yb3_6*U(3) + yb3_7*U(4) + yb3_8*U(5) + yb3_9*U(6) + yb3_10*U(7) + yb3_11*U(8) + yb3_12*U(9) + yb3_13*U(10) + yb3_14*U(11) + yb3_15*U(12) + yb3_16*U(13) + yb3_17*U(14) + yb3_18*U(15) + yb3_19*U(16) + yb3_20*U(17) + yb3_21*U(18) + yb3_22*U(19) + yb3_23*U(20) + yb3_24*U(21) + yb3_25*U(22) + yb3_26*U(23) + yb3_27*U(24) + yb3_28*U(25) + yb3_29*U(26) + yb3_30*U(27) + yb3_31*U(28));
     }
-    /* warp-level sum, then one atomic per warp and parameter */
+    /* block reduction: each block writes its sums to gc[block * NC_ + i], in a fixed order (a
+     * warp shuffle tree, then the warps' sums in turn); dt_vjp_finish adds the blocks in order */
+    __shared__ double warp_sums[32];
     for (int i = 0; i < NC_; ++i) {
         double v = acc[i];
         for (int off = 16; off > 0; off >>= 1) v += __shfl_down_sync(0xffffffffu, v, off);
-        if ((threadIdx.x & 31) == 0) atomicAdd(&gc[i], v);
+        if ((threadIdx.x & 31) == 0) warp_sums[threadIdx.x >> 5] = v;
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            double s = 0.0;
+            for (unsigned w = 0; w < (blockDim.x >> 5); ++w) s += warp_sums[w];
+            gc[(int64_t)blockIdx.x * NC_ + i] = s;
+        }
+        __syncthreads();
     }
+    /* block reduction: end */
 }
 
 extern "C" __global__ void ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_dt_vjp_finish(int64_t B, const float* __restrict__ dt_in, const double* __restrict__ gc, double* __restrict__ gdt)
 {
-    (void)B;
     if (blockIdx.x != 0 || threadIdx.x != 0) return;
+    /* dt_vjp's per-block sums, added block after block: the same order on every run */
+    const int64_t blocks = (B * D_ + blockDim.x - 1) / blockDim.x;
+    double sums[NC_];
+    for (int i = 0; i < NC_; ++i) {
+        double s = 0.0;
+        for (int64_t k = 0; k < blocks; ++k) s += gc[k * NC_ + i];
+        sums[i] = s;
+    }
+    {
+    const double* gc = sums; /* the reverse program reads the totals */
     const double dt = (double)DT(0);
     const double t0 = (1.0/dt);
     const double t1 = (1.0/(dt*dt));
@@ -912,6 +931,7 @@ extern "C" __global__ void ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_dt_v
     const double b_t1 = (-2)*b_k10 + (1)*b_k5 + (-1)*b_k2;
     const double b_t0 = (-0.5)*b_k7 + (1)*b_k1 + (-1)*b_k0;
     GDT(0) = (-0.16666666666666667)*b_k4 + (-3/(dt*dt*dt*dt))*b_t2 + (-2/(dt*dt*dt))*b_t1 + (-1/(dt*dt))*b_t0;
+    }
 }
 
 extern "C" __global__ void ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_dt_jvp(int64_t B, const float* __restrict__ u, const float* __restrict__ p0, const float* __restrict__ v0, const float* __restrict__ a0, const float* __restrict__ j0, const int64_t* __restrict__ idx, const float* __restrict__ du, const float* __restrict__ dp0, const float* __restrict__ dv0, const float* __restrict__ da0, const float* __restrict__ dj0, const float* __restrict__ dt_in, const float* __restrict__ ddt_in, float* __restrict__ ty0, float* __restrict__ ty1, float* __restrict__ ty2, float* __restrict__ ty3)

@@ -1574,18 +1574,37 @@ extern "C" __global__ void ts_h40_d6_jer_exact_dts_noidx_bhd_f32_o3_dt_vjp(int64
         ACC(115) += (double)(yb1_39*y3_39 + yb0_39*y2_38);
         ACC(116) += (double)(yb0_39*y3_39);
     }
-    /* warp-level sum, then one atomic per warp and parameter */
+    /* block reduction: each block writes its sums to gc[block * NC_ + i], in a fixed order (a
+     * warp shuffle tree, then the warps' sums in turn); dt_vjp_finish adds the blocks in order */
+    __shared__ double warp_sums[32];
     for (int i = 0; i < NC_; ++i) {
         double v = acc[i];
         for (int off = 16; off > 0; off >>= 1) v += __shfl_down_sync(0xffffffffu, v, off);
-        if ((threadIdx.x & 31) == 0) atomicAdd(&gc[i], v);
+        if ((threadIdx.x & 31) == 0) warp_sums[threadIdx.x >> 5] = v;
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            double s = 0.0;
+            for (unsigned w = 0; w < (blockDim.x >> 5); ++w) s += warp_sums[w];
+            gc[(int64_t)blockIdx.x * NC_ + i] = s;
+        }
+        __syncthreads();
     }
+    /* block reduction: end */
 }
 
 extern "C" __global__ void ts_h40_d6_jer_exact_dts_noidx_bhd_f32_o3_dt_vjp_finish(int64_t B, const float* __restrict__ dt_in, const double* __restrict__ gc, double* __restrict__ gdt)
 {
-    (void)B;
     if (blockIdx.x != 0 || threadIdx.x != 0) return;
+    /* dt_vjp's per-block sums, added block after block: the same order on every run */
+    const int64_t blocks = (B * D_ + blockDim.x - 1) / blockDim.x;
+    double sums[NC_];
+    for (int i = 0; i < NC_; ++i) {
+        double s = 0.0;
+        for (int64_t k = 0; k < blocks; ++k) s += gc[k * NC_ + i];
+        sums[i] = s;
+    }
+    {
+    const double* gc = sums; /* the reverse program reads the totals */
     const double dt_0 = (double)DT(0);
     const double dt_1 = (double)DT(1);
     const double dt_2 = (double)DT(2);
@@ -1900,6 +1919,7 @@ extern "C" __global__ void ts_h40_d6_jer_exact_dts_noidx_bhd_f32_o3_dt_vjp_finis
     GDT(37) = ((1.0/2.0)*(dt_37*dt_37))*b_k110 + (dt_37)*b_k109 + (1)*b_k108;
     GDT(38) = ((1.0/2.0)*(dt_38*dt_38))*b_k113 + (dt_38)*b_k112 + (1)*b_k111;
     GDT(39) = ((1.0/2.0)*(dt_39*dt_39))*b_k116 + (dt_39)*b_k115 + (1)*b_k114;
+    }
 }
 
 extern "C" __global__ void ts_h40_d6_jer_exact_dts_noidx_bhd_f32_o3_dt_jvp(int64_t B, const float* __restrict__ u, const float* __restrict__ p0, const float* __restrict__ v0, const float* __restrict__ a0, const float* __restrict__ j0, const int64_t* __restrict__ idx, const float* __restrict__ du, const float* __restrict__ dp0, const float* __restrict__ dv0, const float* __restrict__ da0, const float* __restrict__ dj0, const float* __restrict__ dt_in, const float* __restrict__ ddt_in, float* __restrict__ ty0, float* __restrict__ ty1, float* __restrict__ ty2, float* __restrict__ ty3)

@@ -1107,18 +1107,37 @@ extern "C" __global__ void ts_h40_d6_pos_cen_a442_onesided_dtu_noidx_bhd_f32_o3_
         ACC(47) += (double)(yb3_39*U(37));
         ACC(48) += (double)(yb3_39*U(38));
     }
-    /* warp-level sum, then one atomic per warp and parameter */
+    /* block reduction: each block writes its sums to gc[block * NC_ + i], in a fixed order (a
+     * warp shuffle tree, then the warps' sums in turn); dt_vjp_finish adds the blocks in order */
+    __shared__ double warp_sums[32];
     for (int i = 0; i < NC_; ++i) {
         double v = acc[i];
         for (int off = 16; off > 0; off >>= 1) v += __shfl_down_sync(0xffffffffu, v, off);
-        if ((threadIdx.x & 31) == 0) atomicAdd(&gc[i], v);
+        if ((threadIdx.x & 31) == 0) warp_sums[threadIdx.x >> 5] = v;
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            double s = 0.0;
+            for (unsigned w = 0; w < (blockDim.x >> 5); ++w) s += warp_sums[w];
+            gc[(int64_t)blockIdx.x * NC_ + i] = s;
+        }
+        __syncthreads();
     }
+    /* block reduction: end */
 }
 
 extern "C" __global__ void ts_h40_d6_pos_cen_a442_onesided_dtu_noidx_bhd_f32_o3_dt_vjp_finish(int64_t B, const float* __restrict__ dt_in, const double* __restrict__ gc, double* __restrict__ gdt)
 {
-    (void)B;
     if (blockIdx.x != 0 || threadIdx.x != 0) return;
+    /* dt_vjp's per-block sums, added block after block: the same order on every run */
+    const int64_t blocks = (B * D_ + blockDim.x - 1) / blockDim.x;
+    double sums[NC_];
+    for (int i = 0; i < NC_; ++i) {
+        double s = 0.0;
+        for (int64_t k = 0; k < blocks; ++k) s += gc[k * NC_ + i];
+        sums[i] = s;
+    }
+    {
+    const double* gc = sums; /* the reverse program reads the totals */
     const double dt = (double)DT(0);
     const double t0 = (1.0/dt);
     const double t1 = (dt*dt);
@@ -1243,6 +1262,7 @@ extern "C" __global__ void ts_h40_d6_pos_cen_a442_onesided_dtu_noidx_bhd_f32_o3_
     const double b_t1 = (-0.013888888888888889)*b_k3 + (-1/(t1*t1))*b_t4;
     const double b_t0 = (2.0833333333333333)*b_k38 + (-4)*b_k37 + (3)*b_k36 + (-1.3333333333333333)*b_k35 + (0.83333333333333333)*b_k23 + (-1.5)*b_k22 + (0.5)*b_k21 + (-0.58333333333333333)*b_k0 + (0.25)*b_t10 + (0.083333333333333333)*b_t3 + (0.66666666666666667)*b_t2;
     GDT(0) = (-(15.0/2.0)/(dt*dt*dt*dt))*b_k48 + (0.013888888888888889)*b_k9 + (0.041666666666666667)*b_k2 + (-3/(dt*dt*dt*dt))*b_t7 + (2*dt)*b_t1 + (-1/(dt*dt))*b_t0;
+    }
 }
 
 extern "C" __global__ void ts_h40_d6_pos_cen_a442_onesided_dtu_noidx_bhd_f32_o3_dt_jvp(int64_t B, const float* __restrict__ u, const float* __restrict__ p0, const float* __restrict__ v0, const float* __restrict__ a0, const float* __restrict__ j0, const int64_t* __restrict__ idx, const float* __restrict__ du, const float* __restrict__ dp0, const float* __restrict__ dv0, const float* __restrict__ da0, const float* __restrict__ dj0, const float* __restrict__ dt_in, const float* __restrict__ ddt_in, float* __restrict__ ty0, float* __restrict__ ty1, float* __restrict__ ty2, float* __restrict__ ty3)
