@@ -70,7 +70,7 @@ class KernelCode:
         return COLUMN.lines(self.statements)
 
 
-def _var(ref: Ref, prefix: str = ""):
+def _var(ref: Ref, prefix: str = "") -> Read | Var | Val:
     """A ref's value (forward: U(3), s1, y2_5; with prefix 't' its tangent)."""
     if ref[0] == "u":  # read at the point of use: keeps register pressure flat in long bodies
         return Read("DU" if prefix else "U", (ref[1],))
