@@ -1,9 +1,31 @@
-"""tensorstep: generated, differentiable trajectory step kernels for robot motion optimisation."""
+"""tensorstep: generated, differentiable trajectory step kernels for robot motion optimisation.
+
+``import tensorstep`` is light: the runtime (and PyTorch with it) is imported on first use of
+``load``, ``source``, ``operator_matrices`` or ``Step``, so the command line's code-only
+commands never import PyTorch.
+"""
 from __future__ import annotations
 
-__version__ = "0.1.0"
+from typing import Any
 
-from .codegen.spec import KernelSpec  # noqa: E402  (light: no SymPy)
-from .runtime.api import load, operator_matrices, source  # noqa: E402
+from .codegen.spec import KernelSpec
+from .version import __version__
 
-__all__ = ["KernelSpec", "load", "operator_matrices", "source", "__version__"]
+_RUNTIME = ("load", "source", "operator_matrices", "Step")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _RUNTIME:
+        from .runtime import api
+
+        value = getattr(api, name)
+        globals()[name] = value  # later look-ups skip this function
+        return value
+    raise AttributeError(f"module 'tensorstep' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_RUNTIME))
+
+
+__all__ = ["KernelSpec", "Step", "load", "operator_matrices", "source", "__version__"]

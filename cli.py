@@ -28,14 +28,37 @@ def friendly(fn: Callable) -> Callable:
         from .codegen.emit import OverwriteError
         from .config import ConfigError
         from .runtime.cache import CacheError
-        from .runtime.cbackend import CompilerNotFound
+        from .runtime.cbackend import CompileError, CompilerNotFound
 
         try:
             return fn(*args, **kwargs)
         except (ConfigError, OverwriteError, CacheError, CompilerNotFound, ValueError) as err:
             raise UserError(str(err)) from None
+        except CompileError as err:
+            raise UserError(err.summary()) from None
+        except OSError as err:  # an unreadable input, an unwritable output folder
+            raise UserError(f"{err.filename + ': ' if err.filename else ''}{err.strerror or err}") from None
+        except RuntimeError as err:
+            # CudaUnavailable, matched by name: importing its module here would import torch
+            cuda = sys.modules.get(f"{__package__}.runtime.cuda_backend")
+            if cuda is not None and isinstance(err, cuda.CudaUnavailable):
+                raise UserError(str(err)) from None
+            raise
 
     return wrapper
+
+
+def check_device(device: str) -> None:
+    """--device: cpu, cuda or cuda:N, and for CUDA a PyTorch that sees a GPU (one line otherwise)."""
+    kind, _, index = device.partition(":")
+    if kind not in ("cpu", "cuda") or (index and (kind == "cpu" or not index.isdigit())):
+        raise UserError(f"--device={device!r} is invalid: allowed cpu, cuda, cuda:N")
+    if kind == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise UserError(f"--device={device}: this PyTorch build sees no CUDA device; install a CUDA build of "
+                            "PyTorch and CuPy (pip install tensorstep[cuda]) on a machine with an NVIDIA GPU")
 
 
 def progress(items: list, label: str) -> Iterable:
@@ -78,8 +101,10 @@ def generate(config: str, task: Optional[str], output: str, target: str, force: 
     for spec in progress(list(cfg.specs), "deriving"):
         files.update({k: v for k, v in emit.plan(_single(cfg, spec), target).items() if k != emit.MANIFEST})
     files[emit.MANIFEST] = emit.plan_manifest(cfg, target, files)
-    written = emit.write(Path(output), files, force=force)
-    click.echo(f"wrote {len(written)} files for {cfg.robot} ({cfg.dof} dof, {len(cfg.specs)} kernels) to {output}/")
+    report = emit.write(Path(output), files, force=force)
+    click.echo(f"{report.summary()} for {cfg.robot} ({cfg.dof} dof, {len(cfg.specs)} kernels) in {output}/")
+    for line in report.notes():
+        click.echo(line)
 
 
 def _single(cfg: Any, spec: KernelSpec) -> Any:
@@ -138,11 +163,20 @@ def spec_from_options(o: dict[str, Any]) -> KernelSpec:
 @friendly
 def show(config: Optional[str], task: Optional[str], target: str, kernel: str, **options: Any) -> None:
     """Print generated source for a CONFIG, or for the spec given by options."""
-    from .codegen.render import render
+    from .codegen.driver import generate
 
+    if config:
+        ctx = click.get_current_context()
+        given = [p.opts[0] for p in ctx.command.params
+                 if p.name in options and ctx.get_parameter_source(p.name) != click.core.ParameterSource.DEFAULT]
+        if given:
+            raise UserError(f"{', '.join(given)} cannot be combined with CONFIG: the config's kernels are shown as "
+                            "it defines them (edit the config, or drop CONFIG to show the spec the options give)")
+    elif task:
+        raise UserError("--task needs a cuRobo robot file as CONFIG")
     specs = load_config(config, task).specs if config else (spec_from_options(options),)
     for spec in specs:
-        click.echo(render(spec, target, kernel))
+        click.echo(generate(spec, targets=(target,), parts=(kernel,)).source(target, kernel))
 
 
 @main.command(name="list")
@@ -188,8 +222,11 @@ def check(target: str, task: Optional[str]) -> None:
 @friendly
 def stencil(difference: str, accuracy: int, derivative: tuple[int, ...]) -> None:
     """Print the derived finite-difference weights (exact rationals, unit spacing)."""
+    from .codegen.spec import MAX_ACCURACY
     from .codegen.stencils import stencil_offsets, uniform_weights
 
+    if not 1 <= accuracy <= MAX_ACCURACY:
+        raise UserError(f"--accuracy={accuracy}: expected 1 to {MAX_ACCURACY} (as KernelSpec allows)")
     if difference == "central" and accuracy % 2:
         raise UserError(f"--accuracy={accuracy}: central differences need an even accuracy")
     for k in derivative or (1, 2, 3):
@@ -209,6 +246,7 @@ def stencil(difference: str, accuracy: int, derivative: tuple[int, ...]) -> None
 @friendly
 def run(config: str, task: Optional[str], output: str, batch: int, device: str) -> None:
     """Generate a CONFIG's kernels, run forward+backward on each, say where the source is."""
+    check_device(device)
     import torch
 
     import tensorstep as ts
@@ -220,7 +258,8 @@ def run(config: str, task: Optional[str], output: str, batch: int, device: str) 
     for spec in cfg.specs:
         files.update({k: v for k, v in emit.plan(_single(cfg, spec), "all").items() if k != emit.MANIFEST})
     files[emit.MANIFEST] = emit.plan_manifest(cfg, "all", files)
-    emit.write(Path(output), files)
+    for line in emit.write(Path(output), files).notes():
+        click.echo(line)
     click.echo(f"{cfg.robot}: {cfg.dof} dof, dt={cfg.dt}, batch={batch}, device={device}")
     for spec in cfg.specs:
         t0 = time.perf_counter()
@@ -264,6 +303,7 @@ def bench(device: str, quick: bool, scheme: tuple, batch: tuple, horizon: tuple,
           budget: float, codegen: bool) -> None:
     """Time forward+backward against the dense-matrix and slicing PyTorch baselines and the copy bound,
     then the forward alone (rollouts) into new and into reused outputs (out=)."""
+    check_device(device)
     from .bench import harness
 
     if scheme or batch or horizon or dtype:

@@ -6,17 +6,21 @@ Native form::
     joints: [j1, j2, ...]          # or  dof: 7
     dt: 0.02                       # step duration used by `run` and `check`
     defaults: {horizon: 32}        # KernelSpec fields shared by every kernel
-    kernels:                       # one KernelSpec (fields of SPEC §3) per entry
+    kernels:                       # one KernelSpec per entry (fields: docs/kernelspec.md)
       - {control: position, difference: central}
       - {control: acceleration}
 
-cuRobo form: a robot file with ``robot_cfg.kinematics.cspace.joint_names`` plus a task
-file with ``model.horizon``, ``model.dt_traj_params``, ``model.control_space`` and
+cuRobo form: a robot file with ``robot_cfg.kinematics.cspace.joint_names`` (less the joints
+in ``robot_cfg.kinematics.lock_joints``, which are not optimised) plus a task file with
+``model.horizon``, ``model.dt_traj_params``, ``model.control_space`` and
 ``model.state_finite_difference_mode``.
+
+A bare name that is not a file (``franka_panda``) names a bundled example config.
 """
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 from pathlib import Path
 from typing import Any, Optional
@@ -55,7 +59,10 @@ def _read_yaml(path: Path) -> Any:
             raise ConfigError(path, "", f"file is larger than {MAX_CONFIG_BYTES} bytes")
         text = path.read_text()
     except OSError as err:
-        raise ConfigError(path, "", f"cannot read the file: {err.strerror or err}") from None
+        hint = ""
+        if not path.exists() and path.parent == Path("."):
+            hint = f" (bundled examples, by name: {', '.join(sorted(bundled_examples()))})"
+        raise ConfigError(path, "", f"cannot read the file: {err.strerror or err}{hint}") from None
     try:
         return yaml.safe_load(text)
     except yaml.YAMLError as err:
@@ -104,9 +111,24 @@ def _spec(path: Path, key: str, fields: Any, dof: int) -> KernelSpec:
         raise ConfigError(path, key, str(err)) from None
 
 
+NATIVE_KEYS = ("robot", "joints", "dof", "dt", "defaults", "kernels")
+SPEC_KEYS = tuple(f.name for f in dataclasses.fields(KernelSpec)) + ("name",)
+
+
+def _check_keys(path: Path, key: str, data: dict, allowed: tuple[str, ...]) -> None:
+    """Name the first unknown key (with the closest allowed one) before anything reads the rest."""
+    for name in data:
+        if name not in allowed:
+            close = difflib.get_close_matches(str(name), allowed, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            where = f"{key}.{name}" if key else str(name)
+            raise ConfigError(path, where, f"unknown key ({hint}allowed: {', '.join(allowed)})")
+
+
 def load_native(path: Path, data: Any) -> RobotConfig:
     if not isinstance(data, dict):
         raise ConfigError(path, "", "expected a mapping with robot, joints/dof and kernels")
+    _check_keys(path, "", data, NATIVE_KEYS)
     robot = data.get("robot")
     if not isinstance(robot, str) or not robot:
         raise ConfigError(path, "robot", "expected a non-empty robot name (string)")
@@ -126,13 +148,11 @@ def load_native(path: Path, data: Any) -> RobotConfig:
     defaults = data.get("defaults") or {}
     if not isinstance(defaults, dict):
         raise ConfigError(path, "defaults", "expected a mapping of KernelSpec fields")
+    _check_keys(path, "defaults", defaults, SPEC_KEYS)
     kernels = data.get("kernels")
     if not isinstance(kernels, list) or not kernels:
         raise ConfigError(path, "kernels", "expected a non-empty list of kernel specs")
     specs = tuple(_spec(path, f"kernels[{i}]", {**defaults, **(k or {})}, dof) for i, k in enumerate(kernels))
-    unknown = set(data) - {"robot", "joints", "dof", "dt", "defaults", "kernels"}
-    if unknown:
-        raise ConfigError(path, sorted(unknown)[0], "unknown key (allowed: robot, joints, dof, dt, defaults, kernels)")
     return RobotConfig(robot, dof, joints, dt, specs, str(path))
 
 
@@ -140,9 +160,24 @@ CUROBO_CONTROL = {"POSITION": {"control": "position"}, "ACCELERATION": {"control
 CUROBO_DIFFERENCE = {"BACKWARD": {"difference": "backward", "accuracy": 1}, "CENTRAL": {"difference": "central"}}
 
 
+def _unlocked_joints(path: Path, robot: Any) -> tuple[str, ...]:
+    """cspace joint names less those in ``lock_joints`` (name → fixed value): the optimised joints."""
+    key = "robot_cfg.kinematics.cspace.joint_names"
+    joints = _joint_names(path, key, _get(robot, path, key))
+    locked = _get(robot, path, "robot_cfg.kinematics.lock_joints", required=False) or {}
+    if not isinstance(locked, dict):
+        raise ConfigError(path, "robot_cfg.kinematics.lock_joints", "expected a mapping of joint name to locked value")
+    for name in locked:
+        if name not in joints:
+            raise ConfigError(path, f"robot_cfg.kinematics.lock_joints.{name}", f"not a joint of {key}")
+    free = tuple(j for j in joints if j not in locked)
+    if not free:
+        raise ConfigError(path, "robot_cfg.kinematics.lock_joints", "locks every joint: nothing left to optimise")
+    return free
+
+
 def load_curobo(robot_path: Path, robot: Any, task_path: Path) -> RobotConfig:
-    joints = _joint_names(robot_path, "robot_cfg.kinematics.cspace.joint_names",
-                          _get(robot, robot_path, "robot_cfg.kinematics.cspace.joint_names"))
+    joints = _unlocked_joints(robot_path, robot)
     task = _read_yaml(task_path)
     horizon = _get(task, task_path, "model.horizon")
     if isinstance(horizon, bool) or not isinstance(horizon, int):
@@ -152,6 +187,8 @@ def load_curobo(robot_path: Path, robot: Any, task_path: Path) -> RobotConfig:
         raise ConfigError(task_path, "model.dt_traj_params", "expected a mapping with base_dt")
     base_dt = _positive_float(task_path, "model.dt_traj_params.base_dt", dt_params.get("base_dt"))
     ratio = dt_params.get("base_ratio", 1.0)
+    if "max_dt" in dt_params:  # a value of the traj_dt tensor passed at call time, not part of a kernel
+        _positive_float(task_path, "model.dt_traj_params.max_dt", dt_params["max_dt"])
     control = _get(task, task_path, "model.control_space")
     if control not in CUROBO_CONTROL:
         raise ConfigError(task_path, "model.control_space", f"{control!r} is not supported: allowed {', '.join(CUROBO_CONTROL)}")
@@ -169,9 +206,26 @@ def load_curobo(robot_path: Path, robot: Any, task_path: Path) -> RobotConfig:
     return RobotConfig(name, len(joints), joints, base_dt, (spec,), f"{robot_path} + {task_path}")
 
 
+def bundled_examples() -> dict[str, Path]:
+    """name → path of the example configs shipped in the package (``tensorstep.examples``)."""
+    from importlib import resources
+
+    folder = resources.files("tensorstep.examples")
+    return {Path(e.name).stem: Path(str(e)) for e in folder.iterdir() if e.name.endswith((".yml", ".yaml"))}
+
+
+def resolve_config_path(path: Any) -> Path:
+    """The path as given; a bare name with no such file (``franka_panda``) is a bundled example."""
+    given = Path(path)
+    if given.exists() or given.parent != Path("."):
+        return given
+    stem = given.stem if given.suffix in (".yml", ".yaml") else given.name
+    return bundled_examples().get(stem, given)
+
+
 def load_config(path: Any, task: Optional[Any] = None) -> RobotConfig:
     """Read a native config, or a cuRobo robot file together with its task file."""
-    path = Path(path)
+    path = resolve_config_path(path)
     data = _read_yaml(path)
     if isinstance(data, dict) and "robot_cfg" in data:
         if task is None:

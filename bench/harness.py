@@ -87,8 +87,8 @@ def case_callables(case: Case) -> dict[str, Callable[[], None]]:
     dt_k = torch.full((1,), DT, dtype=dtype, device=dev)
 
     def kernels() -> None:  # the generated forward and adjoint launched directly (no autograd)
-        launcher.forward(u.detach(), (*starts, None), None, dt_k)
-        launcher.adjoint(grads, dt_k, B, (False,) * 4)
+        launcher.forward([u.detach(), *starts, None, None], dt_k)
+        launcher.adjoint(grads, dt_k, B, (False,) * 5)
 
     methods = {
         "tensorstep": _fwd_bwd(lambda u, *s: step(u, *s, DT), u, starts, grads),

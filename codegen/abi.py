@@ -1,10 +1,14 @@
-"""The kernels' C ABI: one list of (type, name) arguments per kernel entry point.
+"""The kernels' C ABI, derived from the argument table (codegen/arguments.py).
 
-Templates, the header, cffi declarations and CUDA launches all read these lists, so the
-signatures cannot drift apart. ``T`` stands for the spec's scalar type. This module is
-import-light (used on the cached-load path).
+Every entry point takes the batch size B and then pointers, in an order that follows the
+table: the forward reads the inputs and writes the outputs; the adjoint reads the output
+gradients and writes the inputs' gradients; the dt kernels add what they need. Templates,
+headers, cffi declarations, CUDA launches and the native node all use these lists. ``T``
+stands for the spec's scalar type. Import-light (used on the cached-load path).
 """
 from __future__ import annotations
+
+from .arguments import INDEX, ArgumentTable
 
 KERNELS = ("forward", "adjoint", "dt_vjp", "dt_vjp_finish", "dt_jvp")
 #: Kernels are built in two libraries: the core (always) and the dt derivatives (on first use).
@@ -12,30 +16,35 @@ PARTS = {"core": ("forward", "adjoint"), "dt": ("dt_vjp", "dt_vjp_finish", "dt_j
          # single kernels, for reading (`tensorstep show --kernel`)
          "forward": ("forward",), "adjoint": ("adjoint",), "backward": ("adjoint",),
          "dt_vjp": ("dt_vjp", "dt_vjp_finish"), "dt_jvp": ("dt_jvp",)}
-START = ("p0", "v0", "a0", "j0")
+
+Parameter = tuple[str, str]  # (C type with T for the scalar, name)
 
 
-def arguments(kernel: str, order: int) -> list[tuple[str, str]]:
-    """Arguments of one entry point, in call order."""
-    outs = range(order + 1)
-    inputs = [("const T*", "u")] + [("const T*", s) for s in START] + [("const int64_t*", "idx")]
+def _reads(table: ArgumentTable) -> list[Parameter]:
+    """The inputs other than dt, as read-only pointers (indices are int64)."""
+    return [("const int64_t*" if a.dtype == INDEX else "const T*", a.c_name) for a in table.tensors]
+
+
+def arguments(kernel: str, table: ArgumentTable) -> list[Parameter]:
+    """Parameters of one entry point, in call order."""
+    batch: list[Parameter] = [("int64_t", "B")]
+    dt: list[Parameter] = [("const T*", table.dt.c_name)]
+    grads = [("const T*", y.grad_name) for y in table.outputs]
     if kernel == "forward":
-        return [("int64_t", "B")] + inputs + [("const T*", "dt_in")] + [("T*", f"y{k}") for k in outs]
+        return batch + _reads(table) + dt + [("T*", y.c_name) for y in table.outputs]
     if kernel == "adjoint":
-        return ([("int64_t", "B")] + [("const T*", f"g{k}") for k in outs] + [("const T*", "dt_in")]
-                + [("T*", "gu")] + [("T*", f"g{s}") for s in START])
+        return batch + grads + dt + [("T*", a.grad_name) for a in table.differentiable]
     if kernel == "dt_vjp":
-        return ([("int64_t", "B")] + inputs + [("const T*", f"g{k}") for k in outs]
-                + [("const T*", "dt_in"), ("double*", "gc")])
+        return batch + _reads(table) + grads + dt + [("double*", "gc")]
     if kernel == "dt_vjp_finish":
-        return [("int64_t", "B"), ("const T*", "dt_in"), ("const double*", "gc"), ("double*", "gdt")]
+        return batch + dt + [("const double*", "gc"), ("double*", "gdt")]
     if kernel == "dt_jvp":
-        return ([("int64_t", "B")] + inputs + [("const T*", "du")] + [("const T*", f"d{s}") for s in START]
-                + [("const T*", "dt_in"), ("const T*", "ddt_in")] + [("T*", f"ty{k}") for k in outs])
+        return (batch + _reads(table) + [("const T*", a.tangent_name) for a in table.differentiable] + dt
+                + [("const T*", "ddt_in")] + [("T*", y.tangent_name) for y in table.outputs])
     raise ValueError(f"unknown kernel {kernel!r}; allowed: {', '.join(KERNELS)}")
 
 
-def signature(kernel: str, order: int, ctype: str, restrict: str = "") -> str:
+def signature(kernel: str, table: ArgumentTable, ctype: str, restrict: str = "") -> str:
     """The comma-separated parameter list with T replaced by the concrete type.
 
     ``restrict`` ('restrict' for C, '__restrict__' for CUDA) qualifies every pointer: the
@@ -45,7 +54,7 @@ def signature(kernel: str, order: int, ctype: str, restrict: str = "") -> str:
         t = t.replace("T*", f"{ctype}*")
         return f"{t} {restrict} {n}" if restrict and "*" in t else f"{t} {n}"
 
-    return ", ".join(param(t, n) for t, n in arguments(kernel, order))
+    return ", ".join(param(t, n) for t, n in arguments(kernel, table))
 
 
 def symbol(name: str, kernel: str) -> str:

@@ -6,14 +6,16 @@ edited since — is never overwritten unless the caller forces it.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
+import os
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Optional
 
-from .. import __version__
-from ..runtime.cache import atomic_write
-from .render import render
+from ..version import __version__
+from .driver import generate
+from .files import atomic_write
 
 MANIFEST = "manifest.json"
 EXTENSIONS = {"c": "c", "cuda": "cu", "header": "h"}
@@ -50,8 +52,9 @@ def plan(config: Any, target: str) -> dict[str, bytes]:
     """file name → bytes for every source of every kernel, and the manifest."""
     files: dict[str, bytes] = {}
     for spec in config.specs:
+        generated = generate(spec, targets=TARGET_SETS[target])
         for t in TARGET_SETS[target]:
-            files[f"{spec.name}.{EXTENSIONS[t]}"] = render(spec, t).encode()
+            files[f"{spec.name}.{EXTENSIONS[t]}"] = generated.source(t).encode()
     files[MANIFEST] = plan_manifest(config, target, files)
     return files
 
@@ -69,9 +72,52 @@ def plan_manifest(config: Any, target: str, files: dict[str, bytes]) -> bytes:
     return (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode()
 
 
-def write(folder: Path, files: dict[str, bytes], force: bool = False,
-          progress: Callable[[Iterable[str]], Iterable[str]] = lambda x: x) -> list[Path]:
-    """Write planned files, refusing to clobber anything tensorstep did not write."""
+@dataclasses.dataclass
+class WriteReport:
+    """What `write` did: files whose bytes changed, files already up to date, and the files of
+    kernels an earlier manifest listed that the new plan lacks (removed when tensorstep wrote
+    them and they are unchanged since; left, and named, when they were edited)."""
+
+    written: list[Path] = dataclasses.field(default_factory=list)
+    unchanged: list[Path] = dataclasses.field(default_factory=list)
+    removed: list[Path] = dataclasses.field(default_factory=list)
+    left: list[Path] = dataclasses.field(default_factory=list)
+
+    def summary(self) -> str:
+        """How many files changed: 'wrote N files (M unchanged)', or 'nothing changed (...)'."""
+        if not self.written:
+            return f"nothing changed ({len(self.unchanged)} files up to date)"
+        return f"wrote {len(self.written)} files" + (f" ({len(self.unchanged)} unchanged)" if self.unchanged else "")
+
+    def notes(self) -> list[str]:
+        """One line each for an earlier config's files that were removed or left."""
+        lines = []
+        if self.removed:
+            lines.append(f"removed {len(self.removed)} files of kernels no longer in the config: {_names(self.removed)}")
+        if self.left:
+            lines.append(f"left {len(self.left)} files of kernels no longer in the config (edited since "
+                         f"tensorstep wrote them): {_names(self.left)}")
+        return lines
+
+
+def _names(paths: list[Path]) -> str:
+    return ", ".join(p.name for p in paths)
+
+
+def _write_file(path: Path, data: bytes) -> None:
+    """Atomic write with the permissions any new file gets here (the umask), not mkstemp's 0600."""
+    atomic_write(path, data)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
+
+
+def write(folder: Path, files: dict[str, bytes], force: bool = False) -> WriteReport:
+    """Write planned files, refusing to clobber anything tensorstep did not write.
+
+    Files of an earlier manifest that the plan no longer holds are removed only when their
+    bytes are still those tensorstep wrote; anything else stays where it is.
+    """
     folder.mkdir(parents=True, exist_ok=True)
     manifest_path = folder / MANIFEST
     old = read_manifest(folder)
@@ -92,10 +138,21 @@ def write(folder: Path, files: dict[str, bytes], force: bool = False,
                 "refusing to overwrite files tensorstep did not write (or that were edited since): "
                 + ", ".join(foreign) + " (use --force to overwrite)"
             )
-    written = []
-    for name in progress(list(files)):
+    report = WriteReport()
+    for name in files:
         path = folder / name
-        if not (path.exists() and path.read_bytes() == files[name]):
-            atomic_write(path, files[name])
-        written.append(path)
-    return written
+        if path.exists() and path.read_bytes() == files[name]:
+            report.unchanged.append(path)
+        else:
+            _write_file(path, files[name])
+            report.written.append(path)
+    for name, digest in sorted(owned.items()):
+        path = folder / name
+        if name in files or Path(name).name != name or not path.is_file():
+            continue
+        if sha256(path.read_bytes()) == digest:
+            path.unlink()
+            report.removed.append(path)
+        else:
+            report.left.append(path)
+    return report

@@ -10,16 +10,13 @@ from typing import Callable
 
 import sympy as sp
 
+from .builders import register
 from .legacy_spec import LegacySpec
 from .operator import Operator, Row, Term, combine, row_ref, scaled
 from .schemes import stencil_row
 
 R = sp.Rational
 P, V, A = ("s", 0), ("s", 1), ("s", 2)
-
-
-def _point(terms: list[tuple[sp.Expr, tuple]]) -> list[Term]:
-    return [(c, ref) for c, ref in terms]
 
 
 def _legacy_start_rows() -> list[Row]:
@@ -38,7 +35,7 @@ def clique_backward(spec: LegacySpec) -> Operator:
         if k == 0:
             return [(sp.Integer(1), P)]
         m = -k
-        return _point([(sp.Integer(1), P), (-m * D, V), (m * D * D / 2, A)])
+        return [(sp.Integer(1), P), (-m * D, V), (m * D * D / 2, A)]
 
     weights = {1: [1, -1], 2: [1, -2, 1], 3: [1, -3, 3, -1]}
     rows = _legacy_start_rows()
@@ -62,7 +59,7 @@ def clique_central(spec: LegacySpec) -> Operator:
     }
 
     def y(k: int) -> list[Term]:
-        return _point(ghosts[k]) if k <= 1 else [(sp.Integer(1), ("u", min(k - 2, n_act - 1)))]
+        return list(ghosts[k]) if k <= 1 else [(sp.Integer(1), ("u", min(k - 2, n_act - 1)))]
 
     stencils = {
         1: [R(1, 12), -R(2, 3), 0, R(2, 3), -R(1, 12)],
@@ -111,5 +108,6 @@ BUILDERS = {"clique_backward": clique_backward, "clique_central": clique_central
             "accel_semi_euler": accel_semi_euler, "accel_rk2": accel_rk2}
 
 
+@register(LegacySpec)
 def build_legacy_operator(spec: LegacySpec) -> Operator:
     return BUILDERS[spec.kind](spec)

@@ -1,7 +1,8 @@
 """LegacySpec: cuRobo's fixed kernels as variants of the one generator (COMPAT.md).
 
 Import-light (no SymPy): the compat layer loads cached kernels through it. The operators
-themselves are built by codegen.legacy, on the same IR as native specs.
+themselves are built by codegen.legacy (registered in codegen.builders), on the same IR
+as native specs.
 """
 from __future__ import annotations
 
@@ -65,8 +66,3 @@ class LegacySpec:
     @property
     def key(self) -> str:
         return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
-
-    def build_operator(self) -> Any:
-        from .legacy import build_legacy_operator
-
-        return build_legacy_operator(self)

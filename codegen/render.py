@@ -1,4 +1,4 @@
-"""Rendering: a spec's lowered operator → C source, CUDA source, header (Jinja2)."""
+"""Rendering, the driver's last stage: a lowered operator → C source, CUDA source, header (Jinja2)."""
 from __future__ import annotations
 
 import dataclasses
@@ -8,11 +8,11 @@ from typing import Any
 
 import jinja2
 
-from .. import __version__
+from ..version import __version__
 from . import abi
-from .lower import LoweredOperator, lower
+from .arguments import ArgumentTable
+from .lower import LoweredOperator
 from .printer import LANES
-from .schemes import build_operator
 
 TARGETS = ("c", "cuda", "header")
 CTYPES = {"float32": "float", "float64": "double"}
@@ -113,26 +113,15 @@ def _cuda_codes(code: LoweredOperator, kernels: tuple, itemsize: int) -> dict:
     return codes
 
 
-@functools.lru_cache(maxsize=256)
-def lowered(spec: Any) -> LoweredOperator:
-    """The lowered operator of a spec (derived once per process)."""
-    builder = getattr(spec, "build_operator", None)
-    return lower(builder() if builder else build_operator(spec))
-
-
-def render(spec: Any, target: str, part: str = "all") -> str:
-    """Generated source text of one spec for a target ('c', 'cuda' or 'header').
+def render(spec: Any, code: LoweredOperator, table: ArgumentTable, target: str, part: str = "all") -> str:
+    """Source text of one spec's kernels for a target ('c', 'cuda' or 'header').
 
     ``part`` selects the kernels: 'core' (forward, adjoint), 'dt' (dt derivatives) or 'all'.
+    Called by the driver (codegen/driver.py), which validates target and part.
     """
-    if target not in TARGETS:
-        raise ValueError(f"target={target!r} is invalid: allowed {', '.join(TARGETS)}")
-    if part not in abi.PARTS:
-        raise ValueError(f"part={part!r} is invalid: allowed {', '.join(abi.PARTS)}")
     kernels = abi.PARTS[part]
     ctype = CTYPES[spec.dtype]
     itemsize = ITEMSIZE[spec.dtype]
-    code = lowered(spec)
     u = strides(spec.layout, spec.n_actions, spec.dof)
     y = strides(spec.layout, spec.horizon, spec.dof)
     lane_form = lanes(spec) if target == "c" else None
@@ -151,8 +140,7 @@ def render(spec: Any, target: str, part: str = "all") -> str:
         lanes=lane_form,
         lane_bodies=_lane_bodies(code, kernels) if lane_form else {},
         table=code.table if set(kernels) & {"forward", "adjoint", "dt_vjp"} else None,
-        signatures={k: abi.signature(k, spec.order, ctype, RESTRICT[target]) for k in kernels},
-        export="",
+        signatures={k: abi.signature(k, table, ctype, RESTRICT[target]) for k in kernels},
         itemsize=itemsize,
         shared_coef_bytes=CUDA_SHARED_COEF_BYTES,
     )

@@ -6,11 +6,13 @@ from typing import Callable
 
 import sympy as sp
 
+from .builders import register
 from .operator import N_START, Operator, Row, Term, combine, dt_symbols, row_ref, scaled, start_rows, step_durations
 from .spec import KernelSpec
 from .stencils import lagrange_weights, stencil_offsets, uniform_weights
 
 
+@register(KernelSpec)
 def build_operator(spec: KernelSpec) -> Operator:
     """Derive the operator of a native spec."""
     syms = dt_symbols(spec.horizon, spec.dt)

@@ -13,7 +13,6 @@ from typing import Any, Mapping
 CONTROLS = ("position", "velocity", "acceleration", "jerk")
 DIFFERENCES = ("backward", "central")
 INTEGRATORS = ("semi_implicit_euler", "exact")
-STARTS = ("taylor",)
 ENDS = ("hold", "one_sided")
 DT_MODES = ("uniform", "per_step")
 LAYOUTS = ("bhd", "bdh")
@@ -57,7 +56,6 @@ class KernelSpec:
     difference: str = "central"
     accuracy: Any = None
     integrator: str = "semi_implicit_euler"
-    start: str = "taylor"
     end: str = "hold"
     dt: str = "uniform"
     start_index: bool = False
@@ -71,7 +69,6 @@ class KernelSpec:
         _check_choice("control", self.control, CONTROLS)
         _check_choice("difference", self.difference, DIFFERENCES)
         _check_choice("integrator", self.integrator, INTEGRATORS)
-        _check_choice("start", self.start, STARTS)
         _check_choice("end", self.end, ENDS)
         _check_choice("dt", self.dt, DT_MODES)
         if not isinstance(self.start_index, bool):

@@ -60,7 +60,7 @@ def fornberg(nodes: Sequence[sp.Expr], derivative: int, at: sp.Expr = sp.Integer
 @functools.lru_cache(maxsize=None)
 def uniform_weights(offsets: tuple[int, ...], derivative: int) -> tuple[sp.Rational, ...]:
     """Exact rational weights on integer offsets (unit spacing, derivative at offset 0)."""
-    return tuple(sp.nsimplify(w) for w in fornberg([sp.Integer(o) for o in offsets], derivative))
+    return tuple(sp.Rational(w) for w in fornberg([sp.Integer(o) for o in offsets], derivative))
 
 
 def lagrange_weights(node_times: Sequence[sp.Expr], derivative: int) -> list[sp.Expr]:

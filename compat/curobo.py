@@ -1,15 +1,17 @@
-"""cuRobo's `integration_utils` names on tensorstep (COMPAT.md): switch the import, keep working.
+"""cuRobo's `integration_utils` names on tensorstep: switch the import, keep working.
 
     from tensorstep.compat.curobo import CliqueTensorStepKernel, build_fd_matrix, ...
 
 Forward results match cuRobo's wherever cuRobo completes a call; the kernel classes are
 tensorstep kernels (generated C on CPU, generated CUDA on GPU) with exact gradients, also
 where cuRobo approximates (last central action), refuses (acceleration backward) or breaks
-(the Idx backward-difference and Coalesce kernels). Written from COMPAT.md's math.
+(the Idx backward-difference and Coalesce kernels). Every name, its formulas and each
+difference from cuRobo: docs/compat_curobo.md.
 """
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any, Optional
 
 import torch
@@ -76,7 +78,7 @@ def _forward_difference(horizon: int, device: Any, dtype: torch.dtype, shift: bo
 
 def build_fd_matrix(horizon: int, device: Any = "cpu", dtype: torch.dtype = torch.float32, order: int = 1,
                     PREV_STATE: bool = False, FULL_RANK: bool = False, SHIFT: bool = False) -> Tensor:
-    """Finite-difference matrices (COMPAT.md: default, SHIFT, PREV_STATE, FULL_RANK forms)."""
+    """Finite-difference matrices: the default, SHIFT, PREV_STATE and FULL_RANK forms (docs/compat_curobo.md)."""
     if PREV_STATE:
         G = build_fd_matrix(horizon + order, device=device, dtype=dtype, order=1)
         return -torch.linalg.matrix_power(G, order)[:horizon, :]
@@ -145,20 +147,23 @@ def interpolate_kernel(h: int, int_steps: int, tensor_args: TensorDeviceType) ->
 
 def action_interpolate_kernel(h: int, int_steps: int, tensor_args: TensorDeviceType, offset: int = 4) -> Tensor:
     M = torch.zeros((h - 1) * int_steps, h, **tensor_args.as_torch_dict())
-    span = int_steps - offset
-    delta = [k / span for k in range(span + 1)]
+    span = int_steps - offset  # 0 (offset = int_steps): no ramp rows, as in cuRobo
     for i in range(h - 1):
         for k in range(span):
-            M[i * int_steps + k, i] = delta[span - 1 - k]
-            M[i * int_steps + k, i + 1] = delta[k + 1]
-    M[M.shape[0] - offset :, 1] = 1.0  # cuRobo's quirk (column 1), kept
+            M[i * int_steps + k, i] = (span - 1 - k) / span
+            M[i * int_steps + k, i + 1] = (k + 1) / span
+    M[-offset:, 1] = 1.0  # cuRobo's quirk (column 1; with offset 0 every row, as M[-0:] is), kept
     return M
 
 
 def tensor_linspace(start_tensor: Tensor, end_tensor: Tensor, steps: int = 10) -> Tensor:
-    """start + c·(end - start), c_k = (k+1)/steps, along a new last dimension."""
+    """start + c·(end - start), c_k = (k+1)/steps: [..., steps] for inputs whose last dimension
+    is 1 (cuRobo's broadcast), else along a new last dimension [..., n, steps]."""
     c = torch.arange(1, steps + 1, device=start_tensor.device, dtype=start_tensor.dtype) / steps
-    return start_tensor.unsqueeze(-1) + c * (end_tensor - start_tensor).unsqueeze(-1)
+    dist = end_tensor - start_tensor
+    if dist.dim() and dist.shape[-1] == 1:
+        return start_tensor + c * dist
+    return start_tensor.unsqueeze(-1) + c * dist.unsqueeze(-1)
 
 
 # ---- dense-matrix steps (pure torch; autograd through torch) --------------------------------------
@@ -317,8 +322,25 @@ def _contiguous(*tensors):
     return [t.contiguous() for t in tensors]
 
 
-class _KernelClass:
-    """cuRobo's kernel-class call shape: ``Cls.apply(...)`` → (P, V, A, J), [B, H, n] each."""
+#: tensorstep's argument names → cuRobo's, for error messages
+CUROBO_NAMES = {"u": "u_act", "p0": "start_position", "v0": "start_velocity", "a0": "start_acceleration",
+                "dt": "traj_dt", "start_index": "start_idx"}
+_NAME = re.compile(r"\b(" + "|".join(sorted(CUROBO_NAMES, key=len, reverse=True)) + r")\b")
+
+
+def _curobo_names(err: Exception) -> Exception:
+    """The same error with cuRobo's argument names (start_position, traj_dt, start_idx, ...)."""
+    renamed = type(err)(_NAME.sub(lambda m: CUROBO_NAMES[m.group(1)], str(err)))
+    return renamed.with_traceback(err.__traceback__)
+
+
+class _KernelClass(torch.autograd.Function):
+    """cuRobo's kernel classes: ``Cls.apply(...)`` → (P, V, A, J), [B, H, n] each.
+
+    A real ``torch.autograd.Function``: forward runs the generated tensorstep step; backward is
+    the step's exact adjoint (through its own autograd), jvp its tangent. Under functorch
+    transforms (vmap, grad, jacfwd) the call goes to the step directly, which supports them.
+    """
 
     kind = ""
     indexed = False
@@ -329,12 +351,67 @@ class _KernelClass:
         return dt[:1].contiguous() if cls.kind.startswith("clique") else dt[:horizon].contiguous()
 
     @classmethod
-    def _run(cls, u_act, p, v, a, idx, traj_dt, buffers):
+    def _call(cls, u_act, p, v, a, idx, traj_dt):
+        """The step on contiguous inputs, with cuRobo's names in its errors."""
         step = _step(cls.kind, u_act, cls.indexed)
         u_act, p, v, a = _contiguous(u_act, p, v, a)
         kw = {"start_index": idx.to(torch.int64)} if cls.indexed else {}
-        outs = step(u_act, p, v, a, cls._dt(traj_dt, u_act, step.spec.horizon), **kw)
+        try:
+            return step(u_act, p, v, a, cls._dt(traj_dt, u_act, step.spec.horizon), **kw)
+        except (TypeError, ValueError, IndexError) as err:
+            raise _curobo_names(err) from None
+
+    @classmethod
+    def _run(cls, u_act, p, v, a, idx, traj_dt, buffers):
+        if torch._C._are_functorch_transforms_active():
+            outs = cls._call(u_act, p, v, a, idx, traj_dt)
+        else:
+            outs = super().apply(u_act, p, v, a, idx, traj_dt)
         return _fill(outs, buffers)
+
+    @classmethod
+    def forward(cls, u_act, p, v, a, idx, traj_dt):  # type: ignore[override]
+        return tuple(cls._call(u_act, p, v, a, idx, traj_dt))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.has_idx = inputs[4] is not None
+        ctx.save_for_backward(*(t for t in inputs if t is not None))
+        ctx.save_for_forward(*(t for t in inputs if t is not None))
+
+    @staticmethod
+    def _inputs(ctx) -> list:
+        saved = list(ctx.saved_tensors)
+        return saved if ctx.has_idx else saved[:4] + [None] + saved[4:]
+
+    @classmethod
+    def backward(cls, ctx, *grads):  # type: ignore[override]
+        inputs = cls._inputs(ctx)
+        wanted = [i for i, need in enumerate(ctx.needs_input_grad) if need]
+        with torch.enable_grad():  # the step's own (exact, generated) adjoint
+            leaves = [t.detach().requires_grad_(i in wanted) if t is not None else None for i, t in enumerate(inputs)]
+            got = torch.autograd.grad(cls._call(*leaves), [leaves[i] for i in wanted], grads, allow_unused=True,
+                                      create_graph=torch.is_grad_enabled())
+        result: list[Optional[Tensor]] = [None] * len(inputs)
+        for i, g in zip(wanted, got):
+            result[i] = g if g is not None else torch.zeros_like(inputs[i])
+        return tuple(result)
+
+    @classmethod
+    def jvp(cls, ctx, du, dp, dv, da, _didx, ddt):  # type: ignore[override]
+        from ..runtime.autograd import DtJvpFunction
+
+        u, p, v, a, idx, traj_dt = cls._inputs(ctx)
+        du, dp, dv, da = (torch.zeros_like(x) if t is None else t for x, t in ((u, du), (p, dp), (v, dv), (a, da)))
+        if ddt is None:  # linear in (u, start): the tangent is the step applied to the tangents
+            return tuple(cls._call(du, dp, dv, da, idx, traj_dt))
+        step = _step(cls.kind, u, cls.indexed)
+        H = step.spec.horizon
+        index = idx.to(torch.int64).contiguous() if idx is not None else None
+        inputs = [*_contiguous(u, p, v, a), None, index]  # the step's table order (no j0)
+        tangents = [*_contiguous(du, dp, dv, da), None]  # of its differentiable inputs
+        return tuple(DtJvpFunction.apply(step.launcher, cls._dt(traj_dt, u, H), cls._dt(ddt, u, H).contiguous(),
+                                         *inputs, *tangents))
 
 
 class _Plain(_KernelClass):

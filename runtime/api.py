@@ -25,6 +25,7 @@ class Step(torch.nn.Module):
         self.spec = spec
         self.device = device
         self.launcher = launcher
+        self.table = launcher.table
         self.dtype = DTYPES[spec.dtype]
         self.op_key = registry.register(launcher, device)
         self._dt_cache: dict[float, Tensor] = {}
@@ -34,9 +35,7 @@ class Step(torch.nn.Module):
 
             self.native = native.handle(launcher)
         self._native_step = torch.ops.tensorstep_native.step.default if self.native is not None else None
-        self._native_checked = torch.ops.tensorstep_native.checked_step.default if self.native is not None else None
-        self._native_checked_out = (torch.ops.tensorstep_native.checked_step_out.default
-                                    if self.native is not None else None)
+        self._native_step_out = torch.ops.tensorstep_native.step_out.default if self.native is not None else None
 
     def extra_repr(self) -> str:
         return f"{self.spec.name}, device={self.device}"
@@ -50,13 +49,13 @@ class Step(torch.nn.Module):
         if isinstance(dt, float) and not torch.compiler.is_compiling():
             cached = self._dt_cache.get(dt)
             if cached is None:
-                cached = validate.dt_tensor(dt, self.spec.n_dt, self.spec.horizon, self.dtype, self.device)
+                cached = validate.dt_tensor(dt, self.table, self.dtype, self.device)
                 if len(self._dt_cache) < 64:
                     self._dt_cache[dt] = cached
             return cached
-        return validate.dt_tensor(dt, self.spec.n_dt, self.spec.horizon, self.dtype, self.device)
+        return validate.dt_tensor(dt, self.table, self.dtype, self.device)
 
-    def action_shape(self, batch: int) -> tuple[int, int, int]:
+    def action_shape(self, batch: int) -> tuple[int, ...]:
         """Shape the actions u must have for a batch of ``batch`` trajectories."""
         return self.launcher.action_shape(batch)
 
@@ -71,38 +70,30 @@ class Step(torch.nn.Module):
         j0: Optional[Tensor] = None,
         start_index: Optional[Tensor] = None,
         out: Optional[Sequence[Tensor]] = None,
+        **more: Optional[Tensor],
     ) -> tuple[Tensor, ...]:
-        if (self.native is not None
-                and type(u) is Tensor and type(p0) is Tensor and type(v0) is Tensor and type(a0) is Tensor
-                and (j0 is None or type(j0) is Tensor) and (start_index is None or type(start_index) is Tensor)
-                and not torch.compiler.is_compiling() and not _forward_mode_active()):
-            # the common call: the native op checks the tensors and the values of dt and start_index
-            # itself (an empty or false result means something is off, and the checks below say
-            # what); a float dt comes as the tensor cached for it
+        named = {"u": u, "p0": p0, "v0": v0, "a0": a0, "j0": j0, "start_index": start_index}
+        if more:  # the kernel family's other arguments, by their names in the argument table
+            named.update(_more_arguments(self.table, more))
+        values = [named.get(a.name) for a in self.table.tensors]
+        if self.native is not None and not torch.compiler.is_compiling() and not _transformed():
+            # the common call: the native op checks the tensors against the table itself (with the
+            # same messages); a float dt comes as the tensor cached for it. An empty or false result
+            # means a value is off (dt, index entries), and the checks below say which.
             dt_k = dt if type(dt) is Tensor else self._dt_cache.get(dt) if type(dt) is float else None
-            if dt_k is not None:
+            if (dt_k is not None and all(v is None or type(v) is Tensor for v in values)
+                    and not (dt_k.requires_grad and torch.is_grad_enabled())):
                 if out is None:
-                    outs = self._native_checked(self.native, u, p0, v0, a0, j0, start_index, dt_k)
+                    outs = self._native_step(self.native, [*values, dt_k])
                     if outs:
                         return tuple(outs)
                 elif (type(out) in (tuple, list) and all(type(y) is Tensor for y in out)
-                      and self._native_checked_out(self.native, u, p0, v0, a0, j0, start_index, dt_k, out)):
+                      and self._native_step_out(self.native, [*values, dt_k], out)):
                     return tuple(out)
-        spec = self.spec
-        B = validate.check_batch(u)
-        validate.check_tensor("u", u, self.action_shape(B), self.dtype, self.device)
-        if spec.start_index != (start_index is not None):
-            need = "needs a" if spec.start_index else "takes no"
-            raise ValueError(f"start_index: this kernel (start_index={spec.start_index}) {need} start_index argument")
-        S = validate.start_rows(p0, B, spec.start_index)
-        for name, t in (("p0", p0), ("v0", v0), ("a0", a0)):
-            validate.check_tensor(name, t, (S, spec.dof), self.dtype, self.device)
-        if j0 is not None:
-            validate.check_tensor("j0", j0, (S, spec.dof), self.dtype, self.device)
-        idx = validate.check_index(start_index, B, S, self.device) if start_index is not None else None
+        inputs, _ = validate.check_inputs(self.table, values, self.dtype, self.device)
         dt_k = self._dt_tensor(dt)
         if out is not None:
-            return self._into(out, u, p0, v0, a0, j0, start_index, idx, dt_k)
+            return self._into(out, inputs, dt_k)
         if torch.compiler.is_compiling():
             if _forward_mode_active():
                 # torch.library custom ops carry no forward-mode rule: never return a silent zero
@@ -110,38 +101,46 @@ class Step(torch.nn.Module):
                     "tensorstep: forward-mode AD (jvp, jacfwd, hessian) inside torch.compile is not supported; "
                     "call the step outside the compiled region for forward mode (eager jvp is exact)"
                 )
-            _custom_ops()
-            return tuple(torch.ops.tensorstep.step(self.op_key, u, p0, v0, a0, j0, idx, dt_k))
-        if self.native is not None and not dt_k.requires_grad and not _forward_mode_active():
-            return tuple(self._native_step(self.native, u, p0, v0, a0, j0, idx, dt_k))
-        return StepFunction.apply(self.launcher, u, p0, v0, a0, j0, idx, dt_k)
+            return tuple(_compiled_step(self.op_key, self.table.family, inputs, dt_k))
+        if self.native is not None and not dt_k.requires_grad and not _transformed():
+            return tuple(self._native_step(self.native, [*inputs, dt_k]))
+        return StepFunction.apply(self.launcher, *inputs, dt_k)
 
-
-    def _into(self, out: Any, u: Tensor, p0: Tensor, v0: Tensor, a0: Tensor, j0: Optional[Tensor],
-              start_index: Optional[Tensor], idx: Optional[Tensor], dt_k: Tensor) -> tuple[Tensor, ...]:
+    def _into(self, out: Any, inputs: list, dt_k: Tensor) -> tuple[Tensor, ...]:
         """The forward written into caller-owned outputs (rollouts: no allocation, no page faults)."""
-        inputs = {"u": u, "p0": p0, "v0": v0, "a0": a0, "j0": j0, "start_index": start_index, "dt": dt_k}
-        shape = self.launcher.output_shape(u.shape[0])
-        out = validate.check_out(out, self.launcher.K, shape, self.dtype, self.device, inputs)
+        named = {a.name: t for a, t in zip(self.table.tensors, inputs)}
+        named["dt"] = dt_k
+        shape = self.launcher.output_shape(inputs[0].shape[0])
+        out = validate.check_out(out, self.table, shape, self.dtype, self.device, named)
         if torch.compiler.is_compiling():
-            _custom_ops()
-            for y, value in zip(out, torch.ops.tensorstep.step(self.op_key, u, p0, v0, a0, j0, idx, dt_k)):
+            for y, value in zip(out, _compiled_step(self.op_key, self.table.family, inputs, dt_k)):
                 y.copy_(value)
             return out
-        self.launcher.forward(u, (p0, v0, a0, j0), idx, dt_k, out=out)
+        self.launcher.forward(inputs, dt_k, out=out)
         for y in out:  # the kernel wrote through raw pointers: tell autograd the tensors changed
             torch.autograd.graph.increment_version(y)
         return out
 
 
-def _custom_ops() -> bool:
-    """Registers the torch.library ops that torch.compile traces, once per process.
+def _more_arguments(table: Any, more: dict[str, Any]) -> dict[str, Any]:
+    known = {a.name for a in table.tensors}
+    unknown = sorted(set(more) - known)
+    if unknown:
+        raise TypeError(f"{unknown[0]}: this kernel takes no argument of that name; it takes "
+                        + ", ".join(a.name for a in table.inputs))
+    return more
+
+
+def _custom_ops(key: str) -> bool:
+    """Registers the torch.library ops that torch.compile traces for a loaded kernel's family,
+    once per process and family.
 
     Dynamo calls a function marked as a constant while tracing, outside the graph, so the
-    registration's cost (6–10 ms here) falls on a process's first compilation, not on every load.
+    registration's cost falls on a process's first compilation, not on every load.
     """
-    from . import ops  # noqa: F401  (importing registers them)
+    from . import ops
 
+    ops.ops_for(registry.launcher(key))
     return True
 
 
@@ -150,10 +149,36 @@ def _custom_ops() -> bool:
 _custom_ops._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
-def _forward_mode_active() -> bool:
-    """A functorch transform (jvp, jacfwd, vmap over them) or a forward-AD dual level is live."""
+def _compiled_step(key: str, family: str, inputs: list, dt: Tensor) -> list[Tensor]:
+    """The forward as the custom op torch.compile traces."""
+    _custom_ops(key)
+    return getattr(torch.ops.tensorstep, family)(key, *inputs, dt)
+
+
+def _transformed() -> bool:
+    """A functorch transform (vmap, grad, jvp, ...) or a forward-AD dual level is live: the call
+    needs the Python Functions, which carry the vmap and forward-mode rules."""
     # (both predicates also evaluate correctly while dynamo traces)
     return torch._C._are_functorch_transforms_active() or torch.autograd.forward_ad._current_level >= 0
+
+
+def _forward_mode_active() -> bool:
+    """Forward-mode AD is live: a dual level, or a jvp transform (jvp, jacfwd, hessian)."""
+    return torch.autograd.forward_ad._current_level >= 0 or _jvp_transform()
+
+
+def _jvp_transform() -> bool:
+    if not torch._C._are_functorch_transforms_active():
+        return False
+    from torch._C._functorch import TransformType
+    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+
+    return any(i.key() == TransformType.Jvp for i in retrieve_all_functorch_interpreters())
+
+
+# Dynamo cannot trace the interpreter stack; marked constant, it calls this while tracing and
+# sees the live transforms (vmap alone compiles; a jvp is refused, never a silent zero tangent)
+_jvp_transform._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def _device(device: Union[str, torch.device]) -> torch.device:
@@ -186,9 +211,9 @@ def load(spec: Any, device: Union[str, torch.device] = "cpu") -> Step:
 
 def source(spec: Any, target: str = "c") -> str:
     """The generated source text ('c', 'cuda' or 'header')."""
-    from ..codegen.render import render
+    from ..codegen.driver import generate
 
-    return render(spec, target)
+    return generate(spec, targets=(target,)).source(target)
 
 
 def operator_matrices(spec: Any, dt: Union[float, Sequence[float]]) -> dict[str, Any]:
@@ -197,7 +222,7 @@ def operator_matrices(spec: Any, dt: Union[float, Sequence[float]]) -> dict[str,
     Returns ``{"u": M_u [K, H, N], "start": M_s [K, H, 4]}`` with
     ``Y_k = M_u[k] @ u + M_s[k] @ (p0, v0, a0, j0)`` for one (batch, dof) column.
     """
-    from ..codegen.schemes import build_operator
+    from ..codegen.builders import build_operator
 
     values = [float(dt)] if isinstance(dt, (int, float)) else [float(x) for x in dt]
     if len(values) != spec.n_dt:
@@ -205,9 +230,7 @@ def operator_matrices(spec: Any, dt: Union[float, Sequence[float]]) -> dict[str,
     for v in values:
         if not (v > 0 and v < float("inf")):
             raise ValueError(f"dt: expected finite, positive step durations, got {v!r}")
-    builder = getattr(spec, "build_operator", None)
-    op = builder() if builder else build_operator(spec)
-    m_u, m_s = op.dense(values)
+    m_u, m_s = build_operator(spec).dense(values)
     return {"u": m_u, "start": m_s}
 
 

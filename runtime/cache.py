@@ -4,7 +4,8 @@ Layout under the cache root::
 
     builds/<content-hash>/kernel.<ext>   the compiled artefact
     builds/<content-hash>/source.<ext>   the source it was built from (for inspection)
-    builds/<content-hash>/meta.json      sha256 of the artefact (detects truncation/corruption)
+    builds/<content-hash>/meta.json      sha256 of the artefact (detects truncation/corruption), and
+                                         the generator's metadata of the build (coefficient count...)
     index/<spec-key>-<env-key>.json      spec → content hash, so a warm load needs no codegen
 
 The content hash covers source + compiler identity + flags + ABI version. Builds take a
@@ -20,9 +21,11 @@ import json
 import os
 import tempfile
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Optional
 
-ABI_VERSION = "1"
+from ..codegen.files import atomic_write
+
+ABI_VERSION = "2"  # 2: build metadata stored in meta.json
 
 
 def cache_root() -> Path:
@@ -44,20 +47,6 @@ def digest(*parts: str) -> str:
 
 def file_sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-def atomic_write(path: Path, data: bytes) -> None:
-    """Write via a temporary file in the same folder and rename (never a half-written file)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
 
 
 class CacheLockError(OSError):
@@ -115,12 +104,21 @@ class BuildCache:
             pass
         return None
 
+    def metadata(self, content_hash: str) -> dict:
+        """The generator's metadata stored with a build ({} if none)."""
+        try:
+            meta = json.loads((self.build_dir(content_hash) / "meta.json").read_text()).get("kernel")
+        except (OSError, ValueError, AttributeError):
+            return {}
+        return meta if isinstance(meta, dict) else {}
+
     def build(
         self,
         content_hash: str,
         ext: str,
         source: str,
         compile_fn: Callable[[Path, Path], None],
+        metadata: Optional[dict] = None,
     ) -> Path:
         """Return the verified artefact, building it under a lock if missing or corrupt."""
         found = self.verified_artefact(content_hash, ext)
@@ -135,12 +133,12 @@ class BuildCache:
             ) from err
         try:
             with locked(folder / ".lock"):
-                return self._build_locked(folder, content_hash, ext, source, compile_fn)
+                return self._build_locked(folder, content_hash, ext, source, compile_fn, metadata)
         except (PermissionError, CacheLockError) as err:
             raise CacheError(f"cannot write to the kernel cache folder {folder}: {err}") from err
 
     def _build_locked(self, folder: Path, content_hash: str, ext: str, source: str,
-                      compile_fn: Callable[[Path, Path], None]) -> Path:
+                      compile_fn: Callable[[Path, Path], None], metadata: Optional[dict]) -> Path:
         found = self.verified_artefact(content_hash, ext)  # another process may have built it
         if found:
             return found
@@ -155,21 +153,23 @@ class BuildCache:
         finally:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
-        atomic_write(folder / "meta.json", json.dumps({"sha256": file_sha256(artefact)}).encode())
+        meta = {"sha256": file_sha256(artefact), "kernel": metadata or {}}
+        atomic_write(folder / "meta.json", json.dumps(meta, sort_keys=True).encode())
         return artefact
 
-    def artefact_for(self, index_key: str, env_key: str, ext: str, make_source: Callable[[], str],
-                     compile_fn: Callable[[Path, Path], None]) -> tuple[str, Path]:
-        """(content hash, verified artefact) for a spec: via the index when cached, else the
-        source is generated (make_source), built and recorded."""
+    def artefact_for(self, index_key: str, env_key: str, ext: str,
+                     make_source: Callable[[], tuple[str, dict]],
+                     compile_fn: Callable[[Path, Path], None]) -> tuple[str, Path, dict]:
+        """(content hash, verified artefact, metadata) for a spec: via the index when cached,
+        else the source and its metadata are generated (make_source), built and recorded."""
         content_hash = self.lookup(index_key, env_key)
         path = self.verified_artefact(content_hash, ext) if content_hash else None
         if path is None:
-            source = make_source()
+            source, metadata = make_source()
             content_hash = digest(source, env_key)
-            path = self.build(content_hash, ext, source, compile_fn)
+            path = self.build(content_hash, ext, source, compile_fn, metadata)
             self.record(index_key, env_key, content_hash)
-        return content_hash, path
+        return content_hash, path, self.metadata(content_hash)
 
     def record(self, spec_key: str, env_key: str, content_hash: str) -> None:
         """Remember which build serves a spec (best effort: a read-only cache just skips it)."""

@@ -17,6 +17,7 @@ from typing import Any
 import cffi
 
 from ..codegen import abi
+from ..codegen.arguments import table
 from .cache import ABI_VERSION, BuildCache, CacheError, digest
 from .fingerprint import generator_fingerprint
 
@@ -33,6 +34,24 @@ def c_flags() -> tuple[str, ...]:
 
 class CompilerNotFound(RuntimeError):
     """No usable C compiler."""
+
+
+class CompileError(RuntimeError):
+    """A C source did not compile; the compiler's output is kept in ``stderr``."""
+
+    def __init__(self, command: list[str], source: str, stderr: str):
+        self.source, self.stderr = source, stderr  # source: the compiled file (callers may name theirs)
+        super().__init__(f"C compilation failed ({' '.join(command)}):\n{stderr[-4000:]}")
+
+    def summary(self) -> str:
+        """One line: the source and the compiler's first error, located by line and column."""
+        for line in self.stderr.splitlines():
+            if "error" in line:
+                where, _, message = line.rpartition(" error: ") if " error: " in line else ("", "", line)
+                position = where.rstrip(":").split(":")[-2:] if where.count(":") >= 2 else []
+                at = f" (line {':'.join(position)})" if position else ""
+                return f"{self.source} does not compile{at}: {message.strip()}"
+        return f"{self.source} does not compile (the compiler gave no error message)"
 
 
 @functools.lru_cache(maxsize=1)
@@ -62,25 +81,25 @@ def _compile(src: Path, out: Path) -> None:
     cmd = [compiler(), *c_flags(), "-x", "c", str(src), "-o", str(out)]
     result = subprocess.run(cmd, capture_output=True, text=True)
     if result.returncode != 0:
-        raise RuntimeError(f"C compilation failed ({' '.join(cmd)}):\n{result.stderr[-4000:]}")
+        raise CompileError(cmd, str(src), result.stderr)
 
 
-def cdef(name: str, order: int, part: str) -> str:
+def cdef(spec: Any, part: str) -> str:
     """cffi declarations of one library's entry points; pointers are passed as integers."""
+    args = table(spec)
     lines = []
     for kernel in abi.PARTS[part]:
-        params = ", ".join(("intptr_t" if "*" in t else t) + f" {n}" for t, n in abi.arguments(kernel, order))
-        lines.append(f"void {abi.symbol(name, kernel)}({params});")
-    if "dt_vjp" in abi.PARTS[part]:
-        lines.append(f"int64_t {abi.symbol(name, 'n_coefficients')}(void);")
+        params = ", ".join(("intptr_t" if "*" in t else t) + f" {n}" for t, n in abi.arguments(kernel, args))
+        lines.append(f"void {abi.symbol(spec.name, kernel)}({params});")
     return "\n".join(lines)
 
 
 _LOADED: dict[str, Any] = {}
 
 
-def load_library(spec: Any, part: str = "core", cache: BuildCache | None = None) -> Any:
-    """One loaded cffi library of a spec ('core' or 'dt'): from the cache, else generated and built.
+def load_library(spec: Any, part: str = "core", cache: BuildCache | None = None) -> tuple[Any, dict]:
+    """One loaded cffi library of a spec ('core' or 'dt') and its build metadata: from the
+    cache, else generated (codegen's driver) and built.
 
     An unusable cache folder (read-only, or not a folder) falls back to a private temporary
     cache with a warning, so a kernel still loads.
@@ -98,21 +117,24 @@ def fallback_cache_root() -> Path:
     return Path(tempfile.mkdtemp(prefix="tensorstep-cache-"))
 
 
-def _load_library(spec: Any, part: str, cache: BuildCache) -> Any:
-    def source() -> str:
-        from ..codegen.render import render  # SymPy and Jinja2 only on a cache miss
+def _load_library(spec: Any, part: str, cache: BuildCache) -> tuple[Any, dict]:
+    def generate() -> tuple[str, dict]:
+        from ..codegen.driver import generate  # SymPy and Jinja2 only on a cache miss
 
-        return render(spec, "c", part)
+        generated = generate(spec, targets=("c",), parts=(part,))
+        return generated.source("c", part), dict(generated.metadata)
 
-    content_hash, path = cache.artefact_for(f"{spec.key}-{part}", environment_key(), "so", source, _compile)
-    return _open(content_hash, path, spec, part)
+    content_hash, path, metadata = cache.artefact_for(f"{spec.key}-{part}", environment_key(), "so", generate,
+                                                      _compile)
+    return _open(content_hash, path, spec, part), metadata
 
 
-def load_source(spec: Any, source: str, cache: BuildCache | None = None) -> Any:
-    """Build and load a given C source holding all of a spec's kernels (e.g. from `generate`)."""
+def load_source(spec: Any, source: str, metadata: dict, cache: BuildCache | None = None) -> tuple[Any, dict]:
+    """Build and load a given C source holding all of a spec's kernels (e.g. from `generate`),
+    with the metadata its manifest recorded."""
     cache = cache or BuildCache()
     content_hash = digest(source, environment_key())
-    return _open(content_hash, cache.build(content_hash, "so", source, _compile), spec, "all")
+    return _open(content_hash, cache.build(content_hash, "so", source, _compile, metadata), spec, "all"), metadata
 
 
 def address(lib: Any, symbol: str) -> int:
@@ -133,7 +155,7 @@ def _ffi_module(module_path: Path, spec: Any, part: str) -> Any:
     """cffi's out-of-line ABI mode: the declarations parsed once, saved as a Python module."""
     if not module_path.exists():
         builder = cffi.FFI()
-        builder.cdef(cdef(spec.name, spec.order, part))
+        builder.cdef(cdef(spec, part))
         builder.set_source(f"_tensorstep_ffi_{spec.name}_{part}", None)
         fd, tmp = tempfile.mkstemp(dir=module_path.parent, prefix=f".{module_path.stem}.", suffix=".tmp")
         os.close(fd)  # a unique name per writer: concurrent processes never share a temporary

@@ -42,16 +42,18 @@ def _copy(src: Path, out: Path) -> None:
 
 
 @functools.lru_cache(maxsize=None)
-def cuda_source(spec: Any, part: str) -> str:
-    """The CUDA source of one library of a spec, from the cache or freshly generated."""
-    def source() -> str:
-        from ..codegen.render import render
+def cuda_source(spec: Any, part: str) -> tuple[str, dict]:
+    """The CUDA source of one library of a spec and its build metadata, from the cache or
+    freshly generated (codegen's driver)."""
+    def generate() -> tuple[str, dict]:
+        from ..codegen.driver import generate
 
-        return render(spec, "cuda", part)
+        generated = generate(spec, targets=("cuda",), parts=(part,))
+        return generated.source("cuda", part), dict(generated.metadata)
 
     env = digest("cuda", ABI_VERSION, generator_fingerprint())[:16]
-    _, path = BuildCache().artefact_for(f"{spec.key}-{part}-cuda", env, "cu", source, _copy)
-    return path.read_text()
+    _, path, metadata = BuildCache().artefact_for(f"{spec.key}-{part}-cuda", env, "cu", generate, _copy)
+    return path.read_text(), metadata
 
 
 class CudaBackend:
@@ -65,19 +67,16 @@ class CudaBackend:
         self.device = device
         self.functions: dict[str, Any] = {}
         self._streams: dict[int, Any] = {}
-        self._bind("core")
+        self.metadata = self._bind("core")
 
-    def _bind(self, part: str) -> None:
+    def _bind(self, part: str) -> dict:
         cp = self.cupy
+        source, metadata = cuda_source(self.spec, part)
         with cp.cuda.Device(self.device.index):
-            module = cp.RawModule(code=cuda_source(self.spec, part), options=NVRTC_OPTIONS)
+            module = cp.RawModule(code=source, options=NVRTC_OPTIONS)
             for kernel in abi.PARTS[part]:
                 self.functions[kernel] = module.get_function(abi.symbol(self.spec.name, kernel))
-
-    @functools.cached_property
-    def n_coefficients(self) -> int:
-        self._bind("dt")
-        return _n_coefficients(self.spec)
+        return metadata
 
     def call(self, kernel: str, B: int, args: list[int]) -> None:
         if kernel not in self.functions:
@@ -93,11 +92,3 @@ class CudaBackend:
         if ptr not in self._streams:
             self._streams[ptr] = self.cupy.cuda.ExternalStream(ptr, self.device.index)
         return self._streams[ptr]
-
-
-def _n_coefficients(spec: Any) -> int:
-    """NC_ as written in the generated source (no code generation needed)."""
-    source = cuda_source(spec, "dt")
-    marker = "NC_ = "
-    start = source.index(marker) + len(marker)
-    return int(source[start : source.index(" ", start)])

@@ -1,4 +1,4 @@
-"""Launching a spec's four kernels on torch tensors (allocation, pointers, layouts).
+"""Launching a spec's kernels on torch tensors (allocation, pointers, layouts).
 
 Inputs are assumed validated (runtime.validate) and contiguous. The backend object
 supplies ``call(kernel, B, args)`` for C (cffi) or CUDA (CuPy); everything else here is
@@ -6,10 +6,12 @@ backend-neutral.
 """
 from __future__ import annotations
 
-import functools
 from typing import Any, Optional, Sequence
 
 import torch
+
+from ..codegen import abi
+from ..codegen.arguments import REQUIRED, Argument, ArgumentTable, table
 
 Tensor = torch.Tensor
 OptTensor = Optional[Tensor]
@@ -26,126 +28,119 @@ def contiguous(t: OptTensor) -> OptTensor:
 
 
 class Launcher:
-    """The four entry points of one spec on one device."""
+    """The entry points of one spec on one device, with shapes and pointer lists from its
+    argument table. Tensor inputs come in table order (``table.tensors``), dt separately."""
 
     def __init__(self, spec: Any, backend: Any):
         self.spec = spec
         self.backend = backend
+        self.table: ArgumentTable = table(spec)
         self.dtype = DTYPES[spec.dtype]
-        self.K = spec.order + 1
+        self.K = len(self.table.outputs)
 
-    def _shape(self, B: int, rows: int) -> tuple[int, int, int]:
-        D = self.spec.dof
-        return (B, rows, D) if self.spec.layout == "bhd" else (B, D, rows)
-
-    def output_shape(self, B: int) -> tuple[int, int, int]:
+    def output_shape(self, B: int) -> tuple[int, ...]:
         """Shape of each output (P, V, A, J[, S]) for a batch of B."""
-        return self._shape(B, self.spec.horizon)
+        return self.table.physical(self.table.outputs[0], {"B": B})
 
-    def action_shape(self, B: int) -> tuple[int, int, int]:
+    def action_shape(self, B: int) -> tuple[int, ...]:
         """Shape of the actions u (and of their gradient) for a batch of B."""
-        return self._shape(B, self.spec.n_actions)
+        return self.table.physical(self.table.inputs[0], {"B": B})
 
-    def forward_inputs(self, B: int, gu: OptTensor, gs: Sequence[OptTensor]) -> Optional[list[Tensor]]:
-        """(u, p0, v0, a0, j0) for running the forward on adjoint-shaped tensors (double
-        backward): missing ones become zeros, all contiguous; None when all are missing."""
-        like = next((g for g in (gu, *gs) if g is not None), None)
+    def per_batch_shape(self, arg: Argument, B: int) -> tuple[int, ...]:
+        """The adjoint's gradient shape for an input: one row per trajectory (rows an index
+        picks are summed back onto their table later)."""
+        free = [s for s in arg.shape if isinstance(s, str) and self.table.size(s) is None]
+        return self.table.physical(arg, {s: B for s in free})
+
+    def forward_inputs(self, B: int, grads: Sequence[OptTensor]) -> Optional[list[OptTensor]]:
+        """Tensor inputs for running the forward on adjoint-shaped tensors (double backward):
+        the gradients of the differentiable inputs, zeros where missing, no index; None when all
+        are missing."""
+        like = next((g for g in grads if g is not None), None)
         if like is None:
             return None
-        u = gu.contiguous() if gu is not None else like.new_zeros(self.action_shape(B))
-        return [u] + [g.contiguous() if g is not None else like.new_zeros((B, self.spec.dof)) for g in gs]
+        given = dict(zip(self.table.differentiable, grads))
+        inputs: list[OptTensor] = []
+        for arg in self.table.tensors:
+            if arg not in given:
+                inputs.append(None)
+            elif given[arg] is not None:
+                inputs.append(given[arg].contiguous())
+            else:
+                inputs.append(like.new_zeros(self.per_batch_shape(arg, B)) if arg.presence == REQUIRED else None)
+        return inputs
 
     def _empty_outputs(self, like: Tensor, B: int) -> list[Tensor]:
         return [torch.empty(self.output_shape(B), dtype=self.dtype, device=like.device) for _ in range(self.K)]
 
-    def forward(self, u: Tensor, start: Sequence[OptTensor], idx: OptTensor, dt: Tensor,
-                out: Optional[Sequence[Tensor]] = None) -> list[Tensor]:
+    def forward(self, inputs: Sequence[OptTensor], dt: Tensor, out: Optional[Sequence[Tensor]] = None) -> list[Tensor]:
         """Outputs (P, V, A, J[, S]): new tensors, or ``out`` (validated by the caller) written in place."""
+        u = inputs[0]
         B = u.shape[0]
         ys = list(out) if out is not None else self._empty_outputs(u, B)
         if B:
-            self.backend.call("forward", B, [ptr(u), *map(ptr, start), ptr(idx), ptr(dt), *map(ptr, ys)])
+            self.backend.call("forward", B, [*map(ptr, inputs), ptr(dt), *map(ptr, ys)])
         return ys
 
-    def adjoint(
-        self, grads: Sequence[OptTensor], dt: Tensor, B: int, start_needed: Sequence[bool]
-    ) -> tuple[Tensor, list[OptTensor]]:
-        """(gu, per-batch start gradients [B, D] or None where not needed)."""
+    def adjoint(self, grads: Sequence[OptTensor], dt: Tensor, B: int, needed: Sequence[bool]) -> list[OptTensor]:
+        """Per-trajectory gradients of the differentiable inputs (None where not needed; the
+        first, the actions', is always written)."""
         grads = [contiguous(g) for g in grads]
         like = next(g for g in grads if g is not None)
-        D = self.spec.dof
-        gu = torch.empty(self.action_shape(B), dtype=self.dtype, device=like.device)
-        gs = [torch.empty((B, D), dtype=self.dtype, device=like.device) if need else None for need in start_needed]
+        outs = [torch.empty(self.per_batch_shape(a, B), dtype=self.dtype, device=like.device) if (need or i == 0)
+                else None for i, (a, need) in enumerate(zip(self.table.differentiable, needed))]
         if B:
-            self.backend.call("adjoint", B, [*map(ptr, grads), ptr(dt), ptr(gu), *map(ptr, gs)])
-        return gu, gs
+            self.backend.call("adjoint", B, [*map(ptr, grads), ptr(dt), *map(ptr, outs)])
+        return outs
 
-    def dt_vjp(
-        self, u: Tensor, start: Sequence[OptTensor], idx: OptTensor, grads: Sequence[OptTensor], dt: Tensor
-    ) -> Tensor:
+    def dt_vjp(self, inputs: Sequence[OptTensor], grads: Sequence[OptTensor], dt: Tensor) -> Tensor:
         """Gradient with respect to the dt vector the kernel reads (float64, summed over the batch)."""
         grads = [contiguous(g) for g in grads]
-        gc = torch.zeros(self.backend.n_coefficients, dtype=torch.float64, device=u.device)
-        gdt = torch.empty(self.spec.n_dt, dtype=torch.float64, device=u.device)
+        u = inputs[0]
+        # the accumulator's size is in the build's metadata (no code generation, no parsing)
+        gc = torch.zeros(int(self.backend.metadata["n_coefficients"]), dtype=torch.float64, device=u.device)
+        gdt = torch.empty(dt.shape[0], dtype=torch.float64, device=u.device)
         B = u.shape[0]
         if B:
-            self.backend.call("dt_vjp", B, [ptr(u), *map(ptr, start), ptr(idx), *map(ptr, grads), ptr(dt), ptr(gc)])
+            self.backend.call("dt_vjp", B, [*map(ptr, inputs), *map(ptr, grads), ptr(dt), ptr(gc)])
         self.backend.call("dt_vjp_finish", 1, [ptr(dt), ptr(gc), ptr(gdt)])
         return gdt
 
-    def dt_jvp(
-        self,
-        u: Tensor,
-        start: Sequence[OptTensor],
-        idx: OptTensor,
-        du: OptTensor,
-        dstart: Sequence[OptTensor],
-        dt: Tensor,
-        ddt: Tensor,
-    ) -> list[Tensor]:
+    def dt_jvp(self, inputs: Sequence[OptTensor], tangents: Sequence[OptTensor], dt: Tensor,
+               ddt: Tensor) -> list[Tensor]:
+        """Output tangents for tangents of the differentiable inputs and of dt."""
+        u = inputs[0]
         B = u.shape[0]
         ys = self._empty_outputs(u, B)
-        du = contiguous(du)
-        dstart = [contiguous(t) for t in dstart]
+        tangents = [contiguous(t) for t in tangents]
         if B:
-            self.backend.call(
-                "dt_jvp", B, [ptr(u), *map(ptr, start), ptr(idx), ptr(du), *map(ptr, dstart), ptr(dt), ptr(ddt), *map(ptr, ys)]
-            )
+            self.backend.call("dt_jvp", B, [*map(ptr, inputs), *map(ptr, tangents), ptr(dt), ptr(ddt), *map(ptr, ys)])
         return ys
 
 
 class CpuBackend:
     """Calls into cffi-loaded libraries: the core now, the dt derivatives on first use."""
 
-    def __init__(self, spec: Any, source: Optional[str] = None):
-        """Kernels generated for ``spec``, or built from a given C ``source`` (all kernels)."""
+    def __init__(self, spec: Any, source: Optional[str] = None, metadata: Optional[dict] = None):
+        """Kernels generated for ``spec``, or built from a given C ``source`` (all kernels) with the
+        metadata its manifest recorded."""
         from .cbackend import load_library, load_source
 
         self.spec = spec
-        self._load = load_library if source is None else (lambda spec, part: load_source(spec, source))
+        self._load = load_library if source is None else (lambda spec, part: load_source(spec, source, metadata or {}))
         self.functions: dict[str, Any] = {}
-        self._core = self._bind("core" if source is None else "all")
+        self._core, self.metadata = self._bind("core" if source is None else "all")
 
-    def _bind(self, part: str) -> Any:
-        from ..codegen import abi
-
-        lib = self._load(self.spec, part)
+    def _bind(self, part: str) -> tuple[Any, dict]:
+        lib, metadata = self._load(self.spec, part)
         self.functions.update({k: getattr(lib, abi.symbol(self.spec.name, k)) for k in abi.PARTS[part]})
-        return lib
+        return lib, metadata
 
     def address(self, kernel: str) -> int:
         """Address of a core kernel ('forward', 'adjoint'), for the native autograd node."""
-        from ..codegen import abi
         from .cbackend import address
 
         return address(self._core, abi.symbol(self.spec.name, kernel))
-
-    @functools.cached_property
-    def n_coefficients(self) -> int:
-        from ..codegen import abi
-
-        lib = self._bind("dt")
-        return int(getattr(lib, abi.symbol(self.spec.name, "n_coefficients"))())
 
     def call(self, kernel: str, B: int, args: list[int]) -> None:
         if kernel not in self.functions:

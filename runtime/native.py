@@ -2,9 +2,10 @@
 
 Python's autograd.Function adds tens of microseconds per call, more than the kernels cost at
 small batches. The native node is one generic C++ autograd Function that calls the generated
-kernels by address. It is compiled against the installed PyTorch's headers (about 20 s, once
-per PyTorch install and compiler, kept in the kernel cache) and used for plain CPU calls:
-gradients to u and the start state. dt gradients, forward mode, functorch transforms and
+kernels by address, with each spec's argument table registered alongside (its checks, pointer
+lists and shapes follow the table). It is compiled against the installed PyTorch's headers
+(once per PyTorch install and compiler, kept in the kernel cache) and used for plain CPU calls:
+gradients to the tensor inputs. dt gradients, forward mode, functorch transforms and
 torch.compile keep the Python Functions. ``TENSORSTEP_NATIVE=0`` turns it off; when it
 cannot be built (no C++ compiler, no PyTorch headers) steps run on the Python path with one
 warning.
@@ -24,6 +25,7 @@ from typing import Any, Optional
 
 import torch
 
+from ..codegen.arguments import ABSENT, INDEX, KERNEL, MESSAGES, OPTIONAL, REQUIRED, STEP, ArgumentTable
 from .cache import ABI_VERSION, BuildCache, CacheError, digest
 
 SOURCE = Path(__file__).with_name("native_node.cpp")
@@ -125,12 +127,39 @@ def handle(launcher: Any) -> Optional[int]:
         return _handle(launcher)
 
 
+#: the free shape symbols, in the order of the node's negative size codes (-1 is B, -2 S, ...)
+SYMBOLS = ("B", "S", "G")
+#: message templates, in the order of the node's Message enum
+MESSAGE_KEYS = ("missing", "unexpected", "layout", "dims", "shape", "dtype", "index_dtype", "device", "empty",
+                "no_rows")
+RULES = {KERNEL: 0, INDEX: 1, STEP: 2}
+PRESENCES = {REQUIRED: 0, OPTIONAL: 1, ABSENT: 2}
+
+
+def _codes(shape: tuple) -> list[int]:
+    """A table shape (sizes and free symbols) as the node's size codes."""
+    return [s if isinstance(s, int) else -1 - SYMBOLS.index(s) for s in shape]
+
+
+def table_rows(table: ArgumentTable) -> dict[str, Any]:
+    """The argument table as the node's registration arguments (one list per column)."""
+    position = {a.name: i for i, a in enumerate(table.inputs)}
+    shapes = [_codes(table.symbolic(a)) for a in table.inputs]
+    return dict(
+        names=[a.name for a in table.inputs], meanings=[a.meaning for a in table.inputs],
+        ranks=[len(s) for s in shapes], shapes=[c for s in shapes for c in s],
+        rules=[RULES[a.dtype] for a in table.inputs], presences=[PRESENCES[a.presence] for a in table.inputs],
+        indices=[position[a.index] if a.index else -1 for a in table.inputs],
+        differentiable=[int(a.differentiable) for a in table.inputs],
+        output_shape=_codes(table.symbolic(table.outputs[0])), outputs=len(table.outputs),
+        symbols=list(SYMBOLS), messages=[MESSAGES[k] for k in MESSAGE_KEYS])
+
+
 def _handle(launcher: Any) -> int:
     addresses = (launcher.backend.address("forward"), launcher.backend.address("adjoint"))
     if addresses not in _HANDLES:
-        h = int(torch.ops.tensorstep_native.register_kernels(
-            *addresses, launcher.K, list(launcher.output_shape(1)[1:]), list(launcher.action_shape(1)[1:]),
-            launcher.spec.dof, launcher.spec.n_dt, launcher.spec.start_index, launcher.dtype))
+        h = int(torch.ops.tensorstep_native.register_kernels(*addresses, **table_rows(launcher.table),
+                                                            dtype=launcher.dtype))
         _LAUNCHERS[h] = launcher
         _HANDLES[addresses] = h
     return _HANDLES[addresses]

@@ -2,12 +2,15 @@
 //
 // A Python autograd.Function costs tens of microseconds per call (Function.apply, and the
 // engine calling back into Python for backward), more than the kernels themselves at small
-// batches. This node does the same bookkeeping in C++. It is generic, not generated: the
-// kernels arrive as function addresses with the C ABI of codegen/abi.py, registered once
-// per loaded spec. Built once per PyTorch install (runtime/native.py), never per variant.
+// batches. This node does the same bookkeeping in C++. It is generic, not generated: each
+// loaded spec registers its kernels' addresses together with its argument table (the rows of
+// codegen/arguments.py, and the message templates), and everything below — the checks and
+// their errors, the kernels' pointer lists, the output and gradient shapes, the summing of
+// gradients onto indexed rows — follows those rows. Built once per PyTorch install
+// (runtime/native.py), never per variant.
 //
-// Scope: CPU, gradients to u and the start state. The Python side routes everything else
-// (dt gradients, forward mode, functorch transforms, torch.compile) to the Python Functions.
+// Scope: CPU, gradients to the tensor inputs. The Python side routes everything else (dt
+// gradients, forward mode, functorch transforms, torch.compile) to the Python Functions.
 // Double backward (create_graph) calls the op tensorstep_native::adjoint_graph, implemented
 // in Python by the differentiable AdjointFunction, so higher derivatives stay exact.
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -19,7 +22,11 @@
 #include <array>
 #include <cmath>
 #include <deque>
+#include <map>
 #include <mutex>
+#include <sstream>
+#include <string>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -28,21 +35,53 @@ using at::Tensor;
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-// The kernels take typed pointers (float*/double*); every pointer is passed alike by the
-// C calling convention, so calling through void pointers is ABI-identical.
-using P = const void*;
-using W = void*;
-using Forward4 = void (*)(int64_t, P, P, P, P, P, P, P, W, W, W, W);
-using Forward5 = void (*)(int64_t, P, P, P, P, P, P, P, W, W, W, W, W);
-using Adjoint4 = void (*)(int64_t, P, P, P, P, P, W, W, W, W, W);
-using Adjoint5 = void (*)(int64_t, P, P, P, P, P, P, W, W, W, W, W);
+// ---- calling a generated kernel: B, then one pointer per parameter --------------------------
+// Every parameter after B is a pointer, and the C calling convention passes all pointers
+// alike, so a kernel of n pointer parameters can be called as void(int64_t, void* x n).
+using Caller = void (*)(int64_t, int64_t, void* const*);
+
+template <size_t... I>
+void call_with(int64_t address, int64_t B, void* const* a, std::index_sequence<I...>) {
+  using Fn = void (*)(int64_t, decltype((void)I, static_cast<void*>(nullptr))...);
+  reinterpret_cast<Fn>(address)(B, a[I]...);
+}
+
+template <size_t N>
+void call_n(int64_t address, int64_t B, void* const* a) {
+  call_with(address, B, a, std::make_index_sequence<N>{});
+}
+
+template <size_t... N>
+constexpr std::array<Caller, sizeof...(N)> callers(std::index_sequence<N...>) {
+  return {&call_n<N>...};
+}
+
+constexpr auto CALLERS = callers(std::make_index_sequence<64>{});
+
+void call(int64_t address, int64_t B, std::vector<void*>& args) {
+  TORCH_CHECK(args.size() < CALLERS.size(), "tensorstep: a kernel with ", args.size(), " parameters");
+  CALLERS[args.size()](address, B, args.data());
+}
+
+// ---- the argument table, as registered -------------------------------------------------------
+enum Rule : int64_t { KERNEL_DTYPE = 0, INDEX = 1, STEP = 2 };
+enum Presence : int64_t { REQUIRED = 0, OPTIONAL = 1, ABSENT = 2 };
+// message templates, in the order runtime/native.py passes them
+enum Message { MISSING, UNEXPECTED, LAYOUT, DIMS, SHAPE, DTYPE, INDEX_DTYPE, DEVICE, EMPTY, NO_ROWS, N_MESSAGES };
+
+struct Row {
+  std::string name, meaning;
+  std::vector<int64_t> shape;  // sizes; a negative code -1-i stands for free symbol i (B, S, ...)
+  int64_t rule, presence, index;  // index: position of the index row that picks this row's entries, or -1
+  bool differentiable;
+};
 
 struct Kernels {
-  int64_t forward, adjoint, outputs;        // addresses; K = order + 1 outputs
-  std::vector<int64_t> output_tail, action_tail;  // shapes after the batch dimension
-  int64_t dof;
-  int64_t n_dt;  // dt values the kernels read: 1 (uniform) or H (per step)
-  bool indexed;  // the kernels read start rows through start_index
+  int64_t forward, adjoint;
+  std::vector<Row> rows;  // inputs in table order, dt last
+  std::vector<int64_t> output_shape;
+  int64_t outputs;
+  std::vector<std::string> symbols, messages;
   at::ScalarType dtype;
 };
 
@@ -55,97 +94,251 @@ const Kernels& kernels(int64_t handle) {
   return registry[handle];
 }
 
-int64_t register_kernels(int64_t forward, int64_t adjoint, int64_t outputs, std::vector<int64_t> output_tail,
-                         std::vector<int64_t> action_tail, int64_t dof, int64_t n_dt, bool indexed,
-                         at::ScalarType dtype) {
-  TORCH_CHECK(outputs == 4 || outputs == 5, "tensorstep: kernels have 4 or 5 outputs, got ", outputs);
+int64_t register_kernels(int64_t forward, int64_t adjoint, std::vector<std::string> names,
+                         std::vector<std::string> meanings, std::vector<int64_t> ranks, std::vector<int64_t> shapes,
+                         std::vector<int64_t> rules, std::vector<int64_t> presences, std::vector<int64_t> indices,
+                         std::vector<int64_t> differentiable, std::vector<int64_t> output_shape, int64_t outputs,
+                         std::vector<std::string> symbols, std::vector<std::string> messages, at::ScalarType dtype) {
+  TORCH_CHECK(messages.size() == N_MESSAGES, "tensorstep: expected ", N_MESSAGES, " message templates");
+  Kernels k{forward, adjoint, {}, std::move(output_shape), outputs, std::move(symbols), std::move(messages), dtype};
+  size_t at = 0;
+  for (size_t i = 0; i < names.size(); ++i) {
+    std::vector<int64_t> shape(shapes.begin() + at, shapes.begin() + at + ranks[i]);
+    at += ranks[i];
+    k.rows.push_back(Row{names[i], meanings[i], std::move(shape), rules[i], presences[i], indices[i],
+                         differentiable[i] != 0});
+  }
   std::lock_guard<std::mutex> guard(registry_mutex);
-  registry.push_back(
-      Kernels{forward, adjoint, outputs, std::move(output_tail), std::move(action_tail), dof, n_dt, indexed, dtype});
+  registry.push_back(std::move(k));
   return static_cast<int64_t>(registry.size()) - 1;
 }
 
-P ptr(const Tensor& t) { return t.defined() ? t.data_ptr() : nullptr; }
-
-std::vector<int64_t> with_batch(int64_t batch, const std::vector<int64_t>& tail) {
-  std::vector<int64_t> shape{batch};
-  shape.insert(shape.end(), tail.begin(), tail.end());
-  return shape;
+// ---- messages: the templates of codegen/arguments.py, formatted as Python formats them ---------
+std::string format(const std::string& text, const std::map<std::string, std::string>& fields) {
+  std::string out;
+  for (size_t i = 0; i < text.size(); ++i) {
+    if (text[i] == '{') {
+      const size_t close = text.find('}', i);
+      const auto found = fields.find(text.substr(i + 1, close - i - 1));
+      if (close != std::string::npos && found != fields.end()) {
+        out += found->second;
+        i = close;
+        continue;
+      }
+    }
+    out += text[i];
+  }
+  return out;
 }
 
-void run_forward(const Kernels& k, int64_t B, const Tensor& u, const Tensor& p0, const Tensor& v0, const Tensor& a0,
-                 const Tensor& j0, const Tensor& idx, const Tensor& dt, variable_list& ys) {
-  if (k.outputs == 4) {
-    reinterpret_cast<Forward4>(k.forward)(B, ptr(u), ptr(p0), ptr(v0), ptr(a0), ptr(j0), ptr(idx), ptr(dt),
-                                          ys[0].data_ptr(), ys[1].data_ptr(), ys[2].data_ptr(), ys[3].data_ptr());
-  } else {
-    reinterpret_cast<Forward5>(k.forward)(B, ptr(u), ptr(p0), ptr(v0), ptr(a0), ptr(j0), ptr(idx), ptr(dt),
-                                          ys[0].data_ptr(), ys[1].data_ptr(), ys[2].data_ptr(), ys[3].data_ptr(),
-                                          ys[4].data_ptr());
+std::string tuple_text(const std::vector<std::string>& items) {
+  std::string out = "(";
+  for (size_t i = 0; i < items.size(); ++i) out += (i ? ", " : "") + items[i];
+  return out + (items.size() == 1 ? ",)" : ")");
+}
+
+std::string shape_text(at::IntArrayRef shape) {
+  std::vector<std::string> items;
+  for (auto s : shape) items.push_back(std::to_string(s));
+  return tuple_text(items);
+}
+
+std::string symbolic_text(const Kernels& k, const Row& row) {
+  std::vector<std::string> items;
+  for (auto s : row.shape) items.push_back(s >= 0 ? std::to_string(s) : k.symbols[-1 - s]);
+  return tuple_text(items);
+}
+
+std::string dtype_text(at::ScalarType t) {  // as Python prints a torch.dtype
+  switch (t) {
+    case at::kFloat: return "torch.float32";
+    case at::kDouble: return "torch.float64";
+    case at::kHalf: return "torch.float16";
+    case at::kBFloat16: return "torch.bfloat16";
+    case at::kLong: return "torch.int64";
+    case at::kInt: return "torch.int32";
+    case at::kShort: return "torch.int16";
+    case at::kChar: return "torch.int8";
+    case at::kByte: return "torch.uint8";
+    case at::kBool: return "torch.bool";
+    case at::kComplexFloat: return "torch.complex64";
+    case at::kComplexDouble: return "torch.complex128";
+    default: return std::string("torch.") + c10::toString(t);
   }
 }
 
-void run_adjoint(const Kernels& k, int64_t B, const variable_list& g, const Tensor& dt, const Tensor& gu,
-                 const variable_list& gs) {
-  if (k.outputs == 4) {
-    reinterpret_cast<Adjoint4>(k.adjoint)(B, ptr(g[0]), ptr(g[1]), ptr(g[2]), ptr(g[3]), ptr(dt), gu.data_ptr(),
-                                          const_cast<W>(ptr(gs[0])), const_cast<W>(ptr(gs[1])),
-                                          const_cast<W>(ptr(gs[2])), const_cast<W>(ptr(gs[3])));
-  } else {
-    reinterpret_cast<Adjoint5>(k.adjoint)(B, ptr(g[0]), ptr(g[1]), ptr(g[2]), ptr(g[3]), ptr(g[4]), ptr(dt),
-                                          gu.data_ptr(), const_cast<W>(ptr(gs[0])), const_cast<W>(ptr(gs[1])),
-                                          const_cast<W>(ptr(gs[2])), const_cast<W>(ptr(gs[3])));
-  }
+std::string layout_text(at::Layout layout) {  // as Python prints a torch.layout
+  std::ostringstream text;
+  text << layout;
+  std::string name = text.str();
+  for (auto& c : name) c = static_cast<char>(std::tolower(c));
+  return name == "sparse" ? "torch.sparse_coo" : "torch." + name;
 }
 
-// Forward arguments, in order: u, p0, v0, a0, j0, idx, dt, handle. Gradients are returned per
-// argument; needs_input_grad counts only the tensors passed (absent j0/idx have no edge).
-enum Argument { U = 0, P0 = 1, J0 = 4, DT = 6, N_ARGUMENTS = 8 };
+std::string say(const Kernels& k, Message m, const Row& row, std::map<std::string, std::string> fields = {}) {
+  fields["name"] = row.name;
+  return format(k.messages[m], fields);
+}
 
+// ---- checks: the rules of runtime/validate.py, row by row -------------------------------------
+// A structural problem (presence, layout, rank, shape, dtype, device) raises the table's message.
+// A problem with values (dt entries, index entries) or with dt's form returns false: the caller
+// then runs the Python checks, which say what is wrong.
+struct Checked {
+  std::vector<Tensor> inputs;  // contiguous, int64 indices, dt reshaped to the kernel's vector
+  std::vector<int64_t> sizes;  // of the free symbols
+};
+
+bool check_row(const Kernels& k, const Row& row, const Tensor& t, std::vector<int64_t>& sizes, Tensor& out) {
+  if (!t.defined()) {
+    TORCH_CHECK_TYPE(row.presence != REQUIRED, say(k, MISSING, row, {{"expected", row.meaning}}));
+    return true;
+  }
+  TORCH_CHECK_TYPE(row.presence != ABSENT, say(k, UNEXPECTED, row, {{"expected", row.meaning}}));
+  TORCH_CHECK_TYPE(t.layout() == at::kStrided, say(k, LAYOUT, row, {{"got", layout_text(t.layout())}}));
+  if (row.rule == STEP) {  // a float dt of any form Python accepts; the rest is for Python to explain
+    const int64_t n = row.shape[0];
+    if (t.dim() > 1 || t.numel() != n || !t.is_floating_point() || !t.device().is_cpu()) return false;
+    out = t.reshape({n}).to(k.dtype).contiguous();
+    const auto* x = out.const_data_ptr();
+    for (int64_t i = 0; i < n; ++i) {
+      const double v = k.dtype == at::kFloat ? static_cast<const float*>(x)[i] : static_cast<const double*>(x)[i];
+      if (!(std::isfinite(v) && v > 0)) return false;
+    }
+    return true;
+  }
+  TORCH_CHECK_VALUE(t.dim() == static_cast<int64_t>(row.shape.size()),
+                    say(k, DIMS, row, {{"count", std::to_string(row.shape.size())},
+                                       {"expected", symbolic_text(k, row)}, {"got", shape_text(t.sizes())}}));
+  std::vector<int64_t> expected;
+  for (size_t d = 0; d < row.shape.size(); ++d) {
+    int64_t s = row.shape[d];
+    if (s < 0) {
+      int64_t& bound = sizes[-1 - s];
+      if (bound < 0) {
+        TORCH_CHECK_VALUE(t.size(d) > 0, say(k, s == -1 ? EMPTY : NO_ROWS, row, {{"got", shape_text(t.sizes())}}));
+        bound = t.size(d);
+      }
+      s = bound;
+    }
+    expected.push_back(s);
+  }
+  TORCH_CHECK_VALUE(t.sizes() == at::IntArrayRef(expected),
+                    say(k, SHAPE, row, {{"expected", shape_text(expected)}, {"got", shape_text(t.sizes())}}));
+  if (row.rule == INDEX) {
+    TORCH_CHECK_TYPE(t.scalar_type() == at::kLong || t.scalar_type() == at::kInt,
+                     say(k, INDEX_DTYPE, row, {{"got", dtype_text(t.scalar_type())}}));
+  } else {
+    TORCH_CHECK_TYPE(t.scalar_type() == k.dtype,
+                     say(k, DTYPE, row, {{"expected", dtype_text(k.dtype)}, {"got", dtype_text(t.scalar_type())}}));
+  }
+  TORCH_CHECK_VALUE(t.device().is_cpu(), say(k, DEVICE, row, {{"expected", "cpu"}, {"got", t.device().str()}}));
+  out = row.rule == INDEX ? t.to(at::kLong).contiguous() : t.contiguous();
+  return true;
+}
+
+// Every index entry names a row of the tables it picks from.
+bool indices_in_range(const Kernels& k, const std::vector<Tensor>& inputs) {
+  for (size_t i = 0; i < k.rows.size(); ++i) {
+    if (k.rows[i].rule != INDEX || !inputs[i].defined()) continue;
+    int64_t rows = -1;
+    for (size_t j = 0; j < k.rows.size() && rows < 0; ++j) {
+      if (k.rows[j].index == static_cast<int64_t>(i) && inputs[j].defined()) rows = inputs[j].size(0);
+    }
+    const int64_t* x = inputs[i].const_data_ptr<int64_t>();
+    for (int64_t b = 0; b < inputs[i].numel(); ++b) {
+      if (x[b] < 0 || x[b] >= rows) return false;
+    }
+  }
+  return true;
+}
+
+using Given = c10::List<std::optional<Tensor>>;
+
+bool check(const Kernels& k, const Given& given, Checked& c) {
+  TORCH_CHECK(given.size() == k.rows.size(), "tensorstep: expected ", k.rows.size(), " arguments, got ", given.size());
+  c.sizes.assign(k.symbols.size(), -1);
+  c.inputs.assign(k.rows.size(), Tensor());
+  for (size_t i = 0; i < k.rows.size(); ++i) {
+    const std::optional<Tensor> t = given.get(i);
+    if (!check_row(k, k.rows[i], t.value_or(Tensor()), c.sizes, c.inputs[i])) return false;
+  }
+  return indices_in_range(k, c.inputs);
+}
+
+std::vector<int64_t> resolve(const std::vector<int64_t>& shape, const std::vector<int64_t>& sizes) {
+  std::vector<int64_t> out;
+  for (auto s : shape) out.push_back(s >= 0 ? s : sizes[-1 - s]);
+  return out;
+}
+
+void* ptr(const Tensor& t) { return t.defined() ? const_cast<void*>(t.const_data_ptr()) : nullptr; }
+
+void run_forward(const Kernels& k, const std::vector<Tensor>& inputs, const std::vector<Tensor>& ys) {
+  std::vector<void*> args;
+  for (const auto& t : inputs) args.push_back(ptr(t));
+  for (const auto& y : ys) args.push_back(ptr(y));
+  call(k.forward, inputs[0].size(0), args);
+}
+
+// ---- the autograd node ------------------------------------------------------------------------
 struct NativeStep : public torch::autograd::Function<NativeStep> {
-  static variable_list forward(AutogradContext* ctx, const Tensor& u, const Tensor& p0, const Tensor& v0,
-                               const Tensor& a0, const std::optional<Tensor>& j0_, const std::optional<Tensor>& idx_,
-                               const Tensor& dt, int64_t handle) {
-    const Tensor j0 = j0_.value_or(Tensor());
-    const Tensor idx = idx_.value_or(Tensor());
+  // given: the inputs present (autograd cannot take undefined ones), at these table positions
+  static variable_list forward(AutogradContext* ctx, at::TensorList given, std::vector<int64_t> positions,
+                               int64_t handle) {
     const Kernels& k = kernels(handle);
-    const int64_t B = u.size(0);
+    std::vector<Tensor> inputs(k.rows.size());
+    std::vector<int64_t> rows(k.rows.size(), 0);  // leading size of each input, 0 when absent
+    for (size_t j = 0; j < positions.size(); ++j) {
+      inputs[positions[j]] = given[j];
+      rows[positions[j]] = given[j].dim() > 0 ? given[j].size(0) : 1;
+    }
+    const int64_t B = inputs[0].size(0);
+    const auto shape = resolve(k.output_shape, {B});
     variable_list ys;
-    ys.reserve(k.outputs);
-    const auto shape = with_batch(B, k.output_tail);
-    for (int64_t i = 0; i < k.outputs; ++i) ys.push_back(at::empty(shape, u.options()));
-    run_forward(k, B, u, p0, v0, a0, j0, idx, dt, ys);
+    for (int64_t i = 0; i < k.outputs; ++i) ys.push_back(at::empty(shape, inputs[0].options()));
+    run_forward(k, inputs, ys);
     ctx->set_materialize_grads(false);  // unused outputs arrive as undefined: no zero tensors
-    ctx->save_for_backward({idx, dt});
+    variable_list kept;  // what backward reads: indices (to sum gradients onto their rows) and dt
+    std::vector<int64_t> kept_at;
+    for (size_t i = 0; i < k.rows.size(); ++i) {
+      if (k.rows[i].rule != KERNEL_DTYPE && inputs[i].defined()) {
+        kept.push_back(inputs[i]);
+        kept_at.push_back(static_cast<int64_t>(i));
+      }
+    }
+    ctx->save_for_backward(kept);
     ctx->saved_data["handle"] = handle;
-    ctx->saved_data["batch"] = B;
-    ctx->saved_data["rows"] = p0.size(0);
-    ctx->saved_data["has_j0"] = j0.defined();
-    ctx->saved_data["dt_edge"] = static_cast<int64_t>(DT - !j0.defined() - !idx.defined());
+    ctx->saved_data["rows"] = rows;
+    ctx->saved_data["positions"] = positions;
+    ctx->saved_data["kept_at"] = kept_at;
     return ys;
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    variable_list out(N_ARGUMENTS);
-    const bool has_j0 = ctx->saved_data["has_j0"].toBool();
-    TORCH_CHECK(!ctx->needs_input_grad(ctx->saved_data["dt_edge"].toInt()),
-                "tensorstep: internal error: dt gradients take the Python path");
-    // u, p0, v0, a0 are edges 0..3; j0, when passed, edge 4
-    bool need[5];
-    for (int i = 0; i < 5; ++i) need[i] = (i < J0 || has_j0) && ctx->needs_input_grad(i);
-    bool any_grad = false;
+    const int64_t handle = ctx->saved_data["handle"].toInt();
+    const Kernels& k = kernels(handle);
+    const size_t n = k.rows.size();
+    const auto rows = ctx->saved_data["rows"].toIntVector();
+    const auto positions = ctx->saved_data["positions"].toIntVector();
+    variable_list out(positions.size() + 2);  // one per given input, then positions and handle
+    std::vector<int64_t> edge(n, -1);  // table position → autograd edge
+    for (size_t j = 0; j < positions.size(); ++j) edge[positions[j]] = static_cast<int64_t>(j);
+    auto needs = [&](size_t i) { return edge[i] >= 0 && ctx->needs_input_grad(edge[i]); };
+    TORCH_CHECK(!needs(n - 1), "tensorstep: internal error: dt gradients take the Python path");
+    bool any_grad = false, any_need = false;
     for (const auto& g : grads) any_grad = any_grad || g.defined();
-    if (!any_grad || !(need[0] || need[1] || need[2] || need[3] || need[4])) return out;
+    for (size_t i = 0; i < n; ++i) any_need = any_need || (k.rows[i].differentiable && needs(i));
+    if (!any_grad || !any_need) return out;
 
     const auto saved = ctx->get_saved_variables();
-    const Tensor& idx = saved[0];
-    const Tensor& dt = saved[1];
-    const int64_t handle = ctx->saved_data["handle"].toInt();
-    const int64_t B = ctx->saved_data["batch"].toInt();
-    const int64_t rows = ctx->saved_data["rows"].toInt();
-    const Kernels& k = kernels(handle);
+    const auto kept_at = ctx->saved_data["kept_at"].toIntVector();
+    std::vector<Tensor> kept(n);
+    for (size_t s = 0; s < kept_at.size(); ++s) kept[kept_at[s]] = saved[s];
+    const Tensor& dt = kept[n - 1];
+    const int64_t B = rows[0];
 
-    variable_list per_batch;  // gu, then the per-batch start gradients
+    variable_list per_batch;  // per-trajectory gradients of the differentiable inputs, in table order
     if (at::GradMode::is_enabled()) {
       // create_graph: the differentiable adjoint (Python AdjointFunction: backward, jvp, vmap)
       static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("tensorstep_native::adjoint_graph", "");
@@ -155,139 +348,101 @@ struct NativeStep : public torch::autograd::Function<NativeStep> {
       op.callBoxed(stack);
       per_batch = stack[0].toTensorVector();
     } else {
+      std::vector<void*> args;
+      Tensor like;
       variable_list g;
-      for (const auto& x : grads) g.push_back(x.defined() ? x.contiguous() : Tensor());
-      const Tensor& like = *std::find_if(g.begin(), g.end(), [](const Tensor& t) { return t.defined(); });
-      per_batch.push_back(at::empty(with_batch(B, k.action_tail), like.options()));  // always written
-      for (int m = 0; m < 4; ++m) {
-        per_batch.push_back(need[P0 + m] ? at::empty({B, k.dof}, like.options()) : Tensor());
+      for (const auto& x : grads) {
+        g.push_back(x.defined() ? x.contiguous() : Tensor());
+        if (x.defined()) like = x;
+        args.push_back(ptr(g.back()));
       }
-      run_adjoint(k, B, g, dt, per_batch[0], variable_list(per_batch.begin() + 1, per_batch.end()));
+      args.push_back(ptr(dt));
+      bool first = true;
+      for (size_t i = 0; i < n; ++i) {
+        const Row& row = k.rows[i];
+        if (!row.differentiable || row.rule != KERNEL_DTYPE) continue;
+        // the first (the actions') is always written; the others only where wanted
+        if (first || needs(i)) {
+          per_batch.push_back(at::empty(resolve(row.shape, std::vector<int64_t>(k.symbols.size(), B)), like.options()));
+        } else {
+          per_batch.push_back(Tensor());
+        }
+        first = false;
+        args.push_back(ptr(per_batch.back()));
+      }
+      call(k.adjoint, B, args);
     }
 
-    if (need[U]) out[U] = per_batch[0];
-    for (int m = 0; m < 4; ++m) {
-      if (!need[P0 + m]) continue;
-      const Tensor& g = per_batch[1 + m];
-      // several batch elements may share a start row: sum theirs
-      out[P0 + m] = idx.defined() ? at::zeros({rows, k.dof}, g.options()).index_add(0, idx, g) : g;
+    for (size_t i = 0, d = 0; i < n; ++i) {
+      const Row& row = k.rows[i];
+      if (!row.differentiable || row.rule != KERNEL_DTYPE) continue;
+      const Tensor& g = per_batch[d++];
+      if (!needs(i)) continue;
+      if (row.index < 0) {  // several trajectories may pick the same row: sum theirs
+        out[edge[i]] = g;
+      } else {
+        auto shape = g.sizes().vec();
+        shape[0] = rows[i];
+        out[edge[i]] = at::zeros(shape, g.options()).index_add(0, kept[row.index], g);
+      }
     }
     return out;
   }
 };
 
-std::vector<Tensor> step(int64_t handle, const Tensor& u, const Tensor& p0, const Tensor& v0, const Tensor& a0,
-                         const std::optional<Tensor>& j0, const std::optional<Tensor>& idx, const Tensor& dt) {
-  return NativeStep::apply(u, p0, v0, a0, j0, idx, dt, handle);
-}
-
-// A dense, contiguous CPU tensor of this dtype: what the kernels can read through a raw pointer.
-bool dense_cpu(const Tensor& t, at::ScalarType dtype) {
-  return t.defined() && t.layout() == at::kStrided && t.device().is_cpu() && t.scalar_type() == dtype &&
-         t.is_contiguous();
-}
-
-// What runtime/validate.py accepts for one input, checked without leaving C++: a dense,
-// contiguous CPU tensor of the kernel's dtype and exactly this shape.
-bool conforms(const Kernels& k, const Tensor& t, at::IntArrayRef shape) {
-  return dense_cpu(t, k.dtype) && t.sizes() == shape;
-}
-
-// start_index as runtime/validate.py's check_index accepts it without converting it: int64, one
-// entry per trajectory, each naming one of the start tensors' rows.
-bool index_conforms(const Tensor& idx, int64_t B, int64_t rows) {
-  if (!dense_cpu(idx, at::kLong) || idx.dim() != 1 || idx.size(0) != B) return false;
-  const int64_t* x = idx.const_data_ptr<int64_t>();
-  for (int64_t i = 0; i < B; ++i) {
-    if (x[i] < 0 || x[i] >= rows) return false;
+std::vector<Tensor> run_node(int64_t handle, const std::vector<Tensor>& inputs) {
+  std::vector<Tensor> given;
+  std::vector<int64_t> positions;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    if (inputs[i].defined()) {
+      given.push_back(inputs[i]);
+      positions.push_back(static_cast<int64_t>(i));
+    }
   }
-  return true;
+  return NativeStep::apply(at::TensorList(given), positions, handle);
 }
 
-// u and the start state (start rows: one per trajectory, or any number ≥ 1 picked by start_index).
-bool inputs_conform(const Kernels& k, const Tensor& u, const Tensor& p0, const Tensor& v0, const Tensor& a0,
-                    const std::optional<Tensor>& j0, const std::optional<Tensor>& idx) {
-  if (!u.defined() || u.dim() != 3 || u.size(0) == 0 || k.indexed != idx.has_value()) return false;
-  const int64_t B = u.size(0);
-  int64_t rows = B;
-  if (k.indexed) {
-    if (!p0.defined() || p0.dim() != 2 || p0.size(0) == 0) return false;
-    rows = p0.size(0);
-    if (!index_conforms(*idx, B, rows)) return false;
-  }
-  const std::array<int64_t, 2> start{rows, k.dof};
-  return conforms(k, u, with_batch(B, k.action_tail)) && conforms(k, p0, start) && conforms(k, v0, start) &&
-         conforms(k, a0, start) && (!j0.has_value() || conforms(k, *j0, start));
-}
-
-template <typename T>
-bool finite_and_positive(const Tensor& dt) {
-  const T* x = dt.const_data_ptr<T>();
-  for (int64_t i = 0; i < dt.numel(); ++i) {
-    if (!(std::isfinite(x[i]) && x[i] > 0)) return false;
-  }
-  return true;
-}
-
-// dt as runtime/validate.py's dt_tensor accepts it without converting it: n_dt finite, positive
-// values of the kernel's dtype in a contiguous CPU tensor of at most one dimension, with nothing
-// to differentiate (dt gradients take the Python path).
-bool dt_conforms(const Kernels& k, const Tensor& dt) {
-  if (!dense_cpu(dt, k.dtype) || dt.dim() > 1 || dt.numel() != k.n_dt ||
-      (at::GradMode::is_enabled() && dt.requires_grad())) {
-    return false;
-  }
-  return k.dtype == at::kFloat ? finite_and_positive<float>(dt) : finite_and_positive<double>(dt);
-}
-
-// A call checked here rather than in Python, whose checks cost several microseconds per call
-// (tens with a dt tensor or a start_index, whose values are read). Anything unexpected returns
-// an empty list, and the caller runs the Python checks, which name the problem.
-std::vector<Tensor> checked_step(int64_t handle, const Tensor& u, const Tensor& p0, const Tensor& v0,
-                                 const Tensor& a0, const std::optional<Tensor>& j0, const std::optional<Tensor>& idx,
-                                 const Tensor& dt) {
+// A call checked here rather than in Python (whose checks cost several microseconds per call).
+// An empty result means a value is off: the caller's Python checks say which.
+std::vector<Tensor> step(int64_t handle, const Given& given) {
   const Kernels& k = kernels(handle);
-  if (!inputs_conform(k, u, p0, v0, a0, j0, idx) || !dt_conforms(k, dt)) return {};
-  return NativeStep::apply(u, p0, v0, a0, j0, idx, dt, handle);
+  Checked c;
+  if (!check(k, given, c)) return {};
+  return run_node(handle, c.inputs);
 }
 
 bool overlap(const Tensor& a, const Tensor& b) {  // both contiguous CPU tensors
-  const auto* a0 = static_cast<const char*>(a.data_ptr());
-  const auto* b0 = static_cast<const char*>(b.data_ptr());
+  const auto* a0 = static_cast<const char*>(a.const_data_ptr());
+  const auto* b0 = static_cast<const char*>(b.const_data_ptr());
   return a0 < b0 + b.nbytes() && b0 < a0 + a.nbytes();
 }
 
 // out=: a plain call written into caller-owned outputs, with the rules of runtime/validate.py's
 // check_out (nothing to differentiate, outputs disjoint from each other and from the inputs).
 // False when anything is off: the caller then runs the Python checks, which name the problem.
-bool checked_step_out(int64_t handle, const Tensor& u, const Tensor& p0, const Tensor& v0, const Tensor& a0,
-                      const std::optional<Tensor>& j0, const std::optional<Tensor>& idx, const Tensor& dt,
-                      at::TensorList out) {
+bool step_out(int64_t handle, const Given& given, at::TensorList out) {
   const Kernels& k = kernels(handle);
-  if (!inputs_conform(k, u, p0, v0, a0, j0, idx) || !dt_conforms(k, dt) ||
-      static_cast<int64_t>(out.size()) != k.outputs) {
-    return false;
-  }
+  Checked c;
+  if (!check(k, given, c) || static_cast<int64_t>(out.size()) != k.outputs) return false;
   const bool grad = at::GradMode::is_enabled();
-  std::vector<Tensor> inputs{u, p0, v0, a0, dt};
-  if (j0.has_value()) inputs.push_back(*j0);
-  if (idx.has_value()) inputs.push_back(*idx);
-  for (const auto& x : inputs) {
-    if (grad && x.requires_grad()) return false;
+  for (const auto& x : c.inputs) {
+    if (grad && x.defined() && x.requires_grad()) return false;
   }
-  const auto shape = with_batch(u.size(0), k.output_tail);
+  const auto shape = resolve(k.output_shape, c.sizes);
   for (size_t i = 0; i < out.size(); ++i) {
     const Tensor& y = out[i];
-    if (!conforms(k, y, shape) || (grad && y.requires_grad()) || y.is_inference()) return false;
-    for (const auto& x : inputs) {
-      if (overlap(x, y)) return false;
+    if (!y.defined() || y.layout() != at::kStrided || !y.device().is_cpu() || y.scalar_type() != k.dtype ||
+        !y.is_contiguous() || y.sizes() != at::IntArrayRef(shape) || (grad && y.requires_grad()) || y.is_inference()) {
+      return false;
+    }
+    for (const auto& x : c.inputs) {
+      if (x.defined() && overlap(x, y)) return false;
     }
     for (size_t j = 0; j < i; ++j) {
       if (overlap(out[j], y)) return false;
     }
   }
-  variable_list ys(out.begin(), out.end());
-  run_forward(k, u.size(0), u, p0, v0, a0, j0.value_or(Tensor()), idx.value_or(Tensor()), dt, ys);
+  run_forward(k, c.inputs, out.vec());
   for (const auto& y : out) y.unsafeGetTensorImpl()->bump_version();  // written in place
   return true;
 }
@@ -295,20 +450,17 @@ bool checked_step_out(int64_t handle, const Tensor& u, const Tensor& p0, const T
 }  // namespace
 
 TORCH_LIBRARY(tensorstep_native, m) {
-  m.def("register_kernels(int forward, int adjoint, int outputs, int[] output_tail, int[] action_tail, int dof, "
-        "int n_dt, bool indexed, ScalarType dtype) -> int",
+  m.def("register_kernels(int forward, int adjoint, str[] names, str[] meanings, int[] ranks, int[] shapes, "
+        "int[] rules, int[] presences, int[] indices, int[] differentiable, int[] output_shape, int outputs, "
+        "str[] symbols, str[] messages, ScalarType dtype) -> int",
         &register_kernels);
-  m.def("step(int handle, Tensor u, Tensor p0, Tensor v0, Tensor a0, Tensor? j0, Tensor? idx, Tensor dt) -> Tensor[]");
-  m.def("checked_step(int handle, Tensor u, Tensor p0, Tensor v0, Tensor a0, Tensor? j0, Tensor? idx, "
-        "Tensor dt) -> Tensor[]");
-  m.def("checked_step_out(int handle, Tensor u, Tensor p0, Tensor v0, Tensor a0, Tensor? j0, Tensor? idx, "
-        "Tensor dt, Tensor(a!)[] out) -> bool");
+  m.def("step(int handle, Tensor?[] inputs) -> Tensor[]");
+  m.def("step_out(int handle, Tensor?[] inputs, Tensor(a!)[] out) -> bool");
   // implemented in Python (runtime/native.py): the create_graph adjoint
   m.def("adjoint_graph(int handle, Tensor?[] grads, Tensor dt, int batch) -> Tensor[]");
 }
 
 TORCH_LIBRARY_IMPL(tensorstep_native, CompositeImplicitAutograd, m) {
   m.impl("step", &step);
-  m.impl("checked_step", &checked_step);
-  m.impl("checked_step_out", &checked_step_out);
+  m.impl("step_out", &step_out);
 }

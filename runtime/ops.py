@@ -1,141 +1,143 @@
 """torch.library custom ops: how torch.compile sees a step (no graph breaks).
 
-``tensorstep::step`` (forward), ``tensorstep::step_adjoint`` and ``tensorstep::step_dt_vjp``
-take a kernel key (a constant string naming a loaded spec on a device) plus tensors. Each has
-a fake kernel (shapes only), the forward's autograd calls the adjoint op, the adjoint's
-autograd calls the forward op (double backward), and the forward has a vmap rule.
-Value checks that need the data (index range, dt) run inside the op implementations.
+For each kernel family three ops are registered, their schemas written from the family's
+argument table: ``tensorstep::<family>`` (forward: a kernel key, then the inputs in table
+order), ``tensorstep::<family>_adjoint`` and ``tensorstep::<family>_dt_vjp``. Each has a fake
+kernel whose shapes come from the table; autograd and vmap use the shared rules
+(runtime/rules.py), the same ones as the eager Function. Value checks that need the data
+(index range, dt) run inside the op implementations.
 
-Importing this module registers the ops (6–10 ms, mostly inside ``torch.library.custom_op``),
-so ``Step`` imports it only when torch.compile first traces a step (``api._custom_ops``).
+Registering costs milliseconds (``torch.library.custom_op``), so ``Step`` does it only when
+torch.compile first traces a step (``api._custom_ops``).
 """
 from __future__ import annotations
 
-from typing import Optional
+import dataclasses
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
 
-from . import validate
-from .autograd import NO_SECOND_DT, scatter_start
+from . import rules, validate
+from .autograd import NO_SECOND_DT
 from .registry import launcher as _launcher
 
 
-@torch.library.custom_op("tensorstep::step", mutates_args=())
-def step(key: str, u: Tensor, p0: Tensor, v0: Tensor, a0: Tensor, j0: Optional[Tensor],
-         idx: Optional[Tensor], dt: Tensor) -> list[Tensor]:
-    if u.device.type == "cpu":
-        if idx is not None:
-            validate.check_index_values(idx, p0.shape[0])
+@dataclasses.dataclass(frozen=True)
+class FamilyOps:
+    """The three ops of one kernel family."""
+
+    step: Any
+    adjoint: Any
+    dt_vjp: Any
+
+
+def _check_values(launcher: Any, inputs: list, dt: Tensor) -> None:
+    """The data-dependent checks, on real tensors (they are skipped while tracing)."""
+    if dt.device.type == "cpu":
+        validate.check_indices(launcher.table, inputs)
         validate.check_dt_values(dt)
-    return _launcher(key).forward(u, (p0, v0, a0, j0), idx, dt)
 
 
-@step.register_fake
-def _(key, u, p0, v0, a0, j0, idx, dt):
-    launcher = _launcher(key)
-    shape = launcher.output_shape(u.shape[0])
-    return [u.new_empty(shape) for _ in range(launcher.K)]
+_FAMILIES: dict[str, FamilyOps] = {}
 
 
-@torch.library.custom_op("tensorstep::step_adjoint", mutates_args=())
-def step_adjoint(key: str, batch: int, grads: list[Optional[Tensor]], dt: Tensor) -> list[Tensor]:
-    """(gu, per-batch gp0, gv0, ga0, gj0) for output gradients (None = unused output)."""
-    launcher = _launcher(key)
-    if all(g is None for g in grads):
-        gu = dt.new_zeros(launcher.action_shape(batch))
-        return [gu] + [dt.new_zeros((batch, launcher.spec.dof)) for _ in range(4)]
-    gu, gs = launcher.adjoint(grads, dt, batch, (True,) * 4)
-    return [gu, *gs]
+def ops_for(launcher: Any) -> FamilyOps:
+    """The ops serving a launcher's kernel family (registered on first use)."""
+    family = launcher.table.family
+    if family not in _FAMILIES:
+        _FAMILIES[family] = _register(family, launcher.table)
+    return _FAMILIES[family]
 
 
-@step_adjoint.register_fake
-def _(key, batch, grads, dt):
-    launcher = _launcher(key)
-    return [dt.new_empty(launcher.action_shape(batch))] + [
-        dt.new_empty((batch, launcher.spec.dof)) for _ in range(4)
-    ]
+def _register(family: str, table: Any) -> FamilyOps:
+    """Register the ops of a family; ``table`` is any of its tables (they share the schema)."""
+    n = len(table.tensors)
+    name = f"tensorstep::{family}"
 
+    def step_impl(key: str, *args: Optional[Tensor]) -> list[Tensor]:
+        launcher = _launcher(key)
+        *inputs, dt = args
+        _check_values(launcher, inputs, dt)
+        return launcher.forward(inputs, dt)
 
-@torch.library.custom_op("tensorstep::step_dt_vjp", mutates_args=())
-def step_dt_vjp(key: str, u: Tensor, p0: Tensor, v0: Tensor, a0: Tensor, j0: Optional[Tensor],
-                idx: Optional[Tensor], dt: Tensor, grads: list[Optional[Tensor]]) -> Tensor:
-    return _launcher(key).dt_vjp(u, (p0, v0, a0, j0), idx, grads, dt).to(dt.dtype)
+    def step_fake(key: str, *args: Optional[Tensor]) -> list[Tensor]:
+        launcher = _launcher(key)
+        u = args[0]
+        return [u.new_empty(launcher.output_shape(u.shape[0])) for _ in range(launcher.K)]
 
+    step = torch.library.custom_op(name, step_impl, mutates_args=(), schema=table.schema())
+    step.register_fake(step_fake)
 
-@step_dt_vjp.register_fake
-def _(key, u, p0, v0, a0, j0, idx, dt, grads):
-    return dt.new_empty(dt.shape)
+    def adjoint_impl(key: str, batch: int, grads: list[Optional[Tensor]], dt: Tensor) -> list[Tensor]:
+        launcher = _launcher(key)
+        if all(g is None for g in grads):
+            return [dt.new_zeros(launcher.per_batch_shape(a, batch)) for a in launcher.table.differentiable]
+        return list(launcher.adjoint(grads, dt, batch, (True,) * len(launcher.table.differentiable)))
 
+    def adjoint_fake(key: str, batch: int, grads: list[Optional[Tensor]], dt: Tensor) -> list[Tensor]:
+        launcher = _launcher(key)
+        return [dt.new_empty(launcher.per_batch_shape(a, batch)) for a in launcher.table.differentiable]
 
-# ---- autograd -----------------------------------------------------------------------------------
+    adjoint = torch.library.custom_op(f"{name}_adjoint", adjoint_impl, mutates_args=(),
+                                      schema="(str key, int batch, Tensor?[] grads, Tensor dt) -> Tensor[]")
+    adjoint.register_fake(adjoint_fake)
 
-def _step_setup(ctx, inputs, output):
-    key, u, p0, v0, a0, j0, idx, dt = inputs
-    ctx.key = key
-    ctx.has_j0 = j0 is not None
-    ctx.save_for_backward(u, p0, v0, a0, j0, idx, dt)
+    def dt_vjp_impl(key: str, *args: Any) -> Tensor:
+        *inputs, dt, grads = args
+        return _launcher(key).dt_vjp(inputs, grads, dt).to(dt.dtype)
 
+    def dt_vjp_fake(key: str, *args: Any) -> Tensor:
+        dt = args[n]
+        return dt.new_empty(dt.shape)
 
-def _step_backward(ctx, grads):
-    u, p0, v0, a0, j0, idx, dt = ctx.saved_tensors
-    need = ctx.needs_input_grad
-    out: list[Optional[Tensor]] = [None] * 8
-    if any(need[1:6]):
-        gu, *gs = step_adjoint(ctx.key, u.shape[0], list(grads), dt)
-        out[1] = gu
-        for m, start in enumerate((p0, v0, a0, j0)):
-            if need[2 + m] and start is not None:
-                out[2 + m] = scatter_start(gs[m], idx, start.shape[0])
-    if need[7]:
-        out[7] = step_dt_vjp(ctx.key, u, p0, v0, a0, j0, idx, dt, list(grads))
-    return tuple(out)
+    dt_vjp = torch.library.custom_op(f"{name}_dt_vjp", dt_vjp_impl, mutates_args=(),
+                                     schema=table.schema("Tensor?[] grads", returns="Tensor"))
+    dt_vjp.register_fake(dt_vjp_fake)
 
+    # ---- autograd: the shared backward rule over these ops ----------------------------------------
 
-step.register_autograd(_step_backward, setup_context=_step_setup)
+    def step_setup(ctx, inputs, output):
+        ctx.key = inputs[0]
+        ctx.save_for_backward(*inputs[1:])
 
+    def step_backward(ctx, grads):
+        *xs, dt = ctx.saved_tensors
+        grads = list(grads)
+        B = xs[0].shape[0]
+        launcher = _launcher(ctx.key)
+        out = rules.backward(launcher.table, xs, grads, ctx.needs_input_grad[1:],
+                             lambda needed: adjoint(ctx.key, B, grads, dt),
+                             lambda: dt_vjp(ctx.key, *xs, dt, grads))
+        return (None, *out)
 
-def _adjoint_setup(ctx, inputs, output):
-    key, batch, grads, dt = inputs
-    ctx.key, ctx.batch = key, batch
-    ctx.present = [g is not None for g in grads]
-    ctx.save_for_backward(dt)
+    step.register_autograd(step_backward, setup_context=step_setup)
 
+    def adjoint_setup(ctx, inputs, output):
+        key, batch, grads, dt = inputs
+        ctx.key, ctx.batch = key, batch
+        ctx.present = [g is not None for g in grads]
+        ctx.save_for_backward(dt)
 
-def _adjoint_backward(ctx, outs_grads):
-    if ctx.needs_input_grad[3]:
-        raise RuntimeError(NO_SECOND_DT)
-    (dt,) = ctx.saved_tensors
-    ggu, *ggs = outs_grads
-    inputs = _launcher(ctx.key).forward_inputs(ctx.batch, ggu, ggs)
-    if inputs is None:
-        return None, None, None, None
-    outs = step(ctx.key, *inputs, None, dt)
-    return None, None, [y if present else None for y, present in zip(outs, ctx.present)], None
+    def adjoint_backward(ctx, out_grads):
+        if ctx.needs_input_grad[3]:
+            raise RuntimeError(NO_SECOND_DT)
+        (dt,) = ctx.saved_tensors
+        inputs = _launcher(ctx.key).forward_inputs(ctx.batch, out_grads)
+        if inputs is None:
+            return None, None, None, None
+        outs = step(ctx.key, *inputs, dt)
+        return None, None, [y if present else None for y, present in zip(outs, ctx.present)], None
 
+    adjoint.register_autograd(adjoint_backward, setup_context=adjoint_setup)
 
-step_adjoint.register_autograd(_adjoint_backward, setup_context=_adjoint_setup)
+    # ---- vmap: the shared rule ---------------------------------------------------------------------
 
+    def step_vmap(info, in_dims, key, *args):
+        outs, dims = rules.vmap(_launcher(key).table, info.batch_size, in_dims[1:], args[:-1], args[-1],
+                                lambda *a: step(key, *a))
+        return list(outs), list(dims)
 
-# ---- vmap ---------------------------------------------------------------------------------------
+    torch.library.register_vmap(name, step_vmap)
+    return FamilyOps(step, adjoint, dt_vjp)
 
-def _step_vmap(info, in_dims, key, u, p0, v0, a0, j0, idx, dt):
-    from .autograd import _fold
-
-    _, u_dim, *start_dims, idx_dim, dt_dim = in_dims
-    V = info.batch_size
-    if dt_dim is not None or idx_dim is not None or idx is not None:
-        results = []
-        for v in range(V):
-            pick = lambda t, d: t.select(d, v) if (t is not None and d is not None) else t
-            results.append(step(key, pick(u, u_dim), *(pick(s, d) for s, d in zip((p0, v0, a0, j0), start_dims)),
-                                pick(idx, idx_dim), pick(dt, dt_dim)))
-        outs = [torch.stack(parts) for parts in zip(*results)]
-        return outs, [0] * len(outs)
-    flat = [_fold(t, d, V) for t, d in zip((u, p0, v0, a0, j0), (u_dim, *start_dims))]
-    B = flat[0].shape[0] // V
-    outs = step(key, *flat, None, dt)
-    return [o.reshape(V, B, *o.shape[1:]) for o in outs], [0] * len(outs)
-
-
-torch.library.register_vmap("tensorstep::step", _step_vmap)

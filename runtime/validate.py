@@ -1,119 +1,159 @@
-"""Argument checks done before any kernel runs: kernels read raw pointers."""
+"""Argument checks before any kernel runs (kernels read raw pointers), derived from the
+argument table (codegen/arguments.py). The native node runs the same checks in C++ from the
+same rows and message templates, so both paths refuse the same calls with the same words.
+
+Any strides are accepted, as in PyTorch's own ops: inputs are made contiguous here, and
+autograd returns gradients in each input's own shape.
+"""
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Optional, Sequence
 
 import torch
+
+from ..codegen.arguments import ABSENT, INDEX, KERNEL, REQUIRED, Argument, ArgumentTable, message
 
 Tensor = torch.Tensor
 
 
-def _describe(t: Tensor) -> str:
-    return f"shape {tuple(t.shape)}, dtype {t.dtype}, device {t.device}"
+def shape_text(shape: Sequence[Any]) -> str:
+    """A shape as Python prints a tuple: (3, 2), (3,), or with symbols (S, 2)."""
+    items = [str(s) for s in shape]
+    return f"({items[0]},)" if len(items) == 1 else f"({', '.join(items)})"
 
 
-def check_tensor(name: str, t: Any, shape: tuple, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """Type, shape, dtype, device and contiguity of one input tensor."""
-    if (type(t) is Tensor and t.layout is torch.strided and t.dtype is dtype and t.shape == shape
-            and t.device == device and t.is_contiguous()):
-        return t  # the common case in one expression; the checks below name what is wrong
+def _fail(kind: type, key: str, **fields: Any) -> Exception:
+    return kind(message(key, **fields))
+
+
+def _bind(table: ArgumentTable, arg: Argument, t: Tensor, dims: dict[str, int]) -> None:
+    """Learn the free symbols (B, S) from the first argument that has them."""
+    for symbol, size in zip(arg.shape, _logical(table, arg, tuple(t.shape))):
+        if isinstance(symbol, str) and symbol not in dims and table.size(symbol) is None:
+            if size == 0:
+                raise _fail(ValueError, "empty" if symbol == "B" else "no_rows", name=arg.name,
+                            rows=", ".join(a.name for a in table.inputs if a.index and a.index in dims.get("_", ())))
+            dims[symbol] = size
+
+
+def _logical(table: ArgumentTable, arg: Argument, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """A tensor's shape in the table's logical order (undo the bdh layout)."""
+    if arg.layout and table.layout == "bdh" and len(shape) == 3:
+        return (shape[0], shape[2], shape[1])
+    return shape
+
+
+def check_argument(table: ArgumentTable, arg: Argument, t: Any, dims: dict[str, int], dtype: torch.dtype,
+                   device: torch.device) -> Optional[Tensor]:
+    """One input: presence, type, layout, rank, shape, dtype, device; returned contiguous."""
+    if t is None:
+        if arg.presence == REQUIRED:
+            raise _fail(TypeError, "missing", name=arg.name, expected=arg.meaning)
+        return None
+    if arg.presence == ABSENT:
+        raise _fail(TypeError, "unexpected", name=arg.name, expected=arg.meaning)
     if not isinstance(t, Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor of shape {shape}, got {type(t).__name__}")
+        raise _fail(TypeError, "type", name=arg.name, expected=shape_text(table.symbolic(arg)),
+                    got=type(t).__name__)
     if t.layout != torch.strided:
-        raise TypeError(f"{name}: expected a dense (strided) tensor, got layout {t.layout}")
-    if t.dim() != len(shape):
-        raise ValueError(f"{name}: expected {len(shape)} dims {shape}, got {_describe(t)}")
-    if tuple(t.shape) != tuple(shape):
-        raise ValueError(f"{name}: expected shape {shape}, got {_describe(t)}")
-    if t.dtype != dtype:
-        raise TypeError(f"{name}: expected dtype {dtype} (the kernel's dtype), got {t.dtype}")
+        raise _fail(TypeError, "layout", name=arg.name, got=t.layout)
+    if t.dim() != len(arg.shape):
+        raise _fail(ValueError, "dims", name=arg.name, count=len(arg.shape),
+                    expected=shape_text(table.symbolic(arg)), got=shape_text(t.shape))
+    _bind(table, arg, t, dims)
+    expected = table.physical(arg, dims)
+    if tuple(t.shape) != expected:
+        raise _fail(ValueError, "shape", name=arg.name, expected=shape_text(expected), got=shape_text(t.shape))
+    if arg.dtype == INDEX:
+        if t.dtype not in (torch.int32, torch.int64):
+            raise _fail(TypeError, "index_dtype", name=arg.name, got=t.dtype)
+    elif t.dtype != dtype:
+        raise _fail(TypeError, "dtype", name=arg.name, expected=dtype, got=t.dtype)
     if t.device != device:
-        raise ValueError(f"{name}: expected device {device} (the kernel's device), got {t.device}")
-    if not t.is_contiguous():
-        raise ValueError(f"{name}: expected a contiguous tensor (call .contiguous()), got strides {t.stride()}")
+        raise _fail(ValueError, "device", name=arg.name, expected=device, got=t.device)
+    if arg.dtype == INDEX:
+        t = t.to(torch.int64)
+    return t.contiguous()
+
+
+def check_index_values(name: str, idx: Tensor, rows_name: str, rows: int) -> None:
+    """Every entry of an index in [0, rows): read on the CPU, a device-side assert on CUDA."""
+    if torch.compiler.is_compiling():
+        return  # checked inside the custom op, on real data
+    if idx.device.type != "cpu":  # no host synchronisation on the hot path
+        torch._assert_async(((idx >= 0) & (idx < rows)).all(), f"{name} out of range")
+        return
+    idx = _values(idx)
+    if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= rows):
+        bad = idx[(idx < 0) | (idx >= rows)][0].item()
+        raise IndexError(message("range", name=name, got=bad, rows=rows_name, count=rows, max=rows - 1))
+
+
+def _values(t: Tensor) -> Tensor:
+    """The plain tensor under functorch's wrappers (a vmapped index holds every element's entries)."""
+    while torch._C._functorch.is_functorch_wrapped_tensor(t):
+        t = torch._C._functorch.get_unwrapped(t)
     return t
 
 
-def check_index(idx: Any, batch: int, rows: int, device: torch.device) -> Tensor:
-    """start_index: integer tensor [B], every entry in [0, rows)."""
-    if not isinstance(idx, Tensor):
-        raise TypeError(f"start_index: expected an integer torch.Tensor of shape ({batch},), got {type(idx).__name__}")
-    if idx.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"start_index: expected dtype torch.int32 or torch.int64, got {idx.dtype}")
-    if idx.layout != torch.strided:
-        raise TypeError(f"start_index: expected a dense tensor, got layout {idx.layout}")
-    if tuple(idx.shape) != (batch,):
-        raise ValueError(f"start_index: expected shape ({batch},), got {tuple(idx.shape)}")
-    if idx.device != device:
-        raise ValueError(f"start_index: expected device {device}, got {idx.device}")
-    idx = idx.to(torch.int64).contiguous()
-    if torch.compiler.is_compiling():
-        pass  # checked inside the custom op, on real data
-    elif idx.device.type == "cpu":
-        check_index_values(idx, rows)
-    else:  # device-side assert: no host synchronisation on the hot path
-        torch._assert_async(((idx >= 0) & (idx < rows)).all(), "start_index out of range")
-    return idx
+def check_inputs(table: ArgumentTable, values: Sequence[Any], dtype: torch.dtype,
+                 device: torch.device) -> tuple[list[Optional[Tensor]], dict[str, int]]:
+    """The tensor inputs (all but dt, in table order), checked and contiguous, and the sizes of
+    the free symbols (B, S) they fix."""
+    dims: dict[str, int] = {}
+    checked = [check_argument(table, arg, v, dims, dtype, device) for arg, v in zip(table.tensors, values)]
+    check_indices(table, checked)
+    return checked, dims
 
 
-def check_index_values(idx: Tensor, rows: int) -> None:
-    """Every start_index entry in [0, rows) (reads the values: CPU tensors)."""
-    if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= rows):
-        bad = idx[(idx < 0) | (idx >= rows)][0].item()
-        raise IndexError(f"start_index: entry {bad} is out of range: start tensors have {rows} rows (allowed 0..{rows - 1})")
+def check_indices(table: ArgumentTable, inputs: Sequence[Optional[Tensor]]) -> None:
+    """Every index entry within the rows of the tables it picks from."""
+    for arg, t in zip(table.tensors, inputs):
+        if arg.dtype == INDEX and t is not None:
+            picked = [(a, x) for a, x in zip(table.tensors, inputs) if a.index == arg.name]
+            rows = next(x for _, x in picked if x is not None).shape[0]
+            check_index_values(arg.name, t, ", ".join(a.name for a, _ in picked), rows)
 
 
-def check_dt_values(dt: Tensor) -> None:
+def check_dt_values(dt: Tensor, name: str = "dt") -> None:
     """Finite, positive step durations (reads the values: CPU tensors)."""
     values = dt.detach().reshape(-1).tolist()  # at most H numbers: cheaper than reductions on the tensor
     if not all(math.isfinite(x) and x > 0 for x in values):
-        raise ValueError(f"dt: expected finite, positive step durations, got {values[:8]}")
+        raise ValueError(message("dt_value", name=name, got=values[:8]))
 
 
-def dt_tensor(dt: Any, n_dt: int, horizon: int, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """Normalise dt (float or tensor) to the kernel's dt vector [n_dt]; reject non-finite or ≤ 0."""
+def dt_tensor(dt: Any, table: ArgumentTable, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """Normalise dt (a float or a tensor) to the kernel's dt vector; refuse non-finite or ≤ 0.
+
+    Under torch.compile a float dt may arrive as a symbolic float: it becomes a tensor with no
+    value check (the custom op checks the values on real data)."""
+    arg = table.dt
+    n = table.size("NDT")
+    expected = "a scalar (0-dim or 1 element)" if n == 1 else f"shape ({n},)"
     if isinstance(dt, bool) or dt is None:
-        raise TypeError(f"dt: expected a positive float or a tensor, got {dt!r}")
-    if isinstance(dt, (int, float)):
-        if n_dt != 1:
-            raise ValueError(f"dt: this kernel takes per-step durations, a tensor of shape ({horizon},); got a scalar")
-        if not (math.isfinite(dt) and dt > 0):
-            raise ValueError(f"dt: expected a finite, positive step duration, got {dt!r}")
-        return torch.full((1,), float(dt), dtype=dtype, device=device)
+        raise TypeError(f"{arg.name}: expected a positive float or a tensor, got {dt!r}")
+    if isinstance(dt, (int, float)) or _symbolic_float(dt):
+        if n != 1:
+            raise ValueError(f"{arg.name}: this kernel takes per-step durations, a tensor of {expected}; got a scalar")
+        if isinstance(dt, (int, float)) and not (math.isfinite(dt) and dt > 0):
+            raise ValueError(message("dt_value", name=arg.name, got=dt))
+        return torch.full((1,), dt, dtype=dtype, device=device)
     if not isinstance(dt, Tensor):
-        raise TypeError(f"dt: expected a positive float or a tensor, got {type(dt).__name__}")
-    expected = "a scalar (0-dim or 1 element)" if n_dt == 1 else f"shape ({horizon},)"
-    if dt.numel() != n_dt or dt.dim() > 1:
-        raise ValueError(f"dt: expected {expected}, got shape {tuple(dt.shape)}")
+        raise TypeError(f"{arg.name}: expected a positive float or a tensor, got {type(dt).__name__}")
+    if dt.numel() != n or dt.dim() > 1:
+        raise ValueError(f"{arg.name}: expected {expected}, got shape {shape_text(dt.shape)}")
     if not dt.is_floating_point():
-        raise TypeError(f"dt: expected a floating-point tensor, got {dt.dtype}")
+        raise TypeError(f"{arg.name}: expected a floating-point tensor, got {dt.dtype}")
     if dt.device != device:
-        raise ValueError(f"dt: expected device {device}, got {dt.device}")
+        raise ValueError(message("device", name=arg.name, expected=device, got=dt.device))
     if dt.device.type == "cpu" and not torch.compiler.is_compiling():
-        check_dt_values(dt)
-    return dt.reshape(n_dt).to(dtype).contiguous()
+        check_dt_values(dt, arg.name)
+    return dt.reshape(n).to(dtype).contiguous()
 
 
-def check_batch(u: Any, name: str = "u") -> int:
-    if not isinstance(u, Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {type(u).__name__}")
-    if u.dim() != 3:
-        raise ValueError(f"{name}: expected 3 dims, got shape {tuple(u.shape)}")
-    if u.shape[0] == 0:
-        raise ValueError(f"{name}: batch size is 0; expected at least one trajectory")
-    return int(u.shape[0])
-
-
-def start_rows(p0: Any, batch: int, indexed: bool) -> int:
-    """Rows of the start tensors: B, or S with a start index."""
-    if not indexed:
-        return batch
-    if not isinstance(p0, Tensor) or p0.dim() != 2:
-        raise ValueError("p0: expected a [S, D] tensor with start_index")
-    if p0.shape[0] == 0:
-        raise ValueError("p0: start tensors have 0 rows; start_index needs at least one")
-    return int(p0.shape[0])
+def _symbolic_float(value: Any) -> bool:
+    return type(value).__name__ == "SymFloat"
 
 
 def _byte_range(t: Tensor) -> tuple[int, int]:
@@ -124,15 +164,17 @@ def _byte_range(t: Tensor) -> tuple[int, int]:
     return storage.data_ptr(), storage.data_ptr() + storage.nbytes()
 
 
-def check_out(out: Any, count: int, shape: tuple, dtype: torch.dtype, device: torch.device,
+def check_out(out: Any, table: ArgumentTable, shape: tuple, dtype: torch.dtype, device: torch.device,
               inputs: dict[str, Any]) -> tuple[Tensor, ...]:
-    """out=: ``count`` distinct dense outputs that alias no input, and nothing to differentiate
-    (as for torch's own out= functions, the result is not differentiable)."""
+    """out=: one distinct dense output per table output, aliasing no input, and nothing to
+    differentiate (as for torch's own out= functions, the result is not differentiable)."""
+    count = len(table.outputs)
+    names = ", ".join(y.name for y in table.outputs)
     if not isinstance(out, (tuple, list)) or len(out) != count:
         got = f"{type(out).__name__} of length {len(out)}" if isinstance(out, (tuple, list)) else type(out).__name__
-        raise TypeError(f"out: expected a tuple of {count} tensors (P, V, A, J{', S' if count == 5 else ''}), got {got}")
+        raise TypeError(f"out: expected a tuple of {count} tensors ({names}), got {got}")
     for k, t in enumerate(out):
-        check_tensor(f"out[{k}]", t, shape, dtype, device)
+        _check_output(f"out[{k}]", t, shape, dtype, device)
     grad = torch.is_grad_enabled()
     for name, t in inputs.items():
         if grad and isinstance(t, Tensor) and t.requires_grad:
@@ -157,3 +199,20 @@ def check_out(out: Any, count: int, shape: tuple, dtype: torch.dtype, device: to
                                  "which no input uses")
         taken.append((f"out[{k}]", t.device, lo, hi))
     return tuple(out)
+
+
+def _check_output(name: str, t: Any, shape: tuple, dtype: torch.dtype, device: torch.device) -> None:
+    """An out= tensor: written through a raw pointer, so dense, contiguous, exactly shaped."""
+    if not isinstance(t, Tensor):
+        raise TypeError(message("type", name=name, expected=shape_text(shape), got=type(t).__name__))
+    if t.layout != torch.strided:
+        raise TypeError(message("layout", name=name, got=t.layout))
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(message("shape", name=name, expected=shape_text(shape), got=shape_text(t.shape)))
+    if t.dtype != dtype:
+        raise TypeError(message("dtype", name=name, expected=dtype, got=t.dtype))
+    if t.device != device:
+        raise ValueError(message("device", name=name, expected=device, got=t.device))
+    if not t.is_contiguous():
+        raise ValueError(f"{name}: expected a contiguous tensor (outputs are written in place), "
+                         f"got strides {t.stride()}")

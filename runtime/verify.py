@@ -9,12 +9,13 @@ import torch
 
 from ..codegen.spec import KernelSpec
 from .api import operator_matrices
+from .cbackend import CompileError
 from .launch import DTYPES, CpuBackend, Launcher
 
 TOLERANCE = {"float32": 2e-5, "float64": 1e-10}
 
 
-def _inputs(spec: Any, B: int, device: torch.device, seed: int = 0):
+def _inputs(spec: Any, B: int, seed: int = 0):
     gen = torch.Generator().manual_seed(seed)
     dtype = DTYPES[spec.dtype]
     N, D = spec.n_actions, spec.dof
@@ -26,20 +27,20 @@ def _inputs(spec: Any, B: int, device: torch.device, seed: int = 0):
 
 def verify_launcher(spec: Any, launcher: Launcher, device: torch.device, B: int = 3) -> dict[str, Any]:
     """Relative forward error and adjoint dot-test error of one spec's kernels on a device."""
-    u64, s64, dt64, dtype = _inputs(spec, B, device)
+    u64, s64, dt64, dtype = _inputs(spec, B)
     M = operator_matrices(spec, dt64.tolist())
     expected = np.einsum("khn,bnd->kbhd", M["u"], u64.numpy()) + np.einsum("khm,bmd->kbhd", M["start"], s64.numpy())
     to_layout = (lambda t: t) if spec.layout == "bhd" else (lambda t: t.transpose(1, 2))
     u = to_layout(u64).to(dtype).contiguous().to(device)
     start = [s64[:, m].to(dtype).contiguous().to(device) for m in range(4)]
     dt = dt64.to(dtype).to(device)
-    outs = launcher.forward(u, start, None, dt)
+    outs = launcher.forward([u, *start, None], dt)
     got = np.stack([to_layout(o).double().cpu().numpy() for o in outs])
     scale = max(1.0, float(np.abs(expected).max()))
     forward_err = float(np.abs(got - expected).max()) / scale
     gen = torch.Generator().manual_seed(7)
     grads = [torch.randn(o.shape, generator=gen, dtype=torch.float64).to(dtype).to(device) for o in outs]
-    gu, gs = launcher.adjoint(grads, dt, B, (True,) * 4)
+    gu, *gs = launcher.adjoint(grads, dt, B, (True,) * len(launcher.table.differentiable))
     lhs = sum(float((o.double() * g.double()).sum()) for o, g in zip(outs, grads))
     rhs = float((u.double() * gu.double()).sum()) + sum(float((a.double() * b.double()).sum()) for a, b in zip(start, gs))
     adjoint_err = abs(lhs - rhs) / max(1.0, abs(lhs))
@@ -64,7 +65,12 @@ def check_target(target: Path, task: Optional[str] = None,
             if c_file is None:
                 raise ValueError(f"{target}: kernel {kernel['name']} has no C source (generated with --target cuda)")
             source = (target / c_file["path"]).read_text()
-            rows.append(verify_launcher(spec, Launcher(spec, CpuBackend(spec, source)), torch.device("cpu")))
+            try:
+                backend = CpuBackend(spec, source, kernel.get("metadata", {}))
+                rows.append(verify_launcher(spec, Launcher(spec, backend), torch.device("cpu")))
+            except CompileError as err:
+                err.source = str(target / c_file["path"])  # the user's file, not the cache's copy
+                raise
     else:
         from ..config import load_config
         from .api import load

@@ -1,17 +1,27 @@
-"""Shared fixtures: the variant grid."""
+"""Shared fixtures: the variant grid; a temporary kernel cache for the whole session."""
 from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import tempfile
 
 import pytest
 
 import tensorstep as ts
 from helpers import GRID, grid_id, make_spec
 
+# Never build into the user's real ~/.cache/tensorstep: unless a cache is given (as .ci/run
+# does), this session (and the subprocesses it starts) use a temporary one, removed at exit.
+if not os.environ.get("TENSORSTEP_CACHE_DIR"):
+    _SESSION_CACHE = tempfile.mkdtemp(prefix="tensorstep-test-cache-")
+    os.environ["TENSORSTEP_CACHE_DIR"] = _SESSION_CACHE
+    atexit.register(shutil.rmtree, _SESSION_CACHE, ignore_errors=True)
+
 
 @pytest.fixture(params=GRID, ids=[grid_id(g) for g in GRID])
 def spec(request) -> ts.KernelSpec:
     return make_spec(request.param)
-
-
 
 
 @pytest.fixture(params=["native", "python"])

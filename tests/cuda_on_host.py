@@ -13,7 +13,9 @@ from __future__ import annotations
 from typing import Any
 
 from tensorstep.codegen import abi
-from tensorstep.codegen.render import CTYPES, render
+from tensorstep.codegen.arguments import table
+from tensorstep.codegen.driver import generate
+from tensorstep.codegen.render import CTYPES
 from tensorstep.runtime.cuda_backend import THREADS
 
 PRELUDE = f"""/* CUDA keywords for a sequential run on the host */
@@ -31,9 +33,14 @@ static ts_dim3 blockIdx, threadIdx, blockDim = {{{THREADS}}};
 WARP_SUM = "if ((threadIdx.x & 31) == 0) atomicAdd"
 
 
+def host_metadata(spec: Any) -> dict:
+    """What the runtime keeps beside a build (the coefficient count for dt_vjp)."""
+    return dict(generate(spec, targets=("cuda",)).metadata)
+
+
 def host_source(spec: Any) -> str:
     """C source with every kernel of the ABI: the CUDA kernels, each looped over its launch grid."""
-    source = render(spec, "cuda", "all").replace('extern "C" ', "")
+    source = generate(spec, targets=("cuda",)).source("cuda").replace('extern "C" ', "")
     assert WARP_SUM in source, "the CUDA template's warp reduction changed: update this test double"
     source = source.replace(WARP_SUM, "atomicAdd")
     ctype = CTYPES[spec.dtype]
@@ -41,10 +48,10 @@ def host_source(spec: Any) -> str:
     for kernel in abi.PARTS["all"]:
         symbol = abi.symbol(spec.name, kernel)
         source = source.replace(f"void {symbol}(", f"void {symbol}_thread(")
-        names = ", ".join(name for _, name in abi.arguments(kernel, spec.order))
+        names = ", ".join(name for _, name in abi.arguments(kernel, table(spec)))
         columns = "1" if kernel == "dt_vjp_finish" else "B * D_"  # as runtime/cuda_backend.py launches
         entry_points.append(
-            f"void {symbol}({abi.signature(kernel, spec.order, ctype, 'restrict')})\n{{\n"
+            f"void {symbol}({abi.signature(kernel, table(spec), ctype, 'restrict')})\n{{\n"
             f"    const long long blocks = ({columns} + {THREADS} - 1) / {THREADS};\n"
             f"    for (long long b = 0; b < (blocks > 0 ? blocks : 1); ++b)\n"
             f"        for (long long t = 0; t < {THREADS}; ++t) {{\n"

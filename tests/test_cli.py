@@ -138,3 +138,80 @@ def test_bench_smoke_prints_table_and_same_run_floor():
     rollout = [line for line in result.output.split("Forward only (rollouts")[1].splitlines()
                if line.startswith("| backward | 32 | 1 |")]
     assert len(rollout) == 1 and rollout[0].count("|") == 11
+
+
+def error_line(result) -> str:
+    """The one 'error: ...' line of a failed command (and no traceback)."""
+    assert result.exit_code != 0 and "Traceback" not in result.output, result.output
+    errors = [line for line in result.output.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, result.output
+    return errors[0]
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (("run", "ur5e", "--device", "gpu"), "--device='gpu' is invalid: allowed cpu, cuda, cuda:N"),
+    (("bench", "--device", "gpu", "--no-codegen"), "--device='gpu' is invalid"),
+    (("stencil", "--accuracy", "9", "--difference", "backward"), "--accuracy=9: expected 1 to 8"),
+    (("show", "ur5e", "--horizon", "8", "--dt", "per_step"), "--horizon, --dt cannot be combined with CONFIG"),
+])
+def test_cli_errors_are_one_line(tmp_path, args, fragment):
+    assert fragment in error_line(run(*args, *(("-o", str(tmp_path)) if args[0] == "run" else ())))
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without a GPU")
+@pytest.mark.parametrize("command", [("run", "ur5e"), ("bench", "--no-codegen")])
+def test_cuda_without_a_gpu_is_one_line(tmp_path, command):
+    args = (*command, "--device", "cuda") + (("-o", str(tmp_path)) if command[0] == "run" else ())
+    assert "sees no CUDA device" in error_line(run(*args))
+
+
+def test_cuda_unavailable_from_the_runtime_is_one_line(tmp_path, monkeypatch):
+    """A GPU PyTorch without CuPy: load raises CudaUnavailable, the CLI prints one line."""
+    import torch
+
+    from tensorstep.runtime.cuda_backend import CudaUnavailable
+
+    def unavailable(spec, device="cpu"):
+        raise CudaUnavailable("device='cuda' needs CuPy: install it with 'pip install tensorstep[cuda]'")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(ts, "load", unavailable)
+    assert "needs CuPy" in error_line(run("run", "ur5e", "--device", "cuda", "-o", str(tmp_path)))
+
+
+def test_check_a_folder_whose_source_does_not_compile(tmp_path):
+    shutil.copytree(ROOT / "generated" / "ur5e", tmp_path / "g")
+    broken = sorted((tmp_path / "g").glob("*.c"))[0]
+    broken.write_text(broken.read_text().replace("#include", "@@@ #include", 1))
+    line = error_line(run("check", str(tmp_path / "g")))
+    assert f"{broken} does not compile" in line and "stray" in line
+
+
+def test_generate_reports_unchanged_files_and_follows_the_umask(tmp_path):
+    import os
+
+    old = os.umask(0o022)
+    try:
+        first = run("generate", "ur5e", "-o", str(tmp_path))
+    finally:
+        os.umask(old)
+    assert "\nwrote 7 files for ur5e" in first.output
+    assert {oct(p.stat().st_mode & 0o777) for p in tmp_path.iterdir()} == {"0o644"}
+    again = run("generate", "ur5e", "-o", str(tmp_path))
+    assert again.exit_code == 0 and "\nnothing changed (7 files up to date) for ur5e" in again.output
+
+
+def test_generating_another_config_removes_only_its_own_unchanged_files(tmp_path):
+    assert run("generate", "franka_panda", "-o", str(tmp_path)).exit_code == 0
+    old = json.loads((tmp_path / "manifest.json").read_text())
+    old_files = sorted(f["path"] for k in old["kernels"] for f in k["files"].values())
+    edited = tmp_path / old_files[0]
+    edited.write_text("/* my edits */\n")
+    (tmp_path / "notes.txt").write_text("mine")
+    result = run("generate", "ur5e", "-o", str(tmp_path))
+    assert result.exit_code == 0, result.output
+    removed = [p for p in old_files[1:]]
+    assert f"removed {len(removed)} files of kernels no longer in the config: {', '.join(removed)}" in result.output
+    assert f"left 1 files of kernels no longer in the config (edited since tensorstep wrote them): {edited.name}" in result.output
+    assert edited.read_text() == "/* my edits */\n" and (tmp_path / "notes.txt").read_text() == "mine"
+    assert not any((tmp_path / name).exists() for name in removed)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import inspect
+import re
 
 import numpy as np
 import pytest
@@ -229,3 +230,70 @@ def test_signatures_match_curobo_argument_order():
                      "out_velocity", "out_acceleration", "out_jerk", "traj_dt", "out_grad_position"]
     indexed = list(inspect.signature(C.AccelerationTensorStepIdxKernel.apply).parameters)
     assert indexed[4] == "start_idx" and len(indexed) == 11
+
+
+def test_action_interpolate_kernel_offset_equal_to_int_steps_and_zero():
+    """cuRobo's definition at the edges: no ramp rows (offset = int_steps); M[-0:] is every row."""
+    targs = C.TensorDeviceType(dtype=torch.float64)
+    M = C.action_interpolate_kernel(3, 4, targs, offset=4)
+    expected = np.zeros((8, 3))
+    expected[-4:, 1] = 1.0
+    assert np.array_equal(M.numpy(), expected)
+    M0 = C.action_interpolate_kernel(2, 2, targs, offset=0)
+    assert np.array_equal(M0.numpy(), np.array([[0.5, 1.0], [0.0, 1.0]]))
+
+
+def test_tensor_linspace_keeps_curobos_shape_for_a_last_dimension_of_one():
+    g = torch.Generator().manual_seed(3)
+    start, end = torch.randn(2, 3, 1, generator=g, dtype=torch.float64), torch.randn(2, 3, 1, generator=g, dtype=torch.float64)
+    got = C.tensor_linspace(start, end, steps=5)
+    c = np.arange(1, 6) / 5
+    assert got.shape == (2, 3, 5)
+    assert np.allclose(got.numpy(), start.numpy() + c * (end.numpy() - start.numpy()), rtol=0, atol=1e-15)
+
+
+@pytest.mark.parametrize("name, bad, message", [
+    ("CliqueTensorStepKernel", "p", "start_position"),
+    ("AccelerationTensorStepKernel", "dt", "traj_dt"),
+    ("AccelerationTensorStepIdxKernel", "idx", "start_idx"),
+])
+def test_compat_errors_use_curobo_names(name, bad, message):
+    _, rows, indexed, _ = CLASSES[name]
+    H, n = 6, 2
+    u = torch.randn(2, rows(H), n, dtype=torch.float64)
+    p, v, a = (torch.randn(2, n, dtype=torch.float64) for _ in range(3))
+    traj_dt = torch.full((H,), 0.02, dtype=torch.float64)
+    idx = torch.tensor([0, 1], dtype=torch.int32)
+    if bad == "p":
+        p = torch.randn(2, n + 1, dtype=torch.float64)
+    elif bad == "dt":
+        traj_dt = traj_dt[:3]
+    else:
+        idx = torch.tensor([0, 5], dtype=torch.int32)
+    args = (u, p, v, a) + ((idx,) if indexed else ()) + (None, None, None, None, traj_dt, None)
+    with pytest.raises((ValueError, TypeError, IndexError)) as info:
+        getattr(C, name).apply(*args)
+    text = str(info.value)
+    assert message in text and not re.search(r"\b(p0|dt|start_index)\b", text), text
+
+
+@pytest.mark.parametrize("name", list(CLASSES))
+def test_kernel_classes_are_autograd_functions_with_exact_gradients(name):
+    """issubclass(Cls, torch.autograd.Function) as in cuRobo; gradcheck also through traj_dt."""
+    cls = getattr(C, name)
+    assert issubclass(cls, torch.autograd.Function)
+    _, rows, indexed, _ = CLASSES[name]
+    H, n = (9 if "Central" in name else 6), 2
+    g = torch.Generator().manual_seed(1)
+    u = torch.randn(2, rows(H), n, generator=g, dtype=torch.float64, requires_grad=True)
+    p, v, a = (torch.randn(2, n, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    base = 0.02 + 0.01 * torch.arange(H, dtype=torch.float64) if name.startswith("Acceleration") \
+        else 40.0 + torch.arange(H, dtype=torch.float64)
+    traj_dt = base.requires_grad_(True)
+    idx = (torch.tensor([1, 0], dtype=torch.int32),) if indexed else ()
+
+    def f(u, p, v, a, traj_dt):
+        return cls.apply(u, p, v, a, *idx, None, None, None, None, traj_dt, None)
+
+    assert type(f(u, p, v, a, traj_dt)[0].grad_fn).__name__ == f"{name}Backward"
+    assert torch.autograd.gradcheck(f, (u, p, v, a, traj_dt), check_forward_ad=True)

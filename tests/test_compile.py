@@ -26,6 +26,7 @@ def make(spec, B=4, seed=0):
     starts = [torch.randn(S, 3, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3)]
     dt = torch.tensor(0.1, dtype=torch.float64) if spec.dt == "uniform" else 0.05 + 0.1 * torch.rand(8, generator=g, dtype=torch.float64)
     kw = {"start_index": torch.tensor([0, 2, 4, 2])} if spec.start_index else {}
+    ops.ops_for(step.launcher)  # registered here for direct calls (a compiled trace registers them itself)
     return step, u, starts, dt.requires_grad_(True), kw
 
 

@@ -10,7 +10,7 @@ import torch
 
 import reference
 import tensorstep as ts
-from cuda_on_host import host_source
+from cuda_on_host import host_source, host_metadata
 from tensorstep.codegen import render
 from tensorstep.runtime.api import Step
 from tensorstep.runtime.launch import CpuBackend, Launcher
@@ -200,7 +200,7 @@ def test_cuda_source_run_on_the_host_matches_reference(overrides, form, monkeypa
     source = host_source(spec)
     assert ("; --r)" in source) == (form == "rolled")
     assert ("__shared__ T coef" in source) == (form != "per-thread-coefficients")
-    row = verify_launcher(spec, Launcher(spec, CpuBackend(spec, source)), torch.device("cpu"), B=150)  # 2 blocks
+    row = verify_launcher(spec, Launcher(spec, CpuBackend(spec, source, host_metadata(spec))), torch.device("cpu"), B=150)  # 2 blocks
     assert row["forward"] <= 1e-12 and row["adjoint"] <= 1e-12, row
 
 
@@ -210,7 +210,7 @@ def test_cuda_source_run_on_the_host_passes_gradcheck(overrides):
     input and to dt (adjoint, dt_vjp, dt_vjp_finish) and forward mode (dt_jvp) against finite
     differences of the forward kernel."""
     spec = make_spec(overrides)
-    step = Step(spec, torch.device("cpu"), Launcher(spec, CpuBackend(spec, host_source(spec))))
+    step = Step(spec, torch.device("cpu"), Launcher(spec, CpuBackend(spec, host_source(spec), host_metadata(spec))))
     step.native = None
     x = Inputs(spec, batch=2)
     args = [t.detach().requires_grad_(True) for t in (x.u, x.p0, x.v0, x.a0, x.j0)]

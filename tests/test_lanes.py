@@ -19,7 +19,8 @@ import torch
 
 import tensorstep as ts
 from tensorstep.codegen import render as render_module
-from tensorstep.codegen.render import lanes, render
+from tensorstep.codegen.driver import generate, lowered
+from tensorstep.codegen.render import lanes
 from tensorstep.runtime import validate
 from tensorstep.runtime.launch import CpuBackend, Launcher
 
@@ -77,7 +78,7 @@ RUN = textwrap.dedent(
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c['dtype']}-D{c['dof']}-H{c.get('horizon', 9)}")
 def test_column_forms_match_reference(case, lane_form, tmp_path):
     spec = spec_of(case)
-    source = render(spec, "c", "core")
+    source = generate(spec, ("c",), ("core",)).source("c", "core")
     assert ("#if defined(TS_LANES)" in source) == (lanes(spec) is not None)
     gen = np.random.default_rng(0)
     B, D = 5, spec.dof
@@ -106,7 +107,6 @@ def test_integrator_lane_bodies_do_not_grow_with_the_horizon():
     """Rolled: the lane form's forward and adjoint are the same length at H=32 and H=256 (and
     so stay under the lane form's length limit), while the per-dof bodies grow with H."""
     from tensorstep.codegen.printer import COLUMN
-    from tensorstep.codegen.render import lowered
 
     short, long = (lowered(ts.KernelSpec(horizon=H, dof=7, control="acceleration", integrator="exact"))
                    for H in (32, 256))
@@ -114,7 +114,7 @@ def test_integrator_lane_bodies_do_not_grow_with_the_horizon():
         a, b = (COLUMN.lines(getattr(code, f"{kernel}_rolled")) for code in (short, long))
         assert len(a) == len(b) and any(line.startswith("for (int64_t r") for line in b)
         assert len(getattr(long, kernel).body) > 6 * len(getattr(short, kernel).body)
-    source = render(ts.KernelSpec(horizon=256, dof=7, control="acceleration"), "c", "core")
+    source = generate(ts.KernelSpec(horizon=256, dof=7, control="acceleration"), ("c",), ("core",)).source("c", "core")
     assert source.count("for (int64_t r = 2; r <= 255; ++r)") == 1  # forward, in the lane block
     assert source.count("for (int64_t r = 254; r >= 1; --r)") == 1  # the adjoint's reverse scan
 
@@ -131,19 +131,19 @@ def test_rolled_lane_columns_match_reference(overrides, monkeypatch):
     if lanes(spec) is None:
         pytest.skip("layout bdh has no lane form")
     monkeypatch.setattr(render_module, "ROLL_ABOVE_LINES", 0)
-    source = render(spec, "c")
+    source = generate(spec, ("c",)).source("c")
     assert source.count("for (int64_t r") == 2  # the forward loop and the adjoint's reverse scan
     launcher = Launcher(spec, CpuBackend(spec, source))
     x = Inputs(spec, batch=4)
     dt = dt_value(spec)
-    dt_k = validate.dt_tensor(dt, spec.n_dt, spec.horizon, torch.float64, torch.device("cpu"))
-    ys = launcher.forward(x.u.detach(), (x.p0, x.v0, x.a0, x.j0), x.idx, dt_k)
+    dt_k = validate.dt_tensor(dt, launcher.table, torch.float64, torch.device("cpu"))
+    ys = launcher.forward([x.u.detach(), x.p0, x.v0, x.a0, x.j0, x.idx], dt_k)
     expected = reference.apply(spec, dt.reshape(-1).tolist(), x.numpy_u_bhd(), x.numpy_start())
     for k, y in enumerate(ys):
         scale_close(y.numpy(), expected[k], 1e-12)
     gen = torch.Generator().manual_seed(1)
     grads = [torch.randn(y.shape, generator=gen, dtype=torch.float64) for y in ys]
-    gu, gs = launcher.adjoint(grads, dt_k, x.B, (True,) * 4)
+    gu, *gs = launcher.adjoint(grads, dt_k, x.B, (True,) * 5)
     expect_u, expect_start = reference.apply_adjoint(spec, dt.reshape(-1).tolist(), np.stack([g.numpy() for g in grads]))
     scale_close(gu.numpy(), expect_u, 1e-12)
     for m in range(4):

@@ -47,16 +47,27 @@ def plain_step():
     return s
 
 
-def test_plain_calls_are_checked_in_the_native_op(plain_step, monkeypatch):
-    """A plain call (float dt, no start_index) skips the Python checks: the native op checks
-    the tensors itself, and its outputs and gradients are the reference's."""
+def _spy(step, monkeypatch) -> list:
+    """Record what the native op returns on each call."""
     calls = []
-    checked = plain_step._native_checked
-    monkeypatch.setattr(plain_step, "_native_checked", lambda *a: calls.append(checked(*a)) or calls[-1])
+    native = step._native_step
+    monkeypatch.setattr(step, "_native_step", lambda *a: calls.append(native(*a)) or calls[-1])
+    return calls
+
+
+def _native(step, u, p0, v0, a0, j0, idx, dt):
+    """The native op called directly, with the arguments in table order."""
+    return step._native_step(step.native, [u, p0, v0, a0, j0, idx, dt])
+
+
+def test_plain_calls_are_checked_in_the_native_op(plain_step, monkeypatch):
+    """A plain call skips the Python checks once its float dt is cached: the native op checks the
+    tensors itself, and its outputs and gradients are the reference's."""
+    calls = _spy(plain_step, monkeypatch)
     x = Inputs(PLAIN, requires_grad=True)
+    outs = plain_step(x.u, x.p0, x.v0, x.a0, 0.1, **x.kwargs())  # checked in Python, caches dt 0.1
     outs = plain_step(x.u, x.p0, x.v0, x.a0, 0.1, **x.kwargs())
-    outs = plain_step(x.u, x.p0, x.v0, x.a0, 0.1, **x.kwargs())  # the first call filled the dt cache
-    assert len(calls) == 1 and len(calls[0]) == 4 and "NativeStep" in node_name(outs[0])
+    assert len(calls) == 2 and all(len(c) == 4 for c in calls) and "NativeStep" in node_name(outs[0])
     expect = reference.apply(PLAIN, [0.1], x.numpy_u_bhd(), x.numpy_start())
     for k, y in enumerate(outs):
         scale_close(y.detach().numpy(), expect[k], 1e-12)
@@ -69,12 +80,10 @@ def test_plain_calls_are_checked_in_the_native_op(plain_step, monkeypatch):
 def _bad_plain_inputs(x):
     """(the argument at fault, what is wrong with it, arguments u, p0, v0, a0, j0)."""
     f32 = lambda t: t.detach().float()
-    wide = torch.zeros(x.B, PLAIN.n_actions, 2 * PLAIN.dof, dtype=torch.float64)[:, :, ::2]
     return [
         ("u", "dtype", f32(x.u), x.p0, x.v0, x.a0, x.j0),
         ("u", "shape", x.u[:, :-1], x.p0, x.v0, x.a0, x.j0),
         ("u", "dims", x.u[0], x.p0, x.v0, x.a0, x.j0),
-        ("u", "not contiguous", wide, x.p0, x.v0, x.a0, x.j0),
         ("u", "empty batch", x.u[:0], x.p0[:0], x.v0[:0], x.a0[:0], x.j0[:0]),
         ("p0", "rows", x.u, x.p0[:-1], x.v0, x.a0, x.j0),
         ("v0", "dtype", x.u, x.p0, f32(x.v0), x.a0, x.j0),
@@ -85,14 +94,37 @@ def _bad_plain_inputs(x):
 
 
 def test_native_op_rejects_what_the_python_checks_reject(plain_step):
-    """Every kind of bad input makes the native op return nothing (no kernel runs), and the
-    step raises the Python checks' error, which names the argument."""
+    """Every structural fault is refused by the native op before any kernel runs, with the
+    Python checks' own words (both come from the argument table)."""
     x = Inputs(PLAIN)
     dt_k = plain_step._dt_tensor(0.1)
+    python = ts.load(PLAIN)
+    python.native = None
     for name, what, u, p0, v0, a0, j0 in _bad_plain_inputs(x):
-        assert plain_step._native_checked(plain_step.native, u, p0, v0, a0, j0, None, dt_k) == [], (name, what)
-        with pytest.raises((TypeError, ValueError), match=f"^{name}:"):
-            plain_step(u, p0, v0, a0, 0.1, j0=j0)
+        with pytest.raises((TypeError, ValueError), match=f"^{name}:") as native_error:
+            _native(plain_step, u, p0, v0, a0, j0, None, dt_k)
+        with pytest.raises((TypeError, ValueError)) as python_error:
+            python(u, p0, v0, a0, 0.1, j0=j0)
+        assert (type(native_error.value), str(native_error.value)) == \
+            (type(python_error.value), str(python_error.value)), (name, what)
+
+
+def test_any_strides_are_accepted_and_gradients_keep_the_input_shape(plain_step):
+    x = Inputs(PLAIN)
+    wide = torch.randn(x.B, PLAIN.n_actions, 2 * PLAIN.dof, dtype=torch.float64, requires_grad=True)
+    u = wide[:, :, ::2]
+    ut = x.u.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_()  # same values, other strides
+    expect = reference.apply(PLAIN, [0.1], u.detach().numpy(), x.numpy_start())
+    for path in ("native", "python"):
+        step = plain_step if path == "native" else ts.load(PLAIN)
+        if path == "python":
+            step.native = None
+        outs = step(u, x.p0, x.v0, x.a0, 0.1, j0=x.j0)
+        scale_close(outs[2].detach().numpy(), expect[2], 1e-12)
+        (g,) = torch.autograd.grad(outs[0].sum(), wide)
+        assert g.shape == wide.shape and torch.all(g[:, :, 1::2] == 0)
+        (gt,) = torch.autograd.grad(step(ut, x.p0, x.v0, x.a0, 0.1)[3].sum(), ut)
+        assert gt.shape == ut.shape
 
 
 PER_STEP = make_spec(dict(difference="central", dt="per_step"))
@@ -104,14 +136,12 @@ PER_STEP = make_spec(dict(difference="central", dt="per_step"))
     (PER_STEP, dt_value(PER_STEP, seed=3)),
 ], ids=["uniform-0d", "uniform-1", "per_step"])
 def test_dt_tensors_are_checked_in_the_native_op(spec, dt, monkeypatch):
-    """A dt tensor of the kernel's dtype goes to the native op as it is (its values are checked
-    there); outputs and gradients are the reference's for those durations."""
+    """A dt tensor goes to the native op as it is (its values are checked there); outputs and
+    gradients are the reference's for those durations."""
     step = ts.load(spec)
     if step.native is None:
         pytest.skip("the native autograd node is unavailable here (no C++ compiler?)")
-    calls = []
-    checked = step._native_checked
-    monkeypatch.setattr(step, "_native_checked", lambda *a: calls.append(checked(*a)) or calls[-1])
+    calls = _spy(step, monkeypatch)
     x = Inputs(spec, requires_grad=True)
     outs = step(x.u, x.p0, x.v0, x.a0, dt, **x.kwargs())
     assert len(calls) == 1 and len(calls[0]) == 4 and "NativeStep" in node_name(outs[0])
@@ -142,20 +172,21 @@ def _bad_dt_tensors(spec):
 
 @pytest.mark.parametrize("spec", [PLAIN, PER_STEP], ids=["uniform", "per_step"])
 def test_native_op_rejects_the_dt_tensors_python_rejects(spec):
+    """dt's values and form are left to the Python checks: the native op runs no kernel."""
     step = ts.load(spec)
     if step.native is None:
         pytest.skip("the native autograd node is unavailable here (no C++ compiler?)")
     x = Inputs(spec)
     for what, dt in _bad_dt_tensors(spec):
-        assert step._native_checked(step.native, x.u, x.p0, x.v0, x.a0, x.j0, None, dt) == [], what
+        assert _native(step, x.u, x.p0, x.v0, x.a0, x.j0, None, dt) == [], what
         with pytest.raises((TypeError, ValueError), match="^dt:"):
             step(x.u, x.p0, x.v0, x.a0, dt, j0=x.j0)
 
 
 @pytest.mark.parametrize("spec", [PLAIN, PER_STEP], ids=["uniform", "per_step"])
-def test_dt_tensors_to_convert_take_the_python_path(spec):
-    """Another float dtype, a strided view, or a dt that requires grad: the native op declines,
-    and the Python path converts (or differentiates) and matches the reference."""
+def test_dt_tensors_to_convert(spec):
+    """Another float dtype or a strided view: converted (by the native op, as Python would); a dt
+    that requires grad takes the Python path. All match the reference."""
     step = ts.load(spec)
     if step.native is None:
         pytest.skip("the native autograd node is unavailable here (no C++ compiler?)")
@@ -164,55 +195,62 @@ def test_dt_tensors_to_convert_take_the_python_path(spec):
     spaced = torch.zeros(2 * good.numel(), dtype=good.dtype)
     spaced[::2] = good.reshape(-1)
     expect = reference.apply(spec, good.reshape(-1).tolist(), x.numpy_u_bhd(), x.numpy_start())
-    cases = [("float32", good.float()), ("requires grad", good.requires_grad_())]
+    cases = [("float32", good.float()), ("requires grad", good.clone().requires_grad_())]
     if good.numel() > 1:  # (one element is contiguous at any stride)
         cases.append(("strided", spaced[::2]))
     for what, dt in cases:
-        assert step._native_checked(step.native, x.u, x.p0, x.v0, x.a0, x.j0, None, dt) == [], what
-        P, *_ = step(x.u, x.p0, x.v0, x.a0, dt, j0=x.j0)
         tol = 1e-6 if what == "float32" else 1e-12
+        if what != "requires grad":
+            scale_close(_native(step, x.u, x.p0, x.v0, x.a0, x.j0, None, dt)[0].numpy(), expect[0], tol)
+        P, *_ = step(x.u, x.p0, x.v0, x.a0, dt, j0=x.j0)
         scale_close(P.detach().numpy(), expect[0], tol)
 
 
 def test_indexed_calls_are_checked_in_the_native_op(step, monkeypatch):
-    calls = []
-    checked = step._native_checked
-    monkeypatch.setattr(step, "_native_checked", lambda *a: calls.append(checked(*a)) or calls[-1])
+    calls = _spy(step, monkeypatch)
     x = Inputs(SPEC, batch=5)
     x.idx = torch.tensor([4, 0, 6, 0, 2])
     step(x.u, x.p0, x.v0, x.a0, 0.1, **x.kwargs())  # fills the dt cache
     outs = step(x.u, x.p0, x.v0, x.a0, 0.1, **x.kwargs())
-    assert len(calls) == 1 and len(calls[0]) == 4
+    assert len(calls) == 2 and len(calls[-1]) == 4
     expect = reference.apply(SPEC, [0.1], x.numpy_u_bhd(), x.numpy_start())
     for k, y in enumerate(outs):
         scale_close(y.numpy(), expect[k], 1e-12)
 
 
 def test_native_op_rejects_the_start_indices_python_rejects(step, plain_step):
+    """Structural faults raise the table's message in the native op; entries out of range make
+    it decline, and the Python checks raise IndexError."""
     x = Inputs(SPEC)
     dt_k = step._dt_tensor(0.1)
     S = x.S
-    for what, idx in [("past the last row", torch.tensor([0, S, 1])), ("negative", torch.tensor([0, -1, 1])),
-                      ("one short", x.idx[:-1]), ("two dims", x.idx[None]), ("float", x.idx.double()),
-                      ("missing", None)]:
-        assert step._native_checked(step.native, x.u, x.p0, x.v0, x.a0, x.j0, idx, dt_k) == [], what
-        with pytest.raises((IndexError, TypeError, ValueError), match="^start_index:"):
+    for what, idx in [("past the last row", torch.tensor([0, S, 1])), ("negative", torch.tensor([0, -1, 1]))]:
+        assert _native(step, x.u, x.p0, x.v0, x.a0, x.j0, idx, dt_k) == [], what
+        with pytest.raises(IndexError, match="^start_index: entry .* is out of range"):
             step(x.u, x.p0, x.v0, x.a0, 0.1, j0=x.j0, start_index=idx)
+    for what, idx in [("one short", x.idx[:-1]), ("two dims", x.idx[None]), ("float", x.idx.double()),
+                      ("missing", None)]:
+        with pytest.raises((TypeError, ValueError), match="^start_index:") as native_error:
+            _native(step, x.u, x.p0, x.v0, x.a0, x.j0, idx, dt_k)
+        with pytest.raises((TypeError, ValueError)) as python_error:
+            step(x.u, x.p0, x.v0, x.a0, 0.1, j0=x.j0, start_index=idx)
+        assert str(native_error.value) == str(python_error.value), what
     y = Inputs(PLAIN)
     idx = torch.zeros(y.B, dtype=torch.int64)
-    assert plain_step._native_checked(plain_step.native, y.u, y.p0, y.v0, y.a0, y.j0, idx, dt_k) == []
-    with pytest.raises(ValueError, match="^start_index: .* takes no start_index"):
+    with pytest.raises(TypeError, match="^start_index: this kernel takes no start_index"):
+        _native(plain_step, y.u, y.p0, y.v0, y.a0, y.j0, idx, dt_k)
+    with pytest.raises(TypeError, match="^start_index: this kernel takes no start_index"):
         plain_step(y.u, y.p0, y.v0, y.a0, 0.1, j0=y.j0, start_index=idx)
 
 
-def test_start_indices_to_convert_take_the_python_path(step):
+def test_start_indices_are_converted(step):
     x = Inputs(SPEC)
     dt_k = step._dt_tensor(0.1)
     spaced = torch.zeros(2 * x.B, dtype=torch.int64)
     spaced[::2] = x.idx
     expect = reference.apply(SPEC, [0.1], x.numpy_u_bhd(), x.numpy_start())
     for what, idx in [("int32", x.idx.int()), ("strided", spaced[::2])]:
-        assert step._native_checked(step.native, x.u, x.p0, x.v0, x.a0, x.j0, idx, dt_k) == [], what
+        scale_close(_native(step, x.u, x.p0, x.v0, x.a0, x.j0, idx, dt_k)[1].numpy(), expect[1], 1e-12)
         outs = step(x.u, x.p0, x.v0, x.a0, 0.1, j0=x.j0, start_index=idx)
         scale_close(outs[1].numpy(), expect[1], 1e-12)
 
@@ -221,7 +259,7 @@ def test_missing_start_index_is_an_error_on_every_call(step):
     x = Inputs(SPEC)
     step(x.u, x.p0, x.v0, x.a0, 0.1, **x.kwargs())  # caches dt 0.1
     for _ in range(2):
-        with pytest.raises(ValueError, match="needs a start_index argument"):
+        with pytest.raises(TypeError, match="needs a start_index argument"):
             step(x.u, x.p0[: x.B], x.v0[: x.B], x.a0[: x.B], 0.1)
 
 

@@ -51,7 +51,7 @@ def test_out_holds_the_reference_outputs(spec, path):
         for y in out:
             y.fill_(float("nan"))
     if path == "native":  # plain and indexed calls alike are the native op's to check
-        assert step._native_checked_out(step.native, x.u, x.p0, x.v0, x.a0, x.j0, x.idx, step._dt_tensor(0.1), out)
+        assert step._native_step_out(step.native, [x.u, x.p0, x.v0, x.a0, x.j0, x.idx, step._dt_tensor(0.1)], out)
         scale_close(out[1].double().numpy(), expect[1], rtol)
 
 
@@ -94,7 +94,7 @@ def test_bad_out_is_refused_with_a_message_and_nothing_written(path):
     for pattern, out, u in calls:
         if step.native is not None and isinstance(out, tuple) and all(type(t) is torch.Tensor for t in out):
             dt_k = step._dt_tensor(0.1)
-            assert step._native_checked_out(step.native, u, x.p0, x.v0, x.a0, x.j0, None, dt_k, out) is False, pattern
+            assert step._native_step_out(step.native, [u, x.p0, x.v0, x.a0, x.j0, None, dt_k], out) is False, pattern
         with pytest.raises((TypeError, ValueError), match=pattern):
             step(u, x.p0, x.v0, x.a0, 0.1, j0=x.j0, out=out)
     assert all(bool(torch.isnan(y).all()) for y in good)  # no kernel ran

@@ -41,7 +41,6 @@ def test_immutable():
         ("accuracy", (2, 2), "tuple of 3 ints"),
         ("accuracy", 0, "each accuracy must be in"),
         ("integrator", "rk4", "allowed: 'semi_implicit_euler', 'exact'"),
-        ("start", "zero", "allowed: 'taylor'"),
         ("end", "wrap", "allowed: 'hold', 'one_sided'"),
         ("dt", "adaptive", "allowed: 'uniform', 'per_step'"),
         ("start_index", 1, "expected True or False"),

@@ -1,0 +1,162 @@
+"""The argument table: every argument of a kernel family, described once.
+
+Each row says what an argument is (name, role, shape in the symbols B, N, H, D, S, NDT, dtype
+rule, whether it may be omitted, whether it has a gradient). Everything that handles arguments
+is derived from these rows: the C/CUDA parameter lists of the five kernels (codegen/abi.py),
+the Python checks and their messages (runtime/validate.py), the native node's checks (the rows
+are handed to C++ at registration), the launcher's shapes, and the custom ops' schemas and
+fake kernels. Adding an argument is a row here plus its meaning in a builder.
+
+Shape symbols: B trajectories, N action rows, H output rows, D dof, S start-table rows (the
+rows ``start_index`` picks from; S = B without an index), NDT step durations the kernel reads.
+Rows flagged ``layout`` are [B, rows, D] in layout "bhd" and [B, D, rows] in "bdh".
+
+Import-light (no SymPy, no PyTorch): the runtime reads the table on the cached-load path.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Iterator, Mapping
+
+#: dtype rules: the kernel's floating type, an integer index, the kernel's type for dt
+KERNEL, INDEX, STEP = "kernel", "index", "dt"
+#: when an argument may be passed: always, may be None, or must be None (for this spec)
+REQUIRED, OPTIONAL, ABSENT = "required", "optional", "absent"
+
+#: Error messages shared by the Python checks and the native node (same wording on both paths).
+#: Placeholders: {name}, {expected}, {got}, {rows}, {count}, {max}.
+MESSAGES: Mapping[str, str] = {
+    "missing": "{name}: this kernel needs a {name} argument ({expected}), got None",
+    "unexpected": "{name}: this kernel takes no {name} argument (its spec does not set {expected}), got a tensor",
+    "type": "{name}: expected a torch.Tensor of shape {expected}, got {got}",
+    "layout": "{name}: expected a dense (strided) tensor, got layout {got}",
+    "dims": "{name}: expected {count} dims, shape {expected}, got shape {got}",
+    "shape": "{name}: expected shape {expected}, got shape {got}",
+    "dtype": "{name}: expected dtype {expected} (the kernel's dtype), got {got}",
+    "index_dtype": "{name}: expected dtype torch.int32 or torch.int64, got {got}",
+    "device": "{name}: expected device {expected} (the kernel's device), got {got}",
+    "empty": "{name}: batch size is 0; expected at least one trajectory",
+    "no_rows": "{name}: the table has 0 rows; {rows} needs at least one",
+    "range": "{name}: entry {got} is out of range: the rows it picks ({rows}) number {count} (allowed 0..{max})",
+    "dt_value": "{name}: expected finite, positive step durations, got {got}",
+}
+
+
+def message(key: str, **fields: Any) -> str:
+    """One error message, formatted (Python side; the native node formats the same templates)."""
+    return MESSAGES[key].format(**fields)
+
+
+@dataclasses.dataclass(frozen=True)
+class Argument:
+    """One argument of a kernel family."""
+
+    name: str  # Python keyword, error-message name
+    c_name: str  # parameter name in the generated C
+    role: str  # action | start | index | dt | output
+    shape: tuple[str, ...]  # symbols or sizes, logical order (batch, rows, dof)
+    dtype: str = KERNEL
+    presence: str = REQUIRED
+    nullable: bool = False  # some specs of the family go without it (None in the op schema)
+    differentiable: bool = True
+    layout: bool = False  # [B, rows, D] follows the spec's layout
+    index: str = ""  # the index argument that picks this argument's rows per trajectory
+    meaning: str = ""  # for messages: what the argument is
+    grad: str = ""  # C name of its gradient (default g<c_name>: gu, gp0, ...)
+    tangent: str = ""  # C name of its tangent (default d<c_name>: du, dp0, ...)
+
+    @property
+    def grad_name(self) -> str:
+        return self.grad or "g" + self.c_name
+
+    @property
+    def tangent_name(self) -> str:
+        return self.tangent or "d" + self.c_name
+
+
+@dataclasses.dataclass(frozen=True)
+class ArgumentTable:
+    """A kernel family's arguments for one spec: inputs in call order (dt last), then outputs."""
+
+    family: str
+    inputs: tuple[Argument, ...]
+    outputs: tuple[Argument, ...]
+    sizes: tuple[tuple[str, int], ...]  # the symbols fixed by the spec (N, H, D, NDT)
+    layout: str = "bhd"
+
+    def __iter__(self) -> Iterator[Argument]:
+        return iter(self.inputs)
+
+    def input(self, name: str) -> Argument:
+        return next(a for a in self.inputs if a.name == name)
+
+    @property
+    def tensors(self) -> tuple[Argument, ...]:
+        """The inputs other than dt (what the kernels read besides the step durations)."""
+        return tuple(a for a in self.inputs if a.role != "dt")
+
+    @property
+    def differentiable(self) -> tuple[Argument, ...]:
+        """Inputs whose gradient the adjoint kernel writes (dt's comes from dt_vjp)."""
+        return tuple(a for a in self.tensors if a.differentiable)
+
+    @property
+    def dt(self) -> Argument:
+        return next(a for a in self.inputs if a.role == "dt")
+
+    def size(self, symbol: str) -> int | None:
+        return dict(self.sizes).get(symbol)
+
+    def physical(self, arg: Argument, dims: Mapping[str, int]) -> tuple[int, ...]:
+        """The tensor shape of an argument, given sizes for the free symbols (B, S, ...)."""
+        known = {**dict(self.sizes), **dims}
+        shape = tuple(s if isinstance(s, int) else known[s] for s in arg.shape)
+        if arg.layout and self.layout == "bdh":
+            shape = (shape[0], shape[2], shape[1])
+        return shape
+
+    def symbolic(self, arg: Argument) -> tuple:
+        """The shape with the spec's sizes filled in and free symbols (B, S) left as names."""
+        known = dict(self.sizes)
+        shape = tuple(known.get(s, s) if isinstance(s, str) else s for s in arg.shape)
+        if arg.layout and self.layout == "bdh":
+            shape = (shape[0], shape[2], shape[1])
+        return shape
+
+    def schema(self, extra: str = "", returns: str = "Tensor[]") -> str:
+        """The torch.library schema of an op taking a kernel key, the inputs, then ``extra``."""
+        params = ["str key"]
+        for a in self.inputs:
+            params.append(f"Tensor{'?' if a.nullable else ''} {a.name}")
+        return f"({', '.join(params + ([extra] if extra else []))}) -> {returns}"
+
+
+START_NAMES = ("p0", "v0", "a0", "j0")
+OUTPUT_NAMES = ("P", "V", "A", "J", "S")
+
+
+def step_table(spec: Any) -> ArgumentTable:
+    """The arguments of a step: actions, start state (optionally indexed), step durations."""
+    indexed = bool(getattr(spec, "start_index", False))
+    rows = "S" if indexed else "B"
+    inputs = [Argument("u", "u", "action", ("B", "N", "D"), layout=True, meaning="actions")]
+    for m, name in enumerate(START_NAMES):
+        inputs.append(Argument(name, name, "start", (rows, "D"), presence=OPTIONAL if m == 3 else REQUIRED,
+                               nullable=m == 3, index="start_index" if indexed else "", meaning="start state"))
+    inputs.append(Argument("start_index", "idx", "index", ("B",), dtype=INDEX,
+                           presence=REQUIRED if indexed else ABSENT, nullable=True, differentiable=False,
+                           meaning="start_index=True"))
+    inputs.append(Argument("dt", "dt_in", "dt", ("NDT",), dtype=STEP, meaning="step durations"))
+    outputs = tuple(Argument(OUTPUT_NAMES[k], f"y{k}", "output", ("B", "H", "D"), layout=True,
+                             grad=f"g{k}", tangent=f"ty{k}") for k in range(spec.order + 1))
+    sizes = (("N", spec.n_actions), ("H", spec.horizon), ("D", spec.dof), ("NDT", spec.n_dt))
+    return ArgumentTable("step", tuple(inputs), outputs, sizes, spec.layout)
+
+
+#: kernel family → table builder (a spec names its family; native and legacy specs are steps)
+FAMILIES = {"step": step_table}
+
+
+def table(spec: Any) -> ArgumentTable:
+    """The argument table of a spec."""
+    return FAMILIES[getattr(spec, "family", "step")](spec)

@@ -1,0 +1,87 @@
+"""The code generator's driver: named stages, run in order, one immutable result.
+
+    spec ──operator──▶ Operator (SymPy rows, codegen/schemes.py, legacy.py, ...)
+         ──lower────▶ LoweredOperator (statements per kernel, coefficient program)
+         ──render───▶ sources per (target, part) (Jinja2 templates)
+
+``generate(spec)`` returns a ``Generated``: the sources, the entry points, the argument
+table, the coefficient count and the metadata the runtime caches beside a build. The
+runtime compiles and loads that result; it never reaches into the stages or parses the text.
+
+>>> from tensorstep.codegen.spec import KernelSpec
+>>> g = generate(KernelSpec(horizon=6, dof=2), targets=("c",), parts=("core",))
+>>> sorted(g.entry_points)
+['adjoint', 'forward']
+>>> "void ts_h6_d2_pos_cen_a442_hold_dtu_noidx_bhd_f32_o3_forward(" in g.source("c", "core")
+True
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import types
+from typing import Any, Mapping
+
+from ..version import __version__
+from . import abi
+from .arguments import ArgumentTable, table
+from .builders import build_operator
+
+STAGES = ("operator", "lower", "render")
+TARGETS = ("c", "cuda", "header")
+
+
+@dataclasses.dataclass(frozen=True)
+class Generated:
+    """One spec's generated kernels: everything the runtime and the CLI need, immutable."""
+
+    spec: Any
+    table: ArgumentTable
+    sources: Mapping[tuple[str, str], str]  # (target, part) → source text
+    entry_points: Mapping[str, str]  # kernel → exported symbol
+    n_coefficients: int  # entries of the dt_vjp coefficient accumulator
+    metadata: Mapping[str, Any]
+
+    def source(self, target: str, part: str = "all") -> str:
+        try:
+            return self.sources[(target, part)]
+        except KeyError:
+            made = ", ".join(f"{t}/{p}" for t, p in self.sources)
+            raise KeyError(f"({target!r}, {part!r}) was not generated (generated: {made})") from None
+
+
+@functools.lru_cache(maxsize=256)
+def lowered(spec: Any) -> Any:
+    """Stages 1 and 2, operator and lowering, once per spec and process."""
+    from .lower import lower  # SymPy
+
+    return lower(build_operator(spec))
+
+
+def metadata(spec: Any, n_coefficients: int) -> dict[str, Any]:
+    """What a build of this spec needs at load time, without generating code again."""
+    return {"tool": "tensorstep", "version": __version__, "name": spec.name, "spec": spec.to_dict(),
+            "n_coefficients": n_coefficients,
+            "entry_points": {k: abi.symbol(spec.name, k) for k in abi.KERNELS}}
+
+
+def generate(spec: Any, targets: tuple[str, ...] = TARGETS, parts: tuple[str, ...] = ("all",)) -> Generated:
+    """Run the stages for one spec; sources for each requested target and part."""
+    from .render import render  # Jinja2
+
+    for target in targets:
+        if target not in TARGETS:
+            raise ValueError(f"target={target!r} is invalid: allowed {', '.join(TARGETS)}")
+    for part in parts:
+        if part not in abi.PARTS:
+            raise ValueError(f"part={part!r} is invalid: allowed {', '.join(abi.PARTS)}")
+    program = lowered(spec)
+    args = table(spec)
+    sources = {(t, p): render(spec, program, args, t, p) for t in targets for p in parts}
+    kernels = {k for p in parts for k in abi.PARTS[p]}
+    return Generated(
+        spec=spec, table=args, sources=types.MappingProxyType(sources),
+        entry_points=types.MappingProxyType({k: abi.symbol(spec.name, k) for k in abi.KERNELS if k in kernels}),
+        n_coefficients=program.n_coefficients,
+        metadata=types.MappingProxyType(metadata(spec, program.n_coefficients)),
+    )
