@@ -4,9 +4,9 @@ adjoint, dt_vjp, dt_jvp).
 The statements are target-neutral: codegen/printer.py prints them, and the C and CUDA
 templates wrap the same text in their own loops. Body code uses these macros, defined by
 each template:
-``U(j)`` action j, ``S<m>`` start entry m, ``Y<k>(h, value)`` output store, ``G<k>(h)``
-incoming gradient (0 when absent), ``DU(j)``/``DS<m>`` input tangents, ``TY<k>(h, value)``
-output tangent store, ``GU(j, value)``/``GS<m>(value)`` adjoint stores, ``ZERO``, ``ACC(m)``
+``U(j)`` action j, ``S<m>`` start entry m, ``E<m>`` goal entry m (end="goal"), ``Y<k>(h, value)`` output store, ``G<k>(h)``
+incoming gradient (0 when absent), ``DU(j)``/``DS<m>``/``DE<m>`` input tangents, ``TY<k>(h, value)``
+output tangent store, ``GU(j, value)``/``GS<m>(value)``/``GE<m>(value)`` adjoint stores, ``ZERO``, ``ACC(m)``
 the dt-gradient accumulator. The C template's all-dof vector form prints the forward and
 adjoint columns with the lane vocabulary (``printer.LANES``); for integrators it gets the
 column with its repeating rows rolled into a loop (codegen/roll.py).
@@ -76,13 +76,18 @@ def _var(ref: Ref, prefix: str = "") -> Read | Var | Val:
         return Read("DU" if prefix else "U", (ref[1],))
     if ref[0] == "s":
         return Var(f"{prefix}s{ref[1]}")
+    if ref[0] == "g":  # the goal state (end="goal"): e0..e3, read once per column like the start
+        return Var(f"{prefix}e{ref[1]}")
     return Val(f"{prefix}y", ref[1], ref[2])
 
 
-def _loads(tangent: bool = False) -> list[Statement]:
+def _loads(tangent: bool = False, goal: int = 0) -> list[Statement]:
+    """The boundary states, read once per column: start (s0..s3) and goal (e0..e3, when ``goal``)."""
     lines = [Def(Var(f"s{m}"), Read(f"S{m}")) for m in range(4)]
+    lines += [Def(Var(f"e{m}"), Read(f"E{m}")) for m in range(goal)]
     if tangent:
         lines += [Def(Var(f"ts{m}"), Read(f"DS{m}")) for m in range(4)]
+        lines += [Def(Var(f"te{m}"), Read(f"DE{m}")) for m in range(goal)]
     return lines
 
 
@@ -210,7 +215,7 @@ TABLE_CALL = [Call("COEFFICIENTS", (Var("dt_in"), Var("coef")))]  # the shared t
 
 def _forward(op: Operator, coefs: Coefficients) -> KernelCode:
     loops, covered = _forward_loops(op, coefs)
-    body = _loads()
+    body = _loads(goal=op.n_goal)
     for line, row in zip(_forward_lines(op, coefs), op.rows):
         if (row.k, row.h) not in covered:
             body += [line, Call(f"Y{row.k}", (row.h,), Val("y", row.k, row.h))]
@@ -223,13 +228,14 @@ def _adjoint(op: Operator, coefs: Coefficients) -> KernelCode:
     lines += [Call("GU", (j,), Sum(tuple(contributions.get(("u", j), [])))) for j in range(op.n_actions)
               if j not in covered]
     lines += [Call(f"GS{m}", (), Sum(tuple(contributions.get(("s", m), [])))) for m in range(4)]
+    lines += [Call(f"GE{m}", (), Sum(tuple(contributions.get(("g", m), [])))) for m in range(op.n_goal)]
     return KernelCode(TABLE_CALL, lines, loops)
 
 
 def _dt_vjp(op: Operator, coefs: Coefficients) -> KernelCode:
     """GC(q) += Σ yb_row · value over the uses of each dt-dependent coefficient (summed over
     columns); dt_vjp_finish then maps GC to the dt gradient through the coefficient program."""
-    body = _loads() + _forward_lines(op, coefs)
+    body = _loads(goal=op.n_goal) + _forward_lines(op, coefs)
     adjoint, _ = _adjoint_lines(op, coefs)
     body += adjoint
     uses: dict[int, list[Mul]] = defaultdict(list)
@@ -243,7 +249,7 @@ def _dt_vjp(op: Operator, coefs: Coefficients) -> KernelCode:
 
 def _dt_jvp(op: Operator, coefs: Coefficients) -> KernelCode:
     """Tangent: ty = Σ (ċ · value + c · tangent), ċ = Σ_m ∂c/∂dt_m · ddt_m."""
-    body = _loads(tangent=True) + _forward_lines(op, coefs)
+    body = _loads(tangent=True, goal=op.n_goal) + _forward_lines(op, coefs)
     for row in op.rows:
         parts = []
         for c, ref in row.terms:

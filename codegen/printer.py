@@ -50,7 +50,7 @@ def _index(i: Any) -> str:
     return str(i)
 
 
-_LANE_MACROS = {"U", "GU", *(f"S{m}" for m in range(4)), *(f"GS{m}" for m in range(4))}
+_LANE_MACROS = {"U", "GU", *(f"{x}{m}" for x in ("S", "GS", "E", "GE") for m in range(4))}
 
 
 def _lane_macro(name: str) -> str:
