@@ -47,8 +47,10 @@ class Step(torch.nn.Module):
         # pickle and deepcopy by spec (loaded libraries and ops are per process)
         return load, (self.spec, str(self.device))
 
-    def _dt_tensor(self, dt: Union[float, Tensor]) -> Tensor:
+    def _dt_tensor(self, dt: Union[float, Tensor], batch: Optional[int] = None) -> Tensor:
         """The kernel's dt vector; tensors for repeated Python floats are reused (cheap calls)."""
+        if self.launcher.per_trajectory:
+            return validate.dt_tensor(dt, self.table, self.dtype, self.device, batch)
         if isinstance(dt, float) and not torch.compiler.is_compiling():
             cached = self._dt_cache.get(dt)
             if cached is None:
@@ -96,8 +98,8 @@ class Step(torch.nn.Module):
                 elif (type(out) in (tuple, list) and all(type(y) is Tensor for y in out)
                       and self._native_step_out(self.native, [*values, dt_k], out)):
                     return tuple(out)
-        inputs, _ = validate.check_inputs(self.table, values, self.dtype, self.device)
-        dt_k = self._dt_tensor(dt)
+        inputs, dims = validate.check_inputs(self.table, values, self.dtype, self.device)
+        dt_k = self._dt_tensor(dt, dims["B"])
         if out is not None:
             return self._into(out, inputs, dt_k)
         if torch.compiler.is_compiling():

@@ -37,6 +37,8 @@ class Launcher:
         self.table: ArgumentTable = table(spec)
         self.dtype = DTYPES[spec.dtype]
         self.K = len(self.table.outputs)
+        #: dt="per_trajectory": dt is [B], one step duration per trajectory
+        self.per_trajectory = self.table.dt.shape == ("B",)
 
     def output_shape(self, B: int) -> tuple[int, ...]:
         """Shape of each output (P, V, A, J[, S]) for a batch of B."""
@@ -98,12 +100,15 @@ class Launcher:
         grads = [contiguous(g) for g in grads]
         u = inputs[0]
         # the accumulator's size is in the build's metadata (no code generation, no parsing)
-        gc = torch.zeros(int(self.backend.metadata["n_coefficients"]), dtype=torch.float64, device=u.device)
-        gdt = torch.empty(dt.shape[0], dtype=torch.float64, device=u.device)
         B = u.shape[0]
+        # one accumulator per trajectory when each has its own dt (then dt_vjp_finish runs per trajectory)
+        n = int(self.backend.metadata["n_coefficients"]) * (B if self.per_trajectory else 1)
+        gc = torch.zeros(n, dtype=torch.float64, device=u.device)
+        gdt = torch.empty(dt.shape[0], dtype=torch.float64, device=u.device)
         if B:
             self.backend.call("dt_vjp", B, [*map(ptr, inputs), *map(ptr, grads), ptr(dt), ptr(gc)])
-        self.backend.call("dt_vjp_finish", 1, [ptr(dt), ptr(gc), ptr(gdt)])
+        if B or not self.per_trajectory:
+            self.backend.call("dt_vjp_finish", B if self.per_trajectory else 1, [ptr(dt), ptr(gc), ptr(gdt)])
         return gdt
 
     def dt_jvp(self, inputs: Sequence[OptTensor], tangents: Sequence[OptTensor], dt: Tensor,

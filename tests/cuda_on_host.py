@@ -41,7 +41,8 @@ def host_metadata(spec: Any) -> dict:
 def host_source(spec: Any) -> str:
     """C source with every kernel of the ABI: the CUDA kernels, each looped over its launch grid."""
     source = generate(spec, targets=("cuda",)).source("cuda").replace('extern "C" ', "")
-    assert WARP_SUM in source, "the CUDA template's warp reduction changed: update this test double"
+    per_trajectory = getattr(spec, "dt", "") == "per_trajectory"  # per-thread atomics, no warp sum
+    assert per_trajectory or WARP_SUM in source, "the CUDA template's warp reduction changed: update this test double"
     source = source.replace(WARP_SUM, "atomicAdd")
     ctype = CTYPES[spec.dtype]
     entry_points = []
@@ -49,7 +50,8 @@ def host_source(spec: Any) -> str:
         symbol = abi.symbol(spec.name, kernel)
         source = source.replace(f"void {symbol}(", f"void {symbol}_thread(")
         names = ", ".join(name for _, name in abi.arguments(kernel, table(spec)))
-        columns = "1" if kernel == "dt_vjp_finish" else "B * D_"  # as runtime/cuda_backend.py launches
+        columns = "B" if kernel == "dt_vjp_finish" and per_trajectory else "1" if kernel == "dt_vjp_finish" \
+            else "B * D_"  # as runtime/cuda_backend.py launches (launch_columns)
         entry_points.append(
             f"void {symbol}({abi.signature(kernel, table(spec), ctype, 'restrict')})\n{{\n"
             f"    const long long blocks = ({columns} + {THREADS} - 1) / {THREADS};\n"
