@@ -313,3 +313,26 @@ def test_bad_inputs_are_refused_before_any_kernel_runs(native):
     plain = ts.load(spec_of({}))
     with pytest.raises(TypeError, match="goal: this kernel takes no goal state"):
         plain(torch.zeros(3, H - 1, D, dtype=torch.float64), p0, v0, a0, 0.1, goal=(gp, gv, ga))
+
+
+def test_config_and_cli(tmp_path):
+    """A config with end: goal, goal_index and dt: per_trajectory: `show`, `check` (the kernels
+    against the dense matrices) and `run` (forward and backward with a goal and a [B] dt)."""
+    from click.testing import CliRunner
+
+    from tensorstep.cli import main
+    from tensorstep.config import load_config
+
+    cfg = tmp_path / "toy.yml"
+    cfg.write_text("robot: toy\ndof: 2\ndt: 0.05\nkernels:\n"
+                   "  - {horizon: 8, end: goal, goal_index: true, dt: per_trajectory, dtype: float64}\n"
+                   "  - {horizon: 8, control: jerk, dt: per_trajectory}\n")
+    specs = load_config(cfg).specs
+    assert specs[0].goal_index and specs[0].end == "goal" and specs[1].dt == "per_trajectory"
+    invoke = lambda *args: CliRunner().invoke(main, [*args], catch_exceptions=False)
+    shown = invoke("show", "--horizon", "6", "--dof", "2", "--end", "goal", "--goal-index", "--dt", "per_trajectory")
+    assert shown.exit_code == 0 and "_goal_dtb_noidx_bhd_f32_o3_gidx_forward(" in shown.output
+    checked = invoke("check", str(cfg))
+    assert checked.exit_code == 0, checked.output
+    ran = invoke("run", str(cfg), "-o", str(tmp_path / "out"), "--batch", "3")
+    assert ran.exit_code == 0 and "grad u (3, 6, 2)" in ran.output, ran.output
