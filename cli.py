@@ -1,4 +1,4 @@
-"""The `tensorstep` command line (click): generate, show, list, check, stencil, run, bench."""
+"""The `tensorstep` command line (click): generate, show, plot, list, check, stencil, run, bench."""
 from __future__ import annotations
 
 import functools
@@ -153,6 +153,21 @@ def spec_from_options(o: dict[str, Any]) -> KernelSpec:
     )
 
 
+def specs_from(config: Optional[str], task: Optional[str], options: dict[str, Any], verb: str) -> tuple:
+    """A CONFIG's specs, or the one spec the options give (refusing spec options with a CONFIG)."""
+    if config:
+        ctx = click.get_current_context()
+        given = [p.opts[0] for p in ctx.command.params
+                 if p.name in options and ctx.get_parameter_source(p.name) != click.core.ParameterSource.DEFAULT]
+        if given:
+            raise UserError(f"{', '.join(given)} cannot be combined with CONFIG: the config's kernels are {verb} as "
+                            f"it defines them (edit the config, or drop CONFIG to use the spec the options give)")
+        return load_config(config, task).specs
+    if task:
+        raise UserError("--task needs a cuRobo robot file as CONFIG")
+    return (spec_from_options(options),)
+
+
 @main.command()
 @click.argument("config", required=False, type=click.Path(dir_okay=False))
 @click.option("--task", type=click.Path(dir_okay=False))
@@ -166,18 +181,35 @@ def show(config: Optional[str], task: Optional[str], target: str, kernel: str, *
     """Print generated source for a CONFIG, or for the spec given by options."""
     from .codegen.driver import generate
 
-    if config:
-        ctx = click.get_current_context()
-        given = [p.opts[0] for p in ctx.command.params
-                 if p.name in options and ctx.get_parameter_source(p.name) != click.core.ParameterSource.DEFAULT]
-        if given:
-            raise UserError(f"{', '.join(given)} cannot be combined with CONFIG: the config's kernels are shown as "
-                            "it defines them (edit the config, or drop CONFIG to show the spec the options give)")
-    elif task:
-        raise UserError("--task needs a cuRobo robot file as CONFIG")
-    specs = load_config(config, task).specs if config else (spec_from_options(options),)
+    specs = specs_from(config, task, options, "shown")
     for spec in specs:
         click.echo(generate(spec, targets=(target,), parts=(kernel,)).source(target, kernel))
+
+
+@main.command()
+@click.argument("config", required=False, type=click.Path(dir_okay=False))
+@click.option("--task", type=click.Path(dir_okay=False))
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="the picture (FILE.png)")
+@click.option("--step-dt", type=float, default=None,
+              help="step duration in seconds [default: a CONFIG's dt, else 0.02]")
+@spec_options
+@friendly
+def plot(config: Optional[str], task: Optional[str], output: str, step_dt: Optional[float], **options: Any) -> None:
+    """Draw P, V, A, J of a sample trajectory through each kernel of a CONFIG (or the spec the options
+    give) into a picture. Needs matplotlib: pip install 'tensorstep[plot]'."""
+    from . import plot as pictures
+
+    try:
+        pictures.pyplot()
+    except ImportError as err:
+        raise UserError(str(err)) from None
+    specs = specs_from(config, task, options, "drawn")
+    cfg = load_config(config, task) if config else None
+    dt = step_dt if step_dt is not None else cfg.dt if cfg else 0.02
+    if not dt > 0:
+        raise UserError(f"--step-dt={dt}: expected a positive step duration in seconds")
+    pictures.trajectories(specs, dt, output, joints=cfg.joints if cfg else None)
+    click.echo(f"{output}: {len(specs)} kernel(s), dt={dt} s")
 
 
 @main.command(name="list")
@@ -289,8 +321,9 @@ def run(config: str, task: Optional[str], output: str, batch: int, device: str) 
             torch.cuda.synchronize()
         per_call = (time.perf_counter() - t0) / reps * 1e6
         shapes = " ".join("x".join(map(str, o.shape)) for o in outs)
+        path = "native node" if step.native is not None else "Python autograd path"
         click.echo(f"  {spec.name}\n    outputs {shapes}; load {load_s * 1e3:.0f} ms; "
-                   f"forward+backward {per_call:.0f} us/call; grad u {tuple(u.grad.shape)}")
+                   f"forward+backward {per_call:.0f} us/call ({path}); grad u {tuple(u.grad.shape)}")
         click.echo(f"    source: {Path(output) / (spec.name + '.c')} and {Path(output) / (spec.name + '.cu')}")
     click.echo(f"manifest: {Path(output) / emit.MANIFEST}")
 
@@ -304,20 +337,36 @@ def run(config: str, task: Optional[str], output: str, batch: int, device: str) 
 @click.option("--dtype", type=click.Choice(["float32", "float64"]), multiple=True)
 @click.option("--budget", type=float, default=0.6, show_default=True, help="seconds of timing per case")
 @click.option("--codegen/--no-codegen", default=True, show_default=True, help="also time cold and warm loads")
+@click.option("--inductor/--no-inductor", default=True, show_default=True,
+              help="also time the slicing baseline under torch.compile (compiled per case before timing)")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
+              help="draw time per call against batch into FILE.png (needs matplotlib)")
 @friendly
 def bench(device: str, quick: bool, scheme: tuple, batch: tuple, horizon: tuple, dtype: tuple,
-          budget: float, codegen: bool) -> None:
-    """Time forward+backward against the dense-matrix and slicing PyTorch baselines and the copy bound,
-    then the forward alone (rollouts) into new and into reused outputs (out=)."""
+          budget: float, codegen: bool, inductor: bool, plot_path: Optional[str]) -> None:
+    """Time forward+backward against the dense-matrix and slicing PyTorch baselines (eager and under
+    torch.compile) and the copy bound, then the forward alone (rollouts) into new and into reused
+    outputs (out=)."""
     check_device(device)
     from .bench import harness
+
+    if plot_path:
+        from . import plot as pictures
+
+        try:  # before the timings, not after them
+            pictures.pyplot()
+        except ImportError as err:
+            raise UserError(str(err)) from None
 
     if scheme or batch or horizon or dtype:
         cases = [harness.Case(s, h, b, d, device) for s in (scheme or ("central",)) for h in (horizon or (32,))
                  for b in (batch or (1, 400, 4000, 40000)) for d in (dtype or ("float32",))]
     else:
         cases = harness.default_cases(device, quick)
-    harness.run_cases(cases, click.echo, budget)
+    rows = harness.run_cases(cases, click.echo, budget, inductor)
+    if plot_path:
+        pictures.bench_times(rows, plot_path, harness.machine())
+        click.echo(f"\nplot: {plot_path}")
     rollouts = [c for c in cases if c.horizon == 32 and c.dtype == "float32"]
     if rollouts:
         harness.run_rollouts(rollouts, click.echo, budget)

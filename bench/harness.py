@@ -24,6 +24,8 @@ SCHEMES = {
     "accel": dict(control="acceleration", integrator="semi_implicit_euler"),
 }
 DT = 0.02
+#: torch.compile backend of the compiled slicing baseline (what a user would write instead)
+COMPILE_BACKEND = "inductor"
 
 
 @dataclasses.dataclass
@@ -73,8 +75,24 @@ def _inputs(case: Case) -> tuple[torch.Generator, torch.Tensor, list[torch.Tenso
     return gen, u, starts
 
 
-def case_callables(case: Case) -> dict[str, Callable[[], None]]:
-    """Each method's forward+backward as a no-argument callable (inputs prepared once)."""
+def compiled_slicing(spec: ts.KernelSpec, run: Callable[[Callable], Callable[[], None]]) -> Optional[Callable[[], None]]:
+    """The slicing baseline under torch.compile, compiled for this case's shapes here, before any
+    timing (None where the slicing baseline does not cover the spec). ``run`` wraps a step into
+    the timed forward+backward callable."""
+    try:
+        fn = slicing_step(spec, DT)
+    except ValueError:
+        return None
+    torch._dynamo.reset()  # one compiled graph per case: no recompile limit, no stale guards
+    timed = run(torch.compile(fn, backend=COMPILE_BACKEND, dynamic=False))
+    timed()  # compiles the forward and backward graphs
+    timed()
+    return timed
+
+
+def case_callables(case: Case, inductor: bool = True) -> dict[str, Callable[[], None]]:
+    """Each method's forward+backward as a no-argument callable (inputs prepared once); with
+    ``inductor``, the slicing baseline under torch.compile too."""
     spec = case.spec
     dtype = case.torch_dtype
     dev = torch.device(case.device)
@@ -103,6 +121,9 @@ def case_callables(case: Case) -> dict[str, Callable[[], None]]:
         methods["slicing"] = _fwd_bwd(slicing_step(spec, DT), u, starts, grads)
     except ValueError:
         pass
+    compiled = compiled_slicing(spec, lambda fn: _fwd_bwd(fn, u, starts, grads)) if inductor else None
+    if compiled is not None:
+        methods["compiled"] = compiled
     src = torch.empty(copy_elements(spec, B), dtype=dtype, device=dev)
     methods["copy"] = lambda: src.clone()
     if B == 1 and case.device == "cpu":
@@ -170,23 +191,31 @@ def format_time(seconds: float) -> str:
     return f"{seconds * 1e3:.2f} ms"
 
 
-def run_cases(cases: Iterable[Case], echo: Callable[[str], None], budget_s: float = 0.6) -> list[dict]:
+def _ratio(t: dict[str, float], baseline: str) -> str:
+    return f"{t[baseline] / t['tensorstep']:.1f}×" if baseline in t else "n/a"
+
+
+def run_cases(cases: Iterable[Case], echo: Callable[[str], None], budget_s: float = 0.6,
+              inductor: bool = True) -> list[dict]:
+    """The forward+backward table; with ``inductor``, the slicing baseline under torch.compile is a
+    column of the same interleaved runs (compiled per case before its timing starts)."""
     rows = []
     echo(f"machine: {machine()}")
     echo("")
     echo("| scheme | H | B | dtype | tensorstep (autograd) | via Python autograd | kernels only | dense | slicing "
-         "| copy bound | slicing / tensorstep | tensorstep / copy |")
-    echo("|---|---|---|---|---|---|---|---|---|---|---|---|")
+         "| slicing, torch.compile | copy bound | slicing / tensorstep | compiled slicing / tensorstep "
+         "| tensorstep / copy |")
+    echo("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for case in cases:
-        t = time_interleaved(case_callables(case), case.device, budget_s)
+        t = time_interleaved(case_callables(case, inductor), case.device, budget_s)
         row = dict(dataclasses.asdict(case), **t)
         rows.append(row)
-        sl = t.get("slicing")
+        sl, co = t.get("slicing"), t.get("compiled")
         echo(
             f"| {case.scheme} | {case.horizon} | {case.batch} | {case.dtype} | {format_time(t['tensorstep'])} | "
             f"{format_time(t['python']) if 'python' in t else 'n/a'} | {format_time(t['kernels'])} | {format_time(t['dense'])} | {format_time(sl) if sl else 'n/a'} | "
-            f"{format_time(t['copy'])} | {(sl / t['tensorstep']) if sl else float('nan'):.1f}× | "
-            f"{t['tensorstep'] / t['copy']:.2f}× |"
+            f"{format_time(co) if co else 'n/a'} | {format_time(t['copy'])} | {_ratio(t, 'slicing')} | "
+            f"{_ratio(t, 'compiled')} | {t['tensorstep'] / t['copy']:.2f}× |"
         )
     floors = [r for r in rows if "floor_builtin_op" in r]
     if floors:

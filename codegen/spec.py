@@ -8,6 +8,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import numbers
+import operator
 from typing import Any, Mapping
 
 CONTROLS = ("position", "velocity", "acceleration", "jerk")
@@ -32,12 +34,39 @@ def _fail(field: str, value: Any, allowed: str) -> ValueError:
     return ValueError(f"KernelSpec.{field}={value!r} is invalid: {allowed}")
 
 
+def _as_int(value: Any) -> Any:
+    """A plain int for any integer (int, numpy integers); anything else unchanged (bools included)."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return operator.index(value)
+    return value
+
+
 def _check_int(field: str, value: Any, lo: int, hi: int) -> int:
+    value = _as_int(value)
     if isinstance(value, bool) or not isinstance(value, int):
         raise _fail(field, value, f"expected an integer in [{lo}, {hi}]")
     if not lo <= value <= hi:
         raise _fail(field, value, f"expected an integer in [{lo}, {hi}]")
     return value
+
+
+def _as_dtype(value: Any) -> Any:
+    """'float32'/'float64' for those strings and for torch.float32/float64 or NumPy's dtypes (by
+    their text, so this module needs neither library); anything else unchanged."""
+    if isinstance(value, str):
+        return value
+    text = str(value)
+    text = text[len("torch."):] if text.startswith("torch.") else text
+    return text if text in DTYPES else value
+
+
+#: field → the controls that use it (fields not listed mean something for every control)
+RELEVANT = {
+    "difference": ("position",),
+    "accuracy": ("position",),
+    "end": ("position",),
+    "integrator": ("velocity", "acceleration", "jerk"),
+}
 
 
 def _check_choice(field: str, value: Any, allowed: tuple) -> Any:
@@ -65,8 +94,10 @@ class KernelSpec:
     goal_index: bool = False
 
     def __post_init__(self) -> None:
-        _check_int("horizon", self.horizon, 2, MAX_HORIZON)
-        _check_int("dof", self.dof, 1, MAX_DOF)
+        object.__setattr__(self, "horizon", _check_int("horizon", self.horizon, 2, MAX_HORIZON))
+        object.__setattr__(self, "dof", _check_int("dof", self.dof, 1, MAX_DOF))
+        object.__setattr__(self, "dtype", _as_dtype(self.dtype))
+        object.__setattr__(self, "order", _as_int(self.order))
         _check_choice("control", self.control, CONTROLS)
         _check_choice("difference", self.difference, DIFFERENCES)
         _check_choice("integrator", self.integrator, INTEGRATORS)
@@ -84,10 +115,23 @@ class KernelSpec:
         if self.goal_index and self.end != "goal":
             raise _fail("goal_index", self.goal_index, f"goal_index=True needs end='goal' (got end={self.end!r})")
         _check_choice("layout", self.layout, LAYOUTS)
-        _check_choice("dtype", self.dtype, DTYPES)
+        if self.dtype not in DTYPES:
+            raise _fail("dtype", self.dtype, "allowed: 'float32', 'float64' (or torch.float32, torch.float64)")
         if isinstance(self.order, bool) or self.order not in ORDERS:
             raise _fail("order", self.order, "allowed: 3 (up to jerk), 4 (up to snap)")
         object.__setattr__(self, "accuracy", self._normalise_accuracy(self.accuracy))
+        self._refuse_irrelevant()
+
+    def _refuse_irrelevant(self) -> None:
+        """A field the control does not use must keep its default: a set value would be ignored."""
+        defaults = {"difference": "central", "end": "hold", "integrator": "semi_implicit_euler",
+                    "accuracy": DEFAULT_ACCURACY["central"][: self.order]}
+        for field, controls in RELEVANT.items():
+            value = getattr(self, field)
+            if self.control not in controls and value != defaults[field]:
+                where = "/".join(controls) + " control"
+                raise ValueError(f"KernelSpec.{field}={value!r} means nothing for control={self.control!r} "
+                                 f"(it applies to {where}); leave it at its default {defaults[field]!r}")
 
     def _normalise_accuracy(self, accuracy: Any) -> tuple[int, ...]:
         """Return one accuracy per derivative 1..order (a tuple), validating parity for central."""
@@ -96,12 +140,12 @@ class KernelSpec:
             values = DEFAULT_ACCURACY[self.difference][:n]
         elif isinstance(accuracy, bool):
             raise _fail("accuracy", accuracy, "expected an int or a tuple of ints")
-        elif isinstance(accuracy, int):
-            values = (accuracy,) * n
+        elif isinstance(_as_int(accuracy), int):
+            values = (_as_int(accuracy),) * n
         elif isinstance(accuracy, (tuple, list)) and all(
-            isinstance(a, int) and not isinstance(a, bool) for a in accuracy
+            isinstance(_as_int(a), int) and not isinstance(a, bool) for a in accuracy
         ):
-            values = tuple(accuracy)
+            values = tuple(_as_int(a) for a in accuracy)
             if len(values) == 3 and n == 4:
                 values = values + (DEFAULT_ACCURACY[self.difference][3],)
             if len(values) != n:

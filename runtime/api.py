@@ -1,7 +1,8 @@
 """The public API: load a compiled step, read its source, get its dense matrices."""
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence, Union
+import dataclasses
+from typing import Any, Mapping, Optional, Sequence, Union
 
 import torch
 
@@ -21,6 +22,10 @@ class Step(torch.nn.Module):
 
     ``out=(P, V, A, J)`` writes the forward into caller-owned tensors instead (rollouts under
     ``torch.no_grad()``; not differentiable, like PyTorch's own ``out=`` functions).
+
+    ``step.to(torch.float64)``, ``.double()``, ``.float()``, ``.to("cuda")`` and ``.cpu()`` work as
+    on any module: in place, they load this module with the kernels of ``spec.replace(dtype=...)``
+    and/or for the new device, and return it. Other dtypes (float16, ...) raise a TypeError.
     """
 
     def __init__(self, spec: Any, device: torch.device, launcher: Launcher):
@@ -32,16 +37,42 @@ class Step(torch.nn.Module):
         self.dtype = DTYPES[spec.dtype]
         self.op_key = registry.register(launcher, device)
         self._dt_cache: dict[float, Tensor] = {}
-        self.native: Optional[int] = None  # handle of the native autograd node (CPU), if built
-        if device.type == "cpu":
-            from . import native
+        self.native: Optional[int] = None  # handle of the native autograd node (CPU), once built
+        self._native_step = self._native_step_out = None
+        self._native_pending = device.type == "cpu"
+        if self._native_pending:
+            self._take_native()
 
-            self.native = native.handle(launcher)
-        self._native_step = torch.ops.tensorstep_native.step.default if self.native is not None else None
-        self._native_step_out = torch.ops.tensorstep_native.step_out.default if self.native is not None else None
+    def _take_native(self) -> None:
+        """Use the native node once built. While it builds (in the background), calls take the
+        Python path and each checks again (runtime/native.py)."""
+        from . import native
+
+        settled = native.ready()  # asked first: a build that ends in between is taken on the next call
+        handle = native.handle(self.launcher)
+        if handle is not None:
+            self._native_step = torch.ops.tensorstep_native.step.default
+            self._native_step_out = torch.ops.tensorstep_native.step_out.default
+        self.native = handle
+        self._native_pending = handle is None and not settled
 
     def extra_repr(self) -> str:
         return f"{self.spec.name}, device={self.device}"
+
+    def _apply(self, fn: Any, recurse: bool = True) -> "Step":
+        """Module conversions (``to``, ``double``, ``cuda``, ...): the kernel is fixed per spec and
+        device, so a new dtype or device loads that kernel into this module (there are no tensors
+        to convert). ``fn`` is applied to a probe tensor to see what the conversion asks for."""
+        probe = fn(torch.zeros((), dtype=self.dtype, device=self.device))
+        if probe.dtype != self.dtype or probe.device != self.device:
+            name = {v: k for k, v in DTYPES.items()}.get(probe.dtype)
+            if name is None:
+                raise TypeError(f"Step cannot convert to {probe.dtype}: tensorstep kernels are float32 or "
+                                f"float64 (KernelSpec.dtype); use .float() or .double()")
+            fresh = load(dataclasses.replace(self.spec, dtype=name), probe.device)
+            module_state = vars(torch.nn.Module())
+            self.__dict__.update({k: v for k, v in vars(fresh).items() if k not in module_state})
+        return super()._apply(fn, recurse)
 
     def __reduce__(self):
         # pickle and deepcopy by spec (loaded libraries and ops are per process)
@@ -78,6 +109,8 @@ class Step(torch.nn.Module):
         goal: Optional[Sequence[Tensor]] = None,
         **more: Optional[Tensor],
     ) -> tuple[Tensor, ...]:
+        if self._native_pending and not torch.compiler.is_compiling():
+            self._take_native()
         named = {"u": u, "p0": p0, "v0": v0, "a0": a0, "j0": j0, "start_index": start_index}
         if goal is not None:
             named.update(_goal_arguments(self.table, goal))
@@ -217,8 +250,20 @@ def _device(device: Union[str, torch.device]) -> torch.device:
     return dev
 
 
+def _spec(spec: Any, caller: str) -> Any:
+    """A KernelSpec from a dict of its fields; a TypeError saying what to pass for anything else
+    that is not a spec."""
+    if isinstance(spec, Mapping):
+        return KernelSpec.from_dict(spec)
+    if not all(hasattr(spec, field) for field in ("name", "horizon", "dof", "dtype")):
+        raise TypeError(f"ts.{caller}: expected a KernelSpec, e.g. ts.{caller}(ts.KernelSpec(horizon=32, dof=7)), "
+                        f"or a dict of its fields, got {type(spec).__name__}")
+    return spec
+
+
 def load(spec: Any, device: Union[str, torch.device] = "cpu") -> Step:
-    """Compile (or load from the cache) the kernels of a spec for a device."""
+    """Compile (or load from the cache) the kernels of a spec (or a dict of its fields) for a device."""
+    spec = _spec(spec, "load")
     dev = _device(device)
     if dev.type == "cpu":
         backend: Any = CpuBackend(spec)
@@ -233,7 +278,7 @@ def source(spec: Any, target: str = "c") -> str:
     """The generated source text ('c', 'cuda' or 'header')."""
     from ..codegen.driver import generate
 
-    return generate(spec, targets=(target,)).source(target)
+    return generate(_spec(spec, "source"), targets=(target,)).source(target)
 
 
 def operator_matrices(spec: Any, dt: Union[float, Sequence[float]]) -> dict[str, Any]:
@@ -246,6 +291,7 @@ def operator_matrices(spec: Any, dt: Union[float, Sequence[float]]) -> dict[str,
     """
     from ..codegen.builders import build_operator
 
+    spec = _spec(spec, "operator_matrices")
     values = [float(dt)] if isinstance(dt, (int, float)) else [float(x) for x in dt]
     if len(values) != spec.n_dt:
         raise ValueError(f"dt: expected {spec.n_dt} value(s) for dt={getattr(spec, 'dt', '?')!r}, got {len(values)}")

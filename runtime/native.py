@@ -9,10 +9,15 @@ gradients to the tensor inputs. dt gradients, forward mode, functorch transforms
 torch.compile keep the Python Functions. ``TENSORSTEP_NATIVE=0`` turns it off; when it
 cannot be built (no C++ compiler, no PyTorch headers) steps run on the Python path with one
 warning.
+
+Nothing waits for the build: when the cache lacks the node, a background process builds it
+(into the cache, under its lock, so it completes even if this process exits first) while steps
+run on the Python path; a daemon thread loads it when it is done, and steps take it on their
+next call (``wait()`` blocks until then).
 """
 from __future__ import annotations
 
-import functools
+import json
 import os
 import platform
 import shutil
@@ -21,15 +26,19 @@ import sys
 import threading
 import warnings
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
 from ..codegen.arguments import ABSENT, INDEX, KERNEL, MESSAGES, OPTIONAL, REQUIRED, STEP, ArgumentTable
-from .cache import ABI_VERSION, BuildCache, CacheError, digest
+from .cache import ABI_VERSION, BuildCache, CacheError, cache_root, digest
 
 SOURCE = Path(__file__).with_name("native_node.cpp")
 CXX_FLAGS = ("-O2", "-std=c++17", "-shared", "-fPIC", "-w")
+ARTEFACT = "native.so"
+
+#: False makes a load wait for the node (the test suite: each test sees one path throughout)
+BACKGROUND = True
 
 
 def enabled() -> bool:
@@ -54,14 +63,6 @@ def _command(cxx: str, src: Path, out: Path) -> list[str]:
             str(src), "-o", str(out), f"-L{lib}", f"-Wl,-rpath,{lib}", "-ltorch", "-ltorch_cpu", "-lc10"]
 
 
-def _compile(cxx: str, src: Path, out: Path) -> None:
-    print(f"tensorstep: building the native autograd node for torch {torch.__version__} "
-          "(once per PyTorch install, about 20 s)...", file=sys.stderr, flush=True)
-    result = subprocess.run(_command(cxx, src, out), capture_output=True, text=True)
-    if result.returncode != 0:
-        raise RuntimeError(f"C++ compilation failed:\n{result.stderr[-3000:]}")
-
-
 def build_key(cxx: str, source: str) -> str:
     """Content hash of the node's build: source, compiler, flags, PyTorch version and location."""
     st = os.stat(os.path.realpath(cxx))
@@ -69,37 +70,148 @@ def build_key(cxx: str, source: str) -> str:
                   torch.__version__, str(_torch_paths()[0]), ABI_VERSION, platform.machine())
 
 
+# The build process: BuildCache.build with the compiler command ({src} and {out} filled in), the
+# job on stdin. It imports only the cache module (no PyTorch), and outlives this process if need be.
+_BUILDER = r"""
+import importlib, json, subprocess, sys
+from pathlib import Path
+job = json.load(sys.stdin)
+sys.path[:0] = job["path"]
+cache = importlib.import_module(job["module"])
+def compile_fn(src, out):
+    command = [a.replace("{src}", str(src)).replace("{out}", str(out)) for a in job["command"]]
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode:
+        sys.exit("C++ compilation failed:\n" + result.stderr[-3000:])
+try:
+    cache.BuildCache(Path(job["root"])).build(job["key"], job["ext"], job["source"], compile_fn)
+except cache.CacheError as err:
+    sys.exit(str(err))
+"""
+
+
+def _start_build(cxx: str, key: str, source: str) -> Callable[[], None]:
+    """Start the build process (the node into the cache); the returned function waits for it and
+    raises RuntimeError if it failed. Started here, not in the waiting thread, so that it runs
+    even if this process exits at once."""
+    job = dict(path=sys.path, module=BuildCache.__module__, root=str(cache_root()), key=key, ext=ARTEFACT,
+               source=source, command=_command(cxx, Path("{src}"), Path("{out}")))
+    process = subprocess.Popen([sys.executable, "-c", _BUILDER], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE, text=True)
+    with process.stdin:
+        process.stdin.write(json.dumps(job))
+
+    def finish() -> None:
+        with process.stderr:
+            errors = process.stderr.read()
+        if process.wait() != 0:
+            raise RuntimeError(errors.strip()[-3000:] or f"the build process exited with {process.returncode}")
+
+    return finish
+
+
 _LOCK = threading.Lock()
+_STARTED = False
+_DONE = threading.Event()  # set once the node is loaded, or known to be unavailable
+_PATH: Optional[Path] = None
+_FAILURE: Optional[str] = None  # why there is no node, warned once (in a caller's thread)
 
 
-def library() -> Optional[Path]:
-    """The built node (from the cache, else built now); None when off or impossible (warned).
-    Decided once per process (the node registers ops, which cannot happen twice)."""
+def start() -> None:
+    """Make the node available without waiting: load it from the cache now, or start its build in
+    the background. Once per process (the node registers ops, which cannot happen twice)."""
+    global _STARTED
     with _LOCK:
-        return _library()
+        if _STARTED:
+            return
+        _STARTED = True
+        build = _begin()
+    if build is not None:
+        threading.Thread(target=_finish_and_load, args=build, name="tensorstep-native-build", daemon=True).start()
 
 
-@functools.lru_cache(maxsize=1)
-def _library() -> Optional[Path]:
+def _begin() -> Optional[tuple[Callable[[], None], str]]:
+    """Settle the node now if possible (off, impossible, cached); else start its build:
+    (the function that waits for it, its cache key)."""
     if not enabled() or platform.system() == "Windows":
-        return None
+        return _settle(None)
     cxx = _cxx()
     _, includes = _torch_paths()
     if cxx is None or not (includes[0] / "torch" / "library.h").exists():
-        warnings.warn("tensorstep: no C++ compiler or PyTorch headers, so the native autograd node is not built; "
-                      "steps use the Python autograd path (correct, more overhead per call). Install g++ to enable it.",
-                      stacklevel=3)
-        return None
+        return _settle(None, "no C++ compiler or PyTorch headers, so the native autograd node is not built; steps "
+                             "use the Python autograd path (correct, more overhead per call). Install g++ to enable it.")
     try:
         source = SOURCE.read_text()
-        path = BuildCache().build(build_key(cxx, source), "native.so", source, functools.partial(_compile, cxx))
+        key = build_key(cxx, source)
+        found = BuildCache().verified_artefact(key, ARTEFACT)
+        if found is not None:
+            return _settle(*_load(found))
+        print(f"tensorstep: building the native autograd node for torch {torch.__version__} in the background "
+              "(once per PyTorch install); steps use the Python autograd path until it is ready",
+              file=sys.stderr, flush=True)
+        return _start_build(cxx, key, source), key
+    except OSError as err:
+        return _settle(None, _failed(err))
+
+
+def _finish_and_load(finish: Callable[[], None], key: str) -> None:
+    try:
+        finish()
+        path = BuildCache().verified_artefact(key, ARTEFACT)
+        if path is None:
+            raise RuntimeError("the built node is missing from the cache")
+    except Exception as err:  # the thread's end: whatever went wrong, steps stay on the Python path
+        _settle(None, _failed(err))
+        return
+    _settle(*_load(path))
+
+
+def _load(path: Path) -> tuple[Optional[Path], Optional[str]]:
+    try:
         torch.ops.load_library(str(path))
-    except (CacheError, RuntimeError, OSError) as err:
-        warnings.warn(f"tensorstep: the native autograd node could not be built or loaded ({err}); "
-                      "steps use the Python autograd path", stacklevel=3)
-        return None
+    except (RuntimeError, OSError) as err:
+        return None, _failed(err)
     _register_python_parts()
-    return path
+    return path, None
+
+
+def _failed(err: Exception) -> str:
+    return f"the native autograd node could not be built or loaded ({err}); steps use the Python autograd path"
+
+
+def _settle(path: Optional[Path], failure: Optional[str] = None) -> None:
+    global _PATH, _FAILURE
+    _PATH, _FAILURE = path, failure
+    _DONE.set()
+
+
+def _warn_once() -> None:
+    global _FAILURE
+    with _LOCK:
+        failure, _FAILURE = _FAILURE, None
+    if failure:
+        warnings.warn(f"tensorstep: {failure}", stacklevel=4)
+
+
+def ready() -> bool:
+    """True once the node is loaded or known to be unavailable (then it never changes)."""
+    return _DONE.is_set()
+
+
+def wait(timeout: Optional[float] = None) -> Optional[Path]:
+    """The built node, waiting for its build; None when off, impossible (warned) or still building
+    after ``timeout`` seconds."""
+    start()
+    _DONE.wait(timeout)
+    if not _DONE.is_set():
+        return None
+    _warn_once()
+    return _PATH
+
+
+def library() -> Optional[Path]:
+    """The built node (from the cache, else built now, waiting for it); None when off or impossible."""
+    return wait()
 
 
 _PYTHON_IMPL: Optional[torch.library.Library] = None
@@ -120,8 +232,16 @@ def _register_python_parts() -> None:
 
 
 def handle(launcher: Any) -> Optional[int]:
-    """Register a CPU launcher's kernels with the node; None when the node is unavailable."""
-    if library() is None:
+    """Register a CPU launcher's kernels with the node; None when the node is unavailable or still
+    building (never waits, unless BACKGROUND is False)."""
+    if not _DONE.is_set():
+        start()
+        if not BACKGROUND:
+            wait()
+        if not _DONE.is_set():
+            return None
+    _warn_once()
+    if _PATH is None:
         return None
     with _LOCK:
         return _handle(launcher)

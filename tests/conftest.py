@@ -10,6 +10,11 @@ import pytest
 
 import tensorstep as ts
 from helpers import GRID, grid_id, make_spec
+from tensorstep.runtime import native
+
+# A load here waits for the native autograd node (built in the background for users), so each
+# test sees one autograd path throughout; tests/test_native.py checks the background build.
+native.BACKGROUND = False
 
 # Never build into the user's real ~/.cache/tensorstep: unless a cache is given (as .ci/run
 # does), this session (and the subprocesses it starts) use a temporary one, removed at exit.

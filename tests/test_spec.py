@@ -60,3 +60,67 @@ def test_invalid_fields_name_field_value_and_allowed(field, value, fragment):
 def test_from_dict_rejects_unknown_fields():
     with pytest.raises(ValueError, match="unknown KernelSpec field"):
         ts.KernelSpec.from_dict({"horizon": 8, "dof": 2, "robot": "x"})
+
+
+# ---- PyTorch and NumPy conventions: integers and dtypes as the libraries spell them ----------------
+
+def test_numpy_integers_are_plain_ints_in_the_spec():
+    np = pytest.importorskip("numpy")
+    spec = ts.KernelSpec(horizon=np.int64(32), dof=np.int32(7), accuracy=(np.int64(2), 2, 2), order=np.int64(3))
+    plain = ts.KernelSpec(horizon=32, dof=7, accuracy=2)
+    assert spec == plain and hash(spec) == hash(plain)
+    assert (spec.name, spec.key) == (plain.name, plain.key)
+    assert all(type(v) is int for v in (spec.horizon, spec.dof, spec.order, *spec.accuracy))
+    assert ts.KernelSpec(horizon=8, dof=1, accuracy=np.int16(2)).accuracy == (2, 2, 2)
+
+
+def test_numpy_bools_and_floats_are_still_refused():
+    np = pytest.importorskip("numpy")
+    for field, value in (("horizon", np.float64(8.0)), ("dof", np.bool_(True)), ("order", True)):
+        with pytest.raises(ValueError, match=f"KernelSpec.{field}="):
+            ts.KernelSpec(**{"horizon": 8, "dof": 2, field: value})
+
+
+def test_torch_dtypes_are_accepted_and_stored_as_names():
+    torch = pytest.importorskip("torch")
+    for dtype, name in ((torch.float32, "float32"), (torch.float64, "float64")):
+        spec = ts.KernelSpec(horizon=8, dof=2, dtype=dtype)
+        assert spec.dtype == name and spec == ts.KernelSpec(horizon=8, dof=2, dtype=name)
+        assert spec.key == ts.KernelSpec(horizon=8, dof=2, dtype=name).key
+    assert ts.KernelSpec(horizon=8, dof=2).replace(dtype=torch.float64).dtype == "float64"
+    with pytest.raises(ValueError, match=r"KernelSpec.dtype=torch.float16 is invalid: allowed: 'float32', 'float64'"):
+        ts.KernelSpec(horizon=8, dof=2, dtype=torch.float16)
+
+
+# ---- fields a control does not use are refused unless left at their defaults -----------------------
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        (dict(control="position", integrator="exact"),
+         "KernelSpec.integrator='exact' means nothing for control='position' "
+         "(it applies to velocity/acceleration/jerk control)"),
+        (dict(control="acceleration", difference="backward"),
+         "KernelSpec.difference='backward' means nothing for control='acceleration' (it applies to position control)"),
+        (dict(control="velocity", end="one_sided"),
+         "KernelSpec.end='one_sided' means nothing for control='velocity' (it applies to position control)"),
+        (dict(control="jerk", accuracy=2),
+         "KernelSpec.accuracy=(2, 2, 2) means nothing for control='jerk' (it applies to position control)"),
+    ],
+)
+def test_fields_that_mean_nothing_for_the_control_are_refused(fields, message):
+    with pytest.raises(ValueError) as err:
+        ts.KernelSpec(horizon=8, dof=2, **fields)
+    assert message in str(err.value)
+
+
+def test_unused_fields_at_their_defaults_are_accepted():
+    # manifests and to_dict() carry every field; the defaults must round-trip for every control
+    for control in ("position", "velocity", "acceleration", "jerk"):
+        for order in (3, 4):
+            spec = ts.KernelSpec(horizon=8, dof=2, control=control, order=order)
+            assert ts.KernelSpec.from_dict(spec.to_dict()) == spec
+    explicit = ts.KernelSpec(horizon=8, dof=2, control="acceleration", difference="central", accuracy=(4, 4, 2),
+                             end="hold", integrator="exact")
+    assert explicit.integrator == "exact"
+    assert ts.KernelSpec(horizon=8, dof=2, integrator="semi_implicit_euler").control == "position"

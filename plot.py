@@ -1,0 +1,135 @@
+"""Pictures: a sample trajectory through each kernel (`tensorstep plot`), and `tensorstep bench
+--plot`'s time per call against batch. Matplotlib is an optional extra (``tensorstep[plot]``),
+imported only here and only when a picture is drawn.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable, Optional, Sequence
+
+from .codegen.spec import DERIVATIVE_NAMES
+
+MISSING = "drawing needs matplotlib, which is not installed: pip install 'tensorstep[plot]'"
+
+
+def pyplot() -> Any:
+    """matplotlib.pyplot on a file-only backend; ImportError with the install line if missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ImportError(MISSING) from None
+    return plt
+
+
+def sample_actions(spec: Any, dt: float) -> list[list[float]]:
+    """A smooth sample from rest, [N][D]: positions rising and coming back (position control), or
+    one period of a sine as the action (integration controls); each dof a different amplitude."""
+    T = spec.n_actions * dt
+    rows = []
+    for h in range(1, spec.horizon):
+        t = h * dt
+        shape = math.sin(math.pi * t / T) ** 2 if spec.control == "position" else math.sin(2 * math.pi * t / T)
+        rows.append([shape * (d + 1) / spec.dof for d in range(spec.dof)])
+    return rows
+
+
+def run_sample(spec: Any, dt: float) -> list[Any]:
+    """The kernel's outputs for the sample on the CPU, each [H, D] (float64 NumPy)."""
+    import torch
+
+    from .runtime.api import load
+
+    step = load(spec, "cpu")
+    u = torch.tensor([sample_actions(spec, dt)], dtype=step.dtype)  # [1, N, D]
+    if spec.layout == "bdh":
+        u = u.transpose(1, 2).contiguous()
+    rest = [torch.zeros(1, spec.dof, dtype=step.dtype) for _ in range(4)]
+    kw: dict[str, Any] = {"j0": rest[3]}
+    if spec.start_index:
+        kw["start_index"] = torch.zeros(1, dtype=torch.int64)
+    dt_arg: Any = dt if spec.dt == "uniform" else torch.full((spec.horizon,), dt, dtype=step.dtype)
+    with torch.no_grad():
+        outs = step(u, *rest[:3], dt_arg, **kw)
+    return [(y[0].T if spec.layout == "bdh" else y[0]).double().numpy() for y in outs]
+
+
+def trajectories(specs: Sequence[Any], dt: float, path: str, labels: Optional[Sequence[str]] = None,
+                 joints: Optional[Sequence[str]] = None) -> None:
+    """One row per kernel, one column per output (P, V, A, J[, snap]) against time, one line per dof."""
+    plt = pyplot()
+    columns = max(s.order for s in specs) + 1
+    fig = plt.figure(figsize=(3.2 * columns, 2.6 * len(specs) + 0.4), layout="constrained")
+    rows = fig.subfigures(len(specs), 1, squeeze=False)[:, 0]
+    first = None
+    for row, spec in enumerate(specs):
+        outs = run_sample(spec, dt)
+        times = [h * dt for h in range(spec.horizon)]
+        rows[row].suptitle(labels[row] if labels else spec.name, fontsize=9, family="monospace")
+        axes = rows[row].subplots(1, columns)
+        first = first if first is not None else axes[0]
+        for k in range(columns):
+            ax = axes[k]
+            if k >= len(outs):
+                ax.axis("off")
+                continue
+            for d in range(spec.dof):
+                label = joints[d] if joints and d < len(joints) else f"dof {d}"
+                ax.plot(times, outs[k][:, d], lw=1.2, label=label)
+            ax.set_title(DERIVATIVE_NAMES[k], fontsize=9)
+            ax.tick_params(labelsize=7)
+            ax.grid(alpha=0.3)
+            if row == len(specs) - 1:
+                ax.set_xlabel("time (s)", fontsize=8)
+    if specs[0].dof <= 10:
+        first.legend(fontsize=6, loc="best")
+    fig.suptitle(f"sample trajectory through each kernel (dt = {dt} s, from rest)", fontsize=10, weight="bold")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+#: bench methods drawn, with their legend text and line style
+BENCH_LINES = (
+    ("tensorstep", "tensorstep (autograd)", "-"),
+    ("kernels", "kernels only", ":"),
+    ("dense", "dense matrices", "-"),
+    ("slicing", "slicing (eager PyTorch)", "-"),
+    ("compiled", "slicing, torch.compile (Inductor)", "-"),
+    ("copy", "copy bound", "--"),
+)
+
+
+def bench_times(rows: Iterable[dict], path: str, title: str = "") -> None:
+    """Forward+backward time per call against batch, one panel per (scheme, H, dtype, device)."""
+    plt = pyplot()
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["scheme"], r["horizon"], r["dtype"], r["device"]), []).append(r)
+    if not groups:
+        raise ValueError("--plot: no timings to draw")
+    n = len(groups)
+    cols = min(n, 3)
+    fig, axes = plt.subplots(math.ceil(n / cols), cols, figsize=(4.6 * cols, 3.6 * math.ceil(n / cols)),
+                             squeeze=False, constrained_layout=True)
+    for ax, ((scheme, H, dtype, device), group) in zip(axes.flat, groups.items()):
+        group = sorted(group, key=lambda r: r["batch"])
+        for key, label, style in BENCH_LINES:
+            points = [(r["batch"], r[key]) for r in group if key in r]
+            if points:
+                ax.plot(*zip(*points), style, marker="o", ms=3, lw=1.3, label=label)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_title(f"{scheme}, H={H}, {dtype}, {device}", fontsize=9)
+        ax.set_xlabel("batch B", fontsize=8)
+        ax.set_ylabel("seconds per forward+backward", fontsize=8)
+        ax.tick_params(labelsize=7)
+        ax.grid(alpha=0.3, which="both")
+    for ax in list(axes.flat)[n:]:
+        ax.axis("off")
+    axes[0][0].legend(fontsize=7)
+    if title:
+        fig.suptitle(title, fontsize=8)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,89 @@
+"""PyTorch conventions: module conversions (to, double, float, cuda) and what load accepts."""
+from __future__ import annotations
+
+import pickle
+
+import numpy as np
+import pytest
+import torch
+
+import reference
+import tensorstep as ts
+from helpers import scale_close
+
+SPEC32 = ts.KernelSpec(horizon=6, dof=2, control="acceleration", integrator="exact")
+
+
+def _check_against_reference(step: ts.Step, dtype: torch.dtype, rtol: float) -> None:
+    gen = torch.Generator().manual_seed(0)
+    u = torch.randn(3, step.spec.n_actions, step.spec.dof, generator=gen, dtype=torch.float64)
+    starts = [torch.randn(3, step.spec.dof, generator=gen, dtype=torch.float64) for _ in range(4)]
+    outs = step(u.to(dtype), *(s.to(dtype) for s in starts[:3]), 0.1, j0=starts[3].to(dtype))
+    expected = reference.apply(step.spec, 0.1, u.numpy(), torch.stack(starts, 1).numpy())
+    for k, y in enumerate(outs):
+        assert y.dtype == dtype
+        scale_close(y.double().numpy(), expected[k], rtol)
+
+
+def test_double_and_to_float64_load_the_float64_kernel_in_place():
+    step = ts.load(SPEC32)
+    assert step.double() is step
+    assert step.spec == SPEC32.replace(dtype="float64") and step.dtype == torch.float64
+    _check_against_reference(step, torch.float64, 1e-12)
+    assert step.to(torch.float32) is step and step.spec == SPEC32
+    _check_against_reference(step, torch.float32, 1e-5)
+    assert step.to(dtype=torch.float64).spec.dtype == "float64"
+    assert step.float().spec.dtype == "float32"
+    assert pickle.loads(pickle.dumps(step.double())).spec.dtype == "float64"
+
+
+def test_same_dtype_and_device_keep_the_kernel():
+    step = ts.load(SPEC32)
+    launcher = step.launcher
+    assert step.to("cpu", torch.float32) is step and step.cpu() is step and step.float() is step
+    assert step.launcher is launcher
+
+
+@pytest.mark.parametrize("convert", [lambda s: s.half(), lambda s: s.to(torch.bfloat16),
+                                     lambda s: s.to(torch.float16)])
+def test_other_dtypes_raise_and_leave_the_step_as_it_was(convert):
+    step = ts.load(SPEC32)
+    with pytest.raises(TypeError, match="tensorstep kernels are float32 or float64"):
+        convert(step)
+    assert step.spec == SPEC32 and step.dtype == torch.float32
+
+
+def test_unsupported_devices_raise():
+    step = ts.load(SPEC32)
+    with pytest.raises(ValueError, match="device=.*meta.* is invalid"):
+        step.to("meta")
+    assert step.device == torch.device("cpu")
+    if not torch.cuda.is_available():
+        with pytest.raises((AssertionError, RuntimeError)):
+            step.cuda()
+        assert step.device == torch.device("cpu")
+
+
+def test_load_takes_a_dict_of_spec_fields():
+    step = ts.load({"horizon": 6, "dof": 2, "control": "acceleration", "integrator": "exact"})
+    assert step.spec == SPEC32
+    assert ts.load(SPEC32.to_dict()).spec == SPEC32
+
+
+@pytest.mark.parametrize("call", [ts.load, ts.source, lambda s: ts.operator_matrices(s, 0.1)])
+@pytest.mark.parametrize("bad", [None, 32, "franka_panda"])
+def test_load_source_and_matrices_say_what_to_pass(call, bad):
+    with pytest.raises(TypeError, match=r"expected a KernelSpec, e\.g\. ts\.\w+\(ts\.KernelSpec\(horizon=32, dof=7\)\), "
+                                        r"or a dict of its fields, got " + type(bad).__name__):
+        call(bad)
+
+
+def test_unknown_dict_fields_name_them():
+    with pytest.raises(ValueError, match="unknown KernelSpec field"):
+        ts.load({"horizon": 6, "dof": 2, "steps": 4})
+
+
+def test_numpy_and_torch_spellings_load_the_same_kernel():
+    spec = ts.KernelSpec(horizon=np.int64(6), dof=np.int64(2), control="acceleration", integrator="exact",
+                         dtype=torch.float32)
+    assert ts.load(spec).spec.name == SPEC32.name

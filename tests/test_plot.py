@@ -1,0 +1,138 @@
+"""Pictures (`tensorstep plot`, `bench --plot`) and the torch.compile baseline of `bench`."""
+from __future__ import annotations
+
+import struct
+import sys
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+
+import reference
+import tensorstep as ts
+from helpers import scale_close
+from tensorstep import plot as pictures
+from tensorstep.bench import harness
+from tensorstep.cli import main
+
+
+def invoke(*args: str):
+    return CliRunner().invoke(main, list(args), catch_exceptions=False)
+
+
+def png_size(path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    return struct.unpack(">II", data[16:24])
+
+
+@pytest.fixture
+def no_matplotlib(monkeypatch):
+    """Imports of matplotlib fail, as where it is not installed."""
+    for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+
+
+@pytest.mark.parametrize("args", [("plot", "ur5e"), ("bench", "--batch", "1", "--no-codegen", "--plot")])
+def test_without_matplotlib_one_line_says_what_to_install(no_matplotlib, tmp_path, args):
+    result = invoke(*args, str(tmp_path / "x.png")) if args[0] == "bench" else invoke(*args, "-o", str(tmp_path / "x.png"))
+    assert result.exit_code != 0 and "Traceback" not in result.output
+    errors = [line for line in result.output.splitlines() if line.startswith("error: ")]
+    assert errors == ["error: drawing needs matplotlib, which is not installed: pip install 'tensorstep[plot]'"]
+    assert "machine:" not in result.output  # refused before any timing
+    assert not (tmp_path / "x.png").exists()
+
+
+@pytest.mark.parametrize("fields", [
+    dict(control="position", difference="backward", end="one_sided"),
+    dict(control="jerk", integrator="exact", dt="per_step", order=4, layout="bdh", start_index=True),
+])
+def test_the_sample_drawn_is_the_kernel_on_the_sample(fields):
+    spec = ts.KernelSpec(horizon=9, dof=3, dtype="float64", **fields)
+    outs = pictures.run_sample(spec, 0.05)
+    u = np.array([pictures.sample_actions(spec, 0.05)])
+    expected = reference.apply(spec, [0.05] * spec.horizon if spec.dt == "per_step" else 0.05, u,
+                               np.zeros((1, 4, spec.dof)))
+    assert len(outs) == spec.order + 1
+    for k, y in enumerate(outs):
+        assert y.shape == (spec.horizon, spec.dof)
+        scale_close(y, expected[k][0], 1e-12)
+
+
+def test_plot_draws_every_kernel_of_a_config(tmp_path):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "ur5e.png"
+    result = invoke("plot", "ur5e", "-o", str(out))
+    assert result.exit_code == 0, result.output
+    assert "2 kernel(s), dt=0.025 s" in result.output
+    width, height = png_size(out)
+    assert width > 1000 and height > 500  # four panels across, two kernels down
+
+
+def test_plot_from_spec_options_and_refusals(tmp_path):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "jerk.png"
+    assert invoke("plot", "--horizon", "8", "--dof", "2", "--control", "jerk", "--order", "4",
+                  "--step-dt", "0.1", "-o", str(out)).exit_code == 0
+    assert png_size(out)[0] > png_size(out)[1] * 3  # one kernel, five panels
+    bad = invoke("plot", "--control", "position", "--integrator", "exact", "-o", str(tmp_path / "x.png"))
+    assert "error: KernelSpec.integrator='exact' means nothing for control='position'" in bad.output
+    assert "--horizon cannot be combined with CONFIG" in invoke("plot", "ur5e", "--horizon", "8", "-o",
+                                                                 str(tmp_path / "x.png")).output
+
+
+def test_bench_times_the_compiled_slicing_baseline_in_the_same_run(monkeypatch, tmp_path):
+    """The column and ratio are there (the eager backend stands in for Inductor: this checks the
+    plumbing, not Inductor's speed)."""
+    monkeypatch.setattr(harness, "COMPILE_BACKEND", "eager")
+    args = ["bench", "--scheme", "central", "--scheme", "accel", "--batch", "1", "--batch", "4", "--no-codegen",
+            "--budget", "0.01"]
+    try:
+        import matplotlib  # noqa: F401
+        drawing = True
+    except ImportError:  # the table alone
+        drawing = False
+    out = tmp_path / "bench.png"
+    result = invoke(*args, *(("--plot", str(out)) if drawing else ()))
+    assert result.exit_code == 0, result.output
+    header = next(line for line in result.output.splitlines() if line.startswith("| scheme |"))
+    assert "slicing, torch.compile" in header and "compiled slicing / tensorstep" in header
+    for scheme in ("central", "accel"):
+        row = next(line for line in result.output.splitlines() if line.startswith(f"| {scheme} | 32 | 4 |"))
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert len(cells) == 14 and cells[9].endswith("s") and cells[12].endswith("×")
+    if drawing:
+        assert png_size(out)[0] > 800
+
+
+def test_compiled_slicing_is_compiled_before_timing(monkeypatch):
+    """torch.compile is called while the case is prepared (its first calls compile), not in timing."""
+    calls = []
+    real = torch.compile
+
+    def spy(fn, **kw):
+        calls.append(kw)
+        return real(fn, **kw)
+
+    monkeypatch.setattr(harness, "COMPILE_BACKEND", "eager")
+    monkeypatch.setattr(torch, "compile", spy)
+    case = harness.Case("central", 8, 3, "float64")
+    assert "compiled" in harness.case_callables(case) and calls == [dict(backend="eager", dynamic=False)]
+    assert "compiled" not in harness.case_callables(case, inductor=False) and len(calls) == 1
+
+
+@pytest.mark.parametrize("scheme", ["central", "backward", "accel"])
+def test_the_slicing_baseline_computes_what_the_kernel_does(scheme):
+    """A ratio against a baseline means something only if it computes the same outputs: the
+    slicing step (the function bench compiles) against the float64 reference, from rest in jerk."""
+    spec = harness.Case(scheme, 12, 3, "float64").spec
+    gen = torch.Generator().manual_seed(1)
+    u = torch.randn(3, spec.n_actions, spec.dof, generator=gen, dtype=torch.float64)
+    starts = [torch.randn(3, spec.dof, generator=gen, dtype=torch.float64) for _ in range(3)]
+    outs = torch.compile(harness.slicing_step(spec, harness.DT), backend="eager")(u, *starts)
+    s = np.concatenate([torch.stack(starts, 1).numpy(), np.zeros((3, 1, spec.dof))], 1)
+    expected = reference.apply(spec, harness.DT, u.numpy(), s)
+    for k, y in enumerate(outs):
+        scale_close(y.numpy(), expected[k], 1e-10)
