@@ -126,6 +126,7 @@ def spec_options(fn: Callable) -> Callable:
         click.option("--end", type=click.Choice(ENDS), default="hold", show_default=True),
         click.option("--dt", "dt_mode", type=click.Choice(DT_MODES), default="uniform", show_default=True),
         click.option("--start-index", is_flag=True),
+        click.option("--goal-index", is_flag=True, help="with --end goal: goal rows picked by an index"),
         click.option("--layout", type=click.Choice(LAYOUTS), default="bhd", show_default=True),
         click.option("--dtype", type=click.Choice(DTYPES), default="float32", show_default=True),
         click.option("--order", type=click.Choice(["3", "4"]), default="3", show_default=True),
@@ -149,7 +150,7 @@ def spec_from_options(o: dict[str, Any]) -> KernelSpec:
     return KernelSpec(
         horizon=o["horizon"], dof=o["dof"], control=o["control"], difference=o["difference"],
         accuracy=parse_accuracy(o["accuracy"]), integrator=o["integrator"], end=o["end"], dt=o["dt_mode"],
-        start_index=o["start_index"], layout=o["layout"], dtype=o["dtype"], order=int(o["order"]),
+        start_index=o["start_index"], goal_index=o["goal_index"], layout=o["layout"], dtype=o["dtype"], order=int(o["order"]),
     )
 
 
@@ -302,8 +303,13 @@ def run(config: str, task: Optional[str], output: str, batch: int, device: str) 
         S = batch
         u = torch.randn(step.action_shape(batch), dtype=dtype, device=step.device, requires_grad=True)
         start = [torch.randn(S, spec.dof, dtype=dtype, device=step.device) for _ in range(3)]
-        kw = {"start_index": torch.arange(batch, device=step.device)} if spec.start_index else {}
-        dt: Any = cfg.dt if spec.dt == "uniform" else torch.full((spec.horizon,), cfg.dt, dtype=dtype, device=step.device)
+        kw: dict[str, Any] = {"start_index": torch.arange(batch, device=step.device)} if spec.start_index else {}
+        if spec.end == "goal":
+            kw["goal"] = tuple(torch.randn(batch, spec.dof, dtype=dtype, device=step.device) for _ in range(3))
+            if spec.goal_index:
+                kw["goal_index"] = torch.arange(batch, device=step.device)
+        n_dt = {"uniform": 0, "per_step": spec.horizon, "per_trajectory": batch}[spec.dt]
+        dt: Any = torch.full((n_dt,), cfg.dt, dtype=dtype, device=step.device) if n_dt else cfg.dt
         outs = step(u, *start, dt, **kw)
         grads = [torch.randn_like(o) for o in outs]  # stand-in for a cost's output gradients
         torch.autograd.backward(outs, grads)

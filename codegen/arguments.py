@@ -8,7 +8,8 @@ are handed to C++ at registration), the launcher's shapes, and the custom ops' s
 fake kernels. Adding an argument is a row here plus its meaning in a builder.
 
 Shape symbols: B trajectories, N action rows, H output rows, D dof, S start-table rows (the
-rows ``start_index`` picks from; S = B without an index), NDT step durations the kernel reads.
+rows ``start_index`` picks from; S = B without an index), G goal-table rows (likewise for
+``goal_index``), NDT step durations the kernel reads (dt is [B] when per trajectory).
 Rows flagged ``layout`` are [B, rows, D] in layout "bhd" and [B, D, rows] in "bdh".
 
 Import-light (no SymPy, no PyTorch): the runtime reads the table on the cached-load path.
@@ -132,29 +133,42 @@ class ArgumentTable:
 
 
 START_NAMES = ("p0", "v0", "a0", "j0")
+GOAL_NAMES = ("gp", "gv", "ga", "gj")
 OUTPUT_NAMES = ("P", "V", "A", "J", "S")
 
 
+def _state(names: tuple[str, ...], role: str, index: str, indexed: bool, symbol: str, meaning: str,
+           index_c_name: str) -> list[Argument]:
+    """A boundary state (start or goal): four [rows, D] tensors (the fourth optional), each picked
+    per trajectory by an index row when ``indexed``, then that index row."""
+    rows = symbol if indexed else "B"
+    state = [Argument(name, name, role, (rows, "D"), presence=OPTIONAL if m == 3 else REQUIRED, nullable=m == 3,
+                      index=index if indexed else "", meaning=meaning) for m, name in enumerate(names)]
+    return state + [Argument(index, index_c_name, "index", ("B",), dtype=INDEX,
+                             presence=REQUIRED if indexed else ABSENT, nullable=True, differentiable=False,
+                             meaning=f"{index}=True")]
+
+
 def step_table(spec: Any) -> ArgumentTable:
-    """The arguments of a step: actions, start state (optionally indexed), step durations."""
-    indexed = bool(getattr(spec, "start_index", False))
-    rows = "S" if indexed else "B"
+    """The arguments of a step: actions, start state (optionally indexed), the goal state with
+    end="goal" (optionally indexed), step durations (one per trajectory with dt="per_trajectory")."""
     inputs = [Argument("u", "u", "action", ("B", "N", "D"), layout=True, meaning="actions")]
-    for m, name in enumerate(START_NAMES):
-        inputs.append(Argument(name, name, "start", (rows, "D"), presence=OPTIONAL if m == 3 else REQUIRED,
-                               nullable=m == 3, index="start_index" if indexed else "", meaning="start state"))
-    inputs.append(Argument("start_index", "idx", "index", ("B",), dtype=INDEX,
-                           presence=REQUIRED if indexed else ABSENT, nullable=True, differentiable=False,
-                           meaning="start_index=True"))
-    inputs.append(Argument("dt", "dt_in", "dt", ("NDT",), dtype=STEP, meaning="step durations"))
+    inputs += _state(START_NAMES, "start", "start_index", bool(getattr(spec, "start_index", False)), "S",
+                     "start state", "idx")
+    goal = getattr(spec, "end", "") == "goal"
+    if goal:
+        inputs += _state(GOAL_NAMES, "goal", "goal_index", spec.goal_index, "G", "goal state", "gidx")
+    per_trajectory = getattr(spec, "dt", "") == "per_trajectory"
+    inputs.append(Argument("dt", "dt_in", "dt", ("B",) if per_trajectory else ("NDT",), dtype=STEP,
+                           meaning="step durations"))
     outputs = tuple(Argument(OUTPUT_NAMES[k], f"y{k}", "output", ("B", "H", "D"), layout=True,
                              grad=f"g{k}", tangent=f"ty{k}") for k in range(spec.order + 1))
     sizes = (("N", spec.n_actions), ("H", spec.horizon), ("D", spec.dof), ("NDT", spec.n_dt))
-    return ArgumentTable("step", tuple(inputs), outputs, sizes, spec.layout)
+    return ArgumentTable("step_goal" if goal else "step", tuple(inputs), outputs, sizes, spec.layout)
 
 
 #: kernel family → table builder (a spec names its family; native and legacy specs are steps)
-FAMILIES = {"step": step_table}
+FAMILIES = {"step": step_table}  # "step_goal" (end="goal") is built by step_table too
 
 
 def table(spec: Any) -> ArgumentTable:

@@ -2,8 +2,8 @@
 
 Every variant — finite-difference stencils, integration recurrences, cuRobo's legacy
 kernels — is expressed as an ordered list of rows ``Y[k][h] = Σ coeff(dt) · ref``, where a
-ref is an action ``("u", j)``, a start-state entry ``("s", m)`` (p0, v0, a0, j0) or an
-earlier row ``("y", k, h)``. Coefficients are SymPy expressions in the step-duration
+ref is an action ``("u", j)``, a start-state entry ``("s", m)`` (p0, v0, a0, j0), a
+goal-state entry ``("g", m)`` (gp, gv, ga, gj; end="goal" only) or an earlier row ``("y", k, h)``. Coefficients are SymPy expressions in the step-duration
 symbols. The adjoint (reverse accumulation), the dt-derivatives and the dense matrices are
 all derived from this one description.
 """
@@ -15,10 +15,11 @@ from typing import Iterable, Sequence
 import numpy as np
 import sympy as sp
 
-Ref = tuple  # ("u", j) | ("s", m) | ("y", k, h)
+Ref = tuple  # ("u", j) | ("s", m) | ("g", m) | ("y", k, h)
 Term = tuple  # (coefficient: sp.Expr, ref: Ref)
 
 N_START = 4  # p0, v0, a0, j0
+N_GOAL = 4  # gp, gv, ga, gj
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +43,8 @@ class Operator:
     #: Named intermediate quantities (e.g. node times), in dependency order; coefficients
     #: may use these symbols. Kept as short lines so that they are differentiated line by line.
     program: list[tuple[sp.Symbol, sp.Expr]] = dataclasses.field(default_factory=list)
+    #: Entries of the goal state the rows read (N_GOAL with end="goal", else 0).
+    n_goal: int = 0
 
     @property
     def n_outputs(self) -> int:
@@ -56,10 +59,12 @@ class Operator:
                     seen.setdefault(coef, None)
         return list(seen)
 
-    def dense(self, dt_values: Sequence[float]) -> tuple[np.ndarray, np.ndarray]:
-        """Dense float64 matrices (M_u [K, H, N], M_s [K, H, 4]) at numeric step durations.
+    def dense(self, dt_values: Sequence[float]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Dense float64 matrices (M_u [K, H, N], M_s [K, H, 4], M_g [K, H, n_goal]) at numeric
+        step durations.
 
-        Y_k = M_u[k] @ u + M_s[k] @ s for one column, s = (p0, v0, a0, j0).
+        Y_k = M_u[k] @ u + M_s[k] @ s + M_g[k] @ g for one column, s = (p0, v0, a0, j0),
+        g = (gp, gv, ga, gj) (M_g has no columns without a goal).
         """
         coefs = self.coefficients()
         env = dict(zip(self.dt_symbols, (float(v) for v in dt_values)))
@@ -69,7 +74,7 @@ class Operator:
         values = sp.lambdify(args, coefs, "math")(*env.values()) if coefs else []
         value_of = {c: float(v) for c, v in zip(coefs, values)}
         value_of[sp.Integer(1)], value_of[sp.Integer(-1)] = 1.0, -1.0
-        width = self.n_actions + N_START
+        width = self.n_actions + N_START + self.n_goal
         rows: dict[tuple[int, int], np.ndarray] = {}
         for row in self.rows:
             vec = np.zeros(width)
@@ -79,13 +84,15 @@ class Operator:
         out = np.zeros((self.n_outputs, self.horizon, width))
         for (k, h), vec in rows.items():
             out[k, h] = vec
-        return out[:, :, : self.n_actions], out[:, :, self.n_actions :]
+        n, s = self.n_actions, self.n_actions + N_START
+        return out[:, :, :n], out[:, :, n:s], out[:, :, s:]
 
     def _ref_vector(self, ref: Ref, rows: dict, width: int) -> np.ndarray:
         if ref[0] == "y":
             return rows[(ref[1], ref[2])]
         vec = np.zeros(width)
-        vec[ref[1] if ref[0] == "u" else self.n_actions + ref[1]] = 1.0
+        offset = {"u": 0, "s": self.n_actions, "g": self.n_actions + N_START}[ref[0]]
+        vec[offset + ref[1]] = 1.0
         return vec
 
 
@@ -99,7 +106,7 @@ def combine(terms: Iterable[Term]) -> tuple[Term, ...]:
 
 def dt_symbols(horizon: int, mode: str) -> tuple[sp.Symbol, ...]:
     """The step-duration symbols the kernel reads: (dt,) or (dt_0, ..., dt_{H-1})."""
-    if mode == "uniform":
+    if mode != "per_step":  # uniform, or per trajectory (uniform along each trajectory)
         return (sp.Symbol("dt", positive=True),)
     return tuple(sp.Symbol(f"dt_{h}", positive=True) for h in range(horizon))
 

@@ -11,7 +11,8 @@ import jinja2
 from ..version import __version__
 from . import abi
 from .arguments import ArgumentTable
-from .lower import LoweredOperator, to_lanes
+from .lower import LoweredOperator
+from .printer import LANES
 
 TARGETS = ("c", "cuda", "header")
 CTYPES = {"float32": "float", "float64": "double"}
@@ -69,18 +70,21 @@ def lanes(spec: Any) -> dict | None:
     return None
 
 
-def _lane_sources(code: LoweredOperator, kernels: tuple) -> list[tuple[str, list[str]]]:
-    """The forward and adjoint columns for the lane form: straight-line where that is short
+def _lane_bodies(code: LoweredOperator, kernels: tuple) -> dict[str, list[str]]:
+    """The forward and adjoint columns in the lane form: straight-line where that is short
     enough, else (an integrator's long horizon) rolled into a loop over the rows. Straight-line
     is preferred: all of a column's loads are known up front, which keeps more memory traffic
     in flight (the rolled adjoint is 5-25% slower at B=4000-40000 for H=32, faster at B=400)."""
-    sources = []
+    bodies = {}
     for k in ("forward", "adjoint"):
         if k in kernels:
-            body = getattr(code, k).body
-            rolled = getattr(code, f"{k}_rolled") if len(body) > ROLL_ABOVE_LINES else None  # built on demand
-            sources.append((k, rolled or body))
-    return sources
+            statements = getattr(code, k).statements
+            if len(getattr(code, k).body) > ROLL_ABOVE_LINES:
+                statements = getattr(code, f"{k}_rolled") or statements  # built on demand
+            lines = LANES.lines(statements)
+            if len(lines) <= LANE_MAX_LINES:
+                bodies[k] = lines
+    return bodies
 
 
 #: CUDA keeps every row's gradients of a straight-line integrator adjoint live in registers
@@ -105,7 +109,7 @@ def _cuda_codes(code: LoweredOperator, kernels: tuple, itemsize: int) -> dict:
     if adjoint is not None and len(adjoint.body) * itemsize > CUDA_ROLL_ABOVE_BYTES:
         rolled = code.adjoint_rolled  # None for stencils, whose columns hold few values
         if rolled:
-            codes["adjoint"] = dataclasses.replace(adjoint, body=rolled)
+            codes["adjoint"] = dataclasses.replace(adjoint, statements=rolled)
     return codes
 
 
@@ -128,14 +132,15 @@ def render(spec: Any, code: LoweredOperator, table: ArgumentTable, target: str, 
         ctype=ctype,
         H=spec.horizon, N=spec.n_actions, D=spec.dof, n_dt=code.n_dt, n_coef=code.n_coefficients,
         order=spec.order,
+        goal=any(a.role == "goal" for a in table.inputs),
+        per_trajectory=table.dt.shape == ("B",),
         layout=spec.layout,
         u_sb=u[0], u_sh=u[1], u_sd=u[2], y_sb=y[0], y_sh=y[1], y_sd=y[2],
         kernels=kernels,
         codes=_cuda_codes(code, kernels, itemsize) if target == "cuda"
         else {k: getattr(code, k) for k in kernels},
         lanes=lane_form,
-        lane_bodies={k: to_lanes(body) for k, body in _lane_sources(code, kernels) if len(body) <= LANE_MAX_LINES}
-        if lane_form else {},
+        lane_bodies=_lane_bodies(code, kernels) if lane_form else {},
         table=code.table if set(kernels) & {"forward", "adjoint", "dt_vjp"} else None,
         signatures={k: abi.signature(k, table, ctype, RESTRICT[target]) for k in kernels},
         itemsize=itemsize,

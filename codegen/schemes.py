@@ -7,7 +7,8 @@ from typing import Callable
 import sympy as sp
 
 from .builders import register
-from .operator import N_START, Operator, Row, Term, combine, dt_symbols, row_ref, scaled, start_rows, step_durations
+from .operator import (N_GOAL, N_START, Operator, Row, Term, combine, dt_symbols, row_ref, scaled, start_rows,
+                       step_durations)
 from .spec import KernelSpec
 from .stencils import lagrange_weights, stencil_offsets, uniform_weights
 
@@ -17,9 +18,10 @@ def build_operator(spec: KernelSpec) -> Operator:
     """Derive the operator of a native spec."""
     syms = dt_symbols(spec.horizon, spec.dt)
     if spec.control == "position":
-        points = PositionPoints(spec.horizon, step_durations(syms, spec.horizon))
+        goal = spec.end == "goal"
+        points = PositionPoints(spec.horizon, step_durations(syms, spec.horizon), goal)
         rows = position_rows(spec, syms, points)
-        return Operator(spec.horizon, spec.order, spec.n_actions, syms, rows, points.program)
+        return Operator(spec.horizon, spec.order, spec.n_actions, syms, rows, points.program, N_GOAL if goal else 0)
     rows = integration_rows(spec, syms)
     return Operator(spec.horizon, spec.order, spec.n_actions, syms, rows)
 
@@ -30,12 +32,14 @@ class PositionPoints:
     """The points q_j of position control, with their times relative to any row.
 
     q_0 = p0, q_h = u_{h-1} for 1 ≤ h ≤ H-1, Taylor ghosts before the start, the last
-    point held after the end.
+    point held after the end. With a goal (end="goal"): q_{H-1} = gp and Taylor ghosts of
+    the goal state after the end, symmetric to the start's.
     """
 
-    def __init__(self, horizon: int, durations: list[sp.Expr]):
+    def __init__(self, horizon: int, durations: list[sp.Expr], goal: bool = False):
         self.H = horizon
         self.dts = durations
+        self.goal = goal
         self.program: list[tuple[sp.Symbol, sp.Expr]] = []
         self._named: dict[tuple[int, int], sp.Symbol] = {}
 
@@ -50,8 +54,13 @@ class PositionPoints:
         return self._named[(j, h)]
 
     def value(self, j: int) -> list[Term]:
-        if j > self.H - 1:
-            j = self.H - 1
+        last = self.H - 1
+        if self.goal and j >= last:  # q_{H-1+k} = gp + Σ_m (k·dt_{H-1})^m/m! · (gv, ga, gj)_m
+            t = (j - last) * self.dts[last]
+            return [(sp.Integer(1), ("g", 0))] if j == last else \
+                [(t**m / math.factorial(m), ("g", m)) for m in range(N_GOAL)]
+        if j > last:
+            j = last
         if j > 0:
             return [(sp.Integer(1), ("u", j - 1))]
         if j == 0:
@@ -96,10 +105,13 @@ def position_rows(spec: KernelSpec, syms: tuple[sp.Symbol, ...], pts: PositionPo
     H = spec.horizon
     rows = start_rows(spec.order)
     for h in range(1, H):
+        if pts.goal and h == H - 1:  # row H-1 is the goal state as given (snap 0), as row 0 is the start
+            rows += [Row(k, h, ((sp.Integer(1), ("g", k)),) if k < N_GOAL else ()) for k in range(spec.order + 1)]
+            continue
         rows.append(Row(0, h, tuple(pts.value(h))))
         for k in range(1, spec.order + 1):
             points = stencil_points(spec, k, h)
-            if spec.dt == "uniform":
+            if spec.dt != "per_step":
                 base = uniform_weights(tuple(j - h for j in points), k)
                 weights = [w / syms[0] ** k for w in base]
             else:

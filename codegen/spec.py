@@ -15,8 +15,8 @@ from typing import Any, Mapping
 CONTROLS = ("position", "velocity", "acceleration", "jerk")
 DIFFERENCES = ("backward", "central")
 INTEGRATORS = ("semi_implicit_euler", "exact")
-ENDS = ("hold", "one_sided")
-DT_MODES = ("uniform", "per_step")
+ENDS = ("hold", "one_sided", "goal")
+DT_MODES = ("uniform", "per_step", "per_trajectory")
 LAYOUTS = ("bhd", "bdh")
 DTYPES = ("float32", "float64")
 ORDERS = (3, 4)
@@ -91,6 +91,7 @@ class KernelSpec:
     layout: str = "bhd"
     dtype: str = "float32"
     order: int = 3
+    goal_index: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "horizon", _check_int("horizon", self.horizon, 2, MAX_HORIZON))
@@ -104,6 +105,15 @@ class KernelSpec:
         _check_choice("dt", self.dt, DT_MODES)
         if not isinstance(self.start_index, bool):
             raise _fail("start_index", self.start_index, "expected True or False")
+        if self.end == "goal" and self.control != "position":
+            raise _fail("end", self.end, f"end='goal' needs control='position' (got control={self.control!r}); "
+                        "integration control allows 'hold', 'one_sided'")
+        if self.end == "goal" and self.horizon < 3:
+            raise _fail("horizon", self.horizon, "end='goal' needs at least 3 rows (start, one action, goal)")
+        if not isinstance(self.goal_index, bool):
+            raise _fail("goal_index", self.goal_index, "expected True or False")
+        if self.goal_index and self.end != "goal":
+            raise _fail("goal_index", self.goal_index, f"goal_index=True needs end='goal' (got end={self.end!r})")
         _check_choice("layout", self.layout, LAYOUTS)
         if self.dtype not in DTYPES:
             raise _fail("dtype", self.dtype, "allowed: 'float32', 'float64' (or torch.float32, torch.float64)")
@@ -152,13 +162,13 @@ class KernelSpec:
     # ---- derived properties -------------------------------------------------------------
     @property
     def n_actions(self) -> int:
-        """Rows of the action tensor u (N = H - 1)."""
-        return self.horizon - 1
+        """Rows of the action tensor u (N = H - 1; H - 2 with end="goal", whose last row is the goal)."""
+        return self.horizon - (2 if self.end == "goal" else 1)
 
     @property
     def n_dt(self) -> int:
-        """Entries of the dt vector the kernel reads (1 uniform, H per step)."""
-        return 1 if self.dt == "uniform" else self.horizon
+        """Entries of the dt vector the kernel reads per trajectory (1 uniform or per trajectory, H per step)."""
+        return self.horizon if self.dt == "per_step" else 1
 
     @property
     def control_order(self) -> int:
@@ -173,12 +183,14 @@ class KernelSpec:
         else:
             parts += ["semi" if self.integrator == "semi_implicit_euler" else "exact"]
         parts += [
-            "dtu" if self.dt == "uniform" else "dts",
+            {"uniform": "dtu", "per_step": "dts", "per_trajectory": "dtb"}[self.dt],
             "idx" if self.start_index else "noidx",
             self.layout,
             "f32" if self.dtype == "float32" else "f64",
             f"o{self.order}",
         ]
+        if self.goal_index:  # new options only add parts: existing names stay as they were
+            parts.append("gidx")
         return "_".join(parts)
 
     @property
@@ -190,6 +202,8 @@ class KernelSpec:
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["accuracy"] = list(self.accuracy)
+        if not self.goal_index:  # absent at its default: existing specs keep their dicts, keys and banners
+            del d["goal_index"]
         return d
 
     @classmethod

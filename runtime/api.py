@@ -17,6 +17,9 @@ Tensor = torch.Tensor
 class Step(torch.nn.Module):
     """A compiled trajectory step: ``P, V, A, J = step(u, p0, v0, a0, dt=..., j0=..., start_index=...)``.
 
+    With ``end="goal"`` the goal state is a keyword: ``goal=(gp, gv, ga[, gj])`` (each [B, D], or
+    [G, D] picked by ``goal_index=`` [B] when the spec sets ``goal_index=True``).
+
     ``out=(P, V, A, J)`` writes the forward into caller-owned tensors instead (rollouts under
     ``torch.no_grad()``; not differentiable, like PyTorch's own ``out=`` functions).
 
@@ -75,11 +78,13 @@ class Step(torch.nn.Module):
         # pickle and deepcopy by spec (loaded libraries and ops are per process)
         return load, (self.spec, str(self.device))
 
-    def _dt_tensor(self, dt: Union[float, Tensor]) -> Tensor:
+    def _dt_tensor(self, dt: Union[float, Tensor], batch: Optional[int] = None) -> Tensor:
         """The kernel's dt vector; tensors for repeated Python floats are reused (cheap calls).
 
         Inside a CUDA graph capture a new float's tensor would only be recorded, never filled, and
         later eager calls would read it: such a call raises (``prepare`` caches it beforehand)."""
+        if self.launcher.per_trajectory:
+            return validate.dt_tensor(dt, self.table, self.dtype, self.device, batch)
         if isinstance(dt, float) and not torch.compiler.is_compiling():
             cached = self._dt_cache.get(dt)
             if cached is None:
@@ -120,11 +125,14 @@ class Step(torch.nn.Module):
         j0: Optional[Tensor] = None,
         start_index: Optional[Tensor] = None,
         out: Optional[Sequence[Tensor]] = None,
+        goal: Optional[Sequence[Tensor]] = None,
         **more: Optional[Tensor],
     ) -> tuple[Tensor, ...]:
         if self._native_pending and not torch.compiler.is_compiling():
             self._take_native()
         named = {"u": u, "p0": p0, "v0": v0, "a0": a0, "j0": j0, "start_index": start_index}
+        if goal is not None:
+            named.update(_goal_arguments(self.table, goal))
         if more:  # the kernel family's other arguments, by their names in the argument table
             named.update(_more_arguments(self.table, more))
         values = [named.get(a.name) for a in self.table.tensors]
@@ -142,8 +150,8 @@ class Step(torch.nn.Module):
                 elif (type(out) in (tuple, list) and all(type(y) is Tensor for y in out)
                       and self._native_step_out(self.native, [*values, dt_k], out)):
                     return tuple(out)
-        inputs, _ = validate.check_inputs(self.table, values, self.dtype, self.device)
-        dt_k = self._dt_tensor(dt)
+        inputs, dims = validate.check_inputs(self.table, values, self.dtype, self.device)
+        dt_k = self._dt_tensor(dt, dims["B"])
         if out is not None:
             return self._into(out, inputs, dt_k)
         if torch.compiler.is_compiling():
@@ -172,6 +180,18 @@ class Step(torch.nn.Module):
         for y in out:  # the kernel wrote through raw pointers: tell autograd the tensors changed
             torch.autograd.graph.increment_version(y)
         return out
+
+
+def _goal_arguments(table: Any, goal: Any) -> dict[str, Any]:
+    """goal=(gp, gv, ga[, gj]) onto the table's goal rows, by name."""
+    rows = [a.name for a in table.tensors if a.role == "goal"]
+    if not rows:
+        raise TypeError("goal: this kernel takes no goal state (its spec does not set end='goal'), got "
+                        + type(goal).__name__)
+    if not isinstance(goal, (tuple, list)) or not len(rows) - 1 <= len(goal) <= len(rows):
+        got = f"{type(goal).__name__} of length {len(goal)}" if isinstance(goal, (tuple, list)) else type(goal).__name__
+        raise TypeError(f"goal: expected a tuple ({', '.join(rows[:-1])}[, {rows[-1]}]), got {got}")
+    return dict(zip(rows, goal))
 
 
 def _more_arguments(table: Any, more: dict[str, Any]) -> dict[str, Any]:
@@ -285,7 +305,9 @@ def operator_matrices(spec: Any, dt: Union[float, Sequence[float]]) -> dict[str,
     """Dense float64 matrices of the operator at the given step durations.
 
     Returns ``{"u": M_u [K, H, N], "start": M_s [K, H, 4]}`` with
-    ``Y_k = M_u[k] @ u + M_s[k] @ (p0, v0, a0, j0)`` for one (batch, dof) column.
+    ``Y_k = M_u[k] @ u + M_s[k] @ (p0, v0, a0, j0)`` for one (batch, dof) column; with
+    ``end="goal"`` also ``"goal": M_g [K, H, 4]``, the term ``M_g[k] @ (gp, gv, ga, gj)``.
+    A per-trajectory dt spec takes one trajectory's dt (a float).
     """
     from ..codegen.builders import build_operator
 
@@ -296,8 +318,8 @@ def operator_matrices(spec: Any, dt: Union[float, Sequence[float]]) -> dict[str,
     for v in values:
         if not (v > 0 and v < float("inf")):
             raise ValueError(f"dt: expected finite, positive step durations, got {v!r}")
-    m_u, m_s = build_operator(spec).dense(values)
-    return {"u": m_u, "start": m_s}
+    m_u, m_s, m_g = build_operator(spec).dense(values)
+    return {"u": m_u, "start": m_s, **({"goal": m_g} if m_g.shape[-1] else {})}
 
 
 __all__ = ["KernelSpec", "Step", "load", "source", "operator_matrices"]

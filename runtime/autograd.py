@@ -127,9 +127,11 @@ class AdjointFunction(_FastApply):
 
     @staticmethod
     def vmap(info, in_dims, launcher, dt, B, *grads):
-        if in_dims[1] is not None:
-            return rules.by_loop(AdjointFunction.apply, info.batch_size, in_dims, (launcher, dt, B, *grads))
         V = info.batch_size
+        if launcher.per_trajectory:  # dt [B] folds with the batch
+            dt = rules.fold(dt, in_dims[1], V)
+        elif in_dims[1] is not None:
+            return rules.by_loop(AdjointFunction.apply, info.batch_size, in_dims, (launcher, dt, B, *grads))
         flat = [rules.fold(g, d, V) for g, d in zip(grads, in_dims[3:])]
         return rules.unfold(AdjointFunction.apply(launcher, dt, V * B, *flat), V)
 

@@ -96,6 +96,14 @@ def cuda_source(spec: Any, part: str) -> tuple[str, dict]:
     return path.read_text(), metadata
 
 
+def launch_columns(spec: Any, kernel: str, B: int) -> int:
+    """Threads a kernel needs: one per (batch, dof) column; dt_vjp_finish one in all, or one per
+    trajectory with dt="per_trajectory"."""
+    if kernel == "dt_vjp_finish":
+        return B if getattr(spec, "dt", "") == "per_trajectory" else 1
+    return B * spec.dof
+
+
 class CudaBackend:
     """The kernels of a spec on one CUDA device."""
 
@@ -132,7 +140,8 @@ class CudaBackend:
     def call(self, kernel: str, B: int, args: list[int]) -> None:
         if kernel not in self.functions:
             self.load_part("dt")
-        blocks = 1 if kernel == "dt_vjp_finish" else grid_blocks(B, self.spec.dof)
+        columns = launch_columns(self.spec, kernel, B)
+        blocks = max(1, (columns + THREADS - 1) // THREADS)
         stream = self._stream(torch.cuda.current_stream(self.device).cuda_stream)
         with self.cupy.cuda.Device(self.device.index), stream:
             self.functions[kernel]((blocks,), (THREADS,), (B, *args))

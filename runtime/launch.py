@@ -50,6 +50,8 @@ class Launcher:
         self.table: ArgumentTable = table(spec)
         self.dtype = DTYPES[spec.dtype]
         self.K = len(self.table.outputs)
+        #: dt="per_trajectory": dt is [B], one step duration per trajectory
+        self.per_trajectory = self.table.dt.shape == ("B",)
 
     def prepare(self, dt_grad: bool) -> None:
         """Load now what later calls would load lazily (the dt kernels, for dt gradients)."""
@@ -116,14 +118,16 @@ class Launcher:
         grads = [contiguous(g) for g in grads]
         u = inputs[0]
         B = u.shape[0]
-        # the partial sums: one row per CUDA block (the finish adds them in order), one on the CPU
-        rows = self.backend.dt_vjp_rows(B)
+        # the partial sums: one row per trajectory when each has its own dt (dt_vjp_finish then runs
+        # per trajectory); else one row per CUDA block (the finish adds them in order), one on the CPU
+        rows = B if self.per_trajectory else self.backend.dt_vjp_rows(B)
         # (the coefficient count is in the build's metadata: no code generation, no parsing)
         gc = torch.zeros(rows * int(self.backend.metadata["n_coefficients"]), dtype=torch.float64, device=u.device)
         gdt = torch.empty(dt.shape[0], dtype=torch.float64, device=u.device)
         if B:
             self.backend.call("dt_vjp", B, [*map(ptr, inputs), *map(ptr, grads), ptr(dt), ptr(gc)])
-        self.backend.call("dt_vjp_finish", B, [ptr(dt), ptr(gc), ptr(gdt)])
+        if B or not self.per_trajectory:
+            self.backend.call("dt_vjp_finish", B, [ptr(dt), ptr(gc), ptr(gdt)])
         return gdt
 
     def dt_jvp(self, inputs: Sequence[OptTensor], tangents: Sequence[OptTensor], dt: Tensor,

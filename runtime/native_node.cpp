@@ -197,7 +197,9 @@ bool check_row(const Kernels& k, const Row& row, const Tensor& t, std::vector<in
   TORCH_CHECK_TYPE(row.presence != ABSENT, say(k, UNEXPECTED, row, {{"expected", row.meaning}}));
   TORCH_CHECK_TYPE(t.layout() == at::kStrided, say(k, LAYOUT, row, {{"got", layout_text(t.layout())}}));
   if (row.rule == STEP) {  // a float dt of any form Python accepts; the rest is for Python to explain
-    const int64_t n = row.shape[0];
+    // a fixed count, or one per trajectory (shape (B,): B is bound by the rows before dt)
+    const int64_t n = row.shape[0] >= 0 ? row.shape[0] : sizes[-1 - row.shape[0]];
+    if (n < 0) return false;
     if (t.dim() > 1 || t.numel() != n || !t.is_floating_point() || !t.device().is_cpu()) return false;
     out = t.reshape({n}).to(k.dtype).contiguous();
     const auto* x = out.const_data_ptr();

@@ -10,7 +10,8 @@ mechanism only supplies how to run a kernel (a Function's ``apply``, an op, a la
 * ``jvp``: the step is affine in its tensor inputs, so their tangent is the step applied to
   the tangents; with a dt tangent the dt_jvp kernel adds the coefficients' derivative.
 * ``vmap``: the vmapped dimension is folded into the batch (index entries offset into the
-  folded tables); a vmapped dt runs one call per element.
+  folded tables); a vmapped dt runs one call per element, except a per-trajectory dt [B],
+  which folds with the batch.
 """
 from __future__ import annotations
 
@@ -112,7 +113,9 @@ def vmap(table: ArgumentTable, V: int, in_dims: Sequence[Optional[int]], inputs:
     same rows); when they are, the folded table has V·S rows and element v's entries move by v·S.
     """
     *input_dims, dt_dim = in_dims
-    if dt_dim is not None:
+    if table.dt.shape == ("B",):  # one dt per trajectory: it folds with the batch, vmapped or not
+        dt = _fold(dt, dt_dim, V)
+    elif dt_dim is not None:
         return by_loop(apply, V, in_dims, (*inputs, dt))
     position = {a.name: i for i, a in enumerate(table.tensors)}
     folded: list[OptTensor] = []

@@ -117,23 +117,34 @@ def check_indices(table: ArgumentTable, inputs: Sequence[Optional[Tensor]]) -> N
 
 
 def check_dt_values(dt: Tensor, name: str = "dt") -> None:
-    """Finite, positive step durations (reads the values: CPU tensors)."""
-    values = dt.detach().reshape(-1).tolist()  # at most H numbers: cheaper than reductions on the tensor
-    if not all(math.isfinite(x) and x > 0 for x in values):
-        raise ValueError(message("dt_value", name=name, got=values[:8]))
+    """Finite, positive step durations (reads the values: CPU tensors); the message names the
+    first bad entry."""
+    values = _values(dt).detach().reshape(-1).tolist()  # H or B numbers (every vmapped element's): cheap
+    bad = next((i for i, x in enumerate(values) if not (math.isfinite(x) and x > 0)), None)
+    if bad is not None:
+        got = values[:8] if len(values) <= 8 else f"{values[bad]!r} at entry {bad}"
+        raise ValueError(message("dt_value", name=name, got=got) + (f" (entry {bad})" if len(values) <= 8 else ""))
 
 
-def dt_tensor(dt: Any, table: ArgumentTable, dtype: torch.dtype, device: torch.device) -> Tensor:
+def dt_tensor(dt: Any, table: ArgumentTable, dtype: torch.dtype, device: torch.device,
+              batch: Optional[int] = None) -> Tensor:
     """Normalise dt (a float or a tensor) to the kernel's dt vector; refuse non-finite or ≤ 0.
 
-    Under torch.compile a float dt may arrive as a symbolic float (a recompilation for a new
-    value): it becomes a tensor with no value check (the custom op checks the values on real data)."""
+    With dt="per_trajectory" dt is a tensor [B] (``batch`` = B); a float is refused rather than
+    broadcast, so that a forgotten per-trajectory dt never passes silently.
+    Under torch.compile a float dt may arrive as a symbolic float: it becomes a tensor with no
+    value check (the custom op checks the values on real data)."""
     arg = table.dt
-    n = table.size("NDT")
-    expected = "a scalar (0-dim or 1 element)" if n == 1 else f"shape ({n},)"
+    per_trajectory = arg.shape == ("B",)
+    n = batch if per_trajectory else table.size("NDT")
+    expected = (f"shape ({n},), one step duration per trajectory" if per_trajectory
+                else "a scalar (0-dim or 1 element)" if n == 1 else f"shape ({n},)")
     if isinstance(dt, bool) or dt is None:
         raise TypeError(f"{arg.name}: expected a positive float or a tensor, got {dt!r}")
     if isinstance(dt, (int, float)) or _symbolic_float(dt):
+        if per_trajectory:
+            raise TypeError(f"{arg.name}: this kernel takes one step duration per trajectory (dt='per_trajectory'), "
+                            f"a tensor of {expected}; got a float (use torch.full((B,), dt) for one shared value)")
         if n != 1:
             raise ValueError(f"{arg.name}: this kernel takes per-step durations, a tensor of {expected}; got a scalar")
         # while Dynamo traces, a float may stand for a symbolic one (math.isfinite would break the graph)
@@ -142,7 +153,7 @@ def dt_tensor(dt: Any, table: ArgumentTable, dtype: torch.dtype, device: torch.d
         return torch.full((1,), dt, dtype=dtype, device=device)
     if not isinstance(dt, Tensor):
         raise TypeError(f"{arg.name}: expected a positive float or a tensor, got {type(dt).__name__}")
-    if dt.numel() != n or dt.dim() > 1:
+    if dt.numel() != n or dt.dim() > 1 or (per_trajectory and dt.dim() != 1):
         raise ValueError(f"{arg.name}: expected {expected}, got shape {shape_text(dt.shape)}")
     if not dt.is_floating_point():
         raise TypeError(f"{arg.name}: expected a floating-point tensor, got {dt.dtype}")

@@ -21,28 +21,52 @@ def _inputs(spec: Any, B: int, seed: int = 0):
     N, D = spec.n_actions, spec.dof
     u = torch.randn(B, N, D, generator=gen, dtype=torch.float64)
     s = torch.randn(B, 4, D, generator=gen, dtype=torch.float64)
-    dt = torch.full((1,), 0.05, dtype=torch.float64) if spec.n_dt == 1 else 0.03 + 0.04 * torch.rand(spec.n_dt, generator=gen, dtype=torch.float64)
-    return u, s, dt, dtype
+    g = torch.randn(B, 4, D, generator=gen, dtype=torch.float64)  # the goal state (end="goal")
+    n_dt = B if getattr(spec, "dt", "") == "per_trajectory" else spec.n_dt
+    dt = torch.full((1,), 0.05, dtype=torch.float64) if n_dt == 1 else 0.03 + 0.04 * torch.rand(n_dt, generator=gen, dtype=torch.float64)
+    return u, s, g, dt, dtype
+
+
+def _expected(spec: Any, u: torch.Tensor, s: torch.Tensor, g: torch.Tensor, dt: torch.Tensor) -> np.ndarray:
+    """Outputs [K, B, H, D] from the dense matrices (one set per trajectory when each has its dt)."""
+    per_trajectory = getattr(spec, "dt", "") == "per_trajectory"
+    rows = []
+    for b in range(u.shape[0]) if per_trajectory else [slice(None)]:
+        M = operator_matrices(spec, float(dt[b]) if per_trajectory else dt.tolist())
+        y = np.einsum("khn,bnd->kbhd", M["u"], u[b].numpy()[None] if per_trajectory else u.numpy())
+        y = y + np.einsum("khm,bmd->kbhd", M["start"], s[b].numpy()[None] if per_trajectory else s.numpy())
+        if "goal" in M:
+            y = y + np.einsum("khm,bmd->kbhd", M["goal"], g[b].numpy()[None] if per_trajectory else g.numpy())
+        rows.append(y)
+    return np.concatenate(rows, axis=1)
 
 
 def verify_launcher(spec: Any, launcher: Launcher, device: torch.device, B: int = 3) -> dict[str, Any]:
     """Relative forward error and adjoint dot-test error of one spec's kernels on a device."""
-    u64, s64, dt64, dtype = _inputs(spec, B)
-    M = operator_matrices(spec, dt64.tolist())
-    expected = np.einsum("khn,bnd->kbhd", M["u"], u64.numpy()) + np.einsum("khm,bmd->kbhd", M["start"], s64.numpy())
+    u64, s64, g64, dt64, dtype = _inputs(spec, B)
+    expected = _expected(spec, u64, s64, g64, dt64)
     to_layout = (lambda t: t) if spec.layout == "bhd" else (lambda t: t.transpose(1, 2))
     u = to_layout(u64).to(dtype).contiguous().to(device)
-    start = [s64[:, m].to(dtype).contiguous().to(device) for m in range(4)]
+    states = {"start": s64, "goal": g64}
+    count = {"start": 0, "goal": 0}
+    inputs: list = []  # table order; index rows absent (each trajectory reads its own row)
+    for arg in launcher.table.tensors:
+        if arg.role in states:
+            inputs.append(states[arg.role][:, count[arg.role]].to(dtype).contiguous().to(device))
+            count[arg.role] += 1
+        else:
+            inputs.append(u if arg.role == "action" else None)
     dt = dt64.to(dtype).to(device)
-    outs = launcher.forward([u, *start, None], dt)
+    outs = launcher.forward(inputs, dt)
     got = np.stack([to_layout(o).double().cpu().numpy() for o in outs])
     scale = max(1.0, float(np.abs(expected).max()))
     forward_err = float(np.abs(got - expected).max()) / scale
     gen = torch.Generator().manual_seed(7)
     grads = [torch.randn(o.shape, generator=gen, dtype=torch.float64).to(dtype).to(device) for o in outs]
-    gu, *gs = launcher.adjoint(grads, dt, B, (True,) * len(launcher.table.differentiable))
+    gs = launcher.adjoint(grads, dt, B, (True,) * len(launcher.table.differentiable))
     lhs = sum(float((o.double() * g.double()).sum()) for o, g in zip(outs, grads))
-    rhs = float((u.double() * gu.double()).sum()) + sum(float((a.double() * b.double()).sum()) for a, b in zip(start, gs))
+    given = [x for x, a in zip(inputs, launcher.table.tensors) if a.differentiable]
+    rhs = sum(float((a.double() * b.double()).sum()) for a, b in zip(given, gs) if a is not None)
     adjoint_err = abs(lhs - rhs) / max(1.0, abs(lhs))
     tol = TOLERANCE[spec.dtype]
     return {"name": spec.name, "device": device.type, "forward": forward_err, "adjoint": adjoint_err,

@@ -70,19 +70,22 @@ def host_metadata(spec: Any) -> dict:
 def host_source(spec: Any) -> str:
     """C source with every kernel of the ABI: the CUDA kernels, each looped over its launch grid."""
     source = generate(spec, targets=("cuda",)).source("cuda").replace('extern "C" ', "")
-    start, end = source.find(REDUCTION[0]), source.find(REDUCTION[1])
-    assert 0 <= start < end, "the CUDA template's dt_vjp reduction changed: update this test double"
+    per_trajectory = getattr(spec, "dt", "") == "per_trajectory"  # per-thread atomics, no block sums
     dt_vjp = abi.symbol(spec.name, "dt_vjp")
-    source = (source[:start] + "    for (int i = 0; i < NC_; ++i) ts_lanes[threadIdx.x][i] = acc[i];\n"
-              + source[end + len(REDUCTION[1]):])
-    source = source.replace(f"void {dt_vjp}(", _block_reduction(dt_vjp) + f"void {dt_vjp}(")
+    if not per_trajectory:
+        start, end = source.find(REDUCTION[0]), source.find(REDUCTION[1])
+        assert 0 <= start < end, "the CUDA template's dt_vjp reduction changed: update this test double"
+        source = (source[:start] + "    for (int i = 0; i < NC_; ++i) ts_lanes[threadIdx.x][i] = acc[i];\n"
+                  + source[end + len(REDUCTION[1]):])
+        source = source.replace(f"void {dt_vjp}(", _block_reduction(dt_vjp) + f"void {dt_vjp}(")
     ctype = CTYPES[spec.dtype]
     entry_points = []
     for kernel in abi.PARTS["all"]:
         symbol = abi.symbol(spec.name, kernel)
         source = source.replace(f"void {symbol}(", f"void {symbol}_thread(")
         names = ", ".join(name for _, name in abi.arguments(kernel, table(spec)))
-        columns = "1" if kernel == "dt_vjp_finish" else "B * D_"  # as runtime/cuda_backend.py launches
+        columns = "B" if kernel == "dt_vjp_finish" and per_trajectory else "1" if kernel == "dt_vjp_finish" \
+            else "B * D_"  # as runtime/cuda_backend.py launches (launch_columns)
         entry_points.append(
             f"void {symbol}({abi.signature(kernel, table(spec), ctype, 'restrict')})\n{{\n"
             f"    const long long blocks = ({columns} + {THREADS} - 1) / {THREADS};\n"
@@ -90,7 +93,7 @@ def host_source(spec: Any) -> str:
             f"        for (long long t = 0; t < {THREADS}; ++t) {{\n"
             f"            blockIdx.x = b; threadIdx.x = t; {symbol}_thread({names});\n"
             f"        }}\n"
-            + (f"        {symbol}_block(gc);\n" if kernel == "dt_vjp" else "")
+            + (f"        {symbol}_block(gc);\n" if kernel == "dt_vjp" and not per_trajectory else "")
             + "    }\n}")
     entry_points.append(f"int64_t {abi.symbol(spec.name, 'n_coefficients')}(void) {{ return NC_; }}")
     return PRELUDE + source + "\n" + "\n\n".join(entry_points) + "\n"

@@ -14,7 +14,7 @@ DEFAULT_ACCURACY = {"backward": (1, 1, 1, 1), "central": (4, 4, 2, 2)}
 
 
 def step_durations(spec, dt) -> np.ndarray:
-    """dt_h for every row (uniform: repeated)."""
+    """dt_h for every row (uniform, or one trajectory's dt with dt="per_trajectory": repeated)."""
     dts = np.atleast_1d(np.asarray(dt, dtype=np.float64))
     return np.full(spec.horizon, dts[0]) if dts.size == 1 else dts.copy()
 
@@ -39,8 +39,11 @@ def vandermonde_weights(x: np.ndarray, k: int) -> np.ndarray:
     return np.array([float(A[r][n]) for r in range(n)])
 
 
-def _position(spec, u: np.ndarray, s: np.ndarray, dts: np.ndarray) -> np.ndarray:
+def _position(spec, u: np.ndarray, s: np.ndarray, dts: np.ndarray, g: np.ndarray) -> np.ndarray:
+    """SPEC §2 position control; with end="goal" (SPEC §8) q_{H-1} = gp, row H-1 is the goal
+    state g (gp, gv, ga, gj) and the points after the end are the goal's Taylor expansion."""
     H = spec.horizon
+    goal = spec.end == "goal"
     accuracy = spec.accuracy
     t = np.concatenate([[0.0], np.cumsum(dts[1:])])
 
@@ -57,11 +60,17 @@ def _position(spec, u: np.ndarray, s: np.ndarray, dts: np.ndarray) -> np.ndarray
             return s[0] + tj * s[1] + tj**2 / 2 * s[2] + tj**3 / 6 * s[3]
         if j == 0:
             return s[0]
+        if goal and j >= H - 1:
+            tk = (j - H + 1) * dts[H - 1]
+            return g[0] + tk * g[1] + tk**2 / 2 * g[2] + tk**3 / 6 * g[3]
         return u[min(j, H - 1) - 1]
 
     Y = np.zeros((spec.order + 1, H))
     Y[: min(4, spec.order + 1), 0] = s[: min(4, spec.order + 1)]
     for h in range(1, H):
+        if goal and h == H - 1:
+            Y[: min(4, spec.order + 1), h] = g[: min(4, spec.order + 1)]
+            continue
         Y[0, h] = u[h - 1]
         for k in range(1, spec.order + 1):
             a = accuracy[k - 1]
@@ -98,11 +107,12 @@ def _integration(spec, u: np.ndarray, s: np.ndarray, dts: np.ndarray) -> np.ndar
     return Y
 
 
-def column(spec, u: np.ndarray, s: np.ndarray, dt) -> np.ndarray:
-    """Outputs [order+1, H] of one column: actions u [N], start s [4] (p0, v0, a0, j0)."""
+def column(spec, u: np.ndarray, s: np.ndarray, dt, g=None) -> np.ndarray:
+    """Outputs [order+1, H] of one column: actions u [N], start s [4] (p0, v0, a0, j0), goal
+    g [4] (gp, gv, ga, gj; end="goal")."""
     dts = step_durations(spec, dt)
     if spec.control == "position":
-        return _position(spec, u, s, dts)
+        return _position(spec, u, s, dts, np.zeros(4) if g is None else g)
     return _integration(spec, u, s, dts)
 
 
@@ -121,6 +131,14 @@ def matrices(spec, dt) -> tuple[np.ndarray, np.ndarray]:
         e[m] = 1.0
         M_s[:, :, m] = column(spec, np.zeros(N), e, dt)
     return M_u, M_s
+
+
+def goal_matrix(spec, dt) -> np.ndarray:
+    """Dense M_g [K, H, 4] of the goal state (end="goal") by probing with unit vectors."""
+    M_g = np.zeros((spec.order + 1, spec.horizon, 4))
+    for m in range(4):
+        M_g[:, :, m] = column(spec, np.zeros(spec.n_actions), np.zeros(4), dt, np.eye(4)[m])
+    return M_g
 
 
 def apply(spec, dt, u: np.ndarray, start: np.ndarray) -> np.ndarray:

@@ -106,11 +106,12 @@ def test_column_forms_match_reference(case, lane_form, tmp_path):
 def test_integrator_lane_bodies_do_not_grow_with_the_horizon():
     """Rolled: the lane form's forward and adjoint are the same length at H=32 and H=256 (and
     so stay under the lane form's length limit), while the per-dof bodies grow with H."""
+    from tensorstep.codegen.printer import COLUMN
 
     short, long = (lowered(ts.KernelSpec(horizon=H, dof=7, control="acceleration", integrator="exact"))
                    for H in (32, 256))
     for kernel in ("forward", "adjoint"):
-        a, b = getattr(short, f"{kernel}_rolled"), getattr(long, f"{kernel}_rolled")
+        a, b = (COLUMN.lines(getattr(code, f"{kernel}_rolled")) for code in (short, long))
         assert len(a) == len(b) and any(line.startswith("for (int64_t r") for line in b)
         assert len(getattr(long, kernel).body) > 6 * len(getattr(short, kernel).body)
     source = generate(ts.KernelSpec(horizon=256, dof=7, control="acceleration"), ("c",), ("core",)).source("c", "core")

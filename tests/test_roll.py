@@ -12,14 +12,16 @@ import tensorstep as ts
 from tensorstep.codegen import roll
 from tensorstep.codegen.lower import lower
 from tensorstep.codegen.operator import Operator, Row
+from tensorstep.codegen.printer import COLUMN
 from tensorstep.codegen.schemes import build_operator
 
 ONE = sp.Integer(1)
 
 
 def rolled(op: Operator) -> tuple[list[str], list[str]]:
+    """The rolled forward and adjoint columns, as the column form prints them."""
     code = lower(op)
-    return code.forward_rolled, code.adjoint_rolled
+    return COLUMN.lines(code.forward_rolled), COLUMN.lines(code.adjoint_rolled)
 
 
 def loops(lines: list[str]) -> int:

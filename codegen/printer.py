@@ -1,0 +1,129 @@
+"""Statements → C lines, for the C and CUDA templates (codegen/statements.py has the data).
+
+One printer class, two vocabularies: ``COLUMN`` prints a (batch, dof) column over the
+scalar macros (``U``, ``S0``, ``Y0``, ``G0``, ``GU``, ``GS0``, ``ZERO``, type ``T``), the form
+both templates run per column; ``LANES`` prints the same statements as one vector over all
+dof lanes, for the C template's lane form (``VU``, ``VS0``, ..., ``VZERO``, type ``VT``).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable
+
+import sympy as sp
+from sympy.printing.c import C99CodePrinter
+
+from .statements import (Add, Call, Cast, Def, For, Literal, Mul, Paren, Read, Rel, Statement, Store, Strided,
+                         Sum, Sym, Term, Val, Var)
+
+INDENT = "    "
+
+
+class _SymPrinter(C99CodePrinter):
+    """C99 printer that writes small integer powers as products (no pow() in kernels)."""
+
+    def _print_Pow(self, expr: sp.Pow) -> str:
+        base, exp = expr.as_base_exp()
+        if exp.is_Integer and 0 < abs(int(exp)) <= 8:
+            prod = "*".join([self.parenthesize(base, 100)] * abs(int(exp)))
+            if abs(int(exp)) > 1:
+                prod = f"({prod})"
+            return prod if exp > 0 else f"(1.0/{prod})"
+        return super()._print_Pow(expr)
+
+
+_SYM_PRINTER = _SymPrinter()
+
+
+def c_expr(expr: sp.Expr) -> str:
+    """A SymPy expression as C (non-integer numbers with 17 significant digits)."""
+    return _SYM_PRINTER.doprint(sp.Float(expr, 17) if expr.is_Number and not expr.is_Integer else expr)
+
+
+def _index(i: Any) -> str:
+    """A position, slot or argument: ``Rel`` and ``Strided`` are written over the loop variable r."""
+    if isinstance(i, Var):
+        return i.name
+    if isinstance(i, Rel):  # relative to the loop variable
+        return "r" if i.rel == 0 else f"r + {i.rel}" if i.rel > 0 else f"r - {-i.rel}"
+    if isinstance(i, Strided):
+        return f"{i.slot} + {i.stride} * (r - {i.start})"
+    return str(i)
+
+
+_LANE_MACROS = {"U", "GU", *(f"{x}{m}" for x in ("S", "GS", "E", "GE") for m in range(4))}
+
+
+def _lane_macro(name: str) -> str:
+    """The lane form's macro for a column macro: inputs, output stores and gradient reads."""
+    lane = name in _LANE_MACROS or (name[:1] in ("Y", "G") and name[1:].isdigit())
+    return "V" + name if lane else name
+
+
+class Printer:
+    """Prints statements with one vocabulary: ``macro`` renames macros, ``ctype`` the element type T."""
+
+    def __init__(self, macro: Callable[[str], str] = str, ctype: str = "T", zero: str = "ZERO"):
+        self.macro, self.element, self.zero = macro, ctype, zero
+
+    def lines(self, statements: Iterable[Statement], indent: str = "") -> list[str]:
+        out: list[str] = []
+        for s in statements:
+            if isinstance(s, For):
+                cond, advance = (f"r <= {s.last}", "++r") if s.step > 0 else (f"r >= {s.last}", "--r")
+                out.append(f"{indent}for (int64_t r = {s.first}; {cond}; {advance}) {{")
+                out += self.lines(s.body, indent + INDENT)
+                out.append(f"{indent}}}")
+            else:
+                out.append(indent + self.statement(s))
+        return out
+
+    def statement(self, s: Statement) -> str:
+        if isinstance(s, Def):
+            const = "const " if s.const else ""
+            return f"{const}{self._type(s.ctype)} {self.expr(s.target)} = {self.expr(s.value)};"
+        if isinstance(s, Store):
+            return f"{self.expr(s.target)} {s.op} {self.expr(s.value)};"
+        if isinstance(s, Call):
+            args = [_index(a) for a in s.args]
+            if s.value is not None:
+                args.append(self.expr(s.value))
+            return f"{self.macro(s.macro)}({', '.join(args)});"
+        raise TypeError(f"not a statement: {s!r}")
+
+    def _type(self, ctype: str) -> str:
+        return self.element if ctype == "T" else ctype
+
+    def expr(self, e: Any) -> str:
+        if isinstance(e, Var):
+            return e.name
+        if isinstance(e, Val):
+            return f"{e.prefix}{e.k}_{e.h}"
+        if isinstance(e, Read):
+            name = self.macro(e.macro)
+            return f"{name}({', '.join(_index(a) for a in e.args)})" if e.args else name
+        if isinstance(e, Sum):
+            text = "".join(self._term(t) for t in e.terms)
+            return (text[1:] if text.startswith("+") else text) if text else self.zero
+        if isinstance(e, Add):
+            return " + ".join(self.expr(p) for p in e.parts) if e.parts else "0.0"
+        if isinstance(e, Mul):
+            return f"{self.expr(e.a)}*{self.expr(e.b)}"
+        if isinstance(e, Paren):
+            return f"({self.expr(e.x)})"
+        if isinstance(e, Cast):
+            return f"({self._type(e.ctype)}){self.expr(e.x)}"
+        if isinstance(e, Literal):
+            return e.text
+        if isinstance(e, Sym):
+            return c_expr(e.expr)
+        raise TypeError(f"not an expression: {e!r}")
+
+    def _term(self, t: Term) -> str:
+        operand = self.expr(t.operand)
+        if t.factor is not None:
+            return f"+{self.expr(t.factor)}*{operand}"
+        return f"-{operand}" if t.negative else f"+{operand}"
+
+
+COLUMN = Printer()
+LANES = Printer(_lane_macro, "VT", "VZERO")

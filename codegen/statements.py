@@ -1,0 +1,193 @@
+"""Kernel statements as data: what codegen/lower.py builds, codegen/roll.py rolls and
+codegen/printer.py prints (as a scalar column, or as one vector over all dof lanes).
+
+Expressions are frozen dataclasses, so statements compare and hash by value (roll.py
+compares the statements of rows to find repeating ones). Positions are ints, or ``Rel``
+offsets from a row that is not fixed yet: a group's row before it is placed, or the loop
+variable ``r`` once rolled.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Iterator, Optional, Union
+
+import sympy as sp
+
+
+@dataclasses.dataclass(frozen=True)
+class Rel:
+    """A row or action position relative to the current one (printed as ``r``, ``r + 2``, ``r - 1``)."""
+
+    rel: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Strided:
+    """A coefficient-table slot that advances by ``stride`` per loop row from row ``start``."""
+
+    slot: int
+    stride: int
+    start: int
+
+
+Index = Union[int, Rel, Strided, None]  # None: a blanked slot (roll.py's row shapes)
+
+
+@dataclasses.dataclass(frozen=True)
+class Var:
+    """A local variable by name (``s0``, ``dt0``, ``y0_c``, a loop's carried value)."""
+
+    name: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Val:
+    """The value ``<prefix><k>_<h>`` of row h (``y``: output, ``yb``: its adjoint, ``g``: its
+    incoming gradient, ``ty``: its tangent)."""
+
+    prefix: str
+    k: int
+    h: Union[int, Rel]
+
+
+@dataclasses.dataclass(frozen=True)
+class Read:
+    """A macro read: ``U(3)``, ``G0(h)``, ``C(q)``; without args the bare name (``S0``, ``SGU``)."""
+
+    macro: str
+    args: tuple[Index, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Literal:
+    """A numeric literal as written (``0``, ``0.0``)."""
+
+    text: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Sym:
+    """A SymPy expression of the double-precision coefficient program."""
+
+    expr: sp.Expr
+
+
+@dataclasses.dataclass(frozen=True)
+class Term:
+    """One signed product of a column sum: ``+factor*operand``, ``+operand`` or ``-operand``."""
+
+    factor: Optional[Read]  # a coefficient-table read, or None for a unit coefficient
+    operand: Any
+    negative: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Sum:
+    """A column sum of terms (the empty sum is the macro ``ZERO``)."""
+
+    terms: tuple[Term, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Add:
+    """A double-precision sum ``a + b + ...`` (the empty sum is ``0.0``)."""
+
+    parts: tuple
+
+
+@dataclasses.dataclass(frozen=True)
+class Mul:
+    """``a*b``."""
+
+    a: Any
+    b: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Paren:
+    """``(x)``."""
+
+    x: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Cast:
+    """``(ctype)x``; ctype ``T`` is the kernel's element type."""
+
+    ctype: str
+    x: Any
+
+
+Expr = Union[Var, Val, Read, Literal, Sym, Sum, Add, Mul, Paren, Cast]
+
+
+@dataclasses.dataclass(frozen=True)
+class Def:
+    """``const T target = value;`` (``T target = value;`` when not const: a loop's carried value)."""
+
+    target: Union[Var, Val]
+    value: Expr
+    ctype: str = "T"
+    const: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class Store:
+    """``target = value;`` or ``target += value;`` (a macro lvalue or a carried variable)."""
+
+    target: Union[Read, Var]
+    value: Expr
+    op: str = "="
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """``macro(args..., value);``: a store through a macro (``Y0(h, v)``, ``GS1(v)``)."""
+
+    macro: str
+    args: tuple[Union[Index, Var], ...] = ()
+    value: Optional[Expr] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class For:
+    """A loop over rows ``r`` from ``first`` to ``last`` inclusive, by ``step`` (+1 or -1)."""
+
+    first: int
+    last: int
+    step: int
+    body: tuple
+
+
+Statement = Union[Def, Store, Call, For]
+
+
+def transform(node: Any, fn: Callable[[Any], Any]) -> Any:
+    """``node`` rebuilt top-down: where ``fn`` returns a value other than None, that replaces
+    the (sub)node; else the node's fields (or a tuple's items) are transformed in turn."""
+    out = fn(node)
+    if out is not None:
+        return out
+    if isinstance(node, tuple):
+        return tuple(transform(x, fn) for x in node)
+    if dataclasses.is_dataclass(node) and not isinstance(node, (Sym, type)):
+        return dataclasses.replace(node, **{f.name: transform(getattr(node, f.name), fn)
+                                            for f in dataclasses.fields(node)})
+    return node
+
+
+def walk(node: Any) -> Iterator[Any]:
+    """Every node under ``node`` (itself included), in field order."""
+    yield node
+    if isinstance(node, tuple):
+        for x in node:
+            yield from walk(x)
+    elif dataclasses.is_dataclass(node) and not isinstance(node, (Sym, type)):
+        for f in dataclasses.fields(node):
+            yield from walk(getattr(node, f.name))
+
+
+def place(node: Any, h: int) -> Any:
+    """``node`` at row h: every ``Rel`` position becomes absolute."""
+    return transform(node, lambda n: h + n.rel if isinstance(n, Rel) else None)
+
