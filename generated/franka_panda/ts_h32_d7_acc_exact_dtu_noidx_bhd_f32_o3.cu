@@ -1078,7 +1078,9 @@ extern "C" __global__ void ts_h32_d7_acc_exact_dtu_noidx_bhd_f32_o3_dt_vjp(int64
         ACC(2) += (double)(yb3_1*y2_1 + yb3_2*y2_2 + yb3_3*y2_3 + yb3_4*y2_4 + yb3_5*y2_5 + yb3_6*y2_6 + yb3_7*y2_7 + yb3_8*y2_8 + yb3_9*y2_9 + yb3_10*y2_10 + yb3_11*y2_11 + yb3_12*y2_12 + yb3_13*y2_13 + yb3_14*y2_14 + yb3_15*y2_15 + yb3_16*y2_16 + yb3_17*y2_17 + yb3_18*y2_18 + yb3_19*y2_19 + yb3_20*y2_20 + yb3_21*y2_21 + yb3_22*y2_22 + yb3_23*y2_23 + yb3_24*y2_24 + yb3_25*y2_25 + yb3_26*y2_26 + yb3_27*y2_27 + yb3_28*y2_28 + yb3_29*y2_29 + yb3_30*y2_30 + yb3_31*y2_31);
         ACC(3) += (double)(yb3_1*s2 + yb3_2*y2_1 + yb3_3*y2_2 + yb3_4*y2_3 + yb3_5*y2_4 + yb3_6*y2_5 + yb3_7*y2_6 + yb3_8*y2_7 + yb3_9*y2_8 + yb3_10*y2_9 + yb3_11*y2_10 + yb3_12*y2_11 + yb3_13*y2_12 + yb3_14*y2_13 + yb3_15*y2_14 + yb3_16*y2_15 + yb3_17*y2_16 + yb3_18*y2_17 + yb3_19*y2_18 + yb3_20*y2_19 + yb3_21*y2_20 + yb3_22*y2_21 + yb3_23*y2_22 + yb3_24*y2_23 + yb3_25*y2_24 + yb3_26*y2_25 + yb3_27*y2_26 + yb3_28*y2_27 + yb3_29*y2_28 + yb3_30*y2_29 + yb3_31*y2_30);
     }
-    /* warp-level sum, then one atomic per warp and parameter */
+    /* block reduction: each block writes its sums to gc[block * NC_ + i], in a fixed order (a
+     * warp shuffle tree, then the warps' sums in turn); dt_vjp_finish adds the blocks in order */
+    __shared__ double warp_sums[32];
     for (int i = 0; i < NC_; ++i) {
         double v = acc[i];
         for (int off = 16; off > 0; off >>= 1) v += __shfl_down_sync(0xffffffffu, v, off);

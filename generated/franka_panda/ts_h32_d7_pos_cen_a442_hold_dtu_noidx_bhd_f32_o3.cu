@@ -888,7 +888,9 @@ extern "C" __global__ void ts_h32_d7_pos_cen_a442_hold_dtu_noidx_bhd_f32_o3_dt_v
         ACC(21) += (double)(yb1_30*U(30) + yb1_31*U(30));
         ACC(22) += (double)(yb2_31*U(30));
     }
-    /* warp-level sum, then one atomic per warp and parameter */
+    /* block reduction: each block writes its sums to gc[block * NC_ + i], in a fixed order (a
+     * warp shuffle tree, then the warps' sums in turn); dt_vjp_finish adds the blocks in order */
+    __shared__ double warp_sums[32];
     for (int i = 0; i < NC_; ++i) {
         double v = acc[i];
         for (int off = 16; off > 0; off >>= 1) v += __shfl_down_sync(0xffffffffu, v, off);

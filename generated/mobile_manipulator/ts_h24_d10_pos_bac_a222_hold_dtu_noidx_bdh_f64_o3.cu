@@ -744,7 +744,9 @@ extern "C" __global__ void ts_h24_d10_pos_bac_a222_hold_dtu_noidx_bdh_f64_o3_dt_
         ACC(30) += (double)(yb3_4*s0 + yb3_5*U(0) + yb3_6*U(1) + yb3_7*U(2) + yb3_8*U(3) + yb3_9*U(4) + yb3_10*U(5) + yb3_11*U(6) + yb3_12*U(7) + yb3_13*U(8) + yb3_14*U(9) + yb3_15*U(10) + yb3_16*U(11) + yb3_17*U(12) + yb3_18*U(13) + yb3_19*U(14) + yb3_20*U(15) + yb3_21*U(16) + yb3_22*U(17) + yb3_23*U(18));
         ACC(31) += (double)(yb3_4*U(0) + yb3_5*U(1) + yb3_6*U(2) + yb3_7*U(3) + yb3_8*U(4) + yb3_9*U(5) + yb3_10*U(6) + yb3_11*U(7) + yb3_12*U(8) + yb3_13*U(9) + yb3_14*U(10) + yb3_15*U(11) + yb3_16*U(12) + yb3_17*U(13) + yb3_18*U(14) + yb3_19*U(15) + yb3_20*U(16) + yb3_21*U(17) + yb3_22*U(18) + yb3_23*U(19));
     }
-    /* warp-level sum, then one atomic per warp and parameter */
+    /* block reduction: each block writes its sums to gc[block * NC_ + i], in a fixed order (a
+     * warp shuffle tree, then the warps' sums in turn); dt_vjp_finish adds the blocks in order */
+    __shared__ double warp_sums[32];
     for (int i = 0; i < NC_; ++i) {
         double v = acc[i];
         for (int off = 16; off > 0; off >>= 1) v += __shfl_down_sync(0xffffffffu, v, off);

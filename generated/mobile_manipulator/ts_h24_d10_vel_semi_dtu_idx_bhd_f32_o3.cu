@@ -844,7 +844,9 @@ extern "C" __global__ void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_dt_vjp(int64_t
         ACC(1) += (double)(yb2_1*y1_1 + yb3_1*y2_1 + yb2_2*y1_2 + yb3_2*y2_2 + yb2_3*y1_3 + yb3_3*y2_3 + yb2_4*y1_4 + yb3_4*y2_4 + yb2_5*y1_5 + yb3_5*y2_5 + yb2_6*y1_6 + yb3_6*y2_6 + yb2_7*y1_7 + yb3_7*y2_7 + yb2_8*y1_8 + yb3_8*y2_8 + yb2_9*y1_9 + yb3_9*y2_9 + yb2_10*y1_10 + yb3_10*y2_10 + yb2_11*y1_11 + yb3_11*y2_11 + yb2_12*y1_12 + yb3_12*y2_12 + yb2_13*y1_13 + yb3_13*y2_13 + yb2_14*y1_14 + yb3_14*y2_14 + yb2_15*y1_15 + yb3_15*y2_15 + yb2_16*y1_16 + yb3_16*y2_16 + yb2_17*y1_17 + yb3_17*y2_17 + yb2_18*y1_18 + yb3_18*y2_18 + yb2_19*y1_19 + yb3_19*y2_19 + yb2_20*y1_20 + yb3_20*y2_20 + yb2_21*y1_21 + yb3_21*y2_21 + yb2_22*y1_22 + yb3_22*y2_22 + yb2_23*y1_23 + yb3_23*y2_23);
         ACC(2) += (double)(yb2_1*s1 + yb3_1*s2 + yb2_2*y1_1 + yb3_2*y2_1 + yb2_3*y1_2 + yb3_3*y2_2 + yb2_4*y1_3 + yb3_4*y2_3 + yb2_5*y1_4 + yb3_5*y2_4 + yb2_6*y1_5 + yb3_6*y2_5 + yb2_7*y1_6 + yb3_7*y2_6 + yb2_8*y1_7 + yb3_8*y2_7 + yb2_9*y1_8 + yb3_9*y2_8 + yb2_10*y1_9 + yb3_10*y2_9 + yb2_11*y1_10 + yb3_11*y2_10 + yb2_12*y1_11 + yb3_12*y2_11 + yb2_13*y1_12 + yb3_13*y2_12 + yb2_14*y1_13 + yb3_14*y2_13 + yb2_15*y1_14 + yb3_15*y2_14 + yb2_16*y1_15 + yb3_16*y2_15 + yb2_17*y1_16 + yb3_17*y2_16 + yb2_18*y1_17 + yb3_18*y2_17 + yb2_19*y1_18 + yb3_19*y2_18 + yb2_20*y1_19 + yb3_20*y2_19 + yb2_21*y1_20 + yb3_21*y2_20 + yb2_22*y1_21 + yb3_22*y2_21 + yb2_23*y1_22 + yb3_23*y2_22);
     }
-    /* warp-level sum, then one atomic per warp and parameter */
+    /* block reduction: each block writes its sums to gc[block * NC_ + i], in a fixed order (a
+     * warp shuffle tree, then the warps' sums in turn); dt_vjp_finish adds the blocks in order */
+    __shared__ double warp_sums[32];
     for (int i = 0; i < NC_; ++i) {
         double v = acc[i];
         for (int off = 16; off > 0; off >>= 1) v += __shfl_down_sync(0xffffffffu, v, off);

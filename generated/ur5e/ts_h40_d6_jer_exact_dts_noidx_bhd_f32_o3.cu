@@ -1574,7 +1574,9 @@ extern "C" __global__ void ts_h40_d6_jer_exact_dts_noidx_bhd_f32_o3_dt_vjp(int64
         ACC(115) += (double)(yb1_39*y3_39 + yb0_39*y2_38);
         ACC(116) += (double)(yb0_39*y3_39);
     }
-    /* warp-level sum, then one atomic per warp and parameter */
+    /* block reduction: each block writes its sums to gc[block * NC_ + i], in a fixed order (a
+     * warp shuffle tree, then the warps' sums in turn); dt_vjp_finish adds the blocks in order */
+    __shared__ double warp_sums[32];
     for (int i = 0; i < NC_; ++i) {
         double v = acc[i];
         for (int off = 16; off > 0; off >>= 1) v += __shfl_down_sync(0xffffffffu, v, off);

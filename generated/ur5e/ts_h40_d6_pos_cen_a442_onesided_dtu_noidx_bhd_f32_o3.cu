@@ -1107,7 +1107,9 @@ extern "C" __global__ void ts_h40_d6_pos_cen_a442_onesided_dtu_noidx_bhd_f32_o3_
         ACC(47) += (double)(yb3_39*U(37));
         ACC(48) += (double)(yb3_39*U(38));
     }
-    /* warp-level sum, then one atomic per warp and parameter */
+    /* block reduction: each block writes its sums to gc[block * NC_ + i], in a fixed order (a
+     * warp shuffle tree, then the warps' sums in turn); dt_vjp_finish adds the blocks in order */
+    __shared__ double warp_sums[32];
     for (int i = 0; i < NC_; ++i) {
         double v = acc[i];
         for (int off = 16; off > 0; off >>= 1) v += __shfl_down_sync(0xffffffffu, v, off);
