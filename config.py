@@ -125,10 +125,16 @@ def _check_keys(path: Path, key: str, data: dict, allowed: tuple[str, ...]) -> N
             raise ConfigError(path, where, f"unknown key ({hint}allowed: {', '.join(allowed)})")
 
 
+def _mapping(path: Path, key: str, value: Any, allowed: Any, expected: str) -> dict:
+    """A mapping whose keys are all allowed (a misspelt key is named with the allowed ones)."""
+    if not isinstance(value, dict):
+        raise ConfigError(path, key, expected)
+    _check_keys(path, key, value, allowed)
+    return value
+
+
 def load_native(path: Path, data: Any) -> RobotConfig:
-    if not isinstance(data, dict):
-        raise ConfigError(path, "", "expected a mapping with robot, joints/dof and kernels")
-    _check_keys(path, "", data, NATIVE_KEYS)
+    _mapping(path, "", data, NATIVE_KEYS, "expected a mapping with robot, joints/dof and kernels")
     robot = data.get("robot")
     if not isinstance(robot, str) or not robot:
         raise ConfigError(path, "robot", "expected a non-empty robot name (string)")
@@ -145,10 +151,7 @@ def load_native(path: Path, data: Any) -> RobotConfig:
     else:
         raise ConfigError(path, "joints", "missing key (give joint names, or dof)")
     dt = _positive_float(path, "dt", data.get("dt", 0.02))
-    defaults = data.get("defaults") or {}
-    if not isinstance(defaults, dict):
-        raise ConfigError(path, "defaults", "expected a mapping of KernelSpec fields")
-    _check_keys(path, "defaults", defaults, SPEC_KEYS)
+    defaults = _mapping(path, "defaults", data.get("defaults") or {}, SPEC_KEYS, "expected a mapping of KernelSpec fields")
     kernels = data.get("kernels")
     if not isinstance(kernels, list) or not kernels:
         raise ConfigError(path, "kernels", "expected a non-empty list of kernel specs")
