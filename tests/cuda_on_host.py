@@ -30,6 +30,7 @@ PRELUDE = f"""/* CUDA keywords for a sequential run on the host */
 #define __restrict__ restrict
 #define __shared__ static
 #define __syncthreads()
+#define atomicAdd(address, value) (*(address) += (value)) /* per-trajectory dt_vjp: one thread at a time */
 #define __shfl_down_sync(mask, value, offset) 0.0
 typedef struct {{ long long x; }} ts_dim3;
 static ts_dim3 blockIdx, threadIdx, blockDim = {{{THREADS}}};
