@@ -276,8 +276,11 @@ def run_rollouts(cases: Iterable[Case], echo: Callable[[str], None], budget_s: f
     return rows
 
 
+# torch is imported first, as in any process that uses a step (`import tensorstep` alone no longer
+# imports it), so the columns are tensorstep's own cost
 COLD_SNIPPET = """
 import time, sys
+import torch
 t0 = time.perf_counter()
 import tensorstep as ts
 spec = ts.KernelSpec(horizon={H}, dof=7, **{kw})
