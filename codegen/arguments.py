@@ -37,7 +37,7 @@ MESSAGES: Mapping[str, str] = {
     "index_dtype": "{name}: expected dtype torch.int32 or torch.int64, got {got}",
     "device": "{name}: expected device {expected} (the kernel's device), got {got}",
     "empty": "{name}: batch size is 0; expected at least one trajectory",
-    "no_rows": "{name}: the table has 0 rows; {rows} needs at least one",
+    "no_rows": "{name}: expected at least one row, got shape {got}",
     "range": "{name}: entry {got} is out of range: the rows it picks ({rows}) number {count} (allowed 0..{max})",
     "dt_value": "{name}: expected finite, positive step durations, got {got}",
 }

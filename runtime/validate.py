@@ -33,7 +33,7 @@ def _bind(table: ArgumentTable, arg: Argument, t: Tensor, dims: dict[str, int]) 
         if isinstance(symbol, str) and symbol not in dims and table.size(symbol) is None:
             if size == 0:
                 raise _fail(ValueError, "empty" if symbol == "B" else "no_rows", name=arg.name,
-                            rows=", ".join(a.name for a in table.inputs if a.index and a.index in dims.get("_", ())))
+                            got=shape_text(t.shape))
             dims[symbol] = size
 
 
