@@ -384,3 +384,38 @@ def test_bad_inputs_are_refused_before_any_kernel_runs(native):
         step(u, p0, v0, a0, dt)
     with pytest.raises(TypeError, match=r"dt: this kernel takes one step duration per trajectory.*got a float"):
         step(u, p0, v0, a0, 0.1, goal=(gp, gv, ga))
+
+
+def test_config_and_cli(tmp_path):
+    """control: bspline in tensorstep's YAML (the horizon default is not applied: it is derived);
+    `show` prints the derived basis and boundary coefficients (exact fractions) before the source;
+    `check` verifies the kernels against the dense matrices; `run` and `list` handle B-splines."""
+    from click.testing import CliRunner
+
+    from tensorstep.cli import main
+    from tensorstep.config import load_config
+
+    cfg = tmp_path / "toy.yml"
+    cfg.write_text("robot: toy\ndof: 2\ndt: 0.05\ndefaults: {horizon: 16, difference: backward, dtype: float64}\n"
+                   "kernels:\n  - {control: position}\n"
+                   "  - {control: bspline, degree: 5, knots: 3, steps: 2, end: goal, dt: per_trajectory}\n"
+                   "  - {control: bspline, knots: 2, steps: 4}\n")
+    specs = load_config(cfg).specs
+    assert specs[0].horizon == 16 and specs[0].difference == "backward"
+    assert (specs[1].degree, specs[1].knots, specs[1].steps, specs[1].horizon) == (5, 3, 2, 21)
+    assert (specs[2].degree, specs[2].horizon) == (4, 29)
+    invoke = lambda *args: CliRunner().invoke(main, [*args], catch_exceptions=False)
+    shown = invoke("show", "--control", "bspline", "--degree", "3", "--knots", "2", "--steps", "3", "--end", "goal",
+                   "--kernel", "forward")
+    assert shown.exit_code == 0, shown.output
+    assert " *   B_0   1/6  -1/2   1/2  -1/6" in shown.output  # the cubic's basis matrix, exact
+    assert " *   F_0     1    -1   1/3     0" in shown.output  # start point F_0 = p0 − kdt·v0 + kdt²/3·a0
+    assert "_bsp_p3_n2_s3_goal_dtu_noidx_bhd_f32_o3_forward(" in shown.output
+    bad = CliRunner().invoke(main, ["show", "--control", "bspline", "--knots", "2", "--steps", "3", "--horizon", "5"])
+    assert bad.exit_code != 0 and "KernelSpec.horizon=5 is invalid" in bad.output and "give horizon=22" in bad.output
+    checked = invoke("check", str(cfg))
+    assert checked.exit_code == 0 and checked.output.count("PASS") >= 3, checked.output
+    ran = invoke("run", str(cfg), "-o", str(tmp_path / "out"), "--batch", "3")
+    assert ran.exit_code == 0 and "grad u (3, 3, 2)" in ran.output, ran.output
+    listed = invoke("list", str(tmp_path / "out"))
+    assert listed.exit_code == 0 and "degree 5 n=3 s=2" in listed.output
