@@ -345,7 +345,8 @@ def run(config: str, task: Optional[str], output: str, batch: int, device: str) 
 @main.command()
 @click.option("--device", default="cpu", show_default=True, help="cpu or cuda")
 @click.option("--quick", is_flag=True, help="fewer sizes (B up to 4000)")
-@click.option("--scheme", type=click.Choice(["central", "backward", "accel"]), multiple=True)
+@click.option("--scheme", type=click.Choice(["central", "backward", "accel", "bspline"]), multiple=True,
+              help="bspline: degree 4, 8 knots, 4 rows per span, 7 dof (B=4000 unless --batch)")
 @click.option("--batch", type=int, multiple=True, help="batch sizes (default: the standard set)")
 @click.option("--horizon", type=int, multiple=True, help="horizons (default: 32, plus 8/128/256 at B=400)")
 @click.option("--dtype", type=click.Choice(["float32", "float64"]), multiple=True)
@@ -362,7 +363,7 @@ def bench(device: str, quick: bool, scheme: tuple, batch: tuple, horizon: tuple,
     torch.compile) and the copy bound, then the forward alone (rollouts) into new and into reused
     outputs (out=)."""
     check_device(device)
-    from .bench import harness
+    from .bench import bspline, harness
 
     if plot_path:
         from . import plot as pictures
@@ -372,12 +373,18 @@ def bench(device: str, quick: bool, scheme: tuple, batch: tuple, horizon: tuple,
         except ImportError as err:
             raise UserError(str(err)) from None
 
-    if scheme or batch or horizon or dtype:
-        cases = [harness.Case(s, h, b, d, device) for s in (scheme or ("central",)) for h in (horizon or (32,))
+    others = tuple(s for s in scheme if s != "bspline")
+    filtered = bool(scheme or batch or horizon or dtype)
+    if others or (filtered and "bspline" not in scheme):
+        cases = [harness.Case(s, h, b, d, device) for s in (others or ("central",)) for h in (horizon or (32,))
                  for b in (batch or (1, 400, 4000, 40000)) for d in (dtype or ("float32",))]
-    else:
-        cases = harness.default_cases(device, quick)
-    rows = harness.run_cases(cases, click.echo, budget, inductor)
+    else:  # the standard set, or none with --scheme bspline alone
+        cases = [] if filtered else harness.default_cases(device, quick)
+    splines = [bspline.BSplineCase(batch=b, dtype=d, device=device) for b in (batch or (4000,))
+               for d in (dtype or ("float32",))] if "bspline" in scheme or not filtered else []
+    rows = harness.run_cases(cases, click.echo, budget, inductor) if cases else []
+    if splines:
+        bspline.run_cases(splines, click.echo, budget, inductor)
     if plot_path:
         pictures.bench_times(rows, plot_path, harness.machine())
         click.echo(f"\nplot: {plot_path}")
