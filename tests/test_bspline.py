@@ -6,7 +6,6 @@ torch.compile, and the bad inputs."""
 from __future__ import annotations
 
 import shutil
-import subprocess
 
 import numpy as np
 import pytest
@@ -15,10 +14,7 @@ from scipy.interpolate import BSpline
 
 import reference_bspline as ref
 import tensorstep as ts
-from cuda_on_host import host_metadata, host_source
-from helpers import scale_close
-from tensorstep.runtime.api import Step
-from tensorstep.runtime.launch import CpuBackend, Launcher
+from helpers import BoundaryCase, check_ptx, scale_close
 
 DOF = 2
 
@@ -194,37 +190,11 @@ def test_polynomial_reproduces_itself(degree, steps, dt_mode):
 
 # ---- kernels: C (native and Python paths) and the CUDA source on the host -----------------------
 
-class Case:
-    """Random inputs of a B-spline spec and the reference outputs for them."""
+class Case(BoundaryCase):
+    """Random inputs of a B-spline spec (u holds the knots) and the reference outputs for them."""
 
     def __init__(self, spec, B: int = 3, seed: int = 0):
-        gen = torch.Generator().manual_seed(seed)
-        rnd = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)
-        self.spec, self.B = spec, B
-        S = B + 2 if spec.start_index else B
-        G = B + 1 if spec.goal_index else B
-        n, D = spec.knots, spec.dof
-        self.u = rnd(*((B, n, D) if spec.layout == "bhd" else (B, D, n)))
-        self.start = [rnd(S, D) for _ in range(4)]
-        self.goal = [rnd(G, D) for _ in range(4)] if spec.end == "goal" else []
-        self.idx = torch.randint(0, S, (B,), generator=gen) if spec.start_index else None
-        self.gidx = torch.randint(0, G, (B,), generator=gen) if spec.goal_index else None
-        if spec.dt == "per_trajectory":
-            self.dt = 0.05 + 0.1 * torch.rand(B, generator=gen, dtype=torch.float64)
-        else:
-            self.dt = torch.tensor(0.07, dtype=torch.float64)
-
-    def tensors(self) -> list[torch.Tensor]:
-        return [self.u, *self.start, *self.goal, self.dt]
-
-    def call(self, step, u, p0, v0, a0, j0, *rest, out=None):
-        *goal, dt = rest
-        kw = {"start_index": self.idx} if self.idx is not None else {}
-        if goal:
-            kw.update(goal=tuple(goal), goal_index=self.gidx)
-        if out is not None:
-            kw["out"] = out
-        return step(u, p0, v0, a0, dt, j0=j0, **kw)
+        super().__init__(spec, B, seed, uniform_dt=0.07)
 
     def expected(self) -> np.ndarray:
         """Reference P, V, A, J [4, B, R, D] (bhd)."""
@@ -256,56 +226,24 @@ def dense_snap(case: Case) -> np.ndarray:
     return out
 
 
-def bhd(y: torch.Tensor, spec) -> np.ndarray:
-    y = y.detach().numpy()
-    return y if spec.layout == "bhd" else y.transpose(0, 2, 1)
-
-
-def _steps(spec):
-    yield "c", ts.load(spec)
-    python = ts.load(spec)
-    python.native = None
-    yield "c-python", python
-    host = Step(spec, torch.device("cpu"), Launcher(spec, CpuBackend(spec, host_source(spec), host_metadata(spec))))
-    host.native = None
-    yield "cuda-on-host", host
 
 
 @pytest.mark.parametrize("overrides", KERNEL_GRID, ids=[grid_id(g) for g in KERNEL_GRID])
 def test_kernels_match_reference_and_adjoint_dot_test(overrides):
     """Forward against the reference (P..J; snap against the operator's dense matrices); gradients
     of every input by the dot test against the reference's forward, at 1e-12."""
-    spec = spec_of(overrides)
-    case = Case(spec)
+    case = Case(spec_of(overrides))
     expect = case.expected()
-    gen = torch.Generator().manual_seed(5)
-    grads = [torch.randn(y.shape, generator=gen, dtype=torch.float64) for y in case.call(ts.load(spec), *case.tensors())]
-    dot = sum(float((bhd(g, spec) * e).sum()) for g, e in zip(grads, expect))
-    for name, step in _steps(spec):
-        xs = [t.clone().requires_grad_(True) for t in case.tensors()[:-1]]
-        ys = case.call(step, *xs, case.dt)
-        assert len(ys) == spec.order + 1
-        for y, e in zip(ys, expect):
-            scale_close(bhd(y, spec), e, 1e-12)
-        if spec.order == 4:  # snap: the dense operator (checked against SciPy above) applied per column
-            scale_close(bhd(ys[4], spec), dense_snap(case), 1e-12)
-        gx = torch.autograd.grad(ys[:4], xs, grads[:4])
-        total = sum(float((x.detach() * g).sum()) for x, g in zip(xs, gx))
-        assert abs(total - dot) <= 1e-12 * max(1.0, abs(dot)), (name, total, dot)
+    if case.spec.order == 4:  # snap: the dense operator (checked against SciPy above) applied per column
+        expect = np.concatenate([expect, dense_snap(case)[None]])
+    case.check_kernels(expect)
 
 
 @pytest.mark.parametrize("overrides", KERNEL_GRID[1:4], ids=[grid_id(g) for g in KERNEL_GRID[1:4]])
 def test_gradcheck_with_forward_mode(overrides):
     """Gradients and tangents of knots, start, goal and dt (uniform and per trajectory) against
     finite differences (C and the CUDA source on the host); double backward for the tensors."""
-    spec = spec_of(overrides)
-    case = Case(spec, B=2)
-    args = [t.clone().requires_grad_(True) for t in case.tensors()]
-    for name, step in _steps(spec):
-        f = lambda *a: case.call(step, *a)
-        assert torch.autograd.gradcheck(f, args, check_forward_ad=True), name
-    g = lambda *a: case.call(ts.load(spec), *a, case.dt)
-    assert torch.autograd.gradgradcheck(g, args[:-1])
+    Case(spec_of(overrides), B=2).check_gradcheck()
 
 
 def test_float32_and_out_match_float64():
@@ -337,33 +275,13 @@ def test_vmap_over_knots():
 
 def test_compile_fullgraph_matches_eager():
     spec = spec_of(dict(degree=4, knots=3, steps=3, end="goal", dt="per_trajectory", goal_index=True))
-    case = Case(spec)
-    step = ts.load(spec)
-
-    def loss(*a):
-        return sum(w * y.square().sum() for w, y in zip((1.0, 0.1, 0.01, 0.001), case.call(step, *a)))
-
-    args = [t.clone().requires_grad_(True) for t in case.tensors()]
-    eager = loss(*args)
-    eager_grads = torch.autograd.grad(eager, args)
-    torch._dynamo.reset()
-    value = torch.compile(loss, fullgraph=True, backend="aot_eager")(*args)
-    grads = torch.autograd.grad(value, args)
-    torch.testing.assert_close(value, eager, rtol=1e-12, atol=0)
-    for a, b in zip(grads, eager_grads):
-        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    Case(spec).check_compile()
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
 def test_cuda_sources_compile_to_ptx(tmp_path):
     specs = [spec_of(KERNEL_GRID[1], dtype) for dtype in ("float32", "float64")] + [spec_of(KERNEL_GRID[2], "float32")]
-    unit = tmp_path / "bspline.cu"
-    unit.write_text("\n".join(f"namespace v{i} {{\n{ts.source(s, 'cuda')}\n}}" for i, s in enumerate(specs)).replace(
-        'extern "C" ', ""))
-    result = subprocess.run([shutil.which("nvcc"), "-ptx", "-arch=sm_80", str(unit), "-o", str(tmp_path / "o.ptx")],
-                            capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert (tmp_path / "o.ptx").read_text().count(".entry") == 5 * len(specs)
+    check_ptx([ts.source(s, "cuda") for s in specs], tmp_path)
 
 
 # ---- argument checks ----------------------------------------------------------------------------
