@@ -119,7 +119,8 @@ def run_cases(cases: Iterable[BSplineCase], echo: Callable[[str], None], budget_
     """The B-spline forward+backward table (interleaved timing, as the main table)."""
     echo(f"\nB-spline control, forward+backward (machine: {machine()}):")
     echo("")
-    echo("| degree | knots | steps | R | B | dof | dtype | tensorstep | kernels only | PyTorch B-spline | same, torch.compile "
+    echo("| degree | knots | steps | R | B | dof | dtype | tensorstep | kernels only | PyTorch B-spline "
+         "| same, torch.compile "
          "| copy bound | PyTorch / tensorstep | compiled / tensorstep | tensorstep / copy |")
     echo("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     rows = []
@@ -129,7 +130,8 @@ def run_cases(cases: Iterable[BSplineCase], echo: Callable[[str], None], budget_
         co = t.get("compiled")
         compiled_ratio = f"{co / t['tensorstep']:.1f}×" if co else "n/a"
         echo(f"| {case.degree} | {case.knots} | {case.steps} | {case.spec.horizon} | {case.batch} | {case.dof} | "
-             f"{case.dtype} | {format_time(t['tensorstep'])} | {format_time(t['kernels'])} | {format_time(t['torch'])} | "
+             f"{case.dtype} | {format_time(t['tensorstep'])} | {format_time(t['kernels'])} | "
+             f"{format_time(t['torch'])} | "
              f"{format_time(co) if co else 'n/a'} | {format_time(t['copy'])} | {t['torch'] / t['tensorstep']:.1f}× | "
              f"{compiled_ratio} | {t['tensorstep'] / t['copy']:.2f}× |")
     return rows

@@ -126,7 +126,8 @@ class KernelSpec:
         if not isinstance(self.start_index, bool):
             raise _fail("start_index", self.start_index, "expected True or False")
         if self.end == "goal" and self.control not in ("position", "bspline"):
-            raise _fail("end", self.end, f"end='goal' needs control='position' or 'bspline' (got control={self.control!r}); "
+            raise _fail("end", self.end, "end='goal' needs control='position' or 'bspline' "
+                        f"(got control={self.control!r}); "
                         "integration control allows 'hold', 'one_sided'")
         if self.end == "goal" and self.horizon < 3:
             raise _fail("horizon", self.horizon, "end='goal' needs at least 3 rows (start, one action, goal)")
@@ -160,7 +161,8 @@ class KernelSpec:
                         "(one step duration per trajectory; per-step durations would make the spline non-uniform)")
         derived = bspline_horizon(self.degree, self.knots, self.steps, self.end)
         if derived > MAX_HORIZON:
-            raise _fail("knots", self.knots, f"the derived horizon (T·steps + 1 = {derived} rows) exceeds {MAX_HORIZON}")
+            raise _fail("knots", self.knots,
+                        f"the derived horizon (T·steps + 1 = {derived} rows) exceeds {MAX_HORIZON}")
         given = _as_int(self.horizon)
         if given is not None and given != derived:
             raise _fail("horizon", self.horizon, f"control='bspline' with degree={self.degree}, knots={self.knots}, "

@@ -337,3 +337,17 @@ def test_config_and_cli(tmp_path):
     assert ran.exit_code == 0 and "grad u (3, 3, 2)" in ran.output, ran.output
     listed = invoke("list", str(tmp_path / "out"))
     assert listed.exit_code == 0 and "degree 5 n=3 s=2" in listed.output
+
+
+def test_bench_bspline_smoke():
+    """`bench --scheme bspline` runs end to end: the PyTorch B-spline agrees with tensorstep before
+    it is timed (tiny budget: this checks the command, not speed)."""
+    from click.testing import CliRunner
+
+    from tensorstep.cli import main
+
+    result = CliRunner().invoke(main, ["bench", "--scheme", "bspline", "--batch", "2", "--dtype", "float64",
+                                       "--no-codegen", "--no-inductor", "--budget", "0.01"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    row = next(line for line in result.output.splitlines() if line.startswith("| 4 | 8 | 4 | 53 | 2 | 7 | float64"))
+    assert row.count("|") == 16 and "Forward only" not in result.output
