@@ -17,7 +17,9 @@ from typing import Literal, Sequence
 
 import sympy as sp
 
-MIN_DEGREE, MAX_DEGREE = 3, 7
+from .spec import BSPLINE_DEGREES
+
+MIN_DEGREE, MAX_DEGREE = BSPLINE_DEGREES  # the spec's range, one definition
 STATE_NAMES = ("p", "v", "a", "j")
 Side = Literal["start", "goal"]
 End = Literal["hold", "goal"]
