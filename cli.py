@@ -117,7 +117,7 @@ def _single(cfg: Any, spec: KernelSpec) -> Any:
 def spec_options(fn: Callable) -> Callable:
     """KernelSpec fields as options (for `show` without a config)."""
     options = [
-        click.option("--horizon", type=int, default=32, show_default=True),
+        click.option("--horizon", type=int, default=None, help="output rows [default: 32; derived for bspline]"),
         click.option("--dof", type=int, default=7, show_default=True),
         click.option("--control", type=click.Choice(CONTROLS), default="position", show_default=True),
         click.option("--difference", type=click.Choice(DIFFERENCES), default="central", show_default=True),
@@ -130,6 +130,9 @@ def spec_options(fn: Callable) -> Callable:
         click.option("--layout", type=click.Choice(LAYOUTS), default="bhd", show_default=True),
         click.option("--dtype", type=click.Choice(DTYPES), default="float32", show_default=True),
         click.option("--order", type=click.Choice(["3", "4"]), default="3", show_default=True),
+        click.option("--degree", type=int, default=None, help="bspline: the degree, 3 to 7 [default: 4]"),
+        click.option("--knots", type=int, default=None, help="bspline: free control points"),
+        click.option("--steps", type=int, default=None, help="bspline: output rows per span"),
     ]
     for option in reversed(options):
         fn = option(fn)
@@ -147,10 +150,13 @@ def parse_accuracy(text: Optional[str]) -> Any:
 
 
 def spec_from_options(o: dict[str, Any]) -> KernelSpec:
+    bspline = o["control"] == "bspline"  # horizon derived (a given one is checked); the B-spline fields
+    horizon = o["horizon"] if o["horizon"] is not None or bspline else 32
     return KernelSpec(
-        horizon=o["horizon"], dof=o["dof"], control=o["control"], difference=o["difference"],
+        horizon=horizon, dof=o["dof"], control=o["control"], difference=o["difference"],
         accuracy=parse_accuracy(o["accuracy"]), integrator=o["integrator"], end=o["end"], dt=o["dt_mode"],
         start_index=o["start_index"], goal_index=o["goal_index"], layout=o["layout"], dtype=o["dtype"], order=int(o["order"]),
+        degree=o["degree"], knots=o["knots"], steps=o["steps"],
     )
 
 
@@ -179,11 +185,17 @@ def specs_from(config: Optional[str], task: Optional[str], options: dict[str, An
 @spec_options
 @friendly
 def show(config: Optional[str], task: Optional[str], target: str, kernel: str, **options: Any) -> None:
-    """Print generated source for a CONFIG, or for the spec given by options."""
+    """Print generated source for a CONFIG, or for the spec given by options (a B-spline's derived
+    basis matrix and boundary coefficients first, as a comment)."""
     from .codegen.driver import generate
 
     specs = specs_from(config, task, options, "shown")
     for spec in specs:
+        if spec.control == "bspline":
+            from .codegen.bspline import describe
+
+            click.echo("/*\n" + "\n".join(" * " + line for line in
+                                           describe(spec.degree, spec.knots, spec.steps, spec.end)) + "\n */")
         click.echo(generate(spec, targets=(target,), parts=(kernel,)).source(target, kernel))
 
 
@@ -226,7 +238,8 @@ def list_(directory: str) -> None:
     click.echo(f"{manifest['robot']}: {manifest['dof']} dof, tensorstep {manifest['version']}")
     for k in manifest["kernels"]:
         s = k["spec"]
-        scheme = s["difference"] if s["control"] == "position" else s["integrator"]
+        scheme = {"position": s["difference"], "bspline": f"degree {s.get('degree')} n={s.get('knots')} "
+                  f"s={s.get('steps')}"}.get(s["control"], s["integrator"])
         files = ", ".join(v["path"] for v in k["files"].values())
         click.echo(f"  H={s['horizon']:<4} {s['control']:<12} {scheme:<20} dt={s['dt']:<8} {s['dtype']:<8} {files}")
 
@@ -332,7 +345,8 @@ def run(config: str, task: Optional[str], output: str, batch: int, device: str) 
 @main.command()
 @click.option("--device", default="cpu", show_default=True, help="cpu or cuda")
 @click.option("--quick", is_flag=True, help="fewer sizes (B up to 4000)")
-@click.option("--scheme", type=click.Choice(["central", "backward", "accel"]), multiple=True)
+@click.option("--scheme", type=click.Choice(["central", "backward", "accel", "bspline"]), multiple=True,
+              help="bspline: degree 4, 8 knots, 4 rows per span, 7 dof (B=4000 unless --batch)")
 @click.option("--batch", type=int, multiple=True, help="batch sizes (default: the standard set)")
 @click.option("--horizon", type=int, multiple=True, help="horizons (default: 32, plus 8/128/256 at B=400)")
 @click.option("--dtype", type=click.Choice(["float32", "float64"]), multiple=True)
@@ -349,7 +363,7 @@ def bench(device: str, quick: bool, scheme: tuple, batch: tuple, horizon: tuple,
     torch.compile) and the copy bound, then the forward alone (rollouts) into new and into reused
     outputs (out=)."""
     check_device(device)
-    from .bench import harness
+    from .bench import bspline, harness
 
     if plot_path:
         from . import plot as pictures
@@ -359,12 +373,18 @@ def bench(device: str, quick: bool, scheme: tuple, batch: tuple, horizon: tuple,
         except ImportError as err:
             raise UserError(str(err)) from None
 
-    if scheme or batch or horizon or dtype:
-        cases = [harness.Case(s, h, b, d, device) for s in (scheme or ("central",)) for h in (horizon or (32,))
+    others = tuple(s for s in scheme if s != "bspline")
+    filtered = bool(scheme or batch or horizon or dtype)
+    if others or (filtered and "bspline" not in scheme):
+        cases = [harness.Case(s, h, b, d, device) for s in (others or ("central",)) for h in (horizon or (32,))
                  for b in (batch or (1, 400, 4000, 40000)) for d in (dtype or ("float32",))]
-    else:
-        cases = harness.default_cases(device, quick)
-    rows = harness.run_cases(cases, click.echo, budget, inductor)
+    else:  # the standard set, or none with --scheme bspline alone
+        cases = [] if filtered else harness.default_cases(device, quick)
+    splines = [bspline.BSplineCase(batch=b, dtype=d, device=device) for b in (batch or (4000,))
+               for d in (dtype or ("float32",))] if "bspline" in scheme or not filtered else []
+    rows = harness.run_cases(cases, click.echo, budget, inductor) if cases else []
+    if splines:
+        bspline.run_cases(splines, click.echo, budget, inductor)
     if plot_path:
         pictures.bench_times(rows, plot_path, harness.machine())
         click.echo(f"\nplot: {plot_path}")

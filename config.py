@@ -9,6 +9,7 @@ Native form::
     kernels:                       # one KernelSpec per entry (fields: docs/kernelspec.md)
       - {control: position, difference: central}
       - {control: acceleration}
+      - {control: bspline, degree: 4, knots: 8, steps: 4}   # horizon derived (T·steps + 1)
 
 cuRobo form: a robot file with ``robot_cfg.kinematics.cspace.joint_names`` (less the joints
 in ``robot_cfg.kinematics.lock_joints``, which are not optimised) plus a task file with
@@ -27,7 +28,7 @@ from typing import Any, Optional
 
 import yaml
 
-from .codegen.spec import KernelSpec
+from .codegen.spec import RELEVANT, KernelSpec
 
 MAX_CONFIG_BYTES = 1 << 20
 
@@ -155,8 +156,23 @@ def load_native(path: Path, data: Any) -> RobotConfig:
     kernels = data.get("kernels")
     if not isinstance(kernels, list) or not kernels:
         raise ConfigError(path, "kernels", "expected a non-empty list of kernel specs")
-    specs = tuple(_spec(path, f"kernels[{i}]", {**defaults, **(k or {})}, dof) for i, k in enumerate(kernels))
+    specs = tuple(_spec(path, f"kernels[{i}]", _with_defaults(defaults, k), dof) for i, k in enumerate(kernels))
     return RobotConfig(robot, dof, joints, dt, specs, str(path))
+
+
+def _with_defaults(defaults: dict, kernel: Any) -> Any:
+    """A kernel's fields over the shared defaults, of which a kernel takes those that apply to its
+    control: a B-spline's horizon is derived, and difference/accuracy/end/integrator or
+    degree/knots/steps mean nothing to some controls. Its own fields are checked as given."""
+    if kernel is None:
+        kernel = {}
+    if not isinstance(kernel, dict):
+        return kernel
+    control = kernel.get("control", defaults.get("control", "position"))
+    skipped = {f for f, controls in RELEVANT.items() if control not in controls}
+    if control == "bspline":
+        skipped.add("horizon")
+    return {**{k: v for k, v in defaults.items() if k not in skipped}, **kernel}
 
 
 CUROBO_CONTROL = {"POSITION": {"control": "position"}, "ACCELERATION": {"control": "acceleration"}}

@@ -7,7 +7,7 @@ the Python checks and their messages (runtime/validate.py), the native node's ch
 are handed to C++ at registration), the launcher's shapes, and the custom ops' schemas and
 fake kernels. Adding an argument is a row here plus its meaning in a builder.
 
-Shape symbols: B trajectories, N action rows, H output rows, D dof, S start-table rows (the
+Shape symbols: B trajectories, N action rows (a B-spline's knots), H output rows, D dof, S start-table rows (the
 rows ``start_index`` picks from; S = B without an index), G goal-table rows (likewise for
 ``goal_index``), NDT step durations the kernel reads (dt is [B] when per trajectory).
 Rows flagged ``layout`` are [B, rows, D] in layout "bhd" and [B, D, rows] in "bdh".
@@ -152,7 +152,9 @@ def _state(names: tuple[str, ...], role: str, index: str, indexed: bool, symbol:
 def step_table(spec: Any) -> ArgumentTable:
     """The arguments of a step: actions, start state (optionally indexed), the goal state with
     end="goal" (optionally indexed), step durations (one per trajectory with dt="per_trajectory")."""
-    inputs = [Argument("u", "u", "action", ("B", "N", "D"), layout=True, meaning="actions")]
+    bspline = getattr(spec, "control", "") == "bspline"  # u holds the n knots: N = n rows
+    inputs = [Argument("u", "u", "action", ("B", "N", "D"), layout=True,
+                       meaning="knots (B-spline control points)" if bspline else "actions")]
     inputs += _state(START_NAMES, "start", "start_index", bool(getattr(spec, "start_index", False)), "S",
                      "start state", "idx")
     goal = getattr(spec, "end", "") == "goal"

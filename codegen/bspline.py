@@ -17,7 +17,9 @@ from typing import Literal, Sequence
 
 import sympy as sp
 
-MIN_DEGREE, MAX_DEGREE = 3, 7
+from .spec import BSPLINE_DEGREES
+
+MIN_DEGREE, MAX_DEGREE = BSPLINE_DEGREES  # the spec's range, one definition
 STATE_NAMES = ("p", "v", "a", "j")
 Side = Literal["start", "goal"]
 End = Literal["hold", "goal"]
@@ -154,3 +156,28 @@ def layout(degree: int, knots: int, steps: int, end: End) -> Layout:
         j = min(h // steps, T - 1)
         rows.append((j, Fraction(h, steps) - j))
     return Layout(D, knots, steps, end, tuple(points), tuple(rows))
+
+
+def _table(rows: list[list[sp.Rational]], labels: list[str]) -> list[str]:
+    """Rows of exact fractions, right-aligned in columns, each row after its label."""
+    cells = [[str(x) for x in row] for row in rows]
+    width = max(len(c) for row in cells for c in row)
+    return [f"  {label}  " + "  ".join(c.rjust(width) for c in row) for label, row in zip(labels, cells)]
+
+
+def describe(degree: int, knots: int, steps: int, end: End) -> list[str]:
+    """The derived basis matrix, boundary coefficients and row layout as text (exact fractions)."""
+    D = check_degree(degree)
+    lay = layout(D, knots, steps, end)
+    M = basis_matrix(D)
+    lines = [f"B-spline of degree {D}: {knots} knots, {steps} rows per span, end={end!r}: "
+             f"{lay.spans} spans, R = T*s + 1 = {lay.horizon} rows (kdt = steps*dt per span)",
+             f"basis: B_i(t) = sum_k M[i,k] t^k on one span (t in [0, 1], q_0 oldest); columns t^0..t^{D}:"]
+    lines += _table(M.tolist(), [f"B_{i}" for i in range(D + 1)])
+    for side, point in (("start", "F"), ("goal", "G")):
+        if side == "goal" and end != "goal":
+            continue
+        coeffs = boundary_points(D, side).coeffs
+        lines.append(f"{side} points: {point}_i = sum_m C[i,m] * state_m * kdt^m; columns p, v, a, j:")
+        lines += _table([list(row) for row in coeffs], [f"{point}_{i}" for i in range(D + 1)])
+    return lines

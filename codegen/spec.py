@@ -12,7 +12,7 @@ import numbers
 import operator
 from typing import Any, Mapping
 
-CONTROLS = ("position", "velocity", "acceleration", "jerk")
+CONTROLS = ("position", "velocity", "acceleration", "jerk", "bspline")
 DIFFERENCES = ("backward", "central")
 INTEGRATORS = ("semi_implicit_euler", "exact")
 ENDS = ("hold", "one_sided", "goal")
@@ -23,6 +23,11 @@ ORDERS = (3, 4)
 MAX_HORIZON = 4096
 MAX_DOF = 4096
 MAX_ACCURACY = 8
+#: B-spline control (control="bspline"): degrees, the default degree, the ends and dt modes it allows
+BSPLINE_DEGREES = (3, 7)
+DEFAULT_DEGREE = 4
+BSPLINE_ENDS = ("hold", "goal")
+BSPLINE_DT = ("uniform", "per_trajectory")
 
 #: Derivative index of each control mode's action (0 = position).
 CONTROL_ORDER = {"position": 0, "velocity": 1, "acceleration": 2, "jerk": 3}
@@ -64,9 +69,15 @@ def _as_dtype(value: Any) -> Any:
 RELEVANT = {
     "difference": ("position",),
     "accuracy": ("position",),
-    "end": ("position",),
+    "end": ("position", "bspline"),
     "integrator": ("velocity", "acceleration", "jerk"),
+    "degree": ("bspline",),
+    "knots": ("bspline",),
+    "steps": ("bspline",),
 }
+#: fields that exist only for some controls: None elsewhere, and absent from to_dict (so existing
+#: specs keep their dicts, keys and banners)
+OPTIONAL_FIELDS = ("degree", "knots", "steps")
 
 
 def _check_choice(field: str, value: Any, allowed: tuple) -> Any:
@@ -79,8 +90,8 @@ def _check_choice(field: str, value: Any, allowed: tuple) -> Any:
 class KernelSpec:
     """One kernel variant. Immutable and hashable; invalid combinations raise ValueError."""
 
-    horizon: int
-    dof: int
+    horizon: Any = None  # required, except for control="bspline" (derived: R = T·s + 1)
+    dof: Any = None  # required
     control: str = "position"
     difference: str = "central"
     accuracy: Any = None
@@ -92,8 +103,17 @@ class KernelSpec:
     dtype: str = "float32"
     order: int = 3
     goal_index: bool = False
+    degree: Any = None  # B-spline degree D (control="bspline"; default 4)
+    knots: Any = None  # B-spline free control points n (control="bspline")
+    steps: Any = None  # B-spline output rows per span s (control="bspline")
 
     def __post_init__(self) -> None:
+        if self.dof is None:
+            raise _fail("dof", self.dof, f"required: an integer in [1, {MAX_DOF}]")
+        if self.control == "bspline":
+            self._check_bspline()
+        elif self.horizon is None:
+            raise _fail("horizon", self.horizon, f"required: an integer in [2, {MAX_HORIZON}]")
         object.__setattr__(self, "horizon", _check_int("horizon", self.horizon, 2, MAX_HORIZON))
         object.__setattr__(self, "dof", _check_int("dof", self.dof, 1, MAX_DOF))
         object.__setattr__(self, "dtype", _as_dtype(self.dtype))
@@ -105,8 +125,9 @@ class KernelSpec:
         _check_choice("dt", self.dt, DT_MODES)
         if not isinstance(self.start_index, bool):
             raise _fail("start_index", self.start_index, "expected True or False")
-        if self.end == "goal" and self.control != "position":
-            raise _fail("end", self.end, f"end='goal' needs control='position' (got control={self.control!r}); "
+        if self.end == "goal" and self.control not in ("position", "bspline"):
+            raise _fail("end", self.end, "end='goal' needs control='position' or 'bspline' "
+                        f"(got control={self.control!r}); "
                         "integration control allows 'hold', 'one_sided'")
         if self.end == "goal" and self.horizon < 3:
             raise _fail("horizon", self.horizon, "end='goal' needs at least 3 rows (start, one action, goal)")
@@ -122,10 +143,38 @@ class KernelSpec:
         object.__setattr__(self, "accuracy", self._normalise_accuracy(self.accuracy))
         self._refuse_irrelevant()
 
+    def _check_bspline(self) -> None:
+        """degree, knots, steps, end and dt of a B-spline; the horizon derived (R = T·s + 1), and
+        a given horizon that differs refused."""
+        if self.degree is None:
+            object.__setattr__(self, "degree", DEFAULT_DEGREE)
+        lo, hi = BSPLINE_DEGREES
+        object.__setattr__(self, "degree", _check_int("degree", self.degree, lo, hi))
+        for field in ("knots", "steps"):
+            if getattr(self, field) is None:
+                raise _fail(field, None, f"control='bspline' needs {field}: an integer in [1, {MAX_HORIZON}]")
+            object.__setattr__(self, field, _check_int(field, getattr(self, field), 1, MAX_HORIZON))
+        if self.end not in BSPLINE_ENDS:
+            raise _fail("end", self.end, "control='bspline' allows 'hold', 'goal'")
+        if self.dt not in BSPLINE_DT:
+            raise _fail("dt", self.dt, "control='bspline' allows 'uniform', 'per_trajectory' "
+                        "(one step duration per trajectory; per-step durations would make the spline non-uniform)")
+        derived = bspline_horizon(self.degree, self.knots, self.steps, self.end)
+        if derived > MAX_HORIZON:
+            raise _fail("knots", self.knots,
+                        f"the derived horizon (T·steps + 1 = {derived} rows) exceeds {MAX_HORIZON}")
+        given = _as_int(self.horizon)
+        if given is not None and given != derived:
+            raise _fail("horizon", self.horizon, f"control='bspline' with degree={self.degree}, knots={self.knots}, "
+                        f"steps={self.steps}, end={self.end!r} has {derived} rows (T·steps + 1); "
+                        f"give horizon={derived} or leave it out")
+        object.__setattr__(self, "horizon", derived)
+
     def _refuse_irrelevant(self) -> None:
         """A field the control does not use must keep its default: a set value would be ignored."""
         defaults = {"difference": "central", "end": "hold", "integrator": "semi_implicit_euler",
-                    "accuracy": DEFAULT_ACCURACY["central"][: self.order]}
+                    "accuracy": DEFAULT_ACCURACY["central"][: self.order], "degree": None, "knots": None,
+                    "steps": None}
         for field, controls in RELEVANT.items():
             value = getattr(self, field)
             if self.control not in controls and value != defaults[field]:
@@ -162,7 +211,10 @@ class KernelSpec:
     # ---- derived properties -------------------------------------------------------------
     @property
     def n_actions(self) -> int:
-        """Rows of the action tensor u (N = H - 1; H - 2 with end="goal", whose last row is the goal)."""
+        """Rows of the action tensor u (N = H - 1; H - 2 with end="goal", whose last row is the goal;
+        the knots n of a B-spline)."""
+        if self.control == "bspline":
+            return self.knots
         return self.horizon - (2 if self.end == "goal" else 1)
 
     @property
@@ -174,12 +226,15 @@ class KernelSpec:
     def control_order(self) -> int:
         return CONTROL_ORDER[self.control]
 
+
     @property
     def name(self) -> str:
         """A stable, valid C identifier derived from the fields (never from user strings)."""
         parts = ["ts", f"h{self.horizon}", f"d{self.dof}", self.control[:3]]
         if self.control == "position":
             parts += [self.difference[:3], "a" + "".join(str(a) for a in self.accuracy), self.end.replace("_", "")]
+        elif self.control == "bspline":
+            parts += [f"p{self.degree}", f"n{self.knots}", f"s{self.steps}", self.end]
         else:
             parts += ["semi" if self.integrator == "semi_implicit_euler" else "exact"]
         parts += [
@@ -204,6 +259,9 @@ class KernelSpec:
         d["accuracy"] = list(self.accuracy)
         if not self.goal_index:  # absent at its default: existing specs keep their dicts, keys and banners
             del d["goal_index"]
+        for field in OPTIONAL_FIELDS:
+            if d[field] is None:
+                del d[field]
         return d
 
     @classmethod
@@ -220,3 +278,8 @@ class KernelSpec:
     def replace(self, **changes: Any) -> "KernelSpec":
         return dataclasses.replace(self, **changes)
 
+
+def bspline_horizon(degree: int, knots: int, steps: int, end: str) -> int:
+    """R = T·s + 1 rows for T = m − D spans of m = (D+1) + n + (D+1 with a goal, D holding) control points."""
+    spans = knots + degree + (2 if end == "goal" else 1)
+    return spans * steps + 1

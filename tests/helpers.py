@@ -95,3 +95,126 @@ class Inputs:
 def to_bhd(y: torch.Tensor, spec) -> np.ndarray:
     y = y.detach().double().numpy()
     return y if spec.layout == "bhd" else y.transpose(0, 2, 1)
+
+
+def kernel_paths(spec):
+    """(name, step) for the C kernels behind the native node and behind the Python autograd path,
+    and for the CUDA source run on the host (tests/cuda_on_host.py)."""
+    from cuda_on_host import host_metadata, host_source
+    from tensorstep.runtime.api import Step
+    from tensorstep.runtime.launch import CpuBackend, Launcher
+
+    yield "c", ts.load(spec)
+    python = ts.load(spec)
+    python.native = None
+    yield "c-python", python
+    host = Step(spec, torch.device("cpu"), Launcher(spec, CpuBackend(spec, host_source(spec), host_metadata(spec))))
+    host.native = None
+    yield "cuda-on-host", host
+
+
+def as_bhd(y: torch.Tensor, spec) -> np.ndarray:
+    """An output as a NumPy array in layout bhd."""
+    y = y.detach().numpy()
+    return y if spec.layout == "bhd" else y.transpose(0, 2, 1)
+
+
+def check_compile_matches_eager(loss, args: list) -> None:
+    """torch.compile(fullgraph=True) of a scalar loss gives the eager value and gradients (1e-12)."""
+    eager = loss(*args)
+    eager_grads = torch.autograd.grad(eager, args)
+    torch._dynamo.reset()
+    value = torch.compile(loss, fullgraph=True, backend="aot_eager")(*args)
+    grads = torch.autograd.grad(value, args)
+    torch.testing.assert_close(value, eager, rtol=1e-12, atol=0)
+    for a, b in zip(grads, eager_grads):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def check_ptx(sources: list, tmp_path) -> None:
+    """nvcc compiles the CUDA sources (one namespace each) to PTX with five entry points each."""
+    import shutil
+    import subprocess
+
+    unit = tmp_path / "unit.cu"
+    unit.write_text("\n".join(f"namespace v{i} {{\n{src}\n}}" for i, src in enumerate(sources)).replace(
+        'extern "C" ', ""))
+    result = subprocess.run([shutil.which("nvcc"), "-ptx", "-arch=sm_80", str(unit), "-o", str(tmp_path / "o.ptx")],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (tmp_path / "o.ptx").read_text().count(".entry") == 5 * len(sources)
+
+
+class BoundaryCase:
+    """Random float64 inputs of a spec with a start and maybe a goal state (each optionally indexed),
+    in call order: u, p0, v0, a0, j0, [gp, gv, ga, gj], dt (uniform, per step or per trajectory)."""
+
+    def __init__(self, spec, B: int = 3, seed: int = 0, uniform_dt: float = 0.1):
+        gen = torch.Generator().manual_seed(seed)
+        rnd = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)
+        self.spec, self.B = spec, B
+        S = B + 2 if spec.start_index else B
+        G = B + 1 if spec.goal_index else B
+        N, Dn = spec.n_actions, spec.dof
+        self.u = rnd(*((B, N, Dn) if spec.layout == "bhd" else (B, Dn, N)))
+        self.start = [rnd(S, Dn) for _ in range(4)]
+        self.goal = [rnd(G, Dn) for _ in range(4)] if spec.end == "goal" else []
+        self.idx = torch.randint(0, S, (B,), generator=gen) if spec.start_index else None
+        self.gidx = torch.randint(0, G, (B,), generator=gen) if spec.goal_index else None
+        if spec.dt == "per_step":
+            self.dt = 0.05 + 0.1 * torch.rand(spec.horizon, generator=gen, dtype=torch.float64)
+        elif spec.dt == "per_trajectory":
+            self.dt = 0.05 + 0.1 * torch.rand(B, generator=gen, dtype=torch.float64)
+        else:
+            self.dt = torch.tensor(uniform_dt, dtype=torch.float64)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The differentiable inputs: u, p0, v0, a0, j0, goal..., dt."""
+        return [self.u, *self.start, *self.goal, self.dt]
+
+    def call(self, step, u, p0, v0, a0, j0, *rest, out=None):
+        *goal, dt = rest
+        kw = {"start_index": self.idx} if self.idx is not None else {}
+        if goal:
+            kw.update(goal=tuple(goal), goal_index=self.gidx)
+        if out is not None:
+            kw["out"] = out
+        return step(u, p0, v0, a0, dt, j0=j0, **kw)
+
+    def check_kernels(self, expect: np.ndarray) -> None:
+        """Every kernel path's outputs against ``expect`` ([K, B, H, D], bhd; the first K outputs),
+        and the gradients of every input by the dot test against that forward:
+        <M x, g> = <x, Mᵀ g>, at 1e-12 (C, Python path, CUDA on the host)."""
+        spec, K = self.spec, len(expect)
+        gen = torch.Generator().manual_seed(5)
+        grads = [torch.randn(y.shape, generator=gen, dtype=torch.float64)
+                 for y in self.call(ts.load(spec), *self.tensors())[:K]]
+        dot = sum(float((as_bhd(g, spec) * e).sum()) for g, e in zip(grads, expect))
+        for name, step in kernel_paths(spec):
+            xs = [t.clone().requires_grad_(True) for t in self.tensors()[:-1]]
+            ys = self.call(step, *xs, self.dt)
+            assert len(ys) == spec.order + 1
+            for y, e in zip(ys, expect):
+                scale_close(as_bhd(y, spec), e, 1e-12)
+            gx = torch.autograd.grad(ys[:K], xs, grads)
+            total = sum(float((x.detach() * g).sum()) for x, g in zip(xs, gx))
+            assert abs(total - dot) <= 1e-12 * max(1.0, abs(dot)), (name, total, dot)
+
+    def check_compile(self) -> None:
+        """torch.compile(fullgraph=True) of a loss over every output matches eager (value, gradients)."""
+        step = ts.load(self.spec)
+
+        def loss(*a):
+            return sum(w * y.square().sum() for w, y in zip((1.0, 0.1, 0.01, 0.001), self.call(step, *a)))
+
+        check_compile_matches_eager(loss, [t.clone().requires_grad_(True) for t in self.tensors()])
+
+    def check_gradcheck(self) -> None:
+        """Gradients and forward-mode tangents of every input, dt included, against finite
+        differences (C kernels and the CUDA source on the host); double backward for the tensors."""
+        args = [t.clone().requires_grad_(True) for t in self.tensors()]
+        for name, step in kernel_paths(self.spec):
+            f = lambda *a: self.call(step, *a)
+            assert torch.autograd.gradcheck(f, args, check_forward_ad=True), name
+        g = lambda *a: self.call(ts.load(self.spec), *a, self.dt)
+        assert torch.autograd.gradgradcheck(g, args[:-1])

@@ -80,7 +80,7 @@ def test_load_source_and_matrices_say_what_to_pass(call, bad):
 
 def test_unknown_dict_fields_name_them():
     with pytest.raises(ValueError, match="unknown KernelSpec field"):
-        ts.load({"horizon": 6, "dof": 2, "steps": 4})
+        ts.load({"horizon": 6, "dof": 2, "stpes": 4})
 
 
 def test_numpy_and_torch_spellings_load_the_same_kernel():

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import math
 import shutil
-import subprocess
 
 import numpy as np
 import pytest
@@ -14,10 +13,7 @@ import torch
 
 import reference
 import tensorstep as ts
-from cuda_on_host import host_metadata, host_source
-from helpers import scale_close
-from tensorstep.runtime.api import Step
-from tensorstep.runtime.launch import CpuBackend, Launcher
+from helpers import BoundaryCase, check_ptx, scale_close
 
 H, D = 8, 2
 GOAL_GRID = [
@@ -40,38 +36,8 @@ def spec_of(overrides: dict, dtype: str = "float64") -> ts.KernelSpec:
     return ts.KernelSpec(horizon=H, dof=D, dtype=dtype, **overrides)
 
 
-class Case:
+class Case(BoundaryCase):
     """Random inputs for a goal / per-trajectory spec, and what the reference needs of them."""
-
-    def __init__(self, spec, B: int = 3, seed: int = 0):
-        gen = torch.Generator().manual_seed(seed)
-        rnd = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)
-        self.spec, self.B = spec, B
-        S = B + 2 if spec.start_index else B
-        G = B + 1 if spec.goal_index else B
-        N = spec.n_actions
-        self.u = rnd(*((B, N, D) if spec.layout == "bhd" else (B, D, N)))
-        self.start = [rnd(S, D) for _ in range(4)]
-        self.goal = [rnd(G, D) for _ in range(4)] if spec.end == "goal" else []
-        self.idx = torch.randint(0, S, (B,), generator=gen) if spec.start_index else None
-        self.gidx = torch.randint(0, G, (B,), generator=gen) if spec.goal_index else None
-        if spec.dt == "per_step":
-            self.dt = 0.05 + 0.1 * torch.rand(H, generator=gen, dtype=torch.float64)
-        elif spec.dt == "per_trajectory":
-            self.dt = 0.05 + 0.1 * torch.rand(B, generator=gen, dtype=torch.float64)
-        else:
-            self.dt = torch.tensor(0.1, dtype=torch.float64)
-
-    def tensors(self) -> list[torch.Tensor]:
-        """The differentiable inputs: u, p0, v0, a0, j0, goal..., dt."""
-        return [self.u, *self.start, *self.goal, self.dt]
-
-    def call(self, step, u, p0, v0, a0, j0, *rest):
-        *goal, dt = rest
-        kw = {"start_index": self.idx} if self.idx is not None else {}
-        if goal:
-            kw.update(goal=tuple(goal), goal_index=self.gidx)
-        return step(u, p0, v0, a0, dt, j0=j0, **kw)
 
     def expected(self) -> np.ndarray:
         """Reference outputs [K, B, H, D] (bhd)."""
@@ -88,10 +54,6 @@ class Case:
                                                    None if g is None else g[b, :, d])
         return out
 
-
-def bhd(y: torch.Tensor, spec) -> np.ndarray:
-    y = y.detach().numpy()
-    return y if spec.layout == "bhd" else y.transpose(0, 2, 1)
 
 
 # ---- spec ---------------------------------------------------------------------------------------
@@ -164,48 +126,20 @@ def test_cubic_with_its_true_states_is_exact_at_every_row(dt_mode):
 
 # ---- kernels: C (native and Python paths) and the CUDA source on the host -----------------------
 
-def _steps(spec):
-    yield "c", ts.load(spec)
-    python = ts.load(spec)
-    python.native = None
-    yield "c-python", python
-    host = Step(spec, torch.device("cpu"), Launcher(spec, CpuBackend(spec, host_source(spec), host_metadata(spec))))
-    host.native = None
-    yield "cuda-on-host", host
-
 
 @pytest.mark.parametrize("overrides", GOAL_GRID, ids=[grid_id(g) for g in GOAL_GRID])
 def test_kernels_match_reference_and_adjoint_dot_test(overrides):
     """Forward against the reference; gradients of every input by the dot test against the
     reference's forward: <M x, g> = <x, M^T g>, at 1e-12 (C, Python path, CUDA on the host)."""
-    spec = spec_of(overrides)
-    case = Case(spec, B=3)
-    expect = case.expected()
-    gen = torch.Generator().manual_seed(5)
-    grads = [torch.randn(y.shape, generator=gen, dtype=torch.float64) for y in case.call(ts.load(spec), *case.tensors())]
-    dot = sum(float((bhd(g, spec) * e).sum()) for g, e in zip(grads, expect))
-    for name, step in _steps(spec):
-        xs = [t.clone().requires_grad_(True) for t in case.tensors()[:-1]]
-        ys = case.call(step, *xs, case.dt)
-        for y, e in zip(ys, expect):
-            scale_close(bhd(y, spec), e, 1e-12)
-        gx = torch.autograd.grad(ys, xs, grads)
-        total = sum(float((x.detach() * g).sum()) for x, g in zip(xs, gx))
-        assert abs(total - dot) <= 1e-12 * max(1.0, abs(dot)), (name, total, dot)
+    case = Case(spec_of(overrides), B=3)
+    case.check_kernels(case.expected())
 
 
 @pytest.mark.parametrize("overrides", GOAL_GRID, ids=[grid_id(g) for g in GOAL_GRID])
 def test_gradcheck_with_forward_mode(overrides):
     """Gradients and forward-mode tangents of u, start, goal and every dt entry against finite
     differences (C kernels and the CUDA source on the host); double backward for the tensors."""
-    spec = spec_of(overrides)
-    case = Case(spec, B=2)
-    args = [t.clone().requires_grad_(True) for t in case.tensors()]
-    for name, step in _steps(spec):
-        f = lambda *a: case.call(step, *a)
-        assert torch.autograd.gradcheck(f, args, check_forward_ad=True), name
-    g = lambda *a: case.call(ts.load(spec), *a, case.dt)
-    assert torch.autograd.gradgradcheck(g, args[:-1])
+    Case(spec_of(overrides), B=2).check_gradcheck()
 
 
 def test_per_trajectory_dt_equals_separate_uniform_calls():
@@ -254,33 +188,12 @@ def test_vmap_folds_a_per_trajectory_dt():
 
 def test_compile_fullgraph_matches_eager():
     spec = spec_of(dict(end="goal", dt="per_trajectory", goal_index=True))
-    case = Case(spec, B=3)
-    step = ts.load(spec)
-
-    def loss(*a):
-        return sum(w * y.square().sum() for w, y in zip((1.0, 0.1, 0.01, 0.001), case.call(step, *a)))
-
-    args = [t.clone().requires_grad_(True) for t in case.tensors()]
-    eager = loss(*args)
-    eager_grads = torch.autograd.grad(eager, args)
-    torch._dynamo.reset()
-    value = torch.compile(loss, fullgraph=True, backend="aot_eager")(*args)
-    grads = torch.autograd.grad(value, args)
-    torch.testing.assert_close(value, eager, rtol=1e-12, atol=0)
-    for a, b in zip(grads, eager_grads):
-        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    Case(spec, B=3).check_compile()
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
 def test_cuda_sources_compile_to_ptx(tmp_path):
-    sources = [ts.source(spec_of(g, dtype), "cuda") for g in GOAL_GRID for dtype in ("float32", "float64")]
-    unit = tmp_path / "goal.cu"
-    unit.write_text("\n".join(f"namespace v{i} {{\n{src}\n}}" for i, src in enumerate(sources)).replace(
-        'extern "C" ', ""))
-    result = subprocess.run([shutil.which("nvcc"), "-ptx", "-arch=sm_80", str(unit), "-o", str(tmp_path / "o.ptx")],
-                            capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert (tmp_path / "o.ptx").read_text().count(".entry") == 5 * len(sources)
+    check_ptx([ts.source(spec_of(g, dtype), "cuda") for g in GOAL_GRID for dtype in ("float32", "float64")], tmp_path)
 
 
 # ---- argument checks (both paths: the native node defers value problems to Python) -----------

@@ -103,7 +103,7 @@ def test_torch_dtypes_are_accepted_and_stored_as_names():
         (dict(control="acceleration", difference="backward"),
          "KernelSpec.difference='backward' means nothing for control='acceleration' (it applies to position control)"),
         (dict(control="velocity", end="one_sided"),
-         "KernelSpec.end='one_sided' means nothing for control='velocity' (it applies to position control)"),
+         "KernelSpec.end='one_sided' means nothing for control='velocity' (it applies to position/bspline control)"),
         (dict(control="jerk", accuracy=2),
          "KernelSpec.accuracy=(2, 2, 2) means nothing for control='jerk' (it applies to position control)"),
     ],
