@@ -24,16 +24,27 @@ def pyplot() -> Any:
     return plt
 
 
-def sample_actions(spec: Any, dt: float) -> list[list[float]]:
-    """A smooth sample from rest, [N][D]: positions rising and coming back (position control), or
-    one period of a sine as the action (integration controls); each dof a different amplitude."""
-    T = spec.n_actions * dt
+def sample_actions(spec: Any) -> list[list[float]]:
+    """A smooth sample from rest, [N][D]: positions rising and coming back to rest (position and
+    B-spline control; with end="goal" the goal is that rest), or one period of a sine as the
+    action (integration controls); each dof a different amplitude."""
+    n = spec.n_actions
+    span = n + (1 if spec.end == "goal" else 0)  # the goal row closes the period
     rows = []
-    for h in range(1, spec.horizon):
-        t = h * dt
-        shape = math.sin(math.pi * t / T) ** 2 if spec.control == "position" else math.sin(2 * math.pi * t / T)
+    for i in range(1, n + 1):
+        x = i / span
+        shape = math.sin(math.pi * x) ** 2 if spec.control in ("position", "bspline") else math.sin(2 * math.pi * x)
         rows.append([shape * (d + 1) / spec.dof for d in range(spec.dof)])
     return rows
+
+
+def _dt_argument(spec: Any, dt: float, dtype: Any) -> Any:
+    """dt as the spec takes it: a float, one per trajectory [1], or one per step [H]."""
+    import torch
+
+    if spec.dt == "uniform":
+        return dt
+    return torch.full((1 if spec.dt == "per_trajectory" else spec.n_dt,), dt, dtype=dtype)
 
 
 def run_sample(spec: Any, dt: float) -> list[Any]:
@@ -43,16 +54,19 @@ def run_sample(spec: Any, dt: float) -> list[Any]:
     from .runtime.api import load
 
     step = load(spec, "cpu")
-    u = torch.tensor([sample_actions(spec, dt)], dtype=step.dtype)  # [1, N, D]
+    u = torch.tensor([sample_actions(spec)], dtype=step.dtype)  # [1, N, D]
     if spec.layout == "bdh":
         u = u.transpose(1, 2).contiguous()
     rest = [torch.zeros(1, spec.dof, dtype=step.dtype) for _ in range(4)]
     kw: dict[str, Any] = {"j0": rest[3]}
     if spec.start_index:
         kw["start_index"] = torch.zeros(1, dtype=torch.int64)
-    dt_arg: Any = dt if spec.dt == "uniform" else torch.full((spec.horizon,), dt, dtype=step.dtype)
+    if spec.end == "goal":
+        kw["goal"] = tuple(rest[:3])
+        if spec.goal_index:
+            kw["goal_index"] = torch.zeros(1, dtype=torch.int64)
     with torch.no_grad():
-        outs = step(u, *rest[:3], dt_arg, **kw)
+        outs = step(u, *rest[:3], _dt_argument(spec, dt, step.dtype), **kw)
     return [(y[0].T if spec.layout == "bdh" else y[0]).double().numpy() for y in outs]
 
 

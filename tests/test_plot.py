@@ -10,6 +10,7 @@ import torch
 from click.testing import CliRunner
 
 import reference
+import reference_bspline
 import tensorstep as ts
 from helpers import scale_close
 from tensorstep import plot as pictures
@@ -48,17 +49,31 @@ def test_without_matplotlib_one_line_says_what_to_install(no_matplotlib, tmp_pat
 @pytest.mark.parametrize("fields", [
     dict(control="position", difference="backward", end="one_sided"),
     dict(control="jerk", integrator="exact", dt="per_step", order=4, layout="bdh", start_index=True),
+    dict(control="position", end="goal", dt="per_trajectory", goal_index=True),
 ])
 def test_the_sample_drawn_is_the_kernel_on_the_sample(fields):
     spec = ts.KernelSpec(horizon=9, dof=3, dtype="float64", **fields)
     outs = pictures.run_sample(spec, 0.05)
-    u = np.array([pictures.sample_actions(spec, 0.05)])
-    expected = reference.apply(spec, [0.05] * spec.horizon if spec.dt == "per_step" else 0.05, u,
-                               np.zeros((1, 4, spec.dof)))
+    u = np.array([pictures.sample_actions(spec)])
+    assert u.shape == (1, spec.n_actions, spec.dof)
+    dt = [0.05] * spec.horizon if spec.dt == "per_step" else 0.05
+    expected = reference.apply(spec, dt, u, np.zeros((1, 4, spec.dof)))  # from rest; the goal is rest too
     assert len(outs) == spec.order + 1
     for k, y in enumerate(outs):
         assert y.shape == (spec.horizon, spec.dof)
         scale_close(y, expected[k][0], 1e-12)
+
+
+@pytest.mark.parametrize("end", ["hold", "goal"])
+def test_the_sample_of_a_bspline_is_the_spline_of_its_knots(end):
+    spec = ts.KernelSpec(control="bspline", degree=4, knots=6, steps=3, end=end, dof=2, dtype="float64",
+                         dt="per_trajectory")
+    outs = pictures.run_sample(spec, 0.05)
+    knots = np.array(pictures.sample_actions(spec))
+    rest = [np.zeros(2)] * 4
+    expected = reference_bspline.trajectory(knots, rest, rest if end == "goal" else None, 4, 3, 0.05).Y
+    for k in range(4):
+        scale_close(outs[k], expected[k], 1e-12)
 
 
 def test_plot_draws_every_kernel_of_a_config(tmp_path):
