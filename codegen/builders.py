@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 _BUILDERS: dict[type, Callable[[Any], Any]] = {}
 #: modules whose import registers builders (imported on first look-up: they import SymPy)
-MODULES = ("tensorstep.codegen.schemes", "tensorstep.codegen.legacy")
+MODULES = ("tensorstep.codegen.schemes", "tensorstep.codegen.legacy", "tensorstep.codegen.legacy_v2")
 
 
 def register(spec_type: type) -> Callable[[Callable[[Any], Any]], Callable[[Any], Any]]:
