@@ -178,16 +178,30 @@ class _V2Kernel(torch.autograd.Function):
     """
 
     @classmethod
-    def _call(cls, *args: Any) -> tuple:  # pragma: no cover - defined by each class
+    def _step_inputs(cls, *args: Any) -> tuple[dict, Tensor]:  # pragma: no cover - defined by each class
+        """(the step's inputs by their argument-table names, its per-trajectory dt) from the class's
+        tensors: torch gathers and ``where`` only, linear in every floating input but dt."""
         raise NotImplementedError
 
     @classmethod
+    def _dt_tangent(cls, traj_dt: Tensor, d_traj_dt: Tensor, goal_idx: Tensor) -> Tensor:
+        """The tangent of the step's dt for a tangent of traj_dt (a gather: linear)."""
+        return _gather_dt(d_traj_dt, goal_idx)
+
+    @classmethod
+    def _call(cls, *args: Any) -> tuple:
+        *tensors, spec = args
+        named, dt = cls._step_inputs(*args)
+        step = _step(spec, tensors[0].device)
+        u, p0, v0, a0 = (named.pop(k) for k in ("u", "p0", "v0", "a0"))
+        goal = tuple(named.pop(k) for k in ("gp", "gv", "ga", "gj"))
+        return step(u, p0, v0, a0, dt, goal=goal, **named)
+
+    @classmethod
     def _run(cls, tensors: list, static: Any, buffers: Sequence[Any]) -> tuple:
-        if torch._C._are_functorch_transforms_active():
-            outs = cls._call(*tensors, static)
-        else:
-            outs = super().apply(*tensors, static)
-        return v07._fill(tuple(outs), tuple(buffers))
+        if torch._C._are_functorch_transforms_active():  # the buffers cannot take transformed values
+            return tuple(cls._call(*tensors, static))
+        return v07._fill(tuple(super().apply(*tensors, static)), tuple(buffers))
 
     @classmethod
     def forward(cls, *args: Any) -> tuple:  # type: ignore[override]
@@ -221,19 +235,24 @@ class _V2Kernel(torch.autograd.Function):
 
     @classmethod
     def jvp(cls, ctx, *tangents):  # type: ignore[override]
-        inputs = cls._inputs(ctx)
-        *tangents, _ = tangents
-        differentiable = [i for i, t in enumerate(inputs) if t is not None and t.is_floating_point()]
-        primals = tuple(inputs[i] for i in differentiable)
-        dual = tuple(tangents[i] if tangents[i] is not None else torch.zeros_like(inputs[i]) for i in differentiable)
+        """Ṁx + Mẋ: the step's inputs and their tangents (the same gathers applied to the tangents),
+        then the step's generated dt_jvp kernel."""
+        from ..runtime.autograd import DtJvpFunction
 
-        def f(*xs):
-            args = list(inputs)
-            for i, x in zip(differentiable, xs):
-                args[i] = x
-            return tuple(cls._call(*args, ctx.static))
-
-        return torch.func.jvp(f, primals, dual)[1]
+        inputs, spec = cls._inputs(ctx), ctx.static
+        tangents = [dx if dx is not None or x is None or not x.is_floating_point() else torch.zeros_like(x)
+                    for x, dx in zip(inputs, tangents[:-1])]
+        tangent_args = [dx if x is not None and x.is_floating_point() else x for x, dx in zip(inputs, tangents)]
+        named, dt = cls._step_inputs(*inputs, spec)
+        d_named, _ = cls._step_inputs(*tangent_args, spec)
+        traj_dt, goal_idx = inputs[cls.DT], inputs[cls.GOAL_IDX]
+        ddt = cls._dt_tangent(traj_dt, tangents[cls.DT], goal_idx)
+        step = _step(spec, inputs[0].device)
+        table = step.table
+        named["start_index"] = named["start_index"].long()
+        values = [None if named.get(a.name) is None else named[a.name].contiguous() for a in table.tensors]
+        d_values = [None if d_named.get(a.name) is None else d_named[a.name].contiguous() for a in table.differentiable]
+        return tuple(DtJvpFunction.apply(step.launcher, dt.contiguous(), ddt.contiguous(), *values, *d_values))
 
 
 def _gather_dt(traj_dt: Tensor, goal_idx: Tensor) -> Tensor:
@@ -289,15 +308,17 @@ class CliqueTensorStepIdxKernel(_V2Kernel):
         tensors = [u_act, *starts, goal_position, start_idx, goal_idx, traj_dt, flag]
         return cls._run(tensors, spec, buffers.values())
 
+    DT, GOAL_IDX = 7, 6  # positions of traj_dt and goal_idx among the tensors
+
     @classmethod
-    def _call(cls, u, p, v, a, goal_p, start_idx, goal_idx, traj_dt, flag, spec):  # type: ignore[override]
+    def _step_inputs(cls, u, p, v, a, goal_p, start_idx, goal_idx, traj_dt, flag, spec):  # type: ignore[override]
         """L = goal_position[goal_idx] where the flag is set, else the last action; the kernel
         holds L from row H − 3 on (its goal entry) and never reads u's last row itself."""
         held = torch.where(_goal_flag(flag, goal_idx), goal_p[goal_idx.long()], u[:, -1])
         zero = torch.zeros_like(held)
-        step = _step(spec, u.device)
-        return step(u.contiguous(), p.contiguous(), v.contiguous(), a.contiguous(), _gather_dt(traj_dt, goal_idx),
-                    start_index=start_idx, goal=(held, zero, zero))
+        named = {"u": u.contiguous(), "p0": p.contiguous(), "v0": v.contiguous(), "a0": a.contiguous(),
+                 "start_index": start_idx, "gp": held, "gv": zero, "ga": zero, "gj": None}
+        return named, _gather_dt(traj_dt, goal_idx)
 
 
 class AccelerationTensorStepIdxKernel(v07.AccelerationTensorStepIdxKernel):
@@ -367,19 +388,27 @@ class BSplineIdxKernel(_V2Kernel):
                             (R - 1) // T)
         return cls._run(tensors, spec, buffers.values())
 
+    DT, GOAL_IDX = 11, 10  # positions of traj_dt and goal_idx among the tensors
+
     @classmethod
-    def _call(cls, u, p, v, a, j, gp, gv, ga, gj, start_idx, goal_idx, traj_dt, flag, spec):  # type: ignore[override]
+    def _step_inputs(cls, u, p, v, a, j, gp, gv, ga, gj, start_idx, goal_idx, traj_dt, flag, spec):  # type: ignore[override]
         """The tail's boundary state: the goal where the flag is set, else (u_{n−1}, 0, 0, 0)
-        (its boundary points are u_{n−1} repeated); the kernel never reads u's last row itself."""
+        (its boundary points are u_{n−1} repeated); the kernel never reads u's last row itself.
+        dt is floored at 1e-6, as cuRobo does."""
         g = goal_idx.long()
         use_goal = _goal_flag(flag, goal_idx)
         held = torch.where(use_goal, gp[g], u[:, -1])
         tail = [held] + [torch.where(use_goal, x[g], 0.0) if x is not None else torch.zeros_like(held)
                          for x in (gv, ga, gj)]
-        dt = _gather_dt(traj_dt, goal_idx).clamp(min=DT_FLOOR)
-        step = _step(spec, u.device)
-        return step(u.contiguous(), p.contiguous(), v.contiguous(), a.contiguous(), dt,
-                    j0=j.contiguous() if j is not None else None, start_index=start_idx, goal=tuple(tail))
+        named = {"u": u.contiguous(), "p0": p.contiguous(), "v0": v.contiguous(), "a0": a.contiguous(),
+                 "j0": j.contiguous() if j is not None else None, "start_index": start_idx,
+                 **dict(zip(("gp", "gv", "ga", "gj"), tail))}
+        return named, _gather_dt(traj_dt, goal_idx).clamp(min=DT_FLOOR)
+
+    @classmethod
+    def _dt_tangent(cls, traj_dt: Tensor, d_traj_dt: Tensor, goal_idx: Tensor) -> Tensor:
+        """max(dt, 1e-6): the tangent passes where dt is above the floor."""
+        return _gather_dt(d_traj_dt, goal_idx) * (_gather_dt(traj_dt, goal_idx) >= DT_FLOOR)
 
 
 def _bspline_inputs(u_act: Tensor, start: Sequence[Any], goal: Sequence[Any], start_idx: Any, goal_idx: Any,
