@@ -224,10 +224,11 @@ class _V2Kernel(torch.autograd.Function):
     def backward(cls, ctx, *grads):  # type: ignore[override]
         inputs = cls._inputs(ctx)
         wanted = [i for i, need in enumerate(ctx.needs_input_grad[:-1]) if need]
+        create_graph = torch.is_grad_enabled()  # double backward (read before enable_grad)
         with torch.enable_grad():
             leaves = [t.detach().requires_grad_(i in wanted) if t is not None else None for i, t in enumerate(inputs)]
             got = torch.autograd.grad(cls._call(*leaves, ctx.static), [leaves[i] for i in wanted], grads,
-                                      allow_unused=True, create_graph=torch.is_grad_enabled())
+                                      allow_unused=True, create_graph=create_graph)
         result: list[Optional[Tensor]] = [None] * (len(inputs) + 1)
         for i, g in zip(wanted, got):
             result[i] = g if g is not None else torch.zeros_like(inputs[i])
