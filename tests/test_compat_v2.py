@@ -176,7 +176,7 @@ def test_bspline_forward_matches_reference(degree, s, n, extra):
     R = (n + degree + 1) * s + 1 + extra
     expected = bspline_reference(case, R, degree)
     out_dt = torch.empty(3, dtype=f64)
-    for dtype, tol in ((f64, 1e-12), (f32, 1e-5)):
+    for dtype, tol in ((f64, 1e-12), (f32, 1e-5))[: 2 if s == 3 else 1]:  # float32 once per degree
         got = bspline(case, R, degree, dtype, out_dt=out_dt.to(dtype))
         for k in range(4):
             scale_close(got[k].double().numpy(), expected[k], tol)
@@ -217,10 +217,10 @@ def test_gradcheck_with_forward_mode():
     accel = Case(2, 5, 2, [0, 0, 0], seed=4)
     assert gc(lambda u, sp, sv, sa, dt: acceleration(accel, 5, dt, u=u, sp=sp, sv=sv, sa=sa),
               [accel.u, *accel.start[:3], traj_dt])
-    knots = Case(2, 4, 2, [1, 0, 1], seed=5)
+    knots = Case(2, 5, 2, [1, 0, 1], seed=5)
     names = ["u", "s0", "s1", "s2", "s3", "g0", "g1", "g2", "g3", "traj_dt"]
     values = [knots.u, *knots.start, *knots.goal, knots.traj_dt]
-    assert gc(lambda *x: bspline(knots, 3 * 9 + 1, 4, **dict(zip(names, x))), values)
+    assert gc(lambda *x: bspline(knots, 3 * 10 + 1, 4, **dict(zip(names, x))), values)
 
 
 def test_double_backward_and_autograd_function():
@@ -441,7 +441,7 @@ def test_cuda_source_run_on_the_host_matches_reference(spec):
 def test_cuda_sources_compile_to_ptx(tmp_path):
     import tensorstep as ts
 
-    specs = HOST_SPECS + [CuroboV2Spec("clique", 40, 7, "float32"), CuroboV2Spec("bspline", 8 * 13 + 1, 7, "float32", 5, 7, 8)]
+    specs = HOST_SPECS + [CuroboV2Spec("clique", 12, 7, "float32")]
     sources = [ts.source(spec, "cuda") for spec in specs]
     unit = tmp_path / "v2.cu"
     unit.write_text("\n".join(f"namespace v{i} {{\n{src}\n}}" for i, src in enumerate(sources)).replace('extern "C" ', ""))
