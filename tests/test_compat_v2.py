@@ -475,3 +475,61 @@ def test_cuda_matches_reference(dtype):
         u_cpu = c.u.clone().requires_grad_(True)
         (gu_cpu,) = torch.autograd.grad(run(c, u=u_cpu), [u_cpu], [g.cpu() for g in grads])
         scale_close(gu.double().cpu().numpy(), gu_cpu.double().numpy(), 10 * tol)
+
+
+# ---- cuRobo v2 task files ------------------------------------------------------------------------
+
+def test_curobo_v2_task_files_select_the_compat_kernels(tmp_path):
+    """BSPLINE_4 with n_knots/interpolation_steps, POSITION with curobo_version: 2 (v0.7 files keep
+    their native kernels); generate, list, check (the directory) and show take them."""
+    from pathlib import Path
+
+    from click.testing import CliRunner
+
+    from tensorstep.cli import main
+    from tensorstep.codegen.legacy_spec import LegacySpec
+    from tensorstep.config import load_config
+
+    data = Path(__file__).parent / "data"
+    robot = data / "curobo_franka.yml"
+    (spline,) = load_config(robot, data / "curobo_v2_task_bspline.yml").specs
+    assert spline == CuroboV2Spec("bspline", 13 * 4 + 1, 7, degree=4, knots=8, steps=4)
+    (position,) = load_config(robot, data / "curobo_v2_task_position.yml").specs
+    assert position == CuroboV2Spec("clique", 32, 7)
+    accel = tmp_path / "accel.yml"
+    accel.write_text("model:\n  curobo_version: 2\n  horizon: 12\n  control_space: ACCELERATION\n")
+    assert load_config(robot, accel).specs == (LegacySpec("accel_semi_euler", 12, 7, start_index=True),)
+    (v07,) = load_config(robot, data / "curobo_task.yml").specs
+    assert type(v07).__name__ == "KernelSpec" and v07.horizon == 30
+    invoke = lambda *args: CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+    out = tmp_path / "gen"
+    assert invoke("generate", robot, "--task", data / "curobo_v2_task_bspline.yml", "-o", out).exit_code == 0
+    listed = invoke("list", out)
+    assert listed.exit_code == 0 and "curobo_v2    bspline" in listed.output, listed.output
+    checked = invoke("check", out)
+    assert checked.exit_code == 0 and "all passed" in checked.output, checked.output
+    shown = invoke("show", robot, "--task", data / "curobo_v2_task_position.yml", "--kernel", "forward")
+    assert shown.exit_code == 0 and "void ts_curobo2_clique_h32_d7_f32_forward(" in shown.output
+
+
+@pytest.mark.parametrize("model, pattern", [
+    ("control_space: BSPLINE_6\n  curobo_version: 2\n  horizon: 20", r"'BSPLINE_6' is not supported for cuRobo v2"),
+    ("control_space: BSPLINE_4\n  interpolation_steps: 4", r"model.n_knots: missing key"),
+    ("control_space: BSPLINE_4\n  n_knots: 0\n  interpolation_steps: 4", r"model.n_knots: expected an integer >= 1"),
+    ("control_space: BSPLINE_4\n  n_knots: 8\n  interpolation_steps: 4\n  horizon: 40",
+     r"model.horizon: 40 rows do not give 4 rows per span for 13 spans"),
+    ("control_space: BSPLINE_4\n  n_knots: 2\n  interpolation_steps: 4", r"CuroboV2Spec.knots=2 is invalid"),
+    ("control_space: POSITION\n  curobo_version: 2\n  horizon: 8", r"CuroboV2Spec.horizon=8 is invalid"),
+    ("control_space: POSITION\n  curobo_version: 2\n  horizon: 20\n  state_finite_difference_mode: BACKWARD",
+     r"five-point central"),
+    ("control_space: POSITION\n  curobo_version: 3\n  horizon: 20", r"model.curobo_version: 3 is not supported"),
+])
+def test_curobo_v2_task_file_errors(tmp_path, model, pattern):
+    from pathlib import Path
+
+    from tensorstep.config import ConfigError, load_config
+
+    task = tmp_path / "task.yml"
+    task.write_text(f"model:\n  {model}\n")
+    with pytest.raises(ConfigError, match=pattern):
+        load_config(Path(__file__).parent / "data" / "curobo_franka.yml", task)
