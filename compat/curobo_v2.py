@@ -143,9 +143,9 @@ def _dt_values(dt: Tensor, floor: bool) -> None:
 
 
 def _out_dt(out_dt: Any, dt: Tensor) -> None:
+    """cuRobo's out_dt buffer [B] (any floating dtype), written with each trajectory's dt."""
     if out_dt is not None:
-        _tensor("out_dt", out_dt, (dt.shape[0],), (out_dt.dtype,) if isinstance(out_dt, Tensor) and out_dt.is_floating_point()
-                else (torch.float32, torch.float64), dt.device)
+        _tensor("out_dt", out_dt, (dt.shape[0],), (torch.float32, torch.float64), dt.device)
         with torch.no_grad():
             out_dt.copy_(dt)
 

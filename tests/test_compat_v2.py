@@ -533,3 +533,18 @@ def test_curobo_v2_task_file_errors(tmp_path, model, pattern):
     task.write_text(f"model:\n  {model}\n")
     with pytest.raises(ConfigError, match=pattern):
         load_config(Path(__file__).parent / "data" / "curobo_franka.yml", task)
+
+
+def test_vmap_and_jacfwd():
+    """Under functorch transforms the classes run the step directly (it carries the vmap rules)."""
+    from torch.func import jacfwd, jacrev, vmap
+
+    case = Case(3, 5, 2, FLAGS["mixed"], seed=14)
+    us = torch.randn(4, 3, 5, 2, generator=torch.Generator().manual_seed(1), dtype=f64)
+    got = vmap(lambda u: clique(case, 9, u=u))(us)
+    for v in range(4):
+        assert all(torch.equal(a[v], b) for a, b in zip(got, clique(case, 9, u=us[v])))
+    knots = Case(2, 6, 2, FLAGS["mixed"], seed=15)
+    forward = jacfwd(lambda u: bspline(knots, 23, 4, u=u)[2])(knots.u)
+    reverse = jacrev(lambda u: bspline(knots, 23, 4, u=u)[2])(knots.u)
+    torch.testing.assert_close(forward, reverse, rtol=1e-12, atol=1e-12)
