@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from tensorstep.codegen.legacy_spec import LegacySpec
 from tensorstep.codegen.legacy_v2_spec import CuroboV2Spec
 from tensorstep.compat import curobo_v2 as C
 from tensorstep.runtime.api import Step
@@ -400,41 +401,40 @@ def test_spec_refuses_what_the_kernels_cannot_do():
 
 
 HOST_SPECS = [CuroboV2Spec("clique", 10, 3, "float64"), CuroboV2Spec("bspline", 2 * 10 + 3, 3, "float64", 4, 5, 2),
-              CuroboV2Spec("bspline", 3 * 9 + 1, 2, "float32", 3, 5, 3)]
+              CuroboV2Spec("bspline", 3 * 9 + 1, 2, "float32", 3, 5, 3),
+              LegacySpec("accel_semi_euler", 9, 2, "float64", start_index=True)]
 
 
 @pytest.mark.parametrize("spec", HOST_SPECS, ids=lambda s: s.name)
-def test_cuda_source_run_on_the_host_matches_reference(spec):
+def test_cuda_source_run_on_the_host_matches_reference(spec, monkeypatch):
     """The generated CUDA kernels run on the host (every thread of the grid in turn) behind the
-    kernel class: forward against the reference, gradcheck with forward mode (float64)."""
+    kernel classes: forward against the reference, gradcheck with forward mode (float64)."""
     step = Step(spec, torch.device("cpu"), Launcher(spec, HostCudaBackend(spec)))
     step.native = None
+    cache = C.v07._STEPS if isinstance(spec, LegacySpec) else C._STEPS  # the classes' loaded steps
+    monkeypatch.setitem(cache, (spec, "cpu"), step)
     dtype = f64 if spec.dtype == "float64" else f32
-    key = (spec, "cpu")
-    saved = C._STEPS.get(key)
-    C._STEPS[key] = step
-    try:
-        rows = spec.n_actions
-        case = Case(3, rows, spec.dof, FLAGS["mixed"], seed=9)
-        if spec.kind == "clique":
-            got, expected = clique(case, spec.horizon, dtype), clique_reference(case, spec.horizon)
-        else:
-            got = bspline(case, spec.horizon, spec.degree, dtype)
-            expected = bspline_reference(case, spec.horizon, spec.degree)
-        for k in range(4):
-            scale_close(got[k].double().numpy(), expected[k], 1e-12 if dtype == f64 else 1e-5)
-        if dtype == f64:
-            small = Case(2, rows, spec.dof, [1, 0, 1], seed=10)
-            x = [small.u, small.start[0], small.goal[0], small.traj_dt]
-            if spec.kind == "clique":
-                f = lambda u, sp, gp, dt: clique(small, spec.horizon, u=u, sp=sp, gp=gp, traj_dt=dt)
-            else:
-                f = lambda u, sp, gp, dt: bspline(small, spec.horizon, spec.degree, u=u, s0=sp, g0=gp, traj_dt=dt)
-            assert torch.autograd.gradcheck(f, [t.clone().requires_grad_(True) for t in x], check_forward_ad=True)
-    finally:
-        C._STEPS.pop(key)
-        if saved is not None:
-            C._STEPS[key] = saved
+    small = Case(2, spec.n_actions, spec.dof, [1, 0, 1], seed=10)
+    x = [small.u, small.start[0], small.goal[0], small.traj_dt]
+    case = Case(3, spec.n_actions, spec.dof, FLAGS["mixed"], seed=9)
+    if isinstance(spec, LegacySpec):
+        traj_dt = torch.linspace(0.05, 0.1, spec.horizon, dtype=f64)
+        got = acceleration(case, spec.horizon, traj_dt, dtype)
+        expected = ref.acceleration_v2(case.u.numpy(), *(t.numpy() for t in case.start[:3]), case.sidx.numpy(),
+                                       traj_dt.numpy(), spec.horizon)
+        x = [small.u, small.start[0], small.start[1], traj_dt]
+        f = lambda u, sp, sv, dt: acceleration(small, spec.horizon, dt, u=u, sp=sp, sv=sv)
+    elif spec.kind == "clique":
+        got, expected = clique(case, spec.horizon, dtype), clique_reference(case, spec.horizon)
+        f = lambda u, sp, gp, dt: clique(small, spec.horizon, u=u, sp=sp, gp=gp, traj_dt=dt)
+    else:
+        got = bspline(case, spec.horizon, spec.degree, dtype)
+        expected = bspline_reference(case, spec.horizon, spec.degree)
+        f = lambda u, sp, gp, dt: bspline(small, spec.horizon, spec.degree, u=u, s0=sp, g0=gp, traj_dt=dt)
+    for k in range(4):
+        scale_close(got[k].double().numpy(), expected[k], 1e-12 if dtype == f64 else 1e-5)
+    if dtype == f64:
+        assert torch.autograd.gradcheck(f, [t.clone().requires_grad_(True) for t in x], check_forward_ad=True)
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
