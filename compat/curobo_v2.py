@@ -80,6 +80,8 @@ def _floating(u_act: Any) -> Tensor:
         raise TypeError(f"u_act: expected dtype torch.float32 or torch.float64, got {u_act.dtype}")
     if u_act.dim() != 3:
         raise ValueError(f"u_act: expected 3 dims [B, rows, dof], got shape {shape_text(u_act.shape)}")
+    if u_act.shape[0] == 0:
+        raise ValueError(message("empty", name="u_act"))
     return u_act
 
 
@@ -146,6 +148,8 @@ def _out_dt(out_dt: Any, dt: Tensor) -> None:
     """cuRobo's out_dt buffer [B] (any floating dtype), written with each trajectory's dt."""
     if out_dt is not None:
         _tensor("out_dt", out_dt, (dt.shape[0],), (torch.float32, torch.float64), dt.device)
+        if torch._C._are_functorch_transforms_active():  # it cannot take transformed values
+            return
         with torch.no_grad():
             out_dt.copy_(dt)
 

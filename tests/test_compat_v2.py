@@ -317,6 +317,7 @@ CLIQUE_ERRORS = [
     ({"u": torch.zeros(3, 5, 2, dtype=torch.float16)}, TypeError, r"u_act: expected dtype torch.float32 or torch.float64"),
     ({"out": None}, TypeError, r"out_position: expected a torch.Tensor"),
     ({"out_dt": torch.zeros(2, dtype=f64)}, ValueError, r"out_dt: expected shape \(3,\)"),
+    ({"u": torch.zeros(0, 5, 2, dtype=f64)}, ValueError, r"u_act: batch size is 0"),
 ]
 
 
