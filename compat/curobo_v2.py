@@ -378,7 +378,7 @@ class BSplineIdxKernel(_V2Kernel):
         buffers = {"out_position": out_position, "out_velocity": out_velocity, "out_acceleration": out_acceleration,
                    "out_jerk": out_jerk}
         _outputs(u_act, R, buffers)
-        tensors, flag = _bspline_inputs(
+        tensors = _bspline_inputs(
             u_act, (start_position, start_velocity, start_acceleration, start_jerk),
             (goal_position, goal_velocity, goal_acceleration, goal_jerk), start_idx, goal_idx, traj_dt,
             use_implicit_goal_state, bspline_degree)
@@ -417,8 +417,8 @@ class BSplineIdxKernel(_V2Kernel):
 
 
 def _bspline_inputs(u_act: Tensor, start: Sequence[Any], goal: Sequence[Any], start_idx: Any, goal_idx: Any,
-                    traj_dt: Any, flag: Any, degree: Any) -> tuple[list, Tensor]:
-    """The B-spline's checked inputs (the order ``BSplineIdxKernel._call`` takes) and its flags."""
+                    traj_dt: Any, flag: Any, degree: Any) -> list:
+    """The B-spline's checked inputs, in the order ``BSplineIdxKernel._step_inputs`` takes them."""
     B, n, _ = u_act.shape
     if isinstance(degree, bool) or degree not in BSPLINE_DEGREES:
         raise ValueError(f"bspline_degree: expected one of {', '.join(map(str, BSPLINE_DEGREES))}, got {degree!r}")
@@ -431,7 +431,7 @@ def _bspline_inputs(u_act: Tensor, start: Sequence[Any], goal: Sequence[Any], st
     _picked(goal_idx, {"goal_position": goals[0].shape[0], "traj_dt": traj_dt.shape[0],
                        "use_implicit_goal_state": flag.shape[0]})
     _small_n(n, degree, flag, goal_idx)
-    return [u_act, *starts, *goals, start_idx, goal_idx, traj_dt, flag], flag
+    return [u_act, *starts, *goals, start_idx, goal_idx, traj_dt, flag]
 
 
 def _small_n(n: int, degree: int, flag: Tensor, goal_idx: Tensor) -> None:
@@ -485,8 +485,8 @@ def get_bspline_interpolation(input_trajectory: Any, output_trajectory: Any, int
     goal_rows = goal[0].shape[0] if isinstance(goal[0], Tensor) and goal[0].dim() == 2 else 1
     # every trajectory's dt is interpolation_dt[0]: a dt table read at goal_idx like the kernel's
     dt_table = dt_in[:1].expand(goal_rows)
-    tensors, _ = _bspline_inputs(knots, start, goal, start_idx, goal_idx, dt_table, use_implicit_goal_state,
-                                 bspline_degree)
+    tensors = _bspline_inputs(knots, start, goal, start_idx, goal_idx, dt_table, use_implicit_goal_state,
+                              bspline_degree)
     T = n + bspline_degree + 1
     steps = (horizon.clamp(max=max_out - 1) // T).tolist()
     short = [b for b in range(B) if steps[b] < 1]
