@@ -260,13 +260,18 @@ class _V2Kernel(torch.autograd.Function):
         return tuple(DtJvpFunction.apply(step.launcher, dt.contiguous(), ddt.contiguous(), *values, *d_values))
 
 
+def _rows_at(table: Tensor, idx: Tensor) -> Tensor:
+    """table's rows at an index (index_select: torch's advanced indexing is far slower on the CPU)."""
+    return table.index_select(0, idx)
+
+
 def _gather_dt(traj_dt: Tensor, goal_idx: Tensor) -> Tensor:
-    return traj_dt.reshape(-1)[goal_idx.long()]
+    return _rows_at(traj_dt.reshape(-1), goal_idx)
 
 
 def _goal_flag(flag: Tensor, goal_idx: Tensor) -> Tensor:
     """cuRobo's use_implicit_goal_state read at goal_idx, as a [B, 1] boolean."""
-    return (flag.reshape(-1)[goal_idx.long()] != 0).unsqueeze(1)
+    return (_rows_at(flag.reshape(-1), goal_idx) != 0).unsqueeze(1)
 
 
 class CliqueTensorStepIdxKernel(_V2Kernel):
@@ -319,7 +324,7 @@ class CliqueTensorStepIdxKernel(_V2Kernel):
     def _step_inputs(cls, u, p, v, a, goal_p, start_idx, goal_idx, traj_dt, flag, spec):  # type: ignore[override]
         """L = goal_position[goal_idx] where the flag is set, else the last action; the kernel
         holds L from row H − 3 on (its goal entry) and never reads u's last row itself."""
-        held = torch.where(_goal_flag(flag, goal_idx), goal_p[goal_idx.long()], u[:, -1])
+        held = torch.where(_goal_flag(flag, goal_idx), _rows_at(goal_p, goal_idx), u[:, -1])
         zero = torch.zeros_like(held)
         named = {"u": u.contiguous(), "p0": p.contiguous(), "v0": v.contiguous(), "a0": a.contiguous(),
                  "start_index": start_idx, "gp": held, "gv": zero, "ga": zero, "gj": None}
@@ -400,10 +405,9 @@ class BSplineIdxKernel(_V2Kernel):
         """The tail's boundary state: the goal where the flag is set, else (u_{n−1}, 0, 0, 0)
         (its boundary points are u_{n−1} repeated); the kernel never reads u's last row itself.
         dt is floored at 1e-6, as cuRobo does."""
-        g = goal_idx.long()
         use_goal = _goal_flag(flag, goal_idx)
-        held = torch.where(use_goal, gp[g], u[:, -1])
-        tail = [held] + [torch.where(use_goal, x[g], 0.0) if x is not None else torch.zeros_like(held)
+        held = torch.where(use_goal, _rows_at(gp, goal_idx), u[:, -1])
+        tail = [held] + [torch.where(use_goal, _rows_at(x, goal_idx), 0.0) if x is not None else torch.zeros_like(held)
                          for x in (gv, ga, gj)]
         named = {"u": u.contiguous(), "p0": p.contiguous(), "v0": v.contiguous(), "a0": a.contiguous(),
                  "j0": j.contiguous() if j is not None else None, "start_index": start_idx,
@@ -499,10 +503,10 @@ def get_bspline_interpolation(input_trajectory: Any, output_trajectory: Any, int
         for s in sorted(set(steps)):
             rows = torch.tensor([b for b in range(B) if steps[b] == s], device=knots.device)
             spec = CuroboV2Spec("bspline", max_out, D, _dtype_name(knots), bspline_degree, n, s)
-            result = BSplineIdxKernel._call(u[rows], *states, sidx[rows], gidx[rows], dt_table, flag,
-                                            spec)
+            result = BSplineIdxKernel._call(_rows_at(u, rows), *states, _rows_at(sidx, rows), _rows_at(gidx, rows),
+                                            dt_table, flag, spec)
             for y, out in zip(result, outs):
-                out[rows] = y
+                out.index_copy_(0, rows, y)
         out_dt.copy_(dt_in[:1].expand(B))
     return output_trajectory
 
