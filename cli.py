@@ -238,10 +238,14 @@ def list_(directory: str) -> None:
     click.echo(f"{manifest['robot']}: {manifest['dof']} dof, tensorstep {manifest['version']}")
     for k in manifest["kernels"]:
         s = k["spec"]
-        scheme = {"position": s["difference"], "bspline": f"degree {s.get('degree')} n={s.get('knots')} "
-                  f"s={s.get('steps')}"}.get(s["control"], s["integrator"])
+        if "control" in s:
+            control, dt = s["control"], s["dt"]
+            scheme = {"position": s["difference"], "bspline": f"degree {s.get('degree')} n={s.get('knots')} "
+                      f"s={s.get('steps')}"}.get(s["control"], s["integrator"])
+        else:  # a cuRobo kernel (tensorstep.compat): its kind
+            control, scheme, dt = "curobo" + ("_v2" if s.get("family") == "curobo_v2" else ""), s["kind"], "-"
         files = ", ".join(v["path"] for v in k["files"].values())
-        click.echo(f"  H={s['horizon']:<4} {s['control']:<12} {scheme:<20} dt={s['dt']:<8} {s['dtype']:<8} {files}")
+        click.echo(f"  H={s['horizon']:<4} {control:<12} {scheme:<20} dt={dt:<8} {s['dtype']:<8} {files}")
 
 
 @main.command()
@@ -317,7 +321,7 @@ def run(config: str, task: Optional[str], output: str, batch: int, device: str) 
         u = torch.randn(step.action_shape(batch), dtype=dtype, device=step.device, requires_grad=True)
         start = [torch.randn(S, spec.dof, dtype=dtype, device=step.device) for _ in range(3)]
         kw: dict[str, Any] = {"start_index": torch.arange(batch, device=step.device)} if spec.start_index else {}
-        if spec.end == "goal":
+        if getattr(spec, "end", "") == "goal":  # (cuRobo's kernels have no end field)
             kw["goal"] = tuple(torch.randn(batch, spec.dof, dtype=dtype, device=step.device) for _ in range(3))
             if spec.goal_index:
                 kw["goal_index"] = torch.arange(batch, device=step.device)

@@ -14,7 +14,9 @@ Native form::
 cuRobo form: a robot file with ``robot_cfg.kinematics.cspace.joint_names`` (less the joints
 in ``robot_cfg.kinematics.lock_joints``, which are not optimised) plus a task file with
 ``model.horizon``, ``model.dt_traj_params``, ``model.control_space`` and
-``model.state_finite_difference_mode``.
+``model.state_finite_difference_mode``. cuRobo v2's task files (``control_space: BSPLINE_3/4/5``
+with ``n_knots`` and ``interpolation_steps``, or ``curobo_version: 2``) map to the kernels of
+``tensorstep.compat.curobo_v2``.
 
 A bare name that is not a file (``franka_panda``) names a bundled example config.
 """
@@ -47,7 +49,7 @@ class RobotConfig:
     dof: int
     joints: tuple[str, ...]
     dt: float
-    specs: tuple[KernelSpec, ...]
+    specs: tuple[Any, ...]  # KernelSpecs; a cuRobo v2 task file gives the compat kernel it selects
     source: str  # the file(s) it came from
 
     def to_dict(self) -> dict[str, Any]:
@@ -195,9 +197,88 @@ def _unlocked_joints(path: Path, robot: Any) -> tuple[str, ...]:
     return free
 
 
+CUROBO_V2_BSPLINE = {"BSPLINE_3": 3, "BSPLINE_4": 4, "BSPLINE_5": 5}
+
+
+def _is_curobo_v2(task: Any, task_path: Path) -> bool:
+    """cuRobo v2's task files: a B-spline control space (v2 only), or ``model.curobo_version: 2``
+    (which selects v2's position and acceleration kernels; without it they read as v0.7's)."""
+    version = _get(task, task_path, "model.curobo_version", required=False)
+    if version not in (None, 2, 0.7, "0.7", "2"):
+        raise ConfigError(task_path, "model.curobo_version", f"{version!r} is not supported: allowed 2 (cuRobo v2) "
+                          "or 0.7 (the default for POSITION and ACCELERATION)")
+    return str(version) == "2" or _get(task, task_path, "model.control_space", required=False) in CUROBO_V2_BSPLINE
+
+
+def _count(path: Path, key: str, value: Any, least: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ConfigError(path, key, f"expected an integer >= {least}, got {value!r}")
+    return value
+
+
+def curobo_v2_spec(task: Any, task_path: Path, dof: int) -> Any:
+    """The kernel tensorstep.compat.curobo_v2 runs for a cuRobo v2 task file (float32, as cuRobo):
+    POSITION → the position kernel (H ≥ 9 rows, H − 4 actions), ACCELERATION → the acceleration
+    kernel, BSPLINE_3/4/5 → the B-spline kernel of that degree with ``model.n_knots`` knots and
+    ``model.interpolation_steps`` rows per span (``model.horizon``, if given, must hold them)."""
+    from .codegen.legacy_spec import LegacySpec
+    from .codegen.legacy_v2_spec import CuroboV2Spec
+
+    control = _get(task, task_path, "model.control_space")
+    allowed = ("POSITION", "ACCELERATION", *CUROBO_V2_BSPLINE)
+    if control not in allowed:
+        raise ConfigError(task_path, "model.control_space", f"{control!r} is not supported for cuRobo v2: allowed "
+                          + ", ".join(allowed))
+    horizon = _get(task, task_path, "model.horizon", required=control not in CUROBO_V2_BSPLINE)
+    if horizon is not None:
+        horizon = _count(task_path, "model.horizon", horizon, 2)
+    try:
+        if control == "POSITION":
+            mode = _get(task, task_path, "model.state_finite_difference_mode", required=False) or "CENTRAL"
+            if mode != "CENTRAL":
+                raise ConfigError(task_path, "model.state_finite_difference_mode",
+                                  f"{mode!r}: cuRobo v2's position kernel is the five-point central one (allowed CENTRAL)")
+            return CuroboV2Spec("clique", horizon, dof)
+        if control == "ACCELERATION":
+            return LegacySpec("accel_semi_euler", horizon, dof, start_index=True)
+        degree = CUROBO_V2_BSPLINE[control]
+        knots = _count(task_path, "model.n_knots", _get(task, task_path, "model.n_knots"), 1)
+        steps = _count(task_path, "model.interpolation_steps", _get(task, task_path, "model.interpolation_steps"), 1)
+        rows = (knots + degree + 1) * steps + 1
+        if horizon is not None and (horizon - 1) // (knots + degree + 1) != steps:
+            raise ConfigError(task_path, "model.horizon", f"{horizon} rows do not give {steps} rows per span for "
+                              f"{knots + degree + 1} spans (n_knots + degree + 1): expected {rows} (or drop it)")
+        return CuroboV2Spec("bspline", horizon or rows, dof, degree=degree, knots=knots, steps=steps)
+    except ValueError as err:
+        if isinstance(err, ConfigError):
+            raise
+        raise ConfigError(task_path, "model", str(err)) from None
+
+
+def spec_from_dict(data: Any) -> Any:
+    """A spec from its ``to_dict()`` (manifests): tensorstep's KernelSpec, or a cuRobo kernel's."""
+    if isinstance(data, dict) and data.get("family") == "curobo_v2":
+        from .codegen.legacy_v2_spec import CuroboV2Spec
+
+        return CuroboV2Spec.from_dict(data)
+    if isinstance(data, dict) and "kind" in data:
+        from .codegen.legacy_spec import LegacySpec
+
+        return LegacySpec(**data)
+    return KernelSpec.from_dict(data)
+
+
 def load_curobo(robot_path: Path, robot: Any, task_path: Path) -> RobotConfig:
     joints = _unlocked_joints(robot_path, robot)
     task = _read_yaml(task_path)
+    name = Path(robot_path).stem
+    if _is_curobo_v2(task, task_path):
+        dt_params = _get(task, task_path, "model.dt_traj_params", required=False) or {}
+        if not isinstance(dt_params, dict):
+            raise ConfigError(task_path, "model.dt_traj_params", "expected a mapping with base_dt")
+        base_dt = _positive_float(task_path, "model.dt_traj_params.base_dt", dt_params.get("base_dt", 0.02))
+        spec = curobo_v2_spec(task, task_path, len(joints))
+        return RobotConfig(name, len(joints), joints, base_dt, (spec,), f"{robot_path} + {task_path}")
     horizon = _get(task, task_path, "model.horizon")
     if isinstance(horizon, bool) or not isinstance(horizon, int):
         raise ConfigError(task_path, "model.horizon", f"expected an integer, got {horizon!r}")
@@ -221,7 +302,6 @@ def load_curobo(robot_path: Path, robot: Any, task_path: Path) -> RobotConfig:
     if ratio != 1.0:
         fields["dt"] = "per_step"
     spec = _spec(task_path, "model", fields, len(joints))
-    name = Path(robot_path).stem
     return RobotConfig(name, len(joints), joints, base_dt, (spec,), f"{robot_path} + {task_path}")
 
 

@@ -13,7 +13,8 @@ from typing import Any, Callable
 #: (spec type, control or None) → builder; None is the type's builder for every other control
 _BUILDERS: dict[tuple[type, str | None], Callable[[Any], Any]] = {}
 #: modules whose import registers builders (imported on first look-up: they import SymPy)
-MODULES = ("tensorstep.codegen.schemes", "tensorstep.codegen.legacy", "tensorstep.codegen.bspline_scheme")
+MODULES = ("tensorstep.codegen.schemes", "tensorstep.codegen.legacy", "tensorstep.codegen.bspline_scheme",
+           "tensorstep.codegen.legacy_v2")
 
 
 def register(spec_type: type, control: str | None = None) -> Callable[[Callable[[Any], Any]], Callable[[Any], Any]]:

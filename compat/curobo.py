@@ -388,10 +388,11 @@ class _KernelClass(torch.autograd.Function):
     def backward(cls, ctx, *grads):  # type: ignore[override]
         inputs = cls._inputs(ctx)
         wanted = [i for i, need in enumerate(ctx.needs_input_grad) if need]
+        create_graph = torch.is_grad_enabled()  # double backward; read before enable_grad turns it on
         with torch.enable_grad():  # the step's own (exact, generated) adjoint
             leaves = [t.detach().requires_grad_(i in wanted) if t is not None else None for i, t in enumerate(inputs)]
             got = torch.autograd.grad(cls._call(*leaves), [leaves[i] for i in wanted], grads, allow_unused=True,
-                                      create_graph=torch.is_grad_enabled())
+                                      create_graph=create_graph)
         result: list[Optional[Tensor]] = [None] * len(inputs)
         for i, g in zip(wanted, got):
             result[i] = g if g is not None else torch.zeros_like(inputs[i])

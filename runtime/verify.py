@@ -7,7 +7,6 @@ from typing import Any, Callable, Iterable, Optional
 import numpy as np
 import torch
 
-from ..codegen.spec import KernelSpec
 from .api import operator_matrices
 from .cbackend import CompileError
 from .launch import DTYPES, CpuBackend, Launcher
@@ -77,6 +76,7 @@ def check_target(target: Path, task: Optional[str] = None,
                  progress: Callable[[list], Iterable] = lambda items: items) -> list[dict[str, Any]]:
     """Verify a generated folder (its own .c files) or a config (freshly generated kernels)."""
     from ..codegen.emit import read_manifest
+    from ..config import spec_from_dict
 
     rows = []
     if target.is_dir():
@@ -84,7 +84,7 @@ def check_target(target: Path, task: Optional[str] = None,
         if manifest is None:
             raise ValueError(f"{target}: no tensorstep manifest.json here")
         for kernel in progress(manifest["kernels"]):
-            spec = KernelSpec.from_dict(kernel["spec"])
+            spec = spec_from_dict(kernel["spec"])
             c_file = kernel["files"].get("c")
             if c_file is None:
                 raise ValueError(f"{target}: kernel {kernel['name']} has no C source (generated with --target cuda)")
