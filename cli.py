@@ -191,7 +191,7 @@ def show(config: Optional[str], task: Optional[str], target: str, kernel: str, *
 
     specs = specs_from(config, task, options, "shown")
     for spec in specs:
-        if spec.control == "bspline":
+        if getattr(spec, "control", None) == "bspline":  # cuRobo's kernels have no control field
             from .codegen.bspline import describe
 
             click.echo("/*\n" + "\n".join(" * " + line for line in
@@ -217,6 +217,10 @@ def plot(config: Optional[str], task: Optional[str], output: str, step_dt: Optio
     except ImportError as err:
         raise UserError(str(err)) from None
     specs = specs_from(config, task, options, "drawn")
+    compat = [s for s in specs if not hasattr(s, "control")]
+    if compat:
+        raise UserError(f"plot draws tensorstep's own kernels; this task gives cuRobo's ({compat[0].kind}), whose "
+                        "steps take cuRobo's arguments: call them through tensorstep.compat")
     cfg = load_config(config, task) if config else None
     dt = step_dt if step_dt is not None else cfg.dt if cfg else 0.02
     if not dt > 0:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import struct
+from pathlib import Path
 import sys
 
 import numpy as np
@@ -151,3 +152,13 @@ def test_the_slicing_baseline_computes_what_the_kernel_does(scheme):
     expected = reference.apply(spec, harness.DT, u.numpy(), s)
     for k, y in enumerate(outs):
         scale_close(y.numpy(), expected[k], 1e-10)
+
+
+def test_plot_refuses_curobo_kernels_in_one_line(tmp_path):
+    """cuRobo's kernels (compat) take cuRobo's arguments, so there is no sample to draw."""
+    data = Path(__file__).parent / "data"
+    result = invoke("plot", str(data / "curobo_franka.yml"), "--task", str(data / "curobo_v2_task_bspline.yml"),
+                    "-o", str(tmp_path / "x.png"))
+    assert result.exit_code != 0
+    assert result.output.startswith("error: plot draws tensorstep's own kernels") and "compat" in result.output
+    assert not (tmp_path / "x.png").exists()
