@@ -296,20 +296,24 @@ def _dt_vjp(op: Operator, coefs: Coefficients) -> KernelCode:
     return KernelCode(TABLE_CALL, body, loops)
 
 
+def _tangent_terms(coefs: Coefficients, c: sp.Expr, value: Any, tangent: Any) -> list[Term]:
+    """The tangent of c·value: ċ·value (when c depends on dt) + c·tangent."""
+    return ([Term(Read("CD", (coefs.index(c),)), value)] if coefs.varies(c) else []) + [coefs.term(c, tangent)]
+
+
 def _dt_jvp(op: Operator, coefs: Coefficients) -> KernelCode:
     """Tangent: ty = Σ (ċ · value + c · tangent), ċ = Σ_m ∂c/∂dt_m · ddt_m. Interior rows with
     per-step coefficients are loops."""
+    if coefs.runs and not _is_stencil(op):  # a recurrence with per-step coefficients: rolled
+        return KernelCode(coefs.tangent_preamble(), _loads(tangent=True) + roll.render(
+            roll.tangent_groups(op, coefs.term, functools.partial(_tangent_terms, coefs))))
     loops, covered = _dt_jvp_loops(op, coefs)
     body = _loads(tangent=True, goal=op.n_goal) + _uncovered(_forward_lines(op, coefs), covered)
     for row in op.rows:
         if (row.k, row.h) in covered:
             continue
-        parts = []
-        for c, ref in row.terms:
-            if coefs.varies(c):
-                parts.append(Term(Read("CD", (coefs.index(c),)), _var(ref)))
-            parts.append(coefs.term(c, _var(ref, "t")))
-        body.append(Def(Val("ty", row.k, row.h), Sum(tuple(parts))))
+        parts = tuple(t for c, ref in row.terms for t in _tangent_terms(coefs, c, _var(ref), _var(ref, "t")))
+        body.append(Def(Val("ty", row.k, row.h), Sum(parts)))
         body.append(Call(f"TY{row.k}", (row.h,), Val("ty", row.k, row.h)))
     return KernelCode(coefs.tangent_preamble(), body, loops)
 
