@@ -1,17 +1,29 @@
 """The step coefficients of an operator: table slots C(q) and the double-precision programs
-that fill the table from dt and differentiate it (as statements, codegen/statements.py)."""
+that fill the table from dt and differentiate it (as statements, codegen/statements.py).
+
+With a duration per step, every row has coefficients of its own, but interior rows repeat:
+row h's coefficients are row h-1's with every dt_i read as dt_{i+1}. Such a run of rows is
+found from the operator (each row's coefficients rewritten relative to the row must be the
+same), derived once as a template over a window of durations DT(r + o), and emitted as one
+loop over the rows r; the other rows (the boundaries) stay straight-line. So the programs,
+their derivatives and the compiler's work on them are linear in the horizon.
+"""
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections import defaultdict
-from typing import Any
+from typing import Any, Iterable, Sequence
 
 import sympy as sp
 
-from .operator import Operator
-from .statements import Add, Cast, Def, Mul, Paren, Read, Statement, Store, Sym, Term, Var
+from .operator import Operator, expand_formulas
+from .statements import Add, Cast, Def, For, Mul, Paren, Read, Rel, Statement, Store, Strided, Sym, Term, Var
 
 ONE, MINUS_ONE = sp.Integer(1), sp.Integer(-1)
+MIN_ROWS = 4  # shorter runs of repeating rows stay straight-line
+
+Line = tuple  # (symbol, expression): one assignment of a double-precision program
 
 
 def table_term(index: Any, operand: Any) -> Term:
@@ -29,12 +41,167 @@ def _derivative(e: sp.Expr, a: sp.Symbol, seed: str) -> Mul:
     return Mul(Paren(Sym(sp.diff(e, a))), Var(seed))
 
 
+def _cse(exprs: Sequence[sp.Expr], temps: Iterable[sp.Symbol], names: Sequence[str], chunk: int) -> list[Line]:
+    """Short assignments computing each expression into the symbol of the same position in
+    ``names`` (chunked CSE: no more than one chunk's temporaries live at a time)."""
+    lines: list[Line] = []
+    for lo in range(0, len(exprs), chunk):
+        subs, reduced = sp.cse(list(exprs[lo : lo + chunk]), symbols=temps, optimizations=None)
+        lines += subs
+        lines += [(sp.Symbol(n), r) for n, r in zip(names[lo : lo + chunk], reduced)]
+    return lines
+
+
+def _tangent(lines: Sequence[Line]) -> list[Statement]:
+    """Forward mode: each line's value and its tangent d_<s> from the tangents of its inputs."""
+    out: list[Statement] = []
+    for s, e in lines:
+        out.append(_double(str(s), Sym(e)))
+        parts = tuple(_derivative(e, a, f"d_{a}") for a in sorted(e.free_symbols, key=str))
+        out.append(_double(f"d_{s}", Add(parts)))
+    return out
+
+
+def _reverse(lines: Sequence[Line], seeds: dict[str, list]) -> tuple[list[Statement], dict[str, list]]:
+    """Reverse mode over ``lines`` from the adjoint parts ``seeds`` (symbol name → parts): the
+    statements and the adjoint parts left for the program's inputs."""
+    out: list[Statement] = []
+    contributions: dict[str, list] = defaultdict(list, {k: list(v) for k, v in seeds.items()})
+    for s, e in reversed(lines):
+        parts = contributions.pop(str(s), [])
+        if not parts:
+            continue
+        out.append(_double(f"b_{s}", Add(tuple(parts))))
+        for a in e.free_symbols:
+            contributions[str(a)].append(_derivative(e, a, f"b_{s}"))
+    return out, contributions
+
+
+@dataclasses.dataclass(frozen=True)
+class RowRun:
+    """Rows first..last whose coefficients are one template shifted along the durations: row r
+    fills slots ``lo + width·(r - first) + i`` from the durations DT(r + o) of ``window``."""
+
+    first: int
+    last: int
+    lo: int
+    width: int
+    window: tuple[tuple[int, sp.Symbol], ...]  # (offset o, the symbol that reads DT(r + o))
+    program: tuple[Line, ...]  # the template's quantities (e.g. node times), in dependency order
+    exprs: tuple[sp.Expr, ...]  # coefficient i of the row, over window and program symbols
+
+    def slot(self, i: int) -> Strided:
+        return Strided(self.lo + i, self.width, self.first)
+
+    @functools.cached_property
+    def lines(self) -> list[Line]:
+        """The template's program and its coefficients kr<i>, as short assignments."""
+        names = [f"kr{i}" for i in range(len(self.exprs))]
+        return list(self.program) + _cse(self.exprs, sp.numbered_symbols("tr"), names, len(self.exprs) or 1)
+
+    def inputs(self, tangent: bool = False) -> list[Statement]:
+        lines = [_double(str(s), Cast("double", Read("DT", (Rel(o),)))) for o, s in self.window]
+        if tangent:
+            lines += [_double(f"d_{s}", Cast("double", Read("DDT", (Rel(o),)))) for o, s in self.window]
+        return lines
+
+    def loop(self, body: list[Statement]) -> For:
+        return For(self.first, self.last, 1, tuple(body))
+
+
+class _Relative:
+    """Coefficients rewritten relative to their row h: dt_{h+o} becomes the window symbol of
+    offset o, a program quantity the template quantity with the same relative definition."""
+
+    def __init__(self, op: Operator):
+        self.dt_index = {s: i for i, s in enumerate(op.dt_symbols)}
+        self.program = dict(op.program)
+        self.window: dict[int, sp.Symbol] = {}
+        self.quantity: dict[tuple[sp.Symbol, int], sp.Symbol] = {}
+        self.defined: dict[sp.Expr, sp.Symbol] = {}  # relative definition → template quantity
+        self.lines: list[Line] = []  # the template quantities in definition order
+
+    def _symbol(self, s: sp.Symbol, h: int) -> sp.Symbol:
+        if s in self.dt_index:
+            o = self.dt_index[s] - h
+            if o not in self.window:
+                self.window[o] = sp.Symbol(f"dtr_{o}".replace("-", "m"), positive=True)
+            return self.window[o]
+        if (s, h) not in self.quantity:
+            e = self.expr(self.program[s], h)
+            if e not in self.defined:
+                self.defined[e] = sp.Symbol(f"xr{len(self.defined)}")
+                self.lines.append((self.defined[e], e))
+            self.quantity[(s, h)] = self.defined[e]
+        return self.quantity[(s, h)]
+
+    def expr(self, e: sp.Expr, h: int) -> sp.Expr:
+        return e.xreplace({s: self._symbol(s, h) for s in e.free_symbols})
+
+    def program_of(self, exprs: Sequence[sp.Expr]) -> tuple[Line, ...]:
+        """The template quantities the expressions use, in definition order."""
+        need = set().union(*(e.free_symbols for e in exprs)) if exprs else set()
+        for s, e in reversed(self.lines):
+            if s in need:
+                need |= e.free_symbols
+        return tuple((s, e) for s, e in self.lines if s in need)
+
+
+def _rows_of(op: Operator, names: dict[sp.Expr, int], varies: Any) -> dict[int, list[int]]:
+    """row h → the dt-dependent slots first used by row h's outputs (contiguous, ascending)."""
+    new: dict[int, list[int]] = defaultdict(list)
+    seen: set[int] = set()
+    for row in op.rows:
+        for coef, _ in row.terms:
+            q = names.get(coef)
+            if q is not None and q not in seen:
+                seen.add(q)
+                if varies(coef):
+                    new[row.h].append(q)
+    return new
+
+
+def find_runs(op: Operator, names: dict[sp.Expr, int], varies: Any) -> list[RowRun]:
+    """Runs of at least MIN_ROWS consecutive rows whose coefficients are the previous row's with
+    every duration shifted by one step (only with a duration per step)."""
+    if len(op.dt_symbols) < 2:
+        return []
+    by_row = _rows_of(op, names, varies)
+    exprs = {q: e for e, q in names.items()}
+    rel = _Relative(op)
+    signature = {h: tuple(rel.expr(exprs[q], h) for q in qs) for h, qs in by_row.items() if qs}
+
+    def contiguous(qs: list[int]) -> bool:
+        return qs == list(range(qs[0], qs[0] + len(qs)))
+
+    def follows(h: int) -> bool:  # row h continues row h-1's run: the same template, the next slots
+        a, b = by_row[h - 1], by_row[h]
+        return signature[h - 1] == signature[h] and contiguous(a) and contiguous(b) and b[0] == a[-1] + 1
+
+    runs = []
+    rows = sorted(signature)
+    i = 0
+    while i < len(rows):
+        j = i
+        while j + 1 < len(rows) and rows[j + 1] == rows[j] + 1 and follows(rows[j + 1]):
+            j += 1
+        if j - i + 1 >= MIN_ROWS:
+            template = tuple(expand_formulas(e) for e in signature[rows[i]])
+            program = rel.program_of(template)
+            used = set().union(*(e.free_symbols for e in template), *(e.free_symbols for _, e in program))
+            window = tuple(sorted((o, s) for o, s in rel.window.items() if s in used))
+            runs.append(RowRun(rows[i], rows[j], by_row[rows[i]][0], len(template), window, program, template))
+        i = j + 1
+    return runs
+
+
 class Coefficients:
     """Gives each coefficient expression a slot C(q) and turns them into a double-precision program.
 
     The program is a list of small assignments (chunked CSE keeps it linear in the
-    horizon). Its derivatives are taken line by line: forward mode for dt_jvp, reverse
-    mode for dt_vjp, so no large expression is ever differentiated symbolically.
+    horizon), with repeating rows as loops (``runs``). Its derivatives are taken line by
+    line: forward mode for dt_jvp, reverse mode for dt_vjp, so no large expression is ever
+    differentiated symbolically.
     """
 
     CHUNK = 48
@@ -46,6 +213,7 @@ class Coefficients:
         self.names: dict[sp.Expr, int] = {}
         for coef in op.coefficients():  # fixed slots, shared by every kernel of the operator
             self.index(coef)
+        self.runs = find_runs(op, self.names, self.varies)
 
     def varies(self, expr: sp.Expr) -> bool:
         """Whether a coefficient depends on dt (directly or through program quantities)."""
@@ -66,17 +234,24 @@ class Coefficients:
         return table_term(self.index(coef), operand)
 
     @functools.cached_property
-    def lines(self) -> list[tuple[sp.Symbol, sp.Expr]]:
-        """Assignments computing k<q> (the value of C(q)) from the dt symbols."""
+    def straight(self) -> list[int]:
+        """The slots the straight-line program fills (those of no run)."""
+        rolled = {run.lo + i for run in self.runs for i in range(run.width * (run.last - run.first + 1))}
+        return [q for q in range(len(self.names)) if q not in rolled]
+
+    @functools.cached_property
+    def lines(self) -> list[Line]:
+        """Assignments computing k<q> (the value of C(q)) for the straight-line slots."""
         exprs = list(self.names)
-        temps = sp.numbered_symbols("t")
-        lines: list[tuple[sp.Symbol, sp.Expr]] = list(self.base)
-        for lo in range(0, len(exprs), self.CHUNK):
-            chunk = exprs[lo : lo + self.CHUNK]
-            subs, reduced = sp.cse(chunk, symbols=temps, optimizations=None)
-            lines += subs
-            lines += [(sp.Symbol(f"k{lo + i}"), r) for i, r in enumerate(reduced)]
-        return lines
+        chosen = [expand_formulas(exprs[q]) for q in self.straight]
+        base = self.base
+        if self.runs:  # only the program quantities the straight-line slots use
+            need = set().union(*(e.free_symbols for e in chosen)) if chosen else set()
+            for s, e in reversed(base):
+                if s in need:
+                    need |= e.free_symbols
+            base = [(s, e) for s, e in base if s in need]
+        return list(base) + _cse(chosen, sp.numbered_symbols("t"), [f"k{q}" for q in self.straight], self.CHUNK)
 
     def _inputs(self, tangent: bool = False) -> list[Statement]:
         lines = [_double(str(s), Cast("double", Read("DT", (i,)))) for i, s in enumerate(self.dt_syms)]
@@ -84,43 +259,61 @@ class Coefficients:
             lines += [_double(f"d_{s}", Cast("double", Read("DDT", (i,)))) for i, s in enumerate(self.dt_syms)]
         return lines
 
-    def _casts(self, table: str, source: str) -> list[Statement]:
-        return [Store(Read(table, (q,)), Cast("T", Paren(Var(f"{source}{q}")))) for q in range(len(self.names))]
+    def _used_inputs(self, tangent: bool = False) -> list[Statement]:
+        """The straight-line program's reads of dt (with runs, only the durations it uses)."""
+        lines = self._inputs(tangent)
+        if not self.runs:
+            return lines
+        used = {str(a) for _, e in self.lines for a in e.free_symbols}
+        return [s for s in lines if s.target.name.removeprefix("d_") in used]
 
     def preamble(self) -> list[Statement]:
         """Statements filling the coefficient table C(q) (type T); each value is stored as soon
         as it is computed, so no more than one CSE chunk is live at a time."""
-        lines = self._inputs()
+        lines = self._used_inputs()
         for s, e in self.lines:
             if s.name.startswith("k"):
                 lines.append(Store(Read("C", (int(s.name[1:]),)), Cast("T", Paren(Sym(e)))))
             else:
                 lines.append(_double(str(s), Sym(e)))
+        for run in self.runs:
+            body = run.inputs()
+            for s, e in run.lines:
+                if s.name.startswith("kr"):
+                    body.append(Store(Read("C", (run.slot(int(s.name[2:])),)), Cast("T", Paren(Sym(e)))))
+                else:
+                    body.append(_double(str(s), Sym(e)))
+            lines.append(run.loop(body))
         return lines
 
     def tangent_preamble(self) -> list[Statement]:
         """The table C(q) and the dt-tangents CD(q) = Σ_m ∂C(q)/∂dt_m · ddt_m (forward mode)."""
-        lines = self._inputs(tangent=True)
-        for s, e in self.lines:
-            lines.append(_double(str(s), Sym(e)))
-            parts = tuple(_derivative(e, a, f"d_{a}") for a in sorted(e.free_symbols, key=str))
-            lines.append(_double(f"d_{s}", Add(parts)))
-        return lines + self._casts("C", "k") + self._casts("CD", "d_k")
+        lines = self._used_inputs(tangent=True) + _tangent(self.lines)
+        for table, source in (("C", "k"), ("CD", "d_k")):
+            lines += [Store(Read(table, (q,)), Cast("T", Paren(Var(f"{source}{q}")))) for q in self.straight]
+        for run in self.runs:
+            body = run.inputs(tangent=True) + _tangent(run.lines)
+            for table, source in (("C", "kr"), ("CD", "d_kr")):
+                body += [Store(Read(table, (run.slot(i),)), Cast("T", Paren(Var(f"{source}{i}"))))
+                         for i in range(run.width)]
+            lines.append(run.loop(body))
+        return lines
 
     def reverse_program(self) -> list[Statement]:
-        """gdt from GC(q) = ∂L/∂c<q> by reverse accumulation over the program's lines."""
+        """gdt from GC(q) = ∂L/∂c<q> by reverse accumulation over the program's lines: the
+        straight-line part sets every GDT(i), each run's loop adds its rows' parts."""
         program = self.lines
-        lines = self._inputs() + [_double(str(s), Sym(e)) for s, e in program]
-        contributions: dict[str, list] = defaultdict(list)
-        for q in range(len(self.names)):
-            contributions[f"k{q}"].append(Read("GC", (q,)))
-        for s, e in reversed(program):
-            parts = contributions.pop(str(s), [])
-            if not parts:
-                continue
-            lines.append(_double(f"b_{s}", Add(tuple(parts))))
-            for a in e.free_symbols:
-                contributions[str(a)].append(_derivative(e, a, f"b_{s}"))
+        lines = self._used_inputs() + [_double(str(s), Sym(e)) for s, e in program]
+        adjoint, contributions = _reverse(program, {f"k{q}": [Read("GC", (q,))] for q in self.straight})
+        lines += adjoint
         for i, sym in enumerate(self.dt_syms):
             lines.append(Store(Read("GDT", (i,)), Add(tuple(contributions.get(str(sym), [])))))
+        for run in self.runs:
+            body = run.inputs() + [_double(str(s), Sym(e)) for s, e in run.lines]
+            adjoint, contributions = _reverse(run.lines, {f"kr{i}": [Read("GC", (run.slot(i),))]
+                                                          for i in range(run.width)})
+            body += adjoint
+            body += [Store(Read("GDT", (Rel(o),)), Add(tuple(contributions[str(s)])), "+=")
+                     for o, s in run.window if contributions.get(str(s))]
+            lines.append(run.loop(body))
         return lines

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections import defaultdict
+from typing import Any, Callable
 
 import sympy as sp
 
@@ -155,33 +156,72 @@ def _coefficient(coefs: Coefficients, coef: sp.Expr) -> tuple[sp.Expr | None, in
     return (coef, None) if coef in (ONE, MINUS_ONE) else (None, coefs.index(coef))
 
 
-def _loop_term(coefs: Coefficients, unit: sp.Expr | None, slot: int | None, stride: int, start: int,
-               operand: Read) -> Term:
-    if unit is not None:
-        return coefs.term(unit, operand)
-    return table_term(slot if stride == 0 else Strided(slot, stride, start), operand)
+def _stencil_rows(op: Operator, coefs: Coefficients, k: int) -> dict[int, tuple[Shape, Slots] | None]:
+    """Output k's rows as loop material: each term's action offset, unit coefficient and whether
+    it depends on dt (the shape), and its table slot (None for units)."""
+    rows: dict[int, tuple[Shape, Slots] | None] = {}
+    for row in op.rows:
+        if row.k == k and row.h > 0:
+            if not row.terms or any(ref[0] != "u" for _, ref in row.terms):
+                rows[row.h] = None
+                continue
+            parts = [(ref[1] - row.h, *_coefficient(coefs, c), coefs.varies(c)) for c, ref in row.terms]
+            rows[row.h] = (tuple((rel, lit, v) for rel, lit, _, v in parts), tuple(slot for _, _, slot, _ in parts))
+    return rows
 
 
-def _forward_loops(op: Operator, coefs: Coefficients) -> tuple[list[Loop], set[tuple[int, int]]]:
-    """Interior rows whose terms are the same up to a shift in the action index."""
+def _stencil_loops(op: Operator, coefs: Coefficients, statement: Callable, row_dependent_only: bool = False
+                   ) -> tuple[list[Loop], set[tuple[int, int]]]:
+    """Interior rows whose terms are the same up to a shift in the action index, one loop per run
+    and output: ``statement(k, terms)`` gives the loop's statements and guard from the run's
+    terms (rel, unit, varies, slot index). ``row_dependent_only``: only runs whose coefficients
+    advance along the rows (per-step dt)."""
     loops, covered = [], set()
     if not _is_stencil(op):
         return loops, covered
     for k in range(op.n_outputs):
-        rows = {}
-        for row in op.rows:
-            if row.k == k and row.h > 0:
-                if not row.terms or any(ref[0] != "u" for _, ref in row.terms):
-                    rows[row.h] = None
-                    continue
-                parts = [(ref[1] - row.h, *_coefficient(coefs, c)) for c, ref in row.terms]
-                rows[row.h] = (tuple((rel, lit) for rel, lit, _ in parts), tuple(slot for _, _, slot in parts))
-        for start, stop, shape, slots, stride in _runs(rows):
-            value = Sum(tuple(_loop_term(coefs, lit, slot, stride, start, Read("SU", (rel,)))
-                              for (rel, lit), slot in zip(shape, slots)))
-            loops.append(Loop(start, stop, [Store(Read(f"SY{k}"), value)], row_dependent=stride != 0))
+        for start, stop, shape, slots, stride in _runs(_stencil_rows(op, coefs, k)):
+            if row_dependent_only and stride == 0:
+                continue
+            terms = [(rel, lit, v, None if slot is None else slot if stride == 0 else Strided(slot, stride, start))
+                     for (rel, lit, v), slot in zip(shape, slots)]
+            statements, guard = statement(k, terms)
+            loops.append(Loop(start, stop, statements, guard, row_dependent=stride != 0))
             covered.update((k, h) for h in range(start, stop))
     return loops, covered
+
+
+def _term(coefs: Coefficients, lit: sp.Expr | None, slot: Any, operand: Any) -> Term:
+    return coefs.term(lit, operand) if lit is not None else table_term(slot, operand)
+
+
+def _forward_loops(op: Operator, coefs: Coefficients) -> tuple[list[Loop], set[tuple[int, int]]]:
+    """Forward: Y<k> of the loop's row from the shifted actions."""
+    def statement(k: int, terms: list) -> tuple[list[Statement], str]:
+        value = Sum(tuple(_term(coefs, lit, slot, Read("SU", (rel,))) for rel, lit, _, slot in terms))
+        return [Store(Read(f"SY{k}"), value)], ""
+    return _stencil_loops(op, coefs, statement)
+
+
+def _dt_jvp_loops(op: Operator, coefs: Coefficients) -> tuple[list[Loop], set[tuple[int, int]]]:
+    """dt_jvp: the tangent of Y<k> at the loop's row, Σ ċ·u + c·du (per-step dt only)."""
+    def statement(k: int, terms: list) -> tuple[list[Statement], str]:
+        parts = []
+        for rel, lit, varies, slot in terms:
+            if varies:
+                parts.append(Term(Read("CD", (slot,)), Read("SU", (rel,))))
+            parts.append(_term(coefs, lit, slot, Read("SDU", (rel,))))
+        return [Store(Read(f"STY{k}"), Sum(tuple(parts)))], ""
+    return _stencil_loops(op, coefs, statement, row_dependent_only=True)
+
+
+def _dt_vjp_loops(op: Operator, coefs: Coefficients) -> tuple[list[Loop], set[tuple[int, int]]]:
+    """dt_vjp: each dt-dependent coefficient of the loop's row gathers g<k>·u (per-step dt only;
+    a stencil's row adjoints are its incoming gradients)."""
+    def statement(k: int, terms: list) -> tuple[list[Statement], str]:
+        return [Store(Read("ACC", (slot,)), Cast("double", Paren(Mul(Read(f"SG{k}", (0,)), Read("SU", (rel,))))), "+=")
+                for rel, _, varies, slot in terms if varies], f"g{k}"
+    return _stencil_loops(op, coefs, statement, row_dependent_only=True)
 
 
 def _adjoint_loops(op: Operator, coefs: Coefficients) -> tuple[list[Loop], set[int]]:
@@ -203,7 +243,8 @@ def _adjoint_loops(op: Operator, coefs: Coefficients) -> tuple[list[Loop], set[i
         dependent = stride != 0
         loops.append(Loop(start, stop, [Store(Read("SGU"), Cast("T", Literal("0")))], row_dependent=dependent))
         for k in sorted({kk for kk, _, _ in shape}):
-            value = Sum(tuple(_loop_term(coefs, lit, slot, stride, start, Read(f"SG{k}", (rel,)))
+            value = Sum(tuple(_term(coefs, lit, slot if stride == 0 else Strided(slot, stride, start),
+                                    Read(f"SG{k}", (rel,)))
                               for (kk, rel, lit), slot in zip(shape, slots) if kk == k))
             loops.append(Loop(start, stop, [Store(Read("SGU"), value, "+=")], guard=f"g{k}", row_dependent=dependent))
         covered.update(range(start, stop))
@@ -232,33 +273,49 @@ def _adjoint(op: Operator, coefs: Coefficients) -> KernelCode:
     return KernelCode(TABLE_CALL, lines, loops)
 
 
+def _uncovered(lines: list[Statement], covered: set[tuple[int, int]]) -> list[Statement]:
+    """The lines whose row value (y, g, yb of row (k, h)) no loop computes."""
+    return [s for s in lines if not (isinstance(s, Def) and isinstance(s.target, Val)
+                                     and (s.target.k, s.target.h) in covered)]
+
+
 def _dt_vjp(op: Operator, coefs: Coefficients) -> KernelCode:
     """GC(q) += Σ yb_row · value over the uses of each dt-dependent coefficient (summed over
-    columns); dt_vjp_finish then maps GC to the dt gradient through the coefficient program."""
-    body = _loads(goal=op.n_goal) + _forward_lines(op, coefs)
+    columns); dt_vjp_finish then maps GC to the dt gradient through the coefficient program.
+    Interior rows with per-step coefficients accumulate in loops."""
+    loops, covered = _dt_vjp_loops(op, coefs)
+    body = _loads(goal=op.n_goal) + _uncovered(_forward_lines(op, coefs), covered)
     adjoint, _ = _adjoint_lines(op, coefs)
-    body += adjoint
+    body += _uncovered(adjoint, covered)
     uses: dict[int, list[Mul]] = defaultdict(list)
     for row in op.rows:
         for c, ref in row.terms:
-            if coefs.varies(c):
+            if coefs.varies(c) and (row.k, row.h) not in covered:
                 uses[coefs.index(c)].append(Mul(Val("yb", row.k, row.h), _var(ref)))
     body += [Store(Read("ACC", (q,)), Cast("double", Paren(Add(tuple(parts)))), "+=") for q, parts in uses.items()]
-    return KernelCode(TABLE_CALL, body)
+    return KernelCode(TABLE_CALL, body, loops)
+
+
+def _tangent_terms(coefs: Coefficients, c: sp.Expr, value: Any, tangent: Any) -> list[Term]:
+    """The tangent of c·value: ċ·value (when c depends on dt) + c·tangent."""
+    return ([Term(Read("CD", (coefs.index(c),)), value)] if coefs.varies(c) else []) + [coefs.term(c, tangent)]
 
 
 def _dt_jvp(op: Operator, coefs: Coefficients) -> KernelCode:
-    """Tangent: ty = Σ (ċ · value + c · tangent), ċ = Σ_m ∂c/∂dt_m · ddt_m."""
-    body = _loads(tangent=True, goal=op.n_goal) + _forward_lines(op, coefs)
+    """Tangent: ty = Σ (ċ · value + c · tangent), ċ = Σ_m ∂c/∂dt_m · ddt_m. Interior rows with
+    per-step coefficients are loops."""
+    if coefs.runs and not _is_stencil(op):  # a recurrence with per-step coefficients: rolled
+        return KernelCode(coefs.tangent_preamble(), _loads(tangent=True) + roll.render(
+            roll.tangent_groups(op, coefs.term, functools.partial(_tangent_terms, coefs))))
+    loops, covered = _dt_jvp_loops(op, coefs)
+    body = _loads(tangent=True, goal=op.n_goal) + _uncovered(_forward_lines(op, coefs), covered)
     for row in op.rows:
-        parts = []
-        for c, ref in row.terms:
-            if coefs.varies(c):
-                parts.append(Term(Read("CD", (coefs.index(c),)), _var(ref)))
-            parts.append(coefs.term(c, _var(ref, "t")))
-        body.append(Def(Val("ty", row.k, row.h), Sum(tuple(parts))))
+        if (row.k, row.h) in covered:
+            continue
+        parts = tuple(t for c, ref in row.terms for t in _tangent_terms(coefs, c, _var(ref), _var(ref, "t")))
+        body.append(Def(Val("ty", row.k, row.h), Sum(parts)))
         body.append(Call(f"TY{row.k}", (row.h,), Val("ty", row.k, row.h)))
-    return KernelCode(coefs.tangent_preamble(), body)
+    return KernelCode(coefs.tangent_preamble(), body, loops)
 
 
 class LoweredOperator:

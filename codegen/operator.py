@@ -10,10 +10,11 @@ all derived from this one description.
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 import numpy as np
 import sympy as sp
+from sympy.core.function import AppliedUndef
 
 Ref = tuple  # ("u", j) | ("s", m) | ("g", m) | ("y", k, h)
 Term = tuple  # (coefficient: sp.Expr, ref: Ref)
@@ -130,3 +131,23 @@ def row_ref(k: int, h: int) -> list[Term]:
 
 def scaled(terms: Iterable[Term], factor: sp.Expr) -> list[Term]:
     return [(factor * c, r) for c, r in terms]
+
+
+def formula(name: str, params: Sequence[sp.Symbol], expr: sp.Expr) -> Any:
+    """A named function of a few quantities with its definition ``expr`` over ``params``.
+
+    A coefficient may apply one (e.g. a Lagrange weight at one row's node times): the rows
+    of a long horizon then share one definition instead of each holding a copy, and their
+    coefficients stay small. ``expand_formulas`` writes the definition out; ``dense``
+    evaluates it numerically.
+    """
+    numeric = sp.lambdify(list(params), expr, "math")
+    return sp.Function(name, definition=sp.Lambda(tuple(params), expr), _imp_=staticmethod(numeric))
+
+
+def expand_formulas(expr: sp.Expr) -> sp.Expr:
+    """``expr`` with every applied formula replaced by its definition at its arguments."""
+    if not expr.atoms(AppliedUndef):
+        return expr
+    return expr.replace(lambda e: isinstance(e, AppliedUndef) and hasattr(type(e), "definition"),
+                        lambda e: type(e).definition(*e.args))

@@ -61,6 +61,27 @@ def forward_groups(op: Operator, term: TermOf) -> list[Group]:
     return list(groups.values())
 
 
+def _tangent_ref(ref: tuple, h: int) -> Any:
+    if ref[0] == "u":
+        return Read("DU", (Rel(ref[1] - h),))
+    if ref[0] == "s":
+        return Var(f"ts{ref[1]}")
+    return Val("ty", ref[1], Rel(ref[2] - h))
+
+
+def tangent_groups(op: Operator, term: TermOf, tangent: Callable[[sp.Expr, Any, Any], list[Term]]) -> list[Group]:
+    """dt_jvp: each row's value and its tangent ``tangent(coef, value, value's tangent)`` summed
+    over its terms, then the tangent's store, grouped by row h in evaluation order."""
+    groups: dict[int, Group] = {}
+    for row in op.rows:
+        value = Sum(tuple(term(c, _relative(ref, row.h, "y")) for c, ref in row.terms))
+        dot = Sum(tuple(t for c, ref in row.terms for t in tangent(c, _relative(ref, row.h, "y"), _tangent_ref(ref, row.h))))
+        own, tan = Val("y", row.k, Rel(0)), Val("ty", row.k, Rel(0))
+        groups.setdefault(row.h, Group(row.h, [])).statements += [Def(own, value), Def(tan, dot),
+                                                                  Call(f"TY{row.k}", (Rel(0),), tan)]
+    return list(groups.values())
+
+
 def adjoint_groups(op: Operator, term: TermOf) -> tuple[list[Group], list[Statement]]:
     """Adjoint (reverse accumulation): groups from the last row h down; within a group the
     rows' total adjoints yb<k> in reverse order, then the action gradients this group
@@ -106,12 +127,13 @@ def _name(v: Val) -> str:
 
 # -- signatures: what must be equal for groups to share one loop body ------------------------
 def _is_slot(n: Any) -> bool:
-    return isinstance(n, Read) and n.macro == "C" and isinstance(n.args[0], int)
+    """A read of the coefficient table (C) or of its dt tangent (CD) at a fixed slot."""
+    return isinstance(n, Read) and n.macro in ("C", "CD") and isinstance(n.args[0], int)
 
 
 def shape(group: Group) -> tuple:
     """The statements with their table coefficients blanked (their slots may advance along a run)."""
-    return transform(tuple(group.statements), lambda n: Read("C", (None,)) if _is_slot(n) else None)
+    return transform(tuple(group.statements), lambda n: Read(n.macro, (None,)) if _is_slot(n) else None)
 
 
 def slots(group: Group) -> tuple:
@@ -162,7 +184,7 @@ def rolled(run: list[Group], step: int, defined: set[str]) -> list[Statement]:
                 raise NotRollable(f"{n.prefix}{n.k} reads a later row")
             return Var(f"{n.prefix}{n.k}_c") if n.h.rel == 0 else _carry(n.prefix, n.k, abs(n.h.rel), first)
         if _is_slot(n) and stride != 0:
-            return Read("C", (Strided(n.args[0], stride, first),))
+            return Read(n.macro, (Strided(n.args[0], stride, first),))
         return None
 
     body = [transform(s, in_loop) for s in run[0].statements]

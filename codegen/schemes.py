@@ -1,14 +1,15 @@
 """Builders: KernelSpec → Operator rows (SPEC §2). Each scheme is data fed to one IR."""
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable
 
 import sympy as sp
 
 from .builders import register
-from .operator import (N_GOAL, N_START, Operator, Row, Term, combine, dt_symbols, row_ref, scaled, start_rows,
-                       step_durations)
+from .operator import (N_GOAL, N_START, Operator, Row, Term, combine, dt_symbols, formula, row_ref, scaled,
+                       start_rows, step_durations)
 from .spec import KernelSpec
 from .stencils import lagrange_weights, stencil_offsets, uniform_weights
 
@@ -52,6 +53,15 @@ class PositionPoints:
             self.program.append((sym, self.time(j, h)))
             self._named[(j, h)] = sym
         return self._named[(j, h)]
+
+    def weights(self, node_times: list[sp.Expr], derivative: int) -> list[sp.Expr]:
+        """Lagrange weights at one row's node times, each a formula (codegen/operator.formula)
+        applied to the row's nonzero node times: derived once per shape, so the rows of a long
+        horizon cost little each, and rows whose node times are shifted quantities have
+        coefficients that codegen/coefficients.py recognises as one template."""
+        zeros = tuple(i for i, x in enumerate(node_times) if x == 0)
+        args = [x for i, x in enumerate(node_times) if i not in zeros]
+        return [w if w.is_Number else w(*args) for w in _weight_formulas(len(node_times), derivative, zeros)]
 
     def value(self, j: int) -> list[Term]:
         last = self.H - 1
@@ -101,6 +111,17 @@ def stencil_row(k: int, h: int, weights: list[sp.Expr], values: list[list[Term]]
     return Row(k, h, combine(terms))
 
 
+@functools.lru_cache(maxsize=None)
+def _weight_formulas(n: int, derivative: int, zeros: tuple[int, ...]) -> tuple:
+    """The Lagrange weights over n node times (0 at ``zeros``) as formulas of the others (a
+    weight that is a constant stays a number)."""
+    node_times = [sp.Integer(0) if i in zeros else sp.Symbol(f"x{i}") for i in range(n)]
+    params = [x for x in node_times if x != 0]
+    tag = "".join("0" if x == 0 else "x" for x in node_times)
+    return tuple(w if w.is_Number else formula(f"lagrange_{tag}_d{derivative}_w{i}", params, w)
+                 for i, w in enumerate(lagrange_weights(node_times, derivative)))
+
+
 def position_rows(spec: KernelSpec, syms: tuple[sp.Symbol, ...], pts: PositionPoints) -> list[Row]:
     H = spec.horizon
     rows = start_rows(spec.order)
@@ -115,7 +136,7 @@ def position_rows(spec: KernelSpec, syms: tuple[sp.Symbol, ...], pts: PositionPo
                 base = uniform_weights(tuple(j - h for j in points), k)
                 weights = [w / syms[0] ** k for w in base]
             else:
-                weights = lagrange_weights([pts.time_symbol(j, h) for j in points], k)
+                weights = pts.weights([pts.time_symbol(j, h) for j in points], k)
             rows.append(stencil_row(k, h, weights, [pts.value(j) for j in points]))
     return rows
 

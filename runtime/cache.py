@@ -19,13 +19,25 @@ import fcntl
 import hashlib
 import json
 import os
+import sys
 import tempfile
+import threading
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
 from ..codegen.files import atomic_write
 
 ABI_VERSION = "2"  # 2: build metadata stored in meta.json
+SLOW_BUILD_S = 2.0  # a build still running after this long says what it is doing
+
+
+def slow_notice(what: str, after: Optional[float] = None) -> threading.Timer:
+    """A started timer that prints 'tensorstep: <what>...' on stderr unless cancelled within
+    ``after`` seconds: a first build that takes a while is not mistaken for a hang."""
+    timer = threading.Timer(SLOW_BUILD_S if after is None else after, lambda: print(f"tensorstep: {what}...", file=sys.stderr, flush=True))
+    timer.daemon = True
+    timer.start()
+    return timer
 
 
 def cache_root() -> Path:

@@ -18,7 +18,7 @@ import cffi
 
 from ..codegen import abi
 from ..codegen.arguments import table
-from .cache import ABI_VERSION, BuildCache, CacheError, digest
+from .cache import ABI_VERSION, BuildCache, CacheError, digest, slow_notice
 from .fingerprint import generator_fingerprint
 
 # -fopenmp: the batch loop runs on all cores; the library links libgomp.so.1, the same soname
@@ -118,14 +118,21 @@ def fallback_cache_root() -> Path:
 
 
 def _load_library(spec: Any, part: str, cache: BuildCache) -> tuple[Any, dict]:
+    notices = []
+
     def generate() -> tuple[str, dict]:
         from ..codegen.driver import generate  # SymPy and Jinja2 only on a cache miss
 
+        notices.append(slow_notice(f"compiling {spec.name} ({part} kernels, H={spec.horizon})"))
         generated = generate(spec, targets=("c",), parts=(part,))
         return generated.source("c", part), dict(generated.metadata)
 
-    content_hash, path, metadata = cache.artefact_for(f"{spec.key}-{part}", environment_key(), "so", generate,
-                                                      _compile)
+    try:
+        content_hash, path, metadata = cache.artefact_for(f"{spec.key}-{part}", environment_key(), "so", generate,
+                                                          _compile)
+    finally:
+        for notice in notices:
+            notice.cancel()
     return _open(content_hash, path, spec, part), metadata
 
 

@@ -1,0 +1,136 @@
+"""Per-step dt kernels at horizons where the coefficient programs are rolled into loops:
+their source grows linearly with H, and their values and dt derivatives match the
+independent float64 reference (tests/reference.py) and its finite differences."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.autograd.forward_ad as fwAD
+
+import tensorstep as ts
+from tensorstep.codegen.driver import generate
+
+import reference
+from helpers import Inputs, dt_value, grid_id, scale_close, to_bhd
+
+H_ROLLED = 40  # long enough that interior rows repeat and are emitted as loops
+
+PER_STEP = [
+    dict(difference="central"),
+    dict(difference="central", accuracy=4, order=4, start_index=True),
+    dict(difference="central", end="one_sided", accuracy=(2, 4, 2)),
+    dict(difference="backward"),
+    dict(difference="backward", accuracy=3, order=4),
+    dict(control="acceleration", integrator="exact"),
+    dict(control="jerk", integrator="semi_implicit_euler", order=4),
+]
+
+
+def _spec(overrides: dict, horizon: int = H_ROLLED, dtype: str = "float64") -> ts.KernelSpec:
+    return ts.KernelSpec(horizon=horizon, dof=2, dtype=dtype, dt="per_step", **overrides)
+
+
+def _dt_source_size(spec: ts.KernelSpec) -> int:
+    g = generate(spec, targets=("c", "cuda"), parts=("core", "dt"))
+    return sum(len(text) for text in g.sources.values())
+
+
+@pytest.mark.parametrize("overrides", [dict(difference="central"), dict(difference="backward", accuracy=3)],
+                         ids=grid_id)
+def test_per_step_source_grows_linearly(overrides):
+    """The coefficient programs and their derivatives are loops over the interior rows: the
+    source grows by a fixed amount per row (it grew superlinearly, 1.26 MB at H=64)."""
+    sizes = {h: _dt_source_size(_spec(overrides, h, "float32")) for h in (32, 64, 128)}
+    assert sizes[128] - sizes[64] < 2.2 * (sizes[64] - sizes[32]), sizes
+    assert sizes[128] < 2.2 * sizes[64], sizes
+    assert sizes[128] < 600_000, sizes
+
+
+def test_interior_rows_are_one_loop_in_each_program():
+    source = generate(_spec(dict(difference="central"), 64), targets=("c",), parts=("dt",)).source("c", "dt")
+    finish = source[source.index("_dt_vjp_finish("):]
+    finish = finish[: finish.index("\n}\n")]
+    assert finish.count("for (int64_t r = ") == 1
+    assert "GDT(r + " in finish or "GDT(r - " in finish or "GDT(r)" in finish
+
+
+def _reference_outputs(spec, dt: np.ndarray, x: Inputs) -> np.ndarray:
+    return np.asarray(reference.apply(spec, dt.tolist(), x.numpy_u_bhd(), x.numpy_start()))
+
+
+@pytest.mark.parametrize("overrides", PER_STEP, ids=grid_id)
+def test_rolled_forward_matches_reference(overrides):
+    spec = _spec(overrides)
+    x = Inputs(spec)
+    dt = dt_value(spec)
+    outs = ts.load(spec, "cpu")(x.u, x.p0, x.v0, x.a0, dt, **x.kwargs())
+    expected = _reference_outputs(spec, dt.numpy(), x)
+    for k, y in enumerate(outs):
+        scale_close(to_bhd(y, spec), expected[k], 1e-11)
+
+
+def _finite_difference(spec, dt: np.ndarray, x: Inputs, direction: np.ndarray, eps: float = 1e-6) -> np.ndarray:
+    """d/dε reference(dt + ε·direction) at ε = 0, by a fourth-order central difference."""
+    f = lambda e: _reference_outputs(spec, dt + e * direction, x)
+    return (8 * (f(eps) - f(-eps)) - (f(2 * eps) - f(-2 * eps))) / (12 * eps)
+
+
+@pytest.mark.parametrize("overrides", PER_STEP, ids=grid_id)
+def test_rolled_dt_vjp_matches_finite_differences(overrides):
+    """The dt gradient of Σ g·Y, projected on random directions, against finite differences of
+    the reference along them."""
+    spec = _spec(overrides)
+    x = Inputs(spec)
+    dt = dt_value(spec, requires_grad=True)
+    outs = ts.load(spec, "cpu")(x.u, x.p0, x.v0, x.a0, dt, **x.kwargs())
+    gen = torch.Generator().manual_seed(5)
+    gs = [torch.randn(y.shape, generator=gen, dtype=torch.float64) for y in outs]
+    (got,) = torch.autograd.grad(outs, [dt], gs)
+    g = np.stack([to_bhd(gk, spec) for gk in gs])
+    rng = np.random.default_rng(7)
+    for direction in rng.normal(size=(3, spec.horizon)):
+        expected = float((g * _finite_difference(spec, dt.detach().numpy(), x, direction)).sum())
+        actual = float(got.numpy() @ direction)
+        assert abs(actual - expected) <= 1e-7 * max(1.0, abs(expected)), (actual, expected)
+
+
+@pytest.mark.parametrize("overrides", PER_STEP, ids=grid_id)
+def test_rolled_dt_jvp_matches_finite_differences(overrides):
+    """The outputs' tangent along a random dt direction (forward mode) against finite differences."""
+    spec = _spec(overrides)
+    x = Inputs(spec)
+    dt = dt_value(spec)
+    direction = torch.randn(spec.horizon, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    step = ts.load(spec, "cpu")
+    with fwAD.dual_level():
+        outs = step(x.u, x.p0, x.v0, x.a0, fwAD.make_dual(dt, direction), **x.kwargs())
+        tangents = [fwAD.unpack_dual(y).tangent for y in outs]
+    expected = _finite_difference(spec, dt.numpy(), x, direction.numpy())
+    for k, t in enumerate(tangents):
+        scale_close(to_bhd(t, spec), expected[k], 1e-7)
+
+
+@pytest.mark.parametrize("overrides", [dict(difference="central"), dict(control="acceleration", integrator="exact")],
+                         ids=grid_id)
+def test_rolled_float32_matches_float64(overrides):
+    x64 = Inputs(_spec(overrides))
+    x32 = Inputs(_spec(overrides, dtype="float32"))
+    out64 = ts.load(_spec(overrides))(x64.u, x64.p0, x64.v0, x64.a0, dt_value(_spec(overrides)), **x64.kwargs())
+    spec32 = _spec(overrides, dtype="float32")
+    out32 = ts.load(spec32)(x32.u, x32.p0, x32.v0, x32.a0, dt_value(spec32), **x32.kwargs())
+    for a, b in zip(out32, out64):
+        scale_close(a.double().numpy(), b.numpy(), 2e-5)
+
+
+def test_a_slow_uncached_build_says_what_it_is_doing(monkeypatch, capfd, tmp_path):
+    from tensorstep.runtime import cache, cbackend
+
+    monkeypatch.setattr(cache, "SLOW_BUILD_S", 0.0)
+    spec = ts.KernelSpec(horizon=9, dof=1, dtype="float64", dt="per_step", difference="backward")
+    store = cache.BuildCache(tmp_path)
+    cbackend.load_library(spec, "dt", store)
+    err = capfd.readouterr().err
+    assert f"tensorstep: compiling {spec.name} (dt kernels, H=9)..." in err
+    cbackend.load_library(spec, "dt", store)  # cached: nothing to say
+    assert "tensorstep: compiling" not in capfd.readouterr().err
