@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections import defaultdict
+from collections import Counter, defaultdict
 
 import sympy as sp
 
@@ -29,10 +29,12 @@ from .statements import (Add, Call, Cast, Def, Literal, Mul, Paren, Read, Statem
 
 @dataclasses.dataclass
 class Loop:
-    """Rows [start, stop) that share one translation-invariant statement: emitted as a loop.
+    """Loop indices [start, stop) that share one translation-invariant statement: emitted as a loop.
 
-    For the C 'bhd' layout the loop runs over the flattened (row, dof) index, which is
-    contiguous, so it vectorises at full width. ``guard`` names a pointer that must be
+    Index r reads actions r + rel and output row r·scale + offset: scale is the operator's
+    period (rows per action shift; 1 for one row per action, s for s rows per B-spline span).
+    For the C 'bhd' layout a loop with scale 1 and offset 0 runs over the flattened (row, dof)
+    index, which is contiguous, so it vectorises at full width. ``guard`` names a pointer that must be
     non-null for the loop to run (absent gradients skip their loop).
     """
 
@@ -41,10 +43,23 @@ class Loop:
     statements: list[Statement]
     guard: str = ""
     row_dependent: bool = False  # coefficients change with the row (per-step dt): loop over r
+    scale: int = 1  # loop index r addresses output row r·scale + offset (and action r)
+    offset: int = 0
 
     @property
-    def span(self) -> tuple[int, int]:
-        return (self.start, self.stop)
+    def row(self) -> str:
+        """The output row of loop index r, as C text."""
+        return "r" if (self.scale, self.offset) == (1, 0) else f"(r * {self.scale} + {self.offset})"
+
+    @property
+    def key(self) -> tuple[int, int, str]:
+        """Loops with one key share their index range and rows: the CUDA template fuses them."""
+        return (self.start, self.stop, self.row)
+
+    @property
+    def by_row(self) -> bool:
+        """The (row, dof) index is not one contiguous range: the C 'bhd' form loops over r, then d."""
+        return self.row_dependent or self.row != "r"
 
     @functools.cached_property
     def lines(self) -> list[str]:
@@ -162,50 +177,71 @@ def _loop_term(coefs: Coefficients, unit: sp.Expr | None, slot: int | None, stri
     return table_term(slot if stride == 0 else Strided(slot, stride, start), operand)
 
 
+def _period(op: Operator) -> int:
+    """Output rows per action shift: the most common distance between the rows (of one output)
+    where the first action read advances by one (1 when none do; the smallest on a tie)."""
+    first: dict[tuple[int, int], int] = {}
+    for row in op.rows:
+        actions = [ref[1] for _, ref in row.terms if ref[0] == "u"]
+        if actions:
+            first[(row.k, row.h)] = min(actions)
+    advances = sorted((k, h) for (k, h), j in first.items() if first.get((k, h - 1)) == j - 1)
+    gaps = Counter(h1 - h0 for (k0, h0), (k1, h1) in zip(advances, advances[1:]) if k0 == k1)
+    return min(gaps, key=lambda p: (-gaps[p], p)) if gaps else 1
+
+
 def _forward_loops(op: Operator, coefs: Coefficients) -> tuple[list[Loop], set[tuple[int, int]]]:
-    """Interior rows whose terms are the same up to a shift in the action index."""
+    """Interior rows whose terms are the same up to a shift in the action index: with period p,
+    rows h and h + p, one loop per output and phase h mod p, indexed by r = h div p."""
     loops, covered = [], set()
     if not _is_stencil(op):
         return loops, covered
-    for k in range(op.n_outputs):
-        rows = {}
-        for row in op.rows:
-            if row.k == k and row.h > 0:
-                if not row.terms or any(ref[0] != "u" for _, ref in row.terms):
-                    rows[row.h] = None
-                    continue
-                parts = [(ref[1] - row.h, *_coefficient(coefs, c)) for c, ref in row.terms]
-                rows[row.h] = (tuple((rel, lit) for rel, lit, _ in parts), tuple(slot for _, _, slot in parts))
+    p = _period(op)
+    phases: dict[tuple[int, int], dict] = defaultdict(dict)
+    for row in op.rows:
+        if row.h > 0:
+            rows, r = phases[(row.k, row.h % p)], row.h // p
+            if not row.terms or any(ref[0] != "u" for _, ref in row.terms):
+                rows[r] = None
+                continue
+            parts = [(ref[1] - r, *_coefficient(coefs, c)) for c, ref in row.terms]
+            rows[r] = (tuple((rel, lit) for rel, lit, _ in parts), tuple(slot for _, _, slot in parts))
+    for (k, phase), rows in sorted(phases.items()):
         for start, stop, shape, slots, stride in _runs(rows):
             value = Sum(tuple(_loop_term(coefs, lit, slot, stride, start, Read("SU", (rel,)))
                               for (rel, lit), slot in zip(shape, slots)))
-            loops.append(Loop(start, stop, [Store(Read(f"SY{k}"), value)], row_dependent=stride != 0))
-            covered.update((k, h) for h in range(start, stop))
+            loops.append(Loop(start, stop, [Store(Read(f"SY{k}"), value)], row_dependent=stride != 0,
+                              scale=p, offset=phase))
+            covered.update((k, r * p + phase) for r in range(start, stop))
     return loops, covered
 
 
 def _adjoint_loops(op: Operator, coefs: Coefficients) -> tuple[list[Loop], set[int]]:
-    """Interior actions whose gradient gathers the same shifted output gradients."""
+    """Interior actions whose gradient gathers the same shifted output gradients: action j reads
+    rows j·p + rel (p the operator's period)."""
     loops: list[Loop] = []
     covered: set[int] = set()
     if not _is_stencil(op):
         return loops, covered
+    p = _period(op)
     gathers: dict[int, list[tuple]] = defaultdict(list)
     for row in op.rows:
         for c, ref in row.terms:
             if ref[0] == "u":
-                gathers[ref[1]].append((row.k, row.h - ref[1], *_coefficient(coefs, c)))
+                gathers[ref[1]].append((row.k, row.h - ref[1] * p, *_coefficient(coefs, c)))
     rows = {}
     for j in range(op.n_actions):
         parts = sorted(gathers[j], key=lambda t: (t[0], t[1]))
         rows[j] = (tuple((k, rel, lit) for k, rel, lit, _ in parts), tuple(slot for *_, slot in parts)) if parts else None
     for start, stop, shape, slots, stride in _runs(rows):
         dependent = stride != 0
-        loops.append(Loop(start, stop, [Store(Read("SGU"), Cast("T", Literal("0")))], row_dependent=dependent))
+        loops.append(Loop(start, stop, [Store(Read("SGU"), Cast("T", Literal("0")))], row_dependent=dependent,
+                          scale=p))
         for k in sorted({kk for kk, _, _ in shape}):
             value = Sum(tuple(_loop_term(coefs, lit, slot, stride, start, Read(f"SG{k}", (rel,)))
                               for (kk, rel, lit), slot in zip(shape, slots) if kk == k))
-            loops.append(Loop(start, stop, [Store(Read("SGU"), value, "+=")], guard=f"g{k}", row_dependent=dependent))
+            loops.append(Loop(start, stop, [Store(Read("SGU"), value, "+=")], guard=f"g{k}", row_dependent=dependent,
+                              scale=p))
         covered.update(range(start, stop))
     return loops, covered
 
