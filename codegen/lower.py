@@ -24,7 +24,7 @@ from .coefficients import MINUS_ONE, ONE, Coefficients, table_term
 from .operator import Operator, Ref
 from .printer import COLUMN
 from .statements import (Add, Call, Cast, Def, Literal, Mul, Paren, Read, Statement, Store, Strided, Sum, Term,
-                         Val, Var)
+                         Val, Var, walk)
 
 
 @dataclasses.dataclass
@@ -265,7 +265,20 @@ def _adjoint(op: Operator, coefs: Coefficients) -> KernelCode:
               if j not in covered]
     lines += [Call(f"GS{m}", (), Sum(tuple(contributions.get(("s", m), [])))) for m in range(4)]
     lines += [Call(f"GE{m}", (), Sum(tuple(contributions.get(("g", m), [])))) for m in range(op.n_goal)]
-    return KernelCode(TABLE_CALL, lines, loops)
+    return KernelCode(TABLE_CALL, _live(lines) if covered else lines, loops)
+
+
+def _live(lines: list[Statement]) -> list[Statement]:
+    """``lines`` without the definitions that no later line reads (the gradients of rows whose
+    actions the loops gather): the column body then grows with the rows the loops leave."""
+    used: set = set()
+    kept: list[Statement] = []
+    for line in reversed(lines):
+        if isinstance(line, Def) and line.target not in used:
+            continue
+        kept.append(line)
+        used.update(n for n in walk(line) if isinstance(n, (Val, Var)))
+    return kept[::-1]
 
 
 def _dt_vjp(op: Operator, coefs: Coefficients) -> KernelCode:
