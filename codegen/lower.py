@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections import defaultdict
+from collections import Counter, defaultdict
 from typing import Any, Callable
 
 import sympy as sp
@@ -25,15 +25,17 @@ from .coefficients import MINUS_ONE, ONE, Coefficients, table_term
 from .operator import Operator, Ref
 from .printer import COLUMN
 from .statements import (Add, Call, Cast, Def, Literal, Mul, Paren, Read, Statement, Store, Strided, Sum, Term,
-                         Val, Var)
+                         Val, Var, walk)
 
 
 @dataclasses.dataclass
 class Loop:
-    """Rows [start, stop) that share one translation-invariant statement: emitted as a loop.
+    """Loop indices [start, stop) that share one translation-invariant statement: emitted as a loop.
 
-    For the C 'bhd' layout the loop runs over the flattened (row, dof) index, which is
-    contiguous, so it vectorises at full width. ``guard`` names a pointer that must be
+    Index r reads actions r + rel and output row r·scale + offset: scale is the operator's
+    period (rows per action shift; 1 for one row per action, s for s rows per B-spline span).
+    For the C 'bhd' layout a loop with scale 1 and offset 0 runs over the flattened (row, dof)
+    index, which is contiguous, so it vectorises at full width. ``guard`` names a pointer that must be
     non-null for the loop to run (absent gradients skip their loop).
     """
 
@@ -42,10 +44,23 @@ class Loop:
     statements: list[Statement]
     guard: str = ""
     row_dependent: bool = False  # coefficients change with the row (per-step dt): loop over r
+    scale: int = 1  # loop index r addresses output row r·scale + offset (and action r)
+    offset: int = 0
 
     @property
-    def span(self) -> tuple[int, int]:
-        return (self.start, self.stop)
+    def row(self) -> str:
+        """The output row of loop index r, as C text."""
+        return "r" if (self.scale, self.offset) == (1, 0) else f"(r * {self.scale} + {self.offset})"
+
+    @property
+    def key(self) -> tuple[int, int, str]:
+        """Loops with one key share their index range and rows: the CUDA template fuses them."""
+        return (self.start, self.stop, self.row)
+
+    @property
+    def by_row(self) -> bool:
+        """The (row, dof) index is not one contiguous range: the C 'bhd' form loops over r, then d."""
+        return self.row_dependent or self.row != "r"
 
     @functools.cached_property
     def lines(self) -> list[str]:
@@ -156,38 +171,60 @@ def _coefficient(coefs: Coefficients, coef: sp.Expr) -> tuple[sp.Expr | None, in
     return (coef, None) if coef in (ONE, MINUS_ONE) else (None, coefs.index(coef))
 
 
-def _stencil_rows(op: Operator, coefs: Coefficients, k: int) -> dict[int, tuple[Shape, Slots] | None]:
-    """Output k's rows as loop material: each term's action offset, unit coefficient and whether
-    it depends on dt (the shape), and its table slot (None for units)."""
+def _stencil_rows(op: Operator, coefs: Coefficients, k: int, p: int = 1) -> dict[int, tuple[Shape, Slots] | None]:
+    """Output k's rows as loop material: each term's action offset (from h div p, p the period),
+    unit coefficient and whether it depends on dt (the shape), and its table slot (None for units)."""
     rows: dict[int, tuple[Shape, Slots] | None] = {}
     for row in op.rows:
         if row.k == k and row.h > 0:
             if not row.terms or any(ref[0] != "u" for _, ref in row.terms):
                 rows[row.h] = None
                 continue
-            parts = [(ref[1] - row.h, *_coefficient(coefs, c), coefs.varies(c)) for c, ref in row.terms]
+            parts = [(ref[1] - row.h // p, *_coefficient(coefs, c), coefs.varies(c)) for c, ref in row.terms]
             rows[row.h] = (tuple((rel, lit, v) for rel, lit, _, v in parts), tuple(slot for _, _, slot, _ in parts))
     return rows
 
 
+def _period(op: Operator) -> int:
+    """Output rows per action shift: the most common distance between the rows (of one output)
+    where the first action read advances by one (1 when none do; the smallest on a tie)."""
+    first: dict[tuple[int, int], int] = {}
+    for row in op.rows:
+        actions = [ref[1] for _, ref in row.terms if ref[0] == "u"]
+        if actions:
+            first[(row.k, row.h)] = min(actions)
+    advances = sorted((k, h) for (k, h), j in first.items() if first.get((k, h - 1)) == j - 1)
+    gaps = Counter(h1 - h0 for (k0, h0), (k1, h1) in zip(advances, advances[1:]) if k0 == k1)
+    return min(gaps, key=lambda p: (-gaps[p], p)) if gaps else 1
+
+
 def _stencil_loops(op: Operator, coefs: Coefficients, statement: Callable, row_dependent_only: bool = False
                    ) -> tuple[list[Loop], set[tuple[int, int]]]:
-    """Interior rows whose terms are the same up to a shift in the action index, one loop per run
-    and output: ``statement(k, terms)`` gives the loop's statements and guard from the run's
-    terms (rel, unit, varies, slot index). ``row_dependent_only``: only runs whose coefficients
-    advance along the rows (per-step dt)."""
+    """Interior rows whose terms are the same up to a shift in the action index, one loop per run,
+    output and phase: with period p (codegen rows h and h + p read actions shifted by one), loop
+    index r = h div p covers the rows of phase h mod p. ``statement(k, terms)`` gives the loop's
+    statements and guard from the run's terms (rel, unit, varies, slot index).
+    ``row_dependent_only``: only runs whose coefficients advance along the rows (per-step dt,
+    whose period is 1)."""
     loops, covered = [], set()
     if not _is_stencil(op):
         return loops, covered
+    p = _period(op)
+    if row_dependent_only and p != 1:
+        return loops, covered
     for k in range(op.n_outputs):
-        for start, stop, shape, slots, stride in _runs(_stencil_rows(op, coefs, k)):
-            if row_dependent_only and stride == 0:
-                continue
-            terms = [(rel, lit, v, None if slot is None else slot if stride == 0 else Strided(slot, stride, start))
-                     for (rel, lit, v), slot in zip(shape, slots)]
-            statements, guard = statement(k, terms)
-            loops.append(Loop(start, stop, statements, guard, row_dependent=stride != 0))
-            covered.update((k, h) for h in range(start, stop))
+        phases: dict[int, dict[int, tuple[Shape, Slots] | None]] = defaultdict(dict)
+        for h, material in _stencil_rows(op, coefs, k, p).items():
+            phases[h % p][h // p] = material
+        for phase, rows in sorted(phases.items()):
+            for start, stop, shape, slots, stride in _runs(rows):
+                if row_dependent_only and stride == 0:
+                    continue
+                terms = [(rel, lit, v, None if slot is None else slot if stride == 0 else Strided(slot, stride, start))
+                         for (rel, lit, v), slot in zip(shape, slots)]
+                statements, guard = statement(k, terms)
+                loops.append(Loop(start, stop, statements, guard, row_dependent=stride != 0, scale=p, offset=phase))
+                covered.update((k, r * p + phase) for r in range(start, stop))
     return loops, covered
 
 
@@ -225,28 +262,32 @@ def _dt_vjp_loops(op: Operator, coefs: Coefficients) -> tuple[list[Loop], set[tu
 
 
 def _adjoint_loops(op: Operator, coefs: Coefficients) -> tuple[list[Loop], set[int]]:
-    """Interior actions whose gradient gathers the same shifted output gradients."""
+    """Interior actions whose gradient gathers the same shifted output gradients: action j reads
+    rows j·p + rel (p the operator's period)."""
     loops: list[Loop] = []
     covered: set[int] = set()
     if not _is_stencil(op):
         return loops, covered
+    p = _period(op)
     gathers: dict[int, list[tuple]] = defaultdict(list)
     for row in op.rows:
         for c, ref in row.terms:
             if ref[0] == "u":
-                gathers[ref[1]].append((row.k, row.h - ref[1], *_coefficient(coefs, c)))
+                gathers[ref[1]].append((row.k, row.h - ref[1] * p, *_coefficient(coefs, c)))
     rows = {}
     for j in range(op.n_actions):
         parts = sorted(gathers[j], key=lambda t: (t[0], t[1]))
         rows[j] = (tuple((k, rel, lit) for k, rel, lit, _ in parts), tuple(slot for *_, slot in parts)) if parts else None
     for start, stop, shape, slots, stride in _runs(rows):
         dependent = stride != 0
-        loops.append(Loop(start, stop, [Store(Read("SGU"), Cast("T", Literal("0")))], row_dependent=dependent))
+        loops.append(Loop(start, stop, [Store(Read("SGU"), Cast("T", Literal("0")))], row_dependent=dependent,
+                          scale=p))
         for k in sorted({kk for kk, _, _ in shape}):
             value = Sum(tuple(_term(coefs, lit, slot if stride == 0 else Strided(slot, stride, start),
                                     Read(f"SG{k}", (rel,)))
                               for (kk, rel, lit), slot in zip(shape, slots) if kk == k))
-            loops.append(Loop(start, stop, [Store(Read("SGU"), value, "+=")], guard=f"g{k}", row_dependent=dependent))
+            loops.append(Loop(start, stop, [Store(Read("SGU"), value, "+=")], guard=f"g{k}", row_dependent=dependent,
+                              scale=p))
         covered.update(range(start, stop))
     return loops, covered
 
@@ -270,7 +311,20 @@ def _adjoint(op: Operator, coefs: Coefficients) -> KernelCode:
               if j not in covered]
     lines += [Call(f"GS{m}", (), Sum(tuple(contributions.get(("s", m), [])))) for m in range(4)]
     lines += [Call(f"GE{m}", (), Sum(tuple(contributions.get(("g", m), [])))) for m in range(op.n_goal)]
-    return KernelCode(TABLE_CALL, lines, loops)
+    return KernelCode(TABLE_CALL, _live(lines) if covered else lines, loops)
+
+
+def _live(lines: list[Statement]) -> list[Statement]:
+    """``lines`` without the definitions that no later line reads (the gradients of rows whose
+    actions the loops gather): the column body then grows with the rows the loops leave."""
+    used: set = set()
+    kept: list[Statement] = []
+    for line in reversed(lines):
+        if isinstance(line, Def) and line.target not in used:
+            continue
+        kept.append(line)
+        used.update(n for n in walk(line) if isinstance(n, (Val, Var)))
+    return kept[::-1]
 
 
 def _uncovered(lines: list[Statement], covered: set[tuple[int, int]]) -> list[Statement]:

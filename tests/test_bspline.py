@@ -30,6 +30,9 @@ KERNEL_GRID = [
     dict(degree=5, knots=2, steps=1, end="goal", dt="per_trajectory", goal_index=True, start_index=True),
     dict(degree=4, knots=2, steps=3, layout="bdh", order=4, dt="per_trajectory"),
     dict(degree=6, knots=1, steps=2, end="goal", order=4, layout="bdh"),
+    # enough knots for interior spans: rows rolled into loops over knots (one per row of a span)
+    dict(degree=3, knots=9, steps=3),
+    dict(degree=4, knots=10, steps=2, end="goal", dt="per_trajectory", layout="bdh", start_index=True),
 ]
 
 
@@ -351,3 +354,20 @@ def test_bench_bspline_smoke():
     assert result.exit_code == 0, result.output
     row = next(line for line in result.output.splitlines() if line.startswith("| 4 | 8 | 4 | 53 | 2 | 7 | float64"))
     assert row.count("|") == 16 and "Forward only" not in result.output
+
+
+def test_rows_of_a_span_roll_into_loops_over_knots():
+    """Row h + s is row h with the knot index shifted by one: the forward and adjoint loop over
+    knots (one loop per row of a span), so their straight-line columns do not grow with the knots
+    (they did by about 7.5 KB per knot here)."""
+    from tensorstep.codegen.driver import generate, lowered
+
+    def column_chars(knots: int) -> int:
+        code = lowered(spec_of(dict(degree=3, knots=knots, steps=10), "float32"))
+        return sum(len(line) for kernel in (code.forward, code.adjoint) for line in kernel.body)
+
+    small, large = column_chars(8), column_chars(16)
+    assert large - small < 0.05 * small, (small, large)  # names of higher rows only
+    source = generate(spec_of(dict(degree=3, knots=16, steps=10), "float32"), targets=("c",),
+                      parts=("core",)).source("c", "core")
+    assert "sy = b * Y_SB + (r * 10 + 9) * Y_SH + d;" in source

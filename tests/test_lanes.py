@@ -132,7 +132,9 @@ def test_rolled_lane_columns_match_reference(overrides, monkeypatch):
         pytest.skip("layout bdh has no lane form")
     monkeypatch.setattr(render_module, "ROLL_ABOVE_LINES", 0)
     source = generate(spec, ("c",)).source("c")
-    assert source.count("for (int64_t r") == 2  # the forward loop and the adjoint's reverse scan
+    core = generate(spec, ("c",), ("core",)).source("c", "core")
+    # the adjoint's reverse scan and the forward loop (per-step dt adds the coefficient program's row loop)
+    assert core.count("--r) {") == 1 and core.count("++r) {") == (2 if spec.dt == "per_step" else 1)
     launcher = Launcher(spec, CpuBackend(spec, source))
     x = Inputs(spec, batch=4)
     dt = dt_value(spec)
