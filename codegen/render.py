@@ -95,10 +95,9 @@ def _lane_bodies(code: LoweredOperator, kernels: tuple) -> dict[str, list[str]]:
 CUDA_ROLL_ABOVE_BYTES = 2000
 
 
-#: CUDA kernels hold the step coefficients in shared memory, computed once per block, up to this
-#: size: computed per thread, a per-step table (central, H=32: 462 values) took 255 registers
-#: and ~2 KB of local memory per thread (ptxas, sm_90). Larger tables (long per-step horizons)
-#: stay per thread.
+#: CUDA kernels copy the step coefficients (filled once per call by the table kernel) into
+#: shared memory up to this size; larger tables (long per-step horizons) are read from global
+#: memory, where every thread reads the same address.
 CUDA_SHARED_COEF_BYTES = 16384
 
 
@@ -142,7 +141,8 @@ def render(spec: Any, code: LoweredOperator, table: ArgumentTable, target: str, 
         lanes=lane_form,
         lane_bodies=_lane_bodies(code, kernels) if lane_form else {},
         table=code.table if set(kernels) & {"forward", "adjoint", "dt_vjp"} else None,
-        signatures={k: abi.signature(k, table, ctype, RESTRICT[target]) for k in kernels},
+        signatures={k: abi.signature(k, table, ctype, RESTRICT[target], cuda=target == "cuda")
+                    for k in (abi.cuda_kernels(kernels) if target == "cuda" else kernels)},
         itemsize=itemsize,
         shared_coef_bytes=CUDA_SHARED_COEF_BYTES,
     )

@@ -13,8 +13,9 @@ import torch
 
 import reference
 import tensorstep as ts
-from cuda_on_host import HostCudaBackend, host_source
-from tensorstep.codegen import render
+from cuda_on_host import HostCudaBackend, host_source, host_step
+from tensorstep.codegen import abi, render
+from tensorstep.codegen.arguments import table
 from tensorstep.runtime.api import Step
 from tensorstep.runtime.launch import CpuBackend, Launcher
 from tensorstep.runtime.verify import verify_launcher
@@ -36,11 +37,12 @@ PTX_GRID = GRID + [dict(g, **{}) for g in GRID[:4]]
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not installed")
 @pytest.mark.parametrize("dtype, coefficients", [("float32", "shared"), ("float64", "shared"),
-                                                 ("float64", "per-thread")])
+                                                 ("float64", "global")])
 def test_every_variant_compiles_to_ptx(tmp_path, dtype, coefficients, monkeypatch):
     """All variants of the grid, both dtypes, all kernels, in one translation unit per dtype;
-    the step coefficients in shared memory, and per thread (tables too large to share)."""
-    if coefficients == "per-thread":
+    the step coefficients copied to shared memory, and read from global memory (tables too
+    large to share)."""
+    if coefficients == "global":
         monkeypatch.setattr(render, "CUDA_SHARED_COEF_BYTES", 0)
     sources = [ts.source(make_spec(g, dtype=dtype), "cuda") for g in GRID]
     assert all(("__shared__ T coef" in src) == (coefficients == "shared") for src in sources)
@@ -52,7 +54,7 @@ def test_every_variant_compiles_to_ptx(tmp_path, dtype, coefficients, monkeypatc
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-3000:]
     ptx = (tmp_path / "out.ptx").read_text()
-    assert ptx.count(".entry") == 5 * len(GRID)
+    assert ptx.count(".entry") == 8 * len(GRID)  # and the table, jvp table and dt_vjp_sum kernels
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not installed")
@@ -188,7 +190,7 @@ def test_cuda_rolled_adjoint_matches_reference(overrides):
     scale_close(to_bhd(gu.cpu(), spec), expect_u, 1e-12)
 
 
-@pytest.mark.parametrize("form", ["straight", "rolled", "per-thread-coefficients"])
+@pytest.mark.parametrize("form", ["straight", "rolled", "global-coefficients"])
 @pytest.mark.parametrize("overrides", GRID, ids=[grid_id(g) for g in GRID])
 def test_cuda_source_run_on_the_host_matches_reference(overrides, form, monkeypatch):
     """The CUDA forward and adjoint, every thread of the grid run in turn on the host (no GPU
@@ -197,12 +199,12 @@ def test_cuda_source_run_on_the_host_matches_reference(overrides, form, monkeypa
         if overrides.get("control", "position") == "position":
             pytest.skip("stencil adjoints are never rolled")
         monkeypatch.setattr(render, "CUDA_ROLL_ABOVE_BYTES", 0)
-    if form == "per-thread-coefficients":
+    if form == "global-coefficients":
         monkeypatch.setattr(render, "CUDA_SHARED_COEF_BYTES", 0)
     spec = make_spec(overrides)
-    source = host_source(spec)
+    source, _ = host_source(spec)
     assert ("; --r)" in source) == (form == "rolled")
-    assert ("__shared__ T coef" in source) == (form != "per-thread-coefficients")
+    assert ("__shared__ T coef" in source) == (form != "global-coefficients")
     row = verify_launcher(spec, Launcher(spec, HostCudaBackend(spec)), torch.device("cpu"), B=150)  # 2 blocks
     assert row["forward"] <= 1e-12 and row["adjoint"] <= 1e-12, row
 
@@ -213,8 +215,7 @@ def test_cuda_source_run_on_the_host_passes_gradcheck(overrides):
     input and to dt (adjoint, dt_vjp, dt_vjp_finish) and forward mode (dt_jvp) against finite
     differences of the forward kernel."""
     spec = make_spec(overrides)
-    step = Step(spec, torch.device("cpu"), Launcher(spec, HostCudaBackend(spec)))
-    step.native = None
+    step = host_step(spec)
     x = Inputs(spec, batch=2)
     args = [t.detach().requires_grad_(True) for t in (x.u, x.p0, x.v0, x.a0, x.j0)]
     dt = dt_value(spec).requires_grad_(True)
@@ -237,8 +238,7 @@ def test_cuda_dt_gradient_over_several_blocks_on_the_host(overrides):
     """B·D = 600 columns, three blocks of partial sums: the dt gradient of the CUDA kernels run on
     the host passes gradcheck (finite differences of the forward) and is bitwise the same twice."""
     spec = make_spec(overrides)
-    step = Step(spec, torch.device("cpu"), Launcher(spec, HostCudaBackend(spec)))
-    step.native = None
+    step = host_step(spec)
     x = Inputs(spec, batch=300)
     assert 300 * spec.dof >= 600
     dt = dt_value(spec).requires_grad_(True)
@@ -314,7 +314,9 @@ def fake_cuda_backend(spec, monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: types.SimpleNamespace(cuda_stream=7))
     backend = CudaBackend.__new__(CudaBackend)
     backend.cupy, backend.spec, backend.device = FakeCupy(), spec, torch.device("cuda", 0)
+    backend.table = table(spec)
     backend.functions, backend._streams = {}, {}
+    backend.empty = lambda size, dtype: torch.empty(size, dtype=dtype)  # no GPU memory here
     backend.metadata = backend._bind("core")
     return backend
 
@@ -324,9 +326,10 @@ def test_capture_never_builds_or_loads_a_cuda_module(capture, monkeypatch):
     backend = fake_cuda_backend(spec, monkeypatch)
     assert len(backend.cupy.built) == 1
     capture["on"] = True
-    backend.call("forward", 2, [0] * 8)  # loaded kernels launch inside a capture
+    args = lambda kernel: [0] * (len(abi.arguments(kernel, table(spec))) - 1)  # null pointers after B
+    backend.call("forward", 2, args("forward"))  # loaded kernels launch inside a capture
     with pytest.raises(RuntimeError, match="dt kernels would be compiled and loaded.*CUDA graph capture"):
-        backend.call("dt_vjp", 2, [0] * 8)
+        backend.call("dt_vjp", 2, args("dt_vjp"))
     with pytest.raises(RuntimeError, match="CUDA graph capture"):
         Launcher(spec, backend).prepare(dt_grad=True)
     assert len(backend.cupy.built) == 1
@@ -335,10 +338,11 @@ def test_capture_never_builds_or_loads_a_cuda_module(capture, monkeypatch):
     assert len(backend.cupy.built) == 2
     Launcher(spec, backend).prepare(dt_grad=True)  # once only
     capture["on"] = True
-    backend.call("dt_vjp", 2, [0] * 8)
-    backend.call("dt_vjp_finish", 1, [0] * 3)
+    backend.call("dt_vjp", 2, args("dt_vjp"))
+    backend.call("dt_vjp_finish", 2, args("dt_vjp_finish"))
     assert len(backend.cupy.built) == 2
-    assert backend.cupy.launched == [f"{spec.name}_{k}" for k in ("forward", "dt_vjp", "dt_vjp_finish")]
+    assert backend.cupy.launched == [f"{spec.name}_{k}" for k in ("coefficients", "forward", "coefficients", "dt_vjp",
+                                                                  "dt_vjp_sum", "dt_vjp_finish")]
 
 
 @gpu

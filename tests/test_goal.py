@@ -14,10 +14,8 @@ import torch
 
 import reference
 import tensorstep as ts
-from cuda_on_host import host_metadata, host_source
+from cuda_on_host import host_step
 from helpers import scale_close
-from tensorstep.runtime.api import Step
-from tensorstep.runtime.launch import CpuBackend, Launcher
 
 H, D = 8, 2
 GOAL_GRID = [
@@ -169,9 +167,7 @@ def _steps(spec):
     python = ts.load(spec)
     python.native = None
     yield "c-python", python
-    host = Step(spec, torch.device("cpu"), Launcher(spec, CpuBackend(spec, host_source(spec), host_metadata(spec))))
-    host.native = None
-    yield "cuda-on-host", host
+    yield "cuda-on-host", host_step(spec)
 
 
 @pytest.mark.parametrize("overrides", GOAL_GRID, ids=[grid_id(g) for g in GOAL_GRID])
