@@ -222,9 +222,17 @@ def _forward(op: Operator, coefs: Coefficients) -> KernelCode:
     return KernelCode(TABLE_CALL, body, loops)
 
 
-def _adjoint(op: Operator, coefs: Coefficients) -> KernelCode:
+def _adjoint(op: Operator, coefs: Coefficients, reads: bool = False) -> KernelCode:
+    """``reads`` (stencils only): each row's gradient is its incoming one, read where it is used
+    rather than held in a local for the whole body (CUDA: fewer registers)."""
     loops, covered = _adjoint_loops(op, coefs)
-    lines, contributions = _adjoint_lines(op, coefs)
+    if reads:
+        lines, contributions = [], defaultdict(list)
+        for row in reversed(op.rows):
+            for c, ref in row.terms:
+                contributions[ref].append(coefs.term(c, Read(f"G{row.k}", (row.h,))))
+    else:
+        lines, contributions = _adjoint_lines(op, coefs)
     lines += [Call("GU", (j,), Sum(tuple(contributions.get(("u", j), [])))) for j in range(op.n_actions)
               if j not in covered]
     lines += [Call(f"GS{m}", (), Sum(tuple(contributions.get(("s", m), [])))) for m in range(4)]
@@ -282,6 +290,11 @@ class LoweredOperator:
     @functools.cached_property
     def adjoint(self) -> KernelCode:
         return _adjoint(self.op, self.coefs)
+
+    @functools.cached_property
+    def adjoint_reads(self) -> KernelCode | None:
+        """A stencil's adjoint reading each output gradient where it is used (None for integrators)."""
+        return _adjoint(self.op, self.coefs, reads=True) if _is_stencil(self.op) else None
 
     # The forward and adjoint columns of an integrator with the recurrence's repeating rows as one
     # loop (None for stencils), for the C lane form at long horizons: their length does not grow

@@ -16,6 +16,7 @@ import tensorstep as ts
 from cuda_on_host import HostCudaBackend, host_source, host_step
 from tensorstep.codegen import abi, render
 from tensorstep.codegen.arguments import table
+from tensorstep.codegen.driver import lowered
 from tensorstep.runtime.api import Step
 from tensorstep.runtime.launch import CpuBackend, Launcher
 from tensorstep.runtime.verify import verify_launcher
@@ -33,6 +34,14 @@ except ImportError:
 
 gpu = pytest.mark.skipif(not (HAS_GPU and HAS_CUPY), reason="needs an NVIDIA GPU and CuPy")
 PTX_GRID = GRID + [dict(g, **{}) for g in GRID[:4]]
+
+
+def _dt_of(spec, B: int, seed: int = 0) -> torch.Tensor:
+    """A float64 dt of the spec's shape: a scalar, [H] per step, or [B] per trajectory."""
+    n = {"uniform": 0, "per_step": spec.horizon, "per_trajectory": B}[spec.dt]
+    if n == 0:
+        return torch.tensor(0.07, dtype=torch.float64)
+    return 0.05 + 0.1 * torch.rand(n, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not installed")
@@ -228,20 +237,22 @@ def test_cuda_source_run_on_the_host_passes_gradcheck(overrides):
 def test_no_cuda_kernel_uses_atomics():
     """The dt gradient is summed in a fixed order (per-block rows, then the blocks in turn): no
     atomic operation is left whose order the scheduler would pick (bitwise-reproducible gradients)."""
-    for g in GRID:
+    for g in GRID + [dict(dt="per_trajectory"), dict(dt="per_trajectory", control="jerk")]:
         for dtype in ("float32", "float64"):
             assert "atomic" not in ts.source(make_spec(g, dtype=dtype), "cuda")
 
 
-@pytest.mark.parametrize("overrides", [GRID[1], GRID[14], GRID[17]], ids=grid_id)
+@pytest.mark.parametrize("overrides", [GRID[1], GRID[14], GRID[17], dict(dt="per_trajectory", control="jerk")],
+                         ids=grid_id)
 def test_cuda_dt_gradient_over_several_blocks_on_the_host(overrides):
-    """B·D = 600 columns, three blocks of partial sums: the dt gradient of the CUDA kernels run on
-    the host passes gradcheck (finite differences of the forward) and is bitwise the same twice."""
+    """B·D = 600 columns, three blocks of partial sums (per trajectory: one per column): the dt
+    gradient of the CUDA kernels run on the host passes gradcheck (finite differences of the
+    forward) and is bitwise the same twice."""
     spec = make_spec(overrides)
     step = host_step(spec)
     x = Inputs(spec, batch=300)
     assert 300 * spec.dof >= 600
-    dt = dt_value(spec).requires_grad_(True)
+    dt = _dt_of(spec, 300).requires_grad_(True)
     f = lambda dt: step(x.u, x.p0, x.v0, x.a0, dt, **x.kwargs())
     assert torch.autograd.gradcheck(f, (dt,))
     weights = [torch.randn(y.shape, generator=torch.Generator().manual_seed(k), dtype=torch.float64)
@@ -345,23 +356,30 @@ def test_capture_never_builds_or_loads_a_cuda_module(capture, monkeypatch):
                                                                   "dt_vjp_sum", "dt_vjp_finish")]
 
 
+CAPTURED = [dict(control="acceleration", integrator="exact"), dict(difference="central", dt="per_step")]
+
+
 @gpu
-def test_cuda_graph_capture_and_replay():
+@pytest.mark.parametrize("overrides", CAPTURED, ids=grid_id)
+def test_cuda_graph_capture_and_replay(overrides):
     """Forward and gradients (to u and a tensor dt) captured after prepare, replayed on new
-    actions: the same numbers as eager calls; a float dt cached before capture is read on replay."""
-    spec = make_spec(dict(control="acceleration", integrator="exact"))
+    actions and new dt values (the coefficient table is filled again on every replay): the same
+    numbers as eager calls; a float dt cached before capture is read on replay."""
+    spec = make_spec(overrides)
+    uniform = spec.dt == "uniform"
     dev = torch.device("cuda")
-    step = ts.load(spec, dev).prepare(dt=0.05, dt_grad=True)
+    step = ts.load(spec, dev).prepare(dt=0.05 if uniform else None, dt_grad=True)
     x = Inputs(spec, batch=300)  # B·D = 600: several blocks in the dt reduction
     u = x.u.to(dev).requires_grad_(True)
     starts = [t.to(dev) for t in (x.p0, x.v0, x.a0)]
     kw = {k: v.to(dev) for k, v in x.kwargs().items()}
-    dt = torch.tensor(0.05, dtype=torch.float64, device=dev, requires_grad=True)
+    dt = (torch.tensor(0.05, dtype=torch.float64) if uniform else dt_value(spec)).to(dev).requires_grad_(True)
 
     def work():
         outs = step(u, *starts, dt, **kw)
         cost = sum(y.square().sum() for y in outs)
-        return (*torch.autograd.grad(cost, (u, dt)), *step(u.detach(), *starts, 0.05, **kw))
+        floats = step(u.detach(), *starts, 0.05, **kw) if uniform else ()
+        return (*torch.autograd.grad(cost, (u, dt)), *floats)
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -374,12 +392,84 @@ def test_cuda_graph_capture_and_replay():
     for seed in (1, 2):
         with torch.no_grad():
             u.copy_(torch.randn(u.shape, generator=torch.Generator().manual_seed(seed), dtype=u.dtype).to(dev))
+            dt.mul_(1.0 + 0.1 * seed)
         graph.replay()
         expected = work()
         for a, b in zip(captured, expected):
             assert torch.equal(a, b)
-    assert torch.equal(step(u.detach(), *starts, 0.05, **kw)[0], step(u.detach(), *starts, dt.detach(), **kw)[0])
+    if uniform:
+        assert torch.equal(step(u.detach(), *starts, 0.05, **kw)[0],
+                           step(u.detach(), *starts, torch.tensor(0.05, dtype=torch.float64, device=dev), **kw)[0])
 
+
+# B·D >= 600: several blocks of 256 columns, the last one partial, several warps per block
+SEVERAL_BLOCKS = [
+    dict(difference="central", dt="per_step"),
+    dict(difference="backward", accuracy=2, layout="bdh", start_index=True),
+    dict(control="acceleration", integrator="exact", start_index=True),
+    dict(control="jerk", dt="per_step", order=4),
+    dict(dt="per_trajectory"),
+    dict(dt="per_trajectory", control="acceleration", integrator="exact", start_index=True),
+]
+
+
+def _outputs_and_gradients(step, x: Inputs, dt: torch.Tensor, device: torch.device) -> list[torch.Tensor]:
+    """Forward outputs and the gradients of a weighted sum of them to every input and to dt (on the CPU)."""
+    inputs = [t.detach().to(device).requires_grad_(True) for t in (x.u, x.p0, x.v0, x.a0, x.j0)]
+    dt = dt.to(device).requires_grad_(True)
+    kw = {"start_index": x.idx.to(device)} if x.idx is not None else {}
+    outs = step(*inputs[:4], dt, j0=inputs[4], **kw)
+    weights = [torch.randn(y.shape, generator=torch.Generator().manual_seed(k), dtype=y.dtype).to(device)
+               for k, y in enumerate(outs)]
+    grads = torch.autograd.grad(outs, [*inputs, dt], weights)
+    return [t.detach().cpu() for t in (*outs, *grads)]
+
+
+@gpu
+@pytest.mark.parametrize("overrides", SEVERAL_BLOCKS, ids=grid_id)
+def test_cuda_matches_cpu_over_several_blocks(overrides):
+    """Forward, adjoint (every input) and dt gradients of B·D = 700 columns against the CPU
+    kernels, float64."""
+    spec = make_spec(overrides, horizon=16, dof=7)
+    x = Inputs(spec, batch=100)
+    dt = _dt_of(spec, 100)
+    cpu = _outputs_and_gradients(ts.load(spec, "cpu"), x, dt, torch.device("cpu"))
+    gpu = _outputs_and_gradients(ts.load(spec, "cuda"), x, dt, torch.device("cuda"))
+    for a, b in zip(gpu, cpu):
+        scale_close(a.numpy(), b.numpy(), 1e-12)
+
+
+@gpu
+def test_cuda_large_coefficient_table_matches_cpu():
+    """Per-step H=256 float64: 3822 coefficients, too many for shared memory (read from the table in
+    global memory); forward, adjoint and dt gradients against the CPU kernels."""
+    spec = make_spec(dict(difference="central", dt="per_step"), horizon=256, dof=7)
+    assert lowered(spec).n_coefficients * 8 > render.CUDA_SHARED_COEF_BYTES
+    x = Inputs(spec, batch=90)
+    dt = _dt_of(spec, 90)
+    cpu = _outputs_and_gradients(ts.load(spec, "cpu"), x, dt, torch.device("cpu"))
+    gpu = _outputs_and_gradients(ts.load(spec, "cuda"), x, dt, torch.device("cuda"))
+    for a, b in zip(gpu, cpu):
+        scale_close(a.numpy(), b.numpy(), 1e-11)
+
+
+@gpu
+@pytest.mark.parametrize("overrides", [SEVERAL_BLOCKS[0], SEVERAL_BLOCKS[2], SEVERAL_BLOCKS[4]], ids=grid_id)
+def test_cuda_dt_gradient_is_bitwise_reproducible(overrides):
+    """B·D = 2800 columns (11 blocks): the dt gradient is the same to the last bit on every run,
+    and with torch.use_deterministic_algorithms(True)."""
+    spec = make_spec(overrides, horizon=16, dof=7)
+    x = Inputs(spec, batch=400)
+    dt = _dt_of(spec, 400)
+    step = ts.load(spec, "cuda")
+    runs = [_outputs_and_gradients(step, x, dt, torch.device("cuda"))[-1] for _ in range(3)]
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        runs.append(_outputs_and_gradients(step, x, dt, torch.device("cuda"))[-1])
+    finally:
+        torch.use_deterministic_algorithms(before)
+    assert all(torch.equal(runs[0], r) for r in runs[1:])
 
 
 @pytest.mark.parametrize("torch_cuda, runtime, nvrtc, fix", [
