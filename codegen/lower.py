@@ -242,23 +242,36 @@ def _adjoint(op: Operator, coefs: Coefficients, reads: bool = False) -> KernelCo
 
 def _dt_vjp(op: Operator, coefs: Coefficients) -> KernelCode:
     """GC(q) += Σ yb_row · value over the uses of each dt-dependent coefficient (summed over
-    columns); dt_vjp_finish then maps GC to the dt gradient through the coefficient program."""
-    body = _loads(goal=op.n_goal) + _forward_lines(op, coefs)
-    adjoint, _ = _adjoint_lines(op, coefs)
-    body += adjoint
-    uses: dict[int, list[Mul]] = defaultdict(list)
-    for row in op.rows:
+    columns); dt_vjp_finish then maps GC to the dt gradient through the coefficient program.
+    A stencil's yb_row is its incoming gradient, read where it is used (nothing held across the
+    body: few registers at any horizon)."""
+    body = _loads(goal=op.n_goal)
+    if _is_stencil(op):
+        gradient = lambda row: Read(f"G{row.k}", (row.h,))
+    else:
+        adjoint, _ = _adjoint_lines(op, coefs)
+        body += _forward_lines(op, coefs) + adjoint
+        gradient = lambda row: Val("yb", row.k, row.h)
+    # one statement per coefficient and ACC_ROWS rows: the values a statement reads are shared with
+    # the other coefficients of its rows only (one statement over all rows kept every value loaded)
+    uses: dict[tuple[int, int], list[Mul]] = defaultdict(list)
+    for i, row in enumerate(op.rows):
         for c, ref in row.terms:
             if coefs.varies(c):
-                uses[coefs.index(c)].append(Mul(Val("yb", row.k, row.h), _var(ref)))
-    body += [Store(Read("ACC", (q,)), Cast("double", Paren(Add(tuple(parts)))), "+=") for q, parts in uses.items()]
+                uses[(i // ACC_ROWS, coefs.index(c))].append(Mul(gradient(row), _var(ref)))
+    body += [Store(Read("ACC", (q,)), Cast("double", Paren(Add(tuple(parts)))), "+=") for (_, q), parts in uses.items()]
     return KernelCode(TABLE_CALL, body)
 
 
+ACC_ROWS = 16
+
+
 def _dt_jvp(op: Operator, coefs: Coefficients) -> KernelCode:
-    """Tangent: ty = Σ (ċ · value + c · tangent), ċ = Σ_m ∂c/∂dt_m · ddt_m."""
-    body = _loads(tangent=True, goal=op.n_goal) + _forward_lines(op, coefs)
-    for row in op.rows:
+    """Tangent: ty = Σ (ċ · value + c · tangent), ċ = Σ_m ∂c/∂dt_m · ddt_m. Each row's tangent
+    follows its value (rows are in evaluation order), so only a few rows' values are live at once."""
+    body = _loads(tangent=True, goal=op.n_goal)
+    for line, row in zip(_forward_lines(op, coefs), op.rows):
+        body.append(line)
         parts = []
         for c, ref in row.terms:
             if coefs.varies(c):
