@@ -252,13 +252,15 @@ def _dt_vjp(op: Operator, coefs: Coefficients) -> KernelCode:
         adjoint, _ = _adjoint_lines(op, coefs)
         body += _forward_lines(op, coefs) + adjoint
         gradient = lambda row: Val("yb", row.k, row.h)
-    # one statement per coefficient and ACC_ROWS rows: the values a statement reads are shared with
-    # the other coefficients of its rows only (one statement over all rows kept every value loaded)
+    # a stencil's: one statement per coefficient and ACC_ROWS rows, so the values a statement reads
+    # are shared with the other coefficients of its rows only (one statement over all rows kept
+    # every value loaded); an integrator holds its rows' values anyway: one statement per coefficient
+    rows = ACC_ROWS if _is_stencil(op) else len(op.rows)
     uses: dict[tuple[int, int], list[Mul]] = defaultdict(list)
     for i, row in enumerate(op.rows):
         for c, ref in row.terms:
             if coefs.varies(c):
-                uses[(i // ACC_ROWS, coefs.index(c))].append(Mul(gradient(row), _var(ref)))
+                uses[(i // rows, coefs.index(c))].append(Mul(gradient(row), _var(ref)))
     body += [Store(Read("ACC", (q,)), Cast("double", Paren(Add(tuple(parts)))), "+=") for (_, q), parts in uses.items()]
     return KernelCode(TABLE_CALL, body)
 
@@ -303,6 +305,11 @@ class LoweredOperator:
     @functools.cached_property
     def adjoint(self) -> KernelCode:
         return _adjoint(self.op, self.coefs)
+
+    @functools.cached_property
+    def stencil(self) -> bool:
+        """No row reads another row (position control): nothing is carried along a column."""
+        return _is_stencil(self.op)
 
     @functools.cached_property
     def adjoint_reads(self) -> KernelCode | None:

@@ -162,7 +162,10 @@ def _param(case: tuple) -> object:
 
 @pytest.fixture(scope="module")
 def compiled() -> dict[str, Module]:
-    return compile_all(cases())
+    modules = compile_all(cases())
+    if os.environ.get("TENSORSTEP_PTXAS_TABLE"):  # where to write the table (BENCHMARKS.md)
+        Path(os.environ["TENSORSTEP_PTXAS_TABLE"]).write_text(table(modules) + "\n")
+    return modules
 
 
 @pytest.mark.parametrize("case", [_param(c) for c in cases()])
