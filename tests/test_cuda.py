@@ -430,13 +430,16 @@ def _outputs_and_gradients(step, x: Inputs, dt: torch.Tensor, device: torch.devi
 def test_cuda_matches_cpu_over_several_blocks(overrides):
     """Forward, adjoint (every input) and dt gradients of B·D = 700 columns against the CPU
     kernels, float64."""
-    spec = make_spec(overrides, horizon=16, dof=7)
-    x = Inputs(spec, batch=100)
-    dt = _dt_of(spec, 100)
+    _gpu_matches_cpu(make_spec(overrides, horizon=16, dof=7), B=100, rtol=1e-12)
+
+
+def _gpu_matches_cpu(spec, B: int, rtol: float) -> None:
+    x = Inputs(spec, batch=B)
+    dt = _dt_of(spec, B)
     cpu = _outputs_and_gradients(ts.load(spec, "cpu"), x, dt, torch.device("cpu"))
     gpu = _outputs_and_gradients(ts.load(spec, "cuda"), x, dt, torch.device("cuda"))
     for a, b in zip(gpu, cpu):
-        scale_close(a.numpy(), b.numpy(), 1e-12)
+        scale_close(a.numpy(), b.numpy(), rtol)
 
 
 @gpu
@@ -445,12 +448,7 @@ def test_cuda_large_coefficient_table_matches_cpu():
     global memory); forward, adjoint and dt gradients against the CPU kernels."""
     spec = make_spec(dict(difference="central", dt="per_step"), horizon=256, dof=7)
     assert lowered(spec).n_coefficients * 8 > render.CUDA_SHARED_COEF_BYTES
-    x = Inputs(spec, batch=90)
-    dt = _dt_of(spec, 90)
-    cpu = _outputs_and_gradients(ts.load(spec, "cpu"), x, dt, torch.device("cpu"))
-    gpu = _outputs_and_gradients(ts.load(spec, "cuda"), x, dt, torch.device("cuda"))
-    for a, b in zip(gpu, cpu):
-        scale_close(a.numpy(), b.numpy(), 1e-11)
+    _gpu_matches_cpu(spec, B=90, rtol=1e-11)
 
 
 @gpu
