@@ -44,17 +44,49 @@ def arguments(kernel: str, table: ArgumentTable) -> list[Parameter]:
     raise ValueError(f"unknown kernel {kernel!r}; allowed: {', '.join(KERNELS)}")
 
 
-def signature(kernel: str, table: ArgumentTable, ctype: str, restrict: str = "") -> str:
+#: CUDA runs the coefficient program once per call, in kernels of its own, not in every thread:
+#: ``coefficients`` fills the table C (one thread, or one per trajectory), ``coefficients_jvp`` the
+#: tables C and CD of dt_jvp, and ``dt_vjp_sum`` adds dt_vjp's partial sums in a fixed order
+#: before dt_vjp_finish. The per-element kernels read the table as one more argument, ``coef_g``.
+CUDA_TABLES = {"forward": "coefficients", "adjoint": "coefficients", "dt_vjp": "coefficients",
+               "dt_jvp": "coefficients_jvp"}
+
+
+def cuda_kernels(kernels: tuple[str, ...]) -> tuple[str, ...]:
+    """The CUDA entry points of a library with these kernels: the once-per-call kernels they need,
+    then the kernels. dt_vjp reads the table the core library's kernel fills (always loaded)."""
+    extra = [k for k, needed in (("coefficients", {"forward", "adjoint"} & set(kernels)),
+                                 ("coefficients_jvp", "dt_jvp" in kernels),
+                                 ("dt_vjp_sum", "dt_vjp_finish" in kernels)) if needed]
+    return (*extra, *kernels)
+
+
+def cuda_arguments(kernel: str, table: ArgumentTable) -> list[Parameter]:
+    """Parameters of one CUDA entry point: the C ABI's (``arguments``) plus the coefficient table
+    for the per-element kernels, or those of a once-per-call kernel."""
+    batch: list[Parameter] = [("int64_t", "B")]
+    dt: list[Parameter] = [("const T*", table.dt.c_name)]
+    if kernel == "coefficients":
+        return batch + dt + [("T*", "coef_g")]
+    if kernel == "coefficients_jvp":
+        return batch + dt + [("const T*", "ddt_in"), ("T*", "coef_g")]
+    if kernel == "dt_vjp_sum":
+        return batch + [("int64_t", "rows"), ("const double*", "gc"), ("double*", "sums")]
+    return arguments(kernel, table) + ([("const T*", "coef_g")] if kernel in CUDA_TABLES else [])
+
+
+def signature(kernel: str, table: ArgumentTable, ctype: str, restrict: str = "", cuda: bool = False) -> str:
     """The comma-separated parameter list with T replaced by the concrete type.
 
     ``restrict`` ('restrict' for C, '__restrict__' for CUDA) qualifies every pointer: the
     runtime always passes distinct buffers (outputs are freshly allocated), so nothing aliases.
+    ``cuda``: the CUDA entry point's parameters (``cuda_arguments``).
     """
     def param(t: str, n: str) -> str:
         t = t.replace("T*", f"{ctype}*")
         return f"{t} {restrict} {n}" if restrict and "*" in t else f"{t} {n}"
 
-    return ", ".join(param(t, n) for t, n in arguments(kernel, table))
+    return ", ".join(param(t, n) for t, n in (cuda_arguments if cuda else arguments)(kernel, table))
 
 
 def symbol(name: str, kernel: str) -> str:

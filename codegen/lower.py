@@ -304,9 +304,17 @@ def _forward(op: Operator, coefs: Coefficients) -> KernelCode:
     return KernelCode(TABLE_CALL, body, loops)
 
 
-def _adjoint(op: Operator, coefs: Coefficients) -> KernelCode:
+def _adjoint(op: Operator, coefs: Coefficients, reads: bool = False) -> KernelCode:
+    """``reads`` (stencils only): each row's gradient is its incoming one, read where it is used
+    rather than held in a local for the whole body (CUDA: fewer registers)."""
     loops, covered = _adjoint_loops(op, coefs)
-    lines, contributions = _adjoint_lines(op, coefs)
+    if reads:
+        lines, contributions = [], defaultdict(list)
+        for row in reversed(op.rows):
+            for c, ref in row.terms:
+                contributions[ref].append(coefs.term(c, Read(f"G{row.k}", (row.h,))))
+    else:
+        lines, contributions = _adjoint_lines(op, coefs)
     lines += [Call("GU", (j,), Sum(tuple(contributions.get(("u", j), [])))) for j in range(op.n_actions)
               if j not in covered]
     lines += [Call(f"GS{m}", (), Sum(tuple(contributions.get(("s", m), [])))) for m in range(4)]
@@ -327,26 +335,32 @@ def _live(lines: list[Statement]) -> list[Statement]:
     return kept[::-1]
 
 
-def _uncovered(lines: list[Statement], covered: set[tuple[int, int]]) -> list[Statement]:
-    """The lines whose row value (y, g, yb of row (k, h)) no loop computes."""
-    return [s for s in lines if not (isinstance(s, Def) and isinstance(s.target, Val)
-                                     and (s.target.k, s.target.h) in covered)]
-
-
 def _dt_vjp(op: Operator, coefs: Coefficients) -> KernelCode:
     """GC(q) += Σ yb_row · value over the uses of each dt-dependent coefficient (summed over
     columns); dt_vjp_finish then maps GC to the dt gradient through the coefficient program.
-    Interior rows with per-step coefficients accumulate in loops."""
+    Interior rows with per-step coefficients accumulate in loops. A stencil's yb_row is its
+    incoming gradient, read where it is used (nothing held across the body: few registers at
+    any horizon)."""
     loops, covered = _dt_vjp_loops(op, coefs)
-    body = _loads(goal=op.n_goal) + _uncovered(_forward_lines(op, coefs), covered)
-    adjoint, _ = _adjoint_lines(op, coefs)
-    body += _uncovered(adjoint, covered)
-    uses: dict[int, list[Mul]] = defaultdict(list)
-    for row in op.rows:
+    body = _loads(goal=op.n_goal)
+    if _is_stencil(op):
+        gradient = lambda row: Read(f"G{row.k}", (row.h,))
+    else:
+        adjoint, _ = _adjoint_lines(op, coefs)
+        body += _forward_lines(op, coefs) + adjoint
+        gradient = lambda row: Val("yb", row.k, row.h)
+    # a stencil's: one statement per coefficient and ACC_ROWS rows, so the values a statement reads
+    # are shared with the other coefficients of its rows only (one statement over all rows kept
+    # every value loaded); an integrator holds its rows' values anyway: one statement per coefficient
+    rows = ACC_ROWS if _is_stencil(op) else len(op.rows)
+    uses: dict[tuple[int, int], list[Mul]] = defaultdict(list)
+    for i, row in enumerate(op.rows):
+        if (row.k, row.h) in covered:
+            continue
         for c, ref in row.terms:
-            if coefs.varies(c) and (row.k, row.h) not in covered:
-                uses[coefs.index(c)].append(Mul(Val("yb", row.k, row.h), _var(ref)))
-    body += [Store(Read("ACC", (q,)), Cast("double", Paren(Add(tuple(parts)))), "+=") for q, parts in uses.items()]
+            if coefs.varies(c):
+                uses[(i // rows, coefs.index(c))].append(Mul(gradient(row), _var(ref)))
+    body += [Store(Read("ACC", (q,)), Cast("double", Paren(Add(tuple(parts)))), "+=") for (_, q), parts in uses.items()]
     return KernelCode(TABLE_CALL, body, loops)
 
 
@@ -355,17 +369,22 @@ def _tangent_terms(coefs: Coefficients, c: sp.Expr, value: Any, tangent: Any) ->
     return ([Term(Read("CD", (coefs.index(c),)), value)] if coefs.varies(c) else []) + [coefs.term(c, tangent)]
 
 
+ACC_ROWS = 16
+
+
 def _dt_jvp(op: Operator, coefs: Coefficients) -> KernelCode:
     """Tangent: ty = Σ (ċ · value + c · tangent), ċ = Σ_m ∂c/∂dt_m · ddt_m. Interior rows with
-    per-step coefficients are loops."""
+    per-step coefficients are loops; each other row's tangent follows its value (rows are in
+    evaluation order), so only a few rows' values are live at once."""
     if coefs.runs and not _is_stencil(op):  # a recurrence with per-step coefficients: rolled
         return KernelCode(coefs.tangent_preamble(), _loads(tangent=True) + roll.render(
             roll.tangent_groups(op, coefs.term, functools.partial(_tangent_terms, coefs))))
     loops, covered = _dt_jvp_loops(op, coefs)
-    body = _loads(tangent=True, goal=op.n_goal) + _uncovered(_forward_lines(op, coefs), covered)
-    for row in op.rows:
+    body = _loads(tangent=True, goal=op.n_goal)
+    for line, row in zip(_forward_lines(op, coefs), op.rows):
         if (row.k, row.h) in covered:
             continue
+        body.append(line)
         parts = tuple(t for c, ref in row.terms for t in _tangent_terms(coefs, c, _var(ref), _var(ref, "t")))
         body.append(Def(Val("ty", row.k, row.h), Sum(parts)))
         body.append(Call(f"TY{row.k}", (row.h,), Val("ty", row.k, row.h)))
@@ -393,6 +412,16 @@ class LoweredOperator:
     @functools.cached_property
     def adjoint(self) -> KernelCode:
         return _adjoint(self.op, self.coefs)
+
+    @functools.cached_property
+    def stencil(self) -> bool:
+        """No row reads another row (position control): nothing is carried along a column."""
+        return _is_stencil(self.op)
+
+    @functools.cached_property
+    def adjoint_reads(self) -> KernelCode | None:
+        """A stencil's adjoint reading each output gradient where it is used (None for integrators)."""
+        return _adjoint(self.op, self.coefs, reads=True) if _is_stencil(self.op) else None
 
     # The forward and adjoint columns of an integrator with the recurrence's repeating rows as one
     # loop (None for stencils), for the C lane form at long horizons: their length does not grow

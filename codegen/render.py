@@ -88,25 +88,29 @@ def _lane_bodies(code: LoweredOperator, kernels: tuple) -> dict[str, list[str]]:
 
 
 #: CUDA keeps every row's gradients of a straight-line integrator adjoint live in registers
-#: (ptxas, sm_90: accel float32 147 registers at H=32, 254 at H=60 and spilling beyond;
-#: float64 spills from H=40), while the rolled column needs about 40 at any H. Adjoint bodies
-#: whose values exceed this many bytes (lines x element size: float32 from H=56, float64 from
-#: H=28) are rolled; shorter ones keep straight-line, which has more loads in flight.
-CUDA_ROLL_ABOVE_BYTES = 2000
+#: (ptxas, sm_90: accel float32 160 registers at H=32, 254 at H=60 and spilling beyond;
+#: float64 spills from H=40), while the rolled column needs about 40-60 at any H. Adjoint bodies
+#: whose values exceed this many bytes (lines x element size: float32 from H=22, float64 from
+#: H=11; order 4 from H=18 and H=9) are rolled, which keeps every kernel within 128 registers;
+#: shorter ones keep straight-line, which has more loads in flight.
+CUDA_ROLL_ABOVE_BYTES = 800
 
 
-#: CUDA kernels hold the step coefficients in shared memory, computed once per block, up to this
-#: size: computed per thread, a per-step table (central, H=32: 462 values) took 255 registers
-#: and ~2 KB of local memory per thread (ptxas, sm_90). Larger tables (long per-step horizons)
-#: stay per thread.
+#: CUDA kernels copy the step coefficients (filled once per call by the table kernel) into
+#: shared memory up to this size; larger tables (long per-step horizons) are read from global
+#: memory, where every thread reads the same address.
 CUDA_SHARED_COEF_BYTES = 16384
 
 
 def _cuda_codes(code: LoweredOperator, kernels: tuple, itemsize: int) -> dict:
-    """The kernels' code for the CUDA template: an integrator's long adjoint rolled (see above)."""
+    """The kernels' code for the CUDA template: an integrator's long adjoint rolled (see above); a
+    stencil's adjoint reads each output gradient where it is used (held in locals, the boundary
+    rows of a wide per-step stencil took 144 registers, order 4, H=64, float32)."""
     codes = {k: getattr(code, k) for k in kernels}
     adjoint = codes.get("adjoint")
-    if adjoint is not None and len(adjoint.body) * itemsize > CUDA_ROLL_ABOVE_BYTES:
+    if adjoint is not None and code.adjoint_reads is not None:
+        codes["adjoint"] = code.adjoint_reads
+    elif adjoint is not None and len(adjoint.body) * itemsize > CUDA_ROLL_ABOVE_BYTES:
         rolled = code.adjoint_rolled  # None for stencils, whose columns hold few values
         if rolled:
             codes["adjoint"] = dataclasses.replace(adjoint, statements=rolled)
@@ -142,8 +146,10 @@ def render(spec: Any, code: LoweredOperator, table: ArgumentTable, target: str, 
         lanes=lane_form,
         lane_bodies=_lane_bodies(code, kernels) if lane_form else {},
         table=code.table if set(kernels) & {"forward", "adjoint", "dt_vjp"} else None,
-        signatures={k: abi.signature(k, table, ctype, RESTRICT[target]) for k in kernels},
+        signatures={k: abi.signature(k, table, ctype, RESTRICT[target], cuda=target == "cuda")
+                    for k in (abi.cuda_kernels(kernels) if target == "cuda" else kernels)},
         itemsize=itemsize,
         shared_coef_bytes=CUDA_SHARED_COEF_BYTES,
+        stencil=code.stencil,
     )
     return _environment().get_template(_TEMPLATE_FILES[target]).render(**context)

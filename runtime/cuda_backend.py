@@ -1,9 +1,14 @@
 """CUDA backend: generated CUDA compiled by NVRTC through CuPy's RawModule.
 
 Launches go on PyTorch's current stream of the tensor's device (no host synchronisation);
-outputs come from PyTorch's allocator (runtime.launch). CUDA graph capture is safe once the
-kernels a capture runs are loaded: a module is never compiled or loaded inside a capture (the
-call raises instead); ``Step.prepare`` loads the dt kernels ahead of one.
+outputs come from PyTorch's allocator (runtime.launch). Each call runs the coefficient program
+once, in a kernel of its own, into a table the per-element kernels then read (``launch_plan``);
+dt gradients are finished by two small kernels that add dt_vjp's partial sums in a fixed order
+and run the reverse coefficient program. Those buffers come from PyTorch's caching allocator on
+the current stream, which CUDA graph capture supports (the graph keeps them for its replays).
+CUDA graph capture is safe once the kernels a capture runs are loaded: a module is never
+compiled or loaded inside a capture (the call raises instead); ``Step.prepare`` loads the dt
+kernels ahead of one.
 The generated source is kept in tensorstep's cache, so a warm load needs no code
 generation; CuPy's own disk cache then serves the compiled binary.
 """
@@ -12,14 +17,15 @@ from __future__ import annotations
 import functools
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from ..codegen import abi
+from ..codegen.arguments import table
 from .cache import ABI_VERSION, BuildCache, digest
 from .fingerprint import generator_fingerprint
-from .launch import capturing, warm_up_first
+from .launch import DTYPES, capturing, warm_up_first
 
 THREADS = 256  # a multiple of the warp size, at most 1024 (the dt_vjp reduction relies on whole warps)
 
@@ -27,6 +33,42 @@ THREADS = 256  # a multiple of the warp size, at most 1024 (the dt_vjp reduction
 def grid_blocks(B: int, dof: int) -> int:
     """Blocks of a launch over the B·dof columns (dt_vjp: one row of partial sums per block)."""
     return max(1, (B * dof + THREADS - 1) // THREADS)
+
+
+def dt_vjp_rows(spec: Any, B: int, per_trajectory: bool) -> int:
+    """Rows of dt_vjp's partial sums: one per column when each trajectory has its own dt (its
+    dof columns are added in turn), else one per block (no atomics, a fixed order of sums)."""
+    return B * spec.dof if per_trajectory else grid_blocks(B, spec.dof)
+
+
+#: One launch: (kernel, threads it needs, pointer and size arguments after B)
+Launch = tuple[str, int, list[int]]
+
+
+def launch_plan(spec: Any, table: Any, n_coef: int, kernel: str, B: int, args: list[int],
+                empty: Callable[[int, torch.dtype], torch.Tensor]) -> tuple[list[Launch], list[torch.Tensor]]:
+    """The launches of one entry point of the C ABI (``args`` in its order, after B) and the
+    buffers they use, from ``empty(size, dtype)``; the caller keeps the buffers until the
+    launches are queued. A per-element kernel first has its coefficient table filled (one
+    thread, or one per trajectory); dt_vjp_finish first has dt_vjp's partial sums added."""
+    per_trajectory = table.dt.shape == ("B",)
+    runs = B if per_trajectory else 1  # coefficient programs: one per trajectory, or one
+    names = [name for _, name in abi.arguments(kernel, table)][1:]
+    if kernel in abi.CUDA_TABLES:
+        fill = abi.CUDA_TABLES[kernel]
+        inputs = [table.dt.c_name] + (["ddt_in"] if fill == "coefficients_jvp" else [])
+        coef = empty(runs * (len(inputs)) * n_coef, DTYPES[spec.dtype])
+        return ([(fill, runs, [*(args[names.index(n)] for n in inputs), coef.data_ptr()]),
+                 (kernel, B * spec.dof, [*args, coef.data_ptr()])], [coef])
+    if kernel == "dt_vjp_finish":
+        dt, gc, gdt = args
+        sums = empty(runs * n_coef, torch.float64)
+        rows = dt_vjp_rows(spec, B, per_trajectory) // runs
+        return [("dt_vjp_sum", runs * n_coef, [rows, gc, sums.data_ptr()]),
+                (kernel, runs, [dt, sums.data_ptr(), gdt])], [sums]
+    raise ValueError(f"unknown kernel {kernel!r}; allowed: {', '.join(abi.KERNELS)}")
+
+
 NVRTC_OPTIONS = ("--std=c++14",)
 
 
@@ -96,14 +138,6 @@ def cuda_source(spec: Any, part: str) -> tuple[str, dict]:
     return path.read_text(), metadata
 
 
-def launch_columns(spec: Any, kernel: str, B: int) -> int:
-    """Threads a kernel needs: one per (batch, dof) column; dt_vjp_finish one in all, or one per
-    trajectory with dt="per_trajectory"."""
-    if kernel == "dt_vjp_finish":
-        return B if getattr(spec, "dt", "") == "per_trajectory" else 1
-    return B * spec.dof
-
-
 class CudaBackend:
     """The kernels of a spec on one CUDA device."""
 
@@ -113,6 +147,7 @@ class CudaBackend:
         self.cupy = _cupy()
         self.spec = spec
         self.device = device
+        self.table = table(spec)
         self.functions: dict[str, Any] = {}
         self._streams: dict[int, Any] = {}
         self.metadata = self._bind("core")
@@ -124,27 +159,34 @@ class CudaBackend:
         source, metadata = cuda_source(self.spec, part)
         with cp.cuda.Device(self.device.index):
             module = cp.RawModule(code=source, options=NVRTC_OPTIONS)
-            for kernel in abi.PARTS[part]:
+            for kernel in abi.cuda_kernels(abi.PARTS[part]):
                 self.functions[kernel] = module.get_function(abi.symbol(self.spec.name, kernel))
         return metadata
 
     def load_part(self, part: str) -> None:
         """Load a library's kernels unless they are loaded."""
-        if not all(k in self.functions for k in abi.PARTS[part]):
+        if not all(k in self.functions for k in abi.cuda_kernels(abi.PARTS[part])):
             self._bind(part)
 
-    def dt_vjp_rows(self, B: int) -> int:
-        """Rows of dt_vjp's partial sums: one per block (no atomics, a fixed order of sums)."""
-        return grid_blocks(B, self.spec.dof)
+    def dt_vjp_rows(self, B: int, per_trajectory: bool) -> int:
+        """Rows of dt_vjp's partial sums (see ``dt_vjp_rows``)."""
+        return dt_vjp_rows(self.spec, B, per_trajectory)
+
+    def empty(self, size: int, dtype: torch.dtype) -> torch.Tensor:
+        """A buffer for one call, from PyTorch's caching allocator (on the current stream)."""
+        return torch.empty(size, dtype=dtype, device=self.device)
 
     def call(self, kernel: str, B: int, args: list[int]) -> None:
         if kernel not in self.functions:
             self.load_part("dt")
-        columns = launch_columns(self.spec, kernel, B)
-        blocks = max(1, (columns + THREADS - 1) // THREADS)
+        launches, buffers = launch_plan(self.spec, self.table, int(self.metadata["n_coefficients"]), kernel, B,
+                                        args, self.empty)
         stream = self._stream(torch.cuda.current_stream(self.device).cuda_stream)
         with self.cupy.cuda.Device(self.device.index), stream:
-            self.functions[kernel]((blocks,), (THREADS,), (B, *args))
+            for name, threads, arguments in launches:
+                blocks = max(1, (threads + THREADS - 1) // THREADS)
+                self.functions[name]((blocks,), (THREADS,), (B, *arguments))
+        del buffers  # queued: the caching allocator reuses them in stream order
 
     def _stream(self, ptr: int) -> Any:
         """PyTorch's current stream seen by CuPy (cached: one wrapper per stream)."""

@@ -118,9 +118,8 @@ class Launcher:
         grads = [contiguous(g) for g in grads]
         u = inputs[0]
         B = u.shape[0]
-        # the partial sums: one row per trajectory when each has its own dt (dt_vjp_finish then runs
-        # per trajectory); else one row per CUDA block (the finish adds them in order), one on the CPU
-        rows = B if self.per_trajectory else self.backend.dt_vjp_rows(B)
+        # the partial sums, as many rows as the backend's dt_vjp writes (the finish adds them in order)
+        rows = self.backend.dt_vjp_rows(B, self.per_trajectory)
         # (the coefficient count is in the build's metadata: no code generation, no parsing)
         gc = torch.zeros(rows * int(self.backend.metadata["n_coefficients"]), dtype=torch.float64, device=u.device)
         gdt = torch.empty(dt.shape[0], dtype=torch.float64, device=u.device)
@@ -166,9 +165,10 @@ class CpuBackend:
 
         return address(self._core, abi.symbol(self.spec.name, kernel))
 
-    def dt_vjp_rows(self, B: int) -> int:
-        """Rows of dt_vjp's partial sums: one (the C kernels add every column in turn)."""
-        return 1
+    def dt_vjp_rows(self, B: int, per_trajectory: bool) -> int:
+        """Rows of dt_vjp's partial sums: one per trajectory with its own dt, else one (the C
+        kernels add every column in turn)."""
+        return B if per_trajectory else 1
 
     def load_part(self, part: str) -> None:
         """Load a library's kernels unless they are loaded."""

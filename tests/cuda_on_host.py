@@ -1,47 +1,62 @@
 """The generated CUDA source run on the host, a test double for the GPU (CI has none).
 
 Every CUDA kernel is compiled as C with the CUDA keywords defined away, and each entry point
-runs every (block, thread) of the launch grid the runtime would use, one after another. The
-kernels' arithmetic and indexing can then be checked against the dense reference and by
-gradcheck. Shared memory is one static array per kernel, which is faithful here: thread 0 of
-each block, the one that fills it, runs first.
+runs every (block, thread) of its launch grid one after another. The calls go through the CUDA
+backend's own launch plan (runtime/cuda_backend.py ``launch_plan``): the coefficient table is
+filled by its kernel, the per-element kernels read it, dt_vjp's partial sums are added by
+dt_vjp_sum and finished by dt_vjp_finish. The kernels' arithmetic and indexing can then be
+checked against the dense reference and by gradcheck. Shared memory is one static array per
+kernel; each thread copies the whole table into it (on the GPU the block's threads share the
+copy), so the first thread of a block, which runs first, finds it filled.
 
 dt_vjp's block reduction needs a block's threads in lockstep (warp shuffles, barriers), which a
-sequential run cannot give: here each thread leaves its partial sums in a per-block buffer, and
-after the block's last thread the reduction runs as the GPU runs it, shuffle step by shuffle
-step across each warp's 32 lanes, then the warps' sums in turn, into the block's row of gc. The
-sums are the same, in the same order, as on the GPU; dt_vjp_finish runs unchanged.
+sequential run cannot give: here each thread leaves its values in a per-block buffer, and after
+the block's last thread the reduction runs as the GPU runs it, shuffle step by shuffle step
+across each warp's 32 lanes, then the warps' sums in turn, into the block's row of gc. The sums
+are the same, in the same order, as on the GPU.
 """
 from __future__ import annotations
 
+import functools
 from typing import Any
+from unittest import mock
+
+import cffi
+import torch
 
 from tensorstep.codegen import abi
 from tensorstep.codegen.arguments import table
 from tensorstep.codegen.driver import generate
 from tensorstep.codegen.render import CTYPES
-from tensorstep.runtime.cuda_backend import THREADS, grid_blocks
-from tensorstep.runtime.launch import CpuBackend
+from tensorstep.runtime import cbackend
+from tensorstep.runtime.api import Step
+from tensorstep.runtime.cache import BuildCache, digest
+from tensorstep.runtime.cuda_backend import THREADS, dt_vjp_rows, launch_plan
+from tensorstep.runtime.launch import Launcher
 
 PRELUDE = f"""/* CUDA keywords for a sequential run on the host */
+#include <stdbool.h>
+#include <string.h>
 #define __global__
 #define __device__
 #define __forceinline__ inline
 #define __restrict__ restrict
 #define __shared__ static
 #define __syncthreads()
-#define atomicAdd(address, value) (*(address) += (value)) /* per-trajectory dt_vjp: one thread at a time */
-#define __shfl_down_sync(mask, value, offset) 0.0
 typedef struct {{ long long x; }} ts_dim3;
 static ts_dim3 blockIdx, threadIdx, blockDim = {{{THREADS}}};
 """
-REDUCTION = ("    /* block reduction: each block", "    /* block reduction: end */")
+ACCUMULATOR = ("/* dt_vjp's accumulator: begin */", "/* dt_vjp's accumulator: end */")
+#: per column: its value of each ACC statement (the columns past the end add nothing)
+HOST_ACCUMULATOR = f"""static double ts_lanes[{THREADS}][NC_], ts_discard;
+#undef ACC
+#define ACC(q) (*(active ? &ts_lanes[threadIdx.x][(q)] : &ts_discard))
+"""
 
 
 def _block_reduction(symbol: str) -> str:
     """The dt_vjp reduction of one block as 32 lanes in lockstep run it (see the module docstring)."""
-    return f"""static double ts_lanes[{THREADS}][NC_];
-static void {symbol}_block(double* gc)
+    return f"""static void {symbol}_block(double* gc)
 {{
     double warp_sums[{THREADS} / 32];
     for (int i = 0; i < NC_; ++i) {{
@@ -57,55 +72,98 @@ static void {symbol}_block(double* gc)
         }}
         double s = 0.0;
         for (int w = 0; w < {THREADS} / 32; ++w) s += warp_sums[w];
-        gc[(long long)blockIdx.x * NC_ + i] = s;
+        gc[(long long)blockIdx.x * NC_ + i] += s;
     }}
+    memset(ts_lanes, 0, sizeof ts_lanes);
 }}
 """
 
 
-def host_metadata(spec: Any) -> dict:
-    """What the runtime keeps beside a build (the coefficient count for dt_vjp)."""
-    return dict(generate(spec, targets=("cuda",)).metadata)
+def _entry_point(spec: Any, kernel: str, reduce_blocks: bool) -> tuple[str, str]:
+    """(C definition, cffi declaration) of one kernel's host entry point: its CUDA parameters after
+    the number of threads the launch covers, every (block, thread) run in turn."""
+    args = table(spec)
+    symbol = abi.symbol(spec.name, kernel)
+    names = ", ".join(name for _, name in abi.cuda_arguments(kernel, args))
+    signature = abi.signature(kernel, args, CTYPES[spec.dtype], "restrict", cuda=True)
+    definition = (
+        f"void {symbol}(long long threads, {signature})\n{{\n"
+        f"    const long long blocks = (threads + {THREADS} - 1) / {THREADS};\n"
+        f"    for (long long b = 0; b < (blocks > 0 ? blocks : 1); ++b) {{\n"
+        f"        for (long long t = 0; t < {THREADS}; ++t) {{\n"
+        f"            blockIdx.x = b; threadIdx.x = t; {symbol}_thread({names});\n"
+        f"        }}\n"
+        + (f"        {symbol}_block(gc);\n" if reduce_blocks else "")
+        + "    }\n}")
+    params = ", ".join(("intptr_t" if "*" in t else t) + f" {n}" for t, n in abi.cuda_arguments(kernel, args))
+    return definition, f"void {symbol}(long long threads, {params});"
 
 
-def host_source(spec: Any) -> str:
-    """C source with every kernel of the ABI: the CUDA kernels, each looped over its launch grid."""
+def host_source(spec: Any) -> tuple[str, str]:
+    """(C source, cffi declarations): every CUDA kernel, each looped over its launch grid."""
     source = generate(spec, targets=("cuda",)).source("cuda").replace('extern "C" ', "")
-    per_trajectory = getattr(spec, "dt", "") == "per_trajectory"  # per-thread atomics, no block sums
+    per_trajectory = getattr(spec, "dt", "") == "per_trajectory"  # per-column sums, no block reduction
     dt_vjp = abi.symbol(spec.name, "dt_vjp")
     if not per_trajectory:
-        start, end = source.find(REDUCTION[0]), source.find(REDUCTION[1])
-        assert 0 <= start < end, "the CUDA template's dt_vjp reduction changed: update this test double"
-        source = (source[:start] + "    for (int i = 0; i < NC_; ++i) ts_lanes[threadIdx.x][i] = acc[i];\n"
-                  + source[end + len(REDUCTION[1]):])
+        start, end = source.find(ACCUMULATOR[0]), source.find(ACCUMULATOR[1])
+        assert 0 <= start < end, "the CUDA template's dt_vjp accumulator changed: update this test double"
+        source = source[:start] + HOST_ACCUMULATOR + source[end + len(ACCUMULATOR[1]):]
         source = source.replace(f"void {dt_vjp}(", _block_reduction(dt_vjp) + f"void {dt_vjp}(")
-    ctype = CTYPES[spec.dtype]
-    entry_points = []
-    for kernel in abi.PARTS["all"]:
+    # the table copy into shared memory: every thread copies all of it (see the module docstring)
+    source = source.replace("int i = threadIdx.x; i < ", "int i = 0; i < ").replace("; i += blockDim.x)", "; ++i)")
+    definitions, declarations = [], []
+    for kernel in abi.cuda_kernels(abi.PARTS["all"]):
         symbol = abi.symbol(spec.name, kernel)
         source = source.replace(f"void {symbol}(", f"void {symbol}_thread(")
-        names = ", ".join(name for _, name in abi.arguments(kernel, table(spec)))
-        columns = "B" if kernel == "dt_vjp_finish" and per_trajectory else "1" if kernel == "dt_vjp_finish" \
-            else "B * D_"  # as runtime/cuda_backend.py launches (launch_columns)
-        entry_points.append(
-            f"void {symbol}({abi.signature(kernel, table(spec), ctype, 'restrict')})\n{{\n"
-            f"    const long long blocks = ({columns} + {THREADS} - 1) / {THREADS};\n"
-            f"    for (long long b = 0; b < (blocks > 0 ? blocks : 1); ++b) {{\n"
-            f"        for (long long t = 0; t < {THREADS}; ++t) {{\n"
-            f"            blockIdx.x = b; threadIdx.x = t; {symbol}_thread({names});\n"
-            f"        }}\n"
-            + (f"        {symbol}_block(gc);\n" if kernel == "dt_vjp" and not per_trajectory else "")
-            + "    }\n}")
-    entry_points.append(f"int64_t {abi.symbol(spec.name, 'n_coefficients')}(void) {{ return NC_; }}")
-    return PRELUDE + source + "\n" + "\n\n".join(entry_points) + "\n"
+        definition, declaration = _entry_point(spec, kernel, kernel == "dt_vjp" and not per_trajectory)
+        definitions.append(definition)
+        declarations.append(declaration)
+    return PRELUDE + source + "\n" + "\n\n".join(definitions) + "\n", "\n".join(declarations)
 
 
-class HostCudaBackend(CpuBackend):
-    """The CUDA kernels run on the host, with the CUDA launch's buffers (one row of dt_vjp
-    partial sums per block)."""
+@functools.lru_cache(maxsize=None)
+def _library(source: str, declarations: str) -> Any:
+    """The host source built by the C backend's compiler (cached by content), loaded through cffi."""
+    path = BuildCache().build(digest(source, cbackend.environment_key()), "so", source, cbackend._compile, {})
+    ffi = cffi.FFI()
+    ffi.cdef(declarations)
+    return ffi.dlopen(str(path))
+
+
+class HostCudaBackend:
+    """The CUDA kernels run on the host, launched by the CUDA backend's plan with its buffers."""
 
     def __init__(self, spec: Any):
-        super().__init__(spec, host_source(spec), host_metadata(spec))
+        self.spec = spec
+        self.table = table(spec)
+        generated = generate(spec, targets=("cuda",))
+        self.metadata = dict(generated.metadata)
+        self.lib = _library(*host_source(spec))
+        self.launched: list[str] = []
 
-    def dt_vjp_rows(self, B: int) -> int:
-        return grid_blocks(B, self.spec.dof)
+    def load_part(self, part: str) -> None:
+        """Every kernel is built at once."""
+
+    def dt_vjp_rows(self, B: int, per_trajectory: bool) -> int:
+        return dt_vjp_rows(self.spec, B, per_trajectory)
+
+    def empty(self, size: int, dtype: torch.dtype) -> torch.Tensor:
+        """Buffers are filled with NaN: a kernel that reads what no kernel wrote shows up."""
+        return torch.full((size,), float("nan"), dtype=dtype)
+
+    def call(self, kernel: str, B: int, args: list[int]) -> None:
+        launches, buffers = launch_plan(self.spec, self.table, int(self.metadata["n_coefficients"]), kernel, B,
+                                        args, self.empty)
+        for name, threads, arguments in launches:
+            self.launched.append(name)
+            getattr(self.lib, abi.symbol(self.spec.name, name))(threads, B, *arguments)
+        del buffers
+
+
+def host_step(spec: Any) -> Step:
+    """A CPU Step whose calls run the CUDA kernels on the host (the Python autograd path: the
+    native node calls C entry points, which the CUDA kernels are not)."""
+    with mock.patch.object(Step, "_take_native", lambda self: None):
+        step = Step(spec, torch.device("cpu"), Launcher(spec, HostCudaBackend(spec)))
+    step.native, step._native_pending = None, False
+    return step

@@ -100,17 +100,13 @@ def to_bhd(y: torch.Tensor, spec) -> np.ndarray:
 def kernel_paths(spec):
     """(name, step) for the C kernels behind the native node and behind the Python autograd path,
     and for the CUDA source run on the host (tests/cuda_on_host.py)."""
-    from cuda_on_host import host_metadata, host_source
-    from tensorstep.runtime.api import Step
-    from tensorstep.runtime.launch import CpuBackend, Launcher
+    from cuda_on_host import host_step
 
     yield "c", ts.load(spec)
     python = ts.load(spec)
     python.native = None
     yield "c-python", python
-    host = Step(spec, torch.device("cpu"), Launcher(spec, CpuBackend(spec, host_source(spec), host_metadata(spec))))
-    host.native = None
-    yield "cuda-on-host", host
+    yield "cuda-on-host", host_step(spec)
 
 
 def as_bhd(y: torch.Tensor, spec) -> np.ndarray:
@@ -132,9 +128,11 @@ def check_compile_matches_eager(loss, args: list) -> None:
 
 
 def check_ptx(sources: list, tmp_path) -> None:
-    """nvcc compiles the CUDA sources (one namespace each) to PTX with five entry points each."""
+    """nvcc compiles the CUDA sources (one namespace each) to PTX with every CUDA kernel of each."""
     import shutil
     import subprocess
+
+    from tensorstep.codegen import abi
 
     unit = tmp_path / "unit.cu"
     unit.write_text("\n".join(f"namespace v{i} {{\n{src}\n}}" for i, src in enumerate(sources)).replace(
@@ -142,7 +140,7 @@ def check_ptx(sources: list, tmp_path) -> None:
     result = subprocess.run([shutil.which("nvcc"), "-ptx", "-arch=sm_80", str(unit), "-o", str(tmp_path / "o.ptx")],
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert (tmp_path / "o.ptx").read_text().count(".entry") == 5 * len(sources)
+    assert (tmp_path / "o.ptx").read_text().count(".entry") == len(abi.cuda_kernels(abi.PARTS["all"])) * len(sources)
 
 
 class BoundaryCase:

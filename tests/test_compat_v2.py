@@ -18,11 +18,9 @@ import torch
 from tensorstep.codegen.legacy_spec import LegacySpec
 from tensorstep.codegen.legacy_v2_spec import CuroboV2Spec
 from tensorstep.compat import curobo_v2 as C
-from tensorstep.runtime.api import Step
-from tensorstep.runtime.launch import Launcher
 
 import reference_curobo_v2 as ref
-from cuda_on_host import HostCudaBackend
+from cuda_on_host import host_step
 from helpers import scale_close
 
 f64, f32 = torch.float64, torch.float32
@@ -413,8 +411,7 @@ HOST_SPECS = [CuroboV2Spec("clique", 10, 3, "float64"), CuroboV2Spec("bspline", 
 def test_cuda_source_run_on_the_host_matches_reference(spec, monkeypatch):
     """The generated CUDA kernels run on the host (every thread of the grid in turn) behind the
     kernel classes: forward against the reference, gradcheck with forward mode (float64)."""
-    step = Step(spec, torch.device("cpu"), Launcher(spec, HostCudaBackend(spec)))
-    step.native = None
+    step = host_step(spec)
     cache = C.v07._STEPS if isinstance(spec, LegacySpec) else C._STEPS  # the classes' loaded steps
     monkeypatch.setitem(cache, (spec, "cpu"), step)
     dtype = f64 if spec.dtype == "float64" else f32

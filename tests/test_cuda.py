@@ -13,8 +13,10 @@ import torch
 
 import reference
 import tensorstep as ts
-from cuda_on_host import HostCudaBackend, host_source
-from tensorstep.codegen import render
+from cuda_on_host import HostCudaBackend, host_source, host_step
+from tensorstep.codegen import abi, render
+from tensorstep.codegen.arguments import table
+from tensorstep.codegen.driver import lowered
 from tensorstep.runtime.api import Step
 from tensorstep.runtime.launch import CpuBackend, Launcher
 from tensorstep.runtime.verify import verify_launcher
@@ -34,13 +36,22 @@ gpu = pytest.mark.skipif(not (HAS_GPU and HAS_CUPY), reason="needs an NVIDIA GPU
 PTX_GRID = GRID + [dict(g, **{}) for g in GRID[:4]]
 
 
+def _dt_of(spec, B: int, seed: int = 0) -> torch.Tensor:
+    """A float64 dt of the spec's shape: a scalar, [H] per step, or [B] per trajectory."""
+    n = {"uniform": 0, "per_step": spec.horizon, "per_trajectory": B}[spec.dt]
+    if n == 0:
+        return torch.tensor(0.07, dtype=torch.float64)
+    return 0.05 + 0.1 * torch.rand(n, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
 @pytest.mark.skipif(NVCC is None, reason="nvcc not installed")
 @pytest.mark.parametrize("dtype, coefficients", [("float32", "shared"), ("float64", "shared"),
-                                                 ("float64", "per-thread")])
+                                                 ("float64", "global")])
 def test_every_variant_compiles_to_ptx(tmp_path, dtype, coefficients, monkeypatch):
     """All variants of the grid, both dtypes, all kernels, in one translation unit per dtype;
-    the step coefficients in shared memory, and per thread (tables too large to share)."""
-    if coefficients == "per-thread":
+    the step coefficients copied to shared memory, and read from global memory (tables too
+    large to share)."""
+    if coefficients == "global":
         monkeypatch.setattr(render, "CUDA_SHARED_COEF_BYTES", 0)
     sources = [ts.source(make_spec(g, dtype=dtype), "cuda") for g in GRID]
     assert all(("__shared__ T coef" in src) == (coefficients == "shared") for src in sources)
@@ -52,7 +63,7 @@ def test_every_variant_compiles_to_ptx(tmp_path, dtype, coefficients, monkeypatc
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-3000:]
     ptx = (tmp_path / "out.ptx").read_text()
-    assert ptx.count(".entry") == 5 * len(GRID)
+    assert ptx.count(".entry") == 8 * len(GRID)  # and the table, jvp table and dt_vjp_sum kernels
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not installed")
@@ -161,7 +172,7 @@ def test_long_integrator_adjoints_roll_and_compile(tmp_path):
     for spec, src in zip(specs, sources):
         assert "; --r)" in _kernel_text(src, f"{spec.name}_adjoint"), spec.name  # the reverse scan
         assert "; --r)" not in _kernel_text(src, f"{spec.name}_forward"), spec.name
-    short = make_spec(INTEGRATORS[0], dtype="float32", horizon=32)
+    short = make_spec(INTEGRATORS[0], dtype="float32", horizon=16)
     assert "; --r)" not in _kernel_text(ts.source(short, "cuda"), f"{short.name}_adjoint")
     unit = tmp_path / "rolled.cu"
     unit.write_text("\n".join(f"namespace v{i} {{\n{src}\n}}" for i, src in enumerate(sources)).replace(
@@ -188,7 +199,7 @@ def test_cuda_rolled_adjoint_matches_reference(overrides):
     scale_close(to_bhd(gu.cpu(), spec), expect_u, 1e-12)
 
 
-@pytest.mark.parametrize("form", ["straight", "rolled", "per-thread-coefficients"])
+@pytest.mark.parametrize("form", ["straight", "rolled", "global-coefficients"])
 @pytest.mark.parametrize("overrides", GRID, ids=[grid_id(g) for g in GRID])
 def test_cuda_source_run_on_the_host_matches_reference(overrides, form, monkeypatch):
     """The CUDA forward and adjoint, every thread of the grid run in turn on the host (no GPU
@@ -197,12 +208,12 @@ def test_cuda_source_run_on_the_host_matches_reference(overrides, form, monkeypa
         if overrides.get("control", "position") == "position":
             pytest.skip("stencil adjoints are never rolled")
         monkeypatch.setattr(render, "CUDA_ROLL_ABOVE_BYTES", 0)
-    if form == "per-thread-coefficients":
+    if form == "global-coefficients":
         monkeypatch.setattr(render, "CUDA_SHARED_COEF_BYTES", 0)
     spec = make_spec(overrides)
-    source = host_source(spec)
+    source, _ = host_source(spec)
     assert ("; --r)" in source) == (form == "rolled")
-    assert ("__shared__ T coef" in source) == (form != "per-thread-coefficients")
+    assert ("__shared__ T coef" in source) == (form != "global-coefficients")
     row = verify_launcher(spec, Launcher(spec, HostCudaBackend(spec)), torch.device("cpu"), B=150)  # 2 blocks
     assert row["forward"] <= 1e-12 and row["adjoint"] <= 1e-12, row
 
@@ -213,8 +224,7 @@ def test_cuda_source_run_on_the_host_passes_gradcheck(overrides):
     input and to dt (adjoint, dt_vjp, dt_vjp_finish) and forward mode (dt_jvp) against finite
     differences of the forward kernel."""
     spec = make_spec(overrides)
-    step = Step(spec, torch.device("cpu"), Launcher(spec, HostCudaBackend(spec)))
-    step.native = None
+    step = host_step(spec)
     x = Inputs(spec, batch=2)
     args = [t.detach().requires_grad_(True) for t in (x.u, x.p0, x.v0, x.a0, x.j0)]
     dt = dt_value(spec).requires_grad_(True)
@@ -227,21 +237,22 @@ def test_cuda_source_run_on_the_host_passes_gradcheck(overrides):
 def test_no_cuda_kernel_uses_atomics():
     """The dt gradient is summed in a fixed order (per-block rows, then the blocks in turn): no
     atomic operation is left whose order the scheduler would pick (bitwise-reproducible gradients)."""
-    for g in GRID:
+    for g in GRID + [dict(dt="per_trajectory"), dict(dt="per_trajectory", control="jerk")]:
         for dtype in ("float32", "float64"):
             assert "atomic" not in ts.source(make_spec(g, dtype=dtype), "cuda")
 
 
-@pytest.mark.parametrize("overrides", [GRID[1], GRID[14], GRID[17]], ids=grid_id)
+@pytest.mark.parametrize("overrides", [GRID[1], GRID[14], GRID[17], dict(dt="per_trajectory", control="jerk")],
+                         ids=grid_id)
 def test_cuda_dt_gradient_over_several_blocks_on_the_host(overrides):
-    """B·D = 600 columns, three blocks of partial sums: the dt gradient of the CUDA kernels run on
-    the host passes gradcheck (finite differences of the forward) and is bitwise the same twice."""
+    """B·D = 600 columns, three blocks of partial sums (per trajectory: one per column): the dt
+    gradient of the CUDA kernels run on the host passes gradcheck (finite differences of the
+    forward) and is bitwise the same twice."""
     spec = make_spec(overrides)
-    step = Step(spec, torch.device("cpu"), Launcher(spec, HostCudaBackend(spec)))
-    step.native = None
+    step = host_step(spec)
     x = Inputs(spec, batch=300)
     assert 300 * spec.dof >= 600
-    dt = dt_value(spec).requires_grad_(True)
+    dt = _dt_of(spec, 300).requires_grad_(True)
     f = lambda dt: step(x.u, x.p0, x.v0, x.a0, dt, **x.kwargs())
     assert torch.autograd.gradcheck(f, (dt,))
     weights = [torch.randn(y.shape, generator=torch.Generator().manual_seed(k), dtype=torch.float64)
@@ -314,7 +325,9 @@ def fake_cuda_backend(spec, monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: types.SimpleNamespace(cuda_stream=7))
     backend = CudaBackend.__new__(CudaBackend)
     backend.cupy, backend.spec, backend.device = FakeCupy(), spec, torch.device("cuda", 0)
+    backend.table = table(spec)
     backend.functions, backend._streams = {}, {}
+    backend.empty = lambda size, dtype: torch.empty(size, dtype=dtype)  # no GPU memory here
     backend.metadata = backend._bind("core")
     return backend
 
@@ -324,9 +337,10 @@ def test_capture_never_builds_or_loads_a_cuda_module(capture, monkeypatch):
     backend = fake_cuda_backend(spec, monkeypatch)
     assert len(backend.cupy.built) == 1
     capture["on"] = True
-    backend.call("forward", 2, [0] * 8)  # loaded kernels launch inside a capture
+    args = lambda kernel: [0] * (len(abi.arguments(kernel, table(spec))) - 1)  # null pointers after B
+    backend.call("forward", 2, args("forward"))  # loaded kernels launch inside a capture
     with pytest.raises(RuntimeError, match="dt kernels would be compiled and loaded.*CUDA graph capture"):
-        backend.call("dt_vjp", 2, [0] * 8)
+        backend.call("dt_vjp", 2, args("dt_vjp"))
     with pytest.raises(RuntimeError, match="CUDA graph capture"):
         Launcher(spec, backend).prepare(dt_grad=True)
     assert len(backend.cupy.built) == 1
@@ -335,29 +349,37 @@ def test_capture_never_builds_or_loads_a_cuda_module(capture, monkeypatch):
     assert len(backend.cupy.built) == 2
     Launcher(spec, backend).prepare(dt_grad=True)  # once only
     capture["on"] = True
-    backend.call("dt_vjp", 2, [0] * 8)
-    backend.call("dt_vjp_finish", 1, [0] * 3)
+    backend.call("dt_vjp", 2, args("dt_vjp"))
+    backend.call("dt_vjp_finish", 2, args("dt_vjp_finish"))
     assert len(backend.cupy.built) == 2
-    assert backend.cupy.launched == [f"{spec.name}_{k}" for k in ("forward", "dt_vjp", "dt_vjp_finish")]
+    assert backend.cupy.launched == [f"{spec.name}_{k}" for k in ("coefficients", "forward", "coefficients", "dt_vjp",
+                                                                  "dt_vjp_sum", "dt_vjp_finish")]
+
+
+CAPTURED = [dict(control="acceleration", integrator="exact"), dict(difference="central", dt="per_step")]
 
 
 @gpu
-def test_cuda_graph_capture_and_replay():
+@pytest.mark.parametrize("overrides", CAPTURED, ids=grid_id)
+def test_cuda_graph_capture_and_replay(overrides):
     """Forward and gradients (to u and a tensor dt) captured after prepare, replayed on new
-    actions: the same numbers as eager calls; a float dt cached before capture is read on replay."""
-    spec = make_spec(dict(control="acceleration", integrator="exact"))
+    actions and new dt values (the coefficient table is filled again on every replay): the same
+    numbers as eager calls; a float dt cached before capture is read on replay."""
+    spec = make_spec(overrides)
+    uniform = spec.dt == "uniform"
     dev = torch.device("cuda")
-    step = ts.load(spec, dev).prepare(dt=0.05, dt_grad=True)
+    step = ts.load(spec, dev).prepare(dt=0.05 if uniform else None, dt_grad=True)
     x = Inputs(spec, batch=300)  # B·D = 600: several blocks in the dt reduction
     u = x.u.to(dev).requires_grad_(True)
     starts = [t.to(dev) for t in (x.p0, x.v0, x.a0)]
     kw = {k: v.to(dev) for k, v in x.kwargs().items()}
-    dt = torch.tensor(0.05, dtype=torch.float64, device=dev, requires_grad=True)
+    dt = (torch.tensor(0.05, dtype=torch.float64) if uniform else dt_value(spec)).to(dev).requires_grad_(True)
 
     def work():
         outs = step(u, *starts, dt, **kw)
         cost = sum(y.square().sum() for y in outs)
-        return (*torch.autograd.grad(cost, (u, dt)), *step(u.detach(), *starts, 0.05, **kw))
+        floats = step(u.detach(), *starts, 0.05, **kw) if uniform else ()
+        return (*torch.autograd.grad(cost, (u, dt)), *floats)
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -370,12 +392,82 @@ def test_cuda_graph_capture_and_replay():
     for seed in (1, 2):
         with torch.no_grad():
             u.copy_(torch.randn(u.shape, generator=torch.Generator().manual_seed(seed), dtype=u.dtype).to(dev))
+            dt.mul_(1.0 + 0.1 * seed)
         graph.replay()
         expected = work()
         for a, b in zip(captured, expected):
             assert torch.equal(a, b)
-    assert torch.equal(step(u.detach(), *starts, 0.05, **kw)[0], step(u.detach(), *starts, dt.detach(), **kw)[0])
+    if uniform:
+        assert torch.equal(step(u.detach(), *starts, 0.05, **kw)[0],
+                           step(u.detach(), *starts, torch.tensor(0.05, dtype=torch.float64, device=dev), **kw)[0])
 
+
+# B·D >= 600: several blocks of 256 columns, the last one partial, several warps per block
+SEVERAL_BLOCKS = [
+    dict(difference="central", dt="per_step"),
+    dict(difference="backward", accuracy=2, layout="bdh", start_index=True),
+    dict(control="acceleration", integrator="exact", start_index=True),
+    dict(control="jerk", dt="per_step", order=4),
+    dict(dt="per_trajectory"),
+    dict(dt="per_trajectory", control="acceleration", integrator="exact", start_index=True),
+]
+
+
+def _outputs_and_gradients(step, x: Inputs, dt: torch.Tensor, device: torch.device) -> list[torch.Tensor]:
+    """Forward outputs and the gradients of a weighted sum of them to every input and to dt (on the CPU)."""
+    inputs = [t.detach().to(device).requires_grad_(True) for t in (x.u, x.p0, x.v0, x.a0, x.j0)]
+    dt = dt.to(device).requires_grad_(True)
+    kw = {"start_index": x.idx.to(device)} if x.idx is not None else {}
+    outs = step(*inputs[:4], dt, j0=inputs[4], **kw)
+    weights = [torch.randn(y.shape, generator=torch.Generator().manual_seed(k), dtype=y.dtype).to(device)
+               for k, y in enumerate(outs)]
+    grads = torch.autograd.grad(outs, [*inputs, dt], weights)
+    return [t.detach().cpu() for t in (*outs, *grads)]
+
+
+@gpu
+@pytest.mark.parametrize("overrides", SEVERAL_BLOCKS, ids=grid_id)
+def test_cuda_matches_cpu_over_several_blocks(overrides):
+    """Forward, adjoint (every input) and dt gradients of B·D = 700 columns against the CPU
+    kernels, float64."""
+    _gpu_matches_cpu(make_spec(overrides, horizon=16, dof=7), B=100, rtol=1e-12)
+
+
+def _gpu_matches_cpu(spec, B: int, rtol: float) -> None:
+    x = Inputs(spec, batch=B)
+    dt = _dt_of(spec, B)
+    cpu = _outputs_and_gradients(ts.load(spec, "cpu"), x, dt, torch.device("cpu"))
+    gpu = _outputs_and_gradients(ts.load(spec, "cuda"), x, dt, torch.device("cuda"))
+    for a, b in zip(gpu, cpu):
+        scale_close(a.numpy(), b.numpy(), rtol)
+
+
+@gpu
+def test_cuda_large_coefficient_table_matches_cpu():
+    """Per-step H=256 float64: 3822 coefficients, too many for shared memory (read from the table in
+    global memory); forward, adjoint and dt gradients against the CPU kernels."""
+    spec = make_spec(dict(difference="central", dt="per_step"), horizon=256, dof=7)
+    assert lowered(spec).n_coefficients * 8 > render.CUDA_SHARED_COEF_BYTES
+    _gpu_matches_cpu(spec, B=90, rtol=1e-11)
+
+
+@gpu
+@pytest.mark.parametrize("overrides", [SEVERAL_BLOCKS[0], SEVERAL_BLOCKS[2], SEVERAL_BLOCKS[4]], ids=grid_id)
+def test_cuda_dt_gradient_is_bitwise_reproducible(overrides):
+    """B·D = 2800 columns (11 blocks): the dt gradient is the same to the last bit on every run,
+    and with torch.use_deterministic_algorithms(True)."""
+    spec = make_spec(overrides, horizon=16, dof=7)
+    x = Inputs(spec, batch=400)
+    dt = _dt_of(spec, 400)
+    step = ts.load(spec, "cuda")
+    runs = [_outputs_and_gradients(step, x, dt, torch.device("cuda"))[-1] for _ in range(3)]
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        runs.append(_outputs_and_gradients(step, x, dt, torch.device("cuda"))[-1])
+    finally:
+        torch.use_deterministic_algorithms(before)
+    assert all(torch.equal(runs[0], r) for r in runs[1:])
 
 
 @pytest.mark.parametrize("torch_cuda, runtime, nvrtc, fix", [
