@@ -212,15 +212,15 @@ def plot(config: Optional[str], task: Optional[str], output: str, step_dt: Optio
     give) into a picture. Needs matplotlib: pip install 'tensorstep[plot]'."""
     from . import plot as pictures
 
-    try:
-        pictures.pyplot()
-    except ImportError as err:
-        raise UserError(str(err)) from None
     specs = specs_from(config, task, options, "drawn")
     compat = [s for s in specs if not hasattr(s, "control")]
     if compat:
         raise UserError(f"plot draws tensorstep's own kernels; this task gives cuRobo's ({compat[0].kind}), whose "
                         "steps take cuRobo's arguments: call them through tensorstep.compat")
+    try:
+        pictures.pyplot()
+    except ImportError as err:
+        raise UserError(str(err)) from None
     cfg = load_config(config, task) if config else None
     dt = step_dt if step_dt is not None else cfg.dt if cfg else 0.02
     if not dt > 0:

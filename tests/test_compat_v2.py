@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import inspect
 import shutil
-import subprocess
 
 import numpy as np
 import pytest
@@ -21,7 +20,7 @@ from tensorstep.compat import curobo_v2 as C
 
 import reference_curobo_v2 as ref
 from cuda_on_host import host_step
-from helpers import scale_close
+from helpers import check_ptx, scale_close
 
 f64, f32 = torch.float64, torch.float32
 FLAGS = {"on": [1, 1, 1], "off": [0, 0, 0], "mixed": [1, 0, 1]}
@@ -444,12 +443,7 @@ def test_cuda_sources_compile_to_ptx(tmp_path):
 
     specs = HOST_SPECS + [CuroboV2Spec("clique", 12, 7, "float32")]
     sources = [ts.source(spec, "cuda") for spec in specs]
-    unit = tmp_path / "v2.cu"
-    unit.write_text("\n".join(f"namespace v{i} {{\n{src}\n}}" for i, src in enumerate(sources)).replace('extern "C" ', ""))
-    result = subprocess.run([shutil.which("nvcc"), "-ptx", "-arch=sm_80", str(unit), "-o", str(tmp_path / "o.ptx")],
-                            capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert (tmp_path / "o.ptx").read_text().count(".entry") == 5 * len(sources)
+    check_ptx(sources, tmp_path)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
