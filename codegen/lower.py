@@ -220,12 +220,16 @@ def _stencil_loops(op: Operator, coefs: Coefficients, statement: Callable, row_d
             for start, stop, shape, slots, stride in _runs(rows):
                 if row_dependent_only and stride == 0:
                     continue
-                terms = [(rel, lit, v, None if slot is None else slot if stride == 0 else Strided(slot, stride, start))
-                         for (rel, lit, v), slot in zip(shape, slots)]
+                terms = [(rel, lit, v, _slot(slot, stride, start)) for (rel, lit, v), slot in zip(shape, slots)]
                 statements, guard = statement(k, terms)
                 loops.append(Loop(start, stop, statements, guard, row_dependent=stride != 0, scale=p, offset=phase))
                 covered.update((k, r * p + phase) for r in range(start, stop))
     return loops, covered
+
+
+def _slot(slot: int | None, stride: int, start: int) -> int | Strided | None:
+    """A loop term's table slot: fixed (stride 0, uniform dt) or advancing with the loop index."""
+    return None if slot is None else slot if stride == 0 else Strided(slot, stride, start)
 
 
 def _term(coefs: Coefficients, lit: sp.Expr | None, slot: Any, operand: Any) -> Term:
@@ -283,8 +287,7 @@ def _adjoint_loops(op: Operator, coefs: Coefficients) -> tuple[list[Loop], set[i
         loops.append(Loop(start, stop, [Store(Read("SGU"), Cast("T", Literal("0")))], row_dependent=dependent,
                           scale=p))
         for k in sorted({kk for kk, _, _ in shape}):
-            value = Sum(tuple(_term(coefs, lit, slot if stride == 0 else Strided(slot, stride, start),
-                                    Read(f"SG{k}", (rel,)))
+            value = Sum(tuple(_term(coefs, lit, _slot(slot, stride, start), Read(f"SG{k}", (rel,)))
                               for (kk, rel, lit), slot in zip(shape, slots) if kk == k))
             loops.append(Loop(start, stop, [Store(Read("SGU"), value, "+=")], guard=f"g{k}", row_dependent=dependent,
                               scale=p))
