@@ -72,7 +72,7 @@ def _reverse(lines: Sequence[Line], seeds: dict[str, list]) -> tuple[list[Statem
         if not parts:
             continue
         out.append(_double(f"b_{s}", Add(tuple(parts))))
-        for a in e.free_symbols:
+        for a in sorted(e.free_symbols, key=str):  # a fixed order: the same source in every process
             contributions[str(a)].append(_derivative(e, a, f"b_{s}"))
     return out, contributions
 
@@ -136,7 +136,7 @@ class _Relative:
         return self.quantity[(s, h)]
 
     def expr(self, e: sp.Expr, h: int) -> sp.Expr:
-        return e.xreplace({s: self._symbol(s, h) for s in e.free_symbols})
+        return e.xreplace({s: self._symbol(s, h) for s in sorted(e.free_symbols, key=str)})
 
     def program_of(self, exprs: Sequence[sp.Expr]) -> tuple[Line, ...]:
         """The template quantities the expressions use, in definition order."""

@@ -135,3 +135,17 @@ def test_a_slow_uncached_build_says_what_it_is_doing(monkeypatch, capfd, tmp_pat
     assert f"tensorstep: compiling {spec.name} (dt kernels, H=9)..." in err
     cbackend.load_library(spec, "dt", store)  # cached: nothing to say
     assert "tensorstep: compiling" not in capfd.readouterr().err
+
+
+def test_rolled_source_is_the_same_in_every_process():
+    """The rolled programs are built from SymPy symbol sets: their order must not follow the
+    process's hash seed (generated files are compared byte for byte)."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("from tensorstep.codegen.driver import generate; from tensorstep.codegen.spec import KernelSpec; "
+            "print(generate(KernelSpec(horizon=40, dof=2, dt='per_step'), ('c',), ('all',)).source('c', 'all'))")
+    outputs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                              env={**os.environ, "PYTHONHASHSEED": seed}).stdout for seed in ("0", "1", "2")}
+    assert len(outputs) == 1
