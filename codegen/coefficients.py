@@ -211,9 +211,25 @@ class Coefficients:
         self.base = list(op.program)
         self._varying = set(self.dt_syms) | {s for s, _ in self.base}
         self.names: dict[sp.Expr, int] = {}
+        self.copies: list[int] = []  # slot len(names) + i holds a copy of slot copies[i] (see block)
+        self._blocks: dict[tuple[int, ...], int] = {}
         for coef in op.coefficients():  # fixed slots, shared by every kernel of the operator
             self.index(coef)
         self.runs = find_runs(op, self.names, self.varies)
+
+    @property
+    def size(self) -> int:
+        """Entries of the table: the coefficients' slots, then the blocks of copies."""
+        return len(self.names) + len(self.copies)
+
+    def block(self, slots: tuple[int, ...]) -> int:
+        """The first of consecutive slots holding copies of ``slots`` in that order (one block per
+        sequence): a loop whose rows read coefficients scattered over the table reads them at a
+        constant stride. Only the forward table (``preamble``) fills them."""
+        if slots not in self._blocks:
+            self._blocks[slots] = self.size
+            self.copies += slots
+        return self._blocks[slots]
 
     def varies(self, expr: sp.Expr) -> bool:
         """Whether a coefficient depends on dt (directly or through program quantities)."""
@@ -222,6 +238,7 @@ class Coefficients:
     def index(self, expr: sp.Expr) -> int:
         """Slot of a coefficient in the kernel's coefficient table."""
         if expr not in self.names:
+            assert not self.copies, f"coefficient {expr} named after the blocks of copies"
             self.names[expr] = len(self.names)
         return self.names[expr]
 
@@ -271,9 +288,15 @@ class Coefficients:
         """Statements filling the coefficient table C(q) (type T); each value is stored as soon
         as it is computed, so no more than one CSE chunk is live at a time."""
         lines = self._used_inputs()
+        copies: dict[int, list[int]] = defaultdict(list)  # slot → its copies' slots
+        for i, q in enumerate(self.copies):
+            copies[q].append(len(self.names) + i)
         for s, e in self.lines:
             if s.name.startswith("k"):
-                lines.append(Store(Read("C", (int(s.name[1:]),)), Cast("T", Paren(Sym(e)))))
+                q = int(s.name[1:])
+                lines.append(Store(Read("C", (q,)), Cast("T", Paren(Sym(e)))))
+                # copied next to the value: no value is held until a copy at the end (CUDA registers)
+                lines += [Store(Read("C", (c,)), Read("C", (q,))) for c in copies.pop(q, [])]
             else:
                 lines.append(_double(str(s), Sym(e)))
         for run in self.runs:
@@ -284,6 +307,7 @@ class Coefficients:
                 else:
                     body.append(_double(str(s), Sym(e)))
             lines.append(run.loop(body))
+        lines += [Store(Read("C", (c,)), Read("C", (q,))) for q, cs in copies.items() for c in cs]  # of rolled slots
         return lines
 
     def tangent_preamble(self) -> list[Statement]:

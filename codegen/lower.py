@@ -24,8 +24,8 @@ from . import roll
 from .coefficients import MINUS_ONE, ONE, Coefficients, table_term
 from .operator import Operator, Ref
 from .printer import COLUMN
-from .statements import (Add, Call, Cast, Def, Literal, Mul, Paren, Read, Statement, Store, Strided, Sum, Term,
-                         Val, Var, walk)
+from .statements import (Add, Call, Cast, Def, For, Literal, Mul, Paren, Read, Rel, Statement, Store, Strided, Sum,
+                         Term, Val, Var, walk)
 
 
 @dataclasses.dataclass
@@ -112,15 +112,17 @@ def _forward_lines(op: Operator, coefs: Coefficients) -> list[Statement]:
     return [Def(Val("y", row.k, row.h), Sum(tuple(coefs.term(c, _var(r)) for c, r in row.terms))) for row in op.rows]
 
 
-def _adjoint_lines(op: Operator, coefs: Coefficients) -> tuple[list[Statement], dict[Ref, list[Term]]]:
-    """Reverse accumulation: total adjoints yb<k>_<h> of rows, then contributions to inputs."""
+def _adjoint_lines(op: Operator, coefs: Coefficients, skip: frozenset = frozenset()
+                   ) -> tuple[list[Statement], dict[Ref, list[Term]]]:
+    """Reverse accumulation: total adjoints yb<k>_<h> of rows, then contributions to inputs (none
+    from the rows in ``skip``, whose contributions span loops gather)."""
     lines: list[Statement] = [Def(Val("g", r.k, r.h), Read(f"G{r.k}", (r.h,))) for r in op.rows]
     contributions: dict[Ref, list[Term]] = defaultdict(list)
     for row in reversed(op.rows):
         own = ("y", row.k, row.h)
         parts = [Term(None, Val("g", row.k, row.h))] + contributions.pop(own, [])
         lines.append(Def(Val("yb", row.k, row.h), Sum(tuple(parts))))
-        for c, ref in row.terms:
+        for c, ref in (() if (row.k, row.h) in skip else row.terms):
             contributions[ref].append(coefs.term(c, Val("yb", row.k, row.h)))
     return lines, contributions
 
@@ -295,34 +297,151 @@ def _adjoint_loops(op: Operator, coefs: Coefficients) -> tuple[list[Loop], set[i
     return loops, covered
 
 
+@dataclasses.dataclass(frozen=True)
+class Span:
+    """Rows [start, stop) of output k that read the same inputs: one loop over the rows.
+    ``terms``: (ref, unit, slot), the unit coefficient or None, and the table slot (fixed,
+    ``Strided``, or None for units)."""
+
+    k: int
+    start: int
+    stop: int
+    terms: tuple[tuple[Ref, Any, Any], ...]
+
+    @property
+    def rows(self) -> range:
+        return range(self.start, self.stop)
+
+
+def _spans(op: Operator, coefs: Coefficients, covered: set[tuple[int, int]]) -> list[Span]:
+    """A stencil's runs of consecutive rows of one output, outside ``covered``, that read the same
+    inputs with the same unit coefficients, their other coefficients varying along the run (e.g.
+    a B-spline span: s rows on one window of knots and the start state, weighted by the basis at
+    each row's phase). Runs of at least MIN_LOOP rows."""
+    if not _is_stencil(op):
+        return []
+    shapes: dict[int, dict[int, tuple[Shape, Slots] | None]] = defaultdict(dict)
+    coefficients: dict[tuple[int, int], list[sp.Expr]] = {}
+    for row in op.rows:
+        if (row.k, row.h) not in covered:
+            shape = tuple((ref, _coefficient(coefs, c)[0]) for c, ref in row.terms)
+            shapes[row.k][row.h] = (shape, (None,) * len(shape)) if shape else None
+            coefficients[(row.k, row.h)] = [c for c, _ in row.terms]
+    spans = []
+    for k, rows in sorted(shapes.items()):
+        for start, stop, shape, _, _ in _runs(rows):
+            terms = tuple((ref, lit, None if lit is not None else _sequence(
+                coefs, [coefs.index(coefficients[(k, h)][i]) for h in range(start, stop)], start))
+                for i, (ref, lit) in enumerate(shape))
+            spans.append(Span(k, start, stop, terms))
+    return spans
+
+
+def _sequence(coefs: Coefficients, slots: list[int], start: int) -> int | Strided:
+    """The table slot of a loop term whose coefficient at loop index start + i is in ``slots[i]``:
+    fixed, advancing by a constant stride, or else a block of copies in that order."""
+    steps = {b - a for a, b in zip(slots, slots[1:])}
+    if steps == {0}:
+        return slots[0]
+    if len(steps) == 1:
+        return Strided(slots[0], steps.pop(), start)
+    return Strided(coefs.block(tuple(slots)), 1, start)
+
+
+def _span_loops(spans: list[Span], body: Callable[[Span], list[Statement]]) -> dict[tuple[int, int], For]:
+    """One loop per row range (the spans of all outputs over the same rows share it), keyed by
+    its first (output, row): ``body(span)`` gives a span's statements for the loop row r."""
+    groups: dict[tuple[int, int], list[Span]] = defaultdict(list)
+    for span in spans:
+        groups[(span.start, span.stop)].append(span)
+    loops = {}
+    for (start, stop), group in groups.items():
+        statements = [s for span in group for s in body(span)]
+        if statements:
+            loops[(min(span.k for span in group), start)] = For(start, stop - 1, 1, tuple(statements))
+    return loops
+
+
+def _span_forward(coefs: Coefficients, spans: list[Span]) -> dict[tuple[int, int], For]:
+    """Forward span loops: Y<k>(r) from the span's fixed inputs."""
+    return _span_loops(spans, lambda span: [Call(f"Y{span.k}", (Rel(0),), Sum(tuple(
+        _term(coefs, lit, slot, _var(ref)) for ref, lit, slot in span.terms)))])
+
+
+def _span_adjoint(coefs: Coefficients, spans: list[Span], wanted: Callable[[Ref], bool]
+                  ) -> tuple[list[Statement], dict[Ref, Var]]:
+    """Adjoint span loops: each input the span reads (of those ``wanted``) gathers the rows'
+    gradients times their coefficients in an accumulator a<ref> (defined before the loops)."""
+    sums: dict[Ref, Var] = {}
+
+    def body(span: Span) -> list[Statement]:
+        out = []
+        for ref, lit, slot in span.terms:
+            if wanted(ref):
+                acc = sums.setdefault(ref, Var(f"a{ref[0]}{ref[1]}"))
+                out.append(Store(acc, Sum((_term(coefs, lit, slot, Read(f"G{span.k}", (Rel(0),))),)), "+="))
+        return out
+
+    loops = list(_span_loops(spans, body).values())
+    return [Def(acc, Sum(()), const=False) for acc in sums.values()] + loops, sums
+
+
 TABLE_CALL = [Call("COEFFICIENTS", (Var("dt_in"), Var("coef")))]  # the shared table function (templates define it)
 
 
-def _forward(op: Operator, coefs: Coefficients) -> KernelCode:
-    loops, covered = _forward_loops(op, coefs)
+def _spans_only(op: Operator) -> bool:
+    """Whether span loops cover every row, with no interior loops: the interior loops are one per
+    phase and output (p of them), the adjoint's gather p rows a term per action, while span loops
+    are about one per H/p rows and output; so spans take over when p² > H."""
+    p = _period(op)
+    return p > 1 and p * p > op.horizon
+
+
+def _forward_spans(op: Operator, coefs: Coefficients) -> list[Span]:
+    """The forward's span loops: over the rows the interior loops leave."""
+    return _spans(op, coefs, set() if _spans_only(op) else _forward_loops(op, coefs)[1])
+
+
+def _adjoint_spans(op: Operator, coefs: Coefficients) -> list[Span]:
+    """The adjoint's span loops: over every row (interior rows also read the boundary actions)."""
+    return _spans(op, coefs, set())
+
+
+def _forward(op: Operator, coefs: Coefficients, spans: list[Span]) -> KernelCode:
+    loops, covered = ([], set()) if _spans_only(op) else _forward_loops(op, coefs)
+    straight = covered | {(span.k, h) for span in spans for h in span.rows}
+    span_loops = _span_forward(coefs, spans)
     body = _loads(goal=op.n_goal)
     for line, row in zip(_forward_lines(op, coefs), op.rows):
-        if (row.k, row.h) not in covered:
+        if (row.k, row.h) in span_loops:
+            body.append(span_loops[(row.k, row.h)])
+        if (row.k, row.h) not in straight:
             body += [line, Call(f"Y{row.k}", (row.h,), Val("y", row.k, row.h))]
     return KernelCode(TABLE_CALL, body, loops)
 
 
-def _adjoint(op: Operator, coefs: Coefficients, reads: bool = False) -> KernelCode:
+def _adjoint(op: Operator, coefs: Coefficients, spans: list[Span], reads: bool = False) -> KernelCode:
     """``reads`` (stencils only): each row's gradient is its incoming one, read where it is used
-    rather than held in a local for the whole body (CUDA: fewer registers)."""
-    loops, covered = _adjoint_loops(op, coefs)
+    rather than held in a local for the whole body (CUDA: fewer registers). Span loops (over
+    every row) gather the gradients of the inputs the interior loops leave."""
+    loops, covered = ([], set()) if _spans_only(op) else _adjoint_loops(op, coefs)
+    spanned = frozenset((span.k, h) for span in spans for h in span.rows)
     if reads:
         lines, contributions = [], defaultdict(list)
         for row in reversed(op.rows):
-            for c, ref in row.terms:
+            for c, ref in (() if (row.k, row.h) in spanned else row.terms):
                 contributions[ref].append(coefs.term(c, Read(f"G{row.k}", (row.h,))))
     else:
-        lines, contributions = _adjoint_lines(op, coefs)
+        lines, contributions = _adjoint_lines(op, coefs, spanned)
+    gathered, sums = _span_adjoint(coefs, spans, lambda ref: ref[0] != "u" or ref[1] not in covered)
+    lines += gathered
+    for ref, acc in sums.items():
+        contributions[ref].append(Term(None, acc))
     lines += [Call("GU", (j,), Sum(tuple(contributions.get(("u", j), [])))) for j in range(op.n_actions)
               if j not in covered]
     lines += [Call(f"GS{m}", (), Sum(tuple(contributions.get(("s", m), [])))) for m in range(4)]
     lines += [Call(f"GE{m}", (), Sum(tuple(contributions.get(("g", m), [])))) for m in range(op.n_goal)]
-    return KernelCode(TABLE_CALL, _live(lines) if covered else lines, loops)
+    return KernelCode(TABLE_CALL, _live(lines) if covered or spans else lines, loops)
 
 
 def _live(lines: list[Statement]) -> list[Statement]:
@@ -401,7 +520,9 @@ class LoweredOperator:
         self.op = op
         self.coefs = Coefficients(op)
         self.n_dt = len(op.dt_symbols)
-        self.n_coefficients = max(1, len(self.coefs.names))
+        # the span loops first: their blocks of copies are part of the table every kernel sizes
+        self.spans = {"forward": _forward_spans(op, self.coefs), "adjoint": _adjoint_spans(op, self.coefs)}
+        self.n_coefficients = max(1, self.coefs.size)
 
     @functools.cached_property
     def table(self) -> list[str]:
@@ -410,11 +531,11 @@ class LoweredOperator:
 
     @functools.cached_property
     def forward(self) -> KernelCode:
-        return _forward(self.op, self.coefs)
+        return _forward(self.op, self.coefs, self.spans["forward"])
 
     @functools.cached_property
     def adjoint(self) -> KernelCode:
-        return _adjoint(self.op, self.coefs)
+        return _adjoint(self.op, self.coefs, self.spans["adjoint"])
 
     @functools.cached_property
     def stencil(self) -> bool:
@@ -424,7 +545,7 @@ class LoweredOperator:
     @functools.cached_property
     def adjoint_reads(self) -> KernelCode | None:
         """A stencil's adjoint reading each output gradient where it is used (None for integrators)."""
-        return _adjoint(self.op, self.coefs, reads=True) if _is_stencil(self.op) else None
+        return _adjoint(self.op, self.coefs, self.spans["adjoint"], reads=True) if _is_stencil(self.op) else None
 
     # The forward and adjoint columns of an integrator with the recurrence's repeating rows as one
     # loop (None for stencils), for the C lane form at long horizons: their length does not grow
