@@ -325,7 +325,7 @@ def _spans(op: Operator, coefs: Coefficients, covered: set[tuple[int, int]]) -> 
     for row in op.rows:
         if (row.k, row.h) not in covered:
             shape = tuple((ref, _coefficient(coefs, c)[0]) for c, ref in row.terms)
-            shapes[row.k][row.h] = (shape, (None,) * len(shape)) if shape else None
+            shapes[row.k][row.h] = (shape, (None,) * len(shape))  # an empty row too: a run of zeros
             coefficients[(row.k, row.h)] = [c for c, _ in row.terms]
     spans = []
     for k, rows in sorted(shapes.items()):
@@ -350,15 +350,16 @@ def _sequence(coefs: Coefficients, slots: list[int], start: int) -> int | Stride
 
 def _span_loops(spans: list[Span], body: Callable[[Span], list[Statement]]) -> dict[tuple[int, int], For]:
     """One loop per row range (the spans of all outputs over the same rows share it), keyed by
-    its first (output, row): ``body(span)`` gives a span's statements for the loop row r."""
+    its first (output, row), in row order: ``body(span)`` gives a span's statements for row r.
+    Loops stay rolled (CUDA: unrolled short loops hold every row's loads in registers)."""
     groups: dict[tuple[int, int], list[Span]] = defaultdict(list)
     for span in spans:
         groups[(span.start, span.stop)].append(span)
     loops = {}
-    for (start, stop), group in groups.items():
+    for (start, stop), group in sorted(groups.items()):
         statements = [s for span in group for s in body(span)]
         if statements:
-            loops[(min(span.k for span in group), start)] = For(start, stop - 1, 1, tuple(statements))
+            loops[(min(span.k for span in group), start)] = For(start, stop - 1, 1, tuple(statements), unroll=False)
     return loops
 
 
@@ -368,22 +369,32 @@ def _span_forward(coefs: Coefficients, spans: list[Span]) -> dict[tuple[int, int
         _term(coefs, lit, slot, _var(ref)) for ref, lit, slot in span.terms)))])
 
 
-def _span_adjoint(coefs: Coefficients, spans: list[Span], wanted: Callable[[Ref], bool]
-                  ) -> tuple[list[Statement], dict[Ref, Var]]:
-    """Adjoint span loops: each input the span reads (of those ``wanted``) gathers the rows'
-    gradients times their coefficients in an accumulator a<ref> (defined before the loops)."""
+def _span_adjoint(coefs: Coefficients, spans: list[Span], wanted: Callable[[Ref], bool],
+                  finish: Callable[[Ref, Var], Statement]) -> tuple[list[Statement], set[Ref]]:
+    """Adjoint span loops: each input the spans read (of those ``wanted``) gathers the rows'
+    gradients times their coefficients in an accumulator a<ref>, defined before its first loop
+    and given to ``finish`` (its gradient's store) after its last, so few are live at once."""
     sums: dict[Ref, Var] = {}
+    loops = _span_loops(spans, lambda span: [
+        Store(sums.setdefault(ref, Var(f"a{ref[0]}{ref[1]}")),
+              Sum((_term(coefs, lit, slot, Read(f"G{span.k}", (Rel(0),))),)), "+=")
+        for ref, lit, slot in span.terms if wanted(ref)])
+    reads = [{n for n in walk(loop) if isinstance(n, Var)} for loop in loops.values()]
+    last = {acc: i for i, used in enumerate(reads) for acc in used}
+    lines: list[Statement] = []
+    for i, loop in enumerate(loops.values()):
+        lines += [Def(acc, Sum(()), const=False) for acc in sums.values() if acc in reads[i] and
+                  all(acc not in used for used in reads[:i])]
+        lines.append(loop)
+        lines += [finish(ref, acc) for ref, acc in sums.items() if last[acc] == i]
+    return lines, set(sums)
 
-    def body(span: Span) -> list[Statement]:
-        out = []
-        for ref, lit, slot in span.terms:
-            if wanted(ref):
-                acc = sums.setdefault(ref, Var(f"a{ref[0]}{ref[1]}"))
-                out.append(Store(acc, Sum((_term(coefs, lit, slot, Read(f"G{span.k}", (Rel(0),))),)), "+="))
-        return out
 
-    loops = list(_span_loops(spans, body).values())
-    return [Def(acc, Sum(()), const=False) for acc in sums.values()] + loops, sums
+def _gradient(ref: Ref, parts: tuple[Term, ...]) -> Call:
+    """The store of an input's gradient: GU(j), GS<m> or GE<m>."""
+    if ref[0] == "u":
+        return Call("GU", (ref[1],), Sum(parts))
+    return Call(f"{'GS' if ref[0] == 's' else 'GE'}{ref[1]}", (), Sum(parts))
 
 
 TABLE_CALL = [Call("COEFFICIENTS", (Var("dt_in"), Var("coef")))]  # the shared table function (templates define it)
@@ -433,14 +444,12 @@ def _adjoint(op: Operator, coefs: Coefficients, spans: list[Span], reads: bool =
                 contributions[ref].append(coefs.term(c, Read(f"G{row.k}", (row.h,))))
     else:
         lines, contributions = _adjoint_lines(op, coefs, spanned)
-    gathered, sums = _span_adjoint(coefs, spans, lambda ref: ref[0] != "u" or ref[1] not in covered)
+    gathered, done = _span_adjoint(coefs, spans, lambda ref: ref[0] != "u" or ref[1] not in covered,
+                                   lambda ref, acc: _gradient(ref, (*contributions.get(ref, []), Term(None, acc))))
     lines += gathered
-    for ref, acc in sums.items():
-        contributions[ref].append(Term(None, acc))
-    lines += [Call("GU", (j,), Sum(tuple(contributions.get(("u", j), [])))) for j in range(op.n_actions)
-              if j not in covered]
-    lines += [Call(f"GS{m}", (), Sum(tuple(contributions.get(("s", m), [])))) for m in range(4)]
-    lines += [Call(f"GE{m}", (), Sum(tuple(contributions.get(("g", m), [])))) for m in range(op.n_goal)]
+    refs = [("u", j) for j in range(op.n_actions) if j not in covered]
+    refs += [("s", m) for m in range(4)] + [("g", m) for m in range(op.n_goal)]
+    lines += [_gradient(ref, tuple(contributions.get(ref, []))) for ref in refs if ref not in done]
     return KernelCode(TABLE_CALL, _live(lines) if covered or spans else lines, loops)
 
 
