@@ -211,8 +211,8 @@ class Coefficients:
         self.base = list(op.program)
         self._varying = set(self.dt_syms) | {s for s, _ in self.base}
         self.names: dict[sp.Expr, int] = {}
-        self.copies: list[int] = []  # slot len(names) + i holds a copy of slot copies[i] (see block)
-        self._blocks: dict[tuple[int, ...], int] = {}
+        self.copies: list[sp.Expr] = []  # slot len(names) + i holds copies[i] (see block)
+        self._blocks: dict[tuple[sp.Expr, ...], int] = {}
         for coef in op.coefficients():  # fixed slots, shared by every kernel of the operator
             self.index(coef)
         self.runs = find_runs(op, self.names, self.varies)
@@ -222,14 +222,15 @@ class Coefficients:
         """Entries of the table: the coefficients' slots, then the blocks of copies."""
         return len(self.names) + len(self.copies)
 
-    def block(self, slots: tuple[int, ...]) -> int:
-        """The first of consecutive slots holding copies of ``slots`` in that order (one block per
-        sequence): a loop whose rows read coefficients scattered over the table reads them at a
-        constant stride. Only the forward table (``preamble``) fills them."""
-        if slots not in self._blocks:
-            self._blocks[slots] = self.size
-            self.copies += slots
-        return self._blocks[slots]
+    def block(self, values: tuple[sp.Expr, ...]) -> int:
+        """The first of consecutive slots holding ``values`` in that order (one block per
+        sequence; coefficients are copied from their slots, constants such as 0 written): a loop
+        whose rows read coefficients scattered over the table reads them at a constant stride.
+        Only the forward table (``preamble``) fills them."""
+        if values not in self._blocks:
+            self._blocks[values] = self.size
+            self.copies += values
+        return self._blocks[values]
 
     def varies(self, expr: sp.Expr) -> bool:
         """Whether a coefficient depends on dt (directly or through program quantities)."""
@@ -289,8 +290,12 @@ class Coefficients:
         as it is computed, so no more than one CSE chunk is live at a time."""
         lines = self._used_inputs()
         copies: dict[int, list[int]] = defaultdict(list)  # slot → its copies' slots
-        for i, q in enumerate(self.copies):
-            copies[q].append(len(self.names) + i)
+        constants = []
+        for i, value in enumerate(self.copies, len(self.names)):
+            if value in self.names:
+                copies[self.names[value]].append(i)
+            else:
+                constants.append(Store(Read("C", (i,)), Cast("T", Paren(Sym(value)))))
         for s, e in self.lines:
             if s.name.startswith("k"):
                 q = int(s.name[1:])
@@ -308,6 +313,7 @@ class Coefficients:
                     body.append(_double(str(s), Sym(e)))
             lines.append(run.loop(body))
         lines += [Store(Read("C", (c,)), Read("C", (q,))) for q, cs in copies.items() for c in cs]  # of rolled slots
+        lines += constants
         return lines
 
     def tangent_preamble(self) -> list[Statement]:

@@ -314,38 +314,56 @@ class Span:
 
 
 def _spans(op: Operator, coefs: Coefficients, covered: set[tuple[int, int]]) -> list[Span]:
-    """A stencil's runs of consecutive rows of one output, outside ``covered``, that read the same
-    inputs with the same unit coefficients, their other coefficients varying along the run (e.g.
-    a B-spline span: s rows on one window of knots and the start state, weighted by the basis at
-    each row's phase). Runs of at least MIN_LOOP rows."""
+    """A stencil's runs of consecutive rows of one output, outside ``covered``, that read fixed
+    inputs (a row may read fewer: coefficient 0 there) with coefficients varying along the run
+    (e.g. a B-spline span: s rows on one window of knots and the start state, weighted by the
+    basis at each row's phase, some weights vanishing at some phases). Runs with MIN_LOOP rows
+    or more that read every input of the run."""
     if not _is_stencil(op):
         return []
-    shapes: dict[int, dict[int, tuple[Shape, Slots] | None]] = defaultdict(dict)
-    coefficients: dict[tuple[int, int], list[sp.Expr]] = {}
+    rows: dict[int, dict[int, dict[Ref, sp.Expr]]] = defaultdict(dict)
     for row in op.rows:
         if (row.k, row.h) not in covered:
-            shape = tuple((ref, _coefficient(coefs, c)[0]) for c, ref in row.terms)
-            shapes[row.k][row.h] = (shape, (None,) * len(shape))  # an empty row too: a run of zeros
-            coefficients[(row.k, row.h)] = [c for c, _ in row.terms]
+            rows[row.k][row.h] = {ref: c for c, ref in row.terms}
     spans = []
-    for k, rows in sorted(shapes.items()):
-        for start, stop, shape, _, _ in _runs(rows):
-            terms = tuple((ref, lit, None if lit is not None else _sequence(
-                coefs, [coefs.index(coefficients[(k, h)][i]) for h in range(start, stop)], start))
-                for i, (ref, lit) in enumerate(shape))
-            spans.append(Span(k, start, stop, terms))
+    for k, by_row in sorted(rows.items()):
+        index = sorted(by_row)
+        i = 0
+        while i < len(index):
+            refs, j = by_row[index[i]], i
+            if i + 1 < len(index) and index[i + 1] == index[i] + 1 and set(refs) < set(by_row[index[i + 1]]):
+                i += 1  # a row reading fewer inputs than the next one ends the run before, if any
+                continue
+            while j + 1 < len(index) and index[j + 1] == index[j] + 1:
+                nxt = by_row[index[j + 1]]
+                if not set(nxt) <= set(refs) or (not nxt) != (not refs):  # rows of zeros loop apart
+                    break
+                j += 1
+            if sum(len(by_row[h]) == len(refs) for h in index[i : j + 1]) >= MIN_LOOP:  # mostly full rows
+                start, stop = index[i], index[j] + 1
+                terms = tuple((ref, *_sequence(coefs, [by_row[h].get(ref, ZERO) for h in range(start, stop)], start))
+                              for ref in refs)
+                spans.append(Span(k, start, stop, terms))
+            i = j + 1
     return spans
 
 
-def _sequence(coefs: Coefficients, slots: list[int], start: int) -> int | Strided:
-    """The table slot of a loop term whose coefficient at loop index start + i is in ``slots[i]``:
-    fixed, advancing by a constant stride, or else a block of copies in that order."""
-    steps = {b - a for a, b in zip(slots, slots[1:])}
-    if steps == {0}:
-        return slots[0]
-    if len(steps) == 1:
-        return Strided(slots[0], steps.pop(), start)
-    return Strided(coefs.block(tuple(slots)), 1, start)
+ZERO = sp.Integer(0)
+
+
+def _sequence(coefs: Coefficients, values: list[sp.Expr], start: int) -> tuple[sp.Expr | None, int | Strided | None]:
+    """(unit, None) for a term whose coefficient is the same unit on every row, else (None, its
+    table slot at loop index ``start`` + i, values[i]): fixed, advancing by a constant stride,
+    or else a block of copies in that order."""
+    if values[0] in (ONE, MINUS_ONE) and len(set(values)) == 1:
+        return values[0], None
+    if all(v in coefs.names for v in values):
+        slots = [coefs.index(v) for v in values]
+        steps = {b - a for a, b in zip(slots, slots[1:])}
+        if len(steps) == 1:
+            step = steps.pop()
+            return None, slots[0] if step == 0 else Strided(slots[0], step, start)
+    return None, Strided(coefs.block(tuple(values)), 1, start)
 
 
 def _span_loops(spans: list[Span], body: Callable[[Span], list[Statement]]) -> dict[tuple[int, int], For]:
@@ -400,26 +418,23 @@ def _gradient(ref: Ref, parts: tuple[Term, ...]) -> Call:
 TABLE_CALL = [Call("COEFFICIENTS", (Var("dt_in"), Var("coef")))]  # the shared table function (templates define it)
 
 
-def _spans_only(op: Operator) -> bool:
-    """Whether span loops cover every row, with no interior loops: the interior loops are one per
-    phase and output (p of them), the adjoint's gather p rows a term per action, while span loops
-    are about one per H/p rows and output; so spans take over when p² > H."""
+def _spans_only(op: Operator, cuda: bool = False) -> bool:
+    """Whether span loops cover every row, with no interior loops (which loop over the knots, one
+    per phase and output, p of them, and the adjoint's gather p rows a term per action). C: when
+    p² > H (span loops are about one per H/p rows and output). CUDA: whenever p > 1 (the
+    gathers and short interior loops take 130-250 registers; the span loops 32-96)."""
     p = _period(op)
-    return p > 1 and p * p > op.horizon
+    return p > 1 and (cuda or p * p > op.horizon)
 
 
-def _forward_spans(op: Operator, coefs: Coefficients) -> list[Span]:
-    """The forward's span loops: over the rows the interior loops leave."""
-    return _spans(op, coefs, set() if _spans_only(op) else _forward_loops(op, coefs)[1])
+def _forward_spans(op: Operator, coefs: Coefficients, only: bool) -> list[Span]:
+    """The forward's span loops: over the rows the interior loops leave (every row if ``only``)."""
+    return _spans(op, coefs, set() if only else _forward_loops(op, coefs)[1])
 
 
-def _adjoint_spans(op: Operator, coefs: Coefficients) -> list[Span]:
-    """The adjoint's span loops: over every row (interior rows also read the boundary actions)."""
-    return _spans(op, coefs, set())
-
-
-def _forward(op: Operator, coefs: Coefficients, spans: list[Span]) -> KernelCode:
-    loops, covered = ([], set()) if _spans_only(op) else _forward_loops(op, coefs)
+def _forward(op: Operator, coefs: Coefficients, spans: list[Span], only: bool) -> KernelCode:
+    """``only``: span loops cover every row (no interior loops)."""
+    loops, covered = ([], set()) if only else _forward_loops(op, coefs)
     straight = covered | {(span.k, h) for span in spans for h in span.rows}
     span_loops = _span_forward(coefs, spans)
     body = _loads(goal=op.n_goal)
@@ -431,11 +446,12 @@ def _forward(op: Operator, coefs: Coefficients, spans: list[Span]) -> KernelCode
     return KernelCode(TABLE_CALL, body, loops)
 
 
-def _adjoint(op: Operator, coefs: Coefficients, spans: list[Span], reads: bool = False) -> KernelCode:
+def _adjoint(op: Operator, coefs: Coefficients, spans: list[Span], only: bool, reads: bool = False) -> KernelCode:
     """``reads`` (stencils only): each row's gradient is its incoming one, read where it is used
     rather than held in a local for the whole body (CUDA: fewer registers). Span loops (over
-    every row) gather the gradients of the inputs the interior loops leave."""
-    loops, covered = ([], set()) if _spans_only(op) else _adjoint_loops(op, coefs)
+    every row, interior rows also read boundary actions) gather the gradients of the inputs the
+    interior loops leave (all with ``only``)."""
+    loops, covered = ([], set()) if only else _adjoint_loops(op, coefs)
     spanned = frozenset((span.k, h) for span in spans for h in span.rows)
     if reads:
         lines, contributions = [], defaultdict(list)
@@ -530,7 +546,9 @@ class LoweredOperator:
         self.coefs = Coefficients(op)
         self.n_dt = len(op.dt_symbols)
         # the span loops first: their blocks of copies are part of the table every kernel sizes
-        self.spans = {"forward": _forward_spans(op, self.coefs), "adjoint": _adjoint_spans(op, self.coefs)}
+        self.only = {target: _spans_only(op, target == "cuda") for target in ("c", "cuda")}
+        self.spans = {target: _forward_spans(op, self.coefs, only) for target, only in self.only.items()}
+        self.spans["adjoint"] = _spans(op, self.coefs, set())
         self.n_coefficients = max(1, self.coefs.size)
 
     @functools.cached_property
@@ -540,11 +558,18 @@ class LoweredOperator:
 
     @functools.cached_property
     def forward(self) -> KernelCode:
-        return _forward(self.op, self.coefs, self.spans["forward"])
+        return _forward(self.op, self.coefs, self.spans["c"], self.only["c"])
+
+    @functools.cached_property
+    def forward_cuda(self) -> KernelCode:
+        """The forward for CUDA: span loops only where the period is above 1 (see _spans_only)."""
+        if self.only["cuda"] == self.only["c"]:
+            return self.forward
+        return _forward(self.op, self.coefs, self.spans["cuda"], True)
 
     @functools.cached_property
     def adjoint(self) -> KernelCode:
-        return _adjoint(self.op, self.coefs, self.spans["adjoint"])
+        return _adjoint(self.op, self.coefs, self.spans["adjoint"], self.only["c"])
 
     @functools.cached_property
     def stencil(self) -> bool:
@@ -553,8 +578,11 @@ class LoweredOperator:
 
     @functools.cached_property
     def adjoint_reads(self) -> KernelCode | None:
-        """A stencil's adjoint reading each output gradient where it is used (None for integrators)."""
-        return _adjoint(self.op, self.coefs, self.spans["adjoint"], reads=True) if _is_stencil(self.op) else None
+        """A stencil's adjoint reading each output gradient where it is used (None for integrators),
+        for CUDA: span loops only where the period is above 1 (see _spans_only)."""
+        if not _is_stencil(self.op):
+            return None
+        return _adjoint(self.op, self.coefs, self.spans["adjoint"], self.only["cuda"], reads=True)
 
     # The forward and adjoint columns of an integrator with the recurrence's repeating rows as one
     # loop (None for stencils), for the C lane form at long horizons: their length does not grow

@@ -28,7 +28,7 @@ MATRIX_GRID = [
 #: over knots)
 LONG_SPANS = [
     dict(degree=3, knots=4, steps=12),  # s² > R: span loops only
-    dict(degree=4, knots=9, steps=12, end="goal"),  # loops over knots inside, span loops at both ends
+    dict(degree=4, knots=4, steps=6, end="goal"),  # loops over knots inside, span loops at both ends
     dict(degree=5, knots=3, steps=12, end="goal", dt="per_trajectory", layout="bdh", start_index=True),
 ]
 #: kernel variants (each a spec's overrides), covering every option that applies to B-splines

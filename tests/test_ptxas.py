@@ -42,6 +42,8 @@ PROGRAMS = "straight-line coefficient programs (table, tangent, reverse): issue 
 DT_JVP = "dt_jvp is a straight-line column without interior loops: over 20 s of ptxas at long horizons"
 #: an integrator's dt_vjp keeps every row's forward value for its reverse sweep
 DT_VJP = "an integrator's dt_vjp is straight-line and holds every row's value for its reverse sweep: 255 registers"
+#: a B-spline's dt kernels have no loops yet: every row of every span is straight-line
+BSPLINE_DT = "a B-spline's dt_vjp and dt_jvp are straight-line over all rows (no loops over spans or knots)"
 
 #: (KernelSpec overrides, horizon, dtype, {part: reason it is not yet within the limits}):
 #: position central and backward with per-step dt, order 4, start_index; acceleration and jerk,
@@ -60,6 +62,8 @@ GRID = [
     (dict(control="jerk", integrator="exact", order=4), 17, "float32", {}),
     (dict(control="jerk", integrator="exact"), 10, "float64", {}),
     (dict(control="jerk"), 256, "float32", {"dt": DT_VJP}),
+    # many rows per span (s=25): the forward and adjoint loop over each span's rows
+    (dict(control="bspline", degree=4, knots=10, steps=25), 376, "float32", {"dt": BSPLINE_DT}),
 ]
 DOF = 7
 
