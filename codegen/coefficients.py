@@ -195,6 +195,14 @@ def find_runs(op: Operator, names: dict[sp.Expr, int], varies: Any) -> list[RowR
     return runs
 
 
+def _continues(first: Any, second: Any, last: Any, nxt: Any) -> bool:
+    """Whether source ``nxt`` continues a piece of copies (first, second, ..., last): slots at
+    the stride of its first two, or the same constant."""
+    if isinstance(first, int):
+        return isinstance(nxt, int) and isinstance(last, int) and nxt - last == second - first
+    return not isinstance(nxt, int) and nxt == first
+
+
 class Coefficients:
     """Gives each coefficient expression a slot C(q) and turns them into a double-precision program.
 
@@ -289,19 +297,9 @@ class Coefficients:
         """Statements filling the coefficient table C(q) (type T); each value is stored as soon
         as it is computed, so no more than one CSE chunk is live at a time."""
         lines = self._used_inputs()
-        copies: dict[int, list[int]] = defaultdict(list)  # slot → its copies' slots
-        constants = []
-        for i, value in enumerate(self.copies, len(self.names)):
-            if value in self.names:
-                copies[self.names[value]].append(i)
-            else:
-                constants.append(Store(Read("C", (i,)), Cast("T", Paren(Sym(value)))))
         for s, e in self.lines:
             if s.name.startswith("k"):
-                q = int(s.name[1:])
-                lines.append(Store(Read("C", (q,)), Cast("T", Paren(Sym(e)))))
-                # copied next to the value: no value is held until a copy at the end (CUDA registers)
-                lines += [Store(Read("C", (c,)), Read("C", (q,))) for c in copies.pop(q, [])]
+                lines.append(Store(Read("C", (int(s.name[1:]),)), Cast("T", Paren(Sym(e)))))
             else:
                 lines.append(_double(str(s), Sym(e)))
         for run in self.runs:
@@ -312,8 +310,30 @@ class Coefficients:
                 else:
                     body.append(_double(str(s), Sym(e)))
             lines.append(run.loop(body))
-        lines += [Store(Read("C", (c,)), Read("C", (q,))) for q, cs in copies.items() for c in cs]  # of rolled slots
-        lines += constants
+        return lines + self._copy_program()
+
+    def _copy_program(self) -> list[Statement]:
+        """The blocks of copies, as loops over the pieces whose sources advance by a constant
+        stride (or repeat a constant): nvcc's front end is superlinear in the stores of one
+        function (thousands of single copies took it seconds)."""
+        sources = [self.names.get(v, v) for v in self.copies]  # a slot, or a constant's value
+        lines: list[Statement] = []
+        i = 0
+        while i < len(sources):
+            j = i
+            while j + 1 < len(sources) and _continues(sources[i], sources[i + 1] if j > i else sources[j + 1],
+                                                      sources[j], sources[j + 1]):
+                j += 1
+            first = len(self.names) + i
+            value = lambda at: (Read("C", (at,)) if isinstance(sources[i], int) else Cast("T", Paren(Sym(sources[i]))))
+            if j - i + 1 >= MIN_ROWS:
+                stride = sources[i + 1] - sources[i] if isinstance(sources[i], int) else 0
+                source = Strided(sources[i], stride, first) if isinstance(sources[i], int) else None
+                lines.append(For(first, first + j - i, 1, (Store(Read("C", (Rel(0),)), value(source)),), unroll=False))
+            else:
+                lines += [Store(Read("C", (first + m,)), Read("C", (sources[i + m],)) if isinstance(sources[i], int)
+                                else Cast("T", Paren(Sym(sources[i + m])))) for m in range(j - i + 1)]
+            i = j + 1
         return lines
 
     def tangent_preamble(self) -> list[Statement]:
