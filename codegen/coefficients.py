@@ -214,12 +214,12 @@ def find_runs(op: Operator, names: dict[sp.Expr, int], varies: Any) -> list[RowR
     return runs
 
 
-def _continues(first: Any, second: Any, last: Any, nxt: Any) -> bool:
-    """Whether source ``nxt`` continues a piece of copies (first, second, ..., last): slots at
-    the stride of its first two, or the same constant."""
-    if isinstance(first, int):
-        return isinstance(nxt, int) and isinstance(last, int) and nxt - last == second - first
-    return not isinstance(nxt, int) and nxt == first
+def _continues(piece: list, source: Any) -> bool:
+    """Whether a copy from ``source`` (a slot, or a constant) continues ``piece``: slots at the
+    stride of its first two, or the same constant."""
+    if isinstance(piece[0], int):
+        return isinstance(source, int) and (len(piece) == 1 or source - piece[-1] == piece[1] - piece[0])
+    return not isinstance(source, int) and source == piece[0]
 
 
 class Coefficients:
@@ -316,11 +316,15 @@ class Coefficients:
         """Statements filling the coefficient table C(q) (type T); each value is stored as soon
         as it is computed, so no more than one CSE chunk is live at a time."""
         lines = self._used_inputs()
+        singles, copy_loops = self._copy_program()
         for s, e in self.lines:
             if s.name.startswith("k"):
-                lines.append(Store(Read("C", (int(s.name[1:]),)), Cast("T", Paren(Sym(e)))))
+                q = int(s.name[1:])
+                lines.append(Store(Read("C", (q,)), Cast("T", Paren(Sym(e)))))
+                lines += singles.pop(q, [])  # next to the value: none held until later (CUDA registers)
             else:
                 lines.append(_double(str(s), Sym(e)))
+        lines += [line for copies in singles.values() for line in copies]  # of constants
         for run in self.runs:
             body = run.inputs()
             for s, e in run.lines:
@@ -329,31 +333,34 @@ class Coefficients:
                 else:
                     body.append(_double(str(s), Sym(e)))
             lines.append(run.loop(body))
-        return lines + self._copy_program()
+        return lines + copy_loops
 
-    def _copy_program(self) -> list[Statement]:
-        """The blocks of copies, as loops over the pieces whose sources advance by a constant
-        stride (or repeat a constant): nvcc's front end is superlinear in the stores of one
-        function (thousands of single copies took it seconds)."""
+    def _copy_program(self) -> tuple[dict[Any, list[Statement]], list[Statement]]:
+        """The blocks of copies: a loop per piece of MIN_ROWS or more whose sources advance by a
+        constant stride (or repeat a constant), kept rolled; single stores for the rest, by source
+        slot (straight-line slots, stored next to them) or None (constants). render.py keeps a long
+        program's loops last. nvcc's front end is superlinear in a function's stores (thousands of
+        single copies took it seconds) and in unrolled loops."""
         sources = [self.names.get(v, v) for v in self.copies]  # a slot, or a constant's value
-        lines: list[Statement] = []
+        straight = set(self.straight)
+        singles: dict[Any, list[Statement]] = defaultdict(list)  # by source slot (None: a constant)
+        loops: list[Statement] = []
         i = 0
         while i < len(sources):
-            j = i
-            while j + 1 < len(sources) and _continues(sources[i], sources[i + 1] if j > i else sources[j + 1],
-                                                      sources[j], sources[j + 1]):
+            j = i + 1
+            while j < len(sources) and _continues(sources[i:j], sources[j]):
                 j += 1
-            first = len(self.names) + i
-            value = lambda at: (Read("C", (at,)) if isinstance(sources[i], int) else Cast("T", Paren(Sym(sources[i]))))
-            if j - i + 1 >= MIN_ROWS:
-                stride = sources[i + 1] - sources[i] if isinstance(sources[i], int) else 0
-                source = Strided(sources[i], stride, first) if isinstance(sources[i], int) else None
-                lines.append(For(first, first + j - i, 1, (Store(Read("C", (Rel(0),)), value(source)),), unroll=False))
+            first, head = len(self.names) + i, sources[i]
+            if j - i < MIN_ROWS and all(not isinstance(s, int) or s in straight for s in sources[i:j]):
+                for m, s in enumerate(sources[i:j]):
+                    singles[s if isinstance(s, int) else None].append(
+                        Store(Read("C", (first + m,)), Read("C", (s,)) if isinstance(s, int) else Cast("T", Paren(Sym(s)))))
             else:
-                lines += [Store(Read("C", (first + m,)), Read("C", (sources[i + m],)) if isinstance(sources[i], int)
-                                else Cast("T", Paren(Sym(sources[i + m])))) for m in range(j - i + 1)]
-            i = j + 1
-        return lines
+                value = (Read("C", (Strided(head, sources[i + 1] - head, first) if j > i + 1 else head,))
+                         if isinstance(head, int) else Cast("T", Paren(Sym(head))))
+                loops.append(For(first, first + j - i - 1, 1, (Store(Read("C", (Rel(0),)), value),), unroll=False))
+            i = j
+        return singles, loops
 
     def tangent_preamble(self) -> list[Statement]:
         """The table C(q) and the dt-tangents CD(q) = Σ_m ∂C(q)/∂dt_m · ddt_m (forward mode)."""
