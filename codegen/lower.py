@@ -128,6 +128,7 @@ def _adjoint_lines(op: Operator, coefs: Coefficients, skip: frozenset = frozense
 
 
 MIN_LOOP = 3  # shorter runs of identical rows stay straight-line
+ZERO = sp.Integer(0)  # the weight of an input a row of a span loop does not read
 
 # A row's terms as loop material: a shape (offsets and unit coefficients, same along a run)
 # and the coefficient-table slot of every other coefficient (advancing by one stride per row).
@@ -346,9 +347,6 @@ def _spans(op: Operator, coefs: Coefficients, covered: set[tuple[int, int]]) -> 
                 spans.append(Span(k, start, stop, terms))
             i = j + 1
     return spans
-
-
-ZERO = sp.Integer(0)
 
 
 def _sequence(coefs: Coefficients, values: list[sp.Expr], start: int) -> tuple[sp.Expr | None, int | Strided | None]:
