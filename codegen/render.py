@@ -150,6 +150,7 @@ def render(spec: Any, code: LoweredOperator, table: ArgumentTable, target: str, 
                     for k in (abi.cuda_kernels(kernels) if target == "cuda" else kernels)},
         itemsize=itemsize,
         shared_coef_bytes=CUDA_SHARED_COEF_BYTES,
+        dt_chunk=abi.C_DT_VJP_CHUNK,
         stencil=code.stencil,
     )
     return _environment().get_template(_TEMPLATE_FILES[target]).render(**context)
