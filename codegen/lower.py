@@ -55,9 +55,11 @@ class Loop:
         return "r" if (self.scale, self.offset) == (1, 0) else f"(r * {self.scale} + {self.offset})"
 
     @property
-    def key(self) -> tuple[int, int, str]:
-        """Loops with one key share their index range and rows: the CUDA template fuses them."""
-        return (self.start, self.stop, self.row)
+    def key(self) -> tuple[int, int, str, tuple[str, ...]]:
+        """Loops with one key share their index range and rows: the CUDA template fuses them. A loop
+        with local sums keeps a pass of its own (fused, all their sums would be live at once:
+        registers)."""
+        return (self.start, self.stop, self.row, tuple(self.init_lines))
 
     @property
     def by_row(self) -> bool:
