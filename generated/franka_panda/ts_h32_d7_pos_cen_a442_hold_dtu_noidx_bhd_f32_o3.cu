@@ -393,36 +393,42 @@ extern "C" __global__ void ts_h32_d7_pos_cen_a442_hold_dtu_noidx_bhd_f32_o3_dt_v
         double acc1_18 = 0.0;
         double acc1_4 = 0.0;
         double acc1_5 = 0.0;
-        double acc2_12 = 0.0;
-        double acc2_11 = 0.0;
-        double acc2_10 = 0.0;
-        double acc3_19 = 0.0;
-        double acc3_20 = 0.0;
-        double acc3_17 = 0.0;
-        double acc3_13 = 0.0;
         for (int64_t r = 3; r < 30; ++r) {
             const int64_t su = uo + r * U_SH, sy = yo + r * Y_SH;
             if (g1) acc1_7 += (double)(SG1(0)*SU(-3));
             if (g1) acc1_18 += (double)(SG1(0)*SU(-2));
             if (g1) acc1_4 += (double)(SG1(0)*SU(0));
             if (g1) acc1_5 += (double)(SG1(0)*SU(1));
-            if (g2) acc2_12 += (double)(SG2(0)*SU(-3));
-            if (g2) acc2_11 += (double)(SG2(0)*SU(-2));
-            if (g2) acc2_10 += (double)(SG2(0)*SU(-1));
-            if (g2) acc2_11 += (double)(SG2(0)*SU(0));
-            if (g2) acc2_12 += (double)(SG2(0)*SU(1));
-            if (g3) acc3_19 += (double)(SG3(0)*SU(-3));
-            if (g3) acc3_20 += (double)(SG3(0)*SU(-2));
-            if (g3) acc3_17 += (double)(SG3(0)*SU(0));
-            if (g3) acc3_13 += (double)(SG3(0)*SU(1));
         }
         if (g1) ACC(7) += acc1_7;
         if (g1) ACC(18) += acc1_18;
         if (g1) ACC(4) += acc1_4;
         if (g1) ACC(5) += acc1_5;
+        double acc2_12 = 0.0;
+        double acc2_11 = 0.0;
+        double acc2_10 = 0.0;
+        for (int64_t r = 3; r < 30; ++r) {
+            const int64_t su = uo + r * U_SH, sy = yo + r * Y_SH;
+            if (g2) acc2_12 += (double)(SG2(0)*SU(-3));
+            if (g2) acc2_11 += (double)(SG2(0)*SU(-2));
+            if (g2) acc2_10 += (double)(SG2(0)*SU(-1));
+            if (g2) acc2_11 += (double)(SG2(0)*SU(0));
+            if (g2) acc2_12 += (double)(SG2(0)*SU(1));
+        }
         if (g2) ACC(12) += acc2_12;
         if (g2) ACC(11) += acc2_11;
         if (g2) ACC(10) += acc2_10;
+        double acc3_19 = 0.0;
+        double acc3_20 = 0.0;
+        double acc3_17 = 0.0;
+        double acc3_13 = 0.0;
+        for (int64_t r = 3; r < 30; ++r) {
+            const int64_t su = uo + r * U_SH, sy = yo + r * Y_SH;
+            if (g3) acc3_19 += (double)(SG3(0)*SU(-3));
+            if (g3) acc3_20 += (double)(SG3(0)*SU(-2));
+            if (g3) acc3_17 += (double)(SG3(0)*SU(0));
+            if (g3) acc3_13 += (double)(SG3(0)*SU(1));
+        }
         if (g3) ACC(19) += acc3_19;
         if (g3) ACC(20) += acc3_20;
         if (g3) ACC(17) += acc3_17;
