@@ -40,8 +40,6 @@ pytestmark = pytest.mark.skipif(NVCC is None, reason="nvcc not found on PATH (th
 PROGRAMS = "straight-line coefficient programs (table, tangent, reverse): issue 18 item 4, rolled loops"
 #: dt_jvp is one straight-line column (no interior loops, unlike the forward): slow to compile
 DT_JVP = "dt_jvp is a straight-line column without interior loops: over 20 s of ptxas at long horizons"
-#: an integrator's dt_vjp keeps every row's forward value for its reverse sweep
-DT_VJP = "an integrator's dt_vjp is straight-line and holds every row's value for its reverse sweep: 255 registers"
 
 #: (KernelSpec overrides, horizon, dtype, {part: reason it is not yet within the limits}):
 #: position central and backward with per-step dt, order 4, start_index; acceleration and jerk,
@@ -53,13 +51,13 @@ GRID = [
     (dict(difference="backward", accuracy=2, dt="per_step", order=4, start_index=True), 64, "float32",
      {"core": PROGRAMS, "dt": f"{PROGRAMS}; {DT_JVP}"}),
     (dict(difference="central", start_index=True), 256, "float64", {"dt": DT_JVP}),
-    (dict(control="acceleration", integrator="exact", start_index=True), 256, "float32", {"dt": DT_VJP}),
-    (dict(control="acceleration", dt="per_step"), 32, "float64", {"dt": DT_VJP}),
+    (dict(control="acceleration", integrator="exact", start_index=True), 256, "float32", {}),
+    (dict(control="acceleration", dt="per_step"), 32, "float64", {}),
     (dict(control="acceleration", dt="per_step"), 21, "float32", {}),
-    (dict(control="jerk", integrator="exact", dt="per_step", order=4), 128, "float64", {"dt": f"{PROGRAMS}; {DT_VJP}"}),
+    (dict(control="jerk", integrator="exact", dt="per_step", order=4), 128, "float64", {}),
     (dict(control="jerk", integrator="exact", order=4), 17, "float32", {}),
     (dict(control="jerk", integrator="exact"), 10, "float64", {}),
-    (dict(control="jerk"), 256, "float32", {"dt": DT_VJP}),
+    (dict(control="jerk"), 256, "float32", {}),
 ]
 DOF = 7
 
