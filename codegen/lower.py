@@ -24,8 +24,8 @@ from . import roll
 from .coefficients import MINUS_ONE, ONE, Coefficients, table_term
 from .operator import Operator, Ref
 from .printer import COLUMN
-from .statements import (Add, Call, Cast, Def, Literal, Mul, Paren, Read, Statement, Store, Strided, Sum, Term,
-                         Val, Var, transform, walk)
+from .statements import (Add, Call, Cast, Def, For, Literal, Mul, Paren, Read, Statement, Store, Strided, Sum,
+                         Term, Val, Var, transform, walk)
 
 
 @dataclasses.dataclass
@@ -325,16 +325,27 @@ def _adjoint(op: Operator, coefs: Coefficients, reads: bool = False) -> KernelCo
     return KernelCode(TABLE_CALL, _live(lines) if covered else lines, loops)
 
 
-def _live(lines: list[Statement]) -> list[Statement]:
+def _reads(line: Statement) -> set:
+    """The values and variables a statement reads (a loop: those its body reads)."""
+    if isinstance(line, For):
+        return set().union(*map(_reads, line.body))
+    return {n for n in walk(line.value if isinstance(line, Def) else line) if isinstance(n, (Val, Var))}
+
+
+def _live(lines: list[Statement], used: set = frozenset()) -> list[Statement]:
     """``lines`` without the definitions that no later line reads (the gradients of rows whose
-    actions the loops gather): the column body then grows with the rows the loops leave."""
-    used: set = set()
+    actions the loops gather): the column body then grows with the rows the loops leave. In a
+    loop's body a definition is live if the loop reads it anywhere (an iteration reads the
+    values the one before carried) or later lines do."""
+    used = set(used)
     kept: list[Statement] = []
     for line in reversed(lines):
         if isinstance(line, Def) and line.target not in used:
             continue
+        if isinstance(line, For):
+            line = dataclasses.replace(line, body=tuple(_live(list(line.body), used | _reads(line))))
         kept.append(line)
-        used.update(n for n in walk(line) if isinstance(n, (Val, Var)))
+        used |= _reads(line)
     return kept[::-1]
 
 
@@ -381,8 +392,8 @@ def _integrator_dt_vjp(op: Operator, coefs: Coefficients) -> KernelCode:
         return None
 
     statements = [transform(s, local) for s in statements]
-    return KernelCode(TABLE_CALL, [Def(v, Literal("0.0"), "double", const=False) for v in fixed.values()]
-                      + statements + [Store(Read("ACC", (q,)), v, "+=") for q, v in fixed.items()])
+    return KernelCode(TABLE_CALL, _live([Def(v, Literal("0.0"), "double", const=False) for v in fixed.values()]
+                                        + statements + [Store(Read("ACC", (q,)), v, "+=") for q, v in fixed.items()]))
 
 
 def _tangent_terms(coefs: Coefficients, c: sp.Expr, value: Any, tangent: Any) -> list[Term]:
