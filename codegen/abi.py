@@ -17,6 +17,10 @@ PARTS = {"core": ("forward", "adjoint"), "dt": ("dt_vjp", "dt_vjp_finish", "dt_j
          "forward": ("forward",), "adjoint": ("adjoint",), "backward": ("adjoint",),
          "dt_vjp": ("dt_vjp", "dt_vjp_finish"), "dt_jvp": ("dt_jvp",)}
 
+#: batch elements per row of the C dt_vjp's partial sums: a row per chunk, added in order, so the
+#: dt gradient is the same for any number of OpenMP threads (the runtime allocates the rows)
+C_DT_VJP_CHUNK = 64
+
 Parameter = tuple[str, str]  # (C type with T for the scalar, name)
 
 

@@ -154,6 +154,7 @@ def render(spec: Any, code: LoweredOperator, table: ArgumentTable, target: str, 
                     for k in (abi.cuda_kernels(kernels) if target == "cuda" else kernels)},
         itemsize=itemsize,
         shared_coef_bytes=CUDA_SHARED_COEF_BYTES,
+        dt_chunk=abi.C_DT_VJP_CHUNK,
         stencil=code.stencil,
         values=bool(table.values) and "dt_vjp" in kernels,  # the YV<k> macros of dt_vjp
     )

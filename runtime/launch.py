@@ -168,9 +168,9 @@ class CpuBackend:
         return address(self._core, abi.symbol(self.spec.name, kernel))
 
     def dt_vjp_rows(self, B: int, per_trajectory: bool) -> int:
-        """Rows of dt_vjp's partial sums: one per trajectory with its own dt, else one (the C
-        kernels add every column in turn)."""
-        return B if per_trajectory else 1
+        """Rows of dt_vjp's partial sums: one per trajectory with its own dt, else one per chunk of
+        batch elements (the kernel adds them in order into the first)."""
+        return B if per_trajectory else max(1, -(-B // abi.C_DT_VJP_CHUNK))
 
     def load_part(self, part: str) -> None:
         """Load a library's kernels unless they are loaded."""

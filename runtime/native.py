@@ -31,7 +31,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from ..codegen.arguments import ABSENT, INDEX, KERNEL, MESSAGES, OPTIONAL, REQUIRED, STEP, ArgumentTable
-from .cache import ABI_VERSION, BuildCache, CacheError, cache_root, digest
+from .cache import ABI_VERSION, BuildCache, cache_root, digest
 
 SOURCE = Path(__file__).with_name("native_node.cpp")
 CXX_FLAGS = ("-O2", "-std=c++17", "-shared", "-fPIC", "-w")

@@ -12,7 +12,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from ..codegen.arguments import ABSENT, INDEX, KERNEL, REQUIRED, Argument, ArgumentTable, message
+from ..codegen.arguments import ABSENT, INDEX, REQUIRED, Argument, ArgumentTable, message
 
 Tensor = torch.Tensor
 

@@ -128,7 +128,6 @@ def test_kernel_class_backward_is_exact(name):
 
 def call_with(name, H, u, p, v, a):
     _, rows, indexed, _ = CLASSES[name]
-    B = u.shape[0]
     traj_dt = (0.02 + 0.01 * torch.arange(H, dtype=torch.float64)) if name.startswith("Acceleration") \
         else torch.full((H,), 40.0, dtype=torch.float64)
     args = (u, p, v, a) + ((torch.tensor([1, 0], dtype=torch.int32),) if indexed else ())

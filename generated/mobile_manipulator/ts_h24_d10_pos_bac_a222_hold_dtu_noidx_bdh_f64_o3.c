@@ -17,6 +17,13 @@ typedef double T;
 #else
 #define TS_PARALLEL_FOR
 #endif
+#if defined(_OPENMP)
+#define TS_PARALLEL_FOR_CHUNKS _Pragma("omp parallel for schedule(static) if(n_chunks > 1)")
+#else
+#define TS_PARALLEL_FOR_CHUNKS
+#endif
+/* batch elements per row of dt_vjp's partial sums (the runtime allocates that many rows) */
+#define TS_DT_CHUNK 64
 enum { H_ = 24, N_ = 23, D_ = 10, NDT_ = 1, NC_ = 32 };
 /* strides in elements: action u[b, j, d], outputs y[b, h, d] (layout "bdh") */
 #define U_SB 230LL
@@ -356,16 +363,21 @@ void ts_h24_d10_pos_bac_a222_hold_dtu_noidx_bdh_f64_o3_dt_vjp(int64_t B, const d
 {
     T coef[NC_];
     COEFFICIENTS(dt_in, coef);
-    double acc[NC_];
-    for (int i = 0; i < NC_; ++i) acc[i] = 0.0;
-    TS_PARALLEL_FOR
-    for (int64_t b = 0; b < B; ++b) {
+    /* Batch elements in chunks of TS_DT_CHUNK, each adding into its own row of gc (zeroed by the
+     * runtime), the rows then added in order: threads never share an accumulator, and the sums
+     * are the same for any number of threads. */
+    const int64_t n_chunks = (B + TS_DT_CHUNK - 1) / TS_DT_CHUNK;
+    TS_PARALLEL_FOR_CHUNKS
+    for (int64_t chunk = 0; chunk < n_chunks; ++chunk) {
+      double* restrict acc = gc + chunk * NC_;
+      const int64_t b_end = (chunk + 1) * TS_DT_CHUNK < B ? (chunk + 1) * TS_DT_CHUNK : B;
+      for (int64_t b = chunk * TS_DT_CHUNK; b < b_end; ++b) {
         const int64_t srow = idx ? idx[b] : b;
         const T* restrict gb0 = g0 ? g0 + b * Y_SB : ts_zero_outputs;
         const T* restrict gb1 = g1 ? g1 + b * Y_SB : ts_zero_outputs;
         const T* restrict gb2 = g2 ? g2 + b * Y_SB : ts_zero_outputs;
         const T* restrict gb3 = g3 ? g3 + b * Y_SB : ts_zero_outputs;
-        TS_SIMD
+        /* serial: the dof add into one accumulator */
         for (int64_t d = 0; d < D_; ++d) {
             COLUMN_BASES(b, d)
             const T s0 = S0;
@@ -460,7 +472,9 @@ void ts_h24_d10_pos_bac_a222_hold_dtu_noidx_bdh_f64_o3_dt_vjp(int64_t B, const d
             ACC(13) += (double)(G3(20)*U(19) + G3(21)*U(20) + G3(22)*U(21) + G3(23)*U(22));
         }
     }
-    for (int i = 0; i < NC_; ++i) gc[i] += acc[i];
+    }
+    for (int64_t chunk = 1; chunk < n_chunks; ++chunk)
+        for (int i = 0; i < NC_; ++i) gc[i] += gc[chunk * NC_ + i];
 }
 
 void ts_h24_d10_pos_bac_a222_hold_dtu_noidx_bdh_f64_o3_dt_vjp_finish(int64_t B, const double* restrict dt_in, const double* restrict gc, double* restrict gdt)

@@ -17,6 +17,13 @@ typedef float T;
 #else
 #define TS_PARALLEL_FOR
 #endif
+#if defined(_OPENMP)
+#define TS_PARALLEL_FOR_CHUNKS _Pragma("omp parallel for schedule(static) if(n_chunks > 1)")
+#else
+#define TS_PARALLEL_FOR_CHUNKS
+#endif
+/* batch elements per row of dt_vjp's partial sums (the runtime allocates that many rows) */
+#define TS_DT_CHUNK 64
 enum { H_ = 24, N_ = 23, D_ = 10, NDT_ = 1, NC_ = 3 };
 /* strides in elements: action u[b, j, d], outputs y[b, h, d] (layout "bhd") */
 #define U_SB 230LL
@@ -1024,16 +1031,21 @@ void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_dt_vjp(int64_t B, const float* restr
 {
     T coef[NC_];
     COEFFICIENTS(dt_in, coef);
-    double acc[NC_];
-    for (int i = 0; i < NC_; ++i) acc[i] = 0.0;
-    TS_PARALLEL_FOR
-    for (int64_t b = 0; b < B; ++b) {
+    /* Batch elements in chunks of TS_DT_CHUNK, each adding into its own row of gc (zeroed by the
+     * runtime), the rows then added in order: threads never share an accumulator, and the sums
+     * are the same for any number of threads. */
+    const int64_t n_chunks = (B + TS_DT_CHUNK - 1) / TS_DT_CHUNK;
+    TS_PARALLEL_FOR_CHUNKS
+    for (int64_t chunk = 0; chunk < n_chunks; ++chunk) {
+      double* restrict acc = gc + chunk * NC_;
+      const int64_t b_end = (chunk + 1) * TS_DT_CHUNK < B ? (chunk + 1) * TS_DT_CHUNK : B;
+      for (int64_t b = chunk * TS_DT_CHUNK; b < b_end; ++b) {
         const int64_t srow = idx ? idx[b] : b;
         const T* restrict gb0 = g0 ? g0 + b * Y_SB : ts_zero_outputs;
         const T* restrict gb1 = g1 ? g1 + b * Y_SB : ts_zero_outputs;
         const T* restrict gb2 = g2 ? g2 + b * Y_SB : ts_zero_outputs;
         const T* restrict gb3 = g3 ? g3 + b * Y_SB : ts_zero_outputs;
-        TS_SIMD
+        /* serial: the dof add into one accumulator */
         for (int64_t d = 0; d < D_; ++d) {
             COLUMN_BASES(b, d)
             const T s0 = S0;
@@ -1333,7 +1345,9 @@ void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_dt_vjp(int64_t B, const float* restr
             ACC(2) += (double)(yb2_1*s1 + yb3_1*s2 + yb2_2*y1_1 + yb3_2*y2_1 + yb2_3*y1_2 + yb3_3*y2_2 + yb2_4*y1_3 + yb3_4*y2_3 + yb2_5*y1_4 + yb3_5*y2_4 + yb2_6*y1_5 + yb3_6*y2_5 + yb2_7*y1_6 + yb3_7*y2_6 + yb2_8*y1_7 + yb3_8*y2_7 + yb2_9*y1_8 + yb3_9*y2_8 + yb2_10*y1_9 + yb3_10*y2_9 + yb2_11*y1_10 + yb3_11*y2_10 + yb2_12*y1_11 + yb3_12*y2_11 + yb2_13*y1_12 + yb3_13*y2_12 + yb2_14*y1_13 + yb3_14*y2_13 + yb2_15*y1_14 + yb3_15*y2_14 + yb2_16*y1_15 + yb3_16*y2_15 + yb2_17*y1_16 + yb3_17*y2_16 + yb2_18*y1_17 + yb3_18*y2_17 + yb2_19*y1_18 + yb3_19*y2_18 + yb2_20*y1_19 + yb3_20*y2_19 + yb2_21*y1_20 + yb3_21*y2_20 + yb2_22*y1_21 + yb3_22*y2_21 + yb2_23*y1_22 + yb3_23*y2_22);
         }
     }
-    for (int i = 0; i < NC_; ++i) gc[i] += acc[i];
+    }
+    for (int64_t chunk = 1; chunk < n_chunks; ++chunk)
+        for (int i = 0; i < NC_; ++i) gc[i] += gc[chunk * NC_ + i];
 }
 
 void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_dt_vjp_finish(int64_t B, const float* restrict dt_in, const double* restrict gc, double* restrict gdt)

@@ -17,6 +17,13 @@ typedef float T;
 #else
 #define TS_PARALLEL_FOR
 #endif
+#if defined(_OPENMP)
+#define TS_PARALLEL_FOR_CHUNKS _Pragma("omp parallel for schedule(static) if(n_chunks > 1)")
+#else
+#define TS_PARALLEL_FOR_CHUNKS
+#endif
+/* batch elements per row of dt_vjp's partial sums (the runtime allocates that many rows) */
+#define TS_DT_CHUNK 64
 enum { H_ = 40, N_ = 39, D_ = 6, NDT_ = 40, NC_ = 117 };
 /* strides in elements: action u[b, j, d], outputs y[b, h, d] (layout "bhd") */
 #define U_SB 234LL
@@ -1574,16 +1581,21 @@ void ts_h40_d6_jer_exact_dts_noidx_bhd_f32_o3_dt_vjp(int64_t B, const float* res
 {
     T coef[NC_];
     COEFFICIENTS(dt_in, coef);
-    double acc[NC_];
-    for (int i = 0; i < NC_; ++i) acc[i] = 0.0;
-    TS_PARALLEL_FOR
-    for (int64_t b = 0; b < B; ++b) {
+    /* Batch elements in chunks of TS_DT_CHUNK, each adding into its own row of gc (zeroed by the
+     * runtime), the rows then added in order: threads never share an accumulator, and the sums
+     * are the same for any number of threads. */
+    const int64_t n_chunks = (B + TS_DT_CHUNK - 1) / TS_DT_CHUNK;
+    TS_PARALLEL_FOR_CHUNKS
+    for (int64_t chunk = 0; chunk < n_chunks; ++chunk) {
+      double* restrict acc = gc + chunk * NC_;
+      const int64_t b_end = (chunk + 1) * TS_DT_CHUNK < B ? (chunk + 1) * TS_DT_CHUNK : B;
+      for (int64_t b = chunk * TS_DT_CHUNK; b < b_end; ++b) {
         const int64_t srow = idx ? idx[b] : b;
         const T* restrict gb0 = g0 ? g0 + b * Y_SB : ts_zero_outputs;
         const T* restrict gb1 = g1 ? g1 + b * Y_SB : ts_zero_outputs;
         const T* restrict gb2 = g2 ? g2 + b * Y_SB : ts_zero_outputs;
         const T* restrict gb3 = g3 ? g3 + b * Y_SB : ts_zero_outputs;
-        TS_SIMD
+        /* serial: the dof add into one accumulator */
         for (int64_t d = 0; d < D_; ++d) {
             COLUMN_BASES(b, d)
             const T s0 = S0;
@@ -2189,7 +2201,9 @@ void ts_h40_d6_jer_exact_dts_noidx_bhd_f32_o3_dt_vjp(int64_t B, const float* res
             ACC(116) += (double)(yb0_39*y3_39);
         }
     }
-    for (int i = 0; i < NC_; ++i) gc[i] += acc[i];
+    }
+    for (int64_t chunk = 1; chunk < n_chunks; ++chunk)
+        for (int i = 0; i < NC_; ++i) gc[i] += gc[chunk * NC_ + i];
 }
 
 void ts_h40_d6_jer_exact_dts_noidx_bhd_f32_o3_dt_vjp_finish(int64_t B, const float* restrict dt_in, const double* restrict gc, double* restrict gdt)
