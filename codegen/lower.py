@@ -402,13 +402,18 @@ def _tangent_terms(coefs: Coefficients, c: sp.Expr, value: Any, tangent: Any) ->
 
 
 ACC_ROWS = 16
+#: A recurrence's dt_jvp column with more rows than this is rolled even with uniform dt (its
+#: straight-line form, one value and one tangent per row, took gcc over 3 s at H=256); shorter
+#: ones stay straight-line, which gcc vectorises across the dof.
+ROLL_DT_JVP_ROWS = 256
 
 
 def _dt_jvp(op: Operator, coefs: Coefficients) -> KernelCode:
     """Tangent: ty = Σ (ċ · value + c · tangent), ċ = Σ_m ∂c/∂dt_m · ddt_m. Interior rows with
     per-step coefficients are loops; each other row's tangent follows its value (rows are in
     evaluation order), so only a few rows' values are live at once."""
-    if coefs.runs and not _is_stencil(op):  # a recurrence with per-step coefficients: rolled
+    # a recurrence with per-step coefficients, or a long one: rolled
+    if not _is_stencil(op) and (coefs.runs or len(op.rows) > ROLL_DT_JVP_ROWS):
         return KernelCode(coefs.tangent_preamble(), _loads(tangent=True) + roll.render(
             roll.tangent_groups(op, coefs.term, functools.partial(_tangent_terms, coefs))))
     loops, covered = _dt_jvp_loops(op, coefs)

@@ -99,3 +99,27 @@ def test_dt_vjp_source_grows_by_a_small_constant_per_row(overrides):
     for target in (0, 1):
         assert sizes[256][target] - sizes[64][target] <= per_row * (256 - 64), sizes
         assert sizes[256][target] < 40_000, sizes
+
+
+@pytest.mark.parametrize("path", ["c", "cuda-on-host"])
+@pytest.mark.parametrize("overrides", [dict(control="acceleration", integrator="exact", dt="uniform"),
+                                       dict(control="jerk", dt="per_trajectory", order=4)], ids=grid_id)
+def test_long_uniform_dt_jvp_is_rolled_and_matches_finite_differences(overrides, path):
+    """Past lower.ROLL_DT_JVP_ROWS rows an integrator's dt_jvp is rolled with uniform dt too: the
+    outputs' tangent along a random dt direction against finite differences of the reference."""
+    import torch.autograd.forward_ad as fwAD
+
+    spec = _spec(overrides, horizon=80)
+    assert "; ++r)" in generate(spec, targets=("c",), parts=("dt_jvp",)).source("c", "dt_jvp")
+    x = Inputs(spec, batch=B)
+    step = ts.load(spec, "cpu") if path == "c" else host_step(spec)
+    dt_np = _dt(spec)
+    direction = np.random.default_rng(6).normal(size=dt_np.shape)
+    with fwAD.dual_level():
+        dual = fwAD.make_dual(torch.tensor(dt_np), torch.tensor(direction))
+        outs = step(x.u, x.p0, x.v0, x.a0, dual, **x.kwargs())
+        tangents = [fwAD.unpack_dual(y).tangent for y in outs]
+    expected = _directional(spec, dt_np, x, direction)
+    for k, t in enumerate(tangents):
+        scale = max(1.0, float(np.abs(expected[k]).max()))
+        assert float(np.abs(to_bhd(t, spec) - expected[k]).max()) <= 1e-7 * scale, k
