@@ -7,6 +7,7 @@ dof lanes, for the C template's lane form (``VU``, ``VS0``, ..., ``VZERO``, type
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Iterable
 
 import sympy as sp
@@ -34,6 +35,7 @@ class _SymPrinter(C99CodePrinter):
 _SYM_PRINTER = _SymPrinter()
 
 
+@functools.lru_cache(maxsize=1 << 16)  # a coefficient program's derivatives recur in its tangent and its reverse
 def c_expr(expr: sp.Expr) -> str:
     """A SymPy expression as C (non-integer numbers with 17 significant digits)."""
     return _SYM_PRINTER.doprint(sp.Float(expr, 17) if expr.is_Number and not expr.is_Integer else expr)

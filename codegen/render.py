@@ -117,6 +117,38 @@ def _cuda_codes(code: LoweredOperator, kernels: tuple, itemsize: int) -> dict:
     return codes
 
 
+#: Once-per-call coefficient programs (the table, dt_jvp's tangent, dt_vjp_finish's reverse) longer
+#: than this many lines (per-step durations) are split for the C compiler: the straight-line part
+#: (the boundary rows, a fixed size) unoptimised, the loops over the interior rows at -O2
+#: (-O3's vectoriser takes seconds on their long bodies, for no gain on a loop run once per call).
+LONG_PROGRAM_LINES = 200
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """A once-per-call program's lines: the straight-line part, then its loops (the rows it rolls)."""
+
+    straight: list[str]
+    loops: list[str]
+
+
+def _long_programs(code: LoweredOperator, kernels: tuple, per_trajectory: bool) -> dict[str, Program]:
+    """The C template's long once-per-call programs by function (none with one dt or per trajectory)."""
+    if per_trajectory or len(code.table) <= LONG_PROGRAM_LINES:
+        return {}
+    programs = {"coefficients": code.table}
+    if "dt_jvp" in kernels:
+        programs["coefficients_jvp"] = code.dt_jvp.preamble
+    if "dt_vjp_finish" in kernels:
+        programs["dt_vjp_finish"] = code.dt_vjp_finish.body
+    out = {}
+    for name, lines in programs.items():
+        first = next((i for i, line in enumerate(lines) if line.startswith("for (")), len(lines))
+        assert all(line.startswith(("for (", " ", "}")) for line in lines[first:]), f"{name}: statements after its loops"
+        out[name] = Program(lines[:first], lines[first:])
+    return out
+
+
 def render(spec: Any, code: LoweredOperator, table: ArgumentTable, target: str, part: str = "all") -> str:
     """Source text of one spec's kernels for a target ('c', 'cuda' or 'header').
 
@@ -150,6 +182,7 @@ def render(spec: Any, code: LoweredOperator, table: ArgumentTable, target: str, 
         lanes=lane_form,
         lane_bodies=_lane_bodies(code, kernels) if lane_form else {},
         table=code.table if set(kernels) & {"forward", "adjoint", "dt_vjp"} else None,
+        programs=_long_programs(code, kernels, table.dt.shape == ("B",)) if target == "c" else {},
         signatures={k: abi.signature(k, table, ctype, RESTRICT[target], cuda=target == "cuda")
                     for k in (abi.cuda_kernels(kernels) if target == "cuda" else kernels)},
         itemsize=itemsize,

@@ -3,6 +3,8 @@ their source grows linearly with H, and their values and dt derivatives match th
 independent float64 reference (tests/reference.py) and its finite differences."""
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -48,12 +50,59 @@ def test_per_step_source_grows_linearly(overrides):
     assert sizes[128] < 600_000, sizes
 
 
+def _functions(source: str) -> dict[str, str]:
+    """The C functions of a generated source by name: their head line and body."""
+    heads = re.finditer(r"^(?:static )?(?:TS_\w+ )?void (\w+)\(.*?\n\{\n(.*?)\n\}\n", source, re.M | re.S)
+    return {m.group(1): m.group(0) for m in heads}
+
+
 def test_interior_rows_are_one_loop_in_each_program():
     source = generate(_spec(dict(difference="central"), 64), targets=("c",), parts=("dt",)).source("c", "dt")
-    finish = source[source.index("_dt_vjp_finish("):]
-    finish = finish[: finish.index("\n}\n")]
+    functions = _functions(source)
+    finish = "".join(text for name, text in functions.items() if "_dt_vjp_finish" in name)
     assert finish.count("for (int64_t r = ") == 1
     assert "GDT(r + " in finish or "GDT(r - " in finish or "GDT(r)" in finish
+
+
+WIDE_BOUNDARIES = [dict(difference="central", accuracy=4, order=4, start_index=True),
+                   dict(difference="backward", accuracy=3, order=4, start_index=True)]
+
+
+@pytest.mark.parametrize("overrides", WIDE_BOUNDARIES, ids=grid_id)
+def test_long_coefficient_programs_are_not_optimised_whole(overrides):
+    """Wide one-sided boundary stencils make the straight-line part of the coefficient programs
+    (table, dt_jvp's tangent, dt_vjp_finish's reverse) thousands of lines at any H: gcc -O3 took
+    7-9 s on them at H=256. Each such part is a function compiled unoptimised (TS_ONCE_PER_CALL),
+    its loops over the interior rows one of their own at -O2 (TS_ROWS), and every other function
+    (the per-column kernels) stays short."""
+    source = generate(_spec(overrides, 256, "float32"), targets=("c",), parts=("core", "dt")).source("c", "dt")
+    functions = _functions(source)
+    kernel = lambda k: next(text for name, text in functions.items() if name.endswith(f"_{k}"))
+    assert "TS_ONCE_PER_CALL" in kernel("dt_vjp_finish").splitlines()[0]
+    assert "_coefficients_jvp(dt_in, ddt_in, coef, coefd);" in kernel("dt_jvp")
+    for name, text in functions.items():
+        head, lines = text.splitlines()[0], text.count("\n")
+        if "TS_ROWS" in head:
+            assert "for (int64_t r = " in text and lines < 800, (name, lines)
+        elif "TS_ONCE_PER_CALL" not in head:
+            assert lines < 1200, (name, lines)
+
+
+def test_program_derivatives_are_sympys():
+    """The coefficient programs' lines are differentiated by a small chain rule (sp.diff costs
+    about ten times more): the same expressions as sp.diff, for every line and input."""
+    import sympy as sp
+
+    from tensorstep.codegen.builders import build_operator
+    from tensorstep.codegen.coefficients import partial
+    from tensorstep.codegen.lower import lower
+
+    for overrides in (*WIDE_BOUNDARIES, dict(control="jerk", integrator="exact", order=4)):
+        coefs = lower(build_operator(_spec(overrides, 16))).coefs
+        lines = list(coefs.lines) + [line for run in coefs.runs for line in run.lines]
+        for _, e in lines:
+            for a in e.free_symbols | {sp.Symbol("absent")}:
+                assert partial(e, a) == sp.diff(e, a), (e, a)
 
 
 def _reference_outputs(spec, dt: np.ndarray, x: Inputs) -> np.ndarray:
