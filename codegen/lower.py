@@ -46,6 +46,8 @@ class Loop:
     row_dependent: bool = False  # coefficients change with the row (per-step dt): loop over r
     scale: int = 1  # loop index r addresses output row r·scale + offset (and action r)
     offset: int = 0
+    init: list[Statement] = dataclasses.field(default_factory=list)  # before the loop: its local sums
+    finish: list[Statement] = dataclasses.field(default_factory=list)  # after it: each sum added once
 
     @property
     def row(self) -> str:
@@ -53,9 +55,11 @@ class Loop:
         return "r" if (self.scale, self.offset) == (1, 0) else f"(r * {self.scale} + {self.offset})"
 
     @property
-    def key(self) -> tuple[int, int, str]:
-        """Loops with one key share their index range and rows: the CUDA template fuses them."""
-        return (self.start, self.stop, self.row)
+    def key(self) -> tuple[int, int, str, tuple[str, ...]]:
+        """Loops with one key share their index range and rows: the CUDA template fuses them. A loop
+        with local sums keeps a pass of its own (fused, all their sums would be live at once:
+        registers)."""
+        return (self.start, self.stop, self.row, tuple(self.init_lines))
 
     @property
     def by_row(self) -> bool:
@@ -66,6 +70,14 @@ class Loop:
     def lines(self) -> list[str]:
         """The loop body as the templates print it."""
         return COLUMN.lines(self.statements)
+
+    @functools.cached_property
+    def init_lines(self) -> list[str]:
+        return COLUMN.lines(self.init)
+
+    @functools.cached_property
+    def finish_lines(self) -> list[str]:
+        return COLUMN.lines(self.finish)
 
 
 @dataclasses.dataclass
@@ -198,28 +210,21 @@ def _period(op: Operator) -> int:
     return min(gaps, key=lambda p: (-gaps[p], p)) if gaps else 1
 
 
-def _stencil_loops(op: Operator, coefs: Coefficients, statement: Callable, row_dependent_only: bool = False
-                   ) -> tuple[list[Loop], set[tuple[int, int]]]:
+def _stencil_loops(op: Operator, coefs: Coefficients, statement: Callable) -> tuple[list[Loop], set[tuple[int, int]]]:
     """Interior rows whose terms are the same up to a shift in the action index, one loop per run,
     output and phase: with period p (codegen rows h and h + p read actions shifted by one), loop
     index r = h div p covers the rows of phase h mod p. ``statement(k, terms)`` gives the loop's
-    statements and guard from the run's terms (rel, unit, varies, slot index).
-    ``row_dependent_only``: only runs whose coefficients advance along the rows (per-step dt,
-    whose period is 1)."""
+    statements and guard from the run's terms (rel, unit, varies, slot index)."""
     loops, covered = [], set()
     if not _is_stencil(op):
         return loops, covered
     p = _period(op)
-    if row_dependent_only and p != 1:
-        return loops, covered
     for k in range(op.n_outputs):
         phases: dict[int, dict[int, tuple[Shape, Slots] | None]] = defaultdict(dict)
         for h, material in _stencil_rows(op, coefs, k, p).items():
             phases[h % p][h // p] = material
         for phase, rows in sorted(phases.items()):
             for start, stop, shape, slots, stride in _runs(rows):
-                if row_dependent_only and stride == 0:
-                    continue
                 terms = [(rel, lit, v, _slot(slot, stride, start)) for (rel, lit, v), slot in zip(shape, slots)]
                 statements, guard = statement(k, terms)
                 loops.append(Loop(start, stop, statements, guard, row_dependent=stride != 0, scale=p, offset=phase))
@@ -245,7 +250,7 @@ def _forward_loops(op: Operator, coefs: Coefficients) -> tuple[list[Loop], set[t
 
 
 def _dt_jvp_loops(op: Operator, coefs: Coefficients) -> tuple[list[Loop], set[tuple[int, int]]]:
-    """dt_jvp: the tangent of Y<k> at the loop's row, Σ ċ·u + c·du (per-step dt only)."""
+    """dt_jvp: the tangent of Y<k> at the loop's row, Σ ċ·u + c·du."""
     def statement(k: int, terms: list) -> tuple[list[Statement], str]:
         parts = []
         for rel, lit, varies, slot in terms:
@@ -253,16 +258,34 @@ def _dt_jvp_loops(op: Operator, coefs: Coefficients) -> tuple[list[Loop], set[tu
                 parts.append(Term(Read("CD", (slot,)), Read("SU", (rel,))))
             parts.append(_term(coefs, lit, slot, Read("SDU", (rel,))))
         return [Store(Read(f"STY{k}"), Sum(tuple(parts)))], ""
-    return _stencil_loops(op, coefs, statement, row_dependent_only=True)
+    return _stencil_loops(op, coefs, statement)
 
 
 def _dt_vjp_loops(op: Operator, coefs: Coefficients) -> tuple[list[Loop], set[tuple[int, int]]]:
-    """dt_vjp: each dt-dependent coefficient of the loop's row gathers g<k>·u (per-step dt only;
-    a stencil's row adjoints are its incoming gradients)."""
+    """dt_vjp: each dt-dependent coefficient of the loop's row gathers g<k>·u (a stencil's row
+    adjoints are its incoming gradients). Rows without one need no loop."""
     def statement(k: int, terms: list) -> tuple[list[Statement], str]:
         return [Store(Read("ACC", (slot,)), Cast("double", Paren(Mul(Read(f"SG{k}", (0,)), Read("SU", (rel,))))), "+=")
                 for rel, _, varies, slot in terms if varies], f"g{k}"
-    return _stencil_loops(op, coefs, statement, row_dependent_only=True)
+    loops, covered = _stencil_loops(op, coefs, statement)
+    return [_local_sums(loop, i) for i, loop in enumerate(loops) if loop.statements], covered
+
+
+def _local_sums(loop: Loop, number: int) -> Loop:
+    """A loop whose accumulator slots are fixed (rows share their coefficients): it sums into one
+    double local per slot, each added to ACC once after the loop (on CUDA every ACC statement is a
+    block-wide reduction). Slots that advance with the row (per-step dt) stay ACC statements."""
+    if loop.row_dependent:
+        return loop
+    sums: dict[int, Var] = {}
+    statements = []
+    for s in loop.statements:
+        (q,) = s.target.args
+        local = sums.setdefault(q, Var(f"acc{number}_{q}"))
+        statements.append(dataclasses.replace(s, target=local))
+    return dataclasses.replace(loop, statements=statements,
+                               init=[Def(v, Literal("0.0"), "double", const=False) for v in sums.values()],
+                               finish=[Store(Read("ACC", (q,)), v, "+=") for q, v in sums.items()])
 
 
 def _adjoint_loops(op: Operator, coefs: Coefficients) -> tuple[list[Loop], set[int]]:
@@ -352,7 +375,7 @@ def _live(lines: list[Statement], used: set = frozenset()) -> list[Statement]:
 def _dt_vjp(op: Operator, coefs: Coefficients) -> KernelCode:
     """GC(q) += Σ yb_row · value over the uses of each dt-dependent coefficient (summed over
     columns); dt_vjp_finish then maps GC to the dt gradient through the coefficient program.
-    Interior rows with per-step coefficients accumulate in loops. A stencil's yb_row is its
+    A stencil's interior rows accumulate in loops. A stencil's yb_row is its
     incoming gradient, read where it is used (nothing held across the body: few registers at
     any horizon). An integrator's is the rolled reverse sweep of ``_integrator_dt_vjp``."""
     if not _is_stencil(op):
@@ -409,8 +432,8 @@ ROLL_DT_JVP_ROWS = 256
 
 
 def _dt_jvp(op: Operator, coefs: Coefficients) -> KernelCode:
-    """Tangent: ty = Σ (ċ · value + c · tangent), ċ = Σ_m ∂c/∂dt_m · ddt_m. Interior rows with
-    per-step coefficients are loops; each other row's tangent follows its value (rows are in
+    """Tangent: ty = Σ (ċ · value + c · tangent), ċ = Σ_m ∂c/∂dt_m · ddt_m. A stencil's interior
+    rows are loops; each other row's tangent follows its value (rows are in
     evaluation order), so only a few rows' values are live at once."""
     # a recurrence with per-step coefficients, or a long one: rolled
     if not _is_stencil(op) and (coefs.runs or len(op.rows) > ROLL_DT_JVP_ROWS):

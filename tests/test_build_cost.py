@@ -45,7 +45,8 @@ def test_per_step_source_grows_linearly(overrides):
     source grows by a fixed amount per row (it grew superlinearly, 1.26 MB at H=64)."""
     sizes = {h: _dt_source_size(_spec(overrides, h, "float32")) for h in (32, 64, 128)}
     per_row = [(sizes[b] - sizes[a]) / (b - a) for a, b in ((32, 64), (64, 128))]
-    assert per_row[1] < 1.4 * per_row[0], sizes  # bytes per added row: steady (longer indices aside)
+    # bytes per added row: steady, or so few that longer indices (a digit more at 100) are most of them
+    assert per_row[1] < max(1.4 * per_row[0], 200), sizes
     assert sizes[128] < 2.2 * sizes[64], sizes
     assert sizes[128] < 600_000, sizes
 

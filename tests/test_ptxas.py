@@ -38,18 +38,18 @@ pytestmark = pytest.mark.skipif(NVCC is None, reason="nvcc not found on PATH (th
 #: the coefficient programs (the table, its tangent, the reverse program of dt_vjp_finish) are
 #: straight-line: ptxas takes minutes on their one-thread kernels at long per-step horizons
 PROGRAMS = "straight-line coefficient programs (table, tangent, reverse): issue 18 item 4, rolled loops"
-#: dt_jvp is one straight-line column (no interior loops, unlike the forward): slow to compile
-DT_JVP = "dt_jvp is a straight-line column without interior loops: over 20 s of ptxas at long horizons"
+#: a B-spline's boundary spans (next to the start and the end state) are straight-line rows
+BSPLINE_SPANS = "a B-spline's boundary spans are straight-line: forward, adjoint and dt_jvp over 128 registers"
 
 #: (KernelSpec overrides, horizon, dtype, {part: reason it is not yet within the limits}):
 #: position central and backward with per-step dt, order 4, start_index; acceleration and jerk,
 #: exact and semi-implicit; float32 and float64; the longest straight-line integrator adjoints
-#: (just below render.CUDA_ROLL_ABOVE_BYTES) and horizons up to 256
+#: (just below render.CUDA_ROLL_ABOVE_BYTES) and horizons up to 256; a B-spline with loops over knots
 GRID = [
     (dict(difference="central", dt="per_step"), 32, "float32", {}),
     (dict(difference="central", dt="per_step"), 256, "float64", {}),
     (dict(difference="backward", accuracy=2, dt="per_step", order=4, start_index=True), 64, "float32", {}),
-    (dict(difference="central", start_index=True), 256, "float64", {"dt": DT_JVP}),
+    (dict(difference="central", start_index=True), 256, "float64", {}),
     (dict(control="acceleration", integrator="exact", start_index=True), 256, "float32", {}),
     (dict(control="acceleration", dt="per_step"), 32, "float64", {}),
     (dict(control="acceleration", dt="per_step"), 21, "float32", {}),
@@ -57,6 +57,7 @@ GRID = [
     (dict(control="jerk", integrator="exact", order=4), 17, "float32", {}),
     (dict(control="jerk", integrator="exact"), 10, "float64", {}),
     (dict(control="jerk"), 256, "float32", {}),
+    (dict(control="bspline", degree=4, knots=60, steps=4), 261, "float64", {"core": BSPLINE_SPANS, "dt": BSPLINE_SPANS}),
 ]
 DOF = 7
 

@@ -64,13 +64,18 @@ enum { H_ = 32, N_ = 31, D_ = 7, NDT_ = 1, NC_ = 15 };
 /* inside interior loops: su / sy are the action / output element of the loop's row */
 #define SU(rel) u[su + (rel) * U_SH]
 #define SGU gu[su]
+#define SDU(rel) (du ? du[su + (rel) * U_SH] : (T)0)
 #define SY0 y0[sy]
+#define STY0 ty0[sy]
 #define SG0(rel) g0[sy + (rel) * Y_SH]
 #define SY1 y1[sy]
+#define STY1 ty1[sy]
 #define SG1(rel) g1[sy + (rel) * Y_SH]
 #define SY2 y2[sy]
+#define STY2 ty2[sy]
 #define SG2(rel) g2[sy + (rel) * Y_SH]
 #define SY3 y3[sy]
+#define STY3 ty3[sy]
 #define SG3(rel) g3[sy + (rel) * Y_SH]
 #define ZERO ((T)0)
 #define C(q) coef[(q)]
@@ -443,6 +448,49 @@ void ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_dt_vjp(int64_t B, const fl
         const T* restrict gb1 = g1 ? g1 + b * Y_SB : ts_zero_outputs;
         const T* restrict gb2 = g2 ? g2 + b * Y_SB : ts_zero_outputs;
         const T* restrict gb3 = g3 ? g3 + b * Y_SB : ts_zero_outputs;
+        if (g1) {
+            double acc1_0 = 0.0;
+            double acc1_1 = 0.0;
+            /* serial: the dof add into one accumulator */
+            for (int64_t f = 2LL * D_; f < 32LL * D_; ++f) {
+                const int64_t su = b * U_SB + f, sy = b * Y_SB + f;
+                acc1_0 += (double)(SG1(0)*SU(-2));
+                acc1_1 += (double)(SG1(0)*SU(-1));
+            }
+            ACC(0) += acc1_0;
+            ACC(1) += acc1_1;
+        }
+        if (g2) {
+            double acc2_5 = 0.0;
+            double acc2_10 = 0.0;
+            /* serial: the dof add into one accumulator */
+            for (int64_t f = 3LL * D_; f < 32LL * D_; ++f) {
+                const int64_t su = b * U_SB + f, sy = b * Y_SB + f;
+                acc2_5 += (double)(SG2(0)*SU(-3));
+                acc2_10 += (double)(SG2(0)*SU(-2));
+                acc2_5 += (double)(SG2(0)*SU(-1));
+            }
+            ACC(5) += acc2_5;
+            ACC(10) += acc2_10;
+        }
+        if (g3) {
+            double acc3_6 = 0.0;
+            double acc3_14 = 0.0;
+            double acc3_13 = 0.0;
+            double acc3_9 = 0.0;
+            /* serial: the dof add into one accumulator */
+            for (int64_t f = 4LL * D_; f < 32LL * D_; ++f) {
+                const int64_t su = b * U_SB + f, sy = b * Y_SB + f;
+                acc3_6 += (double)(SG3(0)*SU(-4));
+                acc3_14 += (double)(SG3(0)*SU(-3));
+                acc3_13 += (double)(SG3(0)*SU(-2));
+                acc3_9 += (double)(SG3(0)*SU(-1));
+            }
+            ACC(6) += acc3_6;
+            ACC(14) += acc3_14;
+            ACC(13) += acc3_13;
+            ACC(9) += acc3_9;
+        }
         /* serial: the dof add into one accumulator */
         for (int64_t d = 0; d < D_; ++d) {
             COLUMN_BASES(b, d)
@@ -450,74 +498,18 @@ void ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_dt_vjp(int64_t B, const fl
             const T s1 = S1;
             const T s2 = S2;
             const T s3 = S3;
-            ACC(0) += (double)(G1(1)*s0 + G2(1)*s1 + G1(2)*U(0) + G1(3)*U(1));
-            ACC(1) += (double)(G1(1)*U(0) + G1(2)*U(1) + G1(3)*U(2));
+            ACC(0) += (double)(G1(1)*s0 + G2(1)*s1);
+            ACC(1) += (double)(G1(1)*U(0));
             ACC(2) += (double)(G2(1)*s0 + G3(1)*s1);
             ACC(4) += (double)(G2(1)*s3);
-            ACC(5) += (double)(G2(1)*U(0) + G2(2)*s0 + G2(2)*U(1) + G3(2)*s1 + G2(3)*U(0) + G2(3)*U(2));
+            ACC(5) += (double)(G2(1)*U(0) + G2(2)*s0 + G2(2)*U(1) + G3(2)*s1);
             ACC(6) += (double)(G3(1)*s0 + G3(3)*s0);
             ACC(7) += (double)(G3(1)*s2 + G3(2)*s2);
             ACC(9) += (double)(G3(1)*U(0) + G3(2)*U(1) + G3(3)*U(2));
-            ACC(10) += (double)(G2(2)*U(0) + G2(3)*U(1));
+            ACC(10) += (double)(G2(2)*U(0));
             ACC(11) += (double)(G3(2)*s0);
             ACC(13) += (double)(G3(2)*U(0) + G3(3)*U(1));
             ACC(14) += (double)(G3(3)*U(0));
-            ACC(0) += (double)(G1(4)*U(2) + G1(5)*U(3) + G1(6)*U(4) + G1(7)*U(5));
-            ACC(1) += (double)(G1(4)*U(3) + G1(5)*U(4) + G1(6)*U(5) + G1(7)*U(6));
-            ACC(5) += (double)(G2(4)*U(1) + G2(4)*U(3) + G2(5)*U(2) + G2(5)*U(4) + G2(6)*U(3) + G2(6)*U(5) + G2(7)*U(4) + G2(7)*U(6));
-            ACC(10) += (double)(G2(4)*U(2) + G2(5)*U(3) + G2(6)*U(4) + G2(7)*U(5));
-            ACC(6) += (double)(G3(4)*U(0) + G3(5)*U(1) + G3(6)*U(2) + G3(7)*U(3));
-            ACC(14) += (double)(G3(4)*U(1) + G3(5)*U(2) + G3(6)*U(3) + G3(7)*U(4));
-            ACC(13) += (double)(G3(4)*U(2) + G3(5)*U(3) + G3(6)*U(4) + G3(7)*U(5));
-            ACC(9) += (double)(G3(4)*U(3) + G3(5)*U(4) + G3(6)*U(5) + G3(7)*U(6));
-            ACC(0) += (double)(G1(8)*U(6) + G1(9)*U(7) + G1(10)*U(8) + G1(11)*U(9));
-            ACC(1) += (double)(G1(8)*U(7) + G1(9)*U(8) + G1(10)*U(9) + G1(11)*U(10));
-            ACC(5) += (double)(G2(8)*U(5) + G2(8)*U(7) + G2(9)*U(6) + G2(9)*U(8) + G2(10)*U(7) + G2(10)*U(9) + G2(11)*U(8) + G2(11)*U(10));
-            ACC(10) += (double)(G2(8)*U(6) + G2(9)*U(7) + G2(10)*U(8) + G2(11)*U(9));
-            ACC(6) += (double)(G3(8)*U(4) + G3(9)*U(5) + G3(10)*U(6) + G3(11)*U(7));
-            ACC(14) += (double)(G3(8)*U(5) + G3(9)*U(6) + G3(10)*U(7) + G3(11)*U(8));
-            ACC(13) += (double)(G3(8)*U(6) + G3(9)*U(7) + G3(10)*U(8) + G3(11)*U(9));
-            ACC(9) += (double)(G3(8)*U(7) + G3(9)*U(8) + G3(10)*U(9) + G3(11)*U(10));
-            ACC(0) += (double)(G1(12)*U(10) + G1(13)*U(11) + G1(14)*U(12) + G1(15)*U(13));
-            ACC(1) += (double)(G1(12)*U(11) + G1(13)*U(12) + G1(14)*U(13) + G1(15)*U(14));
-            ACC(5) += (double)(G2(12)*U(9) + G2(12)*U(11) + G2(13)*U(10) + G2(13)*U(12) + G2(14)*U(11) + G2(14)*U(13) + G2(15)*U(12) + G2(15)*U(14));
-            ACC(10) += (double)(G2(12)*U(10) + G2(13)*U(11) + G2(14)*U(12) + G2(15)*U(13));
-            ACC(6) += (double)(G3(12)*U(8) + G3(13)*U(9) + G3(14)*U(10) + G3(15)*U(11));
-            ACC(14) += (double)(G3(12)*U(9) + G3(13)*U(10) + G3(14)*U(11) + G3(15)*U(12));
-            ACC(13) += (double)(G3(12)*U(10) + G3(13)*U(11) + G3(14)*U(12) + G3(15)*U(13));
-            ACC(9) += (double)(G3(12)*U(11) + G3(13)*U(12) + G3(14)*U(13) + G3(15)*U(14));
-            ACC(0) += (double)(G1(16)*U(14) + G1(17)*U(15) + G1(18)*U(16) + G1(19)*U(17));
-            ACC(1) += (double)(G1(16)*U(15) + G1(17)*U(16) + G1(18)*U(17) + G1(19)*U(18));
-            ACC(5) += (double)(G2(16)*U(13) + G2(16)*U(15) + G2(17)*U(14) + G2(17)*U(16) + G2(18)*U(15) + G2(18)*U(17) + G2(19)*U(16) + G2(19)*U(18));
-            ACC(10) += (double)(G2(16)*U(14) + G2(17)*U(15) + G2(18)*U(16) + G2(19)*U(17));
-            ACC(6) += (double)(G3(16)*U(12) + G3(17)*U(13) + G3(18)*U(14) + G3(19)*U(15));
-            ACC(14) += (double)(G3(16)*U(13) + G3(17)*U(14) + G3(18)*U(15) + G3(19)*U(16));
-            ACC(13) += (double)(G3(16)*U(14) + G3(17)*U(15) + G3(18)*U(16) + G3(19)*U(17));
-            ACC(9) += (double)(G3(16)*U(15) + G3(17)*U(16) + G3(18)*U(17) + G3(19)*U(18));
-            ACC(0) += (double)(G1(20)*U(18) + G1(21)*U(19) + G1(22)*U(20) + G1(23)*U(21));
-            ACC(1) += (double)(G1(20)*U(19) + G1(21)*U(20) + G1(22)*U(21) + G1(23)*U(22));
-            ACC(5) += (double)(G2(20)*U(17) + G2(20)*U(19) + G2(21)*U(18) + G2(21)*U(20) + G2(22)*U(19) + G2(22)*U(21) + G2(23)*U(20) + G2(23)*U(22));
-            ACC(10) += (double)(G2(20)*U(18) + G2(21)*U(19) + G2(22)*U(20) + G2(23)*U(21));
-            ACC(6) += (double)(G3(20)*U(16) + G3(21)*U(17) + G3(22)*U(18) + G3(23)*U(19));
-            ACC(14) += (double)(G3(20)*U(17) + G3(21)*U(18) + G3(22)*U(19) + G3(23)*U(20));
-            ACC(13) += (double)(G3(20)*U(18) + G3(21)*U(19) + G3(22)*U(20) + G3(23)*U(21));
-            ACC(9) += (double)(G3(20)*U(19) + G3(21)*U(20) + G3(22)*U(21) + G3(23)*U(22));
-            ACC(0) += (double)(G1(24)*U(22) + G1(25)*U(23) + G1(26)*U(24) + G1(27)*U(25));
-            ACC(1) += (double)(G1(24)*U(23) + G1(25)*U(24) + G1(26)*U(25) + G1(27)*U(26));
-            ACC(5) += (double)(G2(24)*U(21) + G2(24)*U(23) + G2(25)*U(22) + G2(25)*U(24) + G2(26)*U(23) + G2(26)*U(25) + G2(27)*U(24) + G2(27)*U(26));
-            ACC(10) += (double)(G2(24)*U(22) + G2(25)*U(23) + G2(26)*U(24) + G2(27)*U(25));
-            ACC(6) += (double)(G3(24)*U(20) + G3(25)*U(21) + G3(26)*U(22) + G3(27)*U(23));
-            ACC(14) += (double)(G3(24)*U(21) + G3(25)*U(22) + G3(26)*U(23) + G3(27)*U(24));
-            ACC(13) += (double)(G3(24)*U(22) + G3(25)*U(23) + G3(26)*U(24) + G3(27)*U(25));
-            ACC(9) += (double)(G3(24)*U(23) + G3(25)*U(24) + G3(26)*U(25) + G3(27)*U(26));
-            ACC(0) += (double)(G1(28)*U(26) + G1(29)*U(27) + G1(30)*U(28) + G1(31)*U(29));
-            ACC(1) += (double)(G1(28)*U(27) + G1(29)*U(28) + G1(30)*U(29) + G1(31)*U(30));
-            ACC(5) += (double)(G2(28)*U(25) + G2(28)*U(27) + G2(29)*U(26) + G2(29)*U(28) + G2(30)*U(27) + G2(30)*U(29) + G2(31)*U(28) + G2(31)*U(30));
-            ACC(10) += (double)(G2(28)*U(26) + G2(29)*U(27) + G2(30)*U(28) + G2(31)*U(29));
-            ACC(6) += (double)(G3(28)*U(24) + G3(29)*U(25) + G3(30)*U(26) + G3(31)*U(27));
-            ACC(14) += (double)(G3(28)*U(25) + G3(29)*U(26) + G3(30)*U(27) + G3(31)*U(28));
-            ACC(13) += (double)(G3(28)*U(26) + G3(29)*U(27) + G3(30)*U(28) + G3(31)*U(29));
-            ACC(9) += (double)(G3(28)*U(27) + G3(29)*U(28) + G3(30)*U(29) + G3(31)*U(30));
         }
     }
     }
@@ -646,6 +638,34 @@ void ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_dt_jvp(int64_t B, const fl
     TS_PARALLEL_FOR
     for (int64_t b = 0; b < B; ++b) {
         const int64_t srow = idx ? idx[b] : b;
+        {
+            TS_SIMD
+            for (int64_t f = 1LL * D_; f < 32LL * D_; ++f) {
+                const int64_t su = b * U_SB + f, sy = b * Y_SB + f;
+                STY0 = SDU(-1);
+            }
+        }
+        {
+            TS_SIMD
+            for (int64_t f = 2LL * D_; f < 32LL * D_; ++f) {
+                const int64_t su = b * U_SB + f, sy = b * Y_SB + f;
+                STY1 = CD(0)*SU(-2)+C(0)*SDU(-2)+CD(1)*SU(-1)+C(1)*SDU(-1);
+            }
+        }
+        {
+            TS_SIMD
+            for (int64_t f = 3LL * D_; f < 32LL * D_; ++f) {
+                const int64_t su = b * U_SB + f, sy = b * Y_SB + f;
+                STY2 = CD(5)*SU(-3)+C(5)*SDU(-3)+CD(10)*SU(-2)+C(10)*SDU(-2)+CD(5)*SU(-1)+C(5)*SDU(-1);
+            }
+        }
+        {
+            TS_SIMD
+            for (int64_t f = 4LL * D_; f < 32LL * D_; ++f) {
+                const int64_t su = b * U_SB + f, sy = b * Y_SB + f;
+                STY3 = CD(6)*SU(-4)+C(6)*SDU(-4)+CD(14)*SU(-3)+C(14)*SDU(-3)+CD(13)*SU(-2)+C(13)*SDU(-2)+CD(9)*SU(-1)+C(9)*SDU(-1);
+            }
+        }
         TS_SIMD
         for (int64_t d = 0; d < D_; ++d) {
             COLUMN_BASES(b, d)
@@ -669,9 +689,6 @@ void ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_dt_jvp(int64_t B, const fl
             const T y3_0 = s3;
             const T ty3_0 = ts3;
             TY3(0, ty3_0);
-            const T y0_1 = U(0);
-            const T ty0_1 = DU(0);
-            TY0(1, ty0_1);
             const T y1_1 = C(0)*s0+C(1)*U(0);
             const T ty1_1 = CD(0)*s0+C(0)*ts0+CD(1)*U(0)+C(1)*DU(0);
             TY1(1, ty1_1);
@@ -681,366 +698,15 @@ void ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_dt_jvp(int64_t B, const fl
             const T y3_1 = C(6)*s0+C(2)*s1+C(7)*s2+C(8)*s3+C(9)*U(0);
             const T ty3_1 = CD(6)*s0+C(6)*ts0+CD(2)*s1+C(2)*ts1+CD(7)*s2+C(7)*ts2+C(8)*ts3+CD(9)*U(0)+C(9)*DU(0);
             TY3(1, ty3_1);
-            const T y0_2 = U(1);
-            const T ty0_2 = DU(1);
-            TY0(2, ty0_2);
-            const T y1_2 = C(0)*U(0)+C(1)*U(1);
-            const T ty1_2 = CD(0)*U(0)+C(0)*DU(0)+CD(1)*U(1)+C(1)*DU(1);
-            TY1(2, ty1_2);
             const T y2_2 = C(5)*s0+C(10)*U(0)+C(5)*U(1);
             const T ty2_2 = CD(5)*s0+C(5)*ts0+CD(10)*U(0)+C(10)*DU(0)+CD(5)*U(1)+C(5)*DU(1);
             TY2(2, ty2_2);
             const T y3_2 = C(11)*s0+C(5)*s1+C(7)*s2+C(12)*s3+C(13)*U(0)+C(9)*U(1);
             const T ty3_2 = CD(11)*s0+C(11)*ts0+CD(5)*s1+C(5)*ts1+CD(7)*s2+C(7)*ts2+C(12)*ts3+CD(13)*U(0)+C(13)*DU(0)+CD(9)*U(1)+C(9)*DU(1);
             TY3(2, ty3_2);
-            const T y0_3 = U(2);
-            const T ty0_3 = DU(2);
-            TY0(3, ty0_3);
-            const T y1_3 = C(0)*U(1)+C(1)*U(2);
-            const T ty1_3 = CD(0)*U(1)+C(0)*DU(1)+CD(1)*U(2)+C(1)*DU(2);
-            TY1(3, ty1_3);
-            const T y2_3 = C(5)*U(0)+C(10)*U(1)+C(5)*U(2);
-            const T ty2_3 = CD(5)*U(0)+C(5)*DU(0)+CD(10)*U(1)+C(10)*DU(1)+CD(5)*U(2)+C(5)*DU(2);
-            TY2(3, ty2_3);
             const T y3_3 = C(6)*s0+C(14)*U(0)+C(13)*U(1)+C(9)*U(2);
             const T ty3_3 = CD(6)*s0+C(6)*ts0+CD(14)*U(0)+C(14)*DU(0)+CD(13)*U(1)+C(13)*DU(1)+CD(9)*U(2)+C(9)*DU(2);
             TY3(3, ty3_3);
-            const T y0_4 = U(3);
-            const T ty0_4 = DU(3);
-            TY0(4, ty0_4);
-            const T y1_4 = C(0)*U(2)+C(1)*U(3);
-            const T ty1_4 = CD(0)*U(2)+C(0)*DU(2)+CD(1)*U(3)+C(1)*DU(3);
-            TY1(4, ty1_4);
-            const T y2_4 = C(5)*U(1)+C(10)*U(2)+C(5)*U(3);
-            const T ty2_4 = CD(5)*U(1)+C(5)*DU(1)+CD(10)*U(2)+C(10)*DU(2)+CD(5)*U(3)+C(5)*DU(3);
-            TY2(4, ty2_4);
-            const T y3_4 = C(6)*U(0)+C(14)*U(1)+C(13)*U(2)+C(9)*U(3);
-            const T ty3_4 = CD(6)*U(0)+C(6)*DU(0)+CD(14)*U(1)+C(14)*DU(1)+CD(13)*U(2)+C(13)*DU(2)+CD(9)*U(3)+C(9)*DU(3);
-            TY3(4, ty3_4);
-            const T y0_5 = U(4);
-            const T ty0_5 = DU(4);
-            TY0(5, ty0_5);
-            const T y1_5 = C(0)*U(3)+C(1)*U(4);
-            const T ty1_5 = CD(0)*U(3)+C(0)*DU(3)+CD(1)*U(4)+C(1)*DU(4);
-            TY1(5, ty1_5);
-            const T y2_5 = C(5)*U(2)+C(10)*U(3)+C(5)*U(4);
-            const T ty2_5 = CD(5)*U(2)+C(5)*DU(2)+CD(10)*U(3)+C(10)*DU(3)+CD(5)*U(4)+C(5)*DU(4);
-            TY2(5, ty2_5);
-            const T y3_5 = C(6)*U(1)+C(14)*U(2)+C(13)*U(3)+C(9)*U(4);
-            const T ty3_5 = CD(6)*U(1)+C(6)*DU(1)+CD(14)*U(2)+C(14)*DU(2)+CD(13)*U(3)+C(13)*DU(3)+CD(9)*U(4)+C(9)*DU(4);
-            TY3(5, ty3_5);
-            const T y0_6 = U(5);
-            const T ty0_6 = DU(5);
-            TY0(6, ty0_6);
-            const T y1_6 = C(0)*U(4)+C(1)*U(5);
-            const T ty1_6 = CD(0)*U(4)+C(0)*DU(4)+CD(1)*U(5)+C(1)*DU(5);
-            TY1(6, ty1_6);
-            const T y2_6 = C(5)*U(3)+C(10)*U(4)+C(5)*U(5);
-            const T ty2_6 = CD(5)*U(3)+C(5)*DU(3)+CD(10)*U(4)+C(10)*DU(4)+CD(5)*U(5)+C(5)*DU(5);
-            TY2(6, ty2_6);
-            const T y3_6 = C(6)*U(2)+C(14)*U(3)+C(13)*U(4)+C(9)*U(5);
-            const T ty3_6 = CD(6)*U(2)+C(6)*DU(2)+CD(14)*U(3)+C(14)*DU(3)+CD(13)*U(4)+C(13)*DU(4)+CD(9)*U(5)+C(9)*DU(5);
-            TY3(6, ty3_6);
-            const T y0_7 = U(6);
-            const T ty0_7 = DU(6);
-            TY0(7, ty0_7);
-            const T y1_7 = C(0)*U(5)+C(1)*U(6);
-            const T ty1_7 = CD(0)*U(5)+C(0)*DU(5)+CD(1)*U(6)+C(1)*DU(6);
-            TY1(7, ty1_7);
-            const T y2_7 = C(5)*U(4)+C(10)*U(5)+C(5)*U(6);
-            const T ty2_7 = CD(5)*U(4)+C(5)*DU(4)+CD(10)*U(5)+C(10)*DU(5)+CD(5)*U(6)+C(5)*DU(6);
-            TY2(7, ty2_7);
-            const T y3_7 = C(6)*U(3)+C(14)*U(4)+C(13)*U(5)+C(9)*U(6);
-            const T ty3_7 = CD(6)*U(3)+C(6)*DU(3)+CD(14)*U(4)+C(14)*DU(4)+CD(13)*U(5)+C(13)*DU(5)+CD(9)*U(6)+C(9)*DU(6);
-            TY3(7, ty3_7);
-            const T y0_8 = U(7);
-            const T ty0_8 = DU(7);
-            TY0(8, ty0_8);
-            const T y1_8 = C(0)*U(6)+C(1)*U(7);
-            const T ty1_8 = CD(0)*U(6)+C(0)*DU(6)+CD(1)*U(7)+C(1)*DU(7);
-            TY1(8, ty1_8);
-            const T y2_8 = C(5)*U(5)+C(10)*U(6)+C(5)*U(7);
-            const T ty2_8 = CD(5)*U(5)+C(5)*DU(5)+CD(10)*U(6)+C(10)*DU(6)+CD(5)*U(7)+C(5)*DU(7);
-            TY2(8, ty2_8);
-            const T y3_8 = C(6)*U(4)+C(14)*U(5)+C(13)*U(6)+C(9)*U(7);
-            const T ty3_8 = CD(6)*U(4)+C(6)*DU(4)+CD(14)*U(5)+C(14)*DU(5)+CD(13)*U(6)+C(13)*DU(6)+CD(9)*U(7)+C(9)*DU(7);
-            TY3(8, ty3_8);
-            const T y0_9 = U(8);
-            const T ty0_9 = DU(8);
-            TY0(9, ty0_9);
-            const T y1_9 = C(0)*U(7)+C(1)*U(8);
-            const T ty1_9 = CD(0)*U(7)+C(0)*DU(7)+CD(1)*U(8)+C(1)*DU(8);
-            TY1(9, ty1_9);
-            const T y2_9 = C(5)*U(6)+C(10)*U(7)+C(5)*U(8);
-            const T ty2_9 = CD(5)*U(6)+C(5)*DU(6)+CD(10)*U(7)+C(10)*DU(7)+CD(5)*U(8)+C(5)*DU(8);
-            TY2(9, ty2_9);
-            const T y3_9 = C(6)*U(5)+C(14)*U(6)+C(13)*U(7)+C(9)*U(8);
-            const T ty3_9 = CD(6)*U(5)+C(6)*DU(5)+CD(14)*U(6)+C(14)*DU(6)+CD(13)*U(7)+C(13)*DU(7)+CD(9)*U(8)+C(9)*DU(8);
-            TY3(9, ty3_9);
-            const T y0_10 = U(9);
-            const T ty0_10 = DU(9);
-            TY0(10, ty0_10);
-            const T y1_10 = C(0)*U(8)+C(1)*U(9);
-            const T ty1_10 = CD(0)*U(8)+C(0)*DU(8)+CD(1)*U(9)+C(1)*DU(9);
-            TY1(10, ty1_10);
-            const T y2_10 = C(5)*U(7)+C(10)*U(8)+C(5)*U(9);
-            const T ty2_10 = CD(5)*U(7)+C(5)*DU(7)+CD(10)*U(8)+C(10)*DU(8)+CD(5)*U(9)+C(5)*DU(9);
-            TY2(10, ty2_10);
-            const T y3_10 = C(6)*U(6)+C(14)*U(7)+C(13)*U(8)+C(9)*U(9);
-            const T ty3_10 = CD(6)*U(6)+C(6)*DU(6)+CD(14)*U(7)+C(14)*DU(7)+CD(13)*U(8)+C(13)*DU(8)+CD(9)*U(9)+C(9)*DU(9);
-            TY3(10, ty3_10);
-            const T y0_11 = U(10);
-            const T ty0_11 = DU(10);
-            TY0(11, ty0_11);
-            const T y1_11 = C(0)*U(9)+C(1)*U(10);
-            const T ty1_11 = CD(0)*U(9)+C(0)*DU(9)+CD(1)*U(10)+C(1)*DU(10);
-            TY1(11, ty1_11);
-            const T y2_11 = C(5)*U(8)+C(10)*U(9)+C(5)*U(10);
-            const T ty2_11 = CD(5)*U(8)+C(5)*DU(8)+CD(10)*U(9)+C(10)*DU(9)+CD(5)*U(10)+C(5)*DU(10);
-            TY2(11, ty2_11);
-            const T y3_11 = C(6)*U(7)+C(14)*U(8)+C(13)*U(9)+C(9)*U(10);
-            const T ty3_11 = CD(6)*U(7)+C(6)*DU(7)+CD(14)*U(8)+C(14)*DU(8)+CD(13)*U(9)+C(13)*DU(9)+CD(9)*U(10)+C(9)*DU(10);
-            TY3(11, ty3_11);
-            const T y0_12 = U(11);
-            const T ty0_12 = DU(11);
-            TY0(12, ty0_12);
-            const T y1_12 = C(0)*U(10)+C(1)*U(11);
-            const T ty1_12 = CD(0)*U(10)+C(0)*DU(10)+CD(1)*U(11)+C(1)*DU(11);
-            TY1(12, ty1_12);
-            const T y2_12 = C(5)*U(9)+C(10)*U(10)+C(5)*U(11);
-            const T ty2_12 = CD(5)*U(9)+C(5)*DU(9)+CD(10)*U(10)+C(10)*DU(10)+CD(5)*U(11)+C(5)*DU(11);
-            TY2(12, ty2_12);
-            const T y3_12 = C(6)*U(8)+C(14)*U(9)+C(13)*U(10)+C(9)*U(11);
-            const T ty3_12 = CD(6)*U(8)+C(6)*DU(8)+CD(14)*U(9)+C(14)*DU(9)+CD(13)*U(10)+C(13)*DU(10)+CD(9)*U(11)+C(9)*DU(11);
-            TY3(12, ty3_12);
-            const T y0_13 = U(12);
-            const T ty0_13 = DU(12);
-            TY0(13, ty0_13);
-            const T y1_13 = C(0)*U(11)+C(1)*U(12);
-            const T ty1_13 = CD(0)*U(11)+C(0)*DU(11)+CD(1)*U(12)+C(1)*DU(12);
-            TY1(13, ty1_13);
-            const T y2_13 = C(5)*U(10)+C(10)*U(11)+C(5)*U(12);
-            const T ty2_13 = CD(5)*U(10)+C(5)*DU(10)+CD(10)*U(11)+C(10)*DU(11)+CD(5)*U(12)+C(5)*DU(12);
-            TY2(13, ty2_13);
-            const T y3_13 = C(6)*U(9)+C(14)*U(10)+C(13)*U(11)+C(9)*U(12);
-            const T ty3_13 = CD(6)*U(9)+C(6)*DU(9)+CD(14)*U(10)+C(14)*DU(10)+CD(13)*U(11)+C(13)*DU(11)+CD(9)*U(12)+C(9)*DU(12);
-            TY3(13, ty3_13);
-            const T y0_14 = U(13);
-            const T ty0_14 = DU(13);
-            TY0(14, ty0_14);
-            const T y1_14 = C(0)*U(12)+C(1)*U(13);
-            const T ty1_14 = CD(0)*U(12)+C(0)*DU(12)+CD(1)*U(13)+C(1)*DU(13);
-            TY1(14, ty1_14);
-            const T y2_14 = C(5)*U(11)+C(10)*U(12)+C(5)*U(13);
-            const T ty2_14 = CD(5)*U(11)+C(5)*DU(11)+CD(10)*U(12)+C(10)*DU(12)+CD(5)*U(13)+C(5)*DU(13);
-            TY2(14, ty2_14);
-            const T y3_14 = C(6)*U(10)+C(14)*U(11)+C(13)*U(12)+C(9)*U(13);
-            const T ty3_14 = CD(6)*U(10)+C(6)*DU(10)+CD(14)*U(11)+C(14)*DU(11)+CD(13)*U(12)+C(13)*DU(12)+CD(9)*U(13)+C(9)*DU(13);
-            TY3(14, ty3_14);
-            const T y0_15 = U(14);
-            const T ty0_15 = DU(14);
-            TY0(15, ty0_15);
-            const T y1_15 = C(0)*U(13)+C(1)*U(14);
-            const T ty1_15 = CD(0)*U(13)+C(0)*DU(13)+CD(1)*U(14)+C(1)*DU(14);
-            TY1(15, ty1_15);
-            const T y2_15 = C(5)*U(12)+C(10)*U(13)+C(5)*U(14);
-            const T ty2_15 = CD(5)*U(12)+C(5)*DU(12)+CD(10)*U(13)+C(10)*DU(13)+CD(5)*U(14)+C(5)*DU(14);
-            TY2(15, ty2_15);
-            const T y3_15 = C(6)*U(11)+C(14)*U(12)+C(13)*U(13)+C(9)*U(14);
-            const T ty3_15 = CD(6)*U(11)+C(6)*DU(11)+CD(14)*U(12)+C(14)*DU(12)+CD(13)*U(13)+C(13)*DU(13)+CD(9)*U(14)+C(9)*DU(14);
-            TY3(15, ty3_15);
-            const T y0_16 = U(15);
-            const T ty0_16 = DU(15);
-            TY0(16, ty0_16);
-            const T y1_16 = C(0)*U(14)+C(1)*U(15);
-            const T ty1_16 = CD(0)*U(14)+C(0)*DU(14)+CD(1)*U(15)+C(1)*DU(15);
-            TY1(16, ty1_16);
-            const T y2_16 = C(5)*U(13)+C(10)*U(14)+C(5)*U(15);
-            const T ty2_16 = CD(5)*U(13)+C(5)*DU(13)+CD(10)*U(14)+C(10)*DU(14)+CD(5)*U(15)+C(5)*DU(15);
-            TY2(16, ty2_16);
-            const T y3_16 = C(6)*U(12)+C(14)*U(13)+C(13)*U(14)+C(9)*U(15);
-            const T ty3_16 = CD(6)*U(12)+C(6)*DU(12)+CD(14)*U(13)+C(14)*DU(13)+CD(13)*U(14)+C(13)*DU(14)+CD(9)*U(15)+C(9)*DU(15);
-            TY3(16, ty3_16);
-            const T y0_17 = U(16);
-            const T ty0_17 = DU(16);
-            TY0(17, ty0_17);
-            const T y1_17 = C(0)*U(15)+C(1)*U(16);
-            const T ty1_17 = CD(0)*U(15)+C(0)*DU(15)+CD(1)*U(16)+C(1)*DU(16);
-            TY1(17, ty1_17);
-            const T y2_17 = C(5)*U(14)+C(10)*U(15)+C(5)*U(16);
-            const T ty2_17 = CD(5)*U(14)+C(5)*DU(14)+CD(10)*U(15)+C(10)*DU(15)+CD(5)*U(16)+C(5)*DU(16);
-            TY2(17, ty2_17);
-            const T y3_17 = C(6)*U(13)+C(14)*U(14)+C(13)*U(15)+C(9)*U(16);
-            const T ty3_17 = CD(6)*U(13)+C(6)*DU(13)+CD(14)*U(14)+C(14)*DU(14)+CD(13)*U(15)+C(13)*DU(15)+CD(9)*U(16)+C(9)*DU(16);
-            TY3(17, ty3_17);
-            const T y0_18 = U(17);
-            const T ty0_18 = DU(17);
-            TY0(18, ty0_18);
-            const T y1_18 = C(0)*U(16)+C(1)*U(17);
-            const T ty1_18 = CD(0)*U(16)+C(0)*DU(16)+CD(1)*U(17)+C(1)*DU(17);
-            TY1(18, ty1_18);
-            const T y2_18 = C(5)*U(15)+C(10)*U(16)+C(5)*U(17);
-            const T ty2_18 = CD(5)*U(15)+C(5)*DU(15)+CD(10)*U(16)+C(10)*DU(16)+CD(5)*U(17)+C(5)*DU(17);
-            TY2(18, ty2_18);
-            const T y3_18 = C(6)*U(14)+C(14)*U(15)+C(13)*U(16)+C(9)*U(17);
-            const T ty3_18 = CD(6)*U(14)+C(6)*DU(14)+CD(14)*U(15)+C(14)*DU(15)+CD(13)*U(16)+C(13)*DU(16)+CD(9)*U(17)+C(9)*DU(17);
-            TY3(18, ty3_18);
-            const T y0_19 = U(18);
-            const T ty0_19 = DU(18);
-            TY0(19, ty0_19);
-            const T y1_19 = C(0)*U(17)+C(1)*U(18);
-            const T ty1_19 = CD(0)*U(17)+C(0)*DU(17)+CD(1)*U(18)+C(1)*DU(18);
-            TY1(19, ty1_19);
-            const T y2_19 = C(5)*U(16)+C(10)*U(17)+C(5)*U(18);
-            const T ty2_19 = CD(5)*U(16)+C(5)*DU(16)+CD(10)*U(17)+C(10)*DU(17)+CD(5)*U(18)+C(5)*DU(18);
-            TY2(19, ty2_19);
-            const T y3_19 = C(6)*U(15)+C(14)*U(16)+C(13)*U(17)+C(9)*U(18);
-            const T ty3_19 = CD(6)*U(15)+C(6)*DU(15)+CD(14)*U(16)+C(14)*DU(16)+CD(13)*U(17)+C(13)*DU(17)+CD(9)*U(18)+C(9)*DU(18);
-            TY3(19, ty3_19);
-            const T y0_20 = U(19);
-            const T ty0_20 = DU(19);
-            TY0(20, ty0_20);
-            const T y1_20 = C(0)*U(18)+C(1)*U(19);
-            const T ty1_20 = CD(0)*U(18)+C(0)*DU(18)+CD(1)*U(19)+C(1)*DU(19);
-            TY1(20, ty1_20);
-            const T y2_20 = C(5)*U(17)+C(10)*U(18)+C(5)*U(19);
-            const T ty2_20 = CD(5)*U(17)+C(5)*DU(17)+CD(10)*U(18)+C(10)*DU(18)+CD(5)*U(19)+C(5)*DU(19);
-            TY2(20, ty2_20);
-            const T y3_20 = C(6)*U(16)+C(14)*U(17)+C(13)*U(18)+C(9)*U(19);
-            const T ty3_20 = CD(6)*U(16)+C(6)*DU(16)+CD(14)*U(17)+C(14)*DU(17)+CD(13)*U(18)+C(13)*DU(18)+CD(9)*U(19)+C(9)*DU(19);
-            TY3(20, ty3_20);
-            const T y0_21 = U(20);
-            const T ty0_21 = DU(20);
-            TY0(21, ty0_21);
-            const T y1_21 = C(0)*U(19)+C(1)*U(20);
-            const T ty1_21 = CD(0)*U(19)+C(0)*DU(19)+CD(1)*U(20)+C(1)*DU(20);
-            TY1(21, ty1_21);
-            const T y2_21 = C(5)*U(18)+C(10)*U(19)+C(5)*U(20);
-            const T ty2_21 = CD(5)*U(18)+C(5)*DU(18)+CD(10)*U(19)+C(10)*DU(19)+CD(5)*U(20)+C(5)*DU(20);
-            TY2(21, ty2_21);
-            const T y3_21 = C(6)*U(17)+C(14)*U(18)+C(13)*U(19)+C(9)*U(20);
-            const T ty3_21 = CD(6)*U(17)+C(6)*DU(17)+CD(14)*U(18)+C(14)*DU(18)+CD(13)*U(19)+C(13)*DU(19)+CD(9)*U(20)+C(9)*DU(20);
-            TY3(21, ty3_21);
-            const T y0_22 = U(21);
-            const T ty0_22 = DU(21);
-            TY0(22, ty0_22);
-            const T y1_22 = C(0)*U(20)+C(1)*U(21);
-            const T ty1_22 = CD(0)*U(20)+C(0)*DU(20)+CD(1)*U(21)+C(1)*DU(21);
-            TY1(22, ty1_22);
-            const T y2_22 = C(5)*U(19)+C(10)*U(20)+C(5)*U(21);
-            const T ty2_22 = CD(5)*U(19)+C(5)*DU(19)+CD(10)*U(20)+C(10)*DU(20)+CD(5)*U(21)+C(5)*DU(21);
-            TY2(22, ty2_22);
-            const T y3_22 = C(6)*U(18)+C(14)*U(19)+C(13)*U(20)+C(9)*U(21);
-            const T ty3_22 = CD(6)*U(18)+C(6)*DU(18)+CD(14)*U(19)+C(14)*DU(19)+CD(13)*U(20)+C(13)*DU(20)+CD(9)*U(21)+C(9)*DU(21);
-            TY3(22, ty3_22);
-            const T y0_23 = U(22);
-            const T ty0_23 = DU(22);
-            TY0(23, ty0_23);
-            const T y1_23 = C(0)*U(21)+C(1)*U(22);
-            const T ty1_23 = CD(0)*U(21)+C(0)*DU(21)+CD(1)*U(22)+C(1)*DU(22);
-            TY1(23, ty1_23);
-            const T y2_23 = C(5)*U(20)+C(10)*U(21)+C(5)*U(22);
-            const T ty2_23 = CD(5)*U(20)+C(5)*DU(20)+CD(10)*U(21)+C(10)*DU(21)+CD(5)*U(22)+C(5)*DU(22);
-            TY2(23, ty2_23);
-            const T y3_23 = C(6)*U(19)+C(14)*U(20)+C(13)*U(21)+C(9)*U(22);
-            const T ty3_23 = CD(6)*U(19)+C(6)*DU(19)+CD(14)*U(20)+C(14)*DU(20)+CD(13)*U(21)+C(13)*DU(21)+CD(9)*U(22)+C(9)*DU(22);
-            TY3(23, ty3_23);
-            const T y0_24 = U(23);
-            const T ty0_24 = DU(23);
-            TY0(24, ty0_24);
-            const T y1_24 = C(0)*U(22)+C(1)*U(23);
-            const T ty1_24 = CD(0)*U(22)+C(0)*DU(22)+CD(1)*U(23)+C(1)*DU(23);
-            TY1(24, ty1_24);
-            const T y2_24 = C(5)*U(21)+C(10)*U(22)+C(5)*U(23);
-            const T ty2_24 = CD(5)*U(21)+C(5)*DU(21)+CD(10)*U(22)+C(10)*DU(22)+CD(5)*U(23)+C(5)*DU(23);
-            TY2(24, ty2_24);
-            const T y3_24 = C(6)*U(20)+C(14)*U(21)+C(13)*U(22)+C(9)*U(23);
-            const T ty3_24 = CD(6)*U(20)+C(6)*DU(20)+CD(14)*U(21)+C(14)*DU(21)+CD(13)*U(22)+C(13)*DU(22)+CD(9)*U(23)+C(9)*DU(23);
-            TY3(24, ty3_24);
-            const T y0_25 = U(24);
-            const T ty0_25 = DU(24);
-            TY0(25, ty0_25);
-            const T y1_25 = C(0)*U(23)+C(1)*U(24);
-            const T ty1_25 = CD(0)*U(23)+C(0)*DU(23)+CD(1)*U(24)+C(1)*DU(24);
-            TY1(25, ty1_25);
-            const T y2_25 = C(5)*U(22)+C(10)*U(23)+C(5)*U(24);
-            const T ty2_25 = CD(5)*U(22)+C(5)*DU(22)+CD(10)*U(23)+C(10)*DU(23)+CD(5)*U(24)+C(5)*DU(24);
-            TY2(25, ty2_25);
-            const T y3_25 = C(6)*U(21)+C(14)*U(22)+C(13)*U(23)+C(9)*U(24);
-            const T ty3_25 = CD(6)*U(21)+C(6)*DU(21)+CD(14)*U(22)+C(14)*DU(22)+CD(13)*U(23)+C(13)*DU(23)+CD(9)*U(24)+C(9)*DU(24);
-            TY3(25, ty3_25);
-            const T y0_26 = U(25);
-            const T ty0_26 = DU(25);
-            TY0(26, ty0_26);
-            const T y1_26 = C(0)*U(24)+C(1)*U(25);
-            const T ty1_26 = CD(0)*U(24)+C(0)*DU(24)+CD(1)*U(25)+C(1)*DU(25);
-            TY1(26, ty1_26);
-            const T y2_26 = C(5)*U(23)+C(10)*U(24)+C(5)*U(25);
-            const T ty2_26 = CD(5)*U(23)+C(5)*DU(23)+CD(10)*U(24)+C(10)*DU(24)+CD(5)*U(25)+C(5)*DU(25);
-            TY2(26, ty2_26);
-            const T y3_26 = C(6)*U(22)+C(14)*U(23)+C(13)*U(24)+C(9)*U(25);
-            const T ty3_26 = CD(6)*U(22)+C(6)*DU(22)+CD(14)*U(23)+C(14)*DU(23)+CD(13)*U(24)+C(13)*DU(24)+CD(9)*U(25)+C(9)*DU(25);
-            TY3(26, ty3_26);
-            const T y0_27 = U(26);
-            const T ty0_27 = DU(26);
-            TY0(27, ty0_27);
-            const T y1_27 = C(0)*U(25)+C(1)*U(26);
-            const T ty1_27 = CD(0)*U(25)+C(0)*DU(25)+CD(1)*U(26)+C(1)*DU(26);
-            TY1(27, ty1_27);
-            const T y2_27 = C(5)*U(24)+C(10)*U(25)+C(5)*U(26);
-            const T ty2_27 = CD(5)*U(24)+C(5)*DU(24)+CD(10)*U(25)+C(10)*DU(25)+CD(5)*U(26)+C(5)*DU(26);
-            TY2(27, ty2_27);
-            const T y3_27 = C(6)*U(23)+C(14)*U(24)+C(13)*U(25)+C(9)*U(26);
-            const T ty3_27 = CD(6)*U(23)+C(6)*DU(23)+CD(14)*U(24)+C(14)*DU(24)+CD(13)*U(25)+C(13)*DU(25)+CD(9)*U(26)+C(9)*DU(26);
-            TY3(27, ty3_27);
-            const T y0_28 = U(27);
-            const T ty0_28 = DU(27);
-            TY0(28, ty0_28);
-            const T y1_28 = C(0)*U(26)+C(1)*U(27);
-            const T ty1_28 = CD(0)*U(26)+C(0)*DU(26)+CD(1)*U(27)+C(1)*DU(27);
-            TY1(28, ty1_28);
-            const T y2_28 = C(5)*U(25)+C(10)*U(26)+C(5)*U(27);
-            const T ty2_28 = CD(5)*U(25)+C(5)*DU(25)+CD(10)*U(26)+C(10)*DU(26)+CD(5)*U(27)+C(5)*DU(27);
-            TY2(28, ty2_28);
-            const T y3_28 = C(6)*U(24)+C(14)*U(25)+C(13)*U(26)+C(9)*U(27);
-            const T ty3_28 = CD(6)*U(24)+C(6)*DU(24)+CD(14)*U(25)+C(14)*DU(25)+CD(13)*U(26)+C(13)*DU(26)+CD(9)*U(27)+C(9)*DU(27);
-            TY3(28, ty3_28);
-            const T y0_29 = U(28);
-            const T ty0_29 = DU(28);
-            TY0(29, ty0_29);
-            const T y1_29 = C(0)*U(27)+C(1)*U(28);
-            const T ty1_29 = CD(0)*U(27)+C(0)*DU(27)+CD(1)*U(28)+C(1)*DU(28);
-            TY1(29, ty1_29);
-            const T y2_29 = C(5)*U(26)+C(10)*U(27)+C(5)*U(28);
-            const T ty2_29 = CD(5)*U(26)+C(5)*DU(26)+CD(10)*U(27)+C(10)*DU(27)+CD(5)*U(28)+C(5)*DU(28);
-            TY2(29, ty2_29);
-            const T y3_29 = C(6)*U(25)+C(14)*U(26)+C(13)*U(27)+C(9)*U(28);
-            const T ty3_29 = CD(6)*U(25)+C(6)*DU(25)+CD(14)*U(26)+C(14)*DU(26)+CD(13)*U(27)+C(13)*DU(27)+CD(9)*U(28)+C(9)*DU(28);
-            TY3(29, ty3_29);
-            const T y0_30 = U(29);
-            const T ty0_30 = DU(29);
-            TY0(30, ty0_30);
-            const T y1_30 = C(0)*U(28)+C(1)*U(29);
-            const T ty1_30 = CD(0)*U(28)+C(0)*DU(28)+CD(1)*U(29)+C(1)*DU(29);
-            TY1(30, ty1_30);
-            const T y2_30 = C(5)*U(27)+C(10)*U(28)+C(5)*U(29);
-            const T ty2_30 = CD(5)*U(27)+C(5)*DU(27)+CD(10)*U(28)+C(10)*DU(28)+CD(5)*U(29)+C(5)*DU(29);
-            TY2(30, ty2_30);
-            const T y3_30 = C(6)*U(26)+C(14)*U(27)+C(13)*U(28)+C(9)*U(29);
-            const T ty3_30 = CD(6)*U(26)+C(6)*DU(26)+CD(14)*U(27)+C(14)*DU(27)+CD(13)*U(28)+C(13)*DU(28)+CD(9)*U(29)+C(9)*DU(29);
-            TY3(30, ty3_30);
-            const T y0_31 = U(30);
-            const T ty0_31 = DU(30);
-            TY0(31, ty0_31);
-            const T y1_31 = C(0)*U(29)+C(1)*U(30);
-            const T ty1_31 = CD(0)*U(29)+C(0)*DU(29)+CD(1)*U(30)+C(1)*DU(30);
-            TY1(31, ty1_31);
-            const T y2_31 = C(5)*U(28)+C(10)*U(29)+C(5)*U(30);
-            const T ty2_31 = CD(5)*U(28)+C(5)*DU(28)+CD(10)*U(29)+C(10)*DU(29)+CD(5)*U(30)+C(5)*DU(30);
-            TY2(31, ty2_31);
-            const T y3_31 = C(6)*U(27)+C(14)*U(28)+C(13)*U(29)+C(9)*U(30);
-            const T ty3_31 = CD(6)*U(27)+C(6)*DU(27)+CD(14)*U(28)+C(14)*DU(28)+CD(13)*U(29)+C(13)*DU(29)+CD(9)*U(30)+C(9)*DU(30);
-            TY3(31, ty3_31);
         }
     }
 }

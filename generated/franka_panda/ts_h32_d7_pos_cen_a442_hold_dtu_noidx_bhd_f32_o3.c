@@ -64,13 +64,18 @@ enum { H_ = 32, N_ = 31, D_ = 7, NDT_ = 1, NC_ = 23 };
 /* inside interior loops: su / sy are the action / output element of the loop's row */
 #define SU(rel) u[su + (rel) * U_SH]
 #define SGU gu[su]
+#define SDU(rel) (du ? du[su + (rel) * U_SH] : (T)0)
 #define SY0 y0[sy]
+#define STY0 ty0[sy]
 #define SG0(rel) g0[sy + (rel) * Y_SH]
 #define SY1 y1[sy]
+#define STY1 ty1[sy]
 #define SG1(rel) g1[sy + (rel) * Y_SH]
 #define SY2 y2[sy]
+#define STY2 ty2[sy]
 #define SG2(rel) g2[sy + (rel) * Y_SH]
 #define SY3 y3[sy]
+#define STY3 ty3[sy]
 #define SG3(rel) g3[sy + (rel) * Y_SH]
 #define ZERO ((T)0)
 #define C(q) coef[(q)]
@@ -522,6 +527,59 @@ void ts_h32_d7_pos_cen_a442_hold_dtu_noidx_bhd_f32_o3_dt_vjp(int64_t B, const fl
         const T* restrict gb1 = g1 ? g1 + b * Y_SB : ts_zero_outputs;
         const T* restrict gb2 = g2 ? g2 + b * Y_SB : ts_zero_outputs;
         const T* restrict gb3 = g3 ? g3 + b * Y_SB : ts_zero_outputs;
+        if (g1) {
+            double acc1_7 = 0.0;
+            double acc1_18 = 0.0;
+            double acc1_4 = 0.0;
+            double acc1_5 = 0.0;
+            /* serial: the dof add into one accumulator */
+            for (int64_t f = 3LL * D_; f < 30LL * D_; ++f) {
+                const int64_t su = b * U_SB + f, sy = b * Y_SB + f;
+                acc1_7 += (double)(SG1(0)*SU(-3));
+                acc1_18 += (double)(SG1(0)*SU(-2));
+                acc1_4 += (double)(SG1(0)*SU(0));
+                acc1_5 += (double)(SG1(0)*SU(1));
+            }
+            ACC(7) += acc1_7;
+            ACC(18) += acc1_18;
+            ACC(4) += acc1_4;
+            ACC(5) += acc1_5;
+        }
+        if (g2) {
+            double acc2_12 = 0.0;
+            double acc2_11 = 0.0;
+            double acc2_10 = 0.0;
+            /* serial: the dof add into one accumulator */
+            for (int64_t f = 3LL * D_; f < 30LL * D_; ++f) {
+                const int64_t su = b * U_SB + f, sy = b * Y_SB + f;
+                acc2_12 += (double)(SG2(0)*SU(-3));
+                acc2_11 += (double)(SG2(0)*SU(-2));
+                acc2_10 += (double)(SG2(0)*SU(-1));
+                acc2_11 += (double)(SG2(0)*SU(0));
+                acc2_12 += (double)(SG2(0)*SU(1));
+            }
+            ACC(12) += acc2_12;
+            ACC(11) += acc2_11;
+            ACC(10) += acc2_10;
+        }
+        if (g3) {
+            double acc3_19 = 0.0;
+            double acc3_20 = 0.0;
+            double acc3_17 = 0.0;
+            double acc3_13 = 0.0;
+            /* serial: the dof add into one accumulator */
+            for (int64_t f = 3LL * D_; f < 30LL * D_; ++f) {
+                const int64_t su = b * U_SB + f, sy = b * Y_SB + f;
+                acc3_19 += (double)(SG3(0)*SU(-3));
+                acc3_20 += (double)(SG3(0)*SU(-2));
+                acc3_17 += (double)(SG3(0)*SU(0));
+                acc3_13 += (double)(SG3(0)*SU(1));
+            }
+            ACC(19) += acc3_19;
+            ACC(20) += acc3_20;
+            ACC(17) += acc3_17;
+            ACC(13) += acc3_13;
+        }
         /* serial: the dof add into one accumulator */
         for (int64_t d = 0; d < D_; ++d) {
             COLUMN_BASES(b, d)
@@ -532,100 +590,30 @@ void ts_h32_d7_pos_cen_a442_hold_dtu_noidx_bhd_f32_o3_dt_vjp(int64_t B, const fl
             ACC(0) += (double)(G1(1)*s0);
             ACC(2) += (double)(G1(1)*s2);
             ACC(3) += (double)(G1(1)*s3);
-            ACC(4) += (double)(G1(1)*U(1) + G1(2)*U(2) + G1(3)*U(3));
-            ACC(5) += (double)(G1(1)*U(2) + G1(2)*U(3) + G1(3)*U(4));
+            ACC(4) += (double)(G1(1)*U(1) + G1(2)*U(2));
+            ACC(5) += (double)(G1(1)*U(2) + G1(2)*U(3));
             ACC(6) += (double)(G2(1)*s0);
-            ACC(7) += (double)(G2(1)*s1 + G1(2)*s0 + G1(3)*U(0));
+            ACC(7) += (double)(G2(1)*s1 + G1(2)*s0);
             ACC(9) += (double)(G2(1)*s3);
-            ACC(10) += (double)(G2(1)*U(0) + G2(2)*U(1) + G2(3)*U(2));
-            ACC(11) += (double)(G2(1)*U(1) + G2(2)*U(0) + G2(2)*U(2) + G2(3)*U(1) + G2(3)*U(3));
-            ACC(12) += (double)(G2(1)*U(2) + G2(2)*s0 + G2(2)*U(3) + G2(3)*U(0) + G2(3)*U(4));
-            ACC(13) += (double)(G3(1)*s0 + G3(1)*U(2) + G3(2)*U(3) + G3(3)*U(4));
+            ACC(10) += (double)(G2(1)*U(0) + G2(2)*U(1));
+            ACC(11) += (double)(G2(1)*U(1) + G2(2)*U(0) + G2(2)*U(2));
+            ACC(12) += (double)(G2(1)*U(2) + G2(2)*s0 + G2(2)*U(3));
+            ACC(13) += (double)(G3(1)*s0 + G3(1)*U(2) + G3(2)*U(3));
             ACC(14) += (double)(G3(1)*s1);
             ACC(15) += (double)(G3(1)*s2);
-            ACC(17) += (double)(G3(1)*U(1) + G3(2)*U(2) + G3(3)*U(3));
-            ACC(18) += (double)(G1(2)*U(0) + G1(3)*U(1));
-            ACC(19) += (double)(G3(2)*s0 + G3(3)*U(0));
-            ACC(20) += (double)(G3(2)*U(0) + G3(3)*U(1));
-            ACC(7) += (double)(G1(4)*U(1) + G1(5)*U(2) + G1(6)*U(3) + G1(7)*U(4));
-            ACC(18) += (double)(G1(4)*U(2) + G1(5)*U(3) + G1(6)*U(4) + G1(7)*U(5));
-            ACC(4) += (double)(G1(4)*U(4) + G1(5)*U(5) + G1(6)*U(6) + G1(7)*U(7));
-            ACC(5) += (double)(G1(4)*U(5) + G1(5)*U(6) + G1(6)*U(7) + G1(7)*U(8));
-            ACC(12) += (double)(G2(4)*U(1) + G2(4)*U(5) + G2(5)*U(2) + G2(5)*U(6) + G2(6)*U(3) + G2(6)*U(7) + G2(7)*U(4) + G2(7)*U(8));
-            ACC(11) += (double)(G2(4)*U(2) + G2(4)*U(4) + G2(5)*U(3) + G2(5)*U(5) + G2(6)*U(4) + G2(6)*U(6) + G2(7)*U(5) + G2(7)*U(7));
-            ACC(10) += (double)(G2(4)*U(3) + G2(5)*U(4) + G2(6)*U(5) + G2(7)*U(6));
-            ACC(19) += (double)(G3(4)*U(1) + G3(5)*U(2) + G3(6)*U(3) + G3(7)*U(4));
-            ACC(20) += (double)(G3(4)*U(2) + G3(5)*U(3) + G3(6)*U(4) + G3(7)*U(5));
-            ACC(17) += (double)(G3(4)*U(4) + G3(5)*U(5) + G3(6)*U(6) + G3(7)*U(7));
-            ACC(13) += (double)(G3(4)*U(5) + G3(5)*U(6) + G3(6)*U(7) + G3(7)*U(8));
-            ACC(7) += (double)(G1(8)*U(5) + G1(9)*U(6) + G1(10)*U(7) + G1(11)*U(8));
-            ACC(18) += (double)(G1(8)*U(6) + G1(9)*U(7) + G1(10)*U(8) + G1(11)*U(9));
-            ACC(4) += (double)(G1(8)*U(8) + G1(9)*U(9) + G1(10)*U(10) + G1(11)*U(11));
-            ACC(5) += (double)(G1(8)*U(9) + G1(9)*U(10) + G1(10)*U(11) + G1(11)*U(12));
-            ACC(12) += (double)(G2(8)*U(5) + G2(8)*U(9) + G2(9)*U(6) + G2(9)*U(10) + G2(10)*U(7) + G2(10)*U(11) + G2(11)*U(8) + G2(11)*U(12));
-            ACC(11) += (double)(G2(8)*U(6) + G2(8)*U(8) + G2(9)*U(7) + G2(9)*U(9) + G2(10)*U(8) + G2(10)*U(10) + G2(11)*U(9) + G2(11)*U(11));
-            ACC(10) += (double)(G2(8)*U(7) + G2(9)*U(8) + G2(10)*U(9) + G2(11)*U(10));
-            ACC(19) += (double)(G3(8)*U(5) + G3(9)*U(6) + G3(10)*U(7) + G3(11)*U(8));
-            ACC(20) += (double)(G3(8)*U(6) + G3(9)*U(7) + G3(10)*U(8) + G3(11)*U(9));
-            ACC(17) += (double)(G3(8)*U(8) + G3(9)*U(9) + G3(10)*U(10) + G3(11)*U(11));
-            ACC(13) += (double)(G3(8)*U(9) + G3(9)*U(10) + G3(10)*U(11) + G3(11)*U(12));
-            ACC(7) += (double)(G1(12)*U(9) + G1(13)*U(10) + G1(14)*U(11) + G1(15)*U(12));
-            ACC(18) += (double)(G1(12)*U(10) + G1(13)*U(11) + G1(14)*U(12) + G1(15)*U(13));
-            ACC(4) += (double)(G1(12)*U(12) + G1(13)*U(13) + G1(14)*U(14) + G1(15)*U(15));
-            ACC(5) += (double)(G1(12)*U(13) + G1(13)*U(14) + G1(14)*U(15) + G1(15)*U(16));
-            ACC(12) += (double)(G2(12)*U(9) + G2(12)*U(13) + G2(13)*U(10) + G2(13)*U(14) + G2(14)*U(11) + G2(14)*U(15) + G2(15)*U(12) + G2(15)*U(16));
-            ACC(11) += (double)(G2(12)*U(10) + G2(12)*U(12) + G2(13)*U(11) + G2(13)*U(13) + G2(14)*U(12) + G2(14)*U(14) + G2(15)*U(13) + G2(15)*U(15));
-            ACC(10) += (double)(G2(12)*U(11) + G2(13)*U(12) + G2(14)*U(13) + G2(15)*U(14));
-            ACC(19) += (double)(G3(12)*U(9) + G3(13)*U(10) + G3(14)*U(11) + G3(15)*U(12));
-            ACC(20) += (double)(G3(12)*U(10) + G3(13)*U(11) + G3(14)*U(12) + G3(15)*U(13));
-            ACC(17) += (double)(G3(12)*U(12) + G3(13)*U(13) + G3(14)*U(14) + G3(15)*U(15));
-            ACC(13) += (double)(G3(12)*U(13) + G3(13)*U(14) + G3(14)*U(15) + G3(15)*U(16));
-            ACC(7) += (double)(G1(16)*U(13) + G1(17)*U(14) + G1(18)*U(15) + G1(19)*U(16));
-            ACC(18) += (double)(G1(16)*U(14) + G1(17)*U(15) + G1(18)*U(16) + G1(19)*U(17));
-            ACC(4) += (double)(G1(16)*U(16) + G1(17)*U(17) + G1(18)*U(18) + G1(19)*U(19));
-            ACC(5) += (double)(G1(16)*U(17) + G1(17)*U(18) + G1(18)*U(19) + G1(19)*U(20));
-            ACC(12) += (double)(G2(16)*U(13) + G2(16)*U(17) + G2(17)*U(14) + G2(17)*U(18) + G2(18)*U(15) + G2(18)*U(19) + G2(19)*U(16) + G2(19)*U(20));
-            ACC(11) += (double)(G2(16)*U(14) + G2(16)*U(16) + G2(17)*U(15) + G2(17)*U(17) + G2(18)*U(16) + G2(18)*U(18) + G2(19)*U(17) + G2(19)*U(19));
-            ACC(10) += (double)(G2(16)*U(15) + G2(17)*U(16) + G2(18)*U(17) + G2(19)*U(18));
-            ACC(19) += (double)(G3(16)*U(13) + G3(17)*U(14) + G3(18)*U(15) + G3(19)*U(16));
-            ACC(20) += (double)(G3(16)*U(14) + G3(17)*U(15) + G3(18)*U(16) + G3(19)*U(17));
-            ACC(17) += (double)(G3(16)*U(16) + G3(17)*U(17) + G3(18)*U(18) + G3(19)*U(19));
-            ACC(13) += (double)(G3(16)*U(17) + G3(17)*U(18) + G3(18)*U(19) + G3(19)*U(20));
-            ACC(7) += (double)(G1(20)*U(17) + G1(21)*U(18) + G1(22)*U(19) + G1(23)*U(20));
-            ACC(18) += (double)(G1(20)*U(18) + G1(21)*U(19) + G1(22)*U(20) + G1(23)*U(21));
-            ACC(4) += (double)(G1(20)*U(20) + G1(21)*U(21) + G1(22)*U(22) + G1(23)*U(23));
-            ACC(5) += (double)(G1(20)*U(21) + G1(21)*U(22) + G1(22)*U(23) + G1(23)*U(24));
-            ACC(12) += (double)(G2(20)*U(17) + G2(20)*U(21) + G2(21)*U(18) + G2(21)*U(22) + G2(22)*U(19) + G2(22)*U(23) + G2(23)*U(20) + G2(23)*U(24));
-            ACC(11) += (double)(G2(20)*U(18) + G2(20)*U(20) + G2(21)*U(19) + G2(21)*U(21) + G2(22)*U(20) + G2(22)*U(22) + G2(23)*U(21) + G2(23)*U(23));
-            ACC(10) += (double)(G2(20)*U(19) + G2(21)*U(20) + G2(22)*U(21) + G2(23)*U(22));
-            ACC(19) += (double)(G3(20)*U(17) + G3(21)*U(18) + G3(22)*U(19) + G3(23)*U(20));
-            ACC(20) += (double)(G3(20)*U(18) + G3(21)*U(19) + G3(22)*U(20) + G3(23)*U(21));
-            ACC(17) += (double)(G3(20)*U(20) + G3(21)*U(21) + G3(22)*U(22) + G3(23)*U(23));
-            ACC(13) += (double)(G3(20)*U(21) + G3(21)*U(22) + G3(22)*U(23) + G3(23)*U(24));
-            ACC(7) += (double)(G1(24)*U(21) + G1(25)*U(22) + G1(26)*U(23) + G1(27)*U(24));
-            ACC(18) += (double)(G1(24)*U(22) + G1(25)*U(23) + G1(26)*U(24) + G1(27)*U(25));
-            ACC(4) += (double)(G1(24)*U(24) + G1(25)*U(25) + G1(26)*U(26) + G1(27)*U(27));
-            ACC(5) += (double)(G1(24)*U(25) + G1(25)*U(26) + G1(26)*U(27) + G1(27)*U(28));
-            ACC(12) += (double)(G2(24)*U(21) + G2(24)*U(25) + G2(25)*U(22) + G2(25)*U(26) + G2(26)*U(23) + G2(26)*U(27) + G2(27)*U(24) + G2(27)*U(28));
-            ACC(11) += (double)(G2(24)*U(22) + G2(24)*U(24) + G2(25)*U(23) + G2(25)*U(25) + G2(26)*U(24) + G2(26)*U(26) + G2(27)*U(25) + G2(27)*U(27));
-            ACC(10) += (double)(G2(24)*U(23) + G2(25)*U(24) + G2(26)*U(25) + G2(27)*U(26));
-            ACC(19) += (double)(G3(24)*U(21) + G3(25)*U(22) + G3(26)*U(23) + G3(27)*U(24));
-            ACC(20) += (double)(G3(24)*U(22) + G3(25)*U(23) + G3(26)*U(24) + G3(27)*U(25));
-            ACC(17) += (double)(G3(24)*U(24) + G3(25)*U(25) + G3(26)*U(26) + G3(27)*U(27));
-            ACC(13) += (double)(G3(24)*U(25) + G3(25)*U(26) + G3(26)*U(27) + G3(27)*U(28));
-            ACC(7) += (double)(G1(28)*U(25) + G1(29)*U(26) + G1(30)*U(27) + G1(31)*U(28));
-            ACC(18) += (double)(G1(28)*U(26) + G1(29)*U(27) + G1(30)*U(28) + G1(31)*U(29));
-            ACC(4) += (double)(G1(28)*U(28) + G1(29)*U(29));
-            ACC(5) += (double)(G1(28)*U(29) + G1(29)*U(30));
-            ACC(12) += (double)(G2(28)*U(25) + G2(28)*U(29) + G2(29)*U(26) + G2(29)*U(30) + G2(30)*U(27) + G2(31)*U(28));
-            ACC(11) += (double)(G2(28)*U(26) + G2(28)*U(28) + G2(29)*U(27) + G2(29)*U(29) + G2(30)*U(28) + G2(31)*U(29));
-            ACC(10) += (double)(G2(28)*U(27) + G2(29)*U(28) + G2(30)*U(29));
-            ACC(19) += (double)(G3(28)*U(25) + G3(29)*U(26) + G3(30)*U(27) + G3(30)*U(30) + G3(31)*U(28) + G3(31)*U(30));
-            ACC(20) += (double)(G3(28)*U(26) + G3(29)*U(27) + G3(30)*U(28) + G3(31)*U(29));
-            ACC(17) += (double)(G3(28)*U(28) + G3(29)*U(29));
-            ACC(13) += (double)(G3(28)*U(29) + G3(29)*U(30));
+            ACC(17) += (double)(G3(1)*U(1) + G3(2)*U(2));
+            ACC(18) += (double)(G1(2)*U(0));
+            ACC(19) += (double)(G3(2)*s0);
+            ACC(20) += (double)(G3(2)*U(0));
+            ACC(7) += (double)(G1(30)*U(27) + G1(31)*U(28));
+            ACC(18) += (double)(G1(30)*U(28) + G1(31)*U(29));
             ACC(21) += (double)(G1(30)*U(30) + G1(31)*U(30));
+            ACC(12) += (double)(G2(30)*U(27) + G2(31)*U(28));
+            ACC(11) += (double)(G2(30)*U(28) + G2(31)*U(29));
+            ACC(10) += (double)(G2(30)*U(29));
             ACC(6) += (double)(G2(30)*U(30));
+            ACC(19) += (double)(G3(30)*U(27) + G3(30)*U(30) + G3(31)*U(28) + G3(31)*U(30));
+            ACC(20) += (double)(G3(30)*U(28) + G3(31)*U(29));
             ACC(22) += (double)(G2(31)*U(30));
         }
     }
@@ -823,6 +811,34 @@ void ts_h32_d7_pos_cen_a442_hold_dtu_noidx_bhd_f32_o3_dt_jvp(int64_t B, const fl
     TS_PARALLEL_FOR
     for (int64_t b = 0; b < B; ++b) {
         const int64_t srow = idx ? idx[b] : b;
+        {
+            TS_SIMD
+            for (int64_t f = 1LL * D_; f < 32LL * D_; ++f) {
+                const int64_t su = b * U_SB + f, sy = b * Y_SB + f;
+                STY0 = SDU(-1);
+            }
+        }
+        {
+            TS_SIMD
+            for (int64_t f = 3LL * D_; f < 30LL * D_; ++f) {
+                const int64_t su = b * U_SB + f, sy = b * Y_SB + f;
+                STY1 = CD(7)*SU(-3)+C(7)*SDU(-3)+CD(18)*SU(-2)+C(18)*SDU(-2)+CD(4)*SU(0)+C(4)*SDU(0)+CD(5)*SU(1)+C(5)*SDU(1);
+            }
+        }
+        {
+            TS_SIMD
+            for (int64_t f = 3LL * D_; f < 30LL * D_; ++f) {
+                const int64_t su = b * U_SB + f, sy = b * Y_SB + f;
+                STY2 = CD(12)*SU(-3)+C(12)*SDU(-3)+CD(11)*SU(-2)+C(11)*SDU(-2)+CD(10)*SU(-1)+C(10)*SDU(-1)+CD(11)*SU(0)+C(11)*SDU(0)+CD(12)*SU(1)+C(12)*SDU(1);
+            }
+        }
+        {
+            TS_SIMD
+            for (int64_t f = 3LL * D_; f < 30LL * D_; ++f) {
+                const int64_t su = b * U_SB + f, sy = b * Y_SB + f;
+                STY3 = CD(19)*SU(-3)+C(19)*SDU(-3)+CD(20)*SU(-2)+C(20)*SDU(-2)+CD(17)*SU(0)+C(17)*SDU(0)+CD(13)*SU(1)+C(13)*SDU(1);
+            }
+        }
         TS_SIMD
         for (int64_t d = 0; d < D_; ++d) {
             COLUMN_BASES(b, d)
@@ -846,9 +862,6 @@ void ts_h32_d7_pos_cen_a442_hold_dtu_noidx_bhd_f32_o3_dt_jvp(int64_t B, const fl
             const T y3_0 = s3;
             const T ty3_0 = ts3;
             TY3(0, ty3_0);
-            const T y0_1 = U(0);
-            const T ty0_1 = DU(0);
-            TY0(1, ty0_1);
             const T y1_1 = C(0)*s0+C(1)*s1+C(2)*s2+C(3)*s3+C(4)*U(1)+C(5)*U(2);
             const T ty1_1 = CD(0)*s0+C(0)*ts0+C(1)*ts1+CD(2)*s2+C(2)*ts2+CD(3)*s3+C(3)*ts3+CD(4)*U(1)+C(4)*DU(1)+CD(5)*U(2)+C(5)*DU(2);
             TY1(1, ty1_1);
@@ -858,9 +871,6 @@ void ts_h32_d7_pos_cen_a442_hold_dtu_noidx_bhd_f32_o3_dt_jvp(int64_t B, const fl
             const T y3_1 = C(13)*s0+C(14)*s1+C(15)*s2+C(16)*s3+C(17)*U(1)+C(13)*U(2);
             const T ty3_1 = CD(13)*s0+C(13)*ts0+CD(14)*s1+C(14)*ts1+CD(15)*s2+C(15)*ts2+C(16)*ts3+CD(17)*U(1)+C(17)*DU(1)+CD(13)*U(2)+C(13)*DU(2);
             TY3(1, ty3_1);
-            const T y0_2 = U(1);
-            const T ty0_2 = DU(1);
-            TY0(2, ty0_2);
             const T y1_2 = C(7)*s0+C(18)*U(0)+C(4)*U(2)+C(5)*U(3);
             const T ty1_2 = CD(7)*s0+C(7)*ts0+CD(18)*U(0)+C(18)*DU(0)+CD(4)*U(2)+C(4)*DU(2)+CD(5)*U(3)+C(5)*DU(3);
             TY1(2, ty1_2);
@@ -870,333 +880,6 @@ void ts_h32_d7_pos_cen_a442_hold_dtu_noidx_bhd_f32_o3_dt_jvp(int64_t B, const fl
             const T y3_2 = C(19)*s0+C(20)*U(0)+C(17)*U(2)+C(13)*U(3);
             const T ty3_2 = CD(19)*s0+C(19)*ts0+CD(20)*U(0)+C(20)*DU(0)+CD(17)*U(2)+C(17)*DU(2)+CD(13)*U(3)+C(13)*DU(3);
             TY3(2, ty3_2);
-            const T y0_3 = U(2);
-            const T ty0_3 = DU(2);
-            TY0(3, ty0_3);
-            const T y1_3 = C(7)*U(0)+C(18)*U(1)+C(4)*U(3)+C(5)*U(4);
-            const T ty1_3 = CD(7)*U(0)+C(7)*DU(0)+CD(18)*U(1)+C(18)*DU(1)+CD(4)*U(3)+C(4)*DU(3)+CD(5)*U(4)+C(5)*DU(4);
-            TY1(3, ty1_3);
-            const T y2_3 = C(12)*U(0)+C(11)*U(1)+C(10)*U(2)+C(11)*U(3)+C(12)*U(4);
-            const T ty2_3 = CD(12)*U(0)+C(12)*DU(0)+CD(11)*U(1)+C(11)*DU(1)+CD(10)*U(2)+C(10)*DU(2)+CD(11)*U(3)+C(11)*DU(3)+CD(12)*U(4)+C(12)*DU(4);
-            TY2(3, ty2_3);
-            const T y3_3 = C(19)*U(0)+C(20)*U(1)+C(17)*U(3)+C(13)*U(4);
-            const T ty3_3 = CD(19)*U(0)+C(19)*DU(0)+CD(20)*U(1)+C(20)*DU(1)+CD(17)*U(3)+C(17)*DU(3)+CD(13)*U(4)+C(13)*DU(4);
-            TY3(3, ty3_3);
-            const T y0_4 = U(3);
-            const T ty0_4 = DU(3);
-            TY0(4, ty0_4);
-            const T y1_4 = C(7)*U(1)+C(18)*U(2)+C(4)*U(4)+C(5)*U(5);
-            const T ty1_4 = CD(7)*U(1)+C(7)*DU(1)+CD(18)*U(2)+C(18)*DU(2)+CD(4)*U(4)+C(4)*DU(4)+CD(5)*U(5)+C(5)*DU(5);
-            TY1(4, ty1_4);
-            const T y2_4 = C(12)*U(1)+C(11)*U(2)+C(10)*U(3)+C(11)*U(4)+C(12)*U(5);
-            const T ty2_4 = CD(12)*U(1)+C(12)*DU(1)+CD(11)*U(2)+C(11)*DU(2)+CD(10)*U(3)+C(10)*DU(3)+CD(11)*U(4)+C(11)*DU(4)+CD(12)*U(5)+C(12)*DU(5);
-            TY2(4, ty2_4);
-            const T y3_4 = C(19)*U(1)+C(20)*U(2)+C(17)*U(4)+C(13)*U(5);
-            const T ty3_4 = CD(19)*U(1)+C(19)*DU(1)+CD(20)*U(2)+C(20)*DU(2)+CD(17)*U(4)+C(17)*DU(4)+CD(13)*U(5)+C(13)*DU(5);
-            TY3(4, ty3_4);
-            const T y0_5 = U(4);
-            const T ty0_5 = DU(4);
-            TY0(5, ty0_5);
-            const T y1_5 = C(7)*U(2)+C(18)*U(3)+C(4)*U(5)+C(5)*U(6);
-            const T ty1_5 = CD(7)*U(2)+C(7)*DU(2)+CD(18)*U(3)+C(18)*DU(3)+CD(4)*U(5)+C(4)*DU(5)+CD(5)*U(6)+C(5)*DU(6);
-            TY1(5, ty1_5);
-            const T y2_5 = C(12)*U(2)+C(11)*U(3)+C(10)*U(4)+C(11)*U(5)+C(12)*U(6);
-            const T ty2_5 = CD(12)*U(2)+C(12)*DU(2)+CD(11)*U(3)+C(11)*DU(3)+CD(10)*U(4)+C(10)*DU(4)+CD(11)*U(5)+C(11)*DU(5)+CD(12)*U(6)+C(12)*DU(6);
-            TY2(5, ty2_5);
-            const T y3_5 = C(19)*U(2)+C(20)*U(3)+C(17)*U(5)+C(13)*U(6);
-            const T ty3_5 = CD(19)*U(2)+C(19)*DU(2)+CD(20)*U(3)+C(20)*DU(3)+CD(17)*U(5)+C(17)*DU(5)+CD(13)*U(6)+C(13)*DU(6);
-            TY3(5, ty3_5);
-            const T y0_6 = U(5);
-            const T ty0_6 = DU(5);
-            TY0(6, ty0_6);
-            const T y1_6 = C(7)*U(3)+C(18)*U(4)+C(4)*U(6)+C(5)*U(7);
-            const T ty1_6 = CD(7)*U(3)+C(7)*DU(3)+CD(18)*U(4)+C(18)*DU(4)+CD(4)*U(6)+C(4)*DU(6)+CD(5)*U(7)+C(5)*DU(7);
-            TY1(6, ty1_6);
-            const T y2_6 = C(12)*U(3)+C(11)*U(4)+C(10)*U(5)+C(11)*U(6)+C(12)*U(7);
-            const T ty2_6 = CD(12)*U(3)+C(12)*DU(3)+CD(11)*U(4)+C(11)*DU(4)+CD(10)*U(5)+C(10)*DU(5)+CD(11)*U(6)+C(11)*DU(6)+CD(12)*U(7)+C(12)*DU(7);
-            TY2(6, ty2_6);
-            const T y3_6 = C(19)*U(3)+C(20)*U(4)+C(17)*U(6)+C(13)*U(7);
-            const T ty3_6 = CD(19)*U(3)+C(19)*DU(3)+CD(20)*U(4)+C(20)*DU(4)+CD(17)*U(6)+C(17)*DU(6)+CD(13)*U(7)+C(13)*DU(7);
-            TY3(6, ty3_6);
-            const T y0_7 = U(6);
-            const T ty0_7 = DU(6);
-            TY0(7, ty0_7);
-            const T y1_7 = C(7)*U(4)+C(18)*U(5)+C(4)*U(7)+C(5)*U(8);
-            const T ty1_7 = CD(7)*U(4)+C(7)*DU(4)+CD(18)*U(5)+C(18)*DU(5)+CD(4)*U(7)+C(4)*DU(7)+CD(5)*U(8)+C(5)*DU(8);
-            TY1(7, ty1_7);
-            const T y2_7 = C(12)*U(4)+C(11)*U(5)+C(10)*U(6)+C(11)*U(7)+C(12)*U(8);
-            const T ty2_7 = CD(12)*U(4)+C(12)*DU(4)+CD(11)*U(5)+C(11)*DU(5)+CD(10)*U(6)+C(10)*DU(6)+CD(11)*U(7)+C(11)*DU(7)+CD(12)*U(8)+C(12)*DU(8);
-            TY2(7, ty2_7);
-            const T y3_7 = C(19)*U(4)+C(20)*U(5)+C(17)*U(7)+C(13)*U(8);
-            const T ty3_7 = CD(19)*U(4)+C(19)*DU(4)+CD(20)*U(5)+C(20)*DU(5)+CD(17)*U(7)+C(17)*DU(7)+CD(13)*U(8)+C(13)*DU(8);
-            TY3(7, ty3_7);
-            const T y0_8 = U(7);
-            const T ty0_8 = DU(7);
-            TY0(8, ty0_8);
-            const T y1_8 = C(7)*U(5)+C(18)*U(6)+C(4)*U(8)+C(5)*U(9);
-            const T ty1_8 = CD(7)*U(5)+C(7)*DU(5)+CD(18)*U(6)+C(18)*DU(6)+CD(4)*U(8)+C(4)*DU(8)+CD(5)*U(9)+C(5)*DU(9);
-            TY1(8, ty1_8);
-            const T y2_8 = C(12)*U(5)+C(11)*U(6)+C(10)*U(7)+C(11)*U(8)+C(12)*U(9);
-            const T ty2_8 = CD(12)*U(5)+C(12)*DU(5)+CD(11)*U(6)+C(11)*DU(6)+CD(10)*U(7)+C(10)*DU(7)+CD(11)*U(8)+C(11)*DU(8)+CD(12)*U(9)+C(12)*DU(9);
-            TY2(8, ty2_8);
-            const T y3_8 = C(19)*U(5)+C(20)*U(6)+C(17)*U(8)+C(13)*U(9);
-            const T ty3_8 = CD(19)*U(5)+C(19)*DU(5)+CD(20)*U(6)+C(20)*DU(6)+CD(17)*U(8)+C(17)*DU(8)+CD(13)*U(9)+C(13)*DU(9);
-            TY3(8, ty3_8);
-            const T y0_9 = U(8);
-            const T ty0_9 = DU(8);
-            TY0(9, ty0_9);
-            const T y1_9 = C(7)*U(6)+C(18)*U(7)+C(4)*U(9)+C(5)*U(10);
-            const T ty1_9 = CD(7)*U(6)+C(7)*DU(6)+CD(18)*U(7)+C(18)*DU(7)+CD(4)*U(9)+C(4)*DU(9)+CD(5)*U(10)+C(5)*DU(10);
-            TY1(9, ty1_9);
-            const T y2_9 = C(12)*U(6)+C(11)*U(7)+C(10)*U(8)+C(11)*U(9)+C(12)*U(10);
-            const T ty2_9 = CD(12)*U(6)+C(12)*DU(6)+CD(11)*U(7)+C(11)*DU(7)+CD(10)*U(8)+C(10)*DU(8)+CD(11)*U(9)+C(11)*DU(9)+CD(12)*U(10)+C(12)*DU(10);
-            TY2(9, ty2_9);
-            const T y3_9 = C(19)*U(6)+C(20)*U(7)+C(17)*U(9)+C(13)*U(10);
-            const T ty3_9 = CD(19)*U(6)+C(19)*DU(6)+CD(20)*U(7)+C(20)*DU(7)+CD(17)*U(9)+C(17)*DU(9)+CD(13)*U(10)+C(13)*DU(10);
-            TY3(9, ty3_9);
-            const T y0_10 = U(9);
-            const T ty0_10 = DU(9);
-            TY0(10, ty0_10);
-            const T y1_10 = C(7)*U(7)+C(18)*U(8)+C(4)*U(10)+C(5)*U(11);
-            const T ty1_10 = CD(7)*U(7)+C(7)*DU(7)+CD(18)*U(8)+C(18)*DU(8)+CD(4)*U(10)+C(4)*DU(10)+CD(5)*U(11)+C(5)*DU(11);
-            TY1(10, ty1_10);
-            const T y2_10 = C(12)*U(7)+C(11)*U(8)+C(10)*U(9)+C(11)*U(10)+C(12)*U(11);
-            const T ty2_10 = CD(12)*U(7)+C(12)*DU(7)+CD(11)*U(8)+C(11)*DU(8)+CD(10)*U(9)+C(10)*DU(9)+CD(11)*U(10)+C(11)*DU(10)+CD(12)*U(11)+C(12)*DU(11);
-            TY2(10, ty2_10);
-            const T y3_10 = C(19)*U(7)+C(20)*U(8)+C(17)*U(10)+C(13)*U(11);
-            const T ty3_10 = CD(19)*U(7)+C(19)*DU(7)+CD(20)*U(8)+C(20)*DU(8)+CD(17)*U(10)+C(17)*DU(10)+CD(13)*U(11)+C(13)*DU(11);
-            TY3(10, ty3_10);
-            const T y0_11 = U(10);
-            const T ty0_11 = DU(10);
-            TY0(11, ty0_11);
-            const T y1_11 = C(7)*U(8)+C(18)*U(9)+C(4)*U(11)+C(5)*U(12);
-            const T ty1_11 = CD(7)*U(8)+C(7)*DU(8)+CD(18)*U(9)+C(18)*DU(9)+CD(4)*U(11)+C(4)*DU(11)+CD(5)*U(12)+C(5)*DU(12);
-            TY1(11, ty1_11);
-            const T y2_11 = C(12)*U(8)+C(11)*U(9)+C(10)*U(10)+C(11)*U(11)+C(12)*U(12);
-            const T ty2_11 = CD(12)*U(8)+C(12)*DU(8)+CD(11)*U(9)+C(11)*DU(9)+CD(10)*U(10)+C(10)*DU(10)+CD(11)*U(11)+C(11)*DU(11)+CD(12)*U(12)+C(12)*DU(12);
-            TY2(11, ty2_11);
-            const T y3_11 = C(19)*U(8)+C(20)*U(9)+C(17)*U(11)+C(13)*U(12);
-            const T ty3_11 = CD(19)*U(8)+C(19)*DU(8)+CD(20)*U(9)+C(20)*DU(9)+CD(17)*U(11)+C(17)*DU(11)+CD(13)*U(12)+C(13)*DU(12);
-            TY3(11, ty3_11);
-            const T y0_12 = U(11);
-            const T ty0_12 = DU(11);
-            TY0(12, ty0_12);
-            const T y1_12 = C(7)*U(9)+C(18)*U(10)+C(4)*U(12)+C(5)*U(13);
-            const T ty1_12 = CD(7)*U(9)+C(7)*DU(9)+CD(18)*U(10)+C(18)*DU(10)+CD(4)*U(12)+C(4)*DU(12)+CD(5)*U(13)+C(5)*DU(13);
-            TY1(12, ty1_12);
-            const T y2_12 = C(12)*U(9)+C(11)*U(10)+C(10)*U(11)+C(11)*U(12)+C(12)*U(13);
-            const T ty2_12 = CD(12)*U(9)+C(12)*DU(9)+CD(11)*U(10)+C(11)*DU(10)+CD(10)*U(11)+C(10)*DU(11)+CD(11)*U(12)+C(11)*DU(12)+CD(12)*U(13)+C(12)*DU(13);
-            TY2(12, ty2_12);
-            const T y3_12 = C(19)*U(9)+C(20)*U(10)+C(17)*U(12)+C(13)*U(13);
-            const T ty3_12 = CD(19)*U(9)+C(19)*DU(9)+CD(20)*U(10)+C(20)*DU(10)+CD(17)*U(12)+C(17)*DU(12)+CD(13)*U(13)+C(13)*DU(13);
-            TY3(12, ty3_12);
-            const T y0_13 = U(12);
-            const T ty0_13 = DU(12);
-            TY0(13, ty0_13);
-            const T y1_13 = C(7)*U(10)+C(18)*U(11)+C(4)*U(13)+C(5)*U(14);
-            const T ty1_13 = CD(7)*U(10)+C(7)*DU(10)+CD(18)*U(11)+C(18)*DU(11)+CD(4)*U(13)+C(4)*DU(13)+CD(5)*U(14)+C(5)*DU(14);
-            TY1(13, ty1_13);
-            const T y2_13 = C(12)*U(10)+C(11)*U(11)+C(10)*U(12)+C(11)*U(13)+C(12)*U(14);
-            const T ty2_13 = CD(12)*U(10)+C(12)*DU(10)+CD(11)*U(11)+C(11)*DU(11)+CD(10)*U(12)+C(10)*DU(12)+CD(11)*U(13)+C(11)*DU(13)+CD(12)*U(14)+C(12)*DU(14);
-            TY2(13, ty2_13);
-            const T y3_13 = C(19)*U(10)+C(20)*U(11)+C(17)*U(13)+C(13)*U(14);
-            const T ty3_13 = CD(19)*U(10)+C(19)*DU(10)+CD(20)*U(11)+C(20)*DU(11)+CD(17)*U(13)+C(17)*DU(13)+CD(13)*U(14)+C(13)*DU(14);
-            TY3(13, ty3_13);
-            const T y0_14 = U(13);
-            const T ty0_14 = DU(13);
-            TY0(14, ty0_14);
-            const T y1_14 = C(7)*U(11)+C(18)*U(12)+C(4)*U(14)+C(5)*U(15);
-            const T ty1_14 = CD(7)*U(11)+C(7)*DU(11)+CD(18)*U(12)+C(18)*DU(12)+CD(4)*U(14)+C(4)*DU(14)+CD(5)*U(15)+C(5)*DU(15);
-            TY1(14, ty1_14);
-            const T y2_14 = C(12)*U(11)+C(11)*U(12)+C(10)*U(13)+C(11)*U(14)+C(12)*U(15);
-            const T ty2_14 = CD(12)*U(11)+C(12)*DU(11)+CD(11)*U(12)+C(11)*DU(12)+CD(10)*U(13)+C(10)*DU(13)+CD(11)*U(14)+C(11)*DU(14)+CD(12)*U(15)+C(12)*DU(15);
-            TY2(14, ty2_14);
-            const T y3_14 = C(19)*U(11)+C(20)*U(12)+C(17)*U(14)+C(13)*U(15);
-            const T ty3_14 = CD(19)*U(11)+C(19)*DU(11)+CD(20)*U(12)+C(20)*DU(12)+CD(17)*U(14)+C(17)*DU(14)+CD(13)*U(15)+C(13)*DU(15);
-            TY3(14, ty3_14);
-            const T y0_15 = U(14);
-            const T ty0_15 = DU(14);
-            TY0(15, ty0_15);
-            const T y1_15 = C(7)*U(12)+C(18)*U(13)+C(4)*U(15)+C(5)*U(16);
-            const T ty1_15 = CD(7)*U(12)+C(7)*DU(12)+CD(18)*U(13)+C(18)*DU(13)+CD(4)*U(15)+C(4)*DU(15)+CD(5)*U(16)+C(5)*DU(16);
-            TY1(15, ty1_15);
-            const T y2_15 = C(12)*U(12)+C(11)*U(13)+C(10)*U(14)+C(11)*U(15)+C(12)*U(16);
-            const T ty2_15 = CD(12)*U(12)+C(12)*DU(12)+CD(11)*U(13)+C(11)*DU(13)+CD(10)*U(14)+C(10)*DU(14)+CD(11)*U(15)+C(11)*DU(15)+CD(12)*U(16)+C(12)*DU(16);
-            TY2(15, ty2_15);
-            const T y3_15 = C(19)*U(12)+C(20)*U(13)+C(17)*U(15)+C(13)*U(16);
-            const T ty3_15 = CD(19)*U(12)+C(19)*DU(12)+CD(20)*U(13)+C(20)*DU(13)+CD(17)*U(15)+C(17)*DU(15)+CD(13)*U(16)+C(13)*DU(16);
-            TY3(15, ty3_15);
-            const T y0_16 = U(15);
-            const T ty0_16 = DU(15);
-            TY0(16, ty0_16);
-            const T y1_16 = C(7)*U(13)+C(18)*U(14)+C(4)*U(16)+C(5)*U(17);
-            const T ty1_16 = CD(7)*U(13)+C(7)*DU(13)+CD(18)*U(14)+C(18)*DU(14)+CD(4)*U(16)+C(4)*DU(16)+CD(5)*U(17)+C(5)*DU(17);
-            TY1(16, ty1_16);
-            const T y2_16 = C(12)*U(13)+C(11)*U(14)+C(10)*U(15)+C(11)*U(16)+C(12)*U(17);
-            const T ty2_16 = CD(12)*U(13)+C(12)*DU(13)+CD(11)*U(14)+C(11)*DU(14)+CD(10)*U(15)+C(10)*DU(15)+CD(11)*U(16)+C(11)*DU(16)+CD(12)*U(17)+C(12)*DU(17);
-            TY2(16, ty2_16);
-            const T y3_16 = C(19)*U(13)+C(20)*U(14)+C(17)*U(16)+C(13)*U(17);
-            const T ty3_16 = CD(19)*U(13)+C(19)*DU(13)+CD(20)*U(14)+C(20)*DU(14)+CD(17)*U(16)+C(17)*DU(16)+CD(13)*U(17)+C(13)*DU(17);
-            TY3(16, ty3_16);
-            const T y0_17 = U(16);
-            const T ty0_17 = DU(16);
-            TY0(17, ty0_17);
-            const T y1_17 = C(7)*U(14)+C(18)*U(15)+C(4)*U(17)+C(5)*U(18);
-            const T ty1_17 = CD(7)*U(14)+C(7)*DU(14)+CD(18)*U(15)+C(18)*DU(15)+CD(4)*U(17)+C(4)*DU(17)+CD(5)*U(18)+C(5)*DU(18);
-            TY1(17, ty1_17);
-            const T y2_17 = C(12)*U(14)+C(11)*U(15)+C(10)*U(16)+C(11)*U(17)+C(12)*U(18);
-            const T ty2_17 = CD(12)*U(14)+C(12)*DU(14)+CD(11)*U(15)+C(11)*DU(15)+CD(10)*U(16)+C(10)*DU(16)+CD(11)*U(17)+C(11)*DU(17)+CD(12)*U(18)+C(12)*DU(18);
-            TY2(17, ty2_17);
-            const T y3_17 = C(19)*U(14)+C(20)*U(15)+C(17)*U(17)+C(13)*U(18);
-            const T ty3_17 = CD(19)*U(14)+C(19)*DU(14)+CD(20)*U(15)+C(20)*DU(15)+CD(17)*U(17)+C(17)*DU(17)+CD(13)*U(18)+C(13)*DU(18);
-            TY3(17, ty3_17);
-            const T y0_18 = U(17);
-            const T ty0_18 = DU(17);
-            TY0(18, ty0_18);
-            const T y1_18 = C(7)*U(15)+C(18)*U(16)+C(4)*U(18)+C(5)*U(19);
-            const T ty1_18 = CD(7)*U(15)+C(7)*DU(15)+CD(18)*U(16)+C(18)*DU(16)+CD(4)*U(18)+C(4)*DU(18)+CD(5)*U(19)+C(5)*DU(19);
-            TY1(18, ty1_18);
-            const T y2_18 = C(12)*U(15)+C(11)*U(16)+C(10)*U(17)+C(11)*U(18)+C(12)*U(19);
-            const T ty2_18 = CD(12)*U(15)+C(12)*DU(15)+CD(11)*U(16)+C(11)*DU(16)+CD(10)*U(17)+C(10)*DU(17)+CD(11)*U(18)+C(11)*DU(18)+CD(12)*U(19)+C(12)*DU(19);
-            TY2(18, ty2_18);
-            const T y3_18 = C(19)*U(15)+C(20)*U(16)+C(17)*U(18)+C(13)*U(19);
-            const T ty3_18 = CD(19)*U(15)+C(19)*DU(15)+CD(20)*U(16)+C(20)*DU(16)+CD(17)*U(18)+C(17)*DU(18)+CD(13)*U(19)+C(13)*DU(19);
-            TY3(18, ty3_18);
-            const T y0_19 = U(18);
-            const T ty0_19 = DU(18);
-            TY0(19, ty0_19);
-            const T y1_19 = C(7)*U(16)+C(18)*U(17)+C(4)*U(19)+C(5)*U(20);
-            const T ty1_19 = CD(7)*U(16)+C(7)*DU(16)+CD(18)*U(17)+C(18)*DU(17)+CD(4)*U(19)+C(4)*DU(19)+CD(5)*U(20)+C(5)*DU(20);
-            TY1(19, ty1_19);
-            const T y2_19 = C(12)*U(16)+C(11)*U(17)+C(10)*U(18)+C(11)*U(19)+C(12)*U(20);
-            const T ty2_19 = CD(12)*U(16)+C(12)*DU(16)+CD(11)*U(17)+C(11)*DU(17)+CD(10)*U(18)+C(10)*DU(18)+CD(11)*U(19)+C(11)*DU(19)+CD(12)*U(20)+C(12)*DU(20);
-            TY2(19, ty2_19);
-            const T y3_19 = C(19)*U(16)+C(20)*U(17)+C(17)*U(19)+C(13)*U(20);
-            const T ty3_19 = CD(19)*U(16)+C(19)*DU(16)+CD(20)*U(17)+C(20)*DU(17)+CD(17)*U(19)+C(17)*DU(19)+CD(13)*U(20)+C(13)*DU(20);
-            TY3(19, ty3_19);
-            const T y0_20 = U(19);
-            const T ty0_20 = DU(19);
-            TY0(20, ty0_20);
-            const T y1_20 = C(7)*U(17)+C(18)*U(18)+C(4)*U(20)+C(5)*U(21);
-            const T ty1_20 = CD(7)*U(17)+C(7)*DU(17)+CD(18)*U(18)+C(18)*DU(18)+CD(4)*U(20)+C(4)*DU(20)+CD(5)*U(21)+C(5)*DU(21);
-            TY1(20, ty1_20);
-            const T y2_20 = C(12)*U(17)+C(11)*U(18)+C(10)*U(19)+C(11)*U(20)+C(12)*U(21);
-            const T ty2_20 = CD(12)*U(17)+C(12)*DU(17)+CD(11)*U(18)+C(11)*DU(18)+CD(10)*U(19)+C(10)*DU(19)+CD(11)*U(20)+C(11)*DU(20)+CD(12)*U(21)+C(12)*DU(21);
-            TY2(20, ty2_20);
-            const T y3_20 = C(19)*U(17)+C(20)*U(18)+C(17)*U(20)+C(13)*U(21);
-            const T ty3_20 = CD(19)*U(17)+C(19)*DU(17)+CD(20)*U(18)+C(20)*DU(18)+CD(17)*U(20)+C(17)*DU(20)+CD(13)*U(21)+C(13)*DU(21);
-            TY3(20, ty3_20);
-            const T y0_21 = U(20);
-            const T ty0_21 = DU(20);
-            TY0(21, ty0_21);
-            const T y1_21 = C(7)*U(18)+C(18)*U(19)+C(4)*U(21)+C(5)*U(22);
-            const T ty1_21 = CD(7)*U(18)+C(7)*DU(18)+CD(18)*U(19)+C(18)*DU(19)+CD(4)*U(21)+C(4)*DU(21)+CD(5)*U(22)+C(5)*DU(22);
-            TY1(21, ty1_21);
-            const T y2_21 = C(12)*U(18)+C(11)*U(19)+C(10)*U(20)+C(11)*U(21)+C(12)*U(22);
-            const T ty2_21 = CD(12)*U(18)+C(12)*DU(18)+CD(11)*U(19)+C(11)*DU(19)+CD(10)*U(20)+C(10)*DU(20)+CD(11)*U(21)+C(11)*DU(21)+CD(12)*U(22)+C(12)*DU(22);
-            TY2(21, ty2_21);
-            const T y3_21 = C(19)*U(18)+C(20)*U(19)+C(17)*U(21)+C(13)*U(22);
-            const T ty3_21 = CD(19)*U(18)+C(19)*DU(18)+CD(20)*U(19)+C(20)*DU(19)+CD(17)*U(21)+C(17)*DU(21)+CD(13)*U(22)+C(13)*DU(22);
-            TY3(21, ty3_21);
-            const T y0_22 = U(21);
-            const T ty0_22 = DU(21);
-            TY0(22, ty0_22);
-            const T y1_22 = C(7)*U(19)+C(18)*U(20)+C(4)*U(22)+C(5)*U(23);
-            const T ty1_22 = CD(7)*U(19)+C(7)*DU(19)+CD(18)*U(20)+C(18)*DU(20)+CD(4)*U(22)+C(4)*DU(22)+CD(5)*U(23)+C(5)*DU(23);
-            TY1(22, ty1_22);
-            const T y2_22 = C(12)*U(19)+C(11)*U(20)+C(10)*U(21)+C(11)*U(22)+C(12)*U(23);
-            const T ty2_22 = CD(12)*U(19)+C(12)*DU(19)+CD(11)*U(20)+C(11)*DU(20)+CD(10)*U(21)+C(10)*DU(21)+CD(11)*U(22)+C(11)*DU(22)+CD(12)*U(23)+C(12)*DU(23);
-            TY2(22, ty2_22);
-            const T y3_22 = C(19)*U(19)+C(20)*U(20)+C(17)*U(22)+C(13)*U(23);
-            const T ty3_22 = CD(19)*U(19)+C(19)*DU(19)+CD(20)*U(20)+C(20)*DU(20)+CD(17)*U(22)+C(17)*DU(22)+CD(13)*U(23)+C(13)*DU(23);
-            TY3(22, ty3_22);
-            const T y0_23 = U(22);
-            const T ty0_23 = DU(22);
-            TY0(23, ty0_23);
-            const T y1_23 = C(7)*U(20)+C(18)*U(21)+C(4)*U(23)+C(5)*U(24);
-            const T ty1_23 = CD(7)*U(20)+C(7)*DU(20)+CD(18)*U(21)+C(18)*DU(21)+CD(4)*U(23)+C(4)*DU(23)+CD(5)*U(24)+C(5)*DU(24);
-            TY1(23, ty1_23);
-            const T y2_23 = C(12)*U(20)+C(11)*U(21)+C(10)*U(22)+C(11)*U(23)+C(12)*U(24);
-            const T ty2_23 = CD(12)*U(20)+C(12)*DU(20)+CD(11)*U(21)+C(11)*DU(21)+CD(10)*U(22)+C(10)*DU(22)+CD(11)*U(23)+C(11)*DU(23)+CD(12)*U(24)+C(12)*DU(24);
-            TY2(23, ty2_23);
-            const T y3_23 = C(19)*U(20)+C(20)*U(21)+C(17)*U(23)+C(13)*U(24);
-            const T ty3_23 = CD(19)*U(20)+C(19)*DU(20)+CD(20)*U(21)+C(20)*DU(21)+CD(17)*U(23)+C(17)*DU(23)+CD(13)*U(24)+C(13)*DU(24);
-            TY3(23, ty3_23);
-            const T y0_24 = U(23);
-            const T ty0_24 = DU(23);
-            TY0(24, ty0_24);
-            const T y1_24 = C(7)*U(21)+C(18)*U(22)+C(4)*U(24)+C(5)*U(25);
-            const T ty1_24 = CD(7)*U(21)+C(7)*DU(21)+CD(18)*U(22)+C(18)*DU(22)+CD(4)*U(24)+C(4)*DU(24)+CD(5)*U(25)+C(5)*DU(25);
-            TY1(24, ty1_24);
-            const T y2_24 = C(12)*U(21)+C(11)*U(22)+C(10)*U(23)+C(11)*U(24)+C(12)*U(25);
-            const T ty2_24 = CD(12)*U(21)+C(12)*DU(21)+CD(11)*U(22)+C(11)*DU(22)+CD(10)*U(23)+C(10)*DU(23)+CD(11)*U(24)+C(11)*DU(24)+CD(12)*U(25)+C(12)*DU(25);
-            TY2(24, ty2_24);
-            const T y3_24 = C(19)*U(21)+C(20)*U(22)+C(17)*U(24)+C(13)*U(25);
-            const T ty3_24 = CD(19)*U(21)+C(19)*DU(21)+CD(20)*U(22)+C(20)*DU(22)+CD(17)*U(24)+C(17)*DU(24)+CD(13)*U(25)+C(13)*DU(25);
-            TY3(24, ty3_24);
-            const T y0_25 = U(24);
-            const T ty0_25 = DU(24);
-            TY0(25, ty0_25);
-            const T y1_25 = C(7)*U(22)+C(18)*U(23)+C(4)*U(25)+C(5)*U(26);
-            const T ty1_25 = CD(7)*U(22)+C(7)*DU(22)+CD(18)*U(23)+C(18)*DU(23)+CD(4)*U(25)+C(4)*DU(25)+CD(5)*U(26)+C(5)*DU(26);
-            TY1(25, ty1_25);
-            const T y2_25 = C(12)*U(22)+C(11)*U(23)+C(10)*U(24)+C(11)*U(25)+C(12)*U(26);
-            const T ty2_25 = CD(12)*U(22)+C(12)*DU(22)+CD(11)*U(23)+C(11)*DU(23)+CD(10)*U(24)+C(10)*DU(24)+CD(11)*U(25)+C(11)*DU(25)+CD(12)*U(26)+C(12)*DU(26);
-            TY2(25, ty2_25);
-            const T y3_25 = C(19)*U(22)+C(20)*U(23)+C(17)*U(25)+C(13)*U(26);
-            const T ty3_25 = CD(19)*U(22)+C(19)*DU(22)+CD(20)*U(23)+C(20)*DU(23)+CD(17)*U(25)+C(17)*DU(25)+CD(13)*U(26)+C(13)*DU(26);
-            TY3(25, ty3_25);
-            const T y0_26 = U(25);
-            const T ty0_26 = DU(25);
-            TY0(26, ty0_26);
-            const T y1_26 = C(7)*U(23)+C(18)*U(24)+C(4)*U(26)+C(5)*U(27);
-            const T ty1_26 = CD(7)*U(23)+C(7)*DU(23)+CD(18)*U(24)+C(18)*DU(24)+CD(4)*U(26)+C(4)*DU(26)+CD(5)*U(27)+C(5)*DU(27);
-            TY1(26, ty1_26);
-            const T y2_26 = C(12)*U(23)+C(11)*U(24)+C(10)*U(25)+C(11)*U(26)+C(12)*U(27);
-            const T ty2_26 = CD(12)*U(23)+C(12)*DU(23)+CD(11)*U(24)+C(11)*DU(24)+CD(10)*U(25)+C(10)*DU(25)+CD(11)*U(26)+C(11)*DU(26)+CD(12)*U(27)+C(12)*DU(27);
-            TY2(26, ty2_26);
-            const T y3_26 = C(19)*U(23)+C(20)*U(24)+C(17)*U(26)+C(13)*U(27);
-            const T ty3_26 = CD(19)*U(23)+C(19)*DU(23)+CD(20)*U(24)+C(20)*DU(24)+CD(17)*U(26)+C(17)*DU(26)+CD(13)*U(27)+C(13)*DU(27);
-            TY3(26, ty3_26);
-            const T y0_27 = U(26);
-            const T ty0_27 = DU(26);
-            TY0(27, ty0_27);
-            const T y1_27 = C(7)*U(24)+C(18)*U(25)+C(4)*U(27)+C(5)*U(28);
-            const T ty1_27 = CD(7)*U(24)+C(7)*DU(24)+CD(18)*U(25)+C(18)*DU(25)+CD(4)*U(27)+C(4)*DU(27)+CD(5)*U(28)+C(5)*DU(28);
-            TY1(27, ty1_27);
-            const T y2_27 = C(12)*U(24)+C(11)*U(25)+C(10)*U(26)+C(11)*U(27)+C(12)*U(28);
-            const T ty2_27 = CD(12)*U(24)+C(12)*DU(24)+CD(11)*U(25)+C(11)*DU(25)+CD(10)*U(26)+C(10)*DU(26)+CD(11)*U(27)+C(11)*DU(27)+CD(12)*U(28)+C(12)*DU(28);
-            TY2(27, ty2_27);
-            const T y3_27 = C(19)*U(24)+C(20)*U(25)+C(17)*U(27)+C(13)*U(28);
-            const T ty3_27 = CD(19)*U(24)+C(19)*DU(24)+CD(20)*U(25)+C(20)*DU(25)+CD(17)*U(27)+C(17)*DU(27)+CD(13)*U(28)+C(13)*DU(28);
-            TY3(27, ty3_27);
-            const T y0_28 = U(27);
-            const T ty0_28 = DU(27);
-            TY0(28, ty0_28);
-            const T y1_28 = C(7)*U(25)+C(18)*U(26)+C(4)*U(28)+C(5)*U(29);
-            const T ty1_28 = CD(7)*U(25)+C(7)*DU(25)+CD(18)*U(26)+C(18)*DU(26)+CD(4)*U(28)+C(4)*DU(28)+CD(5)*U(29)+C(5)*DU(29);
-            TY1(28, ty1_28);
-            const T y2_28 = C(12)*U(25)+C(11)*U(26)+C(10)*U(27)+C(11)*U(28)+C(12)*U(29);
-            const T ty2_28 = CD(12)*U(25)+C(12)*DU(25)+CD(11)*U(26)+C(11)*DU(26)+CD(10)*U(27)+C(10)*DU(27)+CD(11)*U(28)+C(11)*DU(28)+CD(12)*U(29)+C(12)*DU(29);
-            TY2(28, ty2_28);
-            const T y3_28 = C(19)*U(25)+C(20)*U(26)+C(17)*U(28)+C(13)*U(29);
-            const T ty3_28 = CD(19)*U(25)+C(19)*DU(25)+CD(20)*U(26)+C(20)*DU(26)+CD(17)*U(28)+C(17)*DU(28)+CD(13)*U(29)+C(13)*DU(29);
-            TY3(28, ty3_28);
-            const T y0_29 = U(28);
-            const T ty0_29 = DU(28);
-            TY0(29, ty0_29);
-            const T y1_29 = C(7)*U(26)+C(18)*U(27)+C(4)*U(29)+C(5)*U(30);
-            const T ty1_29 = CD(7)*U(26)+C(7)*DU(26)+CD(18)*U(27)+C(18)*DU(27)+CD(4)*U(29)+C(4)*DU(29)+CD(5)*U(30)+C(5)*DU(30);
-            TY1(29, ty1_29);
-            const T y2_29 = C(12)*U(26)+C(11)*U(27)+C(10)*U(28)+C(11)*U(29)+C(12)*U(30);
-            const T ty2_29 = CD(12)*U(26)+C(12)*DU(26)+CD(11)*U(27)+C(11)*DU(27)+CD(10)*U(28)+C(10)*DU(28)+CD(11)*U(29)+C(11)*DU(29)+CD(12)*U(30)+C(12)*DU(30);
-            TY2(29, ty2_29);
-            const T y3_29 = C(19)*U(26)+C(20)*U(27)+C(17)*U(29)+C(13)*U(30);
-            const T ty3_29 = CD(19)*U(26)+C(19)*DU(26)+CD(20)*U(27)+C(20)*DU(27)+CD(17)*U(29)+C(17)*DU(29)+CD(13)*U(30)+C(13)*DU(30);
-            TY3(29, ty3_29);
-            const T y0_30 = U(29);
-            const T ty0_30 = DU(29);
-            TY0(30, ty0_30);
             const T y1_30 = C(7)*U(27)+C(18)*U(28)+C(21)*U(30);
             const T ty1_30 = CD(7)*U(27)+C(7)*DU(27)+CD(18)*U(28)+C(18)*DU(28)+CD(21)*U(30)+C(21)*DU(30);
             TY1(30, ty1_30);
@@ -1206,9 +889,6 @@ void ts_h32_d7_pos_cen_a442_hold_dtu_noidx_bhd_f32_o3_dt_jvp(int64_t B, const fl
             const T y3_30 = C(19)*U(27)+C(20)*U(28)+C(19)*U(30);
             const T ty3_30 = CD(19)*U(27)+C(19)*DU(27)+CD(20)*U(28)+C(20)*DU(28)+CD(19)*U(30)+C(19)*DU(30);
             TY3(30, ty3_30);
-            const T y0_31 = U(30);
-            const T ty0_31 = DU(30);
-            TY0(31, ty0_31);
             const T y1_31 = C(7)*U(28)+C(18)*U(29)+C(21)*U(30);
             const T ty1_31 = CD(7)*U(28)+C(7)*DU(28)+CD(18)*U(29)+C(18)*DU(29)+CD(21)*U(30)+C(21)*DU(30);
             TY1(31, ty1_31);

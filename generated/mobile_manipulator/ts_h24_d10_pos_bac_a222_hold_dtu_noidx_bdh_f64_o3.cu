@@ -50,13 +50,18 @@ enum { H_ = 24, N_ = 23, D_ = 10, NDT_ = 1, NC_ = 32 };
 /* inside interior loops: su / sy are the action / output element of the loop's row */
 #define SU(rel) u[su + (rel) * U_SH]
 #define SGU gu[su]
+#define SDU(rel) (du ? du[su + (rel) * U_SH] : (T)0)
 #define SY0 y0[sy]
+#define STY0 ty0[sy]
 #define SG0(rel) g0[sy + (rel) * Y_SH]
 #define SY1 y1[sy]
+#define STY1 ty1[sy]
 #define SG1(rel) g1[sy + (rel) * Y_SH]
 #define SY2 y2[sy]
+#define STY2 ty2[sy]
 #define SG2(rel) g2[sy + (rel) * Y_SH]
 #define SY3 y3[sy]
+#define STY3 ty3[sy]
 #define SG3(rel) g3[sy + (rel) * Y_SH]
 #define ZERO ((T)0)
 #define C(q) coef[(q)]
@@ -426,6 +431,51 @@ extern "C" __global__ void ts_h24_d10_pos_bac_a222_hold_dtu_noidx_bdh_f64_o3_dt_
         const int64_t b = col / D_, d = col % D_;
         const int64_t srow = idx ? idx[b] : b;
         COLUMN_BASES(b, d)
+        double acc1_14 = 0.0;
+        double acc1_6 = 0.0;
+        double acc1_4 = 0.0;
+        for (int64_t r = 3; r < 24; ++r) {
+            const int64_t su = uo + r * U_SH, sy = yo + r * Y_SH;
+            if (g1) acc1_14 += (double)(SG1(0)*SU(-3));
+            if (g1) acc1_6 += (double)(SG1(0)*SU(-2));
+            if (g1) acc1_4 += (double)(SG1(0)*SU(-1));
+        }
+        if (g1) ACC(14) += acc1_14;
+        if (g1) ACC(6) += acc1_6;
+        if (g1) ACC(4) += acc1_4;
+        double acc2_24 = 0.0;
+        double acc2_20 = 0.0;
+        double acc2_18 = 0.0;
+        double acc2_8 = 0.0;
+        for (int64_t r = 4; r < 24; ++r) {
+            const int64_t su = uo + r * U_SH, sy = yo + r * Y_SH;
+            if (g2) acc2_24 += (double)(SG2(0)*SU(-4));
+            if (g2) acc2_20 += (double)(SG2(0)*SU(-3));
+            if (g2) acc2_18 += (double)(SG2(0)*SU(-2));
+            if (g2) acc2_8 += (double)(SG2(0)*SU(-1));
+        }
+        if (g2) ACC(24) += acc2_24;
+        if (g2) ACC(20) += acc2_20;
+        if (g2) ACC(18) += acc2_18;
+        if (g2) ACC(8) += acc2_8;
+        double acc3_30 = 0.0;
+        double acc3_31 = 0.0;
+        double acc3_29 = 0.0;
+        double acc3_23 = 0.0;
+        double acc3_13 = 0.0;
+        for (int64_t r = 5; r < 24; ++r) {
+            const int64_t su = uo + r * U_SH, sy = yo + r * Y_SH;
+            if (g3) acc3_30 += (double)(SG3(0)*SU(-5));
+            if (g3) acc3_31 += (double)(SG3(0)*SU(-4));
+            if (g3) acc3_29 += (double)(SG3(0)*SU(-3));
+            if (g3) acc3_23 += (double)(SG3(0)*SU(-2));
+            if (g3) acc3_13 += (double)(SG3(0)*SU(-1));
+        }
+        if (g3) ACC(30) += acc3_30;
+        if (g3) ACC(31) += acc3_31;
+        if (g3) ACC(29) += acc3_29;
+        if (g3) ACC(23) += acc3_23;
+        if (g3) ACC(13) += acc3_13;
         const T s0 = S0;
         const T s1 = S1;
         const T s2 = S2;
@@ -433,16 +483,16 @@ extern "C" __global__ void ts_h24_d10_pos_bac_a222_hold_dtu_noidx_bdh_f64_o3_dt_
         ACC(0) += (double)(G1(1)*s0);
         ACC(2) += (double)(G1(1)*s2);
         ACC(3) += (double)(G1(1)*s3);
-        ACC(4) += (double)(G1(1)*U(0) + G1(2)*U(1) + G1(3)*U(2));
+        ACC(4) += (double)(G1(1)*U(0) + G1(2)*U(1));
         ACC(5) += (double)(G2(1)*s0);
-        ACC(6) += (double)(G2(1)*s1 + G1(2)*U(0) + G1(3)*U(1));
+        ACC(6) += (double)(G2(1)*s1 + G1(2)*U(0));
         ACC(7) += (double)(G2(1)*s3);
         ACC(8) += (double)(G2(1)*U(0) + G2(2)*U(1) + G2(3)*U(2));
         ACC(9) += (double)(G3(1)*s0);
         ACC(10) += (double)(G3(1)*s1);
         ACC(11) += (double)(G3(1)*s2);
         ACC(13) += (double)(G3(1)*U(0) + G3(2)*U(1) + G3(3)*U(2));
-        ACC(14) += (double)(G1(2)*s0 + G1(3)*U(0));
+        ACC(14) += (double)(G1(2)*s0);
         ACC(15) += (double)(G2(2)*s0);
         ACC(16) += (double)(G2(2)*s1);
         ACC(17) += (double)(G2(2)*s3);
@@ -456,66 +506,11 @@ extern "C" __global__ void ts_h24_d10_pos_bac_a222_hold_dtu_noidx_bdh_f64_o3_dt_
         ACC(26) += (double)(G3(3)*s1);
         ACC(27) += (double)(G3(3)*s2);
         ACC(29) += (double)(G3(3)*U(0));
-        ACC(14) += (double)(G1(4)*U(1) + G1(5)*U(2) + G1(6)*U(3) + G1(7)*U(4));
-        ACC(6) += (double)(G1(4)*U(2) + G1(5)*U(3) + G1(6)*U(4) + G1(7)*U(5));
-        ACC(4) += (double)(G1(4)*U(3) + G1(5)*U(4) + G1(6)*U(5) + G1(7)*U(6));
-        ACC(24) += (double)(G2(4)*U(0) + G2(5)*U(1) + G2(6)*U(2) + G2(7)*U(3));
-        ACC(20) += (double)(G2(4)*U(1) + G2(5)*U(2) + G2(6)*U(3) + G2(7)*U(4));
-        ACC(18) += (double)(G2(4)*U(2) + G2(5)*U(3) + G2(6)*U(4) + G2(7)*U(5));
-        ACC(8) += (double)(G2(4)*U(3) + G2(5)*U(4) + G2(6)*U(5) + G2(7)*U(6));
-        ACC(30) += (double)(G3(4)*s0 + G3(5)*U(0) + G3(6)*U(1) + G3(7)*U(2));
-        ACC(31) += (double)(G3(4)*U(0) + G3(5)*U(1) + G3(6)*U(2) + G3(7)*U(3));
-        ACC(29) += (double)(G3(4)*U(1) + G3(5)*U(2) + G3(6)*U(3) + G3(7)*U(4));
-        ACC(23) += (double)(G3(4)*U(2) + G3(5)*U(3) + G3(6)*U(4) + G3(7)*U(5));
-        ACC(13) += (double)(G3(4)*U(3) + G3(5)*U(4) + G3(6)*U(5) + G3(7)*U(6));
-        ACC(14) += (double)(G1(8)*U(5) + G1(9)*U(6) + G1(10)*U(7) + G1(11)*U(8));
-        ACC(6) += (double)(G1(8)*U(6) + G1(9)*U(7) + G1(10)*U(8) + G1(11)*U(9));
-        ACC(4) += (double)(G1(8)*U(7) + G1(9)*U(8) + G1(10)*U(9) + G1(11)*U(10));
-        ACC(24) += (double)(G2(8)*U(4) + G2(9)*U(5) + G2(10)*U(6) + G2(11)*U(7));
-        ACC(20) += (double)(G2(8)*U(5) + G2(9)*U(6) + G2(10)*U(7) + G2(11)*U(8));
-        ACC(18) += (double)(G2(8)*U(6) + G2(9)*U(7) + G2(10)*U(8) + G2(11)*U(9));
-        ACC(8) += (double)(G2(8)*U(7) + G2(9)*U(8) + G2(10)*U(9) + G2(11)*U(10));
-        ACC(30) += (double)(G3(8)*U(3) + G3(9)*U(4) + G3(10)*U(5) + G3(11)*U(6));
-        ACC(31) += (double)(G3(8)*U(4) + G3(9)*U(5) + G3(10)*U(6) + G3(11)*U(7));
-        ACC(29) += (double)(G3(8)*U(5) + G3(9)*U(6) + G3(10)*U(7) + G3(11)*U(8));
-        ACC(23) += (double)(G3(8)*U(6) + G3(9)*U(7) + G3(10)*U(8) + G3(11)*U(9));
-        ACC(13) += (double)(G3(8)*U(7) + G3(9)*U(8) + G3(10)*U(9) + G3(11)*U(10));
-        ACC(14) += (double)(G1(12)*U(9) + G1(13)*U(10) + G1(14)*U(11) + G1(15)*U(12));
-        ACC(6) += (double)(G1(12)*U(10) + G1(13)*U(11) + G1(14)*U(12) + G1(15)*U(13));
-        ACC(4) += (double)(G1(12)*U(11) + G1(13)*U(12) + G1(14)*U(13) + G1(15)*U(14));
-        ACC(24) += (double)(G2(12)*U(8) + G2(13)*U(9) + G2(14)*U(10) + G2(15)*U(11));
-        ACC(20) += (double)(G2(12)*U(9) + G2(13)*U(10) + G2(14)*U(11) + G2(15)*U(12));
-        ACC(18) += (double)(G2(12)*U(10) + G2(13)*U(11) + G2(14)*U(12) + G2(15)*U(13));
-        ACC(8) += (double)(G2(12)*U(11) + G2(13)*U(12) + G2(14)*U(13) + G2(15)*U(14));
-        ACC(30) += (double)(G3(12)*U(7) + G3(13)*U(8) + G3(14)*U(9) + G3(15)*U(10));
-        ACC(31) += (double)(G3(12)*U(8) + G3(13)*U(9) + G3(14)*U(10) + G3(15)*U(11));
-        ACC(29) += (double)(G3(12)*U(9) + G3(13)*U(10) + G3(14)*U(11) + G3(15)*U(12));
-        ACC(23) += (double)(G3(12)*U(10) + G3(13)*U(11) + G3(14)*U(12) + G3(15)*U(13));
-        ACC(13) += (double)(G3(12)*U(11) + G3(13)*U(12) + G3(14)*U(13) + G3(15)*U(14));
-        ACC(14) += (double)(G1(16)*U(13) + G1(17)*U(14) + G1(18)*U(15) + G1(19)*U(16));
-        ACC(6) += (double)(G1(16)*U(14) + G1(17)*U(15) + G1(18)*U(16) + G1(19)*U(17));
-        ACC(4) += (double)(G1(16)*U(15) + G1(17)*U(16) + G1(18)*U(17) + G1(19)*U(18));
-        ACC(24) += (double)(G2(16)*U(12) + G2(17)*U(13) + G2(18)*U(14) + G2(19)*U(15));
-        ACC(20) += (double)(G2(16)*U(13) + G2(17)*U(14) + G2(18)*U(15) + G2(19)*U(16));
-        ACC(18) += (double)(G2(16)*U(14) + G2(17)*U(15) + G2(18)*U(16) + G2(19)*U(17));
-        ACC(8) += (double)(G2(16)*U(15) + G2(17)*U(16) + G2(18)*U(17) + G2(19)*U(18));
-        ACC(30) += (double)(G3(16)*U(11) + G3(17)*U(12) + G3(18)*U(13) + G3(19)*U(14));
-        ACC(31) += (double)(G3(16)*U(12) + G3(17)*U(13) + G3(18)*U(14) + G3(19)*U(15));
-        ACC(29) += (double)(G3(16)*U(13) + G3(17)*U(14) + G3(18)*U(15) + G3(19)*U(16));
-        ACC(23) += (double)(G3(16)*U(14) + G3(17)*U(15) + G3(18)*U(16) + G3(19)*U(17));
-        ACC(13) += (double)(G3(16)*U(15) + G3(17)*U(16) + G3(18)*U(17) + G3(19)*U(18));
-        ACC(14) += (double)(G1(20)*U(17) + G1(21)*U(18) + G1(22)*U(19) + G1(23)*U(20));
-        ACC(6) += (double)(G1(20)*U(18) + G1(21)*U(19) + G1(22)*U(20) + G1(23)*U(21));
-        ACC(4) += (double)(G1(20)*U(19) + G1(21)*U(20) + G1(22)*U(21) + G1(23)*U(22));
-        ACC(24) += (double)(G2(20)*U(16) + G2(21)*U(17) + G2(22)*U(18) + G2(23)*U(19));
-        ACC(20) += (double)(G2(20)*U(17) + G2(21)*U(18) + G2(22)*U(19) + G2(23)*U(20));
-        ACC(18) += (double)(G2(20)*U(18) + G2(21)*U(19) + G2(22)*U(20) + G2(23)*U(21));
-        ACC(8) += (double)(G2(20)*U(19) + G2(21)*U(20) + G2(22)*U(21) + G2(23)*U(22));
-        ACC(30) += (double)(G3(20)*U(15) + G3(21)*U(16) + G3(22)*U(17) + G3(23)*U(18));
-        ACC(31) += (double)(G3(20)*U(16) + G3(21)*U(17) + G3(22)*U(18) + G3(23)*U(19));
-        ACC(29) += (double)(G3(20)*U(17) + G3(21)*U(18) + G3(22)*U(19) + G3(23)*U(20));
-        ACC(23) += (double)(G3(20)*U(18) + G3(21)*U(19) + G3(22)*U(20) + G3(23)*U(21));
-        ACC(13) += (double)(G3(20)*U(19) + G3(21)*U(20) + G3(22)*U(21) + G3(23)*U(22));
+        ACC(30) += (double)(G3(4)*s0);
+        ACC(31) += (double)(G3(4)*U(0));
+        ACC(29) += (double)(G3(4)*U(1));
+        ACC(23) += (double)(G3(4)*U(2));
+        ACC(13) += (double)(G3(4)*U(3));
     }
 }
 
@@ -620,6 +615,22 @@ extern "C" __global__ void ts_h24_d10_pos_bac_a222_hold_dtu_noidx_bdh_f64_o3_dt_
         const int64_t srow = idx ? idx[b] : b;
         const T* coefd = coef + NC_;
         COLUMN_BASES(b, d)
+        for (int64_t r = 1; r < 24; ++r) {
+            const int64_t su = uo + r * U_SH, sy = yo + r * Y_SH;
+            STY0 = SDU(-1);
+        }
+        for (int64_t r = 3; r < 24; ++r) {
+            const int64_t su = uo + r * U_SH, sy = yo + r * Y_SH;
+            STY1 = CD(14)*SU(-3)+C(14)*SDU(-3)+CD(6)*SU(-2)+C(6)*SDU(-2)+CD(4)*SU(-1)+C(4)*SDU(-1);
+        }
+        for (int64_t r = 4; r < 24; ++r) {
+            const int64_t su = uo + r * U_SH, sy = yo + r * Y_SH;
+            STY2 = CD(24)*SU(-4)+C(24)*SDU(-4)+CD(20)*SU(-3)+C(20)*SDU(-3)+CD(18)*SU(-2)+C(18)*SDU(-2)+CD(8)*SU(-1)+C(8)*SDU(-1);
+        }
+        for (int64_t r = 5; r < 24; ++r) {
+            const int64_t su = uo + r * U_SH, sy = yo + r * Y_SH;
+            STY3 = CD(30)*SU(-5)+C(30)*SDU(-5)+CD(31)*SU(-4)+C(31)*SDU(-4)+CD(29)*SU(-3)+C(29)*SDU(-3)+CD(23)*SU(-2)+C(23)*SDU(-2)+CD(13)*SU(-1)+C(13)*SDU(-1);
+        }
         const T s0 = S0;
         const T s1 = S1;
         const T s2 = S2;
@@ -640,9 +651,6 @@ extern "C" __global__ void ts_h24_d10_pos_bac_a222_hold_dtu_noidx_bdh_f64_o3_dt_
         const T y3_0 = s3;
         const T ty3_0 = ts3;
         TY3(0, ty3_0);
-        const T y0_1 = U(0);
-        const T ty0_1 = DU(0);
-        TY0(1, ty0_1);
         const T y1_1 = C(0)*s0+C(1)*s1+C(2)*s2+C(3)*s3+C(4)*U(0);
         const T ty1_1 = CD(0)*s0+C(0)*ts0+C(1)*ts1+CD(2)*s2+C(2)*ts2+CD(3)*s3+C(3)*ts3+CD(4)*U(0)+C(4)*DU(0);
         TY1(1, ty1_1);
@@ -652,9 +660,6 @@ extern "C" __global__ void ts_h24_d10_pos_bac_a222_hold_dtu_noidx_bdh_f64_o3_dt_
         const T y3_1 = C(9)*s0+C(10)*s1+C(11)*s2+C(12)*s3+C(13)*U(0);
         const T ty3_1 = CD(9)*s0+C(9)*ts0+CD(10)*s1+C(10)*ts1+CD(11)*s2+C(11)*ts2+C(12)*ts3+CD(13)*U(0)+C(13)*DU(0);
         TY3(1, ty3_1);
-        const T y0_2 = U(1);
-        const T ty0_2 = DU(1);
-        TY0(2, ty0_2);
         const T y1_2 = C(14)*s0+C(6)*U(0)+C(4)*U(1);
         const T ty1_2 = CD(14)*s0+C(14)*ts0+CD(6)*U(0)+C(6)*DU(0)+CD(4)*U(1)+C(4)*DU(1);
         TY1(2, ty1_2);
@@ -664,258 +669,15 @@ extern "C" __global__ void ts_h24_d10_pos_bac_a222_hold_dtu_noidx_bdh_f64_o3_dt_
         const T y3_2 = C(19)*s0+C(20)*s1+C(21)*s2+C(22)*s3+C(23)*U(0)+C(13)*U(1);
         const T ty3_2 = CD(19)*s0+C(19)*ts0+CD(20)*s1+C(20)*ts1+CD(21)*s2+C(21)*ts2+C(22)*ts3+CD(23)*U(0)+C(23)*DU(0)+CD(13)*U(1)+C(13)*DU(1);
         TY3(2, ty3_2);
-        const T y0_3 = U(2);
-        const T ty0_3 = DU(2);
-        TY0(3, ty0_3);
-        const T y1_3 = C(14)*U(0)+C(6)*U(1)+C(4)*U(2);
-        const T ty1_3 = CD(14)*U(0)+C(14)*DU(0)+CD(6)*U(1)+C(6)*DU(1)+CD(4)*U(2)+C(4)*DU(2);
-        TY1(3, ty1_3);
         const T y2_3 = C(24)*s0+C(20)*U(0)+C(18)*U(1)+C(8)*U(2);
         const T ty2_3 = CD(24)*s0+C(24)*ts0+CD(20)*U(0)+C(20)*DU(0)+CD(18)*U(1)+C(18)*DU(1)+CD(8)*U(2)+C(8)*DU(2);
         TY2(3, ty2_3);
         const T y3_3 = C(25)*s0+C(26)*s1+C(27)*s2+C(28)*s3+C(29)*U(0)+C(23)*U(1)+C(13)*U(2);
         const T ty3_3 = CD(25)*s0+C(25)*ts0+CD(26)*s1+C(26)*ts1+CD(27)*s2+C(27)*ts2+C(28)*ts3+CD(29)*U(0)+C(29)*DU(0)+CD(23)*U(1)+C(23)*DU(1)+CD(13)*U(2)+C(13)*DU(2);
         TY3(3, ty3_3);
-        const T y0_4 = U(3);
-        const T ty0_4 = DU(3);
-        TY0(4, ty0_4);
-        const T y1_4 = C(14)*U(1)+C(6)*U(2)+C(4)*U(3);
-        const T ty1_4 = CD(14)*U(1)+C(14)*DU(1)+CD(6)*U(2)+C(6)*DU(2)+CD(4)*U(3)+C(4)*DU(3);
-        TY1(4, ty1_4);
-        const T y2_4 = C(24)*U(0)+C(20)*U(1)+C(18)*U(2)+C(8)*U(3);
-        const T ty2_4 = CD(24)*U(0)+C(24)*DU(0)+CD(20)*U(1)+C(20)*DU(1)+CD(18)*U(2)+C(18)*DU(2)+CD(8)*U(3)+C(8)*DU(3);
-        TY2(4, ty2_4);
         const T y3_4 = C(30)*s0+C(31)*U(0)+C(29)*U(1)+C(23)*U(2)+C(13)*U(3);
         const T ty3_4 = CD(30)*s0+C(30)*ts0+CD(31)*U(0)+C(31)*DU(0)+CD(29)*U(1)+C(29)*DU(1)+CD(23)*U(2)+C(23)*DU(2)+CD(13)*U(3)+C(13)*DU(3);
         TY3(4, ty3_4);
-        const T y0_5 = U(4);
-        const T ty0_5 = DU(4);
-        TY0(5, ty0_5);
-        const T y1_5 = C(14)*U(2)+C(6)*U(3)+C(4)*U(4);
-        const T ty1_5 = CD(14)*U(2)+C(14)*DU(2)+CD(6)*U(3)+C(6)*DU(3)+CD(4)*U(4)+C(4)*DU(4);
-        TY1(5, ty1_5);
-        const T y2_5 = C(24)*U(1)+C(20)*U(2)+C(18)*U(3)+C(8)*U(4);
-        const T ty2_5 = CD(24)*U(1)+C(24)*DU(1)+CD(20)*U(2)+C(20)*DU(2)+CD(18)*U(3)+C(18)*DU(3)+CD(8)*U(4)+C(8)*DU(4);
-        TY2(5, ty2_5);
-        const T y3_5 = C(30)*U(0)+C(31)*U(1)+C(29)*U(2)+C(23)*U(3)+C(13)*U(4);
-        const T ty3_5 = CD(30)*U(0)+C(30)*DU(0)+CD(31)*U(1)+C(31)*DU(1)+CD(29)*U(2)+C(29)*DU(2)+CD(23)*U(3)+C(23)*DU(3)+CD(13)*U(4)+C(13)*DU(4);
-        TY3(5, ty3_5);
-        const T y0_6 = U(5);
-        const T ty0_6 = DU(5);
-        TY0(6, ty0_6);
-        const T y1_6 = C(14)*U(3)+C(6)*U(4)+C(4)*U(5);
-        const T ty1_6 = CD(14)*U(3)+C(14)*DU(3)+CD(6)*U(4)+C(6)*DU(4)+CD(4)*U(5)+C(4)*DU(5);
-        TY1(6, ty1_6);
-        const T y2_6 = C(24)*U(2)+C(20)*U(3)+C(18)*U(4)+C(8)*U(5);
-        const T ty2_6 = CD(24)*U(2)+C(24)*DU(2)+CD(20)*U(3)+C(20)*DU(3)+CD(18)*U(4)+C(18)*DU(4)+CD(8)*U(5)+C(8)*DU(5);
-        TY2(6, ty2_6);
-        const T y3_6 = C(30)*U(1)+C(31)*U(2)+C(29)*U(3)+C(23)*U(4)+C(13)*U(5);
-        const T ty3_6 = CD(30)*U(1)+C(30)*DU(1)+CD(31)*U(2)+C(31)*DU(2)+CD(29)*U(3)+C(29)*DU(3)+CD(23)*U(4)+C(23)*DU(4)+CD(13)*U(5)+C(13)*DU(5);
-        TY3(6, ty3_6);
-        const T y0_7 = U(6);
-        const T ty0_7 = DU(6);
-        TY0(7, ty0_7);
-        const T y1_7 = C(14)*U(4)+C(6)*U(5)+C(4)*U(6);
-        const T ty1_7 = CD(14)*U(4)+C(14)*DU(4)+CD(6)*U(5)+C(6)*DU(5)+CD(4)*U(6)+C(4)*DU(6);
-        TY1(7, ty1_7);
-        const T y2_7 = C(24)*U(3)+C(20)*U(4)+C(18)*U(5)+C(8)*U(6);
-        const T ty2_7 = CD(24)*U(3)+C(24)*DU(3)+CD(20)*U(4)+C(20)*DU(4)+CD(18)*U(5)+C(18)*DU(5)+CD(8)*U(6)+C(8)*DU(6);
-        TY2(7, ty2_7);
-        const T y3_7 = C(30)*U(2)+C(31)*U(3)+C(29)*U(4)+C(23)*U(5)+C(13)*U(6);
-        const T ty3_7 = CD(30)*U(2)+C(30)*DU(2)+CD(31)*U(3)+C(31)*DU(3)+CD(29)*U(4)+C(29)*DU(4)+CD(23)*U(5)+C(23)*DU(5)+CD(13)*U(6)+C(13)*DU(6);
-        TY3(7, ty3_7);
-        const T y0_8 = U(7);
-        const T ty0_8 = DU(7);
-        TY0(8, ty0_8);
-        const T y1_8 = C(14)*U(5)+C(6)*U(6)+C(4)*U(7);
-        const T ty1_8 = CD(14)*U(5)+C(14)*DU(5)+CD(6)*U(6)+C(6)*DU(6)+CD(4)*U(7)+C(4)*DU(7);
-        TY1(8, ty1_8);
-        const T y2_8 = C(24)*U(4)+C(20)*U(5)+C(18)*U(6)+C(8)*U(7);
-        const T ty2_8 = CD(24)*U(4)+C(24)*DU(4)+CD(20)*U(5)+C(20)*DU(5)+CD(18)*U(6)+C(18)*DU(6)+CD(8)*U(7)+C(8)*DU(7);
-        TY2(8, ty2_8);
-        const T y3_8 = C(30)*U(3)+C(31)*U(4)+C(29)*U(5)+C(23)*U(6)+C(13)*U(7);
-        const T ty3_8 = CD(30)*U(3)+C(30)*DU(3)+CD(31)*U(4)+C(31)*DU(4)+CD(29)*U(5)+C(29)*DU(5)+CD(23)*U(6)+C(23)*DU(6)+CD(13)*U(7)+C(13)*DU(7);
-        TY3(8, ty3_8);
-        const T y0_9 = U(8);
-        const T ty0_9 = DU(8);
-        TY0(9, ty0_9);
-        const T y1_9 = C(14)*U(6)+C(6)*U(7)+C(4)*U(8);
-        const T ty1_9 = CD(14)*U(6)+C(14)*DU(6)+CD(6)*U(7)+C(6)*DU(7)+CD(4)*U(8)+C(4)*DU(8);
-        TY1(9, ty1_9);
-        const T y2_9 = C(24)*U(5)+C(20)*U(6)+C(18)*U(7)+C(8)*U(8);
-        const T ty2_9 = CD(24)*U(5)+C(24)*DU(5)+CD(20)*U(6)+C(20)*DU(6)+CD(18)*U(7)+C(18)*DU(7)+CD(8)*U(8)+C(8)*DU(8);
-        TY2(9, ty2_9);
-        const T y3_9 = C(30)*U(4)+C(31)*U(5)+C(29)*U(6)+C(23)*U(7)+C(13)*U(8);
-        const T ty3_9 = CD(30)*U(4)+C(30)*DU(4)+CD(31)*U(5)+C(31)*DU(5)+CD(29)*U(6)+C(29)*DU(6)+CD(23)*U(7)+C(23)*DU(7)+CD(13)*U(8)+C(13)*DU(8);
-        TY3(9, ty3_9);
-        const T y0_10 = U(9);
-        const T ty0_10 = DU(9);
-        TY0(10, ty0_10);
-        const T y1_10 = C(14)*U(7)+C(6)*U(8)+C(4)*U(9);
-        const T ty1_10 = CD(14)*U(7)+C(14)*DU(7)+CD(6)*U(8)+C(6)*DU(8)+CD(4)*U(9)+C(4)*DU(9);
-        TY1(10, ty1_10);
-        const T y2_10 = C(24)*U(6)+C(20)*U(7)+C(18)*U(8)+C(8)*U(9);
-        const T ty2_10 = CD(24)*U(6)+C(24)*DU(6)+CD(20)*U(7)+C(20)*DU(7)+CD(18)*U(8)+C(18)*DU(8)+CD(8)*U(9)+C(8)*DU(9);
-        TY2(10, ty2_10);
-        const T y3_10 = C(30)*U(5)+C(31)*U(6)+C(29)*U(7)+C(23)*U(8)+C(13)*U(9);
-        const T ty3_10 = CD(30)*U(5)+C(30)*DU(5)+CD(31)*U(6)+C(31)*DU(6)+CD(29)*U(7)+C(29)*DU(7)+CD(23)*U(8)+C(23)*DU(8)+CD(13)*U(9)+C(13)*DU(9);
-        TY3(10, ty3_10);
-        const T y0_11 = U(10);
-        const T ty0_11 = DU(10);
-        TY0(11, ty0_11);
-        const T y1_11 = C(14)*U(8)+C(6)*U(9)+C(4)*U(10);
-        const T ty1_11 = CD(14)*U(8)+C(14)*DU(8)+CD(6)*U(9)+C(6)*DU(9)+CD(4)*U(10)+C(4)*DU(10);
-        TY1(11, ty1_11);
-        const T y2_11 = C(24)*U(7)+C(20)*U(8)+C(18)*U(9)+C(8)*U(10);
-        const T ty2_11 = CD(24)*U(7)+C(24)*DU(7)+CD(20)*U(8)+C(20)*DU(8)+CD(18)*U(9)+C(18)*DU(9)+CD(8)*U(10)+C(8)*DU(10);
-        TY2(11, ty2_11);
-        const T y3_11 = C(30)*U(6)+C(31)*U(7)+C(29)*U(8)+C(23)*U(9)+C(13)*U(10);
-        const T ty3_11 = CD(30)*U(6)+C(30)*DU(6)+CD(31)*U(7)+C(31)*DU(7)+CD(29)*U(8)+C(29)*DU(8)+CD(23)*U(9)+C(23)*DU(9)+CD(13)*U(10)+C(13)*DU(10);
-        TY3(11, ty3_11);
-        const T y0_12 = U(11);
-        const T ty0_12 = DU(11);
-        TY0(12, ty0_12);
-        const T y1_12 = C(14)*U(9)+C(6)*U(10)+C(4)*U(11);
-        const T ty1_12 = CD(14)*U(9)+C(14)*DU(9)+CD(6)*U(10)+C(6)*DU(10)+CD(4)*U(11)+C(4)*DU(11);
-        TY1(12, ty1_12);
-        const T y2_12 = C(24)*U(8)+C(20)*U(9)+C(18)*U(10)+C(8)*U(11);
-        const T ty2_12 = CD(24)*U(8)+C(24)*DU(8)+CD(20)*U(9)+C(20)*DU(9)+CD(18)*U(10)+C(18)*DU(10)+CD(8)*U(11)+C(8)*DU(11);
-        TY2(12, ty2_12);
-        const T y3_12 = C(30)*U(7)+C(31)*U(8)+C(29)*U(9)+C(23)*U(10)+C(13)*U(11);
-        const T ty3_12 = CD(30)*U(7)+C(30)*DU(7)+CD(31)*U(8)+C(31)*DU(8)+CD(29)*U(9)+C(29)*DU(9)+CD(23)*U(10)+C(23)*DU(10)+CD(13)*U(11)+C(13)*DU(11);
-        TY3(12, ty3_12);
-        const T y0_13 = U(12);
-        const T ty0_13 = DU(12);
-        TY0(13, ty0_13);
-        const T y1_13 = C(14)*U(10)+C(6)*U(11)+C(4)*U(12);
-        const T ty1_13 = CD(14)*U(10)+C(14)*DU(10)+CD(6)*U(11)+C(6)*DU(11)+CD(4)*U(12)+C(4)*DU(12);
-        TY1(13, ty1_13);
-        const T y2_13 = C(24)*U(9)+C(20)*U(10)+C(18)*U(11)+C(8)*U(12);
-        const T ty2_13 = CD(24)*U(9)+C(24)*DU(9)+CD(20)*U(10)+C(20)*DU(10)+CD(18)*U(11)+C(18)*DU(11)+CD(8)*U(12)+C(8)*DU(12);
-        TY2(13, ty2_13);
-        const T y3_13 = C(30)*U(8)+C(31)*U(9)+C(29)*U(10)+C(23)*U(11)+C(13)*U(12);
-        const T ty3_13 = CD(30)*U(8)+C(30)*DU(8)+CD(31)*U(9)+C(31)*DU(9)+CD(29)*U(10)+C(29)*DU(10)+CD(23)*U(11)+C(23)*DU(11)+CD(13)*U(12)+C(13)*DU(12);
-        TY3(13, ty3_13);
-        const T y0_14 = U(13);
-        const T ty0_14 = DU(13);
-        TY0(14, ty0_14);
-        const T y1_14 = C(14)*U(11)+C(6)*U(12)+C(4)*U(13);
-        const T ty1_14 = CD(14)*U(11)+C(14)*DU(11)+CD(6)*U(12)+C(6)*DU(12)+CD(4)*U(13)+C(4)*DU(13);
-        TY1(14, ty1_14);
-        const T y2_14 = C(24)*U(10)+C(20)*U(11)+C(18)*U(12)+C(8)*U(13);
-        const T ty2_14 = CD(24)*U(10)+C(24)*DU(10)+CD(20)*U(11)+C(20)*DU(11)+CD(18)*U(12)+C(18)*DU(12)+CD(8)*U(13)+C(8)*DU(13);
-        TY2(14, ty2_14);
-        const T y3_14 = C(30)*U(9)+C(31)*U(10)+C(29)*U(11)+C(23)*U(12)+C(13)*U(13);
-        const T ty3_14 = CD(30)*U(9)+C(30)*DU(9)+CD(31)*U(10)+C(31)*DU(10)+CD(29)*U(11)+C(29)*DU(11)+CD(23)*U(12)+C(23)*DU(12)+CD(13)*U(13)+C(13)*DU(13);
-        TY3(14, ty3_14);
-        const T y0_15 = U(14);
-        const T ty0_15 = DU(14);
-        TY0(15, ty0_15);
-        const T y1_15 = C(14)*U(12)+C(6)*U(13)+C(4)*U(14);
-        const T ty1_15 = CD(14)*U(12)+C(14)*DU(12)+CD(6)*U(13)+C(6)*DU(13)+CD(4)*U(14)+C(4)*DU(14);
-        TY1(15, ty1_15);
-        const T y2_15 = C(24)*U(11)+C(20)*U(12)+C(18)*U(13)+C(8)*U(14);
-        const T ty2_15 = CD(24)*U(11)+C(24)*DU(11)+CD(20)*U(12)+C(20)*DU(12)+CD(18)*U(13)+C(18)*DU(13)+CD(8)*U(14)+C(8)*DU(14);
-        TY2(15, ty2_15);
-        const T y3_15 = C(30)*U(10)+C(31)*U(11)+C(29)*U(12)+C(23)*U(13)+C(13)*U(14);
-        const T ty3_15 = CD(30)*U(10)+C(30)*DU(10)+CD(31)*U(11)+C(31)*DU(11)+CD(29)*U(12)+C(29)*DU(12)+CD(23)*U(13)+C(23)*DU(13)+CD(13)*U(14)+C(13)*DU(14);
-        TY3(15, ty3_15);
-        const T y0_16 = U(15);
-        const T ty0_16 = DU(15);
-        TY0(16, ty0_16);
-        const T y1_16 = C(14)*U(13)+C(6)*U(14)+C(4)*U(15);
-        const T ty1_16 = CD(14)*U(13)+C(14)*DU(13)+CD(6)*U(14)+C(6)*DU(14)+CD(4)*U(15)+C(4)*DU(15);
-        TY1(16, ty1_16);
-        const T y2_16 = C(24)*U(12)+C(20)*U(13)+C(18)*U(14)+C(8)*U(15);
-        const T ty2_16 = CD(24)*U(12)+C(24)*DU(12)+CD(20)*U(13)+C(20)*DU(13)+CD(18)*U(14)+C(18)*DU(14)+CD(8)*U(15)+C(8)*DU(15);
-        TY2(16, ty2_16);
-        const T y3_16 = C(30)*U(11)+C(31)*U(12)+C(29)*U(13)+C(23)*U(14)+C(13)*U(15);
-        const T ty3_16 = CD(30)*U(11)+C(30)*DU(11)+CD(31)*U(12)+C(31)*DU(12)+CD(29)*U(13)+C(29)*DU(13)+CD(23)*U(14)+C(23)*DU(14)+CD(13)*U(15)+C(13)*DU(15);
-        TY3(16, ty3_16);
-        const T y0_17 = U(16);
-        const T ty0_17 = DU(16);
-        TY0(17, ty0_17);
-        const T y1_17 = C(14)*U(14)+C(6)*U(15)+C(4)*U(16);
-        const T ty1_17 = CD(14)*U(14)+C(14)*DU(14)+CD(6)*U(15)+C(6)*DU(15)+CD(4)*U(16)+C(4)*DU(16);
-        TY1(17, ty1_17);
-        const T y2_17 = C(24)*U(13)+C(20)*U(14)+C(18)*U(15)+C(8)*U(16);
-        const T ty2_17 = CD(24)*U(13)+C(24)*DU(13)+CD(20)*U(14)+C(20)*DU(14)+CD(18)*U(15)+C(18)*DU(15)+CD(8)*U(16)+C(8)*DU(16);
-        TY2(17, ty2_17);
-        const T y3_17 = C(30)*U(12)+C(31)*U(13)+C(29)*U(14)+C(23)*U(15)+C(13)*U(16);
-        const T ty3_17 = CD(30)*U(12)+C(30)*DU(12)+CD(31)*U(13)+C(31)*DU(13)+CD(29)*U(14)+C(29)*DU(14)+CD(23)*U(15)+C(23)*DU(15)+CD(13)*U(16)+C(13)*DU(16);
-        TY3(17, ty3_17);
-        const T y0_18 = U(17);
-        const T ty0_18 = DU(17);
-        TY0(18, ty0_18);
-        const T y1_18 = C(14)*U(15)+C(6)*U(16)+C(4)*U(17);
-        const T ty1_18 = CD(14)*U(15)+C(14)*DU(15)+CD(6)*U(16)+C(6)*DU(16)+CD(4)*U(17)+C(4)*DU(17);
-        TY1(18, ty1_18);
-        const T y2_18 = C(24)*U(14)+C(20)*U(15)+C(18)*U(16)+C(8)*U(17);
-        const T ty2_18 = CD(24)*U(14)+C(24)*DU(14)+CD(20)*U(15)+C(20)*DU(15)+CD(18)*U(16)+C(18)*DU(16)+CD(8)*U(17)+C(8)*DU(17);
-        TY2(18, ty2_18);
-        const T y3_18 = C(30)*U(13)+C(31)*U(14)+C(29)*U(15)+C(23)*U(16)+C(13)*U(17);
-        const T ty3_18 = CD(30)*U(13)+C(30)*DU(13)+CD(31)*U(14)+C(31)*DU(14)+CD(29)*U(15)+C(29)*DU(15)+CD(23)*U(16)+C(23)*DU(16)+CD(13)*U(17)+C(13)*DU(17);
-        TY3(18, ty3_18);
-        const T y0_19 = U(18);
-        const T ty0_19 = DU(18);
-        TY0(19, ty0_19);
-        const T y1_19 = C(14)*U(16)+C(6)*U(17)+C(4)*U(18);
-        const T ty1_19 = CD(14)*U(16)+C(14)*DU(16)+CD(6)*U(17)+C(6)*DU(17)+CD(4)*U(18)+C(4)*DU(18);
-        TY1(19, ty1_19);
-        const T y2_19 = C(24)*U(15)+C(20)*U(16)+C(18)*U(17)+C(8)*U(18);
-        const T ty2_19 = CD(24)*U(15)+C(24)*DU(15)+CD(20)*U(16)+C(20)*DU(16)+CD(18)*U(17)+C(18)*DU(17)+CD(8)*U(18)+C(8)*DU(18);
-        TY2(19, ty2_19);
-        const T y3_19 = C(30)*U(14)+C(31)*U(15)+C(29)*U(16)+C(23)*U(17)+C(13)*U(18);
-        const T ty3_19 = CD(30)*U(14)+C(30)*DU(14)+CD(31)*U(15)+C(31)*DU(15)+CD(29)*U(16)+C(29)*DU(16)+CD(23)*U(17)+C(23)*DU(17)+CD(13)*U(18)+C(13)*DU(18);
-        TY3(19, ty3_19);
-        const T y0_20 = U(19);
-        const T ty0_20 = DU(19);
-        TY0(20, ty0_20);
-        const T y1_20 = C(14)*U(17)+C(6)*U(18)+C(4)*U(19);
-        const T ty1_20 = CD(14)*U(17)+C(14)*DU(17)+CD(6)*U(18)+C(6)*DU(18)+CD(4)*U(19)+C(4)*DU(19);
-        TY1(20, ty1_20);
-        const T y2_20 = C(24)*U(16)+C(20)*U(17)+C(18)*U(18)+C(8)*U(19);
-        const T ty2_20 = CD(24)*U(16)+C(24)*DU(16)+CD(20)*U(17)+C(20)*DU(17)+CD(18)*U(18)+C(18)*DU(18)+CD(8)*U(19)+C(8)*DU(19);
-        TY2(20, ty2_20);
-        const T y3_20 = C(30)*U(15)+C(31)*U(16)+C(29)*U(17)+C(23)*U(18)+C(13)*U(19);
-        const T ty3_20 = CD(30)*U(15)+C(30)*DU(15)+CD(31)*U(16)+C(31)*DU(16)+CD(29)*U(17)+C(29)*DU(17)+CD(23)*U(18)+C(23)*DU(18)+CD(13)*U(19)+C(13)*DU(19);
-        TY3(20, ty3_20);
-        const T y0_21 = U(20);
-        const T ty0_21 = DU(20);
-        TY0(21, ty0_21);
-        const T y1_21 = C(14)*U(18)+C(6)*U(19)+C(4)*U(20);
-        const T ty1_21 = CD(14)*U(18)+C(14)*DU(18)+CD(6)*U(19)+C(6)*DU(19)+CD(4)*U(20)+C(4)*DU(20);
-        TY1(21, ty1_21);
-        const T y2_21 = C(24)*U(17)+C(20)*U(18)+C(18)*U(19)+C(8)*U(20);
-        const T ty2_21 = CD(24)*U(17)+C(24)*DU(17)+CD(20)*U(18)+C(20)*DU(18)+CD(18)*U(19)+C(18)*DU(19)+CD(8)*U(20)+C(8)*DU(20);
-        TY2(21, ty2_21);
-        const T y3_21 = C(30)*U(16)+C(31)*U(17)+C(29)*U(18)+C(23)*U(19)+C(13)*U(20);
-        const T ty3_21 = CD(30)*U(16)+C(30)*DU(16)+CD(31)*U(17)+C(31)*DU(17)+CD(29)*U(18)+C(29)*DU(18)+CD(23)*U(19)+C(23)*DU(19)+CD(13)*U(20)+C(13)*DU(20);
-        TY3(21, ty3_21);
-        const T y0_22 = U(21);
-        const T ty0_22 = DU(21);
-        TY0(22, ty0_22);
-        const T y1_22 = C(14)*U(19)+C(6)*U(20)+C(4)*U(21);
-        const T ty1_22 = CD(14)*U(19)+C(14)*DU(19)+CD(6)*U(20)+C(6)*DU(20)+CD(4)*U(21)+C(4)*DU(21);
-        TY1(22, ty1_22);
-        const T y2_22 = C(24)*U(18)+C(20)*U(19)+C(18)*U(20)+C(8)*U(21);
-        const T ty2_22 = CD(24)*U(18)+C(24)*DU(18)+CD(20)*U(19)+C(20)*DU(19)+CD(18)*U(20)+C(18)*DU(20)+CD(8)*U(21)+C(8)*DU(21);
-        TY2(22, ty2_22);
-        const T y3_22 = C(30)*U(17)+C(31)*U(18)+C(29)*U(19)+C(23)*U(20)+C(13)*U(21);
-        const T ty3_22 = CD(30)*U(17)+C(30)*DU(17)+CD(31)*U(18)+C(31)*DU(18)+CD(29)*U(19)+C(29)*DU(19)+CD(23)*U(20)+C(23)*DU(20)+CD(13)*U(21)+C(13)*DU(21);
-        TY3(22, ty3_22);
-        const T y0_23 = U(22);
-        const T ty0_23 = DU(22);
-        TY0(23, ty0_23);
-        const T y1_23 = C(14)*U(20)+C(6)*U(21)+C(4)*U(22);
-        const T ty1_23 = CD(14)*U(20)+C(14)*DU(20)+CD(6)*U(21)+C(6)*DU(21)+CD(4)*U(22)+C(4)*DU(22);
-        TY1(23, ty1_23);
-        const T y2_23 = C(24)*U(19)+C(20)*U(20)+C(18)*U(21)+C(8)*U(22);
-        const T ty2_23 = CD(24)*U(19)+C(24)*DU(19)+CD(20)*U(20)+C(20)*DU(20)+CD(18)*U(21)+C(18)*DU(21)+CD(8)*U(22)+C(8)*DU(22);
-        TY2(23, ty2_23);
-        const T y3_23 = C(30)*U(18)+C(31)*U(19)+C(29)*U(20)+C(23)*U(21)+C(13)*U(22);
-        const T ty3_23 = CD(30)*U(18)+C(30)*DU(18)+CD(31)*U(19)+C(31)*DU(19)+CD(29)*U(20)+C(29)*DU(20)+CD(23)*U(21)+C(23)*DU(21)+CD(13)*U(22)+C(13)*DU(22);
-        TY3(23, ty3_23);
     }
 }
 

@@ -69,13 +69,18 @@ enum { H_ = 24, N_ = 23, D_ = 10, NDT_ = 1, NC_ = 3 };
 /* inside interior loops: su / sy are the action / output element of the loop's row */
 #define SU(rel) u[su + (rel) * U_SH]
 #define SGU gu[su]
+#define SDU(rel) (du ? du[su + (rel) * U_SH] : (T)0)
 #define SY0 y0[sy]
+#define STY0 ty0[sy]
 #define SG0(rel) g0[sy + (rel) * Y_SH]
 #define SY1 y1[sy]
+#define STY1 ty1[sy]
 #define SG1(rel) g1[sy + (rel) * Y_SH]
 #define SY2 y2[sy]
+#define STY2 ty2[sy]
 #define SG2(rel) g2[sy + (rel) * Y_SH]
 #define SY3 y3[sy]
+#define STY3 ty3[sy]
 #define SG3(rel) g3[sy + (rel) * Y_SH]
 #define ZERO ((T)0)
 #define C(q) coef[(q)]
