@@ -39,7 +39,8 @@ def arguments(kernel: str, table: ArgumentTable) -> list[Parameter]:
     if kernel == "adjoint":
         return batch + grads + dt + [("T*", a.grad_name) for a in table.differentiable]
     if kernel == "dt_vjp":
-        return batch + _reads(table) + grads + dt + [("double*", "gc")]
+        values = [("const T*", v.c_name) for v in table.values]  # an integrator's forward outputs
+        return batch + _reads(table) + values + grads + dt + [("double*", "gc")]
     if kernel == "dt_vjp_finish":
         return batch + dt + [("const double*", "gc"), ("double*", "gdt")]
     if kernel == "dt_jvp":

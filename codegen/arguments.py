@@ -12,6 +12,10 @@ rows ``start_index`` picks from; S = B without an index), G goal-table rows (lik
 ``goal_index``), NDT step durations the kernel reads (dt is [B] when per trajectory).
 Rows flagged ``layout`` are [B, rows, D] in layout "bhd" and [B, D, rows] in "bdh".
 
+An integrator (a recurrence: each row reads earlier rows) has ``values`` rows too: the forward's
+outputs, which its dt_vjp kernel reads (the launcher runs the forward first) so that its reverse
+sweep is a loop over the rows instead of a recomputation of every row.
+
 Import-light (no SymPy, no PyTorch): the runtime reads the table on the cached-load path.
 """
 from __future__ import annotations
@@ -54,7 +58,7 @@ class Argument:
 
     name: str  # Python keyword, error-message name
     c_name: str  # parameter name in the generated C
-    role: str  # action | start | index | dt | output
+    role: str  # action | start | index | dt | output | value (an output dt_vjp reads)
     shape: tuple[str, ...]  # symbols or sizes, logical order (batch, rows, dof)
     dtype: str = KERNEL
     presence: str = REQUIRED
@@ -84,6 +88,7 @@ class ArgumentTable:
     outputs: tuple[Argument, ...]
     sizes: tuple[tuple[str, int], ...]  # the symbols fixed by the spec (N, H, D, NDT)
     layout: str = "bhd"
+    values: tuple[Argument, ...] = ()  # the forward's outputs that dt_vjp reads (integrators)
 
     def __iter__(self) -> Iterator[Argument]:
         return iter(self.inputs)
@@ -166,7 +171,9 @@ def step_table(spec: Any) -> ArgumentTable:
     outputs = tuple(Argument(OUTPUT_NAMES[k], f"y{k}", "output", ("B", "H", "D"), layout=True,
                              grad=f"g{k}", tangent=f"ty{k}") for k in range(spec.order + 1))
     sizes = (("N", spec.n_actions), ("H", spec.horizon), ("D", spec.dof), ("NDT", spec.n_dt))
-    return ArgumentTable("step_goal" if goal else "step", tuple(inputs), outputs, sizes, spec.layout)
+    values = tuple(Argument(y.name, y.c_name, "value", y.shape, layout=True, differentiable=False,
+                            meaning=f"the forward's {y.name}") for y in outputs) if getattr(spec, "integrates", False) else ()
+    return ArgumentTable("step_goal" if goal else "step", tuple(inputs), outputs, sizes, spec.layout, values)
 
 
 #: kernel family → table builder (a spec names its family; native and legacy specs are steps)

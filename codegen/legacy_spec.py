@@ -56,6 +56,11 @@ class LegacySpec:
         return "uniform" if self.n_dt == 1 else "per_step"
 
     @property
+    def integrates(self) -> bool:
+        """cuRobo's acceleration kernels integrate (each row reads earlier rows); its position ones are stencils."""
+        return self.kind.startswith("accel")
+
+    @property
     def name(self) -> str:
         return "_".join(["ts_legacy", self.kind, f"h{self.horizon}", f"d{self.dof}",
                          "idx" if self.start_index else "noidx", "f32" if self.dtype == "float32" else "f64"])

@@ -25,7 +25,7 @@ from .coefficients import MINUS_ONE, ONE, Coefficients, table_term
 from .operator import Operator, Ref
 from .printer import COLUMN
 from .statements import (Add, Call, Cast, Def, For, Literal, Mul, Paren, Read, Rel, Statement, Store, Strided, Sum,
-                         Term, Val, Var, walk)
+                         Term, Val, Var, transform, walk)
 
 
 @dataclasses.dataclass
@@ -490,16 +490,27 @@ def _adjoint(op: Operator, coefs: Coefficients, spans: list[Span], only: bool, r
     return KernelCode(TABLE_CALL, _live(lines) if covered or spans else lines, loops)
 
 
-def _live(lines: list[Statement]) -> list[Statement]:
+def _reads(line: Statement) -> set:
+    """The values and variables a statement reads (a loop: those its body reads)."""
+    if isinstance(line, For):
+        return set().union(*map(_reads, line.body))
+    return {n for n in walk(line.value if isinstance(line, Def) else line) if isinstance(n, (Val, Var))}
+
+
+def _live(lines: list[Statement], used: set = frozenset()) -> list[Statement]:
     """``lines`` without the definitions that no later line reads (the gradients of rows whose
-    actions the loops gather): the column body then grows with the rows the loops leave."""
-    used: set = set()
+    actions the loops gather): the column body then grows with the rows the loops leave. In a
+    loop's body a definition is live if the loop reads it anywhere (an iteration reads the
+    values the one before carried) or later lines do."""
+    used = set(used)
     kept: list[Statement] = []
     for line in reversed(lines):
         if isinstance(line, Def) and line.target not in used:
             continue
+        if isinstance(line, For):
+            line = dataclasses.replace(line, body=tuple(_live(list(line.body), used | _reads(line))))
         kept.append(line)
-        used.update(n for n in walk(line) if isinstance(n, (Val, Var)))
+        used |= _reads(line)
     return kept[::-1]
 
 
@@ -508,28 +519,46 @@ def _dt_vjp(op: Operator, coefs: Coefficients) -> KernelCode:
     columns); dt_vjp_finish then maps GC to the dt gradient through the coefficient program.
     A stencil's interior rows accumulate in loops. A stencil's yb_row is its
     incoming gradient, read where it is used (nothing held across the body: few registers at
-    any horizon)."""
+    any horizon). An integrator's is the rolled reverse sweep of ``_integrator_dt_vjp``."""
+    if not _is_stencil(op):
+        return _integrator_dt_vjp(op, coefs)
     loops, covered = _dt_vjp_loops(op, coefs)
     body = _loads(goal=op.n_goal)
-    if _is_stencil(op):
-        gradient = lambda row: Read(f"G{row.k}", (row.h,))
-    else:
-        adjoint, _ = _adjoint_lines(op, coefs)
-        body += _forward_lines(op, coefs) + adjoint
-        gradient = lambda row: Val("yb", row.k, row.h)
-    # a stencil's: one statement per coefficient and ACC_ROWS rows, so the values a statement reads
-    # are shared with the other coefficients of its rows only (one statement over all rows kept
-    # every value loaded); an integrator holds its rows' values anyway: one statement per coefficient
-    rows = ACC_ROWS if _is_stencil(op) else len(op.rows)
+    # one statement per coefficient and ACC_ROWS rows, so the values a statement reads are shared
+    # with the other coefficients of its rows only (one statement over all rows kept every value loaded)
     uses: dict[tuple[int, int], list[Mul]] = defaultdict(list)
     for i, row in enumerate(op.rows):
         if (row.k, row.h) in covered:
             continue
         for c, ref in row.terms:
             if coefs.varies(c):
-                uses[(i // rows, coefs.index(c))].append(Mul(gradient(row), _var(ref)))
+                uses[(i // ACC_ROWS, coefs.index(c))].append(Mul(Read(f"G{row.k}", (row.h,)), _var(ref)))
     body += [Store(Read("ACC", (q,)), Cast("double", Paren(Add(tuple(parts)))), "+=") for (_, q), parts in uses.items()]
     return KernelCode(TABLE_CALL, body, loops)
+
+
+def _integrator_dt_vjp(op: Operator, coefs: Coefficients) -> KernelCode:
+    """A recurrence's dt_vjp as the adjoint's reverse sweep, rolled into loops over the rows
+    (codegen/roll.py): the values the dt-dependent coefficients multiply are read from the
+    forward's outputs (``YV<k>``, the launcher runs the forward first), so the column holds a
+    few row adjoints at any horizon and the source does not grow with it. A slot that stays
+    fixed along the rows (uniform dt) is summed in a local double and added to ``ACC`` once,
+    after the loops: on CUDA each ``ACC`` statement is a block-wide reduction."""
+    slot = lambda c: coefs.index(c) if coefs.varies(c) else None
+    statements = _loads() + roll.render(roll.dt_vjp_groups(op, coefs.term, slot))
+    fixed: dict[int, Var] = {}
+
+    def local(n: Any) -> Any:
+        if isinstance(n, Store) and isinstance(n.target, Read) and n.target.macro == "ACC":
+            q = n.target.args[0]
+            if isinstance(q, int):
+                return Store(fixed.setdefault(q, Var(f"acc{q}")), n.value, "+=")
+            return n
+        return None
+
+    statements = [transform(s, local) for s in statements]
+    return KernelCode(TABLE_CALL, _live([Def(v, Literal("0.0"), "double", const=False) for v in fixed.values()]
+                                        + statements + [Store(Read("ACC", (q,)), v, "+=") for q, v in fixed.items()]))
 
 
 def _tangent_terms(coefs: Coefficients, c: sp.Expr, value: Any, tangent: Any) -> list[Term]:
@@ -538,13 +567,18 @@ def _tangent_terms(coefs: Coefficients, c: sp.Expr, value: Any, tangent: Any) ->
 
 
 ACC_ROWS = 16
+#: A recurrence's dt_jvp column with more rows than this is rolled even with uniform dt (its
+#: straight-line form, one value and one tangent per row, took gcc over 3 s at H=256); shorter
+#: ones stay straight-line, which gcc vectorises across the dof.
+ROLL_DT_JVP_ROWS = 256
 
 
 def _dt_jvp(op: Operator, coefs: Coefficients) -> KernelCode:
     """Tangent: ty = Σ (ċ · value + c · tangent), ċ = Σ_m ∂c/∂dt_m · ddt_m. A stencil's interior
     rows are loops; each other row's tangent follows its value (rows are in
     evaluation order), so only a few rows' values are live at once."""
-    if coefs.runs and not _is_stencil(op):  # a recurrence with per-step coefficients: rolled
+    # a recurrence with per-step coefficients, or a long one: rolled
+    if not _is_stencil(op) and (coefs.runs or len(op.rows) > ROLL_DT_JVP_ROWS):
         return KernelCode(coefs.tangent_preamble(), _loads(tangent=True) + roll.render(
             roll.tangent_groups(op, coefs.term, functools.partial(_tangent_terms, coefs))))
     loops, covered = _dt_jvp_loops(op, coefs)

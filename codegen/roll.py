@@ -24,7 +24,8 @@ from typing import Any, Callable
 import sympy as sp
 
 from .operator import Operator
-from .statements import Call, Def, For, Read, Rel, Statement, Store, Strided, Sum, Term, Val, Var, place, transform, walk
+from .statements import (Add, Call, Cast, Def, For, Mul, Paren, Read, Rel, Statement, Store, Strided, Sum, Term, Val,
+                         Var, place, transform, walk)
 
 MIN_ROLL = 4  # shorter runs of equal groups stay straight-line
 
@@ -82,10 +83,11 @@ def tangent_groups(op: Operator, term: TermOf, tangent: Callable[[sp.Expr, Any, 
     return list(groups.values())
 
 
-def adjoint_groups(op: Operator, term: TermOf) -> tuple[list[Group], list[Statement]]:
-    """Adjoint (reverse accumulation): groups from the last row h down; within a group the
-    rows' total adjoints yb<k> in reverse order, then the action gradients this group
-    completes. The tail: actions no row reads, and the start-state gradients."""
+def _reverse_groups(op: Operator, term: TermOf, after: Callable[[int, list, Callable], list[Statement]]
+                    ) -> tuple[list[Group], Callable[[tuple, int], Sum]]:
+    """Groups of reverse accumulation, from the last row h down: within a group the rows' total
+    adjoints yb<k> in reverse order, then ``after(h, rows, gather)``'s statements; and ``gather``:
+    ``gather(ref, h)`` is the sum of a ref's readers' coefficients times their adjoints."""
     readers: dict[tuple, list[tuple[sp.Expr, int, int]]] = defaultdict(list)  # ref → (coef, k, h) of its readers
     for row in op.rows:
         for c, ref in row.terms:
@@ -93,10 +95,6 @@ def adjoint_groups(op: Operator, term: TermOf) -> tuple[list[Group], list[Statem
     by_h: dict[int, list] = defaultdict(list)
     for row in op.rows:
         by_h[row.h].append(row)
-    done_at: dict[int, list[int]] = defaultdict(list)  # row h → actions whose last reader is at h
-    for j in range(op.n_actions):
-        if readers[("u", j)]:
-            done_at[min(h for _, _, h in readers[("u", j)])].append(j)
 
     def gather(ref: tuple, h: int) -> Sum:
         return Sum(tuple(term(c, Val("yb", k, Rel(hh - h))) for c, k, hh in readers[ref]))
@@ -107,12 +105,55 @@ def adjoint_groups(op: Operator, term: TermOf) -> tuple[list[Group], list[Statem
         for row in reversed(by_h[h]):
             own = Sum((Term(None, Read(f"G{row.k}", (Rel(0),))),) + gather(("y", row.k, h), h).terms)
             statements.append(Def(Val("yb", row.k, Rel(0)), own))
-        statements += [Call("GU", (Rel(j - h),), gather(("u", j), h)) for j in done_at[h]]
-        groups.append(Group(h, statements))
+        groups.append(Group(h, statements + after(h, by_h[h], gather)))
+    return groups, gather
+
+
+def adjoint_groups(op: Operator, term: TermOf) -> tuple[list[Group], list[Statement]]:
+    """Adjoint (reverse accumulation): groups from the last row h down; within a group the
+    rows' total adjoints yb<k> in reverse order, then the action gradients this group
+    completes. The tail: actions no row reads, and the start-state gradients."""
+    read: dict[int, list[int]] = defaultdict(list)  # action j → rows h that read it
+    for row in op.rows:
+        for _, ref in row.terms:
+            if ref[0] == "u":
+                read[ref[1]].append(row.h)
+    done_at: dict[int, list[int]] = defaultdict(list)  # row h → actions whose last reader is at h
+    for j, hs in read.items():
+        done_at[min(hs)].append(j)
+
+    def actions(h: int, rows: list, gather: Callable) -> list[Statement]:
+        return [Call("GU", (Rel(j - h),), gather(("u", j), h)) for j in sorted(done_at.get(h, []))]
+
+    groups, gather = _reverse_groups(op, term, actions)
     # the tail is placed at h = 0, so its positions are absolute
-    tail: list[Statement] = [Call("GU", (Rel(j),), Sum(())) for j in range(op.n_actions) if not readers[("u", j)]]
+    tail: list[Statement] = [Call("GU", (Rel(j),), Sum(())) for j in range(op.n_actions) if j not in read]
     tail += [Call(f"GS{m}", (), gather(("s", m), 0)) for m in range(4)]
     return groups, tail
+
+
+def _value(ref: tuple, h: int) -> Any:
+    """A ref's forward value, relative to row h: an action, a start entry, or an earlier row as
+    the forward wrote it (``YV<k>``, read from its output)."""
+    if ref[0] == "y":
+        return Read(f"YV{ref[1]}", (Rel(ref[2] - h),))
+    return _relative(ref, h, "y")
+
+
+def dt_vjp_groups(op: Operator, term: TermOf, slot: Callable[[sp.Expr], int | None]) -> list[Group]:
+    """dt_vjp: the adjoint's reverse sweep, where each group then adds, for every dt-dependent
+    coefficient of its rows (``slot(coef)``: its table slot, None for the others), the sum of
+    row adjoint times the value the coefficient multiplies to ``ACC(slot)``. Values are read
+    from the forward's outputs, so nothing is recomputed and only a few adjoints are live."""
+    def uses(h: int, rows: list, gather: Callable) -> list[Statement]:
+        parts: dict[int, list] = defaultdict(list)
+        for row in rows:
+            for c, ref in row.terms:
+                q = slot(c)
+                if q is not None:
+                    parts[q].append(Mul(Val("yb", row.k, Rel(0)), _value(ref, h)))
+        return [Store(Read("ACC", (q,)), Cast("double", Paren(Add(tuple(p)))), "+=") for q, p in parts.items()]
+    return _reverse_groups(op, term, uses)[0]
 
 
 def _carry(prefix: str, k: int, m: int, first: int) -> Var:
@@ -127,8 +168,9 @@ def _name(v: Val) -> str:
 
 # -- signatures: what must be equal for groups to share one loop body ------------------------
 def _is_slot(n: Any) -> bool:
-    """A read of the coefficient table (C) or of its dt tangent (CD) at a fixed slot."""
-    return isinstance(n, Read) and n.macro in ("C", "CD") and isinstance(n.args[0], int)
+    """A read of the coefficient table (C), of its dt tangent (CD) or of dt_vjp's accumulator (ACC)
+    at a fixed slot."""
+    return isinstance(n, Read) and n.macro in ("C", "CD", "ACC") and isinstance(n.args[0], int)
 
 
 def shape(group: Group) -> tuple:

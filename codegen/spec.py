@@ -226,6 +226,11 @@ class KernelSpec:
     def control_order(self) -> int:
         return CONTROL_ORDER[self.control]
 
+    @property
+    def integrates(self) -> bool:
+        """Integration control: each output row reads earlier rows (a recurrence, not a stencil)."""
+        return self.control in ("velocity", "acceleration", "jerk")
+
 
     @property
     def name(self) -> str:

@@ -123,8 +123,10 @@ class Launcher:
         # (the coefficient count is in the build's metadata: no code generation, no parsing)
         gc = torch.zeros(rows * int(self.backend.metadata["n_coefficients"]), dtype=torch.float64, device=u.device)
         gdt = torch.empty(dt.shape[0], dtype=torch.float64, device=u.device)
+        # an integrator's dt_vjp reads every row's value: the forward writes them first
+        values = self.forward(inputs, dt) if self.table.values and B else []
         if B:
-            self.backend.call("dt_vjp", B, [*map(ptr, inputs), *map(ptr, grads), ptr(dt), ptr(gc)])
+            self.backend.call("dt_vjp", B, [*map(ptr, inputs), *map(ptr, values), *map(ptr, grads), ptr(dt), ptr(gc)])
         if B or not self.per_trajectory:
             self.backend.call("dt_vjp_finish", B, [ptr(dt), ptr(gc), ptr(gdt)])
         return gdt

@@ -35,15 +35,10 @@ pytestmark = pytest.mark.skipif(NVCC is None, reason="nvcc not found on PATH (th
                                                       "installed): CUDA resource use cannot be measured")
 
 # Why a module is not yet within the limits (the marks go once the fix is merged):
-#: the coefficient programs (the table, its tangent, the reverse program of dt_vjp_finish) are
-#: straight-line: ptxas takes minutes on their one-thread kernels at long per-step horizons
-PROGRAMS = "straight-line coefficient programs (table, tangent, reverse): issue 18 item 4, rolled loops"
 #: a B-spline's dt kernels keep the boundary spans (next to the start and the end state) straight-line
 BSPLINE_SPANS = "a B-spline's dt kernels keep its boundary spans straight-line: dt_jvp over 128 registers"
 #: on CUDA every span of a B-spline is a loop of its own (lower._spans_only): many knots, many loops
 BSPLINE_KNOTS = "a loop per span on CUDA (64 spans): nvcc about 20 s for the forward and adjoint"
-#: an integrator's dt_vjp keeps every row's forward value for its reverse sweep
-DT_VJP = "an integrator's dt_vjp is straight-line and holds every row's value for its reverse sweep: 255 registers"
 
 #: (KernelSpec overrides, horizon, dtype, {part: reason it is not yet within the limits}):
 #: position central and backward with per-step dt, order 4, start_index; acceleration and jerk,
@@ -54,13 +49,13 @@ GRID = [
     (dict(difference="central", dt="per_step"), 256, "float64", {}),
     (dict(difference="backward", accuracy=2, dt="per_step", order=4, start_index=True), 64, "float32", {}),
     (dict(difference="central", start_index=True), 256, "float64", {}),
-    (dict(control="acceleration", integrator="exact", start_index=True), 256, "float32", {"dt": DT_VJP}),
-    (dict(control="acceleration", dt="per_step"), 32, "float64", {"dt": DT_VJP}),
+    (dict(control="acceleration", integrator="exact", start_index=True), 256, "float32", {}),
+    (dict(control="acceleration", dt="per_step"), 32, "float64", {}),
     (dict(control="acceleration", dt="per_step"), 21, "float32", {}),
-    (dict(control="jerk", integrator="exact", dt="per_step", order=4), 128, "float64", {"dt": f"{PROGRAMS}; {DT_VJP}"}),
+    (dict(control="jerk", integrator="exact", dt="per_step", order=4), 128, "float64", {}),
     (dict(control="jerk", integrator="exact", order=4), 17, "float32", {}),
     (dict(control="jerk", integrator="exact"), 10, "float64", {}),
-    (dict(control="jerk"), 256, "float32", {"dt": DT_VJP}),
+    (dict(control="jerk"), 256, "float32", {}),
     # many rows per span (s=25): the forward and adjoint loop over each span's rows
     (dict(control="bspline", degree=4, knots=10, steps=25), 376, "float32", {"dt": BSPLINE_SPANS}),
     (dict(control="bspline", degree=4, knots=60, steps=4), 261, "float64", {"core": BSPLINE_KNOTS, "dt": BSPLINE_SPANS}),
