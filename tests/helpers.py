@@ -97,6 +97,16 @@ def to_bhd(y: torch.Tensor, spec) -> np.ndarray:
     return y if spec.layout == "bhd" else y.transpose(0, 2, 1)
 
 
+def dt_gradient(spec, x: "Inputs", dt: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """The dt gradient of Σ g·Y for random output gradients g (fixed seed), and g itself as
+    [K, B, H, D] (bhd), for comparing against differences of the reference."""
+    outs = ts.load(spec, "cpu")(x.u, x.p0, x.v0, x.a0, dt, **x.kwargs())
+    gen = torch.Generator().manual_seed(5)
+    gs = [torch.randn(y.shape, generator=gen, dtype=torch.float64) for y in outs]
+    (got,) = torch.autograd.grad(outs, [dt], gs)
+    return got.numpy(), np.stack([to_bhd(gk, spec) for gk in gs])
+
+
 def kernel_paths(spec):
     """(name, step) for the C kernels behind the native node and behind the Python autograd path,
     and for the CUDA source run on the host (tests/cuda_on_host.py)."""
