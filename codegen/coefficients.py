@@ -159,11 +159,16 @@ class _Relative:
 
     def program_of(self, exprs: Sequence[sp.Expr]) -> tuple[Line, ...]:
         """The template quantities the expressions use, in definition order."""
-        need = set().union(*(e.free_symbols for e in exprs)) if exprs else set()
-        for s, e in reversed(self.lines):
-            if s in need:
-                need |= e.free_symbols
-        return tuple((s, e) for s, e in self.lines if s in need)
+        return tuple(_used(self.lines, exprs))
+
+
+def _used(program: Sequence[Line], exprs: Sequence[sp.Expr]) -> list[Line]:
+    """The lines of ``program`` the expressions use, directly or through later lines, in order."""
+    need = set().union(*(e.free_symbols for e in exprs)) if exprs else set()
+    for s, e in reversed(program):
+        if s in need:
+            need |= e.free_symbols
+    return [(s, e) for s, e in program if s in need]
 
 
 def _rows_of(op: Operator, names: dict[sp.Expr, int], varies: Any) -> dict[int, list[int]]:
@@ -289,13 +294,7 @@ class Coefficients:
         """Assignments computing k<q> (the value of C(q)) for the straight-line slots."""
         exprs = list(self.names)
         chosen = [expand_formulas(exprs[q]) for q in self.straight]
-        base = self.base
-        if self.runs:  # only the program quantities the straight-line slots use
-            need = set().union(*(e.free_symbols for e in chosen)) if chosen else set()
-            for s, e in reversed(base):
-                if s in need:
-                    need |= e.free_symbols
-            base = [(s, e) for s, e in base if s in need]
+        base = _used(self.base, chosen) if self.runs else self.base  # with runs: what the straight slots use
         return list(base) + _cse(chosen, sp.numbered_symbols("t"), [f"k{q}" for q in self.straight], self.CHUNK)
 
     def _inputs(self, tangent: bool = False) -> list[Statement]:

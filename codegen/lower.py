@@ -275,20 +275,30 @@ def _dt_vjp_loops(op: Operator, coefs: Coefficients) -> tuple[list[Loop], set[tu
 
 
 def _local_sums(loop: Loop, number: int) -> Loop:
-    """A loop whose accumulator slots are fixed (rows share their coefficients): it sums into one
-    double local per slot, each added to ACC once after the loop (on CUDA every ACC statement is a
-    block-wide reduction). Slots that advance with the row (per-step dt) stay ACC statements."""
-    if loop.row_dependent:
-        return loop
+    """A loop whose accumulator slots are fixed (rows share their coefficients) sums into double
+    locals, each added to ACC once after the loop (see ``_sum_locally``)."""
+    statements, init, finish = _sum_locally(loop.statements, lambda q: f"acc{number}_{q}")
+    return dataclasses.replace(loop, statements=statements, init=init, finish=finish)
+
+
+def _sum_locally(statements: list[Statement], name: Callable[[int], str]
+                 ) -> tuple[list[Statement], list[Statement], list[Statement]]:
+    """``ACC(q) += v`` at a fixed slot q (uniform dt: the rows share their coefficients) becomes
+    ``v`` summed into a double local ``name(q)``: the statements, the locals' definitions (before)
+    and their additions to ACC (after), so each slot costs one ACC statement, which on CUDA is a
+    block-wide reduction. Slots that advance with the row (per-step dt) stay ACC statements."""
     sums: dict[int, Var] = {}
-    statements = []
-    for s in loop.statements:
-        (q,) = s.target.args
-        local = sums.setdefault(q, Var(f"acc{number}_{q}"))
-        statements.append(dataclasses.replace(s, target=local))
-    return dataclasses.replace(loop, statements=statements,
-                               init=[Def(v, Literal("0.0"), "double", const=False) for v in sums.values()],
-                               finish=[Store(Read("ACC", (q,)), v, "+=") for q, v in sums.items()])
+
+    def local(n: Any) -> Any:
+        if isinstance(n, Store) and isinstance(n.target, Read) and n.target.macro == "ACC" \
+                and isinstance(n.target.args[0], int):
+            q = n.target.args[0]
+            return Store(sums.setdefault(q, Var(name(q))), n.value, "+=")
+        return None
+
+    statements = [transform(s, local) for s in statements]
+    return (statements, [Def(v, Literal("0.0"), "double", const=False) for v in sums.values()],
+            [Store(Read("ACC", (q,)), v, "+=") for q, v in sums.items()])
 
 
 def _adjoint_loops(op: Operator, coefs: Coefficients) -> tuple[list[Loop], set[int]]:
@@ -382,8 +392,7 @@ def _sequence(coefs: Coefficients, values: list[sp.Expr], start: int) -> tuple[s
         slots = [coefs.index(v) for v in values]
         steps = {b - a for a, b in zip(slots, slots[1:])}
         if len(steps) == 1:
-            step = steps.pop()
-            return None, slots[0] if step == 0 else Strided(slots[0], step, start)
+            return None, _slot(slots[0], steps.pop(), start)
     return None, Strided(coefs.block(tuple(values)), 1, start)
 
 
@@ -545,20 +554,9 @@ def _integrator_dt_vjp(op: Operator, coefs: Coefficients) -> KernelCode:
     fixed along the rows (uniform dt) is summed in a local double and added to ``ACC`` once,
     after the loops: on CUDA each ``ACC`` statement is a block-wide reduction."""
     slot = lambda c: coefs.index(c) if coefs.varies(c) else None
-    statements = _loads() + roll.render(roll.dt_vjp_groups(op, coefs.term, slot))
-    fixed: dict[int, Var] = {}
-
-    def local(n: Any) -> Any:
-        if isinstance(n, Store) and isinstance(n.target, Read) and n.target.macro == "ACC":
-            q = n.target.args[0]
-            if isinstance(q, int):
-                return Store(fixed.setdefault(q, Var(f"acc{q}")), n.value, "+=")
-            return n
-        return None
-
-    statements = [transform(s, local) for s in statements]
-    return KernelCode(TABLE_CALL, _live([Def(v, Literal("0.0"), "double", const=False) for v in fixed.values()]
-                                        + statements + [Store(Read("ACC", (q,)), v, "+=") for q, v in fixed.items()]))
+    statements, init, finish = _sum_locally(_loads() + roll.render(roll.dt_vjp_groups(op, coefs.term, slot)),
+                                            lambda q: f"acc{q}")
+    return KernelCode(TABLE_CALL, _live(init + statements + finish))
 
 
 def _tangent_terms(coefs: Coefficients, c: sp.Expr, value: Any, tangent: Any) -> list[Term]:

@@ -83,15 +83,21 @@ def tangent_groups(op: Operator, term: TermOf, tangent: Callable[[sp.Expr, Any, 
     return list(groups.values())
 
 
-def _reverse_groups(op: Operator, term: TermOf, after: Callable[[int, list, Callable], list[Statement]]
+def _readers(op: Operator) -> dict[tuple, list[tuple[sp.Expr, int, int]]]:
+    """ref → (coef, k, h) of the rows that read it."""
+    readers: dict[tuple, list[tuple[sp.Expr, int, int]]] = defaultdict(list)
+    for row in op.rows:
+        for c, ref in row.terms:
+            readers[ref].append((c, row.k, row.h))
+    return readers
+
+
+def _reverse_groups(op: Operator, term: TermOf, readers: dict[tuple, list[tuple[sp.Expr, int, int]]],
+                    after: Callable[[int, list, Callable], list[Statement]]
                     ) -> tuple[list[Group], Callable[[tuple, int], Sum]]:
     """Groups of reverse accumulation, from the last row h down: within a group the rows' total
     adjoints yb<k> in reverse order, then ``after(h, rows, gather)``'s statements; and ``gather``:
     ``gather(ref, h)`` is the sum of a ref's readers' coefficients times their adjoints."""
-    readers: dict[tuple, list[tuple[sp.Expr, int, int]]] = defaultdict(list)  # ref → (coef, k, h) of its readers
-    for row in op.rows:
-        for c, ref in row.terms:
-            readers[ref].append((c, row.k, row.h))
     by_h: dict[int, list] = defaultdict(list)
     for row in op.rows:
         by_h[row.h].append(row)
@@ -113,21 +119,18 @@ def adjoint_groups(op: Operator, term: TermOf) -> tuple[list[Group], list[Statem
     """Adjoint (reverse accumulation): groups from the last row h down; within a group the
     rows' total adjoints yb<k> in reverse order, then the action gradients this group
     completes. The tail: actions no row reads, and the start-state gradients."""
-    read: dict[int, list[int]] = defaultdict(list)  # action j → rows h that read it
-    for row in op.rows:
-        for _, ref in row.terms:
-            if ref[0] == "u":
-                read[ref[1]].append(row.h)
+    readers = _readers(op)
     done_at: dict[int, list[int]] = defaultdict(list)  # row h → actions whose last reader is at h
-    for j, hs in read.items():
-        done_at[min(hs)].append(j)
+    for j in range(op.n_actions):
+        if readers.get(("u", j)):
+            done_at[min(h for _, _, h in readers[("u", j)])].append(j)
 
     def actions(h: int, rows: list, gather: Callable) -> list[Statement]:
-        return [Call("GU", (Rel(j - h),), gather(("u", j), h)) for j in sorted(done_at.get(h, []))]
+        return [Call("GU", (Rel(j - h),), gather(("u", j), h)) for j in done_at.get(h, [])]
 
-    groups, gather = _reverse_groups(op, term, actions)
+    groups, gather = _reverse_groups(op, term, readers, actions)
     # the tail is placed at h = 0, so its positions are absolute
-    tail: list[Statement] = [Call("GU", (Rel(j),), Sum(())) for j in range(op.n_actions) if j not in read]
+    tail: list[Statement] = [Call("GU", (Rel(j),), Sum(())) for j in range(op.n_actions) if not readers.get(("u", j))]
     tail += [Call(f"GS{m}", (), gather(("s", m), 0)) for m in range(4)]
     return groups, tail
 
@@ -153,7 +156,7 @@ def dt_vjp_groups(op: Operator, term: TermOf, slot: Callable[[sp.Expr], int | No
                 if q is not None:
                     parts[q].append(Mul(Val("yb", row.k, Rel(0)), _value(ref, h)))
         return [Store(Read("ACC", (q,)), Cast("double", Paren(Add(tuple(p)))), "+=") for q, p in parts.items()]
-    return _reverse_groups(op, term, uses)[0]
+    return _reverse_groups(op, term, _readers(op), uses)[0]
 
 
 def _carry(prefix: str, k: int, m: int, first: int) -> Var:
