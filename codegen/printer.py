@@ -73,7 +73,7 @@ class Printer:
             if isinstance(s, For):
                 cond, advance = (f"r <= {s.last}", "++r") if s.step > 0 else (f"r >= {s.last}", "--r")
                 if not s.unroll:
-                    out.append("#pragma unroll 1")
+                    out.append(f"{indent}TS_ROLLED")  # each template says what keeps a loop rolled
                 out.append(f"{indent}for (int64_t r = {s.first}; {cond}; {advance}) {{")
                 out += self.lines(s.body, indent + INDENT)
                 out.append(f"{indent}}}")

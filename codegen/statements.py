@@ -157,7 +157,7 @@ class For:
     last: int
     step: int
     body: tuple
-    unroll: bool = True  # False: kept rolled (``#pragma unroll 1``; nvcc unrolls short loops)
+    unroll: bool = True  # False: kept rolled (printed after ``TS_ROLLED``, which each template defines; nvcc unrolls short loops)
 
 
 Statement = Union[Def, Store, Call, For]

@@ -11,6 +11,8 @@ typedef float T;
 #else
 #define TS_SIMD
 #endif
+/* a loop the generator keeps rolled (CUDA needs a pragma for it; gcc decides for itself) */
+#define TS_ROLLED
 #if defined(_OPENMP)
 /* batch elements are independent: split them over threads (small batches stay serial) */
 #define TS_PARALLEL_FOR _Pragma("omp parallel for schedule(static) if(B >= 64)")

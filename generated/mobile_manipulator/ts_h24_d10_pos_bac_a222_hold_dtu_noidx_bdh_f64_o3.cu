@@ -10,6 +10,8 @@ typedef long long int64_t; /* NVRTC has no <stdint.h> */
 #else
 #include <stdint.h>
 #endif
+/* a loop kept rolled: unrolled, nvcc holds every iteration's loads in registers */
+#define TS_ROLLED _Pragma("unroll 1")
 enum { H_ = 24, N_ = 23, D_ = 10, NDT_ = 1, NC_ = 32 };
 /* strides in elements: action u[b, j, d], outputs y[b, h, d] (layout "bdh") */
 #define U_SB 230LL
