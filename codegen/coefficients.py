@@ -227,6 +227,23 @@ def _continues(piece: list, source: Any) -> bool:
     return not isinstance(source, int) and source == piece[0]
 
 
+def _find(items: list, values: tuple) -> int | None:
+    """The first position where ``values`` occur in ``items`` consecutively, or None."""
+    n = len(values)
+    for i in range(len(items) - n + 1):
+        if items[i] == values[0] and tuple(items[i : i + n]) == values:
+            return i
+    return None
+
+
+def _overlap(items: list, values: tuple) -> int:
+    """The longest tail of ``items`` that is a head of ``values``."""
+    for n in range(min(len(items), len(values) - 1), 0, -1):
+        if tuple(items[-n:]) == values[:n]:
+            return n
+    return 0
+
+
 class Coefficients:
     """Gives each coefficient expression a slot C(q) and turns them into a double-precision program.
 
@@ -258,10 +275,15 @@ class Coefficients:
         """The first of consecutive slots holding ``values`` in that order (one block per
         sequence; coefficients are copied from their slots, constants such as 0 written): a loop
         whose rows read coefficients scattered over the table reads them at a constant stride.
-        Only the forward table (``preamble``) fills them."""
+        Only the forward table (``preamble``) fills them. A sequence the copies already hold in
+        consecutive slots (e.g. the tail of a longer span's weights) is read there, and one whose
+        head ends them is appended only in part."""
         if values not in self._blocks:
-            self._blocks[values] = self.size
-            self.copies += values
+            at = _find(self.copies, values)
+            if at is None:
+                at = len(self.copies) - _overlap(self.copies, values)
+                self.copies += values[len(self.copies) - at:]
+            self._blocks[values] = len(self.names) + at
         return self._blocks[values]
 
     def varies(self, expr: sp.Expr) -> bool:

@@ -24,8 +24,8 @@ from . import roll
 from .coefficients import MINUS_ONE, ONE, Coefficients, table_term
 from .operator import Operator, Ref
 from .printer import COLUMN
-from .statements import (Add, Call, Cast, Def, For, Literal, Mul, Paren, Read, Rel, Statement, Store, Strided, Sum,
-                         Term, Val, Var, transform, walk)
+from .statements import (Add, Call, Cast, Def, For, Literal, Mul, Paren, Read, Rel, Shift, Statement, Store, Strided,
+                         Sum, Term, Val, Var, transform, walk)
 
 
 @dataclasses.dataclass
@@ -335,54 +335,170 @@ def _adjoint_loops(op: Operator, coefs: Coefficients) -> tuple[list[Loop], set[i
 class Span:
     """Rows [start, stop) of output k that read the same inputs: one loop over the rows.
     ``terms``: (ref, unit, slot), the unit coefficient or None, and the table slot (fixed,
-    ``Strided``, or None for units)."""
+    ``Strided``, or None for units). A span of a knot loop (``nest`` ≥ 0) is the template at its
+    first knot, repeated ``repeat`` more times ``period`` rows and one action further; its action
+    refs are ``Shift`` positions, its slots are the same at every knot."""
 
     k: int
     start: int
     stop: int
     terms: tuple[tuple[Ref, Any, Any], ...]
+    nest: int = -1
+    repeat: int = 0
+    period: int = 0
 
     @property
-    def rows(self) -> range:
-        return range(self.start, self.stop)
+    def rows(self) -> list[int] | range:
+        """The rows it covers (a knot loop's span: at every knot)."""
+        if self.nest < 0:
+            return range(self.start, self.stop)
+        return [h + self.period * kn for kn in range(self.repeat + 1) for h in range(self.start, self.stop)]
 
 
-def _spans(op: Operator, coefs: Coefficients, covered: set[tuple[int, int]]) -> list[Span]:
+Rows = dict  # (output, row) → {ref: coefficient}
+
+
+def _shifted(terms: dict[Ref, sp.Expr], by: int = 1) -> dict[Ref, sp.Expr]:
+    """A row's terms with every action index moved ``by`` (the other inputs stay)."""
+    return {(ref[0], ref[1] + by) if ref[0] == "u" else ref: c for ref, c in terms.items()}
+
+
+def _knot_runs(rows: Rows, p: int) -> list[tuple[int, int]]:
+    """Runs of row blocks [p·q + b, p·q + b + p) (all outputs) that repeat the block before them
+    with every action one further and the same weights: (first row of the first block, repeats),
+    at least MIN_LOOP blocks, for the phase b that covers most rows."""
+    last = max(h for _, h in rows)
+    best: list[tuple[int, int]] = []
+    loops = 0  # of the best phase's first blocks: fewer, shorter bodies
+    for b in range(p):
+        blocks = [[(k, h) for k, h in rows if p * q + b <= h < p * q + b + p] for q in range((last - b) // p + 1)]
+        same = [len(blocks[q]) == len(blocks[q + 1]) and
+                all(rows.get((k, h + p)) == _shifted(rows[(k, h)]) for k, h in blocks[q])
+                for q in range(len(blocks) - 1)]
+        runs, q = [], 0
+        while q < len(same):
+            n = 0
+            while q + n < len(same) and same[q + n]:
+                n += 1
+            if n + 1 >= MIN_LOOP:
+                runs.append((p * q + b, n))
+            q += n + 1
+        count = sum(_loop_count(rows, first, p) for first, _ in runs)
+        if (sum(n for _, n in runs), -count) > (sum(n for _, n in best), -loops):
+            best, loops = runs, count
+    return best
+
+
+def _loop_count(rows: Rows, first: int, p: int) -> int:
+    """The loops and single rows of a knot loop's body: its first block's row runs and other rows."""
+    by_output: dict[int, dict[int, dict[Ref, sp.Expr]]] = defaultdict(dict)
+    for (k, h), terms in rows.items():
+        if first <= h < first + p:
+            by_output[k][h] = terms
+    count = 0
+    for by_row in by_output.values():
+        runs = _row_runs(by_row)
+        count += len(runs) + len(by_row) - sum(stop - start for start, stop, _ in runs)
+    return count
+
+
+def _carried(rows: Rows, first: int, repeat: int, p: int) -> bool:
+    """Whether a knot loop's adjoint can carry the gradients of its actions in a window that moves
+    along with it: rows before it read no action past its first knot's, rows after it none that
+    it finishes (the first of each knot's)."""
+    inside = range(first, first + p * (repeat + 1))
+    actions = {ref[1] for (k, h), terms in rows.items() if first <= h < first + p for ref in terms if ref[0] == "u"}
+    if not actions:
+        return True
+    lo, hi = min(actions), max(actions)
+    for (k, h), terms in rows.items():
+        read = [ref[1] for ref in terms if ref[0] == "u"]
+        if h < inside.start and any(j > hi for j in read) or h >= inside.stop and any(j <= lo + repeat for j in read):
+            return False
+    return True
+
+
+def _row_runs(by_row: dict[int, dict[Ref, sp.Expr]]) -> list[tuple[int, int, dict[Ref, sp.Expr]]]:
+    """Runs [start, stop) of consecutive rows that read fixed inputs (a row may read fewer:
+    coefficient 0 there), with MIN_LOOP rows or more that read every input of the run."""
+    runs = []
+    index = sorted(by_row)
+    i = 0
+    while i < len(index):
+        refs, j = by_row[index[i]], i
+        if i + 1 < len(index) and index[i + 1] == index[i] + 1 and set(refs) < set(by_row[index[i + 1]]):
+            i += 1  # a row reading fewer inputs than the next one ends the run before, if any
+            continue
+        while j + 1 < len(index) and index[j + 1] == index[j] + 1:
+            nxt = by_row[index[j + 1]]
+            if not set(nxt) <= set(refs) or (not nxt) != (not refs):  # rows of zeros loop apart
+                break
+            j += 1
+        if sum(len(by_row[h]) == len(refs) for h in index[i : j + 1]) >= MIN_LOOP:  # mostly full rows
+            runs.append((index[i], index[j] + 1, refs))
+        i = j + 1
+    return runs
+
+
+def _spans(op: Operator, coefs: Coefficients, covered: set[tuple[int, int]], knots: bool = False) -> list[Span]:
     """A stencil's runs of consecutive rows of one output, outside ``covered``, that read fixed
     inputs (a row may read fewer: coefficient 0 there) with coefficients varying along the run
     (e.g. a B-spline span: s rows on one window of knots and the start state, weighted by the
     basis at each row's phase, some weights vanishing at some phases). Runs with MIN_LOOP rows
-    or more that read every input of the run."""
+    or more that read every input of the run. With ``knots`` (period p > 1), blocks of p rows that
+    repeat the block before them one action further (a B-spline's interior spans) are one loop
+    over knots (``_knot_runs``): the first block's spans, and its other rows as spans of one row."""
     if not _is_stencil(op):
         return []
-    rows: dict[int, dict[int, dict[Ref, sp.Expr]]] = defaultdict(dict)
-    for row in op.rows:
-        if (row.k, row.h) not in covered:
-            rows[row.k][row.h] = {ref: c for c, ref in row.terms}
-    spans = []
-    for k, by_row in sorted(rows.items()):
-        index = sorted(by_row)
-        i = 0
-        while i < len(index):
-            refs, j = by_row[index[i]], i
-            if i + 1 < len(index) and index[i + 1] == index[i] + 1 and set(refs) < set(by_row[index[i + 1]]):
-                i += 1  # a row reading fewer inputs than the next one ends the run before, if any
-                continue
-            while j + 1 < len(index) and index[j + 1] == index[j] + 1:
-                nxt = by_row[index[j + 1]]
-                if not set(nxt) <= set(refs) or (not nxt) != (not refs):  # rows of zeros loop apart
-                    break
-                j += 1
-            if sum(len(by_row[h]) == len(refs) for h in index[i : j + 1]) >= MIN_LOOP:  # mostly full rows
-                start, stop = index[i], index[j] + 1
-                terms = tuple((ref, *_sequence(coefs, [by_row[h].get(ref, ZERO) for h in range(start, stop)], start))
-                              for ref in refs)
-                spans.append(Span(k, start, stop, terms))
-            i = j + 1
+    rows: Rows = {(row.k, row.h): {ref: c for c, ref in row.terms} for row in op.rows if (row.k, row.h) not in covered}
+    spans: list[Span] = []
+    p = _period(op)
+    for nest, (first, repeat) in enumerate(_knot_runs(rows, p) if knots and p > 1 and rows else []):
+        if not _carried(rows, first, repeat, p):
+            continue
+        block = {key: terms for key, terms in rows.items() if first <= key[1] < first + p}
+        spans += _nest_spans(coefs, block, Span(-1, first, first, (), nest, repeat, p))
+        for kn in range(repeat + 1):
+            for k, h in block:
+                del rows[(k, h + p * kn)]
+    by_output: dict[int, dict[int, dict[Ref, sp.Expr]]] = defaultdict(dict)
+    for (k, h), terms in rows.items():
+        by_output[k][h] = terms
+    for k, by_row in sorted(by_output.items()):
+        for start, stop, refs in _row_runs(by_row):
+            terms = tuple((ref, *_sequence(coefs, [by_row[h].get(ref, ZERO) for h in range(start, stop)], start))
+                          for ref in refs)
+            spans.append(Span(k, start, stop, terms))
     return spans
 
 
-def _sequence(coefs: Coefficients, values: list[sp.Expr], start: int) -> tuple[sp.Expr | None, int | Strided | None]:
+def _nest_spans(coefs: Coefficients, block: Rows, nest: Span) -> list[Span]:
+    """The spans of a knot loop's first block (``nest`` gives the loop's fields): an output with
+    a row at each of the block's rows is one span over them all (weight 0 where a row reads less:
+    the loop's weights change with the row, not with the knot, so nvcc hoists none out of the
+    loop over knots); other outputs' runs of rows as ``_spans`` finds them, each other row a
+    span of one row."""
+    knot = lambda ref: ("u", Shift(ref[1], 1)) if ref[0] == "u" else ref
+    by_output: dict[int, dict[int, dict[Ref, sp.Expr]]] = defaultdict(dict)
+    for (k, h), terms in sorted(block.items()):
+        by_output[k][h] = terms
+    spans = []
+    for k, by_row in sorted(by_output.items()):
+        whole = len(by_row) == nest.period and any(by_row.values())
+        every = {ref: None for terms in by_row.values() for ref in terms}  # in order of first use
+        for start, stop, refs in [(min(by_row), max(by_row) + 1, every)] if whole else _row_runs(by_row):
+            terms = tuple((knot(ref), *_sequence(coefs, [by_row[h].get(ref, ZERO) for h in range(start, stop)],
+                                                 Shift(start, nest.period))) for ref in refs)
+            spans.append(dataclasses.replace(nest, k=k, start=start, stop=stop, terms=terms))
+            for h in range(start, stop):
+                del by_row[h]
+        for h, terms in by_row.items():
+            spans.append(dataclasses.replace(nest, k=k, start=h, stop=h + 1, terms=tuple(
+                (knot(ref), *_coefficient(coefs, c)) for ref, c in terms.items())))
+    return spans
+
+
+def _sequence(coefs: Coefficients, values: list[sp.Expr], start: int | Shift) -> tuple[sp.Expr | None, int | Strided | None]:
     """(unit, None) for a term whose coefficient is the same unit on every row, else (None, its
     table slot at loop index ``start`` + i, values[i]): fixed, advancing by a constant stride,
     or else a block of copies in that order."""
@@ -396,18 +512,76 @@ def _sequence(coefs: Coefficients, values: list[sp.Expr], start: int) -> tuple[s
     return None, Strided(coefs.block(tuple(values)), 1, start)
 
 
-def _span_loops(spans: list[Span], body: Callable[[Span], list[Statement]]) -> dict[tuple[int, int], For]:
-    """One loop per row range (the spans of all outputs over the same rows share it), keyed by
-    its first (output, row), in row order: ``body(span)`` gives a span's statements for row r.
-    Loops stay rolled (CUDA: unrolled short loops hold every row's loads in registers)."""
-    groups: dict[tuple[int, int], list[Span]] = defaultdict(list)
+@dataclasses.dataclass
+class _Unit:
+    """Spans that share one loop: over their common rows, or (``nest`` ≥ 0) over the knots of a
+    knot loop, around the loops of its first block's spans."""
+
+    spans: list[Span]
+
+    @property
+    def nest(self) -> int:
+        return self.spans[0].nest
+
+    @property
+    def key(self) -> tuple[int, int]:
+        """Its first (output, row): where the columns place it."""
+        start = min(span.start for span in self.spans)
+        return min(span.k for span in self.spans if span.start == start), start
+
+    def loop(self, body: Callable[[Span], list[Statement]], tail: tuple[Statement, ...] = ()) -> For | None:
+        """The loop (None if ``body`` gives no statements); ``tail`` ends each knot of a knot loop."""
+        if self.nest < 0:
+            return _row_loop(self.spans, body)
+        first = self.spans[0]
+        inner: list[Statement] = []
+        rows: dict[tuple[int, int], list[Span]] = defaultdict(list)
+        for span in self.spans:
+            if span.stop - span.start > 1:
+                rows[(span.start, span.stop)].append(span)
+        for _, group in sorted(rows.items()):
+            inner += [loop for loop in [_row_loop(group, body, first.period)] if loop]
+        for span in self.spans:
+            if span.stop - span.start == 1:  # its row at every knot
+                row = lambda n: Shift(span.start + n.rel, first.period) if isinstance(n, Rel) else None
+                inner += [transform(s, row) for s in body(span)]
+        if not inner:
+            return None
+        return For(0, first.repeat, 1, tuple(inner) + tuple(tail), unroll=False, var="kn")
+
+
+def _row_loop(spans: list[Span], body: Callable[[Span], list[Statement]], period: int = 0) -> For | None:
+    """The loop over the rows of spans with one row range (``period``: shifted by the knot)."""
+    statements = [s for span in spans for s in body(span)]
+    if not statements:
+        return None
+    first, last = spans[0].start, spans[0].stop - 1
+    if period:
+        first, last = Shift(first, period), Shift(last, period)
+    return For(first, last, 1, tuple(statements), unroll=False)
+
+
+def _groups(spans: list[Span]) -> list[list[Span]]:
+    """The spans of one loop each (of one row range, or of one knot loop), in row order. A
+    knot loop's spans over several rows loop together as other spans do (over rows shifted by
+    the knot)."""
+    groups: dict[tuple, list[Span]] = defaultdict(list)
     for span in spans:
-        groups[(span.start, span.stop)].append(span)
+        groups[(span.start, span.stop) if span.nest < 0 else (span.nest,)].append(span)
+    return sorted(groups.values(), key=lambda g: (min(s.start for s in g), min(s.stop for s in g)))
+
+
+def _span_loops(spans: list[Span], body: Callable[[Span], list[Statement]]) -> dict[tuple[int, int], For]:
+    """One loop per row range (the spans of all outputs over the same rows share it), or per knot
+    loop, keyed by its first (output, row), in row order: ``body(span)`` gives a span's
+    statements for row r (a knot loop's spans: over actions ``Shift``ed by the knot ``kn``). Loops
+    stay rolled (CUDA: unrolled short loops hold every row's loads in registers)."""
     loops = {}
-    for (start, stop), group in sorted(groups.items()):
-        statements = [s for span in group for s in body(span)]
-        if statements:
-            loops[(min(span.k for span in group), start)] = For(start, stop - 1, 1, tuple(statements), unroll=False)
+    for group in _groups(spans):
+        unit = _Unit(group)
+        loop = unit.loop(body)
+        if loop is not None:
+            loops[unit.key] = loop
     return loops
 
 
@@ -418,24 +592,64 @@ def _span_forward(coefs: Coefficients, spans: list[Span]) -> dict[tuple[int, int
 
 
 def _span_adjoint(coefs: Coefficients, spans: list[Span], wanted: Callable[[Ref], bool],
-                  finish: Callable[[Ref, Var], Statement]) -> tuple[list[Statement], set[Ref]]:
+                  finish: Callable[[Ref, Var], Statement],
+                  early: Callable[[Ref], list[Term]] = lambda ref: []) -> tuple[list[Statement], set[Ref]]:
     """Adjoint span loops: each input the spans read (of those ``wanted``) gathers the rows'
     gradients times their coefficients in an accumulator a<ref>, defined before its first loop
-    and given to ``finish`` (its gradient's store) after its last, so few are live at once."""
-    sums: dict[Ref, Var] = {}
-    loops = _span_loops(spans, lambda span: [
-        Store(sums.setdefault(ref, Var(f"a{ref[0]}{ref[1]}")),
-              Sum((_term(coefs, lit, slot, Read(f"G{span.k}", (Rel(0),))),)), "+=")
-        for ref, lit, slot in span.terms if wanted(ref)])
-    reads = [{n for n in walk(loop) if isinstance(n, Var)} for loop in loops.values()]
-    last = {acc: i for i, used in enumerate(reads) for acc in used}
+    and given to ``finish`` (its gradient's store) after its last, so few are live at once.
+    A knot loop's actions are a window of accumulators that moves with the knot: each knot
+    finishes its first action's and shifts the others down. The window starts from the
+    accumulators before the loop and ``early(ref)``, the parts of its first actions that are
+    not span rows (``_carried``: no row after the loop reads an action it finishes)."""
+    units = [_Unit(group) for group in _groups(spans)]
+    last: dict[Ref, int] = {}
+    for i, unit in enumerate(units):
+        for span in unit.spans:
+            for ref, _, _ in span.terms:
+                if wanted(ref):
+                    for kn in range(span.repeat + 1):
+                        last[(ref[0], ref[1].base + kn) if isinstance(ref[1], Shift) else ref] = i
+    sums: dict[Ref, Var] = {}  # the accumulator of each ref's partial sum, in order of first use
     lines: list[Statement] = []
-    for i, loop in enumerate(loops.values()):
-        lines += [Def(acc, Sum(()), const=False) for acc in sums.values() if acc in reads[i] and
-                  all(acc not in used for used in reads[:i])]
-        lines.append(loop)
-        lines += [finish(ref, acc) for ref, acc in sums.items() if last[acc] == i]
-    return lines, set(sums)
+    done: set[Ref] = set()
+    for i, unit in enumerate(units):
+        new: list[Ref] = []
+
+        def acc(ref: Ref) -> Var:
+            if ref not in sums:
+                sums[ref] = Var(f"a{ref[0]}{ref[1]}")
+                new.append(ref)
+            return sums[ref]
+
+        def gather(span: Span, target: Callable[[Ref], Var] = acc) -> list[Statement]:
+            return [Store(target(ref), Sum((_term(coefs, lit, slot, Read(f"G{span.k}", (Rel(0),))),)), "+=")
+                    for ref, lit, slot in span.terms if wanted(ref)]
+
+        if unit.nest < 0:
+            loop = unit.loop(gather)
+            lines += [Def(sums[ref], Sum(()), const=False) for ref in new]
+        else:
+            actions = sorted({ref[1].base for span in unit.spans for ref, _, _ in span.terms
+                              if isinstance(ref[1], Shift) and wanted(ref)})
+            lo, repeat = actions[0], unit.spans[0].repeat
+            window = [Var(f"a{unit.nest}k{m}") for m in range(actions[-1] - lo + 1)]
+            for m, var in enumerate(window):
+                ref = ("u", lo + m)
+                carried = (Term(None, sums.pop(ref)),) if ref in sums else ()
+                lines.append(Def(var, Sum(carried + tuple(early(ref))), const=False))
+            tail = (finish(("u", Shift(lo, 1)), window[0]), *[Store(a, b) for a, b in zip(window, window[1:])],
+                    Store(window[-1], Sum(())))
+            loop = unit.loop(lambda span: gather(span, lambda ref: window[ref[1].base - lo]
+                                                 if isinstance(ref[1], Shift) else acc(ref)), tail)
+            lines += [Def(sums[ref], Sum(()), const=False) for ref in new]
+            done |= {("u", lo + kn) for kn in range(repeat + 1)}
+            sums.update({("u", lo + repeat + 1 + m): var for m, var in enumerate(window[:-1])})
+        if loop is not None:
+            lines.append(loop)
+        finished = [ref for ref in sums if last.get(ref) == i and ref not in done]
+        lines += [finish(ref, sums[ref]) for ref in finished]
+        done.update(finished)
+    return lines, done
 
 
 def _gradient(ref: Ref, parts: tuple[Term, ...]) -> Call:
@@ -491,7 +705,8 @@ def _adjoint(op: Operator, coefs: Coefficients, spans: list[Span], only: bool, r
     else:
         lines, contributions = _adjoint_lines(op, coefs, spanned)
     gathered, done = _span_adjoint(coefs, spans, lambda ref: ref[0] != "u" or ref[1] not in covered,
-                                   lambda ref, acc: _gradient(ref, (*contributions.get(ref, []), Term(None, acc))))
+                                   lambda ref, acc: _gradient(ref, (*contributions.get(ref, []), Term(None, acc))),
+                                   lambda ref: contributions.pop(ref, []))
     lines += gathered
     refs = [("u", j) for j in range(op.n_actions) if j not in covered]
     refs += [("s", m) for m in range(4)] + [("g", m) for m in range(op.n_goal)]
@@ -602,6 +817,8 @@ class LoweredOperator:
         self.only = {target: _spans_only(op, target == "cuda") for target in ("c", "cuda")}
         self.spans = {target: _forward_spans(op, self.coefs, only) for target, only in self.only.items()}
         self.spans["adjoint"] = _spans(op, self.coefs, set())
+        if self.only["cuda"]:  # CUDA: interior spans as loops over knots (nvcc's time grew with the knots)
+            self.spans["cuda"] = _spans(op, self.coefs, set(), knots=True)
         self.n_coefficients = max(1, self.coefs.size)
 
     @functools.cached_property
@@ -615,10 +832,11 @@ class LoweredOperator:
 
     @functools.cached_property
     def forward_cuda(self) -> KernelCode:
-        """The forward for CUDA: span loops only where the period is above 1 (see _spans_only)."""
-        if self.only["cuda"] == self.only["c"]:
+        """The forward for CUDA: span loops only where the period is above 1 (see _spans_only), the
+        interior spans as loops over knots."""
+        if self.only["cuda"] == self.only["c"] and self.spans["cuda"] == self.spans["c"]:
             return self.forward
-        return _forward(self.op, self.coefs, self.spans["cuda"], True)
+        return _forward(self.op, self.coefs, self.spans["cuda"], self.only["cuda"])
 
     @functools.cached_property
     def adjoint(self) -> KernelCode:
@@ -635,7 +853,8 @@ class LoweredOperator:
         for CUDA: span loops only where the period is above 1 (see _spans_only)."""
         if not _is_stencil(self.op):
             return None
-        return _adjoint(self.op, self.coefs, self.spans["adjoint"], self.only["cuda"], reads=True)
+        return _adjoint(self.op, self.coefs, self.spans["cuda" if self.only["cuda"] else "adjoint"], self.only["cuda"],
+                        reads=True)
 
     # The forward and adjoint columns of an integrator with the recurrence's repeating rows as one
     # loop (None for stencils), for the C lane form at long horizons: their length does not grow

@@ -13,8 +13,8 @@ from typing import Any, Callable, Iterable
 import sympy as sp
 from sympy.printing.c import C99CodePrinter
 
-from .statements import (Add, Call, Cast, Def, For, Literal, Mul, Paren, Read, Rel, Statement, Store, Strided,
-                         Sum, Sym, Term, Val, Var)
+from .statements import (Add, Call, Cast, Def, For, Literal, Mul, Paren, Read, Rel, Shift, Statement, Store,
+                         Strided, Sum, Sym, Term, Val, Var)
 
 INDENT = "    "
 
@@ -48,7 +48,11 @@ def _index(i: Any) -> str:
     if isinstance(i, Rel):  # relative to the loop variable
         return "r" if i.rel == 0 else f"r + {i.rel}" if i.rel > 0 else f"r - {-i.rel}"
     if isinstance(i, Strided):
-        return f"{i.slot} + {i.stride} * (r - {i.start})"
+        start = i.start if isinstance(i.start, int) else f"({_index(i.start)})"
+        return f"{i.slot} + {i.stride} * (r - {start})"
+    if isinstance(i, Shift):  # over the knot variable of a loop nest
+        knot = "kn" if i.scale == 1 else f"{i.scale} * kn"
+        return knot if i.base == 0 else f"{knot} + {i.base}" if i.base > 0 else f"{knot} - {-i.base}"
     return str(i)
 
 
@@ -71,10 +75,11 @@ class Printer:
         out: list[str] = []
         for s in statements:
             if isinstance(s, For):
-                cond, advance = (f"r <= {s.last}", "++r") if s.step > 0 else (f"r >= {s.last}", "--r")
+                v, last = s.var, _index(s.last)
+                cond, advance = (f"{v} <= {last}", f"++{v}") if s.step > 0 else (f"{v} >= {last}", f"--{v}")
                 if not s.unroll:
                     out.append(f"{indent}TS_ROLLED")  # each template says what keeps a loop rolled
-                out.append(f"{indent}for (int64_t r = {s.first}; {cond}; {advance}) {{")
+                out.append(f"{indent}for (int64_t {v} = {_index(s.first)}; {cond}; {advance}) {{")
                 out += self.lines(s.body, indent + INDENT)
                 out.append(f"{indent}}}")
             else:

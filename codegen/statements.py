@@ -30,7 +30,16 @@ class Strided:
     start: int
 
 
-Index = Union[int, Rel, Strided, None]  # None: a blanked slot (roll.py's row shapes)
+@dataclasses.dataclass(frozen=True)
+class Shift:
+    """A position in a loop over knots: ``base`` (an int) advanced by ``scale`` per knot, printed
+    over the knot variable ``kn`` (``kn + 3``: an action; ``4 * kn + 25``: a row)."""
+
+    base: int
+    scale: int
+
+
+Index = Union[int, Rel, Strided, Shift, None]  # None: a blanked slot (roll.py's row shapes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,13 +160,14 @@ class Call:
 
 @dataclasses.dataclass(frozen=True)
 class For:
-    """A loop over rows ``r`` from ``first`` to ``last`` inclusive, by ``step`` (+1 or -1)."""
+    """A loop over rows ``r`` (or ``var``) from ``first`` to ``last`` inclusive, by ``step`` (+1 or -1)."""
 
-    first: int
-    last: int
+    first: Union[int, Shift]
+    last: Union[int, Shift]
     step: int
     body: tuple
     unroll: bool = True  # False: kept rolled (printed after ``TS_ROLLED``, which each template defines; nvcc unrolls short loops)
+    var: str = "r"  # the loop variable (``kn``: a loop over knots around loops over rows)
 
 
 Statement = Union[Def, Store, Call, For]
