@@ -37,8 +37,6 @@ pytestmark = pytest.mark.skipif(NVCC is None, reason="nvcc not found on PATH (th
 # Why a module is not yet within the limits (the marks go once the fix is merged):
 #: a B-spline's dt kernels keep the boundary spans (next to the start and the end state) straight-line
 BSPLINE_SPANS = "a B-spline's dt kernels keep its boundary spans straight-line: dt_jvp over 128 registers"
-#: on CUDA every span of a B-spline is a loop of its own (lower._spans_only): many knots, many loops
-BSPLINE_KNOTS = "a loop per span on CUDA (64 spans): nvcc about 20 s for the forward and adjoint"
 
 #: (KernelSpec overrides, horizon, dtype, {part: reason it is not yet within the limits}):
 #: position central and backward with per-step dt, order 4, start_index; acceleration and jerk,
@@ -58,7 +56,7 @@ GRID = [
     (dict(control="jerk"), 256, "float32", {}),
     # many rows per span (s=25): the forward and adjoint loop over each span's rows
     (dict(control="bspline", degree=4, knots=10, steps=25), 376, "float32", {"dt": BSPLINE_SPANS}),
-    (dict(control="bspline", degree=4, knots=60, steps=4), 261, "float64", {"core": BSPLINE_KNOTS, "dt": BSPLINE_SPANS}),
+    (dict(control="bspline", degree=4, knots=60, steps=4), 261, "float64", {"dt": BSPLINE_SPANS}),
 ]
 DOF = 7
 
