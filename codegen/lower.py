@@ -356,6 +356,9 @@ class Span:
 
 
 Rows = dict  # (output, row) → {ref: coefficient}
+#: Fewer repeating blocks stay a loop per span: nvcc's time grows little with them, and a loop over
+#: knots costs registers (n=10, s=25, 6 blocks: forward 32 → 40, adjoint 40 → 56, float32).
+MIN_KNOTS = 8
 
 
 def _shifted(terms: dict[Ref, sp.Expr], by: int = 1) -> dict[Ref, sp.Expr]:
@@ -366,7 +369,8 @@ def _shifted(terms: dict[Ref, sp.Expr], by: int = 1) -> dict[Ref, sp.Expr]:
 def _knot_runs(rows: Rows, p: int) -> list[tuple[int, int]]:
     """Runs of row blocks [p·q + b, p·q + b + p) (all outputs) that repeat the block before them
     with every action one further and the same weights: (first row of the first block, repeats),
-    at least MIN_LOOP blocks, for the phase b that covers most rows."""
+    at least MIN_KNOTS blocks, for the phase b that covers most rows (on a tie, the fewest loops
+    and single rows in a block)."""
     last = max(h for _, h in rows)
     best: list[tuple[int, int]] = []
     loops = 0  # of the best phase's first blocks: fewer, shorter bodies
@@ -380,7 +384,7 @@ def _knot_runs(rows: Rows, p: int) -> list[tuple[int, int]]:
             n = 0
             while q + n < len(same) and same[q + n]:
                 n += 1
-            if n + 1 >= MIN_LOOP:
+            if n + 1 >= MIN_KNOTS:
                 runs.append((p * q + b, n))
             q += n + 1
         count = sum(_loop_count(rows, first, p) for first, _ in runs)
