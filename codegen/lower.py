@@ -451,7 +451,7 @@ def _spans(op: Operator, coefs: Coefficients, covered: set[tuple[int, int]], kno
     basis at each row's phase, some weights vanishing at some phases). Runs with MIN_LOOP rows
     or more that read every input of the run. With ``knots`` (period p > 1), blocks of p rows that
     repeat the block before them one action further (a B-spline's interior spans) are one loop
-    over knots (``_knot_runs``): the first block's spans, and its other rows as spans of one row."""
+    over knots (``_knot_runs``), given by its first block's spans (``_nest_spans``)."""
     if not _is_stencil(op):
         return []
     rows: Rows = {(row.k, row.h): {ref: c for c, ref in row.terms} for row in op.rows if (row.k, row.h) not in covered}
