@@ -12,6 +12,8 @@ from .autograd import StepFunction
 from .launch import DTYPES, CpuBackend, Launcher, capturing, warm_up_first
 
 Tensor = torch.Tensor
+#: the tensor arguments of forward's signature, in its order
+PLAIN_ARGUMENTS = ("u", "p0", "v0", "a0", "j0", "start_index")
 
 
 class Step(torch.nn.Module):
@@ -35,6 +37,7 @@ class Step(torch.nn.Module):
         self.launcher = launcher
         self.table = launcher.table
         self.dtype = DTYPES[spec.dtype]
+        self._plain = tuple(a.name for a in self.table.tensors) == PLAIN_ARGUMENTS
         self.op_key = registry.register(launcher, device)
         self._dt_cache: dict[float, Tensor] = {}
         self.native: Optional[int] = None  # handle of the native autograd node (CPU), once built
@@ -130,12 +133,15 @@ class Step(torch.nn.Module):
     ) -> tuple[Tensor, ...]:
         if self._native_pending and not torch.compiler.is_compiling():
             self._take_native()
-        named = {"u": u, "p0": p0, "v0": v0, "a0": a0, "j0": j0, "start_index": start_index}
-        if goal is not None:
-            named.update(_goal_arguments(self.table, goal))
-        if more:  # the kernel family's other arguments, by their names in the argument table
-            named.update(_more_arguments(self.table, more))
-        values = [named.get(a.name) for a in self.table.tensors]
+        if self._plain and goal is None and not more:  # the table's tensors are these parameters, in order
+            values = [u, p0, v0, a0, j0, start_index]
+        else:
+            named = {"u": u, "p0": p0, "v0": v0, "a0": a0, "j0": j0, "start_index": start_index}
+            if goal is not None:
+                named.update(_goal_arguments(self.table, goal))
+            if more:  # the kernel family's other arguments, by their names in the argument table
+                named.update(_more_arguments(self.table, more))
+            values = [named.get(a.name) for a in self.table.tensors]
         if self.native is not None and not torch.compiler.is_compiling() and not _transformed():
             # the common call: the native op checks the tensors against the table itself (with the
             # same messages); a float dt comes as the tensor cached for it. An empty or false result

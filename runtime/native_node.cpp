@@ -201,7 +201,9 @@ bool check_row(const Kernels& k, const Row& row, const Tensor& t, std::vector<in
     const int64_t n = row.shape[0] >= 0 ? row.shape[0] : sizes[-1 - row.shape[0]];
     if (n < 0) return false;
     if (t.dim() > 1 || t.numel() != n || !t.is_floating_point() || !t.device().is_cpu()) return false;
-    out = t.reshape({n}).to(k.dtype).contiguous();
+    // the kernel's vector as it is (a float dt's cached tensor), else reshaped and converted
+    const bool ready = t.dim() == 1 && t.scalar_type() == k.dtype && t.is_contiguous();
+    out = ready ? t : t.reshape({n}).to(k.dtype).contiguous();
     const auto* x = out.const_data_ptr();
     for (int64_t i = 0; i < n; ++i) {
       const double v = k.dtype == at::kFloat ? static_cast<const float*>(x)[i] : static_cast<const double*>(x)[i];
@@ -283,6 +285,40 @@ void run_forward(const Kernels& k, const std::vector<Tensor>& inputs, const std:
   call(k.forward, inputs[0].size(0), args);
 }
 
+// Every trajectory's adjoint is the same linear map: dt is one vector for the whole batch (not
+// one duration per trajectory), and the outputs' first dimension is the batch.
+bool batch_invariant(const Kernels& k) {
+  for (auto s : k.rows.back().shape) {
+    if (s < 0) return false;
+  }
+  return !k.output_shape.empty() && k.output_shape[0] == -1;
+}
+
+// The adjoint for B trajectories: per-trajectory gradients of the differentiable inputs in table
+// order (the first, the actions', always written; the others where needed), from contiguous
+// gradients of the outputs (undefined: zero).
+template <typename Needs>
+variable_list run_adjoint(const Kernels& k, const variable_list& grads, const Tensor& dt, int64_t B,
+                          const Needs& needs) {
+  std::vector<void*> args;
+  Tensor like;
+  for (const auto& g : grads) {
+    if (g.defined()) like = g;
+    args.push_back(ptr(g));
+  }
+  args.push_back(ptr(dt));
+  variable_list per_batch;
+  const std::vector<int64_t> sizes(k.symbols.size(), B);
+  for (size_t i = 0; i < k.rows.size(); ++i) {
+    const Row& row = k.rows[i];
+    if (!row.differentiable || row.rule != KERNEL_DTYPE) continue;
+    per_batch.push_back(per_batch.empty() || needs(i) ? at::empty(resolve(row.shape, sizes), like.options()) : Tensor());
+    args.push_back(ptr(per_batch.back()));
+  }
+  call(k.adjoint, B, args);
+  return per_batch;
+}
+
 // ---- the autograd node ------------------------------------------------------------------------
 struct NativeStep : public torch::autograd::Function<NativeStep> {
   // given: the inputs present (autograd cannot take undefined ones), at these table positions
@@ -350,29 +386,38 @@ struct NativeStep : public torch::autograd::Function<NativeStep> {
       op.callBoxed(stack);
       per_batch = stack[0].toTensorVector();
     } else {
-      std::vector<void*> args;
-      Tensor like;
-      variable_list g;
-      for (const auto& x : grads) {
-        g.push_back(x.defined() ? x.contiguous() : Tensor());
-        if (x.defined()) like = x;
-        args.push_back(ptr(g.back()));
-      }
-      args.push_back(ptr(dt));
-      bool first = true;
-      for (size_t i = 0; i < n; ++i) {
-        const Row& row = k.rows[i];
-        if (!row.differentiable || row.rule != KERNEL_DTYPE) continue;
-        // the first (the actions') is always written; the others only where wanted
-        if (first || needs(i)) {
-          per_batch.push_back(at::empty(resolve(row.shape, std::vector<int64_t>(k.symbols.size(), B)), like.options()));
+      // A gradient with stride 0 along the batch (what .sum() and .mean() losses give) is the same
+      // for every trajectory, and so is its adjoint when dt is shared: it is run for one
+      // trajectory and broadcast, instead of copying the gradient B times (the adjoint is linear).
+      const bool shared = B > 1 && batch_invariant(k);
+      variable_list full(grads.size()), once(grads.size());
+      bool any_full = false, any_once = false;
+      for (size_t j = 0; j < grads.size(); ++j) {
+        const Tensor& x = grads[j];
+        if (!x.defined()) continue;
+        if (shared && x.dim() > 0 && x.stride(0) == 0) {
+          once[j] = x.narrow(0, 0, 1).contiguous();
+          any_once = true;
         } else {
-          per_batch.push_back(Tensor());
+          full[j] = x.contiguous();
+          any_full = true;
         }
-        first = false;
-        args.push_back(ptr(per_batch.back()));
       }
-      call(k.adjoint, B, args);
+      if (any_full) per_batch = run_adjoint(k, full, dt, B, needs);
+      if (any_once) {
+        const variable_list one = run_adjoint(k, once, dt, 1, needs);
+        if (!any_full) per_batch.assign(one.size(), Tensor());
+        for (size_t d = 0; d < one.size(); ++d) {
+          if (!one[d].defined()) continue;
+          if (any_full) {
+            per_batch[d].add_(one[d]);  // broadcast over the batch
+          } else {
+            auto shape = one[d].sizes().vec();
+            shape[0] = B;
+            per_batch[d] = one[d].expand(shape);  // as PyTorch's own sum backward: no copy
+          }
+        }
+      }
     }
 
     for (size_t i = 0, d = 0; i < n; ++i) {
