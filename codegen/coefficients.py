@@ -18,7 +18,8 @@ from typing import Any, Iterable, Sequence
 import sympy as sp
 
 from .operator import Operator, expand_formulas
-from .statements import Add, Cast, Def, For, Mul, Paren, Read, Rel, Statement, Store, Strided, Sym, Term, Var
+from .statements import (Add, Cast, Def, For, Literal, Mul, Paren, Read, Rel, Statement, Store, Strided, Sym, Term, Var,
+                         transform)
 
 ONE, MINUS_ONE = sp.Integer(1), sp.Integer(-1)
 MIN_ROWS = 4  # shorter runs of repeating rows stay straight-line
@@ -244,6 +245,17 @@ def _overlap(items: list, values: tuple) -> int:
     return 0
 
 
+def _tangent_copy(copy: Statement) -> Statement:
+    """The tangent of a copy statement (or loop of them): CD(x) = CD(y) for C(x) = C(y), 0 for a constant."""
+    def fn(n: Any) -> Any:
+        if isinstance(n, Read) and n.macro == "C":
+            return Read("CD", n.args)
+        if isinstance(n, Cast) and n.ctype == "T" and isinstance(n.x, Paren) and isinstance(n.x.x, Sym):
+            return Cast("T", Literal("0"))
+        return None
+    return transform(copy, fn)
+
+
 class Coefficients:
     """Gives each coefficient expression a slot C(q) and turns them into a double-precision program.
 
@@ -285,6 +297,21 @@ class Coefficients:
                 self.copies += values[len(self.copies) - at:]
             self._blocks[values] = len(self.names) + at
         return self._blocks[values]
+
+    def value(self, q: int) -> sp.Expr:
+        """The expression table slot q holds (a coefficient, or a block's copy)."""
+        n = len(self.names)
+        return self.copies[q - n] if q >= n else self._exprs[q]
+
+    def source(self, q: int) -> int | None:
+        """The slot whose value slot q holds: q itself, a copy's source slot, None for a constant.
+        dt_vjp_finish adds a copy's gradient to its source's where that is a straight-line slot
+        (``straight``): copies of a run's slots have no gradient there."""
+        return q if q < len(self.names) else self.names.get(self.copies[q - len(self.names)])
+
+    @functools.cached_property
+    def _exprs(self) -> list[sp.Expr]:
+        return list(self.names)
 
     def varies(self, expr: sp.Expr) -> bool:
         """Whether a coefficient depends on dt (directly or through program quantities)."""
@@ -388,20 +415,25 @@ class Coefficients:
         lines = self._used_inputs(tangent=True) + _tangent(self.lines)
         for table, source in (("C", "k"), ("CD", "d_k")):
             lines += [Store(Read(table, (q,)), Cast("T", Paren(Var(f"{source}{q}")))) for q in self.straight]
+        singles, copy_loops = self._copy_program()  # the blocks of copies and their tangents (span loops read them)
+        lines += [c for copies in singles.values() for copy in copies for c in (copy, _tangent_copy(copy))]
         for run in self.runs:
             body = run.inputs(tangent=True) + _tangent(run.lines)
             for table, source in (("C", "kr"), ("CD", "d_kr")):
                 body += [Store(Read(table, (run.slot(i),)), Cast("T", Paren(Var(f"{source}{i}"))))
                          for i in range(run.width)]
             lines.append(run.loop(body))
-        return lines
+        return lines + [c for copy in copy_loops for c in (copy, _tangent_copy(copy))]
 
     def reverse_program(self) -> list[Statement]:
         """gdt from GC(q) = ∂L/∂c<q> by reverse accumulation over the program's lines: the
         straight-line part sets every GDT(i), each run's loop adds its rows' parts."""
         program = self.lines
         lines = self._used_inputs() + [_double(str(s), Sym(e)) for s, e in program]
-        adjoint, contributions = _reverse(program, {f"k{q}": [Read("GC", (q,))] for q in self.straight})
+        copied: dict[int, list] = defaultdict(list)  # a copy's gradient is its source's (constants: none)
+        for q in range(len(self.names), self.size):
+            copied[self.source(q)].append(Read("GC", (q,)))
+        adjoint, contributions = _reverse(program, {f"k{q}": [Read("GC", (q,)), *copied[q]] for q in self.straight})
         lines += adjoint
         for i, sym in enumerate(self.dt_syms):
             lines.append(Store(Read("GDT", (i,)), Add(tuple(contributions.get(str(sym), [])))))

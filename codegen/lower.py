@@ -656,6 +656,66 @@ def _span_adjoint(coefs: Coefficients, spans: list[Span], wanted: Callable[[Ref]
     return lines, done
 
 
+def _leftover_spans(op: Operator, coefs: Coefficients, done: set[tuple[int, int]]) -> list[Span]:
+    """With a period above 1, runs of MIN_LOOP or more consecutive rows of one output that neither
+    interior loops nor spans cover (``done``): rows where some of a span's weights vanish, so each
+    reads other inputs. A loop over the union of their inputs, weight 0 where a row reads none
+    (blocks of copies). The dt kernels loop over them (on CUDA their straight-line rows took 166
+    registers, B-spline degree 4, s=4)."""
+    if _period(op) == 1 or not _is_stencil(op):
+        return []
+    rows: dict[int, dict[int, dict[Ref, sp.Expr]]] = defaultdict(dict)
+    for row in op.rows:
+        if (row.k, row.h) not in done and row.terms:
+            rows[row.k][row.h] = {ref: c for c, ref in row.terms}
+    spans = []
+    for k, by_row in sorted(rows.items()):
+        index = sorted(by_row)
+        runs = [[index[0]]] if index else []
+        for h in index[1:]:
+            (runs[-1].append(h) if h == runs[-1][-1] + 1 else runs.append([h]))
+        for run in (r for r in runs if len(r) >= MIN_LOOP):
+            refs = list(dict.fromkeys(ref for h in run for ref in by_row[h]))
+            terms = tuple((ref, *_sequence(coefs, [by_row[h].get(ref, ZERO) for h in run], run[0])) for ref in refs)
+            spans.append(Span(k, run[0], run[-1] + 1, terms))
+    return spans
+
+
+def _table_slots(slot: int | Strided, rows: range) -> list[int]:
+    """The table slots a span term reads over the span's rows."""
+    return [slot] if isinstance(slot, int) else [slot.slot + slot.stride * (r - slot.start) for r in rows]
+
+
+def _dt_spans(coefs: Coefficients, spans: list[Span]) -> list[Span]:
+    """The spans the dt kernels loop over: those whose blocks copy straight-line slots or constants
+    (dt_vjp_finish gives a copy's gradient to its source's there). Other spans' rows stay straight-line."""
+    straight = set(coefs.straight)
+    return [span for span in spans if all(coefs.source(q) in straight or coefs.source(q) in (None, q)
+                                          for _, lit, slot in span.terms if lit is None
+                                          for q in _table_slots(slot, span.rows))]
+
+
+def _span_varies(coefs: Coefficients, span: Span, slot: int | Strided) -> bool:
+    """Whether a span term's coefficient depends on dt on any of its rows."""
+    return any(coefs.varies(coefs.value(q)) for q in _table_slots(slot, span.rows))
+
+
+def _span_tangent(coefs: Coefficients, span: Span) -> list[Statement]:
+    """dt_jvp's span loop body: TY<k>(r) = Σ ċ·value + c·tangent over the span's fixed inputs."""
+    parts: list[Term] = []
+    for ref, lit, slot in span.terms:
+        if lit is None and _span_varies(coefs, span, slot):
+            parts.append(Term(Read("CD", (slot,)), _var(ref)))
+        parts.append(_term(coefs, lit, slot, _var(ref, "t")))
+    return [Call(f"TY{span.k}", (Rel(0),), Sum(tuple(parts)))]
+
+
+def _span_products(coefs: Coefficients, span: Span) -> list[Statement]:
+    """dt_vjp's span loop body: each dt-dependent coefficient of row r gathers G<k>(r)·value."""
+    return [Store(Read("ACC", (slot,)), Cast("double", Paren(Mul(Read(f"G{span.k}", (Rel(0),)), _var(ref)))), "+=")
+            for ref, lit, slot in span.terms if lit is None and _span_varies(coefs, span, slot)]
+
+
 def _gradient(ref: Ref, parts: tuple[Term, ...]) -> Call:
     """The store of an input's gradient: GU(j), GS<m> or GE<m>."""
     if ref[0] == "u":
@@ -742,16 +802,22 @@ def _live(lines: list[Statement], used: set = frozenset()) -> list[Statement]:
     return kept[::-1]
 
 
-def _dt_vjp(op: Operator, coefs: Coefficients) -> KernelCode:
+def _dt_vjp(op: Operator, coefs: Coefficients, spans: list[Span] = (), only: bool = False) -> KernelCode:
     """GC(q) += Σ yb_row · value over the uses of each dt-dependent coefficient (summed over
     columns); dt_vjp_finish then maps GC to the dt gradient through the coefficient program.
-    A stencil's interior rows accumulate in loops. A stencil's yb_row is its
-    incoming gradient, read where it is used (nothing held across the body: few registers at
-    any horizon). An integrator's is the rolled reverse sweep of ``_integrator_dt_vjp``."""
+    A stencil's interior rows accumulate in loops (none with ``only``), its spans' rows in span
+    loops, whose fixed slots sum in double locals added once after the loop. A stencil's yb_row
+    is its incoming gradient, read where it is used (nothing held across the body: few registers
+    at any horizon). An integrator's is the rolled reverse sweep of ``_integrator_dt_vjp``."""
     if not _is_stencil(op):
         return _integrator_dt_vjp(op, coefs)
-    loops, covered = _dt_vjp_loops(op, coefs)
+    loops, covered = ([], set()) if only else _dt_vjp_loops(op, coefs)
+    spans = _dt_spans(coefs, list(spans))
+    covered = covered | {(span.k, h) for span in spans for h in span.rows}
     body = _loads(goal=op.n_goal)
+    for (k, start), loop in _span_loops(spans, functools.partial(_span_products, coefs)).items():
+        statements, init, finish = _sum_locally(list(loop.body), lambda q: f"acc{k}_{start}_{q}")
+        body += [*init, dataclasses.replace(loop, body=tuple(statements)), *finish]
     # one statement per coefficient and ACC_ROWS rows, so the values a statement reads are shared
     # with the other coefficients of its rows only (one statement over all rows kept every value loaded)
     uses: dict[tuple[int, int], list[Mul]] = defaultdict(list)
@@ -790,17 +856,22 @@ ACC_ROWS = 16
 ROLL_DT_JVP_ROWS = 256
 
 
-def _dt_jvp(op: Operator, coefs: Coefficients) -> KernelCode:
+def _dt_jvp(op: Operator, coefs: Coefficients, spans: list[Span] = (), only: bool = False) -> KernelCode:
     """Tangent: ty = Σ (ċ · value + c · tangent), ċ = Σ_m ∂c/∂dt_m · ddt_m. A stencil's interior
-    rows are loops; each other row's tangent follows its value (rows are in
-    evaluation order), so only a few rows' values are live at once."""
+    rows are loops (none with ``only``), its spans' rows span loops; each other row's tangent
+    follows its value (rows are in evaluation order), so only a few rows' values are live at once."""
     # a recurrence with per-step coefficients, or a long one: rolled
     if not _is_stencil(op) and (coefs.runs or len(op.rows) > ROLL_DT_JVP_ROWS):
         return KernelCode(coefs.tangent_preamble(), _loads(tangent=True) + roll.render(
             roll.tangent_groups(op, coefs.term, functools.partial(_tangent_terms, coefs))))
-    loops, covered = _dt_jvp_loops(op, coefs)
+    loops, covered = ([], set()) if only else _dt_jvp_loops(op, coefs)
+    spans = _dt_spans(coefs, list(spans))
+    covered = covered | {(span.k, h) for span in spans for h in span.rows}
+    span_loops = _span_loops(spans, functools.partial(_span_tangent, coefs))
     body = _loads(tangent=True, goal=op.n_goal)
     for line, row in zip(_forward_lines(op, coefs), op.rows):
+        if (row.k, row.h) in span_loops:
+            body.append(span_loops[(row.k, row.h)])
         if (row.k, row.h) in covered:
             continue
         body.append(line)
@@ -823,6 +894,9 @@ class LoweredOperator:
         self.spans["adjoint"] = _spans(op, self.coefs, set())
         if self.only["cuda"]:  # CUDA: interior spans as loops over knots (nvcc's time grew with the knots)
             self.spans["cuda"] = _spans(op, self.coefs, set(), knots=True)
+        done = {(span.k, h) for span in self.spans["c"] for h in span.rows}
+        done |= set() if self.only["c"] else _forward_loops(op, self.coefs)[1]
+        self.spans["dt"] = self.spans["c"] + _leftover_spans(op, self.coefs, done)  # the dt kernels' (C and CUDA)
         self.n_coefficients = max(1, self.coefs.size)
 
     @functools.cached_property
@@ -874,7 +948,7 @@ class LoweredOperator:
 
     @functools.cached_property
     def dt_vjp(self) -> KernelCode:
-        return _dt_vjp(self.op, self.coefs)
+        return _dt_vjp(self.op, self.coefs, self.spans["dt"], self.only["c"])
 
     @functools.cached_property
     def dt_vjp_finish(self) -> KernelCode:
@@ -882,7 +956,7 @@ class LoweredOperator:
 
     @functools.cached_property
     def dt_jvp(self) -> KernelCode:
-        return _dt_jvp(self.op, self.coefs)
+        return _dt_jvp(self.op, self.coefs, self.spans["dt"], self.only["c"])
 
 
 def lower(op: Operator) -> LoweredOperator:

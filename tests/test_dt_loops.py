@@ -16,7 +16,7 @@ import reference_bspline
 import tensorstep as ts
 from helpers import BoundaryCase, as_bhd, kernel_paths, scale_close
 from tensorstep.codegen.driver import generate, lowered
-from tensorstep.codegen.statements import Read, walk
+from tensorstep.codegen.statements import Call, For, Read, walk
 
 H_LOOPS = 40  # long enough for interior loops
 
@@ -29,6 +29,14 @@ SPECS = [
     dict(difference="central", end="goal", dt="per_trajectory", layout="bdh"),
     dict(control="bspline", degree=4, knots=10, steps=3),
     dict(control="bspline", degree=3, knots=9, steps=2, end="goal", dt="per_trajectory", layout="bdh",
+         start_index=True),
+]
+
+#: B-splines with many rows per knot span (s² > R: span loops only, no interior loops), a goal at
+#: the end: every row of the dt kernels is a span loop, the boundary spans too
+SPANS = [
+    dict(control="bspline", degree=4, knots=4, steps=12, end="goal"),
+    dict(control="bspline", degree=3, knots=3, steps=16, end="goal", dt="per_trajectory", layout="bdh",
          start_index=True),
 ]
 
@@ -104,12 +112,45 @@ def test_dt_source_does_not_grow_with_the_horizon(overrides, sizes):
     assert measured[rows[-1]] < 1.02 * measured[rows[0]], measured
 
 
+def _dt_kernel_chars(spec: ts.KernelSpec) -> int:
+    """Characters of the dt kernels' columns and loops (C and CUDA; not the once-per-call coefficient
+    programs, which hold a line per distinct weight of a row)."""
+    code = lowered(spec)
+    kernels = (code.dt_jvp, code.dt_vjp)
+    return sum(len(line) for k in kernels for line in k.body + [x for loop in k.loops for x in loop.lines])
+
+
+@pytest.mark.parametrize("overrides", [
+    dict(control="bspline", degree=4, knots=10),
+    dict(control="bspline", degree=3, knots=4, end="goal", dt="per_trajectory"),
+], ids=spec_id)
+def test_bspline_dt_kernels_do_not_grow_with_the_steps(overrides):
+    """A B-spline's boundary spans (on the start and goal states) are span loops in dt_jvp and
+    dt_vjp too: the columns barely grow with the rows per span s (straight-line, they grew
+    from 130 KB to 560 KB between s=12 and s=48 for the first spec: a row's statements per row)."""
+    sizes = {steps: _dt_kernel_chars(spec_of({**overrides, "steps": steps})) for steps in (12, 48)}
+    assert sizes[48] - sizes[12] < 36 * 200, sizes  # a few bytes per row (loop bounds), not a row's statements
+
+
+@pytest.mark.parametrize("overrides", SPANS, ids=spec_id)
+def test_dt_kernels_of_long_spans_are_span_loops(overrides):
+    """Every row of these dt kernels but the first (the start state) is in a span loop, and a span
+    loop's fixed accumulator slots are local sums added once after it."""
+    code = lowered(spec_of(overrides))
+    jvp, vjp = code.dt_jvp.statements, code.dt_vjp.statements
+    assert not code.dt_jvp.loops and not code.dt_vjp.loops
+    assert all(s.args[0] == 0 for s in jvp if isinstance(s, Call) and s.macro.startswith("TY"))
+    loops = [s for s in vjp if isinstance(s, For)]
+    assert loops and not any(isinstance(n, Read) and n.macro == "ACC" and isinstance(n.args[0], int)
+                             for n in walk(tuple(loops)))
+
+
 def _dt_of(case: Case, seed: int) -> np.ndarray:
     """A random direction in dt's space (one entry, or one per trajectory)."""
     return np.random.default_rng(seed).normal(size=case.dt.shape)
 
 
-@pytest.mark.parametrize("overrides", SPECS, ids=spec_id)
+@pytest.mark.parametrize("overrides", SPECS + SPANS, ids=spec_id)
 def test_dt_vjp_matches_finite_differences(overrides):
     """The dt gradient of Σ g·Y against finite differences of the reference, along each of dt's
     entries (C, Python path, CUDA on the host)."""
@@ -128,7 +169,7 @@ def test_dt_vjp_matches_finite_differences(overrides):
         assert (err <= 1e-8 * np.maximum(1.0, np.abs(expected))).all(), (name, got, expected)
 
 
-@pytest.mark.parametrize("overrides", SPECS, ids=spec_id)
+@pytest.mark.parametrize("overrides", SPECS + SPANS, ids=spec_id)
 def test_dt_jvp_matches_finite_differences(overrides):
     """The outputs' tangent along a dt direction (forward mode) against finite differences of the
     reference (C, Python path, CUDA on the host)."""
