@@ -89,6 +89,23 @@ def test_long_coefficient_programs_are_not_optimised_whole(overrides):
             assert lines < 1200, (name, lines)
 
 
+@pytest.mark.parametrize("spec", [
+    ts.KernelSpec(control="bspline", degree=4, knots=60, steps=4, dof=7, dtype="float32"),
+    ts.KernelSpec(horizon=64, difference="central", dt="per_step", dof=7, dtype="float32"),
+    ts.KernelSpec(horizon=64, control="acceleration", integrator="exact", dt="per_trajectory", dof=7),
+], ids=["bspline_n60", "central_per_step", "acceleration_per_trajectory"])
+def test_dt_vjp_is_compiled_without_the_vectoriser(spec):
+    """dt_vjp's dof loop is serial (every dof adds into the same accumulators), so -O3's
+    vectoriser has nothing to do there, while its register allocation over the long body was
+    most of gcc's time on a B-spline's dt library (60 knots: 2.8 of 3 s). dt_vjp is compiled at
+    -O2 under gcc (TS_SERIAL); its numerics are checked by the dt tests on the built library."""
+    source = generate(spec, targets=("c",), parts=("dt",)).source("c", "dt")
+    assert '#define TS_SERIAL __attribute__((optimize("O2")))' in source
+    dt_vjp = next(text for name, text in _functions(source).items() if name.endswith("_dt_vjp"))
+    assert dt_vjp.splitlines()[0].startswith("TS_SERIAL ")
+    assert "TS_SIMD" not in dt_vjp
+
+
 def test_program_derivatives_are_sympys():
     """The coefficient programs' lines are differentiated by a small chain rule (sp.diff costs
     about ten times more): the same expressions as sp.diff, for every line and input."""

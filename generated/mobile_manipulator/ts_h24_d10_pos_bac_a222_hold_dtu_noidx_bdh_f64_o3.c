@@ -19,6 +19,14 @@ typedef double T;
 #else
 #define TS_PARALLEL_FOR
 #endif
+/* dt_vjp's dof loop is serial (every dof adds into the same accumulators, and without
+ * reassociation gcc does not vectorise a floating-point sum), so -O3's vectoriser finds nothing
+ * there; its register allocation over the long body was most of the dt library's compile time */
+#if defined(__GNUC__) && !defined(__clang__)
+#define TS_SERIAL __attribute__((optimize("O2")))
+#else
+#define TS_SERIAL
+#endif
 #if defined(_OPENMP)
 #define TS_PARALLEL_FOR_CHUNKS _Pragma("omp parallel for schedule(static) if(n_chunks > 1)")
 #else
@@ -366,7 +374,7 @@ void ts_h24_d10_pos_bac_a222_hold_dtu_noidx_bdh_f64_o3_adjoint(int64_t B, const 
     }
 }
 
-void ts_h24_d10_pos_bac_a222_hold_dtu_noidx_bdh_f64_o3_dt_vjp(int64_t B, const double* restrict u, const double* restrict p0, const double* restrict v0, const double* restrict a0, const double* restrict j0, const int64_t* restrict idx, const double* restrict g0, const double* restrict g1, const double* restrict g2, const double* restrict g3, const double* restrict dt_in, double* restrict gc)
+TS_SERIAL void ts_h24_d10_pos_bac_a222_hold_dtu_noidx_bdh_f64_o3_dt_vjp(int64_t B, const double* restrict u, const double* restrict p0, const double* restrict v0, const double* restrict a0, const double* restrict j0, const int64_t* restrict idx, const double* restrict g0, const double* restrict g1, const double* restrict g2, const double* restrict g3, const double* restrict dt_in, double* restrict gc)
 {
     T coef[NC_];
     COEFFICIENTS(dt_in, coef);

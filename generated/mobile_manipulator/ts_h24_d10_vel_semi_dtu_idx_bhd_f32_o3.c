@@ -19,6 +19,14 @@ typedef float T;
 #else
 #define TS_PARALLEL_FOR
 #endif
+/* dt_vjp's dof loop is serial (every dof adds into the same accumulators, and without
+ * reassociation gcc does not vectorise a floating-point sum), so -O3's vectoriser finds nothing
+ * there; its register allocation over the long body was most of the dt library's compile time */
+#if defined(__GNUC__) && !defined(__clang__)
+#define TS_SERIAL __attribute__((optimize("O2")))
+#else
+#define TS_SERIAL
+#endif
 #if defined(_OPENMP)
 #define TS_PARALLEL_FOR_CHUNKS _Pragma("omp parallel for schedule(static) if(n_chunks > 1)")
 #else
@@ -1039,7 +1047,7 @@ void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_adjoint(int64_t B, const float* rest
     }
 }
 
-void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_dt_vjp(int64_t B, const float* restrict u, const float* restrict p0, const float* restrict v0, const float* restrict a0, const float* restrict j0, const int64_t* restrict idx, const float* restrict y0, const float* restrict y1, const float* restrict y2, const float* restrict y3, const float* restrict g0, const float* restrict g1, const float* restrict g2, const float* restrict g3, const float* restrict dt_in, double* restrict gc)
+TS_SERIAL void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_dt_vjp(int64_t B, const float* restrict u, const float* restrict p0, const float* restrict v0, const float* restrict a0, const float* restrict j0, const int64_t* restrict idx, const float* restrict y0, const float* restrict y1, const float* restrict y2, const float* restrict y3, const float* restrict g0, const float* restrict g1, const float* restrict g2, const float* restrict g3, const float* restrict dt_in, double* restrict gc)
 {
     T coef[NC_];
     COEFFICIENTS(dt_in, coef);
