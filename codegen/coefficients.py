@@ -89,7 +89,7 @@ def _reverse(lines: Sequence[Line], seeds: dict[str, list]) -> tuple[list[Statem
     contributions: dict[str, list] = defaultdict(list, {k: list(v) for k, v in seeds.items()})
     for s, e in reversed(lines):
         parts = contributions.pop(str(s), [])
-        if not parts:
+        if not parts or not e.free_symbols:  # a constant line passes nothing on
             continue
         out.append(_double(f"b_{s}", Add(tuple(parts))))
         for a in sorted(e.free_symbols, key=str):  # a fixed order: the same source in every process

@@ -408,16 +408,13 @@ extern "C" __global__ void ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_dt_v
     const double k14 = t3;
     const double b_k14 = GC(14);
     const double b_k13 = GC(13);
-    const double b_k12 = GC(12);
     const double b_k11 = GC(11);
     const double b_k10 = GC(10);
     const double b_k9 = GC(9);
-    const double b_k8 = GC(8);
     const double b_k7 = GC(7);
     const double b_k6 = GC(6);
     const double b_k5 = GC(5);
     const double b_k4 = GC(4);
-    const double b_k3 = GC(3);
     const double b_k2 = GC(2);
     const double b_k1 = GC(1);
     const double b_k0 = GC(0);

@@ -674,7 +674,6 @@ void ts_h32_d7_pos_cen_a442_hold_dtu_noidx_bhd_f32_o3_dt_vjp_finish(int64_t B, c
     const double b_k19 = GC(19);
     const double b_k18 = GC(18);
     const double b_k17 = GC(17);
-    const double b_k16 = GC(16);
     const double b_k15 = GC(15);
     const double b_k14 = GC(14);
     const double b_k13 = GC(13);
@@ -682,14 +681,12 @@ void ts_h32_d7_pos_cen_a442_hold_dtu_noidx_bhd_f32_o3_dt_vjp_finish(int64_t B, c
     const double b_k11 = GC(11);
     const double b_k10 = GC(10);
     const double b_k9 = GC(9);
-    const double b_k8 = GC(8);
     const double b_k7 = GC(7);
     const double b_k6 = GC(6);
     const double b_k5 = GC(5);
     const double b_k4 = GC(4);
     const double b_k3 = GC(3);
     const double b_k2 = GC(2);
-    const double b_k1 = GC(1);
     const double b_k0 = GC(0);
     const double b_t8 = (-1)*b_k19 + (1)*b_k13;
     const double b_t7 = (1)*b_k20 + (-1)*b_k17 + (0.5)*b_t8;

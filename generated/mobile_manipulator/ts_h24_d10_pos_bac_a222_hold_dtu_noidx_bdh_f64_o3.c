@@ -544,13 +544,11 @@ void ts_h24_d10_pos_bac_a222_hold_dtu_noidx_bdh_f64_o3_dt_vjp_finish(int64_t B, 
     const double b_k31 = GC(31);
     const double b_k30 = GC(30);
     const double b_k29 = GC(29);
-    const double b_k28 = GC(28);
     const double b_k27 = GC(27);
     const double b_k26 = GC(26);
     const double b_k25 = GC(25);
     const double b_k24 = GC(24);
     const double b_k23 = GC(23);
-    const double b_k22 = GC(22);
     const double b_k21 = GC(21);
     const double b_k20 = GC(20);
     const double b_k19 = GC(19);
@@ -560,7 +558,6 @@ void ts_h24_d10_pos_bac_a222_hold_dtu_noidx_bdh_f64_o3_dt_vjp_finish(int64_t B, 
     const double b_k15 = GC(15);
     const double b_k14 = GC(14);
     const double b_k13 = GC(13);
-    const double b_k12 = GC(12);
     const double b_k11 = GC(11);
     const double b_k10 = GC(10);
     const double b_k9 = GC(9);
@@ -571,7 +568,6 @@ void ts_h24_d10_pos_bac_a222_hold_dtu_noidx_bdh_f64_o3_dt_vjp_finish(int64_t B, 
     const double b_k4 = GC(4);
     const double b_k3 = GC(3);
     const double b_k2 = GC(2);
-    const double b_k1 = GC(1);
     const double b_k0 = GC(0);
     const double b_t7 = (-1)*b_k21 + (1)*b_k14;
     const double b_t6 = (1)*b_k13 + (-1)*b_k9;
