@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections import Counter, defaultdict
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import sympy as sp
 
@@ -366,6 +366,21 @@ def _shifted(terms: dict[Ref, sp.Expr], by: int = 1) -> dict[Ref, sp.Expr]:
     return {(ref[0], ref[1] + by) if ref[0] == "u" else ref: c for ref, c in terms.items()}
 
 
+def _by_output(rows: Rows) -> dict[int, dict[int, dict[Ref, sp.Expr]]]:
+    """Rows by output: output → row → terms, rows in order."""
+    by_output: dict[int, dict[int, dict[Ref, sp.Expr]]] = defaultdict(dict)
+    for (k, h), terms in sorted(rows.items()):
+        by_output[k][h] = terms
+    return by_output
+
+
+def _run_span(coefs: Coefficients, k: int, by_row: dict[int, dict[Ref, sp.Expr]], start: int, stop: int,
+              refs: Iterable[Ref]) -> Span:
+    """The span of output k's rows [start, stop) over the inputs ``refs`` (weight 0 where a row reads one not)."""
+    return Span(k, start, stop, tuple((ref, *_sequence(coefs, [by_row[h].get(ref, ZERO) for h in range(start, stop)],
+                                                       start)) for ref in refs))
+
+
 def _knot_runs(rows: Rows, p: int) -> list[tuple[int, int]]:
     """Runs of row blocks [p·q + b, p·q + b + p) (all outputs) that repeat the block before them
     with every action one further and the same weights: (first row of the first block, repeats),
@@ -395,12 +410,8 @@ def _knot_runs(rows: Rows, p: int) -> list[tuple[int, int]]:
 
 def _loop_count(rows: Rows, first: int, p: int) -> int:
     """The loops and single rows of a knot loop's body: its first block's row runs and other rows."""
-    by_output: dict[int, dict[int, dict[Ref, sp.Expr]]] = defaultdict(dict)
-    for (k, h), terms in rows.items():
-        if first <= h < first + p:
-            by_output[k][h] = terms
     count = 0
-    for by_row in by_output.values():
+    for by_row in _by_output({key: terms for key, terms in rows.items() if first <= key[1] < first + p}).values():
         runs = _row_runs(by_row)
         count += len(runs) + len(by_row) - sum(stop - start for start, stop, _ in runs)
     return count
@@ -465,14 +476,8 @@ def _spans(op: Operator, coefs: Coefficients, covered: set[tuple[int, int]], kno
         for kn in range(repeat + 1):
             for k, h in block:
                 del rows[(k, h + p * kn)]
-    by_output: dict[int, dict[int, dict[Ref, sp.Expr]]] = defaultdict(dict)
-    for (k, h), terms in rows.items():
-        by_output[k][h] = terms
-    for k, by_row in sorted(by_output.items()):
-        for start, stop, refs in _row_runs(by_row):
-            terms = tuple((ref, *_sequence(coefs, [by_row[h].get(ref, ZERO) for h in range(start, stop)], start))
-                          for ref in refs)
-            spans.append(Span(k, start, stop, terms))
+    for k, by_row in sorted(_by_output(rows).items()):
+        spans += [_run_span(coefs, k, by_row, start, stop, refs) for start, stop, refs in _row_runs(by_row)]
     return spans
 
 
@@ -483,11 +488,8 @@ def _nest_spans(coefs: Coefficients, block: Rows, nest: Span) -> list[Span]:
     loop over knots); other outputs' runs of rows as ``_spans`` finds them, each other row a
     span of one row."""
     knot = lambda ref: ("u", Shift(ref[1], 1)) if ref[0] == "u" else ref
-    by_output: dict[int, dict[int, dict[Ref, sp.Expr]]] = defaultdict(dict)
-    for (k, h), terms in sorted(block.items()):
-        by_output[k][h] = terms
     spans = []
-    for k, by_row in sorted(by_output.items()):
+    for k, by_row in sorted(_by_output(block).items()):
         whole = len(by_row) == nest.period and any(by_row.values())
         every = {ref: None for terms in by_row.values() for ref in terms}  # in order of first use
         for start, stop, refs in [(min(by_row), max(by_row) + 1, every)] if whole else _row_runs(by_row):
@@ -664,21 +666,23 @@ def _leftover_spans(op: Operator, coefs: Coefficients, done: set[tuple[int, int]
     registers, B-spline degree 4, s=4)."""
     if _period(op) == 1 or not _is_stencil(op):
         return []
-    rows: dict[int, dict[int, dict[Ref, sp.Expr]]] = defaultdict(dict)
-    for row in op.rows:
-        if (row.k, row.h) not in done and row.terms:
-            rows[row.k][row.h] = {ref: c for c, ref in row.terms}
+    rows: Rows = {(row.k, row.h): {ref: c for c, ref in row.terms} for row in op.rows
+                  if (row.k, row.h) not in done and row.terms}
     spans = []
-    for k, by_row in sorted(rows.items()):
+    for k, by_row in sorted(_by_output(rows).items()):
         index = sorted(by_row)
         runs = [[index[0]]] if index else []
         for h in index[1:]:
             (runs[-1].append(h) if h == runs[-1][-1] + 1 else runs.append([h]))
         for run in (r for r in runs if len(r) >= MIN_LOOP):
-            refs = list(dict.fromkeys(ref for h in run for ref in by_row[h]))
-            terms = tuple((ref, *_sequence(coefs, [by_row[h].get(ref, ZERO) for h in run], run[0])) for ref in refs)
-            spans.append(Span(k, run[0], run[-1] + 1, terms))
+            refs = dict.fromkeys(ref for h in run for ref in by_row[h])
+            spans.append(_run_span(coefs, k, by_row, run[0], run[-1] + 1, refs))
     return spans
+
+
+def _covered(spans: Iterable[Span]) -> set[tuple[int, int]]:
+    """The (output, row)s that span loops cover."""
+    return {(span.k, h) for span in spans for h in span.rows}
 
 
 def _table_slots(slot: int | Strided, rows: range) -> list[int]:
@@ -735,15 +739,10 @@ def _spans_only(op: Operator, cuda: bool = False) -> bool:
     return p > 1 and (cuda or p * p > op.horizon)
 
 
-def _forward_spans(op: Operator, coefs: Coefficients, only: bool) -> list[Span]:
-    """The forward's span loops: over the rows the interior loops leave (every row if ``only``)."""
-    return _spans(op, coefs, set() if only else _forward_loops(op, coefs)[1])
-
-
 def _forward(op: Operator, coefs: Coefficients, spans: list[Span], only: bool) -> KernelCode:
     """``only``: span loops cover every row (no interior loops)."""
     loops, covered = ([], set()) if only else _forward_loops(op, coefs)
-    straight = covered | {(span.k, h) for span in spans for h in span.rows}
+    straight = covered | _covered(spans)
     span_loops = _span_forward(coefs, spans)
     body = _loads(goal=op.n_goal)
     for line, row in zip(_forward_lines(op, coefs), op.rows):
@@ -813,7 +812,7 @@ def _dt_vjp(op: Operator, coefs: Coefficients, spans: list[Span] = (), only: boo
         return _integrator_dt_vjp(op, coefs)
     loops, covered = ([], set()) if only else _dt_vjp_loops(op, coefs)
     spans = _dt_spans(coefs, list(spans))
-    covered = covered | {(span.k, h) for span in spans for h in span.rows}
+    covered = covered | _covered(spans)
     body = _loads(goal=op.n_goal)
     for (k, start), loop in _span_loops(spans, functools.partial(_span_products, coefs)).items():
         statements, init, finish = _sum_locally(list(loop.body), lambda q: f"acc{k}_{start}_{q}")
@@ -866,7 +865,7 @@ def _dt_jvp(op: Operator, coefs: Coefficients, spans: list[Span] = (), only: boo
             roll.tangent_groups(op, coefs.term, functools.partial(_tangent_terms, coefs))))
     loops, covered = ([], set()) if only else _dt_jvp_loops(op, coefs)
     spans = _dt_spans(coefs, list(spans))
-    covered = covered | {(span.k, h) for span in spans for h in span.rows}
+    covered = covered | _covered(spans)
     span_loops = _span_loops(spans, functools.partial(_span_tangent, coefs))
     body = _loads(tangent=True, goal=op.n_goal)
     for line, row in zip(_forward_lines(op, coefs), op.rows):
@@ -890,12 +889,13 @@ class LoweredOperator:
         self.n_dt = len(op.dt_symbols)
         # the span loops first: their blocks of copies are part of the table every kernel sizes
         self.only = {target: _spans_only(op, target == "cuda") for target in ("c", "cuda")}
-        self.spans = {target: _forward_spans(op, self.coefs, only) for target, only in self.only.items()}
+        # the forward's span loops: over the rows its interior loops leave (every row if "only")
+        interior = set() if all(self.only.values()) else _forward_loops(op, self.coefs)[1]
+        self.spans = {target: _spans(op, self.coefs, set() if only else interior) for target, only in self.only.items()}
         self.spans["adjoint"] = _spans(op, self.coefs, set())
         if self.only["cuda"]:  # CUDA: interior spans as loops over knots (nvcc's time grew with the knots)
             self.spans["cuda"] = _spans(op, self.coefs, set(), knots=True)
-        done = {(span.k, h) for span in self.spans["c"] for h in span.rows}
-        done |= set() if self.only["c"] else _forward_loops(op, self.coefs)[1]
+        done = _covered(self.spans["c"]) | (set() if self.only["c"] else interior)
         self.spans["dt"] = self.spans["c"] + _leftover_spans(op, self.coefs, done)  # the dt kernels' (C and CUDA)
         self.n_coefficients = max(1, self.coefs.size)
 
