@@ -17,12 +17,15 @@ from typing import Any, Iterable, Sequence
 
 import sympy as sp
 
+from . import tape
 from .operator import Operator, expand_formulas
-from .statements import (Add, Cast, Def, For, Literal, Mul, Paren, Read, Rel, Statement, Store, Strided, Sym, Term, Var,
-                         transform)
+from .statements import (Add, Cast, Def, For, Literal, Mul, Paren, Read, Rel, RunTape, Statement, Store, Strided, Sym,
+                         Term, Var, transform)
 
 ONE, MINUS_ONE = sp.Integer(1), sp.Integer(-1)
 MIN_ROWS = 4  # shorter runs of repeating rows stay straight-line
+#: straight-line programs of more lines run as tapes (codegen/tape.py) where the caller allows it
+TAPE_ABOVE_LINES = 200
 
 Line = tuple  # (symbol, expression): one assignment of a double-precision program
 
@@ -267,7 +270,9 @@ class Coefficients:
 
     CHUNK = 48
 
-    def __init__(self, op: Operator):
+    def __init__(self, op: Operator, tapes: bool = True):
+        self.allow_tapes = tapes
+        self._tapes: dict[str, tape.Tape] = {}
         self.dt_syms = op.dt_symbols
         self.base = list(op.program)
         self._varying = set(self.dt_syms) | {s for s, _ in self.base}
@@ -346,6 +351,28 @@ class Coefficients:
         base = _used(self.base, chosen) if self.runs else self.base  # with runs: what the straight slots use
         return list(base) + _cse(chosen, sp.numbered_symbols("t"), [f"k{q}" for q in self.straight], self.CHUNK)
 
+    @functools.cached_property
+    def taped(self) -> bool:
+        """Whether the straight-line parts of the programs run as tapes: long ones, where allowed
+        (the kernels then run a tape with a block's threads, or one thread's loop on the CPU)."""
+        return self.allow_tapes and len(self.lines) > TAPE_ABOVE_LINES
+
+    def tape(self, name: str) -> tape.Tape:
+        """The tape of program ``name`` ("value": the table, "tangent", "reverse")."""
+        if name not in self._tapes:
+            program = {"value": self.preamble, "tangent": self.tangent_preamble, "reverse": self.reverse_program}[name]
+            program()
+        return self._tapes[name]
+
+    def _taped(self, name: str, statements: list[Statement]) -> list[Statement]:
+        """The program with its straight-line part (the statements before its loops) as a tape."""
+        if not self.taped:
+            return statements
+        first = next((i for i, s in enumerate(statements) if isinstance(s, For)), len(statements))
+        if name not in self._tapes:
+            self._tapes[name] = tape.build(name, statements[:first])
+        return [RunTape(self._tapes[name]), *statements[first:]]
+
     def _inputs(self, tangent: bool = False) -> list[Statement]:
         lines = [_double(str(s), Cast("double", Read("DT", (i,)))) for i, s in enumerate(self.dt_syms)]
         if tangent:
@@ -381,7 +408,7 @@ class Coefficients:
                 else:
                     body.append(_double(str(s), Sym(e)))
             lines.append(run.loop(body))
-        return lines + copy_loops
+        return self._taped("value", lines + copy_loops)
 
     def _copy_program(self) -> tuple[dict[Any, list[Statement]], list[Statement]]:
         """The blocks of copies: a loop per piece of MIN_ROWS or more whose sources advance by a
@@ -423,7 +450,7 @@ class Coefficients:
                 body += [Store(Read(table, (run.slot(i),)), Cast("T", Paren(Var(f"{source}{i}"))))
                          for i in range(run.width)]
             lines.append(run.loop(body))
-        return lines + [c for copy in copy_loops for c in (copy, _tangent_copy(copy))]
+        return self._taped("tangent", lines + [c for copy in copy_loops for c in (copy, _tangent_copy(copy))])
 
     def reverse_program(self) -> list[Statement]:
         """gdt from GC(q) = ∂L/∂c<q> by reverse accumulation over the program's lines: the
@@ -445,4 +472,4 @@ class Coefficients:
             body += [Store(Read("GDT", (Rel(o),)), Add(tuple(contributions[str(s)])), "+=")
                      for o, s in run.window if contributions.get(str(s))]
             lines.append(run.loop(body))
-        return lines
+        return self._taped("reverse", lines)

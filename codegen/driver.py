@@ -55,7 +55,7 @@ def lowered(spec: Any) -> Any:
     """Stages 1 and 2, operator and lowering, once per spec and process."""
     from .lower import lower  # SymPy
 
-    return lower(build_operator(spec))
+    return lower(build_operator(spec), tapes=table(spec).dt.shape != ("B",))
 
 
 def metadata(spec: Any, n_coefficients: int) -> dict[str, Any]:

@@ -883,9 +883,9 @@ def _dt_jvp(op: Operator, coefs: Coefficients, spans: list[Span] = (), only: boo
 class LoweredOperator:
     """The statements of an operator's kernels, each lowered on first use."""
 
-    def __init__(self, op: Operator):
+    def __init__(self, op: Operator, tapes: bool = True):
         self.op = op
-        self.coefs = Coefficients(op)
+        self.coefs = Coefficients(op, tapes)
         self.n_dt = len(op.dt_symbols)
         # the span loops first: their blocks of copies are part of the table every kernel sizes
         self.only = {target: _spans_only(op, target == "cuda") for target in ("c", "cuda")}
@@ -959,6 +959,8 @@ class LoweredOperator:
         return _dt_jvp(self.op, self.coefs, self.spans["dt"], self.only["c"])
 
 
-def lower(op: Operator) -> LoweredOperator:
-    """Lower an operator; each kernel's statements are produced when first asked for."""
-    return LoweredOperator(op)
+def lower(op: Operator, tapes: bool = True) -> LoweredOperator:
+    """Lower an operator; each kernel's statements are produced when first asked for. ``tapes``:
+    whether long straight-line coefficient programs may run as tapes (not with a dt per
+    trajectory, whose programs run one per thread)."""
+    return LoweredOperator(op, tapes)

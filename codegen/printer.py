@@ -13,7 +13,7 @@ from typing import Any, Callable, Iterable
 import sympy as sp
 from sympy.printing.c import C99CodePrinter
 
-from .statements import (Add, Call, Cast, Def, For, Literal, Mul, Paren, Read, Rel, Shift, Statement, Store,
+from .statements import (Add, Call, Cast, Def, For, Literal, Mul, Paren, Read, Rel, RunTape, Shift, Statement, Store,
                          Strided, Sum, Sym, Term, Val, Var)
 
 INDENT = "    "
@@ -97,6 +97,8 @@ class Printer:
             if s.value is not None:
                 args.append(self.expr(s.value))
             return f"{self.macro(s.macro)}({', '.join(args)});"
+        if isinstance(s, RunTape):
+            return f"{s.tape.macro}();"
         raise TypeError(f"not a statement: {s!r}")
 
     def _type(self, ctype: str) -> str:

@@ -9,7 +9,7 @@ from typing import Any
 import jinja2
 
 from ..version import __version__
-from . import abi
+from . import abi, tape
 from .arguments import ArgumentTable
 from .lower import LoweredOperator
 from .printer import LANES
@@ -137,7 +137,7 @@ class Program:
 
 def _long_programs(code: LoweredOperator, kernels: tuple, per_trajectory: bool) -> dict[str, Program]:
     """The C template's long once-per-call programs by function (none with one dt or per trajectory)."""
-    if per_trajectory or len(code.table) <= LONG_PROGRAM_LINES:
+    if per_trajectory or (len(code.table) <= LONG_PROGRAM_LINES and not code.coefs.taped):
         return {}
     programs = {"coefficients": code.table}
     if "dt_jvp" in kernels:
@@ -151,6 +151,16 @@ def _long_programs(code: LoweredOperator, kernels: tuple, per_trajectory: bool) 
         assert all(line.startswith((*loop, " ", "}")) for line in lines[first:]), f"{name}: statements after its loops"
         out[name] = Program(lines[:first], lines[first:])
     return out
+
+
+def _tapes(code: LoweredOperator, kernels: tuple) -> list[tape.Tape]:
+    """The tapes the kernels run (see codegen/tape.py): the table's where a kernel fills or reads
+    it, dt_jvp's tangent program, dt_vjp_finish's reverse program."""
+    if not code.coefs.taped:
+        return []
+    names = (["value"] if set(kernels) & {"forward", "adjoint", "dt_vjp"} else []) + \
+        (["tangent"] if "dt_jvp" in kernels else []) + (["reverse"] if "dt_vjp_finish" in kernels else [])
+    return [code.coefs.tape(n) for n in names]
 
 
 def render(spec: Any, code: LoweredOperator, table: ArgumentTable, target: str, part: str = "all") -> str:
@@ -194,5 +204,11 @@ def render(spec: Any, code: LoweredOperator, table: ArgumentTable, target: str, 
         dt_chunk=abi.C_DT_VJP_CHUNK,
         stencil=code.stencil,
         values=bool(table.values) and "dt_vjp" in kernels,  # the YV<k> macros of dt_vjp
+        taped=code.coefs.taped,
+        tapes=_tapes(code, kernels),
+        ops=tape.OPS,
+        tape_math=any("powc" in t.ops for t in _tapes(code, kernels)),
+        cuda=target == "cuda",
+        device="__device__ " if target == "cuda" else "",
     )
     return _environment().get_template(_TEMPLATE_FILES[target]).render(**context)

@@ -170,7 +170,18 @@ class For:
     var: str = "r"  # the loop variable (``kn``: a loop over knots around loops over rows)
 
 
-Statement = Union[Def, Store, Call, For]
+@dataclasses.dataclass(frozen=True)
+class RunTape:
+    """Runs a straight-line program kept as data (a codegen/tape.py Tape): printed as the macro
+    each template defines for it."""
+
+    tape: Any
+
+    def __hash__(self) -> int:
+        return hash(self.tape.name)
+
+
+Statement = Union[Def, Store, Call, For, RunTape]
 
 
 def transform(node: Any, fn: Callable[[Any], Any]) -> Any:
@@ -181,7 +192,7 @@ def transform(node: Any, fn: Callable[[Any], Any]) -> Any:
         return out
     if isinstance(node, tuple):
         return tuple(transform(x, fn) for x in node)
-    if dataclasses.is_dataclass(node) and not isinstance(node, (Sym, type)):
+    if dataclasses.is_dataclass(node) and not isinstance(node, (Sym, RunTape, type)):
         return dataclasses.replace(node, **{f.name: transform(getattr(node, f.name), fn)
                                             for f in dataclasses.fields(node)})
     return node
@@ -193,7 +204,7 @@ def walk(node: Any) -> Iterator[Any]:
     if isinstance(node, tuple):
         for x in node:
             yield from walk(x)
-    elif dataclasses.is_dataclass(node) and not isinstance(node, (Sym, type)):
+    elif dataclasses.is_dataclass(node) and not isinstance(node, (Sym, RunTape, type)):
         for f in dataclasses.fields(node):
             yield from walk(getattr(node, f.name))
 

@@ -9,6 +9,13 @@ checked against the dense reference and by gradcheck. Shared memory is one stati
 kernel; each thread copies the whole table into it (on the GPU the block's threads share the
 copy), so the first thread of a block, which runs first, finds it filled.
 
+A long coefficient program kept as data (codegen/tape.py) runs level by level, the block's
+threads sharing each level, then thread 0 alone goes on. Here thread 0 runs every level's loop
+in full (the loops over threadIdx.x become serial loops, as for the table copy), in the levels'
+order, and the other threads of the once-per-call kernels are not run: the GPU's threads after
+thread 0 only share the levels. That a level's instructions are independent, and registers are
+reused only from the level after their last read, is tests/test_tape.py's to check.
+
 dt_vjp's block reduction needs a block's threads in lockstep (warp shuffles, barriers), which a
 sequential run cannot give: here each thread leaves its values in a per-block buffer, and after
 the block's last thread the reduction runs as the GPU runs it, shuffle step by shuffle step
@@ -46,6 +53,8 @@ PRELUDE = f"""/* CUDA keywords for a sequential run on the host */
 typedef struct {{ long long x; }} ts_dim3;
 static ts_dim3 blockIdx, threadIdx, blockDim = {{{THREADS}}};
 """
+#: kernels run once per call; with one dt for the batch, a block's threads share a tape's levels
+ONCE_PER_CALL = ("coefficients", "coefficients_jvp", "dt_vjp_finish")
 ACCUMULATOR = ("/* dt_vjp's accumulator: begin */", "/* dt_vjp's accumulator: end */")
 #: per column: its value of each ACC statement (the columns past the end add nothing)
 HOST_ACCUMULATOR = f"""static double ts_lanes[{THREADS}][NC_], ts_discard;
@@ -79,9 +88,10 @@ def _block_reduction(symbol: str) -> str:
 """
 
 
-def _entry_point(spec: Any, kernel: str, reduce_blocks: bool) -> tuple[str, str]:
+def _entry_point(spec: Any, kernel: str, reduce_blocks: bool, one_thread: bool) -> tuple[str, str]:
     """(C definition, cffi declaration) of one kernel's host entry point: its CUDA parameters after
-    the number of threads the launch covers, every (block, thread) run in turn."""
+    the number of threads the launch covers, every (block, thread) run in turn (``one_thread``:
+    thread 0 only, see the module docstring)."""
     args = table(spec)
     symbol = abi.symbol(spec.name, kernel)
     names = ", ".join(name for _, name in abi.cuda_arguments(kernel, args))
@@ -90,7 +100,7 @@ def _entry_point(spec: Any, kernel: str, reduce_blocks: bool) -> tuple[str, str]
         f"void {symbol}(long long threads, {signature})\n{{\n"
         f"    const long long blocks = (threads + {THREADS} - 1) / {THREADS};\n"
         f"    for (long long b = 0; b < (blocks > 0 ? blocks : 1); ++b) {{\n"
-        f"        for (long long t = 0; t < {THREADS}; ++t) {{\n"
+        f"        for (long long t = 0; t < {1 if one_thread else THREADS}; ++t) {{\n"
         f"            blockIdx.x = b; threadIdx.x = t; {symbol}_thread({names});\n"
         f"        }}\n"
         + (f"        {symbol}_block(gc);\n" if reduce_blocks else "")
@@ -115,7 +125,8 @@ def host_source(spec: Any) -> tuple[str, str]:
     for kernel in abi.cuda_kernels(abi.PARTS["all"]):
         symbol = abi.symbol(spec.name, kernel)
         source = source.replace(f"void {symbol}(", f"void {symbol}_thread(")
-        definition, declaration = _entry_point(spec, kernel, kernel == "dt_vjp" and not per_trajectory)
+        definition, declaration = _entry_point(spec, kernel, kernel == "dt_vjp" and not per_trajectory,
+                                               kernel in ONCE_PER_CALL and not per_trajectory)
         definitions.append(definition)
         declarations.append(declaration)
     return PRELUDE + source + "\n" + "\n\n".join(definitions) + "\n", "\n".join(declarations)

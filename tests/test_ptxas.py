@@ -34,11 +34,6 @@ PER_ELEMENT = ("forward", "adjoint", "dt_vjp", "dt_jvp")
 pytestmark = pytest.mark.skipif(NVCC is None, reason="nvcc not found on PATH (the CUDA toolkit is not "
                                                       "installed): CUDA resource use cannot be measured")
 
-# Why a module is not yet within the limits (the marks go once the fix is merged):
-#: a B-spline's once-per-call coefficient programs hold a line per weight of every row (s=25: 1778)
-BSPLINE_TABLE = ("a B-spline's once-per-call programs (coefficients_jvp, dt_vjp_finish) are straight-line, "
-                 "a line per weight of a row: nvcc over 20 s at s=25")
-
 #: (KernelSpec overrides, horizon, dtype, {part: reason it is not yet within the limits}):
 #: position central and backward with per-step dt, order 4, start_index; acceleration and jerk,
 #: exact and semi-implicit; float32 and float64; the longest straight-line integrator adjoints
@@ -56,7 +51,7 @@ GRID = [
     (dict(control="jerk", integrator="exact"), 10, "float64", {}),
     (dict(control="jerk"), 256, "float32", {}),
     # many rows per span (s=25): the forward and adjoint loop over each span's rows
-    (dict(control="bspline", degree=4, knots=10, steps=25), 376, "float32", {"dt": BSPLINE_TABLE}),
+    (dict(control="bspline", degree=4, knots=10, steps=25), 376, "float32", {}),
     (dict(control="bspline", degree=4, knots=60, steps=4), 261, "float64", {}),
 ]
 DOF = 7

@@ -1,0 +1,372 @@
+"""A straight-line double-precision program as data: a tape of two-operand instructions that one
+small loop of the kernel reads, so the compiler's work no longer grows with the program.
+
+The once-per-call coefficient programs (codegen/coefficients.py) are straight-line for the rows
+that do not repeat (boundaries, a B-spline's weights): one line per weight. Compiled, a long one
+cost seconds of gcc and minutes of nvcc. As a tape it is an array of instructions
+``r[dst] = op(r[a], r[b], c)`` over a register file of doubles; loads read dt, its tangent or the
+coefficient gradients, stores write the table, its tangents or the dt gradient.
+
+Stages: ``build`` turns the program's statements into instructions (value numbering shares
+repeated subexpressions, sums and products become balanced trees), drops what reaches no store,
+places each instruction in a level (after all its operands: a level's instructions are
+independent, so a GPU block runs a level with all its threads, one barrier per level), and gives
+registers (one is reused from the level after its last read on, so no level reads a register
+another instruction of that level writes). The CPU runs the levels in turn.
+"""
+from __future__ import annotations
+
+import dataclasses
+import heapq
+from collections import defaultdict
+from typing import Any, Sequence
+
+import sympy as sp
+
+from .statements import Add, Cast, Def, Literal, Mul, Paren, Read, Statement, Store, Sym, Var
+
+#: operation → (code, the C statement that runs it over the register file ts_r and the instruction o)
+OPS: dict[str, tuple[int, str]] = {
+    "dt": (0, "ts_r[o.dst] = (double)DT(o.a);"),
+    "ddt": (1, "ts_r[o.dst] = (double)DDT(o.a);"),
+    "gc": (2, "ts_r[o.dst] = GC(o.a);"),
+    "const": (3, "ts_r[o.dst] = o.c;"),
+    "add": (4, "ts_r[o.dst] = ts_r[o.a] + ts_r[o.b];"),
+    "sub": (5, "ts_r[o.dst] = ts_r[o.a] - ts_r[o.b];"),
+    "mul": (6, "ts_r[o.dst] = ts_r[o.a] * ts_r[o.b];"),
+    "div": (7, "ts_r[o.dst] = ts_r[o.a] / ts_r[o.b];"),
+    "addc": (8, "ts_r[o.dst] = ts_r[o.a] + o.c;"),
+    "mulc": (9, "ts_r[o.dst] = ts_r[o.a] * o.c;"),
+    "rdivc": (10, "ts_r[o.dst] = o.c / ts_r[o.a];"),
+    "rsubc": (11, "ts_r[o.dst] = o.c - ts_r[o.a];"),
+    "neg": (12, "ts_r[o.dst] = -ts_r[o.a];"),
+    "powc": (13, "ts_r[o.dst] = pow(ts_r[o.a], o.c);"),  # the C template includes <math.h> for it
+    "C": (14, "C(o.a) = (T)ts_r[o.b];"),
+    "CD": (15, "CD(o.a) = (T)ts_r[o.b];"),
+    "GDT": (16, "GDT(o.a) = ts_r[o.b];"),
+}
+#: instructions per level at most (see _levels)
+LEVEL_WIDTH = 1024
+LOADS = {"DT": "dt", "DDT": "ddt", "GC": "gc"}
+STORES = ("C", "CD", "GDT")
+
+
+@dataclasses.dataclass(frozen=True)
+class Instruction:
+    op: str
+    dst: int  # register written (-1 for a store)
+    a: int  # register read, or a load's / store's index
+    b: int  # register read (a store's value), else 0
+    c: float  # constant operand, else 0
+
+    def c_initializer(self) -> str:
+        return f"{{{OPS[self.op][0]},{self.dst},{self.a},{self.b},{_c_double(self.c)}}}"
+
+
+def _c_double(x: float) -> str:
+    """A double literal that reads back exactly (repr is the shortest such)."""
+    return "0" if x == 0 else repr(float(x))
+
+
+@dataclasses.dataclass(frozen=True)
+class Tape:
+    """A straight-line program as instructions in level order (``levels[i]``..``levels[i+1]`` is
+    level i) over ``registers`` doubles."""
+
+    name: str
+    instructions: tuple[Instruction, ...]
+    levels: tuple[int, ...]
+    registers: int
+
+    @property
+    def ops(self) -> list[str]:
+        """The operations the tape uses (each kernel's loop handles only these)."""
+        used = {i.op for i in self.instructions}
+        return [op for op in OPS if op in used]
+
+    @property
+    def macro(self) -> str:
+        """The macro each template defines to run this tape where its program was."""
+        return f"TS_TAPE_{self.name.upper()}"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Node:
+    op: str
+    args: tuple[int, ...]  # operand nodes
+    index: int = 0  # a load's or store's index
+    c: float = 0.0
+
+
+class _Builder:
+    """Instructions as a graph of value-numbered nodes, from statements."""
+
+    def __init__(self) -> None:
+        self.nodes: list[_Node] = []
+        self.numbers: dict[_Node, int] = {}
+        self.env: dict[str, int] = {}  # local variable → node
+        self.memory: dict[tuple[str, int], int] = {}  # (table, slot) → the node stored there
+        self.stores: dict[tuple[str, int], int] = {}  # (table, slot) → its store node (the last one)
+        self.symbols: dict[sp.Expr, int] = {}
+
+    def node(self, op: str, args: tuple[int, ...] = (), index: int = 0, c: float = 0.0) -> int:
+        n = _Node(op, args, index, float(c))
+        if n not in self.numbers:
+            self.numbers[n] = len(self.nodes)
+            self.nodes.append(n)
+        return self.numbers[n]
+
+    def const(self, value: float) -> int:
+        return self.node("const", c=value)
+
+    def constant(self, n: int) -> float | None:
+        node = self.nodes[n]
+        return node.c if node.op == "const" else None
+
+    # arithmetic with constants folded into the instruction
+    def add(self, a: int, b: int) -> int:
+        ca, cb = self.constant(a), self.constant(b)
+        if ca is not None and cb is not None:
+            return self.const(ca + cb)
+        if ca is not None:
+            a, b, ca, cb = b, a, cb, ca
+        if cb is not None:
+            return a if cb == 0 else self.node("addc", (a,), c=cb)
+        return self.node("add", tuple(sorted((a, b))))
+
+    def sub(self, a: int, b: int) -> int:
+        ca, cb = self.constant(a), self.constant(b)
+        if ca is not None and cb is not None:
+            return self.const(ca - cb)
+        if cb is not None:
+            return a if cb == 0 else self.node("addc", (a,), c=-cb)
+        if ca is not None:
+            return self.neg(b) if ca == 0 else self.node("rsubc", (b,), c=ca)
+        return self.node("sub", (a, b))
+
+    def neg(self, a: int) -> int:
+        ca = self.constant(a)
+        return self.const(-ca) if ca is not None else self.node("neg", (a,))
+
+    def mul(self, a: int, b: int) -> int:
+        ca, cb = self.constant(a), self.constant(b)
+        if ca is not None and cb is not None:
+            return self.const(ca * cb)
+        if ca is not None:
+            a, b, ca, cb = b, a, cb, ca
+        if cb is not None:
+            return a if cb == 1 else self.neg(a) if cb == -1 else self.node("mulc", (a,), c=cb)
+        return self.node("mul", tuple(sorted((a, b))))
+
+    def div(self, a: int, b: int) -> int:
+        ca = self.constant(a)
+        if ca is not None:
+            return self.node("rdivc", (b,), c=ca)
+        return self.node("div", (a, b))
+
+    def product(self, factors: list[int]) -> int:
+        """A balanced product (depth log n: fewer levels)."""
+        while len(factors) > 1:
+            factors = [self.mul(*factors[i:i + 2]) if i + 1 < len(factors) else factors[i]
+                       for i in range(0, len(factors), 2)]
+        return factors[0] if factors else self.const(1.0)
+
+    def signed_sum(self, terms: list[tuple[int, bool]]) -> int:
+        """A balanced sum of (node, negative) terms."""
+        if not terms:
+            return self.const(0.0)
+        while len(terms) > 1:
+            paired = []
+            for i in range(0, len(terms), 2):
+                if i + 1 == len(terms):
+                    paired.append(terms[i])
+                    continue
+                (a, na), (b, nb) = terms[i], terms[i + 1]
+                if na == nb:
+                    paired.append((self.add(a, b), na))
+                else:
+                    paired.append((self.sub(b, a) if na else self.sub(a, b), False))
+            terms = paired
+        n, negative = terms[0]
+        return self.neg(n) if negative else n
+
+    def power(self, base: int, n: int) -> int:
+        """base**n for an integer n >= 1 by squaring."""
+        result, square = None, base
+        while n:
+            if n & 1:
+                result = square if result is None else self.mul(result, square)
+            n >>= 1
+            if n:
+                square = self.mul(square, square)
+        assert result is not None
+        return result
+
+    def sympy(self, e: sp.Expr) -> int:
+        if e in self.symbols:
+            return self.symbols[e]
+        n = self._sympy(e)
+        self.symbols[e] = n
+        return n
+
+    def _sympy(self, e: sp.Expr) -> int:
+        if e.is_Symbol:
+            try:
+                return self.env[e.name]
+            except KeyError:
+                raise ValueError(f"tape: {e.name} is used before it is defined") from None
+        if e.is_Number:
+            return self.const(float(e))
+        if e.is_Add:
+            constant, rest = e.as_coeff_Add()
+            terms = []
+            for t in sp.Add.make_args(rest):
+                coeff, _ = t.as_coeff_Mul()
+                negative = bool(coeff.is_negative)
+                terms.append((self.sympy(-t if negative else t), negative))
+            total = self.signed_sum(terms)
+            return self.add(total, self.const(float(constant))) if constant else total
+        if e.is_Mul or e.is_Pow:
+            coeff, rest = e.as_coeff_Mul()
+            numerator, denominator = [], []
+            for f in sp.Mul.make_args(rest):
+                base, exp = f.as_base_exp()
+                if exp.is_Integer and exp != 0:
+                    (numerator if exp > 0 else denominator).append(self.power(self.sympy(base), abs(int(exp))))
+                elif exp.is_Number:
+                    numerator.append(self.node("powc", (self.sympy(base),), c=float(exp)))
+                else:
+                    raise NotImplementedError(f"tape: the power {f} (a constant exponent is needed)")
+            c = float(coeff)
+            if not numerator and denominator:
+                return self.node("rdivc", (self.product(denominator),), c=c)
+            value = self.product(numerator)
+            if denominator:
+                value = self.div(value, self.product(denominator))
+            return self.mul(value, self.const(c))
+        raise NotImplementedError(f"tape: {type(e).__name__} ({e}) is not an operation of the tape")
+
+    def expr(self, x: Any) -> int:
+        """A node computing one statement expression."""
+        if isinstance(x, Sym):
+            return self.sympy(x.expr)
+        if isinstance(x, (Cast, Paren)):
+            return self.expr(x.x)
+        if isinstance(x, Var):
+            return self.env[x.name]
+        if isinstance(x, Literal):
+            return self.const(float(x.text))
+        if isinstance(x, Add):
+            return self.signed_sum([(self.expr(p), False) for p in x.parts])
+        if isinstance(x, Mul):
+            return self.mul(self.expr(x.a), self.expr(x.b))
+        if isinstance(x, Read) and x.macro in LOADS:
+            return self.node(LOADS[x.macro], index=int(x.args[0]))
+        if isinstance(x, Read) and x.macro in STORES:  # a slot the program stored before (a copy)
+            return self.memory[(x.macro, int(x.args[0]))]
+        raise NotImplementedError(f"tape: the expression {x!r}")
+
+    def statement(self, s: Statement) -> None:
+        if isinstance(s, Def) and isinstance(s.target, Var) and s.ctype == "double":
+            value = self.expr(s.value)
+            if s.target.name in self.env:  # defined again: expressions naming it mean something else now
+                self.symbols.clear()
+            self.env[s.target.name] = value
+        elif isinstance(s, Store) and isinstance(s.target, Read) and s.target.macro in STORES and s.op == "=":
+            key = (s.target.macro, int(s.target.args[0]))
+            value = self.expr(s.value)
+            self.memory[key] = value
+            self.stores[key] = self.node(key[0], (value,), index=key[1])
+        else:
+            raise NotImplementedError(f"tape: the statement {s!r}")
+
+
+def build(name: str, statements: Sequence[Statement]) -> Tape:
+    """The tape of a straight-line program (double-precision locals, loads of DT/DDT/GC, stores
+    to C/CD/GDT)."""
+    b = _Builder()
+    for s in statements:
+        b.statement(s)
+    nodes = b.nodes
+    roots = sorted(b.stores.values())
+    live = _reached(nodes, roots)
+    users: dict[int, list[int]] = defaultdict(list)
+    for n in live:
+        for a in nodes[n].args:
+            users[a].append(n)
+    level = _levels(nodes, live, users)
+    return _allocate(name, nodes, live, level, users)
+
+
+def _reached(nodes: list[_Node], roots: list[int]) -> list[int]:
+    """The nodes the stores need, in creation order (operands before users)."""
+    need = set(roots)
+    for n in range(len(nodes) - 1, -1, -1):
+        if n in need:
+            need.update(nodes[n].args)
+    return sorted(need)
+
+
+def _levels(nodes: list[_Node], live: list[int], users: dict[int, list[int]]) -> dict[int, int]:
+    """Each node's level, after all its operands': at most LEVEL_WIDTH instructions per level
+    (a wider level would only hold more registers: a block runs it a few hundred at a time), in
+    the program's order; loads and constants one level before their first user (their
+    registers are not held from the start)."""
+    def priority(n: int) -> tuple[bool, int]:  # stores first (they free registers), then program order
+        return nodes[n].op not in STORES, n
+
+    waiting = {n: sum(1 for a in nodes[n].args if nodes[a].args) for n in live if nodes[n].args}
+    ready = [(priority(n), n) for n, count in waiting.items() if count == 0]
+    heapq.heapify(ready)
+    level: dict[int, int] = {}
+    current = 0
+    while ready:
+        current += 1
+        placed = [heapq.heappop(ready)[1] for _ in range(min(LEVEL_WIDTH, len(ready)))]
+        for n in placed:
+            level[n] = current
+        for n in placed:
+            for u in users[n]:
+                waiting[u] -= 1
+                if waiting[u] == 0:
+                    heapq.heappush(ready, (priority(u), u))
+    for n in live:
+        if not nodes[n].args:
+            level[n] = min(level[u] for u in users[n]) - 1
+    return level
+
+
+def _allocate(name: str, nodes: list[_Node], live: list[int], level: dict[int, int],
+              users: dict[int, list[int]]) -> Tape:
+    """Registers by level: a register is free again from the level after its value's last read."""
+    order = sorted(live, key=lambda n: (level[n], n))
+    last_read = {n: max((level[u] for u in users[n]), default=level[n]) for n in live}
+    releases: dict[int, list[int]] = defaultdict(list)  # level → nodes whose register frees after it
+    for n in live:
+        if nodes[n].op not in STORES:
+            releases[last_read[n]].append(n)
+    register: dict[int, int] = {}
+    free: list[int] = []
+    size = 0
+    instructions, levels = [], []
+    current = None
+    for n in order:
+        if level[n] != current:
+            for lv in range(-1 if current is None else current, level[n]):  # levels before n's
+                for m in releases.pop(lv, []):
+                    heapq.heappush(free, register[m])
+            current = level[n]
+            levels.append(len(instructions))
+        node = nodes[n]
+        regs = [register[a] for a in node.args]
+        if node.op in STORES:
+            instructions.append(Instruction(node.op, -1, node.index, regs[0], 0.0))
+            continue
+        if free:
+            register[n] = heapq.heappop(free)
+        else:
+            register[n], size = size, size + 1
+        a = node.index if node.op in LOADS.values() else (regs[0] if regs else 0)
+        instructions.append(Instruction(node.op, register[n], a, regs[1] if len(regs) > 1 else 0, node.c))
+    levels.append(len(instructions))
+    return Tape(name, tuple(instructions), tuple(levels), max(size, 1))

@@ -1,0 +1,194 @@
+"""Long straight-line coefficient programs kept as data (codegen/tape.py).
+
+Each tape is run here the way a GPU block runs it: level by level, every instruction of a level
+reading the registers as the level before left them; the run fails if an instruction of a level
+writes a register another one of that level reads or writes (a race on the GPU). What the tape
+stores is checked against the operator's coefficient expressions, evaluated by SymPy's lambdify
+in float64 (values), with a complex step (dt tangents) and a complex step per duration (the dt
+gradient). The kernels that run tapes are checked against the dense reference by the numerics
+tests (test_dt_loops.py for B-splines; here for per-step stencils of order 4) and for build cost by
+test_build_cost.py and test_ptxas.py.
+"""
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+import sympy as sp
+import torch
+import torch.autograd.forward_ad as fwAD
+
+import reference
+import tensorstep as ts
+from helpers import Inputs, kernel_paths, scale_close, to_bhd
+from tensorstep.codegen.coefficients import TAPE_ABOVE_LINES
+from tensorstep.codegen.driver import generate, lowered
+from tensorstep.codegen.operator import expand_formulas
+
+#: per-step stencils of order 4 (central and backward), a B-spline with a goal at the end
+TAPED = [
+    dict(difference="central", accuracy=4, dt="per_step", order=4, horizon=40),
+    dict(difference="backward", accuracy=3, dt="per_step", horizon=40),
+    dict(control="bspline", degree=4, knots=4, steps=12, end="goal"),
+]
+STEP = 1e-30  # complex step: the derivative is the imaginary part over STEP, exact to rounding
+
+BINARY = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide}
+WITH_CONSTANT = {"addc": lambda x, c: x + c, "mulc": lambda x, c: x * c, "rdivc": lambda x, c: c / x,
+                 "rsubc": lambda x, c: c - x, "powc": lambda x, c: x ** c}
+
+
+def spec_of(overrides: dict) -> ts.KernelSpec:
+    return ts.KernelSpec(dof=2, dtype="float64", **overrides)
+
+
+def run_by_levels(tape, inputs: dict[str, np.ndarray]) -> dict[str, dict[int, complex]]:
+    """The tape's stores by table and slot, run level by level as a block of threads would."""
+    registers = np.full(tape.registers, np.nan, dtype=complex)
+    stored: dict[str, dict[int, complex]] = {"C": {}, "CD": {}, "GDT": {}}
+    for lo, hi in zip(tape.levels, tape.levels[1:]):
+        level = tape.instructions[lo:hi]
+        written = [i.dst for i in level if i.dst >= 0]
+        read = set()
+        for i in level:
+            if i.op in BINARY:
+                read |= {i.a, i.b}
+            elif i.op in WITH_CONSTANT or i.op == "neg":
+                read.add(i.a)
+            elif i.op in stored:
+                read.add(i.b)
+        assert len(set(written)) == len(written), "two instructions of a level write one register"
+        assert not set(written) & read, "an instruction writes a register another of its level reads"
+        new = {}
+        for i in level:
+            if i.op in ("dt", "ddt", "gc"):
+                new[i.dst] = inputs[i.op][i.a]
+            elif i.op == "const":
+                new[i.dst] = i.c
+            elif i.op in BINARY:
+                new[i.dst] = BINARY[i.op](registers[i.a], registers[i.b])
+            elif i.op in WITH_CONSTANT:
+                new[i.dst] = WITH_CONSTANT[i.op](registers[i.a], i.c)
+            elif i.op == "neg":
+                new[i.dst] = -registers[i.a]
+            else:
+                assert not np.isnan(registers[i.b]), f"{i.op}({i.a}) stores a register never written"
+                stored[i.op][i.a] = registers[i.b]
+        for r, v in new.items():
+            registers[r] = v
+    return stored
+
+
+class Program:
+    """A spec's coefficients as float64 functions of its durations (the reference)."""
+
+    def __init__(self, spec: ts.KernelSpec):
+        code = lowered(spec)
+        self.coefs = code.coefs
+        self.dt_symbols = list(self.coefs.dt_syms)
+        self.quantities: dict[sp.Symbol, sp.Expr] = {}  # the operator's program quantities, over dt
+        for s, e in code.op.program:
+            self.quantities[s] = expand_formulas(e).xreplace(self.quantities)
+
+        self.functions: dict[tuple[int, ...], object] = {}
+
+    def values(self, slots: list[int], dt: np.ndarray) -> np.ndarray:
+        """The coefficients of ``slots`` at durations dt (complex: a complex step)."""
+        key = tuple(slots)
+        if key not in self.functions:
+            exprs = [expand_formulas(self.coefs.value(q)).xreplace(self.quantities) for q in slots]
+            self.functions[key] = sp.lambdify(self.dt_symbols, exprs, "numpy")
+        return np.array([complex(v) for v in self.functions[key](*dt)])
+
+
+@pytest.mark.parametrize("overrides", TAPED, ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))
+def test_tapes_store_the_coefficients_and_their_derivatives(overrides):
+    spec = spec_of(overrides)
+    program = Program(spec)
+    coefs = program.coefs
+    assert coefs.taped and len(coefs.lines) > TAPE_ABOVE_LINES
+    n = len(program.dt_symbols)
+    rng = np.random.default_rng(0)
+    dt = 0.05 + 0.1 * rng.random(n)
+    direction = rng.standard_normal(n)
+
+    value = run_by_levels(coefs.tape("value"), {"dt": dt})["C"]
+    assert set(coefs.straight) <= set(value)
+    slots = sorted(value)
+    expected = program.values(slots, dt).real
+    np.testing.assert_allclose([value[q].real for q in slots], expected, rtol=1e-13, atol=1e-13 * abs(expected).max())
+
+    tangent = run_by_levels(coefs.tape("tangent"), {"dt": dt, "ddt": direction})
+    assert sorted(tangent["C"]) == slots and sorted(tangent["CD"]) == slots
+    stepped = program.values(slots, dt + 1j * STEP * direction).imag / STEP
+    np.testing.assert_allclose([tangent["CD"][q].real for q in slots], stepped, rtol=1e-12,
+                               atol=1e-12 * abs(stepped).max())
+
+    # reverse: each straight slot's gradient, plus those of the copies of it
+    gc = rng.standard_normal(coefs.size)
+    gdt = run_by_levels(coefs.tape("reverse"), {"dt": dt, "gc": gc})["GDT"]
+    assert sorted(gdt) == list(range(n))
+    seeds = {q: gc[q] for q in coefs.straight}
+    for c in range(len(coefs.names), coefs.size):
+        if coefs.source(c) in seeds:
+            seeds[coefs.source(c)] += gc[c]
+    straight = sorted(seeds)
+    weights = np.array([seeds[q] for q in straight])
+    expected = np.array([weights @ (program.values(straight, dt + 1j * STEP * np.eye(n)[i]).imag / STEP)
+                         for i in range(n)])
+    np.testing.assert_allclose([gdt[i].real for i in range(n)], expected, rtol=1e-12, atol=1e-12 * abs(expected).max())
+
+
+def test_short_programs_and_per_trajectory_programs_stay_code():
+    """A short program is straight-line code; with a dt per trajectory (a program per thread on the
+    GPU, where a block cannot share one tape's levels) no program is a tape."""
+    short = lowered(spec_of(dict(difference="central", dt="per_step", horizon=40))).coefs
+    assert len(short.lines) <= TAPE_ABOVE_LINES and not short.taped
+    per_trajectory = lowered(spec_of(dict(control="bspline", degree=4, knots=4, steps=12, dt="per_trajectory")))
+    assert len(per_trajectory.coefs.lines) > TAPE_ABOVE_LINES and not per_trajectory.coefs.taped
+
+
+def test_tape_sources_name_each_tape_once():
+    """Each target's source holds each tape it runs once, and runs it where its program was."""
+    spec = spec_of(TAPED[0])
+    for target in ("c", "cuda"):
+        core, dt = (generate(spec, targets=(target,), parts=(p,)).source(target, p) for p in ("core", "dt"))
+        assert re.findall(r"const ts_instr \w+_tape_(\w+)\[", core) == ["value"]
+        assert "TS_TAPE_TANGENT" not in core and "TS_TAPE_REVERSE" not in core
+        assert re.findall(r"const ts_instr \w+_tape_(\w+)\[", dt) == ["value", "tangent", "reverse"]
+        for name in ("tangent", "reverse"):
+            assert dt.count(f"TS_TAPE_{name.upper()}();") == 1
+
+
+def _reference(spec, dt: np.ndarray, x: Inputs) -> np.ndarray:
+    return np.asarray(reference.apply(spec, dt.tolist(), x.numpy_u_bhd(), x.numpy_start()))
+
+
+def test_taped_per_step_stencil_matches_the_reference():
+    """Forward, dt gradient and dt tangent of a per-step stencil of order 4 whose programs are
+    tapes, through the C kernels, the Python path and the CUDA source run on the host, against
+    the float64 reference and its finite differences (B-splines with tapes: test_dt_loops.py)."""
+    spec = spec_of({**TAPED[0], "horizon": 24})
+    assert lowered(spec).coefs.taped
+    x = Inputs(spec, batch=3)
+    dt = 0.05 + 0.1 * np.random.default_rng(3).random(spec.horizon)
+    expected = _reference(spec, dt, x)
+    rng = np.random.default_rng(4)
+    direction = rng.standard_normal(spec.horizon)
+    eps = 1e-6
+    f = lambda e: _reference(spec, dt + e * direction, x)
+    tangent = (8 * (f(eps) - f(-eps)) - (f(2 * eps) - f(-2 * eps))) / (12 * eps)
+    gs = rng.standard_normal(expected.shape)
+    for name, step in kernel_paths(spec):
+        dt_t = torch.tensor(dt, requires_grad=True)
+        outs = step(x.u, x.p0, x.v0, x.a0, dt_t, **x.kwargs())
+        got = np.stack([to_bhd(y, spec) for y in outs])
+        scale_close(got, expected, 1e-11)
+        weights = [torch.tensor(g if spec.layout == "bhd" else g.transpose(0, 2, 1)) for g in gs]
+        (gdt,) = torch.autograd.grad(outs, [dt_t], weights)
+        assert np.isclose(gdt.numpy() @ direction, (gs * tangent).sum(), rtol=1e-6), name
+        with fwAD.dual_level():
+            dual = fwAD.make_dual(torch.tensor(dt), torch.tensor(direction))
+            touts = [fwAD.unpack_dual(y).tangent for y in step(x.u, x.p0, x.v0, x.a0, dual, **x.kwargs())]
+        scale_close(np.stack([to_bhd(t, spec) for t in touts]), tangent, 1e-6)
