@@ -413,7 +413,8 @@ class Coefficients:
     def _copy_program(self) -> tuple[dict[Any, list[Statement]], list[Statement]]:
         """The blocks of copies: a loop per piece of MIN_ROWS or more whose sources advance by a
         constant stride (or repeat a constant), kept rolled; single stores for the rest, by source
-        slot (straight-line slots, stored next to them) or None (constants). render.py keeps a long
+        slot (straight-line slots, stored next to them) or None (constants). With tapes, every
+        piece read from straight-line slots or constants is single stores (tape instructions). render.py keeps a long
         program's loops last. nvcc's front end is superlinear in a function's stores (thousands of
         single copies took it seconds) and in unrolled loops."""
         sources = [self.names.get(v, v) for v in self.copies]  # a slot, or a constant's value
@@ -426,7 +427,8 @@ class Coefficients:
             while j < len(sources) and _continues(sources[i:j], sources[j]):
                 j += 1
             first, head = len(self.names) + i, sources[i]
-            if j - i < MIN_ROWS and all(not isinstance(s, int) or s in straight for s in sources[i:j]):
+            from_straight = all(not isinstance(s, int) or s in straight for s in sources[i:j])
+            if from_straight and (j - i < MIN_ROWS or self.taped):  # a tape's stores cost no compile time
                 for m, s in enumerate(sources[i:j]):
                     singles[s if isinstance(s, int) else None].append(
                         Store(Read("C", (first + m,)), Read("C", (s,)) if isinstance(s, int) else Cast("T", Paren(Sym(s)))))

@@ -192,3 +192,14 @@ def test_taped_per_step_stencil_matches_the_reference():
             dual = fwAD.make_dual(torch.tensor(dt), torch.tensor(direction))
             touts = [fwAD.unpack_dual(y).tangent for y in step(x.u, x.p0, x.v0, x.a0, dual, **x.kwargs())]
         scale_close(np.stack([to_bhd(t, spec) for t in touts]), tangent, 1e-6)
+
+
+def test_a_b_spline_program_is_its_tape_alone():
+    """With one dt a B-spline's coefficients have no repeating rows: the whole table program,
+    with its blocks of copies (2400 here; 125 copy loops as code before), and its tangent are
+    the tape, and nothing of them is compiled as code."""
+    code = lowered(spec_of(TAPED[2]))
+    assert len(code.coefs.copies) > 1000
+    assert code.table == ["TS_TAPE_VALUE();"]
+    assert code.dt_jvp.preamble == ["TS_TAPE_TANGENT();"]
+    assert code.dt_vjp_finish.body == ["TS_TAPE_REVERSE();"]
