@@ -339,7 +339,9 @@ def _levels(nodes: list[_Node], live: list[int], users: dict[int, list[int]]) ->
 def _allocate(name: str, nodes: list[_Node], live: list[int], level: dict[int, int],
               users: dict[int, list[int]]) -> Tape:
     """Registers by level: a register is free again from the level after its value's last read."""
-    order = sorted(live, key=lambda n: (level[n], n))
+    # a level's instructions in any order: grouped by operation, so the CPU's branch predictor
+    # guesses the loop's switch, and a GPU warp's threads take one branch of it
+    order = sorted(live, key=lambda n: (level[n], OPS[nodes[n].op][0], n))
     last_read = {n: max((level[u] for u in users[n]), default=level[n]) for n in live}
     releases: dict[int, list[int]] = defaultdict(list)  # level → nodes whose register frees after it
     for n in live:
