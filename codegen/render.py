@@ -153,6 +153,20 @@ def _long_programs(code: LoweredOperator, kernels: tuple, per_trajectory: bool) 
     return out
 
 
+#: a CUDA block's static shared memory, where a tape's registers live
+CUDA_TAPE_SHARED_BYTES = 48 * 1024
+
+
+def _check_cuda_tapes(spec: Any, tapes: list[tape.Tape]) -> None:
+    """A tape's registers must fit in a block's shared memory (else NVRTC fails on the source)."""
+    for t in tapes:
+        if t.registers * 8 > CUDA_TAPE_SHARED_BYTES:
+            raise ValueError(
+                f"{spec.name}: its coefficient program ({t.name}) needs {t.registers * 8 // 1024} KB of shared memory "
+                f"on CUDA, above the {CUDA_TAPE_SHARED_BYTES // 1024} KB a block has: use fewer rows per knot span "
+                "or a shorter horizon, or device='cpu'")
+
+
 def _tapes(code: LoweredOperator, kernels: tuple) -> list[tape.Tape]:
     """The tapes the kernels run (see codegen/tape.py): the table's where a kernel fills or reads
     it, dt_jvp's tangent program, dt_vjp_finish's reverse program."""
@@ -170,6 +184,8 @@ def render(spec: Any, code: LoweredOperator, table: ArgumentTable, target: str, 
     Called by the driver (codegen/driver.py), which validates target and part.
     """
     kernels = abi.PARTS[part]
+    if target == "cuda":
+        _check_cuda_tapes(spec, _tapes(code, kernels))
     ctype = CTYPES[spec.dtype]
     itemsize = ITEMSIZE[spec.dtype]
     u = strides(spec.layout, spec.n_actions, spec.dof)

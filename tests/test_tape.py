@@ -203,3 +203,16 @@ def test_a_b_spline_program_is_its_tape_alone():
     assert code.table == ["TS_TAPE_VALUE();"]
     assert code.dt_jvp.preamble == ["TS_TAPE_TANGENT();"]
     assert code.dt_vjp_finish.body == ["TS_TAPE_REVERSE();"]
+
+
+def test_a_tape_too_large_for_shared_memory_is_refused(monkeypatch):
+    """A tape's registers live in a CUDA block's shared memory: a program needing more than a
+    block has is refused with the reason, before NVRTC would fail on the source (here the limit
+    is lowered; a B-spline of degree 5 with 200 rows per span needs 61 KB)."""
+    from tensorstep.codegen import render
+
+    spec = spec_of(TAPED[2])
+    monkeypatch.setattr(render, "CUDA_TAPE_SHARED_BYTES", 1024)
+    with pytest.raises(ValueError, match=r"needs \d+ KB of shared memory on CUDA, above the 1 KB a block has"):
+        generate(spec, targets=("cuda",))
+    generate(spec, targets=("c",))  # the CPU has no such limit
