@@ -6,7 +6,9 @@ row h's coefficients are row h-1's with every dt_i read as dt_{i+1}. Such a run 
 found from the operator (each row's coefficients rewritten relative to the row must be the
 same), derived once as a template over a window of durations DT(r + o), and emitted as one
 loop over the rows r; the other rows (the boundaries) stay straight-line. So the programs,
-their derivatives and the compiler's work on them are linear in the horizon.
+their derivatives and the compiler's work on them are linear in the horizon. A long
+straight-line part (wide boundaries, a B-spline's weights) runs as a tape (codegen/tape.py),
+data the compiler does not work on.
 """
 from __future__ import annotations
 
