@@ -41,9 +41,9 @@ OPS: dict[str, tuple[int, str]] = {
     "rsubc": (11, "ts_r[o.dst] = o.c - ts_r[o.a];"),
     "neg": (12, "ts_r[o.dst] = -ts_r[o.a];"),
     "powc": (13, "ts_r[o.dst] = pow(ts_r[o.a], o.c);"),  # the C template includes <math.h> for it
-    "C": (14, "C(o.a) = (T)ts_r[o.b];"),
-    "CD": (15, "CD(o.a) = (T)ts_r[o.b];"),
-    "GDT": (16, "GDT(o.a) = ts_r[o.b];"),
+    "C": (14, "C(o.a) = (T)(ts_r[o.b] * o.c);"),  # stores scale by c (1 for a plain store)
+    "CD": (15, "CD(o.a) = (T)(ts_r[o.b] * o.c);"),
+    "GDT": (16, "GDT(o.a) = ts_r[o.b] * o.c;"),
 }
 #: instructions per level at most (see _levels)
 LEVEL_WIDTH = 1024
@@ -276,7 +276,7 @@ class _Builder:
             key = (s.target.macro, int(s.target.args[0]))
             value = self.expr(s.value)
             self.memory[key] = value
-            self.stores[key] = self.node(key[0], (value,), index=key[1])
+            self.stores[key] = self.node(key[0], (value,), index=key[1], c=1.0)
         else:
             raise NotImplementedError(f"tape: the statement {s!r}")
 
@@ -288,7 +288,7 @@ def build(name: str, statements: Sequence[Statement]) -> Tape:
     for s in statements:
         b.statement(s)
     nodes = b.nodes
-    roots = sorted(b.stores.values())
+    roots = _fuse_scaled_stores(nodes, sorted(b.stores.values()))
     live = _reached(nodes, roots)
     users: dict[int, list[int]] = defaultdict(list)
     for n in live:
@@ -296,6 +296,34 @@ def build(name: str, statements: Sequence[Statement]) -> Tape:
             users[a].append(n)
     level = _levels(nodes, live, users)
     return _allocate(name, nodes, live, level, users)
+
+
+def _fuse_scaled_stores(nodes: list[_Node], stores: list[int]) -> list[int]:
+    """Stores of a constant multiple x·c (or -x) that only stores read become stores of x scaled
+    by c, and stores of a constant k stores of a register holding 1 scaled by k (most of a
+    B-spline's weights are c·dt^k: one instruction each instead of two)."""
+    readers: dict[int, set[str]] = defaultdict(set)
+    for n in _reached(nodes, stores):
+        for a in nodes[n].args:
+            readers[a].add("store" if nodes[n].op in STORES else "value")
+    one: list[int] = []  # the register holding 1, made when first needed
+    fused = []
+    for s in stores:
+        store, value = nodes[s], nodes[nodes[s].args[0]]
+        only_stored = readers[store.args[0]] == {"store"}
+        if value.op in ("mulc", "neg") and only_stored:
+            scale, args = (value.c if value.op == "mulc" else -1.0), value.args
+        elif value.op == "const" and only_stored:
+            if not one:
+                nodes.append(_Node("const", (), 0, 1.0))
+                one.append(len(nodes) - 1)
+            scale, args = value.c, (one[0],)
+        else:
+            fused.append(s)
+            continue
+        nodes.append(_Node(store.op, args, store.index, store.c * scale))
+        fused.append(len(nodes) - 1)
+    return fused
 
 
 def _reached(nodes: list[_Node], roots: list[int]) -> list[int]:
@@ -362,7 +390,7 @@ def _allocate(name: str, nodes: list[_Node], live: list[int], level: dict[int, i
         node = nodes[n]
         regs = [register[a] for a in node.args]
         if node.op in STORES:
-            instructions.append(Instruction(node.op, -1, node.index, regs[0], 0.0))
+            instructions.append(Instruction(node.op, -1, node.index, regs[0], node.c))
             continue
         if free:
             register[n] = heapq.heappop(free)

@@ -74,7 +74,7 @@ def run_by_levels(tape, inputs: dict[str, np.ndarray]) -> dict[str, dict[int, co
                 new[i.dst] = -registers[i.a]
             else:
                 assert not np.isnan(registers[i.b]), f"{i.op}({i.a}) stores a register never written"
-                stored[i.op][i.a] = registers[i.b]
+                stored[i.op][i.a] = registers[i.b] * i.c
         for r, v in new.items():
             registers[r] = v
     return stored
