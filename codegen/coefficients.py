@@ -26,7 +26,7 @@ from .statements import (Add, Cast, Def, For, Literal, Mul, Paren, Read, Rel, Ru
 
 ONE, MINUS_ONE = sp.Integer(1), sp.Integer(-1)
 MIN_ROWS = 4  # shorter runs of repeating rows stay straight-line
-#: straight-line programs of more lines run as tapes (codegen/tape.py) where the caller allows it
+#: straight-line programs of more lines run as tapes (codegen/tape.py)
 TAPE_ABOVE_LINES = 200
 
 Line = tuple  # (symbol, expression): one assignment of a double-precision program
@@ -272,8 +272,8 @@ class Coefficients:
 
     CHUNK = 48
 
-    def __init__(self, op: Operator, tapes: bool = True):
-        self.allow_tapes = tapes
+    def __init__(self, op: Operator, per_trajectory: bool = False):
+        self.per_trajectory = per_trajectory
         self._tapes: dict[str, tape.Tape] = {}
         self.dt_syms = op.dt_symbols
         self.base = list(op.program)
@@ -354,21 +354,27 @@ class Coefficients:
         return list(base) + _cse(chosen, sp.numbered_symbols("t"), [f"k{q}" for q in self.straight], self.CHUNK)
 
     @functools.cached_property
+    def long(self) -> bool:
+        """Whether the straight-line parts of the programs are long enough to run as tapes (on
+        CUDA a block's threads share a run of a tape)."""
+        return len(self.lines) > TAPE_ABOVE_LINES
+
+    @functools.cached_property
     def taped(self) -> bool:
-        """Whether the straight-line parts of the programs run as tapes: long ones, where allowed
-        (the kernels then run a tape with a block's threads, or one thread's loop on the CPU)."""
-        return self.allow_tapes and len(self.lines) > TAPE_ABOVE_LINES
+        """Whether the C programs are tapes: long ones, not with a dt per trajectory (each
+        trajectory would interpret its tape, slower per call than the code it replaces)."""
+        return self.long and not self.per_trajectory
 
     def tape(self, name: str) -> tape.Tape:
         """The tape of program ``name`` ("value": the table, "tangent", "reverse")."""
         if name not in self._tapes:
             program = {"value": self.preamble, "tangent": self.tangent_preamble, "reverse": self.reverse_program}[name]
-            program()
+            program(taped=True)
         return self._tapes[name]
 
-    def _taped(self, name: str, statements: list[Statement]) -> list[Statement]:
+    def _taped(self, name: str, statements: list[Statement], taped: bool) -> list[Statement]:
         """The program with its straight-line part (the statements before its loops) as a tape."""
-        if not self.taped:
+        if not taped:
             return statements
         first = next((i for i, s in enumerate(statements) if isinstance(s, For)), len(statements))
         if name not in self._tapes:
@@ -389,11 +395,12 @@ class Coefficients:
         used = {str(a) for _, e in self.lines for a in e.free_symbols}
         return [s for s in lines if s.target.name.removeprefix("d_") in used]
 
-    def preamble(self) -> list[Statement]:
+    def preamble(self, taped: bool | None = None) -> list[Statement]:
         """Statements filling the coefficient table C(q) (type T); each value is stored as soon
         as it is computed, so no more than one CSE chunk is live at a time."""
         lines = self._used_inputs()
-        singles, copy_loops = self._copy_program()
+        taped = self.taped if taped is None else taped
+        singles, copy_loops = self._copy_program(taped)
         for s, e in self.lines:
             if s.name.startswith("k"):
                 q = int(s.name[1:])
@@ -410,9 +417,9 @@ class Coefficients:
                 else:
                     body.append(_double(str(s), Sym(e)))
             lines.append(run.loop(body))
-        return self._taped("value", lines + copy_loops)
+        return self._taped("value", lines + copy_loops, taped)
 
-    def _copy_program(self) -> tuple[dict[Any, list[Statement]], list[Statement]]:
+    def _copy_program(self, taped: bool) -> tuple[dict[Any, list[Statement]], list[Statement]]:
         """The blocks of copies: a loop per piece of MIN_ROWS or more whose sources advance by a
         constant stride (or repeat a constant), kept rolled; single stores for the rest, by source
         slot (straight-line slots, stored next to them) or None (constants). With tapes, every
@@ -430,7 +437,7 @@ class Coefficients:
                 j += 1
             first, head = len(self.names) + i, sources[i]
             from_straight = all(not isinstance(s, int) or s in straight for s in sources[i:j])
-            if from_straight and (j - i < MIN_ROWS or self.taped):  # a tape's stores cost no compile time
+            if from_straight and (j - i < MIN_ROWS or taped):  # a tape's stores cost no compile time
                 for m, s in enumerate(sources[i:j]):
                     singles[s if isinstance(s, int) else None].append(
                         Store(Read("C", (first + m,)), Read("C", (s,)) if isinstance(s, int) else Cast("T", Paren(Sym(s)))))
@@ -441,12 +448,13 @@ class Coefficients:
             i = j
         return singles, loops
 
-    def tangent_preamble(self) -> list[Statement]:
+    def tangent_preamble(self, taped: bool | None = None) -> list[Statement]:
         """The table C(q) and the dt-tangents CD(q) = Σ_m ∂C(q)/∂dt_m · ddt_m (forward mode)."""
         lines = self._used_inputs(tangent=True) + _tangent(self.lines)
         for table, source in (("C", "k"), ("CD", "d_k")):
             lines += [Store(Read(table, (q,)), Cast("T", Paren(Var(f"{source}{q}")))) for q in self.straight]
-        singles, copy_loops = self._copy_program()  # the blocks of copies and their tangents (span loops read them)
+        taped = self.taped if taped is None else taped
+        singles, copy_loops = self._copy_program(taped)  # the blocks of copies and their tangents (span loops read them)
         lines += [c for copies in singles.values() for copy in copies for c in (copy, _tangent_copy(copy))]
         for run in self.runs:
             body = run.inputs(tangent=True) + _tangent(run.lines)
@@ -454,9 +462,9 @@ class Coefficients:
                 body += [Store(Read(table, (run.slot(i),)), Cast("T", Paren(Var(f"{source}{i}"))))
                          for i in range(run.width)]
             lines.append(run.loop(body))
-        return self._taped("tangent", lines + [c for copy in copy_loops for c in (copy, _tangent_copy(copy))])
+        return self._taped("tangent", lines + [c for copy in copy_loops for c in (copy, _tangent_copy(copy))], taped)
 
-    def reverse_program(self) -> list[Statement]:
+    def reverse_program(self, taped: bool | None = None) -> list[Statement]:
         """gdt from GC(q) = ∂L/∂c<q> by reverse accumulation over the program's lines: the
         straight-line part sets every GDT(i), each run's loop adds its rows' parts."""
         program = self.lines
@@ -476,4 +484,4 @@ class Coefficients:
             body += [Store(Read("GDT", (Rel(o),)), Add(tuple(contributions[str(s)])), "+=")
                      for o, s in run.window if contributions.get(str(s))]
             lines.append(run.loop(body))
-        return self._taped("reverse", lines)
+        return self._taped("reverse", lines, self.taped if taped is None else taped)

@@ -55,13 +55,14 @@ def lowered(spec: Any) -> Any:
     """Stages 1 and 2, operator and lowering, once per spec and process."""
     from .lower import lower  # SymPy
 
-    return lower(build_operator(spec), tapes=table(spec).dt.shape != ("B",))
+    return lower(build_operator(spec), per_trajectory=table(spec).dt.shape == ("B",))
 
 
-def metadata(spec: Any, n_coefficients: int) -> dict[str, Any]:
-    """What a build of this spec needs at load time, without generating code again."""
+def metadata(spec: Any, n_coefficients: int, tapes: bool = False) -> dict[str, Any]:
+    """What a build of this spec needs at load time, without generating code again (``tapes``:
+    its CUDA coefficient programs are tapes, which the CUDA backend launches a block per run for)."""
     return {"tool": "tensorstep", "version": __version__, "name": spec.name, "spec": spec.to_dict(),
-            "n_coefficients": n_coefficients,
+            "n_coefficients": n_coefficients, "tapes": tapes,
             "entry_points": {k: abi.symbol(spec.name, k) for k in abi.KERNELS}}
 
 
@@ -83,5 +84,5 @@ def generate(spec: Any, targets: tuple[str, ...] = TARGETS, parts: tuple[str, ..
         spec=spec, table=args, sources=types.MappingProxyType(sources),
         entry_points=types.MappingProxyType({k: abi.symbol(spec.name, k) for k in abi.KERNELS if k in kernels}),
         n_coefficients=program.n_coefficients,
-        metadata=types.MappingProxyType(metadata(spec, program.n_coefficients)),
+        metadata=types.MappingProxyType(metadata(spec, program.n_coefficients, program.coefs.long)),
     )

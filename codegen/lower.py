@@ -883,9 +883,9 @@ def _dt_jvp(op: Operator, coefs: Coefficients, spans: list[Span] = (), only: boo
 class LoweredOperator:
     """The statements of an operator's kernels, each lowered on first use."""
 
-    def __init__(self, op: Operator, tapes: bool = True):
+    def __init__(self, op: Operator, per_trajectory: bool = False):
         self.op = op
-        self.coefs = Coefficients(op, tapes)
+        self.coefs = Coefficients(op, per_trajectory)
         self.n_dt = len(op.dt_symbols)
         # the span loops first: their blocks of copies are part of the table every kernel sizes
         self.only = {target: _spans_only(op, target == "cuda") for target in ("c", "cuda")}
@@ -898,11 +898,29 @@ class LoweredOperator:
         done = _covered(self.spans["c"]) | (set() if self.only["c"] else interior)
         self.spans["dt"] = self.spans["c"] + _leftover_spans(op, self.coefs, done)  # the dt kernels' (C and CUDA)
         self.n_coefficients = max(1, self.coefs.size)
+        self._cuda: dict[str, Any] = {}
 
     @functools.cached_property
     def table(self) -> list[str]:
         """Lines of the shared function that fills the coefficient table from dt."""
         return COLUMN.lines(self.coefs.preamble())
+
+    #: what holds a once-per-call program: the table's lines, dt_jvp's setup, dt_vjp_finish
+    CUDA_PROGRAMS = ("table", "dt_jvp", "dt_vjp_finish")
+
+    def cuda_program(self, name: str) -> Any:
+        """``table``, ``dt_jvp`` or ``dt_vjp_finish`` with CUDA's once-per-call program: where a
+        dt per trajectory keeps C's programs code, CUDA's are still tapes (a block per trajectory)."""
+        coefs = self.coefs
+        if coefs.taped == coefs.long:
+            return getattr(self, name)
+        if name not in self._cuda:
+            self._cuda[name] = {
+                "table": lambda: COLUMN.lines(coefs.preamble(taped=True)),
+                "dt_jvp": lambda: dataclasses.replace(self.dt_jvp, setup=coefs.tangent_preamble(taped=True)),
+                "dt_vjp_finish": lambda: KernelCode([], coefs.reverse_program(taped=True)),
+            }[name]()
+        return self._cuda[name]
 
     @functools.cached_property
     def forward(self) -> KernelCode:
@@ -959,8 +977,8 @@ class LoweredOperator:
         return _dt_jvp(self.op, self.coefs, self.spans["dt"], self.only["c"])
 
 
-def lower(op: Operator, tapes: bool = True) -> LoweredOperator:
-    """Lower an operator; each kernel's statements are produced when first asked for. ``tapes``:
-    whether long straight-line coefficient programs may run as tapes (not with a dt per
-    trajectory, whose programs run one per thread)."""
-    return LoweredOperator(op, tapes)
+def lower(op: Operator, per_trajectory: bool = False) -> LoweredOperator:
+    """Lower an operator; each kernel's statements are produced when first asked for.
+    ``per_trajectory``: each trajectory has its own dt, so the C kernels run the coefficient
+    program per trajectory (as code: see Coefficients.taped)."""
+    return LoweredOperator(op, per_trajectory)

@@ -107,7 +107,7 @@ def _cuda_codes(code: LoweredOperator, kernels: tuple, itemsize: int) -> dict:
     stencil's adjoint reads each output gradient where it is used (held in locals, the boundary
     rows of a wide per-step stencil took 144 registers, order 4, H=64, float32); with a period
     above 1 (B-splines) the forward and adjoint are span loops only (lower._spans_only)."""
-    codes = {k: getattr(code, k) for k in kernels}
+    codes = {k: code.cuda_program(k) if k in code.CUDA_PROGRAMS else getattr(code, k) for k in kernels}
     if "forward" in codes:
         codes["forward"] = code.forward_cuda
     adjoint = codes.get("adjoint")
@@ -167,12 +167,14 @@ def _check_cuda_tapes(spec: Any, tapes: list[tape.Tape]) -> None:
                 "or a shorter horizon, or device='cpu'")
 
 
-def _tapes(code: LoweredOperator, kernels: tuple) -> list[tape.Tape]:
-    """The tapes the kernels run (see codegen/tape.py): the table's where a kernel fills or reads
-    it, dt_jvp's tangent program, dt_vjp_finish's reverse program."""
-    if not code.coefs.taped:
+def _tapes(code: LoweredOperator, kernels: tuple, taped: bool, cuda: bool) -> list[tape.Tape]:
+    """The tapes the kernels run (see codegen/tape.py): the table's where a kernel fills it (in C
+    each library's kernels fill their own; a CUDA dt module's dt_vjp reads the table the core
+    module's kernel fills), dt_jvp's tangent program, dt_vjp_finish's reverse program."""
+    if not taped:
         return []
-    names = (["value"] if set(kernels) & {"forward", "adjoint", "dt_vjp"} else []) + \
+    fills = {"forward", "adjoint"} if cuda else {"forward", "adjoint", "dt_vjp"}
+    names = (["value"] if set(kernels) & fills else []) + \
         (["tangent"] if "dt_jvp" in kernels else []) + (["reverse"] if "dt_vjp_finish" in kernels else [])
     return [code.coefs.tape(n) for n in names]
 
@@ -184,8 +186,10 @@ def render(spec: Any, code: LoweredOperator, table: ArgumentTable, target: str, 
     Called by the driver (codegen/driver.py), which validates target and part.
     """
     kernels = abi.PARTS[part]
+    taped = code.coefs.long if target == "cuda" else code.coefs.taped  # C: not per trajectory
+    tapes = _tapes(code, kernels, taped, target == "cuda")
     if target == "cuda":
-        _check_cuda_tapes(spec, _tapes(code, kernels))
+        _check_cuda_tapes(spec, tapes)
     ctype = CTYPES[spec.dtype]
     itemsize = ITEMSIZE[spec.dtype]
     u = strides(spec.layout, spec.n_actions, spec.dof)
@@ -211,7 +215,8 @@ def render(spec: Any, code: LoweredOperator, table: ArgumentTable, target: str, 
         else {k: getattr(code, k) for k in kernels},
         lanes=lane_form,
         lane_bodies=_lane_bodies(code, kernels) if lane_form else {},
-        table=code.table if set(kernels) & {"forward", "adjoint", "dt_vjp"} else None,
+        table=(code.cuda_program("table") if target == "cuda" else code.table)
+        if set(kernels) & {"forward", "adjoint", "dt_vjp"} else None,
         programs=_long_programs(code, kernels, table.dt.shape == ("B",)) if target == "c" else {},
         signatures={k: abi.signature(k, table, ctype, RESTRICT[target], cuda=target == "cuda")
                     for k in (abi.cuda_kernels(kernels) if target == "cuda" else kernels)},
@@ -220,10 +225,10 @@ def render(spec: Any, code: LoweredOperator, table: ArgumentTable, target: str, 
         dt_chunk=abi.C_DT_VJP_CHUNK,
         stencil=code.stencil,
         values=bool(table.values) and "dt_vjp" in kernels,  # the YV<k> macros of dt_vjp
-        taped=code.coefs.taped,
-        tapes=_tapes(code, kernels),
+        taped=taped,
+        tapes=tapes,
         ops=tape.OPS,
-        tape_math=any("powc" in t.ops for t in _tapes(code, kernels)),
+        tape_math=any("powc" in t.ops for t in tapes),
         cuda=target == "cuda",
         device="__device__ " if target == "cuda" else "",
     )

@@ -46,26 +46,29 @@ Launch = tuple[str, int, list[int]]
 
 
 def launch_plan(spec: Any, table: Any, n_coef: int, kernel: str, B: int, args: list[int],
-                empty: Callable[[int, torch.dtype], torch.Tensor]) -> tuple[list[Launch], list[torch.Tensor]]:
+                empty: Callable[[int, torch.dtype], torch.Tensor],
+                tapes: bool = False) -> tuple[list[Launch], list[torch.Tensor]]:
     """The launches of one entry point of the C ABI (``args`` in its order, after B) and the
     buffers they use, from ``empty(size, dtype)``; the caller keeps the buffers until the
     launches are queued. A per-element kernel first has its coefficient table filled (one
-    thread, or one per trajectory); dt_vjp_finish first has dt_vjp's partial sums added."""
+    thread, or one per trajectory; with ``tapes``, the build's metadata "tapes", one block each,
+    whose threads share the tape); dt_vjp_finish first has dt_vjp's partial sums added."""
     per_trajectory = table.dt.shape == ("B",)
     runs = B if per_trajectory else 1  # coefficient programs: one per trajectory, or one
+    threads = runs * THREADS if tapes else runs  # of the once-per-call kernels
     names = [name for _, name in abi.arguments(kernel, table)][1:]
     if kernel in abi.CUDA_TABLES:
         fill = abi.CUDA_TABLES[kernel]
         inputs = [table.dt.c_name] + (["ddt_in"] if fill == "coefficients_jvp" else [])
         coef = empty(runs * (len(inputs)) * n_coef, DTYPES[spec.dtype])
-        return ([(fill, runs, [*(args[names.index(n)] for n in inputs), coef.data_ptr()]),
+        return ([(fill, threads, [*(args[names.index(n)] for n in inputs), coef.data_ptr()]),
                  (kernel, B * spec.dof, [*args, coef.data_ptr()])], [coef])
     if kernel == "dt_vjp_finish":
         dt, gc, gdt = args
         sums = empty(runs * n_coef, torch.float64)
         rows = dt_vjp_rows(spec, B, per_trajectory) // runs
         return [("dt_vjp_sum", runs * n_coef, [rows, gc, sums.data_ptr()]),
-                (kernel, runs, [dt, sums.data_ptr(), gdt])], [sums]
+                (kernel, threads, [dt, sums.data_ptr(), gdt])], [sums]
     raise ValueError(f"unknown kernel {kernel!r}; allowed: {', '.join(abi.KERNELS)}")
 
 
@@ -180,7 +183,7 @@ class CudaBackend:
         if kernel not in self.functions:
             self.load_part("dt")
         launches, buffers = launch_plan(self.spec, self.table, int(self.metadata["n_coefficients"]), kernel, B,
-                                        args, self.empty)
+                                        args, self.empty, bool(self.metadata.get("tapes")))
         stream = self._stream(torch.cuda.current_stream(self.device).cuda_stream)
         with self.cupy.cuda.Device(self.device.index), stream:
             for name, threads, arguments in launches:

@@ -10,10 +10,10 @@ kernel; each thread copies the whole table into it (on the GPU the block's threa
 copy), so the first thread of a block, which runs first, finds it filled.
 
 A long coefficient program kept as data (codegen/tape.py) runs level by level, the block's
-threads sharing each level, then thread 0 alone goes on. Here thread 0 runs every level's loop
-in full (the loops over threadIdx.x become serial loops, as for the table copy), in the levels'
-order, and the other threads of the once-per-call kernels are not run: the GPU's threads after
-thread 0 only share the levels. That a level's instructions are independent, and registers are
+threads sharing each level, then thread 0 alone goes on (a block per trajectory with a dt per
+trajectory). Here thread 0 of each block runs every level's loop in full (the loops over
+threadIdx.x become serial loops, as for the table copy), in the levels' order, and the other
+threads of the once-per-call kernels are not run: on the GPU they only share the levels. That a level's instructions are independent, and registers are
 reused only from the level after their last read, is tests/test_tape.py's to check.
 
 dt_vjp's block reduction needs a block's threads in lockstep (warp shuffles, barriers), which a
@@ -33,7 +33,7 @@ import torch
 
 from tensorstep.codegen import abi
 from tensorstep.codegen.arguments import table
-from tensorstep.codegen.driver import generate
+from tensorstep.codegen.driver import generate, lowered
 from tensorstep.codegen.render import CTYPES
 from tensorstep.runtime import cbackend
 from tensorstep.runtime.api import Step
@@ -53,7 +53,7 @@ PRELUDE = f"""/* CUDA keywords for a sequential run on the host */
 typedef struct {{ long long x; }} ts_dim3;
 static ts_dim3 blockIdx, threadIdx, blockDim = {{{THREADS}}};
 """
-#: kernels run once per call; with one dt for the batch, a block's threads share a tape's levels
+#: kernels run once per call (or per trajectory); with tapes, a block's threads share a tape's levels
 ONCE_PER_CALL = ("coefficients", "coefficients_jvp", "dt_vjp_finish")
 ACCUMULATOR = ("/* dt_vjp's accumulator: begin */", "/* dt_vjp's accumulator: end */")
 #: per column: its value of each ACC statement (the columns past the end add nothing)
@@ -113,6 +113,7 @@ def host_source(spec: Any) -> tuple[str, str]:
     """(C source, cffi declarations): every CUDA kernel, each looped over its launch grid."""
     source = generate(spec, targets=("cuda",)).source("cuda").replace('extern "C" ', "")
     per_trajectory = getattr(spec, "dt", "") == "per_trajectory"  # per-column sums, no block reduction
+    taped = lowered(spec).coefs.long  # the once-per-call kernels: a block per run, its threads share a tape
     dt_vjp = abi.symbol(spec.name, "dt_vjp")
     if not per_trajectory:
         start, end = source.find(ACCUMULATOR[0]), source.find(ACCUMULATOR[1])
@@ -126,7 +127,7 @@ def host_source(spec: Any) -> tuple[str, str]:
         symbol = abi.symbol(spec.name, kernel)
         source = source.replace(f"void {symbol}(", f"void {symbol}_thread(")
         definition, declaration = _entry_point(spec, kernel, kernel == "dt_vjp" and not per_trajectory,
-                                               kernel in ONCE_PER_CALL and not per_trajectory)
+                                               kernel in ONCE_PER_CALL and taped)
         definitions.append(definition)
         declarations.append(declaration)
     return PRELUDE + source + "\n" + "\n\n".join(definitions) + "\n", "\n".join(declarations)
@@ -164,7 +165,7 @@ class HostCudaBackend:
 
     def call(self, kernel: str, B: int, args: list[int]) -> None:
         launches, buffers = launch_plan(self.spec, self.table, int(self.metadata["n_coefficients"]), kernel, B,
-                                        args, self.empty)
+                                        args, self.empty, bool(self.metadata["tapes"]))
         for name, threads, arguments in launches:
             self.launched.append(name)
             getattr(self.lib, abi.symbol(self.spec.name, name))(threads, B, *arguments)

@@ -22,6 +22,8 @@ import torch.autograd.forward_ad as fwAD
 import reference
 import tensorstep as ts
 from helpers import Inputs, kernel_paths, scale_close, to_bhd
+from tensorstep.codegen import abi
+from tensorstep.codegen.arguments import table
 from tensorstep.codegen.coefficients import TAPE_ABOVE_LINES
 from tensorstep.codegen.driver import generate, lowered
 from tensorstep.codegen.operator import expand_formulas
@@ -140,23 +142,46 @@ def test_tapes_store_the_coefficients_and_their_derivatives(overrides):
     np.testing.assert_allclose([gdt[i].real for i in range(n)], expected, rtol=1e-12, atol=1e-12 * abs(expected).max())
 
 
-def test_short_programs_and_per_trajectory_programs_stay_code():
-    """A short program is straight-line code; with a dt per trajectory (a program per thread on the
-    GPU, where a block cannot share one tape's levels) no program is a tape."""
+def test_short_programs_stay_code():
+    """A short program is straight-line code (a tape's loop would cost more than it saves)."""
     short = lowered(spec_of(dict(difference="central", dt="per_step", horizon=40))).coefs
-    assert len(short.lines) <= TAPE_ABOVE_LINES and not short.taped
-    per_trajectory = lowered(spec_of(dict(control="bspline", degree=4, knots=4, steps=12, dt="per_trajectory")))
-    assert len(per_trajectory.coefs.lines) > TAPE_ABOVE_LINES and not per_trajectory.coefs.taped
+    assert len(short.lines) <= TAPE_ABOVE_LINES and not short.long and not short.taped
+
+
+def test_per_trajectory_programs_are_tapes_on_cuda_only():
+    """With a dt per trajectory, C runs each trajectory's program inside its loop over the batch:
+    as a tape it would be interpreted per trajectory, slower than the code (BENCHMARKS.md), so it
+    stays code there. On CUDA a block per trajectory runs the tape (its threads share the
+    levels): the coefficient kernels are launched with a block of threads per trajectory, the
+    build's metadata saying so."""
+    from tensorstep.runtime.cuda_backend import THREADS, launch_plan
+
+    spec = spec_of(dict(control="bspline", degree=4, knots=4, steps=12, dt="per_trajectory"))
+    coefs = lowered(spec).coefs
+    assert coefs.long and not coefs.taped
+    generated = generate(spec, targets=("c", "cuda"))
+    assert "TS_TAPE_" not in generated.source("c") and "TS_TAPE_VALUE();" in generated.source("cuda")
+    assert generated.metadata["tapes"] is True
+    assert "const int64_t b = (int64_t)blockIdx.x;\n    if (b >= B) return;" in generated.source("cuda")
+    B = 5
+    args = table(spec)
+    n_args = len(abi.arguments("dt_vjp_finish", args)) - 1
+    launches, _ = launch_plan(spec, args, generated.n_coefficients, "dt_vjp_finish", B, list(range(n_args)),
+                              lambda size, dtype: torch.empty(size, dtype=dtype), tapes=True)
+    assert [(name, threads) for name, threads, _ in launches] == [
+        ("dt_vjp_sum", B * generated.n_coefficients), ("dt_vjp_finish", B * THREADS)]
 
 
 def test_tape_sources_name_each_tape_once():
-    """Each target's source holds each tape it runs once, and runs it where its program was."""
+    """Each target's source holds each tape it runs once, and runs it where its program was: a
+    C library's dt_vjp fills its own table, a CUDA dt module's reads the core module's."""
     spec = spec_of(TAPED[0])
     for target in ("c", "cuda"):
         core, dt = (generate(spec, targets=(target,), parts=(p,)).source(target, p) for p in ("core", "dt"))
         assert re.findall(r"const ts_instr \w+_tape_(\w+)\[", core) == ["value"]
         assert "TS_TAPE_TANGENT" not in core and "TS_TAPE_REVERSE" not in core
-        assert re.findall(r"const ts_instr \w+_tape_(\w+)\[", dt) == ["value", "tangent", "reverse"]
+        own_table = ["value"] if target == "c" else []
+        assert re.findall(r"const ts_instr \w+_tape_(\w+)\[", dt) == [*own_table, "tangent", "reverse"]
         for name in ("tangent", "reverse"):
             assert dt.count(f"TS_TAPE_{name.upper()}();") == 1
 
