@@ -85,6 +85,7 @@ enum { H_ = 32, N_ = 31, D_ = 7, NDT_ = 1, NC_ = 4 };
     const int64_t bo = (b) * D_ + (d); \
     (void)uo; (void)yo; (void)so; (void)bo;
 
+
 /* the step coefficients from dt (double precision, stored as T): one thread */
 extern "C" __global__ void ts_h32_d7_acc_exact_dtu_noidx_bhd_f32_o3_coefficients(int64_t B, const float* __restrict__ dt_in, float* __restrict__ coef_g)
 {
@@ -99,6 +100,7 @@ extern "C" __global__ void ts_h32_d7_acc_exact_dtu_noidx_bhd_f32_o3_coefficients
     C(2) = (T)(t0);
     C(3) = (T)(-t0);
 }
+
 /* the step coefficients from dt (double precision, stored as T): one thread */
 extern "C" __global__ void ts_h32_d7_acc_exact_dtu_noidx_bhd_f32_o3_coefficients_jvp(int64_t B, const float* __restrict__ dt_in, const float* __restrict__ ddt_in, float* __restrict__ coef_g)
 {

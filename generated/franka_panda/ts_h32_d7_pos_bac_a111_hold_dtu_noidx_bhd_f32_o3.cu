@@ -80,6 +80,7 @@ enum { H_ = 32, N_ = 31, D_ = 7, NDT_ = 1, NC_ = 15 };
     const int64_t bo = (b) * D_ + (d); \
     (void)uo; (void)yo; (void)so; (void)bo;
 
+
 /* the step coefficients from dt (double precision, stored as T): one thread */
 extern "C" __global__ void ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_coefficients(int64_t B, const float* __restrict__ dt_in, float* __restrict__ coef_g)
 {
@@ -108,6 +109,7 @@ extern "C" __global__ void ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_coef
     C(13) = (T)(-t3);
     C(14) = (T)(t3);
 }
+
 /* the step coefficients from dt (double precision, stored as T): one thread */
 extern "C" __global__ void ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_coefficients_jvp(int64_t B, const float* __restrict__ dt_in, const float* __restrict__ ddt_in, float* __restrict__ coef_g)
 {

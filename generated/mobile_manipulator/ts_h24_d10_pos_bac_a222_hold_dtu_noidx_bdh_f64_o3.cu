@@ -80,6 +80,7 @@ enum { H_ = 24, N_ = 23, D_ = 10, NDT_ = 1, NC_ = 32 };
     const int64_t bo = (b) * D_ + (d); \
     (void)uo; (void)yo; (void)so; (void)bo;
 
+
 /* the step coefficients from dt (double precision, stored as T): one thread */
 extern "C" __global__ void ts_h24_d10_pos_bac_a222_hold_dtu_noidx_bdh_f64_o3_coefficients(int64_t B, const double* __restrict__ dt_in, double* __restrict__ coef_g)
 {
@@ -129,6 +130,7 @@ extern "C" __global__ void ts_h24_d10_pos_bac_a222_hold_dtu_noidx_bdh_f64_o3_coe
     C(30) = (T)((3.0/2.0)*t5);
     C(31) = (T)(-7*t5);
 }
+
 /* the step coefficients from dt (double precision, stored as T): one thread */
 extern "C" __global__ void ts_h24_d10_pos_bac_a222_hold_dtu_noidx_bdh_f64_o3_coefficients_jvp(int64_t B, const double* __restrict__ dt_in, const double* __restrict__ ddt_in, double* __restrict__ coef_g)
 {

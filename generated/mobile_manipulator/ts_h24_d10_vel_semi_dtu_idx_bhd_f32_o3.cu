@@ -85,6 +85,7 @@ enum { H_ = 24, N_ = 23, D_ = 10, NDT_ = 1, NC_ = 3 };
     const int64_t bo = (b) * D_ + (d); \
     (void)uo; (void)yo; (void)so; (void)bo;
 
+
 /* the step coefficients from dt (double precision, stored as T): one thread */
 extern "C" __global__ void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_coefficients(int64_t B, const float* __restrict__ dt_in, float* __restrict__ coef_g)
 {
@@ -98,6 +99,7 @@ extern "C" __global__ void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_coefficients(i
     C(1) = (T)(t0);
     C(2) = (T)(-t0);
 }
+
 /* the step coefficients from dt (double precision, stored as T): one thread */
 extern "C" __global__ void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_coefficients_jvp(int64_t B, const float* __restrict__ dt_in, const float* __restrict__ ddt_in, float* __restrict__ coef_g)
 {

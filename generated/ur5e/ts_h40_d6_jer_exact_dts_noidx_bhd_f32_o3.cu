@@ -85,6 +85,7 @@ enum { H_ = 40, N_ = 39, D_ = 6, NDT_ = 40, NC_ = 117 };
     const int64_t bo = (b) * D_ + (d); \
     (void)uo; (void)yo; (void)so; (void)bo;
 
+
 /* the step coefficients from dt (double precision, stored as T): one thread */
 extern "C" __global__ void ts_h40_d6_jer_exact_dts_noidx_bhd_f32_o3_coefficients(int64_t B, const float* __restrict__ dt_in, float* __restrict__ coef_g)
 {
@@ -99,6 +100,7 @@ extern "C" __global__ void ts_h40_d6_jer_exact_dts_noidx_bhd_f32_o3_coefficients
         C(2 + 3 * (r - 1)) = (T)((1.0/6.0)*(dtr_0*dtr_0*dtr_0));
     }
 }
+
 /* the step coefficients from dt (double precision, stored as T): one thread */
 extern "C" __global__ void ts_h40_d6_jer_exact_dts_noidx_bhd_f32_o3_coefficients_jvp(int64_t B, const float* __restrict__ dt_in, const float* __restrict__ ddt_in, float* __restrict__ coef_g)
 {

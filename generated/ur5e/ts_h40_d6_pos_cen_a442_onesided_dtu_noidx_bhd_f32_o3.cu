@@ -80,6 +80,7 @@ enum { H_ = 40, N_ = 39, D_ = 6, NDT_ = 1, NC_ = 49 };
     const int64_t bo = (b) * D_ + (d); \
     (void)uo; (void)yo; (void)so; (void)bo;
 
+
 /* the step coefficients from dt (double precision, stored as T): one thread */
 extern "C" __global__ void ts_h40_d6_pos_cen_a442_onesided_dtu_noidx_bhd_f32_o3_coefficients(int64_t B, const float* __restrict__ dt_in, float* __restrict__ coef_g)
 {
@@ -150,6 +151,7 @@ extern "C" __global__ void ts_h40_d6_pos_cen_a442_onesided_dtu_noidx_bhd_f32_o3_
     C(47) = (T)(-9*t7);
     C(48) = (T)((5.0/2.0)/(dt*dt*dt));
 }
+
 /* the step coefficients from dt (double precision, stored as T): one thread */
 extern "C" __global__ void ts_h40_d6_pos_cen_a442_onesided_dtu_noidx_bhd_f32_o3_coefficients_jvp(int64_t B, const float* __restrict__ dt_in, const float* __restrict__ ddt_in, float* __restrict__ coef_g)
 {
