@@ -118,11 +118,14 @@ def test_kernel_class_backward_is_exact(name):
         return call_with(name, H, u, p, v, a)
     assert torch.autograd.gradcheck(f, tuple(t), check_forward_ad=True)
     # adjoint dot test, including the last (held) central action and both acceleration classes
-    gs = [torch.randn_like(y) for y in got]
+    gen = torch.Generator().manual_seed(5)  # not the global generator: the same case in any test order
+    gs = [torch.randn(y.shape, generator=gen, dtype=y.dtype) for y in got]
     grads = torch.autograd.grad(got, t, gs)
     lhs = sum(float((y.detach() * g).sum()) for y, g in zip(got, gs))
     rhs = sum(float((x.detach() * g).sum()) for x, g in zip(t, grads))
-    assert abs(lhs - rhs) <= 1e-12 * max(1.0, abs(lhs))
+    # rounding grows with the terms summed (entries scale like 1/dt³), not with their sum, which cancels
+    scale = sum(float((y.detach() * g).abs().sum()) for y, g in zip(got, gs))
+    assert abs(lhs - rhs) <= 1e-13 * max(1.0, scale)
     assert float(grads[0][:, -1].abs().sum()) > 0 or "Central" not in name  # last central action has a gradient
 
 
