@@ -58,3 +58,22 @@ def test_lbfgs_experiment_one_case():
     weights = (0.0, 1e-3, 1e-2)  # the case where raw float32 stalls far above the optimum
     assert experiment.excess(weights, "float64", shift=False) < 1e-8
     assert experiment.excess(weights, "float32", shift=True) < 1e-3
+
+
+def _modules_with_examples() -> list[str]:
+    """The package's modules whose docstrings hold >>> examples (docs/ and tests/ aside)."""
+    root = Path(__file__).resolve().parent.parent
+    return sorted("tensorstep." + ".".join(p.relative_to(root).with_suffix("").parts)
+                  for p in root.rglob("*.py")
+                  if p.relative_to(root).parts[0] not in {"tests", "docs", "generated", "build"}
+                  and not any(part.startswith(".") for part in p.relative_to(root).parts)
+                  and ">>>" in p.read_text())
+
+
+@pytest.mark.parametrize("module", _modules_with_examples())
+def test_docstring_examples_run(module: str):
+    """Docstring examples in the code run too (doctest), as the pages' do."""
+    import importlib
+
+    result = doctest.testmod(importlib.import_module(module), optionflags=FLAGS, report=True, verbose=False)
+    assert result.failed == 0 and result.attempted >= 1, f"{module}: {result.failed} of {result.attempted} failed"
