@@ -8,7 +8,8 @@ same), derived once as a template over a window of durations DT(r + o), and emit
 loop over the rows r; the other rows (the boundaries) stay straight-line. So the programs,
 their derivatives and the compiler's work on them are linear in the horizon. A long
 straight-line part (wide boundaries, a B-spline's weights) runs as a tape (codegen/tape.py),
-data the compiler does not work on.
+data the compiler does not work on; with a dt per trajectory, C fills such a table from its
+monomials c·dt^p (codegen/monomials.py).
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from typing import Any, Iterable, Sequence
 
 import sympy as sp
 
-from . import tape
+from . import monomials, tape
 from .operator import Operator, expand_formulas
 from .statements import (Add, Cast, Def, For, Literal, Mul, Paren, Read, Rel, RunTape, Statement, Store, Strided, Sym,
                          Term, Var, transform)
@@ -360,9 +361,22 @@ class Coefficients:
         return len(self.lines) > TAPE_ABOVE_LINES
 
     @functools.cached_property
+    def monomials(self) -> monomials.Monomials | None:
+        """With a dt per trajectory, a long table as data: every slot one monomial of that dt
+        (codegen/monomials.py; None where the programs stay code)."""
+        if not (self.per_trajectory and len(self.dt_syms) == 1 and self.long):
+            return None
+        return monomials.of([expand_formulas(self.value(q)) for q in range(self.size)], self.dt_syms[0])
+
+    def _monomial(self, name: str, taped: bool) -> list[Statement] | None:
+        """The program as a loop over the monomial table, where there is one (C: not taped)."""
+        return None if taped or self.monomials is None else [RunTape(self.monomials.program(name))]
+
+    @functools.cached_property
     def taped(self) -> bool:
         """Whether the C programs are tapes: long ones, not with a dt per trajectory (each
-        trajectory would interpret its tape, slower per call than the code it replaces)."""
+        trajectory would interpret its tape, slower per call than the code it replaces; there C
+        loops over the table's ``monomials``)."""
         return self.long and not self.per_trajectory
 
     def tape(self, name: str) -> tape.Tape:
@@ -398,8 +412,10 @@ class Coefficients:
     def preamble(self, taped: bool | None = None) -> list[Statement]:
         """Statements filling the coefficient table C(q) (type T); each value is stored as soon
         as it is computed, so no more than one CSE chunk is live at a time."""
-        lines = self._used_inputs()
         taped = self.taped if taped is None else taped
+        if (program := self._monomial("value", taped)) is not None:
+            return program
+        lines = self._used_inputs()
         singles, copy_loops = self._copy_program(taped)
         for s, e in self.lines:
             if s.name.startswith("k"):
@@ -450,6 +466,8 @@ class Coefficients:
 
     def tangent_preamble(self, taped: bool | None = None) -> list[Statement]:
         """The table C(q) and the dt-tangents CD(q) = Σ_m ∂C(q)/∂dt_m · ddt_m (forward mode)."""
+        if (program := self._monomial("tangent", self.taped if taped is None else taped)) is not None:
+            return program
         lines = self._used_inputs(tangent=True) + _tangent(self.lines)
         for table, source in (("C", "k"), ("CD", "d_k")):
             lines += [Store(Read(table, (q,)), Cast("T", Paren(Var(f"{source}{q}")))) for q in self.straight]
@@ -467,6 +485,8 @@ class Coefficients:
     def reverse_program(self, taped: bool | None = None) -> list[Statement]:
         """gdt from GC(q) = ∂L/∂c<q> by reverse accumulation over the program's lines: the
         straight-line part sets every GDT(i), each run's loop adds its rows' parts."""
+        if (program := self._monomial("reverse", self.taped if taped is None else taped)) is not None:
+            return program
         program = self.lines
         lines = self._used_inputs() + [_double(str(s), Sym(e)) for s, e in program]
         copied: dict[int, list] = defaultdict(list)  # a copy's gradient is its source's (constants: none)

@@ -910,7 +910,8 @@ class LoweredOperator:
 
     def cuda_program(self, name: str) -> Any:
         """``table``, ``dt_jvp`` or ``dt_vjp_finish`` with CUDA's once-per-call program: where a
-        dt per trajectory keeps C's programs code, CUDA's are still tapes (a block per trajectory)."""
+        dt per trajectory makes C's programs code or monomial loops, CUDA's are still tapes (a block
+        per trajectory)."""
         coefs = self.coefs
         if coefs.taped == coefs.long:
             return getattr(self, name)
@@ -980,5 +981,5 @@ class LoweredOperator:
 def lower(op: Operator, per_trajectory: bool = False) -> LoweredOperator:
     """Lower an operator; each kernel's statements are produced when first asked for.
     ``per_trajectory``: each trajectory has its own dt, so the C kernels run the coefficient
-    program per trajectory (as code: see Coefficients.taped)."""
+    program per trajectory (a long one as a loop over its monomials: see Coefficients.monomials)."""
     return LoweredOperator(op, per_trajectory)

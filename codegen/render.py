@@ -9,7 +9,7 @@ from typing import Any
 import jinja2
 
 from ..version import __version__
-from . import abi, tape
+from . import abi, monomials, tape
 from .arguments import ArgumentTable
 from .lower import LoweredOperator
 from .printer import LANES
@@ -186,7 +186,7 @@ def render(spec: Any, code: LoweredOperator, table: ArgumentTable, target: str, 
     Called by the driver (codegen/driver.py), which validates target and part.
     """
     kernels = abi.PARTS[part]
-    taped = code.coefs.long if target == "cuda" else code.coefs.taped  # C: not per trajectory
+    taped = code.coefs.long if target == "cuda" else code.coefs.taped  # C per trajectory: monomials
     tapes = _tapes(code, kernels, taped, target == "cuda")
     if target == "cuda":
         _check_cuda_tapes(spec, tapes)
@@ -229,6 +229,9 @@ def render(spec: Any, code: LoweredOperator, table: ArgumentTable, target: str, 
         tapes=tapes,
         ops=tape.OPS,
         tape_math=any("powc" in t.ops for t in tapes),
+        monomials=code.coefs.monomials if target == "c" and not taped else None,
+        c_double=tape.c_double,
+        shuffle_width=monomials.SHUFFLE_WIDTH,
         cuda=target == "cuda",
         device="__device__ " if target == "cuda" else "",
     )

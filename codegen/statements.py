@@ -172,8 +172,8 @@ class For:
 
 @dataclasses.dataclass(frozen=True)
 class RunTape:
-    """Runs a straight-line program kept as data (a codegen/tape.py Tape): printed as the macro
-    each template defines for it."""
+    """Runs a program kept as data (a codegen/tape.py Tape, or a loop over a codegen/monomials.py
+    table): printed as the macro each template defines for it."""
 
     tape: Any
 

@@ -60,10 +60,10 @@ class Instruction:
     c: float  # constant operand, else 0
 
     def c_initializer(self) -> str:
-        return f"{{{OPS[self.op][0]},{self.dst},{self.a},{self.b},{_c_double(self.c)}}}"
+        return f"{{{OPS[self.op][0]},{self.dst},{self.a},{self.b},{c_double(self.c)}}}"
 
 
-def _c_double(x: float) -> str:
+def c_double(x: float) -> str:
     """A double literal that reads back exactly (repr is the shortest such)."""
     return "0" if x == 0 else repr(float(x))
 

@@ -251,14 +251,12 @@ def test_kernels_match_reference_and_adjoint_dot_test(overrides):
     case.check_kernels(expect)
 
 
-@pytest.mark.parametrize("overrides", LONG_SPANS, ids=[grid_id(g) for g in LONG_SPANS])
-def test_long_spans_dt_gradient_and_tangent_match_reference(overrides):
-    """With many rows per span, dt's gradient (dt_vjp) and tangent (dt_jvp) on every kernel path
-    against the reference's derivative in dt: Richardson-extrapolated central differences of
-    SciPy's curve (error O(h⁴)), float64."""
+def check_dt_derivatives(case: Case, paths) -> None:
+    """dt's gradient (dt_vjp) and tangent (dt_jvp) on each (name, step) of ``paths`` against the
+    reference's derivative in dt: Richardson-extrapolated central differences of SciPy's curve
+    (error O(h⁴)), float64."""
     import torch.autograd.forward_ad as fwAD
 
-    case = Case(spec_of(overrides), B=2)
     dt0 = case.dt.clone()
 
     def reference(dt: torch.Tensor) -> np.ndarray:
@@ -276,7 +274,7 @@ def test_long_spans_dt_gradient_and_tangent_match_reference(overrides):
                                                                                         *case.tensors())]
     per_b = np.einsum("kbrd,kbrd->b", np.stack([as_bhd(g, case.spec) for g in grads]), derivative)
     expect_grad = per_b if case.spec.dt == "per_trajectory" else per_b.sum()
-    for name, step in kernel_paths(case.spec):
+    for name, step in paths:
         dt = dt0.clone().requires_grad_(True)
         ys = case.call(step, *case.tensors()[:-1], dt)
         (gdt,) = torch.autograd.grad(ys, dt, grads)
@@ -285,6 +283,40 @@ def test_long_spans_dt_gradient_and_tangent_match_reference(overrides):
             ys = case.call(step, *case.tensors()[:-1], fwAD.make_dual(dt0.clone(), torch.ones_like(dt0)))
             tangents = np.stack([as_bhd(fwAD.unpack_dual(y).tangent, case.spec) for y in ys])
         scale_close(tangents, derivative, 1e-8)
+
+
+@pytest.mark.parametrize("overrides", LONG_SPANS, ids=[grid_id(g) for g in LONG_SPANS])
+def test_long_spans_dt_gradient_and_tangent_match_reference(overrides):
+    """With many rows per span, dt's gradient and tangent on every kernel path against the
+    reference (check_dt_derivatives)."""
+    check_dt_derivatives(Case(spec_of(overrides), B=2), kernel_paths(spec_of(overrides)))
+
+
+@pytest.mark.parametrize("vectors", [True, False], ids=["permute", "scalar"])
+def test_per_trajectory_monomial_tables_match_reference(vectors, monkeypatch):
+    """With a dt per trajectory, C fills a long table from its monomials c·dt^p
+    (codegen/monomials.py): eight slots at a time by a permute under GCC, else one at a time
+    (SHUFFLE_WIDTH 0 here). Forward (the table), dt gradient (its reverse loop) and dt tangent
+    (its tangent loop) against the reference, on both forms, float64."""
+    from tensorstep.codegen import monomials
+    from tensorstep.codegen.driver import generate, lowered
+    from tensorstep.runtime.api import Step
+    from tensorstep.runtime.launch import CpuBackend, Launcher
+
+    if not vectors:
+        monkeypatch.setattr(monomials, "SHUFFLE_WIDTH", 0)
+    spec = spec_of(dict(degree=4, knots=4, steps=12, end="goal", dt="per_trajectory"))
+    table = lowered(spec).coefs.monomials
+    assert table is not None and table.width <= 8
+    generated = generate(spec, targets=("c",))
+    source = generated.source("c")
+    assert "TS_MONOMIALS_REVERSE();" in source and "TS_MONOMIALS_TANGENT();" in source
+    assert ("__builtin_shuffle" in source) == vectors
+    step = Step(spec, torch.device("cpu"), Launcher(spec, CpuBackend(spec, source, dict(generated.metadata))))
+    case = Case(spec, B=3)
+    ys = case.call(step, *case.tensors())
+    scale_close(np.stack([as_bhd(y, spec) for y in ys]), case.expected(), 1e-11)
+    check_dt_derivatives(case, [("c", step)])
 
 
 def test_long_spans_do_not_grow_the_columns():

@@ -150,10 +150,10 @@ def test_short_programs_stay_code():
 
 def test_per_trajectory_programs_are_tapes_on_cuda_only():
     """With a dt per trajectory, C runs each trajectory's program inside its loop over the batch:
-    as a tape it would be interpreted per trajectory, slower than the code (BENCHMARKS.md), so it
-    stays code there. On CUDA a block per trajectory runs the tape (its threads share the
-    levels): the coefficient kernels are launched with a block of threads per trajectory, the
-    build's metadata saying so."""
+    as a tape it would be interpreted per trajectory, slower than the code (BENCHMARKS.md), so C
+    fills such a table from its monomials instead (codegen/monomials.py). On CUDA a block per
+    trajectory runs the tape (its threads share the levels): the coefficient kernels are
+    launched with a block of threads per trajectory, the build's metadata saying so."""
     from tensorstep.runtime.cuda_backend import THREADS, launch_plan
 
     spec = spec_of(dict(control="bspline", degree=4, knots=4, steps=12, dt="per_trajectory"))
@@ -161,6 +161,7 @@ def test_per_trajectory_programs_are_tapes_on_cuda_only():
     assert coefs.long and not coefs.taped
     generated = generate(spec, targets=("c", "cuda"))
     assert "TS_TAPE_" not in generated.source("c") and "TS_TAPE_VALUE();" in generated.source("cuda")
+    assert "TS_MONOMIALS_VALUE();" in generated.source("c") and "TS_MONOMIALS" not in generated.source("cuda")
     assert generated.metadata["tapes"] is True
     assert "const int64_t b = (int64_t)blockIdx.x;\n    if (b >= B) return;" in generated.source("cuda")
     B = 5
