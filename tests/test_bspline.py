@@ -295,9 +295,10 @@ def test_long_spans_dt_gradient_and_tangent_match_reference(overrides):
 @pytest.mark.parametrize("vectors", [True, False], ids=["permute", "scalar"])
 def test_per_trajectory_monomial_tables_match_reference(vectors, monkeypatch):
     """With a dt per trajectory, C fills a long table from its monomials c·dt^p
-    (codegen/monomials.py): eight slots at a time by a permute under GCC, else one at a time
+    (codegen/monomials.py): four slots at a time by a permute under GCC, else one at a time
     (SHUFFLE_WIDTH 0 here). Forward (the table), dt gradient (its reverse loop) and dt tangent
-    (its tangent loop) against the reference, on both forms, float64."""
+    (its tangent loop) against the reference, on both forms, float64; the float32 table's forward
+    against float64's."""
     from tensorstep.codegen import monomials
     from tensorstep.codegen.driver import generate, lowered
     from tensorstep.runtime.api import Step
@@ -308,15 +309,23 @@ def test_per_trajectory_monomial_tables_match_reference(vectors, monkeypatch):
     spec = spec_of(dict(degree=4, knots=4, steps=12, end="goal", dt="per_trajectory"))
     table = lowered(spec).coefs.monomials
     assert table is not None and table.width <= 8
-    generated = generate(spec, targets=("c",))
-    source = generated.source("c")
-    assert "TS_MONOMIALS_REVERSE();" in source and "TS_MONOMIALS_TANGENT();" in source
-    assert ("__builtin_shuffle" in source) == vectors
-    step = Step(spec, torch.device("cpu"), Launcher(spec, CpuBackend(spec, source, dict(generated.metadata))))
+
+    def step_of(spec):
+        generated = generate(spec, targets=("c",))
+        source = generated.source("c")
+        assert "TS_MONOMIALS_REVERSE();" in source and "TS_MONOMIALS_TANGENT();" in source
+        assert ("__builtin_shuffle" in source) == vectors
+        return Step(spec, torch.device("cpu"), Launcher(spec, CpuBackend(spec, source, dict(generated.metadata))))
+
+    step = step_of(spec)
     case = Case(spec, B=3)
     ys = case.call(step, *case.tensors())
     scale_close(np.stack([as_bhd(y, spec) for y in ys]), case.expected(), 1e-11)
     check_dt_derivatives(case, [("c", step)])
+    with torch.no_grad():
+        singles = case.call(step_of(spec.replace(dtype="float32")), *[t.float() for t in case.tensors()])
+    for y, y32 in zip(ys, singles):
+        scale_close(y32.double().numpy(), y.detach().numpy(), 1e-5)
 
 
 def test_long_spans_do_not_grow_the_columns():
