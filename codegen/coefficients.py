@@ -466,12 +466,12 @@ class Coefficients:
 
     def tangent_preamble(self, taped: bool | None = None) -> list[Statement]:
         """The table C(q) and the dt-tangents CD(q) = Σ_m ∂C(q)/∂dt_m · ddt_m (forward mode)."""
-        if (program := self._monomial("tangent", self.taped if taped is None else taped)) is not None:
+        taped = self.taped if taped is None else taped
+        if (program := self._monomial("tangent", taped)) is not None:
             return program
         lines = self._used_inputs(tangent=True) + _tangent(self.lines)
         for table, source in (("C", "k"), ("CD", "d_k")):
             lines += [Store(Read(table, (q,)), Cast("T", Paren(Var(f"{source}{q}")))) for q in self.straight]
-        taped = self.taped if taped is None else taped
         singles, copy_loops = self._copy_program(taped)  # the blocks of copies and their tangents (span loops read them)
         lines += [c for copies in singles.values() for copy in copies for c in (copy, _tangent_copy(copy))]
         for run in self.runs:
@@ -485,7 +485,8 @@ class Coefficients:
     def reverse_program(self, taped: bool | None = None) -> list[Statement]:
         """gdt from GC(q) = ∂L/∂c<q> by reverse accumulation over the program's lines: the
         straight-line part sets every GDT(i), each run's loop adds its rows' parts."""
-        if (program := self._monomial("reverse", self.taped if taped is None else taped)) is not None:
+        taped = self.taped if taped is None else taped
+        if (program := self._monomial("reverse", taped)) is not None:
             return program
         program = self.lines
         lines = self._used_inputs() + [_double(str(s), Sym(e)) for s, e in program]
@@ -504,4 +505,4 @@ class Coefficients:
             body += [Store(Read("GDT", (Rel(o),)), Add(tuple(contributions[str(s)])), "+=")
                      for o, s in run.window if contributions.get(str(s))]
             lines.append(run.loop(body))
-        return self._taped("reverse", lines, self.taped if taped is None else taped)
+        return self._taped("reverse", lines, taped)
