@@ -87,7 +87,8 @@ def monomial(expr: sp.Expr, dt: sp.Symbol) -> tuple[float, int] | None:
 def of(values: Sequence[sp.Expr], dt: sp.Symbol) -> Monomials | None:
     """The table of ``values`` (slot q holds values[q]) as monomials of ``dt``, or None where any
     value is not one."""
-    terms = [monomial(v, dt) for v in values]
+    distinct = {v: monomial(v, dt) for v in set(values)}  # copies of a slot repeat its value
+    terms = [distinct[v] for v in values]
     if not terms or any(t is None for t in terms):
         return None
     return Monomials(tuple(c for c, _ in terms), tuple(p for _, p in terms))
