@@ -685,9 +685,12 @@ def _covered(spans: Iterable[Span]) -> set[tuple[int, int]]:
     return {(span.k, h) for span in spans for h in span.rows}
 
 
-def _table_slots(slot: int | Strided, rows: range) -> list[int]:
-    """The table slots a span term reads over the span's rows."""
-    return [slot] if isinstance(slot, int) else [slot.slot + slot.stride * (r - slot.start) for r in rows]
+def _table_slots(slot: int | Strided, span: Span) -> list[int]:
+    """The table slots a span term reads over the span's rows (a knot loop's span: the same at every knot)."""
+    if isinstance(slot, int):
+        return [slot]
+    start = slot.start.base if isinstance(slot.start, Shift) else slot.start
+    return [slot.slot + slot.stride * (r - start) for r in range(span.start, span.stop)]
 
 
 def _dt_spans(coefs: Coefficients, spans: list[Span]) -> list[Span]:
@@ -696,12 +699,12 @@ def _dt_spans(coefs: Coefficients, spans: list[Span]) -> list[Span]:
     straight = set(coefs.straight)
     return [span for span in spans if all(coefs.source(q) in straight or coefs.source(q) in (None, q)
                                           for _, lit, slot in span.terms if lit is None
-                                          for q in _table_slots(slot, span.rows))]
+                                          for q in _table_slots(slot, span))]
 
 
 def _span_varies(coefs: Coefficients, span: Span, slot: int | Strided) -> bool:
     """Whether a span term's coefficient depends on dt on any of its rows."""
-    return any(coefs.varies(coefs.value(q)) for q in _table_slots(slot, span.rows))
+    return any(coefs.varies(coefs.value(q)) for q in _table_slots(slot, span))
 
 
 def _span_tangent(coefs: Coefficients, span: Span) -> list[Statement]:
@@ -877,7 +880,8 @@ def _dt_jvp(op: Operator, coefs: Coefficients, spans: list[Span] = (), only: boo
         parts = tuple(t for c, ref in row.terms for t in _tangent_terms(coefs, c, _var(ref), _var(ref, "t")))
         body.append(Def(Val("ty", row.k, row.h), Sum(parts)))
         body.append(Call(f"TY{row.k}", (row.h,), Val("ty", row.k, row.h)))
-    return KernelCode(coefs.tangent_preamble(), body, loops)
+    # a stencil's rows read no row: only their tangents are used (gcc and nvcc warned of the values)
+    return KernelCode(coefs.tangent_preamble(), _live(body) if _is_stencil(op) else body, loops)
 
 
 class LoweredOperator:
@@ -895,8 +899,13 @@ class LoweredOperator:
         self.spans["adjoint"] = _spans(op, self.coefs, set())
         if self.only["cuda"]:  # CUDA: interior spans as loops over knots (nvcc's time grew with the knots)
             self.spans["cuda"] = _spans(op, self.coefs, set(), knots=True)
-        done = _covered(self.spans["c"]) | (set() if self.only["c"] else interior)
-        self.spans["dt"] = self.spans["c"] + _leftover_spans(op, self.coefs, done)  # the dt kernels' (C and CUDA)
+        # The dt kernels' (C and CUDA) with a period above 1: span loops only, interior spans as
+        # loops over knots, as CUDA's forward. Interior loops, one per phase and output, took gcc
+        # seconds on dt_jvp alone (see BENCHMARKS.md), and span loops over many knots more still.
+        self.dt_only = self.only["cuda"]
+        dt_spans = self.spans["cuda"] if self.dt_only else self.spans["c"]
+        done = _covered(dt_spans) | (set() if self.dt_only else interior)
+        self.spans["dt"] = dt_spans + _leftover_spans(op, self.coefs, done)
         self.n_coefficients = max(1, self.coefs.size)
         self._cuda: dict[str, Any] = {}
 
@@ -967,7 +976,7 @@ class LoweredOperator:
 
     @functools.cached_property
     def dt_vjp(self) -> KernelCode:
-        return _dt_vjp(self.op, self.coefs, self.spans["dt"], self.only["c"])
+        return _dt_vjp(self.op, self.coefs, self.spans["dt"], self.dt_only)
 
     @functools.cached_property
     def dt_vjp_finish(self) -> KernelCode:
@@ -975,7 +984,7 @@ class LoweredOperator:
 
     @functools.cached_property
     def dt_jvp(self) -> KernelCode:
-        return _dt_jvp(self.op, self.coefs, self.spans["dt"], self.only["c"])
+        return _dt_jvp(self.op, self.coefs, self.spans["dt"], self.dt_only)
 
 
 def lower(op: Operator, per_trajectory: bool = False) -> LoweredOperator:

@@ -56,12 +56,13 @@ def _index(i: Any) -> str:
     return str(i)
 
 
-_LANE_MACROS = {"U", "GU", *(f"{x}{m}" for x in ("S", "GS", "E", "GE") for m in range(4))}
+_LANE_MACROS = {"U", "DU", "GU", *(f"{x}{m}" for x in ("S", "DS", "GS", "E", "DE", "GE") for m in range(4))}
 
 
 def _lane_macro(name: str) -> str:
-    """The lane form's macro for a column macro: inputs, output stores and gradient reads."""
-    lane = name in _LANE_MACROS or (name[:1] in ("Y", "G") and name[1:].isdigit())
+    """The lane form's macro for a column macro: inputs and their tangents, output and tangent
+    stores, gradient reads."""
+    lane = name in _LANE_MACROS or (name.rstrip("0123456789") in ("Y", "G", "TY") and name[-1:].isdigit())
     return "V" + name if lane else name
 
 

@@ -74,12 +74,15 @@ def _lane_bodies(code: LoweredOperator, kernels: tuple) -> dict[str, list[str]]:
     """The forward and adjoint columns in the lane form: straight-line where that is short
     enough, else (an integrator's long horizon) rolled into a loop over the rows. Straight-line
     is preferred: all of a column's loads are known up front, which keeps more memory traffic
-    in flight (the rolled adjoint is 5-25% slower at B=4000-40000 for H=32, faster at B=400)."""
+    in flight (the rolled adjoint is 5-25% slower at B=4000-40000 for H=32, faster at B=400).
+    A stencil's dt_jvp column too (its span loops over rows: GCC's vectoriser leaves the dof
+    loop around them scalar); an integrator's, rolled by the lowering, stays the per-dof loop,
+    which GCC vectorises (its lane form was slower)."""
     bodies = {}
-    for k in ("forward", "adjoint"):
-        if k in kernels:
+    for k in ("forward", "adjoint", "dt_jvp"):
+        if k in kernels and (k != "dt_jvp" or code.stencil):
             statements = getattr(code, k).statements
-            if len(getattr(code, k).body) > ROLL_ABOVE_LINES:
+            if len(getattr(code, k).body) > ROLL_ABOVE_LINES and k != "dt_jvp":
                 statements = getattr(code, f"{k}_rolled") or statements  # built on demand
             lines = LANES.lines(statements)
             if len(lines) <= LANE_MAX_LINES:

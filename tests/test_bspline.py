@@ -292,6 +292,26 @@ def test_long_spans_dt_gradient_and_tangent_match_reference(overrides):
     check_dt_derivatives(Case(spec_of(overrides), B=2), kernel_paths(spec_of(overrides)))
 
 
+#: enough knots that the dt kernels' interior spans are one loop over the knots
+KNOT_LOOPS = [
+    dict(degree=3, knots=12, steps=4),
+    dict(degree=4, knots=13, steps=3, end="goal", dt="per_trajectory", layout="bdh", start_index=True),
+]
+
+
+@pytest.mark.parametrize("overrides", KNOT_LOOPS, ids=[grid_id(g) for g in KNOT_LOOPS])
+def test_knot_loops_dt_gradient_and_tangent_match_reference(overrides):
+    """The dt kernels loop over the knots of the interior spans (their coefficient slots the
+    same at every knot, the rows and actions shifted): dt's gradient and tangent on every
+    kernel path against the reference (check_dt_derivatives)."""
+    from tensorstep.codegen.driver import generate
+
+    spec = spec_of(overrides)
+    for target in ("c", "cuda"):
+        assert "for (int64_t kn = 0;" in generate(spec, targets=(target,), parts=("dt",)).source(target, "dt")
+    check_dt_derivatives(Case(spec, B=2), kernel_paths(spec))
+
+
 @pytest.mark.parametrize("vectors", [True, False], ids=["permute", "scalar"])
 def test_per_trajectory_monomial_tables_match_reference(vectors, monkeypatch):
     """With a dt per trajectory, C fills a long table from its monomials c·dt^p

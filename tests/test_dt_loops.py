@@ -1,7 +1,7 @@
 """The dt kernels of stencils (position and B-spline control) with a uniform or per-trajectory dt:
-their interior rows are loops (rows share coefficients: fixed table slots, and for B-splines one
-loop per row of a knot span), so the source does not grow with the horizon, and dt_vjp sums each
-loop's terms in locals added to the accumulator once. Their dt gradients and tangents match finite
+their interior rows are loops (position control: rows share coefficients, fixed table slots; a
+B-spline: a loop over each span's rows, over the knots where enough repeat), so the source does
+not grow with the horizon, and dt_vjp sums fixed slots in locals added to the accumulator once. Their dt gradients and tangents match finite
 differences of the independent float64 references (tests/reference.py, tests/reference_bspline.py)
 through the C kernels, the Python path and the CUDA source run on the host."""
 from __future__ import annotations
@@ -21,20 +21,21 @@ from tensorstep.codegen.statements import Call, For, Read, walk
 H_LOOPS = 40  # long enough for interior loops
 
 #: KernelSpec overrides: both dt modes, both C loop forms (bhd flattened or by row, bdh per dof),
-#: goals, start indices, B-splines with a period of 2 and 3 rows per knot span
+#: goals, start indices
 SPECS = [
     dict(difference="central", start_index=True),
     dict(difference="central", order=4, layout="bdh"),
     dict(difference="backward", accuracy=2, dt="per_trajectory"),
     dict(difference="central", end="goal", dt="per_trajectory", layout="bdh"),
+]
+
+#: B-splines, whose dt kernels are span loops only (no interior loops): a period of 2 and 3 rows
+#: per knot span, many rows per knot span (s² > R, where the forward is span loops only too), a
+#: goal at the end: every row of the dt kernels is a span loop, the boundary spans too
+SPANS = [
     dict(control="bspline", degree=4, knots=10, steps=3),
     dict(control="bspline", degree=3, knots=9, steps=2, end="goal", dt="per_trajectory", layout="bdh",
          start_index=True),
-]
-
-#: B-splines with many rows per knot span (s² > R: span loops only, no interior loops), a goal at
-#: the end: every row of the dt kernels is a span loop, the boundary spans too
-SPANS = [
     dict(control="bspline", degree=4, knots=4, steps=12, end="goal"),
     dict(control="bspline", degree=3, knots=3, steps=16, end="goal", dt="per_trajectory", layout="bdh",
          start_index=True),
@@ -133,7 +134,7 @@ def test_bspline_dt_kernels_do_not_grow_with_the_steps(overrides):
 
 
 @pytest.mark.parametrize("overrides", SPANS, ids=spec_id)
-def test_dt_kernels_of_long_spans_are_span_loops(overrides):
+def test_bspline_dt_kernels_are_span_loops(overrides):
     """Every row of these dt kernels but the first (the start state) is in a span loop, and a span
     loop's fixed accumulator slots are local sums added once after it."""
     code = lowered(spec_of(overrides))

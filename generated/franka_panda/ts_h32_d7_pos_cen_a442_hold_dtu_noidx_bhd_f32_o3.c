@@ -140,6 +140,11 @@ typedef T VT __attribute__((vector_size(32)));
 #define VG2(h) VLOAD(gb2 + (h) * Y_SH)
 #define VY3(h, v) VSTORE(y3 + yo + (h) * Y_SH, (v))
 #define VG3(h) VLOAD(gb3 + (h) * Y_SH)
+/* dt_jvp's output tangent stores (its input tangents: below, with the zero blocks) */
+#define VTY0(h, v) VSTORE(ty0 + yo + (h) * Y_SH, (v))
+#define VTY1(h, v) VSTORE(ty1 + yo + (h) * Y_SH, (v))
+#define VTY2(h, v) VSTORE(ty2 + yo + (h) * Y_SH, (v))
+#define VTY3(h, v) VSTORE(ty3 + yo + (h) * Y_SH, (v))
 #endif
 /* A missing output gradient (an unused output) reads zeros from this block, one batch
  * element in size (zero-initialised, never written): loads stay unconditional and
@@ -153,6 +158,34 @@ static T ts_zero_outputs[Y_SB];
 #define G2(h) gb2[d * Y_SD + (h) * Y_SH]
 #undef G3
 #define G3(h) gb3[d * Y_SD + (h) * Y_SH]
+/* A missing input tangent reads zeros the same way, from per-batch-element bases (dub, ds<m>b,
+ * de<m>b): "du ? du[i] : 0" in a vectorised loop became an AVX-512 load masked by du != NULL,
+ * and a masked load from a null address costs a microcode assist every time, even with every
+ * lane off (dt_jvp without du: 20x slower). */
+static T ts_zero_actions[U_SB];
+static T ts_zero_state[D_];
+#undef DU
+#define DU(j) dub[uo - b * U_SB + (j) * U_SH]
+#undef SDU
+#define SDU(rel) dub[su - b * U_SB + (rel) * U_SH]
+#undef DS0
+#define DS0 ds0b[so - srow * D_]
+#undef DS1
+#define DS1 ds1b[so - srow * D_]
+#undef DS2
+#define DS2 ds2b[so - srow * D_]
+#undef DS3
+#define DS3 ds3b[so - srow * D_]
+#undef VDU
+#define VDU(j) VLOAD(dub + (uo - b * U_SB) + (j) * U_SH)
+#undef VDS0
+#define VDS0 VLOAD(ds0b + (so - srow * D_))
+#undef VDS1
+#define VDS1 VLOAD(ds1b + (so - srow * D_))
+#undef VDS2
+#define VDS2 VLOAD(ds2b + (so - srow * D_))
+#undef VDS3
+#define VDS3 VLOAD(ds3b + (so - srow * D_))
 /* entries of the dt_vjp coefficient accumulator (the runtime allocates it) */
 int64_t ts_h32_d7_pos_cen_a442_hold_dtu_noidx_bhd_f32_o3_n_coefficients(void) { return NC_; }
 /* the step coefficients, computed once per call from dt (double precision, stored as T) */
@@ -818,6 +851,11 @@ void ts_h32_d7_pos_cen_a442_hold_dtu_noidx_bhd_f32_o3_dt_jvp(int64_t B, const fl
     TS_PARALLEL_FOR
     for (int64_t b = 0; b < B; ++b) {
         const int64_t srow = idx ? idx[b] : b;
+        const T* restrict dub = du ? du + b * U_SB : ts_zero_actions;
+        const T* restrict ds0b = dp0 ? dp0 + srow * D_ : ts_zero_state;
+        const T* restrict ds1b = dv0 ? dv0 + srow * D_ : ts_zero_state;
+        const T* restrict ds2b = da0 ? da0 + srow * D_ : ts_zero_state;
+        const T* restrict ds3b = dj0 ? dj0 + srow * D_ : ts_zero_state;
         {
             TS_SIMD
             for (int64_t f = 1LL * D_; f < 32LL * D_; ++f) {
@@ -846,6 +884,51 @@ void ts_h32_d7_pos_cen_a442_hold_dtu_noidx_bhd_f32_o3_dt_jvp(int64_t B, const fl
                 STY3 = CD(19)*SU(-3)+C(19)*SDU(-3)+CD(20)*SU(-2)+C(20)*SDU(-2)+CD(17)*SU(0)+C(17)*SDU(0)+CD(13)*SU(1)+C(13)*SDU(1);
             }
         }
+#if defined(TS_LANES)
+        {
+            COLUMN_BASES(b, 0)
+            const VT s0 = VS0;
+            const VT s1 = VS1;
+            const VT s2 = VS2;
+            const VT s3 = VS3;
+            const VT ts0 = VDS0;
+            const VT ts1 = VDS1;
+            const VT ts2 = VDS2;
+            const VT ts3 = VDS3;
+            const VT ty0_0 = ts0;
+            VTY0(0, ty0_0);
+            const VT ty1_0 = ts1;
+            VTY1(0, ty1_0);
+            const VT ty2_0 = ts2;
+            VTY2(0, ty2_0);
+            const VT ty3_0 = ts3;
+            VTY3(0, ty3_0);
+            const VT ty1_1 = CD(0)*s0+C(0)*ts0+C(1)*ts1+CD(2)*s2+C(2)*ts2+CD(3)*s3+C(3)*ts3+CD(4)*VU(1)+C(4)*VDU(1)+CD(5)*VU(2)+C(5)*VDU(2);
+            VTY1(1, ty1_1);
+            const VT ty2_1 = CD(6)*s0+C(6)*ts0+CD(7)*s1+C(7)*ts1+C(8)*ts2+CD(9)*s3+C(9)*ts3+CD(10)*VU(0)+C(10)*VDU(0)+CD(11)*VU(1)+C(11)*VDU(1)+CD(12)*VU(2)+C(12)*VDU(2);
+            VTY2(1, ty2_1);
+            const VT ty3_1 = CD(13)*s0+C(13)*ts0+CD(14)*s1+C(14)*ts1+CD(15)*s2+C(15)*ts2+C(16)*ts3+CD(17)*VU(1)+C(17)*VDU(1)+CD(13)*VU(2)+C(13)*VDU(2);
+            VTY3(1, ty3_1);
+            const VT ty1_2 = CD(7)*s0+C(7)*ts0+CD(18)*VU(0)+C(18)*VDU(0)+CD(4)*VU(2)+C(4)*VDU(2)+CD(5)*VU(3)+C(5)*VDU(3);
+            VTY1(2, ty1_2);
+            const VT ty2_2 = CD(12)*s0+C(12)*ts0+CD(11)*VU(0)+C(11)*VDU(0)+CD(10)*VU(1)+C(10)*VDU(1)+CD(11)*VU(2)+C(11)*VDU(2)+CD(12)*VU(3)+C(12)*VDU(3);
+            VTY2(2, ty2_2);
+            const VT ty3_2 = CD(19)*s0+C(19)*ts0+CD(20)*VU(0)+C(20)*VDU(0)+CD(17)*VU(2)+C(17)*VDU(2)+CD(13)*VU(3)+C(13)*VDU(3);
+            VTY3(2, ty3_2);
+            const VT ty1_30 = CD(7)*VU(27)+C(7)*VDU(27)+CD(18)*VU(28)+C(18)*VDU(28)+CD(21)*VU(30)+C(21)*VDU(30);
+            VTY1(30, ty1_30);
+            const VT ty2_30 = CD(12)*VU(27)+C(12)*VDU(27)+CD(11)*VU(28)+C(11)*VDU(28)+CD(10)*VU(29)+C(10)*VDU(29)+CD(6)*VU(30)+C(6)*VDU(30);
+            VTY2(30, ty2_30);
+            const VT ty3_30 = CD(19)*VU(27)+C(19)*VDU(27)+CD(20)*VU(28)+C(20)*VDU(28)+CD(19)*VU(30)+C(19)*VDU(30);
+            VTY3(30, ty3_30);
+            const VT ty1_31 = CD(7)*VU(28)+C(7)*VDU(28)+CD(18)*VU(29)+C(18)*VDU(29)+CD(21)*VU(30)+C(21)*VDU(30);
+            VTY1(31, ty1_31);
+            const VT ty2_31 = CD(12)*VU(28)+C(12)*VDU(28)+CD(11)*VU(29)+C(11)*VDU(29)+CD(22)*VU(30)+C(22)*VDU(30);
+            VTY2(31, ty2_31);
+            const VT ty3_31 = CD(19)*VU(28)+C(19)*VDU(28)+CD(20)*VU(29)+C(20)*VDU(29)+CD(19)*VU(30)+C(19)*VDU(30);
+            VTY3(31, ty3_31);
+        }
+#else
         TS_SIMD
         for (int64_t d = 0; d < D_; ++d) {
             COLUMN_BASES(b, d)
@@ -857,55 +940,40 @@ void ts_h32_d7_pos_cen_a442_hold_dtu_noidx_bhd_f32_o3_dt_jvp(int64_t B, const fl
             const T ts1 = DS1;
             const T ts2 = DS2;
             const T ts3 = DS3;
-            const T y0_0 = s0;
             const T ty0_0 = ts0;
             TY0(0, ty0_0);
-            const T y1_0 = s1;
             const T ty1_0 = ts1;
             TY1(0, ty1_0);
-            const T y2_0 = s2;
             const T ty2_0 = ts2;
             TY2(0, ty2_0);
-            const T y3_0 = s3;
             const T ty3_0 = ts3;
             TY3(0, ty3_0);
-            const T y1_1 = C(0)*s0+C(1)*s1+C(2)*s2+C(3)*s3+C(4)*U(1)+C(5)*U(2);
             const T ty1_1 = CD(0)*s0+C(0)*ts0+C(1)*ts1+CD(2)*s2+C(2)*ts2+CD(3)*s3+C(3)*ts3+CD(4)*U(1)+C(4)*DU(1)+CD(5)*U(2)+C(5)*DU(2);
             TY1(1, ty1_1);
-            const T y2_1 = C(6)*s0+C(7)*s1+C(8)*s2+C(9)*s3+C(10)*U(0)+C(11)*U(1)+C(12)*U(2);
             const T ty2_1 = CD(6)*s0+C(6)*ts0+CD(7)*s1+C(7)*ts1+C(8)*ts2+CD(9)*s3+C(9)*ts3+CD(10)*U(0)+C(10)*DU(0)+CD(11)*U(1)+C(11)*DU(1)+CD(12)*U(2)+C(12)*DU(2);
             TY2(1, ty2_1);
-            const T y3_1 = C(13)*s0+C(14)*s1+C(15)*s2+C(16)*s3+C(17)*U(1)+C(13)*U(2);
             const T ty3_1 = CD(13)*s0+C(13)*ts0+CD(14)*s1+C(14)*ts1+CD(15)*s2+C(15)*ts2+C(16)*ts3+CD(17)*U(1)+C(17)*DU(1)+CD(13)*U(2)+C(13)*DU(2);
             TY3(1, ty3_1);
-            const T y1_2 = C(7)*s0+C(18)*U(0)+C(4)*U(2)+C(5)*U(3);
             const T ty1_2 = CD(7)*s0+C(7)*ts0+CD(18)*U(0)+C(18)*DU(0)+CD(4)*U(2)+C(4)*DU(2)+CD(5)*U(3)+C(5)*DU(3);
             TY1(2, ty1_2);
-            const T y2_2 = C(12)*s0+C(11)*U(0)+C(10)*U(1)+C(11)*U(2)+C(12)*U(3);
             const T ty2_2 = CD(12)*s0+C(12)*ts0+CD(11)*U(0)+C(11)*DU(0)+CD(10)*U(1)+C(10)*DU(1)+CD(11)*U(2)+C(11)*DU(2)+CD(12)*U(3)+C(12)*DU(3);
             TY2(2, ty2_2);
-            const T y3_2 = C(19)*s0+C(20)*U(0)+C(17)*U(2)+C(13)*U(3);
             const T ty3_2 = CD(19)*s0+C(19)*ts0+CD(20)*U(0)+C(20)*DU(0)+CD(17)*U(2)+C(17)*DU(2)+CD(13)*U(3)+C(13)*DU(3);
             TY3(2, ty3_2);
-            const T y1_30 = C(7)*U(27)+C(18)*U(28)+C(21)*U(30);
             const T ty1_30 = CD(7)*U(27)+C(7)*DU(27)+CD(18)*U(28)+C(18)*DU(28)+CD(21)*U(30)+C(21)*DU(30);
             TY1(30, ty1_30);
-            const T y2_30 = C(12)*U(27)+C(11)*U(28)+C(10)*U(29)+C(6)*U(30);
             const T ty2_30 = CD(12)*U(27)+C(12)*DU(27)+CD(11)*U(28)+C(11)*DU(28)+CD(10)*U(29)+C(10)*DU(29)+CD(6)*U(30)+C(6)*DU(30);
             TY2(30, ty2_30);
-            const T y3_30 = C(19)*U(27)+C(20)*U(28)+C(19)*U(30);
             const T ty3_30 = CD(19)*U(27)+C(19)*DU(27)+CD(20)*U(28)+C(20)*DU(28)+CD(19)*U(30)+C(19)*DU(30);
             TY3(30, ty3_30);
-            const T y1_31 = C(7)*U(28)+C(18)*U(29)+C(21)*U(30);
             const T ty1_31 = CD(7)*U(28)+C(7)*DU(28)+CD(18)*U(29)+C(18)*DU(29)+CD(21)*U(30)+C(21)*DU(30);
             TY1(31, ty1_31);
-            const T y2_31 = C(12)*U(28)+C(11)*U(29)+C(22)*U(30);
             const T ty2_31 = CD(12)*U(28)+C(12)*DU(28)+CD(11)*U(29)+C(11)*DU(29)+CD(22)*U(30)+C(22)*DU(30);
             TY2(31, ty2_31);
-            const T y3_31 = C(19)*U(28)+C(20)*U(29)+C(19)*U(30);
             const T ty3_31 = CD(19)*U(28)+C(19)*DU(28)+CD(20)*U(29)+C(20)*DU(29)+CD(19)*U(30)+C(19)*DU(30);
             TY3(31, ty3_31);
         }
+#endif
     }
 }
 
