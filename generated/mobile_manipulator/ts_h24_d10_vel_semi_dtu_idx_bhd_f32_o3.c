@@ -161,7 +161,7 @@ static T ts_zero_outputs[Y_SB];
 /* A missing input tangent reads zeros the same way, from per-batch-element bases (dub, ds<m>b,
  * de<m>b): "du ? du[i] : 0" in a vectorised loop became an AVX-512 load masked by du != NULL,
  * and a masked load from a null address costs a microcode assist every time, even with every
- * lane off (dt_jvp without du: 20x slower). */
+ * lane off (BENCHMARKS.md, twelfth session). */
 static T ts_zero_actions[U_SB];
 static T ts_zero_state[D_];
 #undef DU

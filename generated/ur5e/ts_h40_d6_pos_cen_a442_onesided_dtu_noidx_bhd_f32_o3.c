@@ -140,11 +140,6 @@ typedef T VT __attribute__((vector_size(32)));
 #define VG2(h) VLOAD(gb2 + (h) * Y_SH)
 #define VY3(h, v) VSTORE(y3 + yo + (h) * Y_SH, (v))
 #define VG3(h) VLOAD(gb3 + (h) * Y_SH)
-/* dt_jvp's output tangent stores (its input tangents: below, with the zero blocks) */
-#define VTY0(h, v) VSTORE(ty0 + yo + (h) * Y_SH, (v))
-#define VTY1(h, v) VSTORE(ty1 + yo + (h) * Y_SH, (v))
-#define VTY2(h, v) VSTORE(ty2 + yo + (h) * Y_SH, (v))
-#define VTY3(h, v) VSTORE(ty3 + yo + (h) * Y_SH, (v))
 #endif
 /* A missing output gradient (an unused output) reads zeros from this block, one batch
  * element in size (zero-initialised, never written): loads stay unconditional and
@@ -161,7 +156,7 @@ static T ts_zero_outputs[Y_SB];
 /* A missing input tangent reads zeros the same way, from per-batch-element bases (dub, ds<m>b,
  * de<m>b): "du ? du[i] : 0" in a vectorised loop became an AVX-512 load masked by du != NULL,
  * and a masked load from a null address costs a microcode assist every time, even with every
- * lane off (dt_jvp without du: 20x slower). */
+ * lane off (BENCHMARKS.md, twelfth session). */
 static T ts_zero_actions[U_SB];
 static T ts_zero_state[D_];
 #undef DU
@@ -176,16 +171,16 @@ static T ts_zero_state[D_];
 #define DS2 ds2b[so - srow * D_]
 #undef DS3
 #define DS3 ds3b[so - srow * D_]
-#undef VDU
+/* the same in dt_jvp's lane form, and its output tangent stores */
 #define VDU(j) VLOAD(dub + (uo - b * U_SB) + (j) * U_SH)
-#undef VDS0
 #define VDS0 VLOAD(ds0b + (so - srow * D_))
-#undef VDS1
 #define VDS1 VLOAD(ds1b + (so - srow * D_))
-#undef VDS2
 #define VDS2 VLOAD(ds2b + (so - srow * D_))
-#undef VDS3
 #define VDS3 VLOAD(ds3b + (so - srow * D_))
+#define VTY0(h, v) VSTORE(ty0 + yo + (h) * Y_SH, (v))
+#define VTY1(h, v) VSTORE(ty1 + yo + (h) * Y_SH, (v))
+#define VTY2(h, v) VSTORE(ty2 + yo + (h) * Y_SH, (v))
+#define VTY3(h, v) VSTORE(ty3 + yo + (h) * Y_SH, (v))
 /* entries of the dt_vjp coefficient accumulator (the runtime allocates it) */
 int64_t ts_h40_d6_pos_cen_a442_onesided_dtu_noidx_bhd_f32_o3_n_coefficients(void) { return NC_; }
 /* the step coefficients, computed once per call from dt (double precision, stored as T) */
