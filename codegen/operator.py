@@ -10,6 +10,7 @@ all derived from this one description.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Iterable, Sequence
 
 import numpy as np
@@ -141,13 +142,48 @@ def formula(name: str, params: Sequence[sp.Symbol], expr: sp.Expr) -> Any:
     coefficients stay small. ``expand_formulas`` writes the definition out; ``dense``
     evaluates it numerically.
     """
-    numeric = sp.lambdify(list(params), expr, "math")
-    return sp.Function(name, definition=sp.Lambda(tuple(params), expr), _imp_=staticmethod(numeric))
+    @functools.lru_cache(maxsize=1)
+    def numeric() -> Any:  # lambdify prints the definition: only where `dense` evaluates one
+        return sp.lambdify(list(params), expr, "math")
+
+    return sp.Function(name, definition=sp.Lambda(tuple(params), expr),
+                       _imp_=staticmethod(lambda *args: numeric()(*args)))
 
 
 def expand_formulas(expr: sp.Expr) -> sp.Expr:
     """``expr`` with every applied formula replaced by its definition at its arguments."""
-    if not expr.atoms(AppliedUndef):
-        return expr
-    return expr.replace(lambda e: isinstance(e, AppliedUndef) and hasattr(type(e), "definition"),
-                        lambda e: type(e).definition(*e.args))
+    done: dict[int, sp.Expr] = {}  # by identity: each distinct subexpression once (see _substitute)
+
+    def walk(x: sp.Expr) -> sp.Expr:
+        key = id(x)
+        if key not in done:
+            if isinstance(x, AppliedUndef) and hasattr(type(x), "definition"):
+                definition = type(x).definition
+                done[key] = _substitute(definition.expr, dict(zip(definition.variables, map(walk, x.args))))
+            else:
+                done[key] = _rebuilt(x, walk)
+        return done[key]
+
+    return walk(expr)
+
+
+def _rebuilt(e: sp.Expr, fn: Any) -> sp.Expr:
+    """``e`` with ``fn`` applied to its arguments (``e`` itself where none changes)."""
+    if not e.args:
+        return e
+    args = tuple(fn(a) for a in e.args)
+    return e if all(a is b for a, b in zip(args, e.args)) else e.func(*args)
+
+
+def _substitute(e: sp.Expr, mapping: dict) -> sp.Expr:
+    """xreplace, once per distinct subexpression: a definition is a DAG whose shared parts (the
+    Lagrange weights' symmetric polynomials) xreplace would walk once per path."""
+    done: dict[int, sp.Expr] = {}
+
+    def walk(x: sp.Expr) -> sp.Expr:
+        key = id(x)
+        if key not in done:
+            done[key] = mapping[x] if x in mapping else _rebuilt(x, walk)
+        return done[key]
+
+    return walk(e)
