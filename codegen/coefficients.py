@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 from collections import defaultdict
 from typing import Any, Iterable, Sequence
 
 import sympy as sp
+from sympy.core.function import AppliedUndef
 
 from . import monomials, tape
 from .operator import Operator, expand_formulas
@@ -29,8 +31,12 @@ ONE, MINUS_ONE = sp.Integer(1), sp.Integer(-1)
 MIN_ROWS = 4  # shorter runs of repeating rows stay straight-line
 #: straight-line programs of more lines run as tapes (codegen/tape.py)
 TAPE_ABOVE_LINES = 200
+#: value-tape instructions per line of CSE'd program, for a per-step stencil's boundary weights
+#: (2.3–2.7 over the per-step stencils up to H=64: the tape splits sums and products in two)
+TAPE_INSTRUCTIONS_PER_LINE = 2.25
 
 Line = tuple  # (symbol, expression): one assignment of a double-precision program
+_name = operator.attrgetter("name")  # a symbol's sort key (str() of a symbol is its name, printed: slower)
 
 
 def table_term(index: Any, operand: Any) -> Term:
@@ -83,7 +89,7 @@ def _tangent(lines: Sequence[Line]) -> list[Statement]:
     out: list[Statement] = []
     for s, e in lines:
         out.append(_double(str(s), Sym(e)))
-        parts = tuple(_derivative(e, a, f"d_{a}") for a in sorted(e.free_symbols, key=str))
+        parts = tuple(_derivative(e, a, f"d_{a}") for a in sorted(e.free_symbols, key=_name))
         out.append(_double(f"d_{s}", Add(parts)))
     return out
 
@@ -98,7 +104,7 @@ def _reverse(lines: Sequence[Line], seeds: dict[str, list]) -> tuple[list[Statem
         if not parts or not e.free_symbols:  # a constant line passes nothing on
             continue
         out.append(_double(f"b_{s}", Add(tuple(parts))))
-        for a in sorted(e.free_symbols, key=str):  # a fixed order: the same source in every process
+        for a in sorted(e.free_symbols, key=_name):  # a fixed order: the same source in every process
             contributions[str(a)].append(_derivative(e, a, f"b_{s}"))
     return out, contributions
 
@@ -162,7 +168,7 @@ class _Relative:
         return self.quantity[(s, h)]
 
     def expr(self, e: sp.Expr, h: int) -> sp.Expr:
-        return e.xreplace({s: self._symbol(s, h) for s in sorted(e.free_symbols, key=str)})
+        return e.xreplace({s: self._symbol(s, h) for s in sorted(e.free_symbols, key=_name)})
 
     def program_of(self, exprs: Sequence[sp.Expr]) -> tuple[Line, ...]:
         """The template quantities the expressions use, in definition order."""
@@ -268,7 +274,8 @@ class Coefficients:
     The program is a list of small assignments (chunked CSE keeps it linear in the
     horizon), with repeating rows as loops (``runs``). Its derivatives are taken line by
     line: forward mode for dt_jvp, reverse mode for dt_vjp, so no large expression is ever
-    differentiated symbolically.
+    differentiated symbolically. A long straight-line part is a tape (``tape``), differentiated
+    on the tape; with formulas it is built from them directly (``formula_lines``), never CSE'd.
     """
 
     CHUNK = 48
@@ -355,10 +362,35 @@ class Coefficients:
         return list(base) + _cse(chosen, sp.numbered_symbols("t"), [f"k{q}" for q in self.straight], self.CHUNK)
 
     @functools.cached_property
+    def formula_lines(self) -> list[Line]:
+        """The straight-line slots' program as the operator gives it, without CSE: the quantities
+        the slots use, then one line per slot, formulas unapplied (a tape builds their definitions
+        once per distinct subexpression: tape._Builder._formula)."""
+        exprs = list(self.names)
+        chosen = [exprs[q] for q in self.straight]
+        base = _used(self.base, chosen) if self.runs else self.base
+        return list(base) + [(sp.Symbol(f"k{q}"), e) for q, e in zip(self.straight, chosen)]
+
+    @functools.cached_property
     def long(self) -> bool:
         """Whether the straight-line parts of the programs are long enough to run as tapes (on
         CUDA a block's threads share a run of a tape)."""
-        return len(self.lines) > TAPE_ABOVE_LINES
+        return self.straight_size > TAPE_ABOVE_LINES
+
+    @functools.cached_property
+    def straight_size(self) -> float:
+        """The straight-line program's length in lines after CSE. With formulas (the Lagrange
+        weights of a duration per step) their expansion and CSE would cost seconds, so the length
+        is estimated from the value tape, which is built without them."""
+        if not self.has_formulas:
+            return len(self.lines)
+        return len(self.tape("value").instructions) / TAPE_INSTRUCTIONS_PER_LINE
+
+    @functools.cached_property
+    def has_formulas(self) -> bool:
+        """Whether the straight-line slots apply formulas (codegen/operator.formula). Their tapes are
+        then built from ``formula_lines``; other programs' from ``lines``, whose CSE is cheap."""
+        return any(e.atoms(AppliedUndef) for _, e in self.formula_lines)
 
     @functools.cached_property
     def monomials(self) -> monomials.Monomials | None:
@@ -380,20 +412,14 @@ class Coefficients:
         return self.long and not self.per_trajectory
 
     def tape(self, name: str) -> tape.Tape:
-        """The tape of program ``name`` ("value": the table, "tangent", "reverse")."""
+        """The tape of program ``name``: "value" (the table's straight-line slots and their
+        copies), "tangent" (those and their dt tangents), "reverse" (the dt gradient from theirs).
+        All three come from the value program; the tape takes the derivatives (tape.build)."""
         if name not in self._tapes:
-            program = {"value": self.preamble, "tangent": self.tangent_preamble, "reverse": self.reverse_program}[name]
-            program(taped=True)
+            if name not in ("value", "tangent", "reverse"):
+                raise ValueError(f"tape {name!r} is invalid: allowed 'value', 'tangent', 'reverse'")
+            self._tapes[name] = tape.build(name, self._straight_values(taped=True), name, len(self.dt_syms))
         return self._tapes[name]
-
-    def _taped(self, name: str, statements: list[Statement], taped: bool) -> list[Statement]:
-        """The program with its straight-line part (the statements before its loops) as a tape."""
-        if not taped:
-            return statements
-        first = next((i for i, s in enumerate(statements) if isinstance(s, For)), len(statements))
-        if name not in self._tapes:
-            self._tapes[name] = tape.build(name, statements[:first])
-        return [RunTape(self._tapes[name]), *statements[first:]]
 
     def _inputs(self, tangent: bool = False) -> list[Statement]:
         lines = [_double(str(s), Cast("double", Read("DT", (i,)))) for i, s in enumerate(self.dt_syms)]
@@ -401,12 +427,13 @@ class Coefficients:
             lines += [_double(f"d_{s}", Cast("double", Read("DDT", (i,)))) for i, s in enumerate(self.dt_syms)]
         return lines
 
-    def _used_inputs(self, tangent: bool = False) -> list[Statement]:
-        """The straight-line program's reads of dt (with runs, only the durations it uses)."""
+    def _used_inputs(self, tangent: bool = False, program: Sequence[Line] | None = None) -> list[Statement]:
+        """The reads of dt of the straight-line ``program`` (default: ``lines``; with runs, only
+        the durations it uses)."""
         lines = self._inputs(tangent)
         if not self.runs:
             return lines
-        used = {str(a) for _, e in self.lines for a in e.free_symbols}
+        used = {str(a) for _, e in (self.lines if program is None else program) for a in e.free_symbols}
         return [s for s in lines if s.target.name.removeprefix("d_") in used]
 
     def preamble(self, taped: bool | None = None) -> list[Statement]:
@@ -415,16 +442,8 @@ class Coefficients:
         taped = self.taped if taped is None else taped
         if (program := self._monomial("value", taped)) is not None:
             return program
-        lines = self._used_inputs()
-        singles, copy_loops = self._copy_program(taped)
-        for s, e in self.lines:
-            if s.name.startswith("k"):
-                q = int(s.name[1:])
-                lines.append(Store(Read("C", (q,)), Cast("T", Paren(Sym(e)))))
-                lines += singles.pop(q, [])  # next to the value: none held until later (CUDA registers)
-            else:
-                lines.append(_double(str(s), Sym(e)))
-        lines += [line for copies in singles.values() for line in copies]  # of constants
+        straight = [RunTape(self.tape("value"))] if taped else self._straight_values(taped)
+        loops = []
         for run in self.runs:
             body = run.inputs()
             for s, e in run.lines:
@@ -432,8 +451,23 @@ class Coefficients:
                     body.append(Store(Read("C", (run.slot(int(s.name[2:])),)), Cast("T", Paren(Sym(e)))))
                 else:
                     body.append(_double(str(s), Sym(e)))
-            lines.append(run.loop(body))
-        return self._taped("value", lines + copy_loops, taped)
+            loops.append(run.loop(body))
+        return straight + loops + self._copy_program(taped)[1]
+
+    def _straight_values(self, taped: bool) -> list[Statement]:
+        """The straight-line part of the table's program: its slots, and the copies of them and
+        of constants that are not loops."""
+        program = self.formula_lines if taped and self.has_formulas else self.lines
+        lines = self._used_inputs(program=program)
+        singles, _ = self._copy_program(taped)
+        for s, e in program:
+            if s.name.startswith("k"):
+                q = int(s.name[1:])
+                lines.append(Store(Read("C", (q,)), Cast("T", Paren(Sym(e)))))
+                lines += singles.pop(q, [])  # next to the value: none held until later (CUDA registers)
+            else:
+                lines.append(_double(str(s), Sym(e)))
+        return lines + [line for copies in singles.values() for line in copies]  # of constants
 
     def _copy_program(self, taped: bool) -> tuple[dict[Any, list[Statement]], list[Statement]]:
         """The blocks of copies: a loop per piece of MIN_ROWS or more whose sources advance by a
@@ -469,18 +503,21 @@ class Coefficients:
         taped = self.taped if taped is None else taped
         if (program := self._monomial("tangent", taped)) is not None:
             return program
-        lines = self._used_inputs(tangent=True) + _tangent(self.lines)
-        for table, source in (("C", "k"), ("CD", "d_k")):
-            lines += [Store(Read(table, (q,)), Cast("T", Paren(Var(f"{source}{q}")))) for q in self.straight]
         singles, copy_loops = self._copy_program(taped)  # the blocks of copies and their tangents (span loops read them)
-        lines += [c for copies in singles.values() for copy in copies for c in (copy, _tangent_copy(copy))]
+        if taped:
+            lines: list[Statement] = [RunTape(self.tape("tangent"))]
+        else:
+            lines = self._used_inputs(tangent=True) + _tangent(self.lines)
+            for table, source in (("C", "k"), ("CD", "d_k")):
+                lines += [Store(Read(table, (q,)), Cast("T", Paren(Var(f"{source}{q}")))) for q in self.straight]
+            lines += [c for copies in singles.values() for copy in copies for c in (copy, _tangent_copy(copy))]
         for run in self.runs:
             body = run.inputs(tangent=True) + _tangent(run.lines)
             for table, source in (("C", "kr"), ("CD", "d_kr")):
                 body += [Store(Read(table, (run.slot(i),)), Cast("T", Paren(Var(f"{source}{i}"))))
                          for i in range(run.width)]
             lines.append(run.loop(body))
-        return self._taped("tangent", lines + [c for copy in copy_loops for c in (copy, _tangent_copy(copy))], taped)
+        return lines + [c for copy in copy_loops for c in (copy, _tangent_copy(copy))]
 
     def reverse_program(self, taped: bool | None = None) -> list[Statement]:
         """gdt from GC(q) = ∂L/∂c<q> by reverse accumulation over the program's lines: the
@@ -488,15 +525,7 @@ class Coefficients:
         taped = self.taped if taped is None else taped
         if (program := self._monomial("reverse", taped)) is not None:
             return program
-        program = self.lines
-        lines = self._used_inputs() + [_double(str(s), Sym(e)) for s, e in program]
-        copied: dict[int, list] = defaultdict(list)  # a copy's gradient is its source's (constants: none)
-        for q in range(len(self.names), self.size):
-            copied[self.source(q)].append(Read("GC", (q,)))
-        adjoint, contributions = _reverse(program, {f"k{q}": [Read("GC", (q,)), *copied[q]] for q in self.straight})
-        lines += adjoint
-        for i, sym in enumerate(self.dt_syms):
-            lines.append(Store(Read("GDT", (i,)), Add(tuple(contributions.get(str(sym), [])))))
+        lines = [RunTape(self.tape("reverse"))] if taped else self._straight_reverse()
         for run in self.runs:
             body = run.inputs() + [_double(str(s), Sym(e)) for s, e in run.lines]
             adjoint, contributions = _reverse(run.lines, {f"kr{i}": [Read("GC", (run.slot(i),))]
@@ -505,4 +534,18 @@ class Coefficients:
             body += [Store(Read("GDT", (Rel(o),)), Add(tuple(contributions[str(s)])), "+=")
                      for o, s in run.window if contributions.get(str(s))]
             lines.append(run.loop(body))
-        return self._taped("reverse", lines, taped)
+        return lines
+
+    def _straight_reverse(self) -> list[Statement]:
+        """GDT(i) for every duration from the straight-line slots' gradients GC(q), and those of
+        the copies of them (a copy's gradient is its source's; constants pass none on)."""
+        program = self.lines
+        lines = self._used_inputs() + [_double(str(s), Sym(e)) for s, e in program]
+        copied: dict[int, list] = defaultdict(list)
+        for q in range(len(self.names), self.size):
+            copied[self.source(q)].append(Read("GC", (q,)))
+        adjoint, contributions = _reverse(program, {f"k{q}": [Read("GC", (q,)), *copied[q]] for q in self.straight})
+        lines += adjoint
+        for i, sym in enumerate(self.dt_syms):
+            lines.append(Store(Read("GDT", (i,)), Add(tuple(contributions.get(str(sym), [])))))
+        return lines

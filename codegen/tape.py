@@ -8,11 +8,14 @@ cost seconds of gcc and minutes of nvcc. As a tape it is an array of instruction
 coefficient gradients, stores write the table, its tangents or the dt gradient.
 
 Stages: ``build`` turns the program's statements into instructions (value numbering shares
-repeated subexpressions, sums and products become balanced trees), drops what reaches no store,
-places each instruction in a level (after all its operands: a level's instructions are
-independent, so a GPU block runs a level with all its threads, one barrier per level), and gives
-registers (one is reused from the level after its last read on, so no level reads a register
-another instruction of that level writes). The CPU runs the levels in turn.
+repeated subexpressions, sums and products become balanced trees; a formula's definition is
+built over its arguments' nodes), adds the dt derivatives where asked (forward mode for the
+tangent tape, reverse mode for the gradient's: each operation's rule, applied to the graph),
+drops what reaches no store, places each instruction in a level (after all its operands: a
+level's instructions are independent, so a GPU block runs a level with all its threads, one
+barrier per level), and gives registers (one is reused from the level after its last read on,
+so no level reads a register another instruction of that level writes). The CPU runs the levels
+in turn.
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ from collections import defaultdict
 from typing import Any, Sequence
 
 import sympy as sp
+from sympy.core.function import AppliedUndef
 
 from .statements import Add, Cast, Def, Literal, Mul, Paren, Read, Statement, Store, Sym, Var
 
@@ -108,6 +112,9 @@ class _Builder:
         self.memory: dict[tuple[str, int], int] = {}  # (table, slot) → the node stored there
         self.stores: dict[tuple[str, int], int] = {}  # (table, slot) → its store node (the last one)
         self.symbols: dict[sp.Expr, int] = {}
+        #: a derivative node's place in the program: just after the value node it differentiates
+        #: (its own number would put it after the whole value program, every value held till then)
+        self.rank: dict[int, float] = {}
 
     def node(self, op: str, args: tuple[int, ...] = (), index: int = 0, c: float = 0.0) -> int:
         n = _Node(op, args, index, float(c))
@@ -217,6 +224,8 @@ class _Builder:
                 raise ValueError(f"tape: {e.name} is used before it is defined") from None
         if e.is_Number:
             return self.const(float(e))
+        if isinstance(e, AppliedUndef) and hasattr(type(e), "definition"):
+            return self._formula(e)
         if e.is_Add:
             constant, rest = e.as_coeff_Add()
             terms = []
@@ -245,6 +254,18 @@ class _Builder:
                 value = self.div(value, self.product(denominator))
             return self.mul(value, self.const(c))
         raise NotImplementedError(f"tape: {type(e).__name__} ({e}) is not an operation of the tape")
+
+    def _formula(self, e: Any) -> int:
+        """A formula (codegen/operator.formula) applied: its definition's graph over the nodes of its
+        arguments, each distinct subexpression once (no SymPy expression is built or expanded)."""
+        definition = type(e).definition
+        args = [self.sympy(a) for a in e.args]
+        outer = self.env, self.symbols
+        self.env, self.symbols = {v.name: n for v, n in zip(definition.variables, args)}, {}
+        try:
+            return self.sympy(definition.expr)
+        finally:
+            self.env, self.symbols = outer
 
     def expr(self, x: Any) -> int:
         """A node computing one statement expression."""
@@ -281,12 +302,21 @@ class _Builder:
             raise NotImplementedError(f"tape: the statement {s!r}")
 
 
-def build(name: str, statements: Sequence[Statement]) -> Tape:
+def build(name: str, statements: Sequence[Statement], mode: str = "value", n_dt: int = 0) -> Tape:
     """The tape of a straight-line program (double-precision locals, loads of DT/DDT/GC, stores
-    to C/CD/GDT)."""
+    to C/CD/GDT). ``mode`` "tangent" also stores each C slot's dt tangent CD (forward mode over
+    the program's graph); "reverse" stores, instead of the table, GDT(i) for every i < ``n_dt``
+    from the table's gradient GC (reverse mode). The derivatives are taken here, node by node,
+    so a long program is differentiated without SymPy."""
     b = _Builder()
     for s in statements:
         b.statement(s)
+    if mode == "tangent":
+        _tangent(b)
+    elif mode == "reverse":
+        _reverse(b, n_dt)
+    elif mode != "value":
+        raise ValueError(f"mode={mode!r} is invalid: allowed 'value', 'tangent', 'reverse'")
     nodes = b.nodes
     roots = _fuse_scaled_stores(nodes, sorted(b.stores.values()))
     live = _reached(nodes, roots)
@@ -294,8 +324,113 @@ def build(name: str, statements: Sequence[Statement]) -> Tape:
     for n in live:
         for a in nodes[n].args:
             users[a].append(n)
-    level = _levels(nodes, live, users)
+    level = _levels(nodes, live, users, b.rank)
     return _allocate(name, nodes, live, level, users)
+
+
+def _sum(b: _Builder, x: int | None, y: int | None, negative: bool = False) -> int | None:
+    """x + y (x - y when ``negative``), None standing for zero."""
+    if y is None:
+        return x
+    if x is None:
+        return b.neg(y) if negative else y
+    return b.sub(x, y) if negative else b.add(x, y)
+
+
+def _power_derivative(b: _Builder, node: _Node) -> int:
+    """d(a**c)/da = c·a**(c-1)."""
+    (a,) = node.args
+    lower = node.c - 1
+    power = b.const(1.0) if lower == 0 else a if lower == 1 else b.node("powc", (a,), c=lower)
+    return b.mul(power, b.const(node.c))
+
+
+def _tangent(b: _Builder) -> None:
+    """Forward mode: every value node's tangent from its operands' (a load of DT(i) has DDT(i)),
+    and a store CD(q) beside each store C(q) (0 where the value does not depend on dt)."""
+    t: dict[int, int] = {}  # node → its tangent (absent: zero)
+    for n in range(len(b.nodes)):  # the value graph; the nodes made here come after it
+        made = len(b.nodes)
+        node = b.nodes[n]
+        op, args = node.op, node.args
+        ta = t.get(args[0]) if args else None
+        tb = t.get(args[1]) if len(args) > 1 else None
+        if op == "dt":
+            d = b.node("ddt", index=node.index)
+        elif op in ("add", "sub"):
+            d = _sum(b, ta, tb, negative=op == "sub")
+        elif op == "mul":
+            d = _sum(b, None if ta is None else b.mul(ta, args[1]), None if tb is None else b.mul(args[0], tb))
+        elif op == "div":  # (ta - n·tb) / b
+            top = _sum(b, ta, None if tb is None else b.mul(n, tb), negative=True)
+            d = None if top is None else b.div(top, args[1])
+        elif ta is None:
+            d = None
+        elif op == "addc":
+            d = ta
+        elif op == "mulc":
+            d = b.mul(ta, b.const(node.c))
+        elif op in ("neg", "rsubc"):
+            d = b.neg(ta)
+        elif op == "rdivc":  # d(c/a) = -(c/a)/a · da
+            d = b.neg(b.div(b.mul(n, ta), args[0]))
+        elif op == "powc":
+            d = b.mul(ta, _power_derivative(b, node))
+        else:  # stores
+            d = None
+        if d is not None:
+            t[n] = d
+        b.rank.update((m, n + 0.5) for m in range(made, len(b.nodes)))
+    zero = None
+    for (table, q), s in list(b.stores.items()):
+        if table == "C":
+            d = t.get(b.nodes[s].args[0])
+            if d is None:
+                zero = b.const(0.0) if zero is None else zero
+            b.stores[("CD", q)] = b.node("CD", (zero if d is None else d,), index=q, c=1.0)
+
+
+def _reverse(b: _Builder, n_dt: int) -> None:
+    """Reverse mode: the adjoint of every value node from its users', seeded by GC(q) at each
+    store C(q); the stores become GDT(i) = the adjoint of the load of DT(i), for every i < n_dt."""
+    n_value = len(b.nodes)
+    adjoint: dict[int, list[tuple[int, bool]]] = defaultdict(list)  # node → signed parts
+    for (table, q), s in b.stores.items():
+        if table == "C":
+            store = b.nodes[s]
+            seed = b.node("gc", index=q)
+            adjoint[store.args[0]].append((seed if store.c == 1 else b.mul(seed, b.const(store.c)), False))
+    gdt: dict[int, int] = {}
+    for n in range(n_value - 1, -1, -1):  # users before operands: creation order is topological
+        if n not in adjoint:
+            continue
+        g = b.signed_sum(adjoint.pop(n))
+        node = b.nodes[n]
+        op, args = node.op, node.args
+        if op == "dt":
+            gdt[node.index] = g
+        elif op in ("add", "sub"):
+            adjoint[args[0]].append((g, False))
+            adjoint[args[1]].append((g, op == "sub"))
+        elif op == "mul":
+            adjoint[args[0]].append((b.mul(g, args[1]), False))
+            adjoint[args[1]].append((b.mul(g, args[0]), False))
+        elif op == "div":  # d(a/b) = da/b - (a/b)/b · db
+            quotient = b.div(g, args[1])
+            adjoint[args[0]].append((quotient, False))
+            adjoint[args[1]].append((b.mul(quotient, n), True))
+        elif op == "addc":
+            adjoint[args[0]].append((g, False))
+        elif op == "mulc":
+            adjoint[args[0]].append((b.mul(g, b.const(node.c)), False))
+        elif op in ("neg", "rsubc"):
+            adjoint[args[0]].append((g, True))
+        elif op == "rdivc":
+            adjoint[args[0]].append((b.div(b.mul(g, n), args[0]), True))
+        elif op == "powc":
+            adjoint[args[0]].append((b.mul(g, _power_derivative(b, node)), False))
+    zero = b.const(0.0)
+    b.stores = {("GDT", i): b.node("GDT", (gdt.get(i, zero),), index=i, c=1.0) for i in range(n_dt)}
 
 
 def _fuse_scaled_stores(nodes: list[_Node], stores: list[int]) -> list[int]:
@@ -335,13 +470,16 @@ def _reached(nodes: list[_Node], roots: list[int]) -> list[int]:
     return sorted(need)
 
 
-def _levels(nodes: list[_Node], live: list[int], users: dict[int, list[int]]) -> dict[int, int]:
+def _levels(nodes: list[_Node], live: list[int], users: dict[int, list[int]],
+            rank: dict[int, float] | None = None) -> dict[int, int]:
     """Each node's level, after all its operands': at most LEVEL_WIDTH instructions per level
     (a wider level would only hold more registers: a block runs it a few hundred at a time), in
     the program's order; loads and constants one level before their first user (their
     registers are not held from the start)."""
-    def priority(n: int) -> tuple[bool, int]:  # stores first (they free registers), then program order
-        return nodes[n].op not in STORES, n
+    rank = rank or {}
+
+    def priority(n: int) -> tuple[bool, float]:  # stores first (they free registers), then program order
+        return nodes[n].op not in STORES, rank.get(n, n)
 
     waiting = {n: sum(1 for a in nodes[n].args if nodes[a].args) for n in live if nodes[n].args}
     ready = [(priority(n), n) for n, count in waiting.items() if count == 0]

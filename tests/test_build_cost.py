@@ -75,8 +75,10 @@ def test_long_coefficient_programs_are_tapes(overrides):
     (table, dt_jvp's tangent, dt_vjp_finish's reverse) thousands of lines at any H: gcc -O3 took
     7-9 s on them at H=256, and unoptimised still seconds. Each such part is a tape now (data,
     run by one small loop: codegen/tape.py), the loops over the interior rows a function of
-    their own at -O2 (TS_ROWS), and every function stays short."""
+    their own at -O2 without the vectoriser (TS_ROWS: -O2's cheap vectoriser took 1.7 of 3.1 s
+    of gcc on a wide stencil's tangent rows), and every function stays short."""
     source = generate(_spec(overrides, 256, "float32"), targets=("c",), parts=("core", "dt")).source("c", "dt")
+    assert '#define TS_ROWS __attribute__((optimize("O2", "no-tree-vectorize")))' in source
     functions = _functions(source)
     kernel = lambda k: next(text for name, text in functions.items() if name.endswith(f"_{k}"))
     assert "TS_TAPE_REVERSE();" in kernel("dt_vjp_finish")
@@ -88,6 +90,28 @@ def test_long_coefficient_programs_are_tapes(overrides):
             assert "for (int64_t r = " in text and lines < 800, (name, lines)
         else:
             assert lines < 400, (name, lines)
+
+
+@pytest.mark.parametrize("overrides, targets, dt_bytes", [
+    (dict(difference="central", accuracy=8), ("c", "cuda"), 1_100_000),  # was 1.48 MB
+    (dict(difference="backward", accuracy=8, order=4, end="goal", goal_index=True), ("c",), 2_200_000),  # 3.88 MB
+], ids=["central_a8", "backward_a8_o4_goal"])
+def test_wide_per_step_tapes_come_from_the_formulas(overrides, targets, dt_bytes):
+    """Accuracy 8 with a duration per step, H=256: the boundary rows' Lagrange weights go into the
+    value tape as their formulas (each distinct subexpression once), and the tangent and reverse
+    tapes are that tape differentiated (codegen/tape.py), so the generator never expands, CSEs or
+    differentiates them in SymPy. Before, that was 4-21 s of generation and 1.5-3.9 MB of dt
+    source per library (BENCHMARKS.md). The tapes' numerics: tests/test_tape.py."""
+    from tensorstep.codegen.driver import lowered
+
+    spec = ts.KernelSpec(horizon=256, dof=7, dtype="float32", dt="per_step", start_index=True, **overrides)
+    generated = generate(spec, targets=targets, parts=("core", "dt"))
+    coefs = lowered(spec).coefs
+    assert coefs.taped and coefs.has_formulas
+    assert "lines" not in vars(coefs)  # the CSE'd straight-line program was never made
+    assert len(generated.source("c", "dt")) < dt_bytes
+    tangent = coefs.tape("tangent")
+    assert tangent.registers < 6144  # a CUDA block's 48 KB of shared memory, in doubles
 
 
 def test_per_trajectory_tables_are_data():

@@ -1,4 +1,5 @@
-"""Long straight-line coefficient programs kept as data (codegen/tape.py).
+"""Long straight-line coefficient programs kept as data (codegen/tape.py), their dt derivatives
+taken on the tape.
 
 Each tape is run here the way a GPU block runs it: level by level, every instruction of a level
 reading the registers as the level before left them; the run fails if an instruction of a level
@@ -33,6 +34,7 @@ TAPED = [
     dict(difference="central", accuracy=4, dt="per_step", order=4, horizon=40),
     dict(difference="backward", accuracy=3, dt="per_step", horizon=40),
     dict(control="bspline", degree=4, knots=4, steps=12, end="goal"),
+    dict(difference="backward", accuracy=8, dt="per_step", horizon=16, end="goal"),
 ]
 STEP = 1e-30  # complex step: the derivative is the imaginary part over STEP, exact to rounding
 
