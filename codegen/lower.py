@@ -733,13 +733,13 @@ def _gradient(ref: Ref, parts: tuple[Term, ...]) -> Call:
 TABLE_CALL = [Call("COEFFICIENTS", (Var("dt_in"), Var("coef")))]  # the shared table function (templates define it)
 
 
-def _spans_only(op: Operator, cuda: bool = False) -> bool:
+def _spans_only(op: Operator) -> bool:
     """Whether span loops cover every row, with no interior loops (which loop over the knots, one
-    per phase and output, p of them, and the adjoint's gather p rows a term per action). C: when
-    p² > H (span loops are about one per H/p rows and output). CUDA: whenever p > 1 (the
-    gathers and short interior loops take 130-250 registers; the span loops 32-96)."""
-    p = _period(op)
-    return p > 1 and (cuda or p * p > op.horizon)
+    per phase and output, p of them, and the adjoint's gather p rows a term per action): whenever
+    p > 1. On CUDA the gathers and short interior loops took 130-250 registers, the span loops
+    32-96; in C the interior loops took gcc seconds at 8-12 rows per span and ran 1.4-4x slower
+    (BENCHMARKS.md)."""
+    return _period(op) > 1
 
 
 def _forward(op: Operator, coefs: Coefficients, spans: list[Span], only: bool) -> KernelCode:
@@ -892,20 +892,15 @@ class LoweredOperator:
         self.coefs = Coefficients(op, per_trajectory)
         self.n_dt = len(op.dt_symbols)
         # the span loops first: their blocks of copies are part of the table every kernel sizes
-        self.only = {target: _spans_only(op, target == "cuda") for target in ("c", "cuda")}
-        # the forward's span loops: over the rows its interior loops leave (every row if "only")
-        interior = set() if all(self.only.values()) else _forward_loops(op, self.coefs)[1]
-        self.spans = {target: _spans(op, self.coefs, set() if only else interior) for target, only in self.only.items()}
-        self.spans["adjoint"] = _spans(op, self.coefs, set())
-        if self.only["cuda"]:  # CUDA: interior spans as loops over knots (nvcc's time grew with the knots)
-            self.spans["cuda"] = _spans(op, self.coefs, set(), knots=True)
-        # The dt kernels' (C and CUDA) with a period above 1: span loops only, interior spans as
-        # loops over knots, as CUDA's forward. Interior loops, one per phase and output, took gcc
-        # seconds on dt_jvp alone (see BENCHMARKS.md), and span loops over many knots more still.
-        self.dt_only = self.only["cuda"]
-        dt_spans = self.spans["cuda"] if self.dt_only else self.spans["c"]
-        done = _covered(dt_spans) | (set() if self.dt_only else interior)
-        self.spans["dt"] = dt_spans + _leftover_spans(op, self.coefs, done)
+        self.only = _spans_only(op)
+        if self.only:  # every kernel, C and CUDA: span loops, the interior spans one loop over the knots
+            spans = _spans(op, self.coefs, set(), knots=True)
+            self.spans = {"forward": spans, "adjoint": spans, "dt": spans + _leftover_spans(op, self.coefs, _covered(spans))}
+        else:  # interior loops; the forward's span loops over the rows they leave
+            interior = _forward_loops(op, self.coefs)[1]
+            forward = _spans(op, self.coefs, interior)
+            self.spans = {"forward": forward, "adjoint": _spans(op, self.coefs, set()),
+                          "dt": forward + _leftover_spans(op, self.coefs, _covered(forward) | interior)}
         self.n_coefficients = max(1, self.coefs.size)
         self._cuda: dict[str, Any] = {}
 
@@ -934,19 +929,11 @@ class LoweredOperator:
 
     @functools.cached_property
     def forward(self) -> KernelCode:
-        return _forward(self.op, self.coefs, self.spans["c"], self.only["c"])
-
-    @functools.cached_property
-    def forward_cuda(self) -> KernelCode:
-        """The forward for CUDA: span loops only where the period is above 1 (see _spans_only), the
-        interior spans as loops over knots."""
-        if self.only["cuda"] == self.only["c"] and self.spans["cuda"] == self.spans["c"]:
-            return self.forward
-        return _forward(self.op, self.coefs, self.spans["cuda"], self.only["cuda"])
+        return _forward(self.op, self.coefs, self.spans["forward"], self.only)
 
     @functools.cached_property
     def adjoint(self) -> KernelCode:
-        return _adjoint(self.op, self.coefs, self.spans["adjoint"], self.only["c"])
+        return _adjoint(self.op, self.coefs, self.spans["adjoint"], self.only)
 
     @functools.cached_property
     def stencil(self) -> bool:
@@ -959,8 +946,7 @@ class LoweredOperator:
         for CUDA: span loops only where the period is above 1 (see _spans_only)."""
         if not _is_stencil(self.op):
             return None
-        return _adjoint(self.op, self.coefs, self.spans["cuda" if self.only["cuda"] else "adjoint"], self.only["cuda"],
-                        reads=True)
+        return _adjoint(self.op, self.coefs, self.spans["adjoint"], self.only, reads=True)
 
     # The forward and adjoint columns of an integrator with the recurrence's repeating rows as one
     # loop (None for stencils), for the C lane form at long horizons: their length does not grow
@@ -976,7 +962,7 @@ class LoweredOperator:
 
     @functools.cached_property
     def dt_vjp(self) -> KernelCode:
-        return _dt_vjp(self.op, self.coefs, self.spans["dt"], self.dt_only)
+        return _dt_vjp(self.op, self.coefs, self.spans["dt"], self.only)
 
     @functools.cached_property
     def dt_vjp_finish(self) -> KernelCode:
@@ -984,7 +970,7 @@ class LoweredOperator:
 
     @functools.cached_property
     def dt_jvp(self) -> KernelCode:
-        return _dt_jvp(self.op, self.coefs, self.spans["dt"], self.dt_only)
+        return _dt_jvp(self.op, self.coefs, self.spans["dt"], self.only)
 
 
 def lower(op: Operator, per_trajectory: bool = False) -> LoweredOperator:

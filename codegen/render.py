@@ -109,10 +109,8 @@ def _cuda_codes(code: LoweredOperator, kernels: tuple, itemsize: int) -> dict:
     """The kernels' code for the CUDA template: an integrator's long adjoint rolled (see above); a
     stencil's adjoint reads each output gradient where it is used (held in locals, the boundary
     rows of a wide per-step stencil took 144 registers, order 4, H=64, float32); with a period
-    above 1 (B-splines) the forward and adjoint are span loops only (lower._spans_only)."""
+    above 1 (B-splines) the forward and adjoint are span loops only, as in C (lower._spans_only)."""
     codes = {k: code.cuda_program(k) if k in code.CUDA_PROGRAMS else getattr(code, k) for k in kernels}
-    if "forward" in codes:
-        codes["forward"] = code.forward_cuda
     adjoint = codes.get("adjoint")
     if adjoint is not None and code.adjoint_reads is not None:
         codes["adjoint"] = code.adjoint_reads
