@@ -289,6 +289,8 @@ class Coefficients:
         self.names: dict[sp.Expr, int] = {}
         self.copies: list[sp.Expr] = []  # slot len(names) + i holds copies[i] (see block)
         self._blocks: dict[tuple[sp.Expr, ...], int] = {}
+        self._codes: dict[sp.Expr, int] = {}  # a number per copied value: blocks are searched by them
+        self._copy_codes: list[int] = []  # the copies' numbers
         for coef in op.coefficients():  # fixed slots, shared by every kernel of the operator
             self.index(coef)
         self.runs = find_runs(op, self.names, self.varies)
@@ -306,10 +308,12 @@ class Coefficients:
         consecutive slots (e.g. the tail of a longer span's weights) is read there, and one whose
         head ends them is appended only in part."""
         if values not in self._blocks:
-            at = _find(self.copies, values)
+            codes = tuple(self._codes.setdefault(v, len(self._codes)) for v in values)
+            at = _find(self._copy_codes, codes)
             if at is None:
-                at = len(self.copies) - _overlap(self.copies, values)
+                at = len(self.copies) - _overlap(self._copy_codes, codes)
                 self.copies += values[len(self.copies) - at:]
+                self._copy_codes += codes[len(self._copy_codes) - at:]
             self._blocks[values] = len(self.names) + at
         return self._blocks[values]
 
@@ -382,9 +386,11 @@ class Coefficients:
         """The straight-line program's length in lines after CSE. With formulas (the Lagrange
         weights of a duration per step) their expansion and CSE would cost seconds, so the length
         is estimated from the value tape, which is built without them."""
-        if not self.has_formulas:
-            return len(self.lines)
-        return len(self.tape("value").instructions) / TAPE_INSTRUCTIONS_PER_LINE
+        if self.has_formulas:
+            return len(self.tape("value").instructions) / TAPE_INSTRUCTIONS_PER_LINE
+        if len(self.straight) > TAPE_ABOVE_LINES:  # a line per slot at least: long without the CSE (seconds
+            return len(self.straight)               # over a B-spline's thousands of weights)
+        return len(self.lines)
 
     @functools.cached_property
     def has_formulas(self) -> bool:

@@ -27,6 +27,7 @@ True
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Sequence
 
 import sympy as sp
@@ -44,11 +45,11 @@ class Monomials:
     factors: tuple[float, ...]
     powers: tuple[int, ...]
 
-    @property
+    @functools.cached_property  # read once per slot by the template
     def lowest(self) -> int:
         return min(self.powers)
 
-    @property
+    @functools.cached_property
     def highest(self) -> int:
         return max(self.powers)
 
