@@ -1,0 +1,149 @@
+"""First-build cost of every kind of kernel at H ≤ 256: generation plus gcc, per library.
+
+Each spec is measured in a fresh process (imports, SymPy's caches and the page cache of a
+first build included): the C source of each library ("core", then "dt") is generated and
+compiled with the runtime's flags under ``/usr/bin/time``. One JSON line per spec; the table
+at the end gives, per family, how many specs take more than 3 s on their slowest library.
+
+    python -m tensorstep.bench.builds [--quick] [--out FILE.jsonl]
+
+>>> specs = grid()
+>>> len(specs), max(spec_of(s).horizon for s in specs)
+(260, 256)
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from typing import Any
+
+LIMIT_S = 3.0  # issue 17: every first build of any kernel at H ≤ 256
+_BASE = dict(dof=7, dtype="float32", start_index=True)
+
+
+def spec_of(fields: dict) -> Any:
+    from tensorstep import KernelSpec
+
+    return KernelSpec(**fields)
+
+
+def _position() -> list[dict]:
+    specs = []
+    for difference, accuracy, end, dt, order in itertools.product(
+            ("central", "backward"), (None, 4, 6, 8), ("hold", "one_sided", "goal"),
+            ("uniform", "per_step", "per_trajectory"), (3, 4)):
+        if accuracy in (4, 6) and dt != "per_step":
+            continue  # wider than the default and narrower than 8: only the per-step programs grow
+        spec = dict(_BASE, horizon=256, control="position", difference=difference, end=end, dt=dt, order=order)
+        if accuracy:
+            spec["accuracy"] = accuracy
+        if end == "goal":
+            spec["goal_index"] = True
+        specs.append(spec)
+    return specs
+
+
+def _integration() -> list[dict]:
+    return [dict(_BASE, horizon=256, control=control, integrator=integrator, dt=dt, order=order)
+            for control, integrator, dt, order in itertools.product(
+                ("velocity", "acceleration", "jerk"), ("semi_implicit_euler", "exact"),
+                ("uniform", "per_step", "per_trajectory"), (3, 4))]
+
+
+def _bspline() -> list[dict]:
+    from tensorstep.codegen.spec import bspline_horizon
+
+    specs = []
+    for degree, steps in itertools.product((3, 4, 5, 6, 7), (1, 2, 4, 8, 12, 16, 32, 64)):
+        fits = [k for k in range(1, 300) if bspline_horizon(degree, k, steps, "goal") <= 256]
+        if not fits:
+            continue
+        for dt, end in itertools.product(("uniform", "per_trajectory"), ("hold", "goal")):
+            spec = dict(_BASE, control="bspline", degree=degree, knots=max(fits), steps=steps, dt=dt, end=end)
+            if end == "goal":
+                spec["goal_index"] = True
+            specs.append(spec)
+    return specs
+
+
+def grid(quick: bool = False) -> list[dict]:
+    """The swept specs (``quick``: the widest per-step stencils and the longest B-spline spans)."""
+    specs = _position() + _integration() + _bspline()
+    if quick:
+        specs = [s for s in specs if s.get("accuracy") == 8 and s["dt"] == "per_step" and s["end"] == "hold"
+                 or s.get("steps") == 12 and s["end"] == "goal"]
+    return specs
+
+
+def family(spec: dict) -> str:
+    control = spec.get("control", "position")
+    if control == "position":
+        width = f", accuracy {spec['accuracy']}" if "accuracy" in spec else ""
+        return f"position {spec['difference']}, dt {spec['dt']}{width}"
+    if control == "bspline":
+        return f"B-spline, dt {spec['dt']}"
+    return f"integration, dt {spec['dt']}"
+
+
+def measure(fields: dict) -> dict:
+    """Generation and gcc seconds, source KB and the compiler's peak MB of each library (run in
+    the process it is to measure: see ``main``)."""
+    started = time.perf_counter()
+    from tensorstep.codegen.driver import generate
+    from tensorstep.runtime.cbackend import c_flags
+
+    spec = spec_of(fields)
+    row: dict = {"spec": fields, "horizon": spec.horizon}
+    with tempfile.TemporaryDirectory() as folder:
+        for part in ("core", "dt"):
+            source = generate(spec, targets=("c",), parts=(part,)).source("c", part)
+            generated = time.perf_counter()
+            path = f"{folder}/{part}.c"
+            with open(path, "w") as f:
+                f.write(source)
+            run = subprocess.run(["/usr/bin/time", "-f", "%e %M", "cc", *c_flags(), "-x", "c", path, "-o",
+                                  f"{folder}/{part}.so"], capture_output=True, text=True)
+            wall, peak = run.stderr.strip().splitlines()[-1].split()
+            row[part] = {"generate_s": round(generated - started, 2), "gcc_s": float(wall),
+                         "source_kb": len(source) // 1024, "peak_mb": int(peak) // 1024, "returncode": run.returncode}
+            started = time.perf_counter()
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="the widest stencils and longest spans only")
+    parser.add_argument("--out", help="also write the JSON lines here")
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # the child process: measure this spec
+    args = parser.parse_args(argv)
+    if args.one:
+        print(json.dumps(measure(json.loads(args.one))))
+        return 0
+    slowest: dict[str, list[float]] = defaultdict(list)
+    out = open(args.out, "w") if args.out else None
+    for fields in grid(args.quick):
+        child = subprocess.run([sys.executable, "-m", "tensorstep.bench.builds", "--one", json.dumps(fields)],
+                               capture_output=True, text=True)
+        if child.returncode:
+            print(f"FAILED {fields}: {child.stderr.strip().splitlines()[-1:]}", flush=True)
+            continue
+        row = json.loads(child.stdout)
+        if out:
+            out.write(json.dumps(row) + "\n")
+        worst = max(row[p]["generate_s"] + row[p]["gcc_s"] for p in ("core", "dt"))
+        slowest[family(fields)].append(worst)
+        print(f"{worst:6.2f} s  {json.dumps(fields)}", flush=True)
+    print(f"\n| family | specs | over {LIMIT_S:g} s | slowest |\n|---|---|---|---|")
+    for name, times in sorted(slowest.items()):
+        print(f"| {name} | {len(times)} | {sum(t > LIMIT_S for t in times)} | {max(times):.2f} s |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
