@@ -631,12 +631,12 @@ def _span_adjoint(coefs: Coefficients, spans: list[Span], wanted: Callable[[Ref]
             return [Store(target(ref), Sum((_term(coefs, lit, slot, Read(f"G{span.k}", (Rel(0),))),)), "+=")
                     for ref, lit, slot in span.terms if wanted(ref)]
 
-        if unit.nest < 0:
+        actions = sorted({ref[1].base for span in unit.spans for ref, _, _ in span.terms
+                          if isinstance(ref[1], Shift) and wanted(ref)}) if unit.nest >= 0 else []
+        if not actions:  # no loop over knots, or one that reads no action whose gradient is wanted
             loop = unit.loop(gather)
             lines += [Def(sums[ref], Sum(()), const=False) for ref in new]
         else:
-            actions = sorted({ref[1].base for span in unit.spans for ref, _, _ in span.terms
-                              if isinstance(ref[1], Shift) and wanted(ref)})
             lo, repeat = actions[0], unit.spans[0].repeat
             window = [Var(f"a{unit.nest}k{m}") for m in range(actions[-1] - lo + 1)]
             for m, var in enumerate(window):

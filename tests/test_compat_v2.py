@@ -208,6 +208,27 @@ def test_bspline_backward_is_the_dense_transpose(degree, s):
         assert float(got["s3"].abs().max()) == 0.0 and float(got["g3"].abs().max()) == 0.0
 
 
+@pytest.mark.parametrize("degree", [3, 5])
+def test_rows_held_past_the_spline_have_the_dense_adjoint(degree):
+    """get_bspline_interpolation's kernels have more rows than the spline (max_out): the rows past
+    it repeat the goal with the period s, so they form a loop over knots that reads no knot. The
+    adjoint of such a kernel (generation failed on it once) is the dense operator's transpose."""
+    import tensorstep as ts
+    from tensorstep.codegen.builders import build_operator
+
+    spec = CuroboV2Spec("bspline", 60, 2, "float64", degree, 6, 2)
+    step = ts.load(spec)
+    g = torch.Generator().manual_seed(degree)
+    u = torch.randn(2, 6, 2, generator=g, dtype=f64, requires_grad=True)
+    p0, v0, a0, j0, *goal = (torch.randn(2, 2, generator=g, dtype=f64) for _ in range(8))
+    outs = step(u, p0, v0, a0, torch.full((2,), 0.1, dtype=f64), j0=j0, goal=tuple(goal), start_index=torch.arange(2))
+    grads = [torch.randn(o.shape, generator=g, dtype=f64) for o in outs]
+    (got,) = torch.autograd.grad(outs, u, grads)
+    M_u, _, _ = build_operator(spec).dense([0.1])
+    expected = sum(np.einsum("hn,bhd->bnd", M_u[k], grads[k].numpy()) for k in range(len(outs)))
+    scale_close(got.numpy(), expected, 1e-12)
+
+
 def test_gradcheck_with_forward_mode():
     """gradcheck (backward and forward AD) of all three kernel classes through every float input."""
     case = Case(2, 5, 2, [1, 0, 1], seed=3)
