@@ -14,6 +14,7 @@ at the end gives, per family, how many specs take more than 3 s on their slowest
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import subprocess
@@ -126,23 +127,28 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(measure(json.loads(args.one))))
         return 0
     slowest: dict[str, list[float]] = defaultdict(list)
-    out = open(args.out, "w") if args.out else None
-    for fields in grid(args.quick):
-        child = subprocess.run([sys.executable, "-m", "tensorstep.bench.builds", "--one", json.dumps(fields)],
-                               capture_output=True, text=True)
-        if child.returncode:
-            print(f"FAILED {fields}: {child.stderr.strip().splitlines()[-1:]}", flush=True)
-            continue
-        row = json.loads(child.stdout)
-        if out:
-            out.write(json.dumps(row) + "\n")
-        worst = max(row[p]["generate_s"] + row[p]["gcc_s"] for p in ("core", "dt"))
-        slowest[family(fields)].append(worst)
-        print(f"{worst:6.2f} s  {json.dumps(fields)}", flush=True)
+    with open(args.out, "w") if args.out else contextlib.nullcontext() as out:
+        for fields in grid(args.quick):
+            _measure_one(fields, out, slowest)
     print(f"\n| family | specs | over {LIMIT_S:g} s | slowest |\n|---|---|---|---|")
     for name, times in sorted(slowest.items()):
         print(f"| {name} | {len(times)} | {sum(t > LIMIT_S for t in times)} | {max(times):.2f} s |")
     return 0
+
+
+def _measure_one(fields: dict, out: Any, slowest: dict[str, list[float]]) -> None:
+    """Measure one spec in a child process; print its slowest library, record it by family."""
+    child = subprocess.run([sys.executable, "-m", "tensorstep.bench.builds", "--one", json.dumps(fields)],
+                           capture_output=True, text=True)
+    if child.returncode:
+        print(f"FAILED {fields}: {child.stderr.strip().splitlines()[-1:]}", flush=True)
+        return
+    row = json.loads(child.stdout)
+    if out:
+        out.write(json.dumps(row) + "\n")
+    worst = max(row[p]["generate_s"] + row[p]["gcc_s"] for p in ("core", "dt"))
+    slowest[family(fields)].append(worst)
+    print(f"{worst:6.2f} s  {json.dumps(fields)}", flush=True)
 
 
 if __name__ == "__main__":

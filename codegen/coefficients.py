@@ -23,7 +23,7 @@ import sympy as sp
 from sympy.core.function import AppliedUndef
 
 from . import monomials, tape
-from .operator import Operator, expand_formulas
+from .operator import Operator, expand_formulas, is_formula
 from .statements import (Add, Cast, Def, For, Literal, Mul, Paren, Read, Rel, RunTape, Statement, Store, Strided, Sym,
                          Term, Var, transform)
 
@@ -370,8 +370,7 @@ class Coefficients:
         """The straight-line slots' program as the operator gives it, without CSE: the quantities
         the slots use, then one line per slot, formulas unapplied (a tape builds their definitions
         once per distinct subexpression: tape._Builder._formula)."""
-        exprs = list(self.names)
-        chosen = [exprs[q] for q in self.straight]
+        chosen = [self._exprs[q] for q in self.straight]
         base = _used(self.base, chosen) if self.runs else self.base
         return list(base) + [(sp.Symbol(f"k{q}"), e) for q, e in zip(self.straight, chosen)]
 
@@ -383,9 +382,10 @@ class Coefficients:
 
     @functools.cached_property
     def straight_size(self) -> float:
-        """The straight-line program's length in lines after CSE. With formulas (the Lagrange
-        weights of a duration per step) their expansion and CSE would cost seconds, so the length
-        is estimated from the value tape, which is built without them."""
+        """The straight-line program's length in lines after CSE, or what decides ``long`` the
+        same way without the CSE: with formulas (the Lagrange weights of a duration per step),
+        whose expansion and CSE would cost seconds, an estimate from the value tape, which is
+        built without them; with more slots than the limit, the slots (a line each at least)."""
         if self.has_formulas:
             return len(self.tape("value").instructions) / TAPE_INSTRUCTIONS_PER_LINE
         if len(self.straight) > TAPE_ABOVE_LINES:  # a line per slot at least: long without the CSE (seconds
@@ -396,7 +396,7 @@ class Coefficients:
     def has_formulas(self) -> bool:
         """Whether the straight-line slots apply formulas (codegen/operator.formula). Their tapes are
         then built from ``formula_lines``; other programs' from ``lines``, whose CSE is cheap."""
-        return any(e.atoms(AppliedUndef) for _, e in self.formula_lines)
+        return any(is_formula(a) for _, e in self.formula_lines for a in e.atoms(AppliedUndef))
 
     @functools.cached_property
     def monomials(self) -> monomials.Monomials | None:

@@ -894,13 +894,13 @@ class LoweredOperator:
         # the span loops first: their blocks of copies are part of the table every kernel sizes
         self.only = _spans_only(op)
         if self.only:  # every kernel, C and CUDA: span loops, the interior spans one loop over the knots
-            spans = _spans(op, self.coefs, set(), knots=True)
-            self.spans = {"forward": spans, "adjoint": spans, "dt": spans + _leftover_spans(op, self.coefs, _covered(spans))}
+            interior: set = set()
+            forward = adjoint = _spans(op, self.coefs, interior, knots=True)
         else:  # interior loops; the forward's span loops over the rows they leave
             interior = _forward_loops(op, self.coefs)[1]
-            forward = _spans(op, self.coefs, interior)
-            self.spans = {"forward": forward, "adjoint": _spans(op, self.coefs, set()),
-                          "dt": forward + _leftover_spans(op, self.coefs, _covered(forward) | interior)}
+            forward, adjoint = _spans(op, self.coefs, interior), _spans(op, self.coefs, set())
+        self.spans = {"forward": forward, "adjoint": adjoint,
+                      "dt": forward + _leftover_spans(op, self.coefs, _covered(forward) | interior)}
         self.n_coefficients = max(1, self.coefs.size)
         self._cuda: dict[str, Any] = {}
 

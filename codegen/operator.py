@@ -150,21 +150,41 @@ def formula(name: str, params: Sequence[sp.Symbol], expr: sp.Expr) -> Any:
                        _imp_=staticmethod(lambda *args: numeric()(*args)))
 
 
+def is_formula(e: Any) -> bool:
+    """Whether ``e`` applies a formula (see ``formula``)."""
+    return isinstance(e, AppliedUndef) and hasattr(type(e), "definition")
+
+
 def expand_formulas(expr: sp.Expr) -> sp.Expr:
     """``expr`` with every applied formula replaced by its definition at its arguments."""
-    done: dict[int, sp.Expr] = {}  # by identity: each distinct subexpression once (see _substitute)
+    def definition(x: sp.Expr, walk: Any) -> sp.Expr | None:
+        if not is_formula(x):
+            return None
+        lam = type(x).definition
+        return _substitute(lam.expr, dict(zip(lam.variables, map(walk, x.args))))
+
+    return _rewrite(expr, definition)
+
+
+def _substitute(e: sp.Expr, mapping: dict) -> sp.Expr:
+    """xreplace, once per distinct subexpression: a definition is a DAG whose shared parts (the
+    Lagrange weights' symmetric polynomials) xreplace would walk once per path."""
+    return _rewrite(e, lambda x, walk: mapping.get(x))
+
+
+def _rewrite(e: sp.Expr, rule: Any) -> sp.Expr:
+    """``e`` with each subexpression x replaced by ``rule(x, walk)`` where that is not None (else
+    rebuilt from its rewritten arguments), each distinct subexpression (by identity) once."""
+    done: dict[int, sp.Expr] = {}
 
     def walk(x: sp.Expr) -> sp.Expr:
         key = id(x)
         if key not in done:
-            if isinstance(x, AppliedUndef) and hasattr(type(x), "definition"):
-                definition = type(x).definition
-                done[key] = _substitute(definition.expr, dict(zip(definition.variables, map(walk, x.args))))
-            else:
-                done[key] = _rebuilt(x, walk)
+            new = rule(x, walk)
+            done[key] = _rebuilt(x, walk) if new is None else new
         return done[key]
 
-    return walk(expr)
+    return walk(e)
 
 
 def _rebuilt(e: sp.Expr, fn: Any) -> sp.Expr:
@@ -173,17 +193,3 @@ def _rebuilt(e: sp.Expr, fn: Any) -> sp.Expr:
         return e
     args = tuple(fn(a) for a in e.args)
     return e if all(a is b for a, b in zip(args, e.args)) else e.func(*args)
-
-
-def _substitute(e: sp.Expr, mapping: dict) -> sp.Expr:
-    """xreplace, once per distinct subexpression: a definition is a DAG whose shared parts (the
-    Lagrange weights' symmetric polynomials) xreplace would walk once per path."""
-    done: dict[int, sp.Expr] = {}
-
-    def walk(x: sp.Expr) -> sp.Expr:
-        key = id(x)
-        if key not in done:
-            done[key] = mapping[x] if x in mapping else _rebuilt(x, walk)
-        return done[key]
-
-    return walk(e)

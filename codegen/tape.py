@@ -25,8 +25,8 @@ from collections import defaultdict
 from typing import Any, Sequence
 
 import sympy as sp
-from sympy.core.function import AppliedUndef
 
+from .operator import is_formula
 from .statements import Add, Cast, Def, Literal, Mul, Paren, Read, Statement, Store, Sym, Var
 
 #: operation → (code, the C statement that runs it over the register file ts_r and the instruction o)
@@ -224,7 +224,7 @@ class _Builder:
                 raise ValueError(f"tape: {e.name} is used before it is defined") from None
         if e.is_Number:
             return self.const(float(e))
-        if isinstance(e, AppliedUndef) and hasattr(type(e), "definition"):
+        if is_formula(e):
             return self._formula(e)
         if e.is_Add:
             constant, rest = e.as_coeff_Add()
@@ -381,13 +381,10 @@ def _tangent(b: _Builder) -> None:
         if d is not None:
             t[n] = d
         b.rank.update((m, n + 0.5) for m in range(made, len(b.nodes)))
-    zero = None
+    zero = b.const(0.0)  # (a node no store reads is dropped)
     for (table, q), s in list(b.stores.items()):
         if table == "C":
-            d = t.get(b.nodes[s].args[0])
-            if d is None:
-                zero = b.const(0.0) if zero is None else zero
-            b.stores[("CD", q)] = b.node("CD", (zero if d is None else d,), index=q, c=1.0)
+            b.stores[("CD", q)] = b.node("CD", (t.get(b.nodes[s].args[0], zero),), index=q, c=1.0)
 
 
 def _reverse(b: _Builder, n_dt: int) -> None:
@@ -471,13 +468,11 @@ def _reached(nodes: list[_Node], roots: list[int]) -> list[int]:
 
 
 def _levels(nodes: list[_Node], live: list[int], users: dict[int, list[int]],
-            rank: dict[int, float] | None = None) -> dict[int, int]:
+            rank: dict[int, float]) -> dict[int, int]:
     """Each node's level, after all its operands': at most LEVEL_WIDTH instructions per level
     (a wider level would only hold more registers: a block runs it a few hundred at a time), in
-    the program's order; loads and constants one level before their first user (their
-    registers are not held from the start)."""
-    rank = rank or {}
-
+    the program's order (``rank`` where a node has one); loads and constants one level before
+    their first user (their registers are not held from the start)."""
     def priority(n: int) -> tuple[bool, float]:  # stores first (they free registers), then program order
         return nodes[n].op not in STORES, rank.get(n, n)
 
