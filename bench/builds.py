@@ -1,8 +1,9 @@
 """First-build cost of every kind of kernel at H ≤ 256: generation plus gcc, per library.
 
 Each spec is measured in a fresh process (imports, SymPy's caches and the page cache of a
-first build included): the C source of each library ("core", then "dt") is generated and
-compiled with the runtime's flags under ``/usr/bin/time``. One JSON line per spec; the table
+first build included): the C source of each library (the core, then the dt gradient's and the
+dt tangent's, in the order a program needs them) is generated and compiled with the runtime's
+flags under ``/usr/bin/time``. One JSON line per spec; the table
 at the end gives, per family, how many specs take more than 3 s on their slowest library.
 
     python -m tensorstep.bench.builds [--quick] [--out FILE.jsonl]
@@ -96,13 +97,14 @@ def measure(fields: dict) -> dict:
     """Generation and gcc seconds, source KB and the compiler's peak MB of each library (run in
     the process it is to measure: see ``main``)."""
     started = time.perf_counter()
+    from tensorstep.codegen.abi import LIBRARIES
     from tensorstep.codegen.driver import generate
     from tensorstep.runtime.cbackend import c_flags
 
     spec = spec_of(fields)
     row: dict = {"spec": fields, "horizon": spec.horizon}
     with tempfile.TemporaryDirectory() as folder:
-        for part in ("core", "dt"):
+        for part in LIBRARIES:
             source = generate(spec, targets=("c",), parts=(part,)).source("c", part)
             generated = time.perf_counter()
             path = f"{folder}/{part}.c"
@@ -146,7 +148,9 @@ def _measure_one(fields: dict, out: Any, slowest: dict[str, list[float]]) -> Non
     row = json.loads(child.stdout)
     if out:
         out.write(json.dumps(row) + "\n")
-    worst = max(row[p]["generate_s"] + row[p]["gcc_s"] for p in ("core", "dt"))
+    from tensorstep.codegen.abi import LIBRARIES
+
+    worst = max(row[part]["generate_s"] + row[part]["gcc_s"] for part in LIBRARIES)
     slowest[family(fields)].append(worst)
     print(f"{worst:6.2f} s  {json.dumps(fields)}", flush=True)
 

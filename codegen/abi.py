@@ -11,11 +11,25 @@ from __future__ import annotations
 from .arguments import INDEX, ArgumentTable
 
 KERNELS = ("forward", "adjoint", "dt_vjp", "dt_vjp_finish", "dt_jvp")
-#: Kernels are built in two libraries: the core (always) and the dt derivatives (on first use).
-PARTS = {"core": ("forward", "adjoint"), "dt": ("dt_vjp", "dt_vjp_finish", "dt_jvp"), "all": KERNELS,
-         # single kernels, for reading (`tensorstep show --kernel`)
-         "forward": ("forward",), "adjoint": ("adjoint",), "backward": ("adjoint",),
-         "dt_vjp": ("dt_vjp", "dt_vjp_finish"), "dt_jvp": ("dt_jvp",)}
+#: Kernels are built in three libraries, each when first needed: the core (forward and adjoint)
+#: when a step loads, the dt gradient's kernels on the first gradient with respect to dt, the dt
+#: tangent's on the first forward-mode derivative in dt (which most programs never take).
+LIBRARIES = {"core": ("forward", "adjoint"), "dt_vjp": ("dt_vjp", "dt_vjp_finish"), "dt_jvp": ("dt_jvp",)}
+#: each library in words (messages)
+LIBRARY_ROLES = {"core": "forward and adjoint", "dt_vjp": "dt gradient", "dt_jvp": "dt tangent"}
+#: What can be generated: a library, both dt libraries ("dt"), everything, or one kernel for reading
+#: (`tensorstep show --kernel`).
+PARTS = {**LIBRARIES, "dt": ("dt_vjp", "dt_vjp_finish", "dt_jvp"), "all": KERNELS,
+         "forward": ("forward",), "adjoint": ("adjoint",), "backward": ("adjoint",)}
+
+
+def library(kernel: str) -> str:
+    """The library a kernel is built in.
+
+    >>> library("dt_vjp_finish")
+    'dt_vjp'
+    """
+    return next(name for name, kernels in LIBRARIES.items() if kernel in kernels)
 
 #: batch elements per row of the C dt_vjp's partial sums: a row per chunk, added in order, so the
 #: dt gradient is the same for any number of OpenMP threads (the runtime allocates the rows)

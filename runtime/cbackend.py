@@ -98,7 +98,7 @@ _LOADED: dict[str, Any] = {}
 
 
 def load_library(spec: Any, part: str = "core", cache: BuildCache | None = None) -> tuple[Any, dict]:
-    """One loaded cffi library of a spec ('core' or 'dt') and its build metadata: from the
+    """One loaded cffi library of a spec (see ``abi.LIBRARIES``) and its build metadata: from the
     cache, else generated (codegen's driver) and built.
 
     An unusable cache folder (read-only, or not a folder) falls back to a private temporary

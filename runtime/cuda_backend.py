@@ -157,7 +157,7 @@ class CudaBackend:
 
     def _bind(self, part: str) -> dict:
         if capturing():
-            raise warm_up_first(f"the {part} kernels would be compiled and loaded")
+            raise warm_up_first(f"the {abi.LIBRARY_ROLES.get(part, part)} kernels ({part}) would be compiled and loaded")
         cp = self.cupy
         source, metadata = cuda_source(self.spec, part)
         with cp.cuda.Device(self.device.index):
@@ -181,7 +181,7 @@ class CudaBackend:
 
     def call(self, kernel: str, B: int, args: list[int]) -> None:
         if kernel not in self.functions:
-            self.load_part("dt")
+            self.load_part(abi.library(kernel))
         launches, buffers = launch_plan(self.spec, self.table, int(self.metadata["n_coefficients"]), kernel, B,
                                         args, self.empty, bool(self.metadata.get("tapes")))
         stream = self._stream(torch.cuda.current_stream(self.device).cuda_stream)

@@ -54,9 +54,10 @@ class Launcher:
         self.per_trajectory = self.table.dt.shape == ("B",)
 
     def prepare(self, dt_grad: bool) -> None:
-        """Load now what later calls would load lazily (the dt kernels, for dt gradients)."""
+        """Load now what later calls would load lazily (the dt kernels: gradients and tangents)."""
         if dt_grad:
-            self.backend.load_part("dt")
+            for library in ("dt_vjp", "dt_jvp"):
+                self.backend.load_part(library)
 
     def output_shape(self, B: int) -> tuple[int, ...]:
         """Shape of each output (P, V, A, J[, S]) for a batch of B."""
@@ -144,7 +145,7 @@ class Launcher:
 
 
 class CpuBackend:
-    """Calls into cffi-loaded libraries: the core now, the dt derivatives on first use."""
+    """Calls into cffi-loaded libraries: the core now, each dt library on first use."""
 
     def __init__(self, spec: Any, source: Optional[str] = None, metadata: Optional[dict] = None):
         """Kernels generated for ``spec``, or built from a given C ``source`` (all kernels) with the
@@ -179,5 +180,5 @@ class CpuBackend:
 
     def call(self, kernel: str, B: int, args: list[int]) -> None:
         if kernel not in self.functions:
-            self.load_part("dt")
+            self.load_part(abi.library(kernel))
         self.functions[kernel](B, *args)

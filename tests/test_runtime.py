@@ -36,6 +36,32 @@ def test_second_process_loads_from_cache_without_codegen(tmp_path):
     assert list((tmp_path / "builds").iterdir()), "artefacts live under TENSORSTEP_CACHE_DIR"
 
 
+def test_each_dt_library_is_built_when_first_needed(tmp_path):
+    """A dt gradient builds the reverse-mode dt kernels only; the forward-mode ones (a tangent in
+    dt, which most programs never take) are built on their own first use."""
+    code = """
+        import torch, tensorstep as ts
+        from torch.autograd import forward_ad as fwAD
+        from tensorstep.runtime.cache import BuildCache
+        spec = ts.KernelSpec(horizon=6, dof=2, dtype="float64", dt="per_step")
+        step = ts.load(spec)
+        u = torch.randn(2, 5, 2, dtype=torch.float64, requires_grad=True); z = torch.zeros(2, 2, dtype=torch.float64)
+        dt = torch.full((6,), 0.1, dtype=torch.float64, requires_grad=True)
+        def built():
+            return sorted(p.stem.rsplit("-", 1)[0].rsplit("-", 1)[-1] for p in (BuildCache().root / "index").iterdir())
+        step(u, z, z, z, dt.detach())[1].sum().backward()
+        print(*built())
+        step(u, z, z, z, dt)[1].sum().backward()
+        print(*built())
+        with fwAD.dual_level():
+            fwAD.unpack_dual(step(u.detach(), z, z, z, fwAD.make_dual(dt.detach(), torch.ones(6, dtype=torch.float64)))[1])
+        print(*built())
+    """
+    run = run_python(code, str(tmp_path))
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.splitlines() == ["core", "core dt_vjp", "core dt_jvp dt_vjp"]
+
+
 def test_corrupt_cached_library_is_rebuilt(tmp_path):
     code = """
         import torch, tensorstep as ts
