@@ -170,6 +170,15 @@ class _Relative:
     def expr(self, e: sp.Expr, h: int) -> sp.Expr:
         return e.xreplace({s: self._symbol(s, h) for s in sorted(e.free_symbols, key=_name)})
 
+    def key(self, e: sp.Expr, h: int) -> Any:
+        """What ``expr`` compares by, without building it where ``e`` applies a formula to
+        quantities (a Lagrange weight at a row's node times): the formula and its relative
+        arguments. The quantities are named in ``expr``'s order."""
+        if not (is_formula(e) and all(a.is_Symbol for a in e.args)):
+            return self.expr(e, h)
+        relative = {s: self._symbol(s, h) for s in sorted(set(e.args), key=_name)}
+        return e.func, tuple(relative[a] for a in e.args)
+
     def program_of(self, exprs: Sequence[sp.Expr]) -> tuple[Line, ...]:
         """The template quantities the expressions use, in definition order."""
         return tuple(_used(self.lines, exprs))
@@ -206,7 +215,7 @@ def find_runs(op: Operator, names: dict[sp.Expr, int], varies: Any) -> list[RowR
     by_row = _rows_of(op, names, varies)
     exprs = {q: e for e, q in names.items()}
     rel = _Relative(op)
-    signature = {h: tuple(rel.expr(exprs[q], h) for q in qs) for h, qs in by_row.items() if qs}
+    signature = {h: tuple(rel.key(exprs[q], h) for q in qs) for h, qs in by_row.items() if qs}
 
     def contiguous(qs: list[int]) -> bool:
         return qs == list(range(qs[0], qs[0] + len(qs)))
@@ -223,7 +232,7 @@ def find_runs(op: Operator, names: dict[sp.Expr, int], varies: Any) -> list[RowR
         while j + 1 < len(rows) and rows[j + 1] == rows[j] + 1 and follows(rows[j + 1]):
             j += 1
         if j - i + 1 >= MIN_ROWS:
-            template = tuple(expand_formulas(e) for e in signature[rows[i]])
+            template = tuple(expand_formulas(rel.expr(exprs[q], rows[i])) for q in by_row[rows[i]])
             program = rel.program_of(template)
             used = set().union(*(e.free_symbols for e in template), *(e.free_symbols for _, e in program))
             window = tuple(sorted((o, s) for o, s in rel.window.items() if s in used))
@@ -417,6 +426,11 @@ class Coefficients:
         loops over the table's ``monomials``)."""
         return self.long and not self.per_trajectory
 
+    @functools.cached_property
+    def _graph(self) -> Any:
+        """The value program's graph, which each tape extends (tape.graph)."""
+        return tape.graph(self._straight_values(taped=True))
+
     def tape(self, name: str) -> tape.Tape:
         """The tape of program ``name``: "value" (the table's straight-line slots and their
         copies), "tangent" (those and their dt tangents), "reverse" (the dt gradient from theirs).
@@ -424,7 +438,7 @@ class Coefficients:
         if name not in self._tapes:
             if name not in ("value", "tangent", "reverse"):
                 raise ValueError(f"tape {name!r} is invalid: allowed 'value', 'tangent', 'reverse'")
-            self._tapes[name] = tape.build(name, self._straight_values(taped=True), name, len(self.dt_syms))
+            self._tapes[name] = tape.build(name, self._graph, name, len(self.dt_syms))
         return self._tapes[name]
 
     def _inputs(self, tangent: bool = False) -> list[Statement]:

@@ -102,7 +102,7 @@ def combine(terms: Iterable[Term]) -> tuple[Term, ...]:
     """Merge terms on the same ref, drop zero coefficients, keep first-use order."""
     acc: dict[Ref, sp.Expr] = {}
     for coef, ref in terms:
-        acc[ref] = acc.get(ref, sp.Integer(0)) + coef
+        acc[ref] = acc[ref] + coef if ref in acc else coef  # (no 0 + coef: each SymPy sum costs)
     return tuple((c, r) for r, c in acc.items() if c != 0)
 
 
@@ -131,7 +131,7 @@ def row_ref(k: int, h: int) -> list[Term]:
 
 
 def scaled(terms: Iterable[Term], factor: sp.Expr) -> list[Term]:
-    return [(factor * c, r) for c, r in terms]
+    return [(factor if c is sp.S.One else factor * c, r) for c, r in terms]
 
 
 def formula(name: str, params: Sequence[sp.Symbol], expr: sp.Expr) -> Any:

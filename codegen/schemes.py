@@ -40,6 +40,7 @@ class PositionPoints:
     def __init__(self, horizon: int, durations: list[sp.Expr], goal: bool = False):
         self.H = horizon
         self.dts = durations
+        self._negated = [-d for d in durations]  # negated once: a sum of them is built directly
         self.goal = goal
         self.program: list[tuple[sp.Symbol, sp.Expr]] = []
         self._named: dict[tuple[int, int], sp.Symbol] = {}
@@ -89,8 +90,8 @@ class PositionPoints:
             extra = j * self.dts[0]
             j = 0
         if j >= h:
-            return extra + sp.Add(*self.dts[h + 1 : j + 1])
-        return extra - sp.Add(*self.dts[j + 1 : h + 1])
+            return sp.Add(extra, *self.dts[h + 1 : j + 1])
+        return sp.Add(extra, *self._negated[j + 1 : h + 1])
 
 
 def stencil_points(spec: KernelSpec, k: int, h: int) -> list[int]:

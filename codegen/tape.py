@@ -20,6 +20,7 @@ in turn.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import heapq
 from collections import defaultdict
 from typing import Any, Sequence
@@ -115,6 +116,13 @@ class _Builder:
         #: a derivative node's place in the program: just after the value node it differentiates
         #: (its own number would put it after the whole value program, every value held till then)
         self.rank: dict[int, float] = {}
+
+    def copy(self) -> "_Builder":
+        """A builder that extends this graph without changing it (the statements' scope is closed)."""
+        other = _Builder()
+        other.nodes, other.numbers = list(self.nodes), dict(self.numbers)
+        other.stores, other.rank = dict(self.stores), dict(self.rank)
+        return other
 
     def node(self, op: str, args: tuple[int, ...] = (), index: int = 0, c: float = 0.0) -> int:
         n = _Node(op, args, index, float(c))
@@ -227,26 +235,17 @@ class _Builder:
         if is_formula(e):
             return self._formula(e)
         if e.is_Add:
-            constant, rest = e.as_coeff_Add()
-            terms = []
-            for t in sp.Add.make_args(rest):
-                coeff, _ = t.as_coeff_Mul()
-                negative = bool(coeff.is_negative)
-                terms.append((self.sympy(-t if negative else t), negative))
-            total = self.signed_sum(terms)
-            return self.add(total, self.const(float(constant))) if constant else total
+            constant, terms = _sum_parts(e)
+            total = self.signed_sum([(self.sympy(t), negative) for t, negative in terms])
+            return self.add(total, self.const(constant)) if constant else total
         if e.is_Mul or e.is_Pow:
-            coeff, rest = e.as_coeff_Mul()
+            c, factors = _product_parts(e)
             numerator, denominator = [], []
-            for f in sp.Mul.make_args(rest):
-                base, exp = f.as_base_exp()
-                if exp.is_Integer and exp != 0:
-                    (numerator if exp > 0 else denominator).append(self.power(self.sympy(base), abs(int(exp))))
-                elif exp.is_Number:
-                    numerator.append(self.node("powc", (self.sympy(base),), c=float(exp)))
+            for base, exponent, integer in factors:
+                if not integer:
+                    numerator.append(self.node("powc", (self.sympy(base),), c=exponent))
                 else:
-                    raise NotImplementedError(f"tape: the power {f} (a constant exponent is needed)")
-            c = float(coeff)
+                    (numerator if exponent > 0 else denominator).append(self.power(self.sympy(base), abs(exponent)))
             if not numerator and denominator:
                 return self.node("rdivc", (self.product(denominator),), c=c)
             value = self.product(numerator)
@@ -302,21 +301,59 @@ class _Builder:
             raise NotImplementedError(f"tape: the statement {s!r}")
 
 
-def build(name: str, statements: Sequence[Statement], mode: str = "value", n_dt: int = 0) -> Tape:
-    """The tape of a straight-line program (double-precision locals, loads of DT/DDT/GC, stores
-    to C/CD/GDT). ``mode`` "tangent" also stores each C slot's dt tangent CD (forward mode over
-    the program's graph); "reverse" stores, instead of the table, GDT(i) for every i < ``n_dt``
-    from the table's gradient GC (reverse mode). The derivatives are taken here, node by node,
-    so a long program is differentiated without SymPy."""
+# A formula's definition is walked once per application (over other argument nodes): its SymPy
+# structure is read once per subexpression, here, not once per walk.
+@functools.lru_cache(maxsize=1 << 16)
+def _sum_parts(e: sp.Expr) -> tuple[float, tuple[tuple[sp.Expr, bool], ...]]:
+    """A sum as its constant and its other terms, each positive with a flag for its sign."""
+    constant, rest = e.as_coeff_Add()
+    terms = []
+    for t in sp.Add.make_args(rest):
+        coeff, _ = t.as_coeff_Mul()
+        negative = bool(coeff.is_negative)
+        terms.append((-t if negative else t, negative))
+    return float(constant), tuple(terms)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _product_parts(e: sp.Expr) -> tuple[float, tuple[tuple[sp.Expr, Any, bool], ...]]:
+    """A product (or power) as its constant factor and its factors (base, exponent, whether the
+    exponent is a nonzero integer; else a float for pow)."""
+    coeff, rest = e.as_coeff_Mul()
+    factors = []
+    for f in sp.Mul.make_args(rest):
+        base, exp = f.as_base_exp()
+        if exp.is_Integer and exp != 0:
+            factors.append((base, int(exp), True))
+        elif exp.is_Number:
+            factors.append((base, float(exp), False))
+        else:
+            raise NotImplementedError(f"tape: the power {f} (a constant exponent is needed)")
+    return float(coeff), tuple(factors)
+
+
+def graph(statements: Sequence[Statement]) -> _Builder:
+    """The value-numbered graph of a straight-line program (double-precision locals, loads of
+    DT/DDT/GC, stores to C/CD/GDT): what ``build`` makes each of a program's tapes from."""
     b = _Builder()
     for s in statements:
         b.statement(s)
+    return b
+
+
+def build(name: str, program: Sequence[Statement] | _Builder, mode: str = "value", n_dt: int = 0) -> Tape:
+    """The tape of a straight-line program, given as statements or as their ``graph`` (which is
+    left as it is, for the program's other tapes). ``mode`` "tangent" also stores each C slot's
+    dt tangent CD (forward mode over the program's graph); "reverse" stores, instead of the
+    table, GDT(i) for every i < ``n_dt`` from the table's gradient GC (reverse mode). The
+    derivatives are taken here, node by node, so a long program is differentiated without SymPy."""
+    if mode not in ("value", "tangent", "reverse"):
+        raise ValueError(f"mode={mode!r} is invalid: allowed 'value', 'tangent', 'reverse'")
+    b = program.copy() if isinstance(program, _Builder) else graph(program)
     if mode == "tangent":
         _tangent(b)
     elif mode == "reverse":
         _reverse(b, n_dt)
-    elif mode != "value":
-        raise ValueError(f"mode={mode!r} is invalid: allowed 'value', 'tangent', 'reverse'")
     nodes = b.nodes
     roots = _fuse_scaled_stores(nodes, sorted(b.stores.values()))
     live = _reached(nodes, roots)

@@ -144,6 +144,18 @@ def test_tapes_store_the_coefficients_and_their_derivatives(overrides):
     np.testing.assert_allclose([gdt[i].real for i in range(n)], expected, rtol=1e-12, atol=1e-12 * abs(expected).max())
 
 
+def test_each_tape_extends_its_own_copy_of_the_program_graph():
+    """The value program is read once (tape.graph) and each tape extends a copy of it: a tape made
+    after the others is the one made alone from the statements."""
+    from tensorstep.codegen import tape
+
+    coefs = lowered(spec_of(TAPED[3])).coefs
+    statements = coefs._straight_values(taped=True)
+    graph, n_dt = tape.graph(statements), len(coefs.dt_syms)
+    for name in ("reverse", "tangent", "value", "reverse"):
+        assert tape.build(name, graph, name, n_dt) == tape.build(name, statements, name, n_dt)
+
+
 def test_short_programs_stay_code():
     """A short program is straight-line code (a tape's loop would cost more than it saves)."""
     short = lowered(spec_of(dict(difference="central", dt="per_step", horizon=40))).coefs
