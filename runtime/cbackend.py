@@ -77,11 +77,36 @@ def environment_key() -> str:
                   platform.machine(), generator_fingerprint())[:16]
 
 
-def _compile(src: Path, out: Path) -> None:
-    cmd = [compiler(), *c_flags(), "-x", "c", str(src), "-o", str(out)]
+def _compile(src: Path, out: Path, units: int = 1) -> None:
+    """Compile a C source into a shared library: in one piece, or, on a machine with more than
+    one core, as ``units`` translation units (``-DTS_UNIT=1..units``, an entry point each: see
+    templates/kernel.c.j2) compiled side by side and linked."""
+    if units <= 1 or cores() <= 1:
+        _run([compiler(), *c_flags(), "-x", "c", str(src), "-o", str(out)], src)
+        return
+    with tempfile.TemporaryDirectory(dir=out.parent, prefix=".units.") as folder:
+        objects = [str(Path(folder) / f"unit{i}.o") for i in range(1, units + 1)]
+        commands = [[compiler(), *c_flags(), f"-DTS_UNIT={i}", "-c", "-x", "c", str(src), "-o", o]
+                    for i, o in enumerate(objects, 1)]
+        processes = [subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                     for cmd in commands]
+        errors = [process.communicate()[1] for process in processes]  # wait for every one
+        for cmd, process, stderr in zip(commands, processes, errors):
+            if process.returncode != 0:
+                raise CompileError(cmd, str(src), stderr)
+        _run([compiler(), *c_flags(), *objects, "-o", str(out)], src)
+
+
+def _run(cmd: list[str], src: Path) -> None:
     result = subprocess.run(cmd, capture_output=True, text=True)
     if result.returncode != 0:
         raise CompileError(cmd, str(src), result.stderr)
+
+
+@functools.lru_cache(maxsize=1)
+def cores() -> int:
+    """The cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def cdef(spec: Any, part: str) -> str:
@@ -129,7 +154,7 @@ def _load_library(spec: Any, part: str, cache: BuildCache) -> tuple[Any, dict]:
 
     try:
         content_hash, path, metadata = cache.artefact_for(f"{spec.key}-{part}", environment_key(), "so", generate,
-                                                          _compile)
+                                                          functools.partial(_compile, units=len(abi.PARTS[part])))
     finally:
         for notice in notices:
             notice.cancel()
@@ -141,7 +166,8 @@ def load_source(spec: Any, source: str, metadata: dict, cache: BuildCache | None
     with the metadata its manifest recorded."""
     cache = cache or BuildCache()
     content_hash = digest(source, environment_key())
-    return _open(content_hash, cache.build(content_hash, "so", source, _compile, metadata), spec, "all"), metadata
+    build = functools.partial(_compile, units=len(abi.PARTS["all"]))
+    return _open(content_hash, cache.build(content_hash, "so", source, build, metadata), spec, "all"), metadata
 
 
 def address(lib: Any, symbol: str) -> int:

@@ -173,3 +173,31 @@ def test_the_suite_never_builds_into_the_users_cache():
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     assert os.environ.get("TENSORSTEP_CACHE_DIR")
     assert cache_root().resolve() != (Path(base) / "tensorstep").resolve()
+
+
+def test_a_library_compiles_as_a_unit_per_entry_point(tmp_path, monkeypatch):
+    """On more than one core the runtime compiles each entry point as a translation unit of its
+    own (-DTS_UNIT=i, side by side) and links them: each unit defines its entry point alone, and
+    the library they make has them all."""
+    import ctypes
+    import shutil
+
+    from tensorstep.codegen import abi
+    from tensorstep.codegen.driver import generate
+    from tensorstep.runtime import cbackend
+
+    spec = ts.KernelSpec(horizon=12, dof=2, dt="per_step")
+    src = tmp_path / "kernels.c"
+    src.write_text(generate(spec, targets=("c",), parts=("all",)).source("c", "all"))
+    for i, kernel in enumerate(abi.PARTS["all"], 1):
+        obj = tmp_path / f"unit{i}.o"
+        subprocess.run([cbackend.compiler(), *cbackend.c_flags(), f"-DTS_UNIT={i}", "-c", "-x", "c", str(src), "-o",
+                        str(obj)], check=True)
+        listed = subprocess.run([shutil.which("nm"), "-g", "--defined-only", str(obj)], capture_output=True, text=True,
+                                check=True).stdout
+        defined = {line.split()[-1] for line in listed.splitlines() if line.split()[-1].startswith(spec.name)}
+        assert defined == {abi.symbol(spec.name, kernel)} | ({abi.symbol(spec.name, "n_coefficients")} if i == 1 else set())
+    monkeypatch.setattr(cbackend, "cores", lambda: 2)
+    cbackend._compile(src, tmp_path / "kernels.so", units=len(abi.PARTS["all"]))
+    library = ctypes.CDLL(str(tmp_path / "kernels.so"))
+    assert all(hasattr(library, abi.symbol(spec.name, k)) for k in abi.PARTS["all"])

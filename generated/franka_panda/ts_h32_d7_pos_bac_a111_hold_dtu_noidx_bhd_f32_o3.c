@@ -182,7 +182,9 @@ static T ts_zero_state[D_];
 #define VTY2(h, v) VSTORE(ty2 + yo + (h) * Y_SH, (v))
 #define VTY3(h, v) VSTORE(ty3 + yo + (h) * Y_SH, (v))
 /* entries of the dt_vjp coefficient accumulator (the runtime allocates it) */
+#if !defined(TS_UNIT) || TS_UNIT == 1
 int64_t ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_n_coefficients(void) { return NC_; }
+#endif
 /* the step coefficients, computed once per call from dt (double precision, stored as T) */
 #define COEFFICIENTS(dt, c) ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_coefficients((dt), (c))
 static void ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_coefficients(const T* restrict dt_in, T* restrict coef)
@@ -209,7 +211,7 @@ static void ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_coefficients(const 
     C(14) = (T)(t3);
 }
 
-
+#if !defined(TS_UNIT) || TS_UNIT == 1
 void ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_forward(int64_t B, const float* restrict u, const float* restrict p0, const float* restrict v0, const float* restrict a0, const float* restrict j0, const int64_t* restrict idx, const float* restrict dt_in, float* restrict y0, float* restrict y1, float* restrict y2, float* restrict y3)
 {
     T coef[NC_];
@@ -305,7 +307,9 @@ void ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_forward(int64_t B, const f
 #endif
     }
 }
+#endif
 
+#if !defined(TS_UNIT) || TS_UNIT == 2
 void ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_adjoint(int64_t B, const float* restrict g0, const float* restrict g1, const float* restrict g2, const float* restrict g3, const float* restrict dt_in, float* restrict gu, float* restrict gp0, float* restrict gv0, float* restrict ga0, float* restrict gj0)
 {
     T coef[NC_];
@@ -467,7 +471,9 @@ void ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_adjoint(int64_t B, const f
 #endif
     }
 }
+#endif
 
+#if !defined(TS_UNIT) || TS_UNIT == 3
 TS_SERIAL void ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_dt_vjp(int64_t B, const float* restrict u, const float* restrict p0, const float* restrict v0, const float* restrict a0, const float* restrict j0, const int64_t* restrict idx, const float* restrict g0, const float* restrict g1, const float* restrict g2, const float* restrict g3, const float* restrict dt_in, double* restrict gc)
 {
     T coef[NC_];
@@ -554,7 +560,9 @@ TS_SERIAL void ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_dt_vjp(int64_t B
     for (int64_t chunk = 1; chunk < n_chunks; ++chunk)
         for (int i = 0; i < NC_; ++i) gc[i] += gc[chunk * NC_ + i];
 }
+#endif
 
+#if !defined(TS_UNIT) || TS_UNIT == 4
 void ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_dt_vjp_finish(int64_t B, const float* restrict dt_in, const double* restrict gc, double* restrict gdt)
 {
     (void)B;
@@ -596,7 +604,9 @@ void ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_dt_vjp_finish(int64_t B, c
     const double b_t0 = (-0.5)*b_k7 + (1)*b_k1 + (-1)*b_k0;
     GDT(0) = (-0.16666666666666667)*b_k4 + (-3/(dt*dt*dt*dt))*b_t2 + (-2/(dt*dt*dt))*b_t1 + (-1/(dt*dt))*b_t0;
 }
+#endif
 
+#if !defined(TS_UNIT) || TS_UNIT == 5
 void ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_dt_jvp(int64_t B, const float* restrict u, const float* restrict p0, const float* restrict v0, const float* restrict a0, const float* restrict j0, const int64_t* restrict idx, const float* restrict du, const float* restrict dp0, const float* restrict dv0, const float* restrict da0, const float* restrict dj0, const float* restrict dt_in, const float* restrict ddt_in, float* restrict ty0, float* restrict ty1, float* restrict ty2, float* restrict ty3)
 {
     T coef[NC_]; T coefd[NC_];
@@ -774,4 +784,5 @@ void ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_dt_jvp(int64_t B, const fl
 #endif
     }
 }
+#endif
 

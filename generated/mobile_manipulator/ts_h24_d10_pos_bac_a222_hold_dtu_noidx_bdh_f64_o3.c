@@ -133,7 +133,9 @@ static T ts_zero_state[D_];
 #undef DS3
 #define DS3 ds3b[so - srow * D_]
 /* entries of the dt_vjp coefficient accumulator (the runtime allocates it) */
+#if !defined(TS_UNIT) || TS_UNIT == 1
 int64_t ts_h24_d10_pos_bac_a222_hold_dtu_noidx_bdh_f64_o3_n_coefficients(void) { return NC_; }
+#endif
 /* the step coefficients, computed once per call from dt (double precision, stored as T) */
 #define COEFFICIENTS(dt, c) ts_h24_d10_pos_bac_a222_hold_dtu_noidx_bdh_f64_o3_coefficients((dt), (c))
 static void ts_h24_d10_pos_bac_a222_hold_dtu_noidx_bdh_f64_o3_coefficients(const T* restrict dt_in, T* restrict coef)
@@ -181,7 +183,7 @@ static void ts_h24_d10_pos_bac_a222_hold_dtu_noidx_bdh_f64_o3_coefficients(const
     C(31) = (T)(-7*t5);
 }
 
-
+#if !defined(TS_UNIT) || TS_UNIT == 1
 void ts_h24_d10_pos_bac_a222_hold_dtu_noidx_bdh_f64_o3_forward(int64_t B, const double* restrict u, const double* restrict p0, const double* restrict v0, const double* restrict a0, const double* restrict j0, const int64_t* restrict idx, const double* restrict dt_in, double* restrict y0, double* restrict y1, double* restrict y2, double* restrict y3)
 {
     T coef[NC_];
@@ -261,7 +263,9 @@ void ts_h24_d10_pos_bac_a222_hold_dtu_noidx_bdh_f64_o3_forward(int64_t B, const 
         }
     }
 }
+#endif
 
+#if !defined(TS_UNIT) || TS_UNIT == 2
 void ts_h24_d10_pos_bac_a222_hold_dtu_noidx_bdh_f64_o3_adjoint(int64_t B, const double* restrict g0, const double* restrict g1, const double* restrict g2, const double* restrict g3, const double* restrict dt_in, double* restrict gu, double* restrict gp0, double* restrict gv0, double* restrict ga0, double* restrict gj0)
 {
     T coef[NC_];
@@ -391,7 +395,9 @@ void ts_h24_d10_pos_bac_a222_hold_dtu_noidx_bdh_f64_o3_adjoint(int64_t B, const 
         }
     }
 }
+#endif
 
+#if !defined(TS_UNIT) || TS_UNIT == 3
 TS_SERIAL void ts_h24_d10_pos_bac_a222_hold_dtu_noidx_bdh_f64_o3_dt_vjp(int64_t B, const double* restrict u, const double* restrict p0, const double* restrict v0, const double* restrict a0, const double* restrict j0, const int64_t* restrict idx, const double* restrict g0, const double* restrict g1, const double* restrict g2, const double* restrict g3, const double* restrict dt_in, double* restrict gc)
 {
     T coef[NC_];
@@ -514,7 +520,9 @@ TS_SERIAL void ts_h24_d10_pos_bac_a222_hold_dtu_noidx_bdh_f64_o3_dt_vjp(int64_t 
     for (int64_t chunk = 1; chunk < n_chunks; ++chunk)
         for (int i = 0; i < NC_; ++i) gc[i] += gc[chunk * NC_ + i];
 }
+#endif
 
+#if !defined(TS_UNIT) || TS_UNIT == 4
 void ts_h24_d10_pos_bac_a222_hold_dtu_noidx_bdh_f64_o3_dt_vjp_finish(int64_t B, const double* restrict dt_in, const double* restrict gc, double* restrict gdt)
 {
     (void)B;
@@ -597,7 +605,9 @@ void ts_h24_d10_pos_bac_a222_hold_dtu_noidx_bdh_f64_o3_dt_vjp_finish(int64_t B, 
     const double b_t0 = (0.75)*b_k27 + (1)*b_k16 + (-1.25)*b_k11 + (-2)*b_k6 + (0.5)*b_t7 + (1.5)*b_t1;
     GDT(0) = (0.16666666666666667)*b_k17 + (0.66666666666666667)*b_k7 + (0.25)*b_k2 + (-3/(dt*dt*dt*dt))*b_t5 + (2*dt)*b_t2 + (-1/(dt*dt))*b_t0;
 }
+#endif
 
+#if !defined(TS_UNIT) || TS_UNIT == 5
 void ts_h24_d10_pos_bac_a222_hold_dtu_noidx_bdh_f64_o3_dt_jvp(int64_t B, const double* restrict u, const double* restrict p0, const double* restrict v0, const double* restrict a0, const double* restrict j0, const int64_t* restrict idx, const double* restrict du, const double* restrict dp0, const double* restrict dv0, const double* restrict da0, const double* restrict dj0, const double* restrict dt_in, const double* restrict ddt_in, double* restrict ty0, double* restrict ty1, double* restrict ty2, double* restrict ty3)
 {
     T coef[NC_]; T coefd[NC_];
@@ -831,4 +841,5 @@ void ts_h24_d10_pos_bac_a222_hold_dtu_noidx_bdh_f64_o3_dt_jvp(int64_t B, const d
         }
     }
 }
+#endif
 

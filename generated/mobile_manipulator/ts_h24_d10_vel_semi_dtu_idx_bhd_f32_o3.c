@@ -177,7 +177,9 @@ static T ts_zero_state[D_];
 #undef DS3
 #define DS3 ds3b[so - srow * D_]
 /* entries of the dt_vjp coefficient accumulator (the runtime allocates it) */
+#if !defined(TS_UNIT) || TS_UNIT == 1
 int64_t ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_n_coefficients(void) { return NC_; }
+#endif
 /* the step coefficients, computed once per call from dt (double precision, stored as T) */
 #define COEFFICIENTS(dt, c) ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_coefficients((dt), (c))
 static void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_coefficients(const T* restrict dt_in, T* restrict coef)
@@ -189,7 +191,7 @@ static void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_coefficients(const T* restric
     C(2) = (T)(-t0);
 }
 
-
+#if !defined(TS_UNIT) || TS_UNIT == 1
 void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_forward(int64_t B, const float* restrict u, const float* restrict p0, const float* restrict v0, const float* restrict a0, const float* restrict j0, const int64_t* restrict idx, const float* restrict dt_in, float* restrict y0, float* restrict y1, float* restrict y2, float* restrict y3)
 {
     T coef[NC_];
@@ -601,7 +603,9 @@ void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_forward(int64_t B, const float* rest
 #endif
     }
 }
+#endif
 
+#if !defined(TS_UNIT) || TS_UNIT == 2
 void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_adjoint(int64_t B, const float* restrict g0, const float* restrict g1, const float* restrict g2, const float* restrict g3, const float* restrict dt_in, float* restrict gu, float* restrict gp0, float* restrict gv0, float* restrict ga0, float* restrict gj0)
 {
     T coef[NC_];
@@ -1064,7 +1068,9 @@ void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_adjoint(int64_t B, const float* rest
 #endif
     }
 }
+#endif
 
+#if !defined(TS_UNIT) || TS_UNIT == 3
 TS_SERIAL void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_dt_vjp(int64_t B, const float* restrict u, const float* restrict p0, const float* restrict v0, const float* restrict a0, const float* restrict j0, const int64_t* restrict idx, const float* restrict y0, const float* restrict y1, const float* restrict y2, const float* restrict y3, const float* restrict g0, const float* restrict g1, const float* restrict g2, const float* restrict g3, const float* restrict dt_in, double* restrict gc)
 {
     T coef[NC_];
@@ -1128,7 +1134,9 @@ TS_SERIAL void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_dt_vjp(int64_t B, const fl
     for (int64_t chunk = 1; chunk < n_chunks; ++chunk)
         for (int i = 0; i < NC_; ++i) gc[i] += gc[chunk * NC_ + i];
 }
+#endif
 
+#if !defined(TS_UNIT) || TS_UNIT == 4
 void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_dt_vjp_finish(int64_t B, const float* restrict dt_in, const double* restrict gc, double* restrict gdt)
 {
     (void)B;
@@ -1143,7 +1151,9 @@ void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_dt_vjp_finish(int64_t B, const float
     const double b_t0 = (-1)*b_k2 + (1)*b_k1;
     GDT(0) = (1)*b_k0 + (-1/(dt*dt))*b_t0;
 }
+#endif
 
+#if !defined(TS_UNIT) || TS_UNIT == 5
 void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_dt_jvp(int64_t B, const float* restrict u, const float* restrict p0, const float* restrict v0, const float* restrict a0, const float* restrict j0, const int64_t* restrict idx, const float* restrict du, const float* restrict dp0, const float* restrict dv0, const float* restrict da0, const float* restrict dj0, const float* restrict dt_in, const float* restrict ddt_in, float* restrict ty0, float* restrict ty1, float* restrict ty2, float* restrict ty3)
 {
     T coef[NC_]; T coefd[NC_];
@@ -1473,4 +1483,5 @@ void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_dt_jvp(int64_t B, const float* restr
         }
     }
 }
+#endif
 
