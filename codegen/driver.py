@@ -17,10 +17,12 @@ True
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import gc
 import types
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 from ..version import __version__
 from . import abi
@@ -50,6 +52,20 @@ class Generated:
             raise KeyError(f"({target!r}, {part!r}) was not generated (generated: {made})") from None
 
 
+@contextlib.contextmanager
+def _without_cycle_collection() -> Iterator[None]:
+    """Python's cycle collector paused: the stages make millions of short-lived SymPy objects and
+    few cycles, and each of the collector's passes walks the live heap (PyTorch's too, in a
+    program that imported it), a fifth of a long generation for almost nothing found."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 @functools.lru_cache(maxsize=256)
 def lowered(spec: Any) -> Any:
     """Stages 1 and 2, operator and lowering, once per spec and process."""
@@ -76,9 +92,10 @@ def generate(spec: Any, targets: tuple[str, ...] = TARGETS, parts: tuple[str, ..
     for part in parts:
         if part not in abi.PARTS:
             raise ValueError(f"part={part!r} is invalid: allowed {', '.join(abi.PARTS)}")
-    program = lowered(spec)
-    args = table(spec)
-    sources = {(t, p): render(spec, program, args, t, p) for t in targets for p in parts}
+    with _without_cycle_collection():
+        program = lowered(spec)
+        args = table(spec)
+        sources = {(t, p): render(spec, program, args, t, p) for t in targets for p in parts}
     kernels = {k for p in parts for k in abi.PARTS[p]}
     return Generated(
         spec=spec, table=args, sources=types.MappingProxyType(sources),
