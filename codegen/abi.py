@@ -29,7 +29,10 @@ def library(kernel: str) -> str:
     >>> library("dt_vjp_finish")
     'dt_vjp'
     """
-    return next(name for name, kernels in LIBRARIES.items() if kernel in kernels)
+    for name, kernels in LIBRARIES.items():
+        if kernel in kernels:
+            return name
+    raise ValueError(f"unknown kernel {kernel!r}; allowed: {', '.join(KERNELS)}")
 
 #: batch elements per row of the C dt_vjp's partial sums: a row per chunk, added in order, so the
 #: dt gradient is the same for any number of OpenMP threads (the runtime allocates the rows)
