@@ -23,7 +23,7 @@ import dataclasses
 import functools
 import heapq
 from collections import defaultdict
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import sympy as sp
 
@@ -56,8 +56,7 @@ LOADS = {"DT": "dt", "DDT": "ddt", "GC": "gc"}
 STORES = ("C", "CD", "GDT")
 
 
-@dataclasses.dataclass(frozen=True)
-class Instruction:
+class Instruction(NamedTuple):  # (a tuple: tens of thousands are made per tape)
     op: str
     dst: int  # register written (-1 for a store)
     a: int  # register read, or a load's / store's index
@@ -95,8 +94,7 @@ class Tape:
         return f"TS_TAPE_{self.name.upper()}"
 
 
-@dataclasses.dataclass(frozen=True)
-class _Node:
+class _Node(NamedTuple):  # value numbering hashes one per operation made: a tuple hashes fastest
     op: str
     args: tuple[int, ...]  # operand nodes
     index: int = 0  # a load's or store's index
