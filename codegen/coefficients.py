@@ -300,6 +300,7 @@ class Coefficients:
         self._blocks: dict[tuple[sp.Expr, ...], int] = {}
         self._codes: dict[sp.Expr, int] = {}  # a number per copied value: blocks are searched by them
         self._copy_codes: list[int] = []  # the copies' numbers
+        self._copy_programs: dict[tuple[bool, int], tuple] = {}  # see _copy_program
         for coef in op.coefficients():  # fixed slots, shared by every kernel of the operator
             self.index(coef)
         self.runs = find_runs(op, self.names, self.varies)
@@ -479,7 +480,7 @@ class Coefficients:
         of constants that are not loops."""
         program = self.formula_lines if taped and self.has_formulas else self.lines
         lines = self._used_inputs(program=program)
-        singles, _ = self._copy_program(taped)
+        singles = dict(self._copy_program(taped)[0])  # (taken from below: the program's own copy)
         for s, e in program:
             if s.name.startswith("k"):
                 q = int(s.name[1:])
@@ -495,7 +496,14 @@ class Coefficients:
         slot (straight-line slots, stored next to them) or None (constants). With tapes, every
         piece read from straight-line slots or constants is single stores (tape instructions). render.py keeps a long
         program's loops last. nvcc's front end is superlinear in a function's stores (thousands of
-        single copies took it seconds) and in unrolled loops."""
+        single copies took it seconds) and in unrolled loops. Made once per form (the table, its
+        graph and its tangent all read it) for the copies there are (blocks are only appended)."""
+        key = (taped, len(self.copies))
+        if key not in self._copy_programs:
+            self._copy_programs[key] = self._make_copy_program(taped)
+        return self._copy_programs[key]
+
+    def _make_copy_program(self, taped: bool) -> tuple[dict[Any, list[Statement]], list[Statement]]:
         sources = [self.names.get(v, v) for v in self.copies]  # a slot, or a constant's value
         straight = set(self.straight)
         singles: dict[Any, list[Statement]] = defaultdict(list)  # by source slot (None: a constant)
