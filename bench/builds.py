@@ -104,9 +104,9 @@ def measure(fields: dict) -> dict:
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as folder:
         os.environ["CC"] = _logging_compiler(folder)
-        from tensorstep.codegen.abi import LIBRARIES, PARTS
+        from tensorstep.codegen.abi import LIBRARIES
         from tensorstep.codegen.driver import generate
-        from tensorstep.runtime.cbackend import _compile
+        from tensorstep.runtime.cbackend import library_build
 
         spec = spec_of(fields)
         row: dict = {"spec": fields, "horizon": spec.horizon}
@@ -117,7 +117,7 @@ def measure(fields: dict) -> dict:
             path.write_text(source)
             failed = ""
             try:
-                _compile(path, Path(folder) / f"{part}.so", units=len(PARTS[part]))
+                library_build(part)(path, Path(folder) / f"{part}.so")
             except RuntimeError as err:
                 failed = str(err)[:200]
             compiled = time.perf_counter()

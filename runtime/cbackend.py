@@ -12,7 +12,7 @@ import subprocess
 import tempfile
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import cffi
 
@@ -97,6 +97,12 @@ def _compile(src: Path, out: Path, units: int = 1) -> None:
         _run([compiler(), *c_flags(), *objects, "-o", str(out)], src)
 
 
+def library_build(part: str) -> Callable[[Path, Path], None]:
+    """How a library of ``part``'s kernels (abi.PARTS) is compiled from its source: a unit per
+    entry point (``_compile``)."""
+    return functools.partial(_compile, units=len(abi.PARTS[part]))
+
+
 def _run(cmd: list[str], src: Path) -> None:
     result = subprocess.run(cmd, capture_output=True, text=True)
     if result.returncode != 0:
@@ -154,7 +160,7 @@ def _load_library(spec: Any, part: str, cache: BuildCache) -> tuple[Any, dict]:
 
     try:
         content_hash, path, metadata = cache.artefact_for(f"{spec.key}-{part}", environment_key(), "so", generate,
-                                                          functools.partial(_compile, units=len(abi.PARTS[part])))
+                                                          library_build(part))
     finally:
         for notice in notices:
             notice.cancel()
@@ -166,8 +172,8 @@ def load_source(spec: Any, source: str, metadata: dict, cache: BuildCache | None
     with the metadata its manifest recorded."""
     cache = cache or BuildCache()
     content_hash = digest(source, environment_key())
-    build = functools.partial(_compile, units=len(abi.PARTS["all"]))
-    return _open(content_hash, cache.build(content_hash, "so", source, build, metadata), spec, "all"), metadata
+    return _open(content_hash, cache.build(content_hash, "so", source, library_build("all"), metadata), spec,
+                 "all"), metadata
 
 
 def address(lib: Any, symbol: str) -> int:

@@ -198,6 +198,6 @@ def test_a_library_compiles_as_a_unit_per_entry_point(tmp_path, monkeypatch):
         defined = {line.split()[-1] for line in listed.splitlines() if line.split()[-1].startswith(spec.name)}
         assert defined == {abi.symbol(spec.name, kernel)} | ({abi.symbol(spec.name, "n_coefficients")} if i == 1 else set())
     monkeypatch.setattr(cbackend, "cores", lambda: 2)
-    cbackend._compile(src, tmp_path / "kernels.so", units=len(abi.PARTS["all"]))
+    cbackend.library_build("all")(src, tmp_path / "kernels.so")
     library = ctypes.CDLL(str(tmp_path / "kernels.so"))
     assert all(hasattr(library, abi.symbol(spec.name, k)) for k in abi.PARTS["all"])
