@@ -150,6 +150,21 @@ def formula(name: str, params: Sequence[sp.Symbol], expr: sp.Expr) -> Any:
                        _imp_=staticmethod(lambda *args: numeric()(*args)))
 
 
+def apply(f: Any, args: Sequence[sp.Expr]) -> sp.Expr:
+    """``f(*args)`` for a formula ``f`` and SymPy arguments, without SymPy's function machinery:
+    a formula never evaluates, so the object is made directly, as ``Application`` would make it
+    (``nargs`` any number). A long horizon applies formulas thousands of times.
+
+    >>> x, y = sp.symbols("x y")
+    >>> f = formula("f", (x, y), x * y)
+    >>> apply(f, (y, 2 * x)) == f(y, 2 * x)
+    True
+    """
+    obj = sp.Basic.__new__(f, *args)
+    obj.nargs = sp.S.Naturals0
+    return obj
+
+
 def is_formula(e: Any) -> bool:
     """Whether ``e`` applies a formula (see ``formula``)."""
     return isinstance(e, AppliedUndef) and hasattr(type(e), "definition")

@@ -8,7 +8,7 @@ from typing import Callable
 import sympy as sp
 
 from .builders import register
-from .operator import (N_GOAL, N_START, Operator, Row, Term, combine, dt_symbols, formula, row_ref, scaled,
+from .operator import (N_GOAL, N_START, Operator, Row, Term, apply, combine, dt_symbols, formula, row_ref, scaled,
                        start_rows, step_durations)
 from .spec import KernelSpec
 from .stencils import lagrange_weights, stencil_offsets, uniform_weights
@@ -62,7 +62,7 @@ class PositionPoints:
         coefficients that codegen/coefficients.py recognises as one template."""
         zeros = tuple(i for i, x in enumerate(node_times) if x == 0)
         args = [x for i, x in enumerate(node_times) if i not in zeros]
-        return [w if w.is_Number else w(*args) for w in _weight_formulas(len(node_times), derivative, zeros)]
+        return [w if w.is_Number else apply(w, args) for w in _weight_formulas(len(node_times), derivative, zeros)]
 
     def value(self, j: int) -> list[Term]:
         last = self.H - 1

@@ -309,3 +309,23 @@ def test_generation_pauses_the_cycle_collector_and_restores_it(monkeypatch, enab
     finally:
         (gc.enable if was else gc.disable)()
     assert during == [False]
+
+
+def test_rows_apply_the_lagrange_formulas_without_sympys_function_call(monkeypatch):
+    """A per-step row's weights apply the shared Lagrange formulas: made directly, not through
+    SymPy's function call (its argument checks and evaluation cost most of the operator stage at
+    long horizons), and equal to what that call makes."""
+    from sympy.core.function import AppliedUndef
+
+    from tensorstep.codegen.builders import build_operator
+    from tensorstep.codegen.operator import is_formula
+
+    calls = []
+    real = AppliedUndef.__new__
+    monkeypatch.setattr(AppliedUndef, "__new__", lambda cls, *a, **k: calls.append(cls) or real(cls, *a, **k))
+    op = build_operator(_spec(dict(difference="backward", accuracy=4, order=4), 16))
+    applied = [c for row in op.rows for c, _ in row.terms for c in c.atoms(AppliedUndef) if is_formula(c)]
+    assert len(applied) > 16 and calls == []
+    monkeypatch.setattr(AppliedUndef, "__new__", real)
+    assert all(c == c.func(*c.args) and hash(c) == hash(c.func(*c.args)) for c in applied)
+
