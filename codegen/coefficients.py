@@ -151,6 +151,7 @@ class _Relative:
         self.window: dict[int, sp.Symbol] = {}
         self.quantity: dict[tuple[sp.Symbol, int], sp.Symbol] = {}
         self.defined: dict[sp.Expr, sp.Symbol] = {}  # relative definition → template quantity
+        self.by_shape: dict[frozenset, sp.Symbol] = {}  # a sum of durations' relative terms → the same
         self.lines: list[Line] = []  # the template quantities in definition order
 
     def _symbol(self, s: sp.Symbol, h: int) -> sp.Symbol:
@@ -160,12 +161,28 @@ class _Relative:
                 self.window[o] = sp.Symbol(f"dtr_{o}".replace("-", "m"), positive=True)
             return self.window[o]
         if (s, h) not in self.quantity:
-            e = self.expr(self.program[s], h)
-            if e not in self.defined:
-                self.defined[e] = sp.Symbol(f"xr{len(self.defined)}")
-                self.lines.append((self.defined[e], e))
-            self.quantity[(s, h)] = self.defined[e]
+            shape = self._shape(self.program[s], h)
+            if shape is None or shape not in self.by_shape:
+                e = self.expr(self.program[s], h)
+                if e not in self.defined:
+                    self.defined[e] = sp.Symbol(f"xr{len(self.defined)}")
+                    self.lines.append((self.defined[e], e))
+                if shape is not None:
+                    self.by_shape[shape] = self.defined[e]
+            self.quantity[(s, h)] = self.defined[e] if shape is None else self.by_shape[shape]
         return self.quantity[(s, h)]
+
+    def _shape(self, e: sp.Expr, h: int) -> frozenset | None:
+        """A sum of constant multiples of durations (a time between two points) as its terms'
+        (multiple, offset from h): equal shapes have equal relative definitions, which a long
+        horizon's rows then share without each building its own (None for any other quantity)."""
+        terms = []
+        for a in e.args if e.is_Add else (e,):
+            c, x = (a.args if a.is_Mul and len(a.args) == 2 and a.args[0].is_Number else (1, a))
+            if x not in self.dt_index:
+                return None
+            terms.append((c, self.dt_index[x] - h))
+        return frozenset(terms)
 
     def expr(self, e: sp.Expr, h: int) -> sp.Expr:
         return e.xreplace({s: self._symbol(s, h) for s in sorted(e.free_symbols, key=_name)})

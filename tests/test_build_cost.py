@@ -329,3 +329,21 @@ def test_rows_apply_the_lagrange_formulas_without_sympys_function_call(monkeypat
     monkeypatch.setattr(AppliedUndef, "__new__", real)
     assert all(c == c.func(*c.args) and hash(c) == hash(c.func(*c.args)) for c in applied)
 
+
+def test_rows_share_the_relative_times_without_rebuilding_them(monkeypatch):
+    """A row's node times relative to the row (sums of durations from it) are recognised by their
+    terms: a longer horizon builds no more relative definitions, however many rows it has."""
+    from tensorstep.codegen import coefficients
+    from tensorstep.codegen.builders import build_operator
+    from tensorstep.codegen.lower import lower
+
+    built = []
+    real = coefficients._Relative.expr
+    monkeypatch.setattr(coefficients._Relative, "expr", lambda self, e, h: built.append(h) or real(self, e, h))
+    counts = []
+    for horizon in (40, 80):
+        built.clear()
+        code = lower(build_operator(_spec(dict(difference="backward", accuracy=4, order=4), horizon)))
+        assert code.coefs.runs
+        counts.append(len(built))
+    assert counts[0] == counts[1]
