@@ -23,6 +23,19 @@ PARTS = {**LIBRARIES, "dt": ("dt_vjp", "dt_vjp_finish", "dt_jvp"), "all": KERNEL
          "forward": ("forward",), "adjoint": ("adjoint",), "backward": ("adjoint",)}
 
 
+def units(part: str) -> tuple[str, ...]:
+    """What each C translation unit of a part compiles (``-DTS_UNIT=i`` is the i-th, from 1): an
+    entry point each, and dt_jvp's once-per-call tangent program one of its own (with a duration
+    per step its interior rows are a loop as long to compile as the kernel; elsewhere that unit is
+    empty). The runtime compiles a library's units side by side and links them.
+
+    >>> units("core"), units("dt_jvp")
+    (('forward', 'adjoint'), ('dt_jvp', 'coefficients_jvp'))
+    """
+    kernels = PARTS[part]
+    return kernels + (("coefficients_jvp",) if "dt_jvp" in kernels else ())
+
+
 def library(kernel: str) -> str:
     """The library a kernel is built in.
 

@@ -212,6 +212,7 @@ def render(spec: Any, code: LoweredOperator, table: ArgumentTable, target: str, 
         layout=spec.layout,
         u_sb=u[0], u_sh=u[1], u_sd=u[2], y_sb=y[0], y_sh=y[1], y_sd=y[2],
         kernels=kernels,
+        units=abi.units(part),
         codes=_cuda_codes(code, kernels, itemsize) if target == "cuda"
         else {k: getattr(code, k) for k in kernels},
         lanes=lane_form,

@@ -79,7 +79,7 @@ def environment_key() -> str:
 
 def _compile(src: Path, out: Path, units: int = 1) -> None:
     """Compile a C source into a shared library: in one piece, or, on a machine with more than
-    one core, as ``units`` translation units (``-DTS_UNIT=1..units``, an entry point each: see
+    one core, as ``units`` translation units (``-DTS_UNIT=1..units``: see abi.units and
     templates/kernel.c.j2) compiled side by side and linked."""
     if units <= 1 or cores() <= 1:
         _run([compiler(), *c_flags(), "-x", "c", str(src), "-o", str(out)], src)
@@ -98,9 +98,9 @@ def _compile(src: Path, out: Path, units: int = 1) -> None:
 
 
 def library_build(part: str) -> Callable[[Path, Path], None]:
-    """How a library of ``part``'s kernels (abi.PARTS) is compiled from its source: a unit per
-    entry point (``_compile``)."""
-    return functools.partial(_compile, units=len(abi.PARTS[part]))
+    """How a library of ``part``'s kernels (abi.PARTS) is compiled from its source: in the units
+    abi.units names (``_compile``)."""
+    return functools.partial(_compile, units=len(abi.units(part)))
 
 
 def _run(cmd: list[str], src: Path) -> None:

@@ -53,7 +53,7 @@ def test_per_step_source_grows_linearly(overrides):
 
 def _functions(source: str) -> dict[str, str]:
     """The C functions of a generated source by name: their head line and body."""
-    heads = re.finditer(r"^(?:static )?(?:TS_\w+ )?void (\w+)\(.*?\n\{\n(.*?)\n\}\n", source, re.M | re.S)
+    heads = re.finditer(r"^(?:static )?(?:TS_\w+ )*void (\w+)\([^\n]*\)\n\{\n(.*?)\n\}\n", source, re.M | re.S)
     return {m.group(1): m.group(0) for m in heads}
 
 

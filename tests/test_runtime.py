@@ -177,8 +177,9 @@ def test_the_suite_never_builds_into_the_users_cache():
 
 def test_a_library_compiles_as_a_unit_per_entry_point(tmp_path, monkeypatch):
     """On more than one core the runtime compiles each entry point as a translation unit of its
-    own (-DTS_UNIT=i, side by side) and links them: each unit defines its entry point alone, and
-    the library they make has them all."""
+    own (-DTS_UNIT=i, side by side), and dt_jvp's long coefficient program as another, and links
+    them: each unit defines its entry point (or that program) alone, and the library they make
+    exports every entry point and nothing else of the spec's."""
     import ctypes
     import shutil
 
@@ -189,15 +190,17 @@ def test_a_library_compiles_as_a_unit_per_entry_point(tmp_path, monkeypatch):
     spec = ts.KernelSpec(horizon=12, dof=2, dt="per_step")
     src = tmp_path / "kernels.c"
     src.write_text(generate(spec, targets=("c",), parts=("all",)).source("c", "all"))
-    for i, kernel in enumerate(abi.PARTS["all"], 1):
+    assert abi.units("all") == (*abi.PARTS["all"], "coefficients_jvp")
+    for i, unit in enumerate(abi.units("all"), 1):
         obj = tmp_path / f"unit{i}.o"
         subprocess.run([cbackend.compiler(), *cbackend.c_flags(), f"-DTS_UNIT={i}", "-c", "-x", "c", str(src), "-o",
                         str(obj)], check=True)
         listed = subprocess.run([shutil.which("nm"), "-g", "--defined-only", str(obj)], capture_output=True, text=True,
                                 check=True).stdout
         defined = {line.split()[-1] for line in listed.splitlines() if line.split()[-1].startswith(spec.name)}
-        assert defined == {abi.symbol(spec.name, kernel)} | ({abi.symbol(spec.name, "n_coefficients")} if i == 1 else set())
+        assert defined == {f"{spec.name}_{unit}"} | ({abi.symbol(spec.name, "n_coefficients")} if i == 1 else set())
     monkeypatch.setattr(cbackend, "cores", lambda: 2)
     cbackend.library_build("all")(src, tmp_path / "kernels.so")
     library = ctypes.CDLL(str(tmp_path / "kernels.so"))
     assert all(hasattr(library, abi.symbol(spec.name, k)) for k in abi.PARTS["all"])
+    assert not hasattr(library, f"{spec.name}_coefficients_jvp")

@@ -2,8 +2,8 @@
  * spec: {"accuracy": [1, 1, 1], "control": "position", "difference": "backward", "dof": 7, "dt": "uniform", "dtype": "float32", "end": "hold", "horizon": 32, "integrator": "semi_implicit_euler", "layout": "bhd", "order": 3, "start_index": false}
  * Each function runs one straight-line program per (batch, dof) column; the preamble
  * computes the step-duration coefficients once per call, in double precision.
- * -DTS_UNIT=i compiles the i-th entry point alone (the runtime builds the units side by side
- * and links them); without it, every entry point is compiled. */
+ * -DTS_UNIT=i compiles the i-th unit alone: an entry point, or dt_jvp's coefficient program (the
+ * runtime builds the units side by side and links them); without it, everything is compiled. */
 #include <stdint.h>
 #include <stddef.h>
 
