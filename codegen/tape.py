@@ -93,6 +93,19 @@ class Tape:
         """The macro each template defines to run this tape where its program was."""
         return f"TS_TAPE_{self.name.upper()}"
 
+    def c_rows(self, per_row: int = 8) -> list[str]:
+        """The instructions as C initializers, ``per_row`` to a line (tens of thousands: joined
+        here, not one template call each).
+
+        >>> load = Instruction("dt", 0, 3, 0, 0.0)
+        >>> half = Instruction("mulc", 1, 0, 0, 0.5)
+        >>> store = Instruction("C", -1, 5, 1, 1.0)
+        >>> Tape("value", (load, half, store), (0, 3), 2).c_rows(per_row=2)
+        ['{0,0,3,0,0},{9,1,0,0,0.5},', '{14,-1,5,1,1.0},']
+        """
+        items = [f"{i.c_initializer()}," for i in self.instructions]
+        return ["".join(items[k : k + per_row]) for k in range(0, len(items), per_row)]
+
 
 class _Node(NamedTuple):  # value numbering hashes one per operation made: a tuple hashes fastest
     op: str
