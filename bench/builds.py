@@ -7,7 +7,10 @@ flags, as the runtime compiles it (on more than one core, its entry points side 
 compiler run under ``/usr/bin/time`` for its peak memory. One JSON line per spec; the table
 at the end gives, per family, how many specs take more than 3 s on their slowest library.
 
-    python -m tensorstep.bench.builds [--quick] [--out FILE.jsonl]
+    python -m tensorstep.bench.builds [--quick] [--alone] [--out FILE.jsonl]
+
+``--alone`` measures each library in a process of its own instead, as a later program that
+finds the core cached builds a dt library: its generation derives the operator again.
 
 >>> specs = grid()
 >>> len(specs), max(spec_of(s).horizon for s in specs)
@@ -97,10 +100,11 @@ def family(spec: dict) -> str:
     return f"integration, dt {spec['dt']}"
 
 
-def measure(fields: dict) -> dict:
-    """Generation and gcc seconds, source KB and the compiler's peak MB of each library (run in
-    the process it is to measure: see ``main``). gcc runs as the runtime runs it (on more than one
-    core, a library's entry points side by side), under a wrapper that logs each run's peak memory."""
+def measure(fields: dict, parts: tuple[str, ...] | None = None) -> dict:
+    """Generation and gcc seconds, source KB and the compiler's peak MB of each library of
+    ``parts`` (default: all), in order (run in the process it is to measure: see ``main``). gcc
+    runs as the runtime runs it (on more than one core, a library's units side by side), under a
+    wrapper that logs each run's peak memory."""
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as folder:
         os.environ["CC"] = _logging_compiler(folder)
@@ -110,7 +114,7 @@ def measure(fields: dict) -> dict:
 
         spec = spec_of(fields)
         row: dict = {"spec": fields, "horizon": spec.horizon}
-        for part in LIBRARIES:
+        for part in parts or tuple(LIBRARIES):
             source = generate(spec, targets=("c",), parts=(part,)).source("c", part)
             generated = time.perf_counter()
             path = Path(folder) / f"{part}.c"
@@ -141,33 +145,42 @@ def _logging_compiler(folder: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="the widest stencils and longest spans only")
+    parser.add_argument("--alone", action="store_true", help="each library in a process of its own")
+    parser.add_argument("--family", help="only the families whose name holds this text (e.g. 'accuracy 8')")
     parser.add_argument("--out", help="also write the JSON lines here")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # the child process: measure this spec
+    parser.add_argument("--part", action="append", help=argparse.SUPPRESS)  # ... these libraries of it
     args = parser.parse_args(argv)
     if args.one:
-        print(json.dumps(measure(json.loads(args.one))))
+        print(json.dumps(measure(json.loads(args.one), tuple(args.part) if args.part else None)))
         return 0
     slowest: dict[str, list[float]] = defaultdict(list)
     with open(args.out, "w") if args.out else contextlib.nullcontext() as out:
         for fields in grid(args.quick):
-            _measure_one(fields, out, slowest)
+            if args.family and args.family not in family(fields):
+                continue
+            _measure_one(fields, out, slowest, args.alone)
     print(f"\n| family | specs | over {LIMIT_S:g} s | slowest |\n|---|---|---|---|")
     for name, times in sorted(slowest.items()):
         print(f"| {name} | {len(times)} | {sum(t > LIMIT_S for t in times)} | {max(times):.2f} s |")
     return 0
 
 
-def _measure_one(fields: dict, out: Any, slowest: dict[str, list[float]]) -> None:
-    """Measure one spec in a child process; print its slowest library, record it by family."""
-    child = subprocess.run([sys.executable, "-m", "tensorstep.bench.builds", "--one", json.dumps(fields)],
-                           capture_output=True, text=True)
-    if child.returncode:
-        print(f"FAILED {fields}: {child.stderr.strip().splitlines()[-1:]}", flush=True)
-        return
-    row = json.loads(child.stdout)
+def _measure_one(fields: dict, out: Any, slowest: dict[str, list[float]], alone: bool = False) -> None:
+    """Measure one spec in a child process (``alone``: a child per library); print its slowest
+    library, record it by family."""
+    from tensorstep.codegen.abi import LIBRARIES
+
+    row: dict = {}
+    for parts in ([[p] for p in LIBRARIES] if alone else [[]]):
+        child = subprocess.run([sys.executable, "-m", "tensorstep.bench.builds", "--one", json.dumps(fields),
+                                *(a for p in parts for a in ("--part", p))], capture_output=True, text=True)
+        if child.returncode:
+            print(f"FAILED {fields}: {child.stderr.strip().splitlines()[-1:]}", flush=True)
+            return
+        row.update(json.loads(child.stdout))
     if out:
         out.write(json.dumps(row) + "\n")
-    from tensorstep.codegen.abi import LIBRARIES
 
     worst = max(row[part]["generate_s"] + row[part]["gcc_s"] for part in LIBRARIES)
     slowest[family(fields)].append(worst)
