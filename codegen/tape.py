@@ -545,39 +545,49 @@ def _levels(nodes: list[_Node], live: list[int], users: dict[int, list[int]],
     return level
 
 
+_CODES = {op: code for op, (code, _) in OPS.items()}
+_LOAD_OPS = frozenset(LOADS.values())
+
+
 def _allocate(name: str, nodes: list[_Node], live: list[int], level: dict[int, int],
               users: dict[int, list[int]]) -> Tape:
     """Registers by level: a register is free again from the level after its value's last read."""
     # a level's instructions in any order: grouped by operation, so the CPU's branch predictor
     # guesses the loop's switch, and a GPU warp's threads take one branch of it
-    order = sorted(live, key=lambda n: (level[n], OPS[nodes[n].op][0], n))
-    last_read = {n: max((level[u] for u in users[n]), default=level[n]) for n in live}
+    order = sorted(live, key=lambda n: (level[n], _CODES[nodes[n].op], n))
     releases: dict[int, list[int]] = defaultdict(list)  # level → nodes whose register frees after it
     for n in live:
         if nodes[n].op not in STORES:
-            releases[last_read[n]].append(n)
+            readers = users[n]
+            releases[max([level[u] for u in readers]) if readers else level[n]].append(n)
     register: dict[int, int] = {}
     free: list[int] = []
     size = 0
     instructions, levels = [], []
     current = None
+    pop, push = heapq.heappop, heapq.heappush
     for n in order:
-        if level[n] != current:
-            for lv in range(-1 if current is None else current, level[n]):  # levels before n's
-                for m in releases.pop(lv, []):
-                    heapq.heappush(free, register[m])
-            current = level[n]
+        at = level[n]
+        if at != current:
+            for lv in range(-1 if current is None else current, at):  # levels before n's
+                for m in releases.pop(lv, ()):
+                    push(free, register[m])
+            current = at
             levels.append(len(instructions))
-        node = nodes[n]
-        regs = [register[a] for a in node.args]
-        if node.op in STORES:
-            instructions.append(Instruction(node.op, -1, node.index, regs[0], node.c))
+        op, args, index, c = nodes[n]
+        if op in STORES:
+            instructions.append(Instruction(op, -1, index, register[args[0]], c))
             continue
         if free:
-            register[n] = heapq.heappop(free)
+            r = register[n] = pop(free)
         else:
-            register[n], size = size, size + 1
-        a = node.index if node.op in LOADS.values() else (regs[0] if regs else 0)
-        instructions.append(Instruction(node.op, register[n], a, regs[1] if len(regs) > 1 else 0, node.c))
+            r = register[n] = size
+            size += 1
+        if op in _LOAD_OPS:
+            a, b = index, (register[args[1]] if len(args) > 1 else 0)
+        else:
+            a = register[args[0]] if args else 0
+            b = register[args[1]] if len(args) > 1 else 0
+        instructions.append(Instruction(op, r, a, b, c))
     levels.append(len(instructions))
     return Tape(name, tuple(instructions), tuple(levels), max(size, 1))
