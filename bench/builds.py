@@ -3,7 +3,7 @@
 Each spec is measured in a fresh process (imports, SymPy's caches and the page cache of a
 first build included): the C source of each library (the core, then the dt gradient's and the
 dt tangent's, in the order a program needs them) is generated and compiled with the runtime's
-flags, as the runtime compiles it (on more than one core, its entry points side by side), each
+flags, as the runtime compiles it (on more than one core, its units side by side), each
 compiler run under ``/usr/bin/time`` for its peak memory. One JSON line per spec; the table
 at the end gives, per family, how many specs take more than 3 s on their slowest library.
 

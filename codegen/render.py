@@ -180,6 +180,22 @@ def _tapes(code: LoweredOperator, kernels: tuple, taped: bool, cuda: bool) -> li
     return [code.coefs.tape(n) for n in names]
 
 
+def _unit_guards(kernels: tuple, programs: dict, units: tuple[str, ...]) -> dict[str, tuple[str, str]]:
+    """The C preprocessor lines around what only some units use (each unit then parses and
+    compiles only its own; the tapes are tens of thousands of initializers): the table's program
+    and value tape (the kernels that fill the table), the tangent tape (the dt tangent's program),
+    the reverse tape and program (dt_vjp_finish). Nothing where every unit uses it."""
+    users = {"table": [k for k in kernels if k in ("forward", "adjoint", "dt_vjp")],
+             "tangent": ["coefficients_jvp" if "coefficients_jvp" in programs else "dt_jvp"],
+             "reverse": ["dt_vjp_finish"]}
+    guards = {}
+    for what, names in users.items():
+        numbers = [units.index(n) + 1 for n in names if n in units]
+        if numbers and len(numbers) < len(units):
+            guards[what] = ("#if !defined(TS_UNIT) || " + " || ".join(f"TS_UNIT == {n}" for n in numbers), "#endif")
+    return guards
+
+
 def render(spec: Any, code: LoweredOperator, table: ArgumentTable, target: str, part: str = "all") -> str:
     """Source text of one spec's kernels for a target ('c', 'cuda' or 'header').
 
@@ -196,6 +212,7 @@ def render(spec: Any, code: LoweredOperator, table: ArgumentTable, target: str, 
     u = strides(spec.layout, spec.n_actions, spec.dof)
     y = strides(spec.layout, spec.horizon, spec.dof)
     lane_form = lanes(spec) if target == "c" else None
+    programs = _long_programs(code, kernels, table.dt.shape == ("B",)) if target == "c" else {}
     if bool(table.values) == code.stencil:
         raise ValueError(f"{spec.name}: the argument table {'gives' if table.values else 'lacks'} the forward's values "
                          f"for dt_vjp, but the operator is {'a stencil' if code.stencil else 'a recurrence'}: "
@@ -219,7 +236,8 @@ def render(spec: Any, code: LoweredOperator, table: ArgumentTable, target: str, 
         lane_bodies=_lane_bodies(code, kernels) if lane_form else {},
         table=(code.cuda_program("table") if target == "cuda" else code.table)
         if set(kernels) & {"forward", "adjoint", "dt_vjp"} else None,
-        programs=_long_programs(code, kernels, table.dt.shape == ("B",)) if target == "c" else {},
+        programs=programs,
+        guards=_unit_guards(kernels, programs, abi.units(part)) if target == "c" else {},
         signatures={k: abi.signature(k, table, ctype, RESTRICT[target], cuda=target == "cuda")
                     for k in (abi.cuda_kernels(kernels) if target == "cuda" else kernels)},
         itemsize=itemsize,

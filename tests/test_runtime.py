@@ -204,3 +204,22 @@ def test_a_library_compiles_as_a_unit_per_entry_point(tmp_path, monkeypatch):
     library = ctypes.CDLL(str(tmp_path / "kernels.so"))
     assert all(hasattr(library, abi.symbol(spec.name, k)) for k in abi.PARTS["all"])
     assert not hasattr(library, f"{spec.name}_coefficients_jvp")
+
+
+def test_each_unit_reads_only_the_programs_it_runs(tmp_path):
+    """A wide per-step stencil's tapes are tens of thousands of initializers each: a unit sees
+    (after the preprocessor) only the tapes and row loops of the programs its entry point runs."""
+    from tensorstep.codegen import abi
+    from tensorstep.codegen.driver import generate
+    from tensorstep.runtime import cbackend
+
+    spec = ts.KernelSpec(horizon=24, dof=2, dt="per_step", difference="backward", accuracy=6, order=4)
+    src = tmp_path / "kernels.c"
+    src.write_text(generate(spec, targets=("c",), parts=("all",)).source("c", "all"))
+    fills = {"forward", "adjoint", "dt_vjp"}
+    runs = {"tape_value": fills, "coefficients_rows": fills, "tape_reverse": {"dt_vjp_finish"},
+            "dt_vjp_finish_rows": {"dt_vjp_finish"}, "tape_tangent": {"coefficients_jvp"}}
+    for i, unit in enumerate(abi.units("all"), 1):
+        seen = subprocess.run([cbackend.compiler(), *cbackend.c_flags(), f"-DTS_UNIT={i}", "-E", "-x", "c", str(src)],
+                              capture_output=True, text=True, check=True).stdout
+        assert {what for what in runs if f"{spec.name}_{what}" in seen} == {w for w, users in runs.items() if unit in users}

@@ -184,6 +184,7 @@ int64_t ts_h32_d7_acc_exact_dtu_noidx_bhd_f32_o3_n_coefficients(void) { return N
 #endif
 /* the step coefficients, computed once per call from dt (double precision, stored as T) */
 #define COEFFICIENTS(dt, c) ts_h32_d7_acc_exact_dtu_noidx_bhd_f32_o3_coefficients((dt), (c))
+#if !defined(TS_UNIT) || TS_UNIT == 1 || TS_UNIT == 2 || TS_UNIT == 3
 static void ts_h32_d7_acc_exact_dtu_noidx_bhd_f32_o3_coefficients(const T* restrict dt_in, T* restrict coef)
 {
     const double dt = (double)DT(0);
@@ -193,6 +194,7 @@ static void ts_h32_d7_acc_exact_dtu_noidx_bhd_f32_o3_coefficients(const T* restr
     C(2) = (T)(t0);
     C(3) = (T)(-t0);
 }
+#endif
 
 #if !defined(TS_UNIT) || TS_UNIT == 1
 void ts_h32_d7_acc_exact_dtu_noidx_bhd_f32_o3_forward(int64_t B, const float* restrict u, const float* restrict p0, const float* restrict v0, const float* restrict a0, const float* restrict j0, const int64_t* restrict idx, const float* restrict dt_in, float* restrict y0, float* restrict y1, float* restrict y2, float* restrict y3)

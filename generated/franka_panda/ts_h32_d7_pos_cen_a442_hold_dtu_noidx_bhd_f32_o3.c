@@ -189,6 +189,7 @@ int64_t ts_h32_d7_pos_cen_a442_hold_dtu_noidx_bhd_f32_o3_n_coefficients(void) { 
 #endif
 /* the step coefficients, computed once per call from dt (double precision, stored as T) */
 #define COEFFICIENTS(dt, c) ts_h32_d7_pos_cen_a442_hold_dtu_noidx_bhd_f32_o3_coefficients((dt), (c))
+#if !defined(TS_UNIT) || TS_UNIT == 1 || TS_UNIT == 2 || TS_UNIT == 3
 static void ts_h32_d7_pos_cen_a442_hold_dtu_noidx_bhd_f32_o3_coefficients(const T* restrict dt_in, T* restrict coef)
 {
     const double dt = (double)DT(0);
@@ -225,6 +226,7 @@ static void ts_h32_d7_pos_cen_a442_hold_dtu_noidx_bhd_f32_o3_coefficients(const 
     C(21) = (T)(t1);
     C(22) = (T)(-t6);
 }
+#endif
 
 #if !defined(TS_UNIT) || TS_UNIT == 1
 void ts_h32_d7_pos_cen_a442_hold_dtu_noidx_bhd_f32_o3_forward(int64_t B, const float* restrict u, const float* restrict p0, const float* restrict v0, const float* restrict a0, const float* restrict j0, const int64_t* restrict idx, const float* restrict dt_in, float* restrict y0, float* restrict y1, float* restrict y2, float* restrict y3)

@@ -140,6 +140,7 @@ int64_t ts_h24_d10_pos_bac_a222_hold_dtu_noidx_bdh_f64_o3_n_coefficients(void) {
 #endif
 /* the step coefficients, computed once per call from dt (double precision, stored as T) */
 #define COEFFICIENTS(dt, c) ts_h24_d10_pos_bac_a222_hold_dtu_noidx_bdh_f64_o3_coefficients((dt), (c))
+#if !defined(TS_UNIT) || TS_UNIT == 1 || TS_UNIT == 2 || TS_UNIT == 3
 static void ts_h24_d10_pos_bac_a222_hold_dtu_noidx_bdh_f64_o3_coefficients(const T* restrict dt_in, T* restrict coef)
 {
     const double dt = (double)DT(0);
@@ -184,6 +185,7 @@ static void ts_h24_d10_pos_bac_a222_hold_dtu_noidx_bdh_f64_o3_coefficients(const
     C(30) = (T)((3.0/2.0)*t5);
     C(31) = (T)(-7*t5);
 }
+#endif
 
 #if !defined(TS_UNIT) || TS_UNIT == 1
 void ts_h24_d10_pos_bac_a222_hold_dtu_noidx_bdh_f64_o3_forward(int64_t B, const double* restrict u, const double* restrict p0, const double* restrict v0, const double* restrict a0, const double* restrict j0, const int64_t* restrict idx, const double* restrict dt_in, double* restrict y0, double* restrict y1, double* restrict y2, double* restrict y3)

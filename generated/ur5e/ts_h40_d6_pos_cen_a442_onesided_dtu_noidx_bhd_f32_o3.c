@@ -189,6 +189,7 @@ int64_t ts_h40_d6_pos_cen_a442_onesided_dtu_noidx_bhd_f32_o3_n_coefficients(void
 #endif
 /* the step coefficients, computed once per call from dt (double precision, stored as T) */
 #define COEFFICIENTS(dt, c) ts_h40_d6_pos_cen_a442_onesided_dtu_noidx_bhd_f32_o3_coefficients((dt), (c))
+#if !defined(TS_UNIT) || TS_UNIT == 1 || TS_UNIT == 2 || TS_UNIT == 3
 static void ts_h40_d6_pos_cen_a442_onesided_dtu_noidx_bhd_f32_o3_coefficients(const T* restrict dt_in, T* restrict coef)
 {
     const double dt = (double)DT(0);
@@ -254,6 +255,7 @@ static void ts_h40_d6_pos_cen_a442_onesided_dtu_noidx_bhd_f32_o3_coefficients(co
     C(47) = (T)(-9*t7);
     C(48) = (T)((5.0/2.0)/(dt*dt*dt));
 }
+#endif
 
 #if !defined(TS_UNIT) || TS_UNIT == 1
 void ts_h40_d6_pos_cen_a442_onesided_dtu_noidx_bhd_f32_o3_forward(int64_t B, const float* restrict u, const float* restrict p0, const float* restrict v0, const float* restrict a0, const float* restrict j0, const int64_t* restrict idx, const float* restrict dt_in, float* restrict y0, float* restrict y1, float* restrict y2, float* restrict y3)
