@@ -41,6 +41,11 @@ class PositionPoints:
         self.H = horizon
         self.dts = durations
         self._negated = [-d for d in durations]  # negated once: a sum of them is built directly
+        # A sum of distinct durations (or of their negations) is made in SymPy's own order of its
+        # terms, found once here, without Add's sorting: a long horizon makes thousands of them.
+        distinct = len(set(durations)) == len(durations)
+        self._rank = {t: i for terms in ((durations, self._negated) if distinct else ())
+                      for i, t in enumerate(sorted(terms, key=functools.cmp_to_key(sp.Basic.compare)))}
         self.goal = goal
         self.program: list[tuple[sp.Symbol, sp.Expr]] = []
         self._named: dict[tuple[int, int], sp.Symbol] = {}
@@ -89,9 +94,10 @@ class PositionPoints:
         if j < 0:
             extra = j * self.dts[0]
             j = 0
-        if j >= h:
-            return sp.Add(extra, *self.dts[h + 1 : j + 1])
-        return sp.Add(extra, *self._negated[j + 1 : h + 1])
+        terms = self.dts[h + 1 : j + 1] if j >= h else self._negated[j + 1 : h + 1]
+        if extra == 0 and len(terms) > 1 and self._rank:
+            return sp.Add._from_args(sorted(terms, key=self._rank.__getitem__))
+        return sp.Add(extra, *terms)
 
 
 def stencil_points(spec: KernelSpec, k: int, h: int) -> list[int]:

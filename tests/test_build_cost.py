@@ -347,3 +347,28 @@ def test_rows_share_the_relative_times_without_rebuilding_them(monkeypatch):
         assert code.coefs.runs
         counts.append(len(built))
     assert counts[0] == counts[1]
+
+
+@pytest.mark.parametrize("goal", [False, True])
+def test_node_times_are_sympys_sums_made_without_sorting(goal, monkeypatch):
+    """t_j - t_h is a sum of durations: the same object SymPy's Add makes (equal, same hash, same
+    argument order), made without Add's flattening and sorting where the durations are distinct
+    and no ghost point's multiple is added."""
+    import sympy as sp
+
+    from tensorstep.codegen.operator import dt_symbols, step_durations
+    from tensorstep.codegen.schemes import PositionPoints
+
+    horizon = 24
+    points = PositionPoints(horizon, step_durations(dt_symbols(horizon, "per_step"), horizon), goal)
+    sp.core.cache.clear_cache()  # (else an Add made before comes from SymPy's cache, unflattened)
+    flattened = []
+    real = sp.Add.flatten
+    monkeypatch.setattr(sp.Add, "flatten", classmethod(lambda cls, seq: flattened.append(1) or real.__func__(cls, seq)))
+    made = {(j, h): points.time(j, h) for j in range(horizon) for h in range(horizon)}
+    assert flattened == []
+    monkeypatch.setattr(sp.Add, "flatten", real)
+    dts = step_durations(dt_symbols(horizon, "per_step"), horizon)
+    for (j, h), time in made.items():
+        expected = sp.Add(*dts[h + 1 : j + 1]) if j >= h else -sp.Add(*dts[j + 1 : h + 1])
+        assert time == expected and hash(time) == hash(expected) and time.args == expected.args
