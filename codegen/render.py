@@ -168,13 +168,18 @@ def _check_cuda_tapes(spec: Any, tapes: list[tape.Tape]) -> None:
                 "or a shorter horizon, or device='cpu'")
 
 
+#: the kernels that run the coefficient table's program in C, each library's its own (on CUDA the
+#: table kernel of a spec's core module fills it; a dt module's dt_vjp reads it)
+TABLE_KERNELS = ("forward", "adjoint", "dt_vjp")
+
+
 def _tapes(code: LoweredOperator, kernels: tuple, taped: bool, cuda: bool) -> list[tape.Tape]:
     """The tapes the kernels run (see codegen/tape.py): the table's where a kernel fills it (in C
     each library's kernels fill their own; a CUDA dt module's dt_vjp reads the table the core
     module's kernel fills), dt_jvp's tangent program, dt_vjp_finish's reverse program."""
     if not taped:
         return []
-    fills = {"forward", "adjoint"} if cuda else {"forward", "adjoint", "dt_vjp"}
+    fills = {"forward", "adjoint"} if cuda else set(TABLE_KERNELS)
     names = (["value"] if set(kernels) & fills else []) + \
         (["tangent"] if "dt_jvp" in kernels else []) + (["reverse"] if "dt_vjp_finish" in kernels else [])
     return [code.coefs.tape(n) for n in names]
@@ -185,7 +190,7 @@ def _unit_guards(kernels: tuple, programs: dict, units: tuple[str, ...]) -> dict
     compiles only its own; the tapes are tens of thousands of initializers): the table's program
     and value tape (the kernels that fill the table), the tangent tape (the dt tangent's program),
     the reverse tape and program (dt_vjp_finish). Nothing where every unit uses it."""
-    users = {"table": [k for k in kernels if k in ("forward", "adjoint", "dt_vjp")],
+    users = {"table": [k for k in kernels if k in TABLE_KERNELS],
              "tangent": ["coefficients_jvp" if "coefficients_jvp" in programs else "dt_jvp"],
              "reverse": ["dt_vjp_finish"]}
     guards = {}
@@ -213,6 +218,7 @@ def render(spec: Any, code: LoweredOperator, table: ArgumentTable, target: str, 
     y = strides(spec.layout, spec.horizon, spec.dof)
     lane_form = lanes(spec) if target == "c" else None
     programs = _long_programs(code, kernels, table.dt.shape == ("B",)) if target == "c" else {}
+    units = abi.units(part)
     if bool(table.values) == code.stencil:
         raise ValueError(f"{spec.name}: the argument table {'gives' if table.values else 'lacks'} the forward's values "
                          f"for dt_vjp, but the operator is {'a stencil' if code.stencil else 'a recurrence'}: "
@@ -229,15 +235,15 @@ def render(spec: Any, code: LoweredOperator, table: ArgumentTable, target: str, 
         layout=spec.layout,
         u_sb=u[0], u_sh=u[1], u_sd=u[2], y_sb=y[0], y_sh=y[1], y_sd=y[2],
         kernels=kernels,
-        units=abi.units(part),
+        units=units,
         codes=_cuda_codes(code, kernels, itemsize) if target == "cuda"
         else {k: getattr(code, k) for k in kernels},
         lanes=lane_form,
         lane_bodies=_lane_bodies(code, kernels) if lane_form else {},
         table=(code.cuda_program("table") if target == "cuda" else code.table)
-        if set(kernels) & {"forward", "adjoint", "dt_vjp"} else None,
+        if set(kernels) & set(TABLE_KERNELS) else None,
         programs=programs,
-        guards=_unit_guards(kernels, programs, abi.units(part)) if target == "c" else {},
+        guards=_unit_guards(kernels, programs, units) if target == "c" else {},
         signatures={k: abi.signature(k, table, ctype, RESTRICT[target], cuda=target == "cuda")
                     for k in (abi.cuda_kernels(kernels) if target == "cuda" else kernels)},
         itemsize=itemsize,
