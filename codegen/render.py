@@ -121,6 +121,12 @@ def _cuda_codes(code: LoweredOperator, kernels: tuple, itemsize: int) -> dict:
     return codes
 
 
+#: C kernels with at most this many step coefficients (one dt per call) give each thread its own
+#: copy of the table (firstprivate: a few KB per call), so gcc keeps a loop's coefficients in
+#: registers; longer tables (per-step durations) are read where used, each row its own entries.
+C_PRIVATE_COEFFICIENTS = 1024
+
+
 #: Once-per-call coefficient programs (the table, dt_jvp's tangent, dt_vjp_finish's reverse) longer
 #: than this many lines (per-step durations) are split for the C compiler: the straight-line part
 #: (the boundary rows, a fixed size) unoptimised, the loops over the interior rows at -O2
@@ -238,6 +244,7 @@ def render(spec: Any, code: LoweredOperator, table: ArgumentTable, target: str, 
         units=units,
         codes=_cuda_codes(code, kernels, itemsize) if target == "cuda"
         else {k: getattr(code, k) for k in kernels},
+        private_coefficients=table.dt.shape != ("B",) and code.n_coefficients <= C_PRIVATE_COEFFICIENTS,
         lanes=lane_form,
         lane_bodies=_lane_bodies(code, kernels) if lane_form else {},
         table=(code.cuda_program("table") if target == "cuda" else code.table)

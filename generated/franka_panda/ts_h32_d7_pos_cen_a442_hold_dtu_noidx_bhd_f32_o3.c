@@ -18,8 +18,14 @@ typedef float T;
 #if defined(_OPENMP)
 /* batch elements are independent: split them over threads (small batches stay serial) */
 #define TS_PARALLEL_FOR _Pragma("omp parallel for schedule(static) if(B >= 64)")
+#define TS_PRAGMA(text) _Pragma(#text)
+/* the same, each thread with its own copy of the named arrays (the step coefficients): gcc
+ * cannot tell a shared array from the outputs its loops store to, so it would reload and
+ * broadcast every coefficient in every vector iteration */
+#define TS_PARALLEL_FOR_PRIVATE(...) TS_PRAGMA(omp parallel for schedule(static) if(B >= 64) firstprivate(__VA_ARGS__))
 #else
 #define TS_PARALLEL_FOR
+#define TS_PARALLEL_FOR_PRIVATE(...)
 #endif
 /* dt_vjp's dof loop is serial (every dof adds into the same accumulators, and without
  * reassociation gcc does not vectorise a floating-point sum), so -O3's vectoriser finds nothing
@@ -233,7 +239,7 @@ void ts_h32_d7_pos_cen_a442_hold_dtu_noidx_bhd_f32_o3_forward(int64_t B, const f
 {
     T coef[NC_];
     COEFFICIENTS(dt_in, coef);
-    TS_PARALLEL_FOR
+    TS_PARALLEL_FOR_PRIVATE(coef)
     for (int64_t b = 0; b < B; ++b) {
         const int64_t srow = idx ? idx[b] : b;
         {
@@ -356,7 +362,7 @@ void ts_h32_d7_pos_cen_a442_hold_dtu_noidx_bhd_f32_o3_adjoint(int64_t B, const f
     T coef[NC_];
     COEFFICIENTS(dt_in, coef);
     const int64_t* idx = NULL; /* start gradients are per batch row; the runtime scatters them */
-    TS_PARALLEL_FOR
+    TS_PARALLEL_FOR_PRIVATE(coef)
     for (int64_t b = 0; b < B; ++b) {
         const int64_t srow = idx ? idx[b] : b;
         const T* restrict gb0 = g0 ? g0 + b * Y_SB : ts_zero_outputs;
@@ -857,7 +863,7 @@ void ts_h32_d7_pos_cen_a442_hold_dtu_noidx_bhd_f32_o3_dt_jvp(int64_t B, const fl
     CD(20) = (T)(d_k20);
     CD(21) = (T)(d_k21);
     CD(22) = (T)(d_k22);
-    TS_PARALLEL_FOR
+    TS_PARALLEL_FOR_PRIVATE(coef, coefd)
     for (int64_t b = 0; b < B; ++b) {
         const int64_t srow = idx ? idx[b] : b;
         const T* restrict dub = du ? du + b * U_SB : ts_zero_actions;

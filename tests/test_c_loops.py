@@ -1,0 +1,60 @@
+"""The C kernels' loops over the batch: each thread holds its own copy of a short coefficient
+table. Exact against the dense reference with every subset of the outputs in the loss, at
+batches that the kernels split over threads."""
+from __future__ import annotations
+
+import itertools
+import re
+
+import numpy as np
+import pytest
+import torch
+
+import tensorstep as ts
+from tensorstep.codegen import render
+from tensorstep.codegen.driver import generate
+
+import reference
+from helpers import Inputs, dt_value, scale_close
+
+#: long enough for interior loops; uniform dt, a wide stencil, and per-step durations (the
+#: loops' coefficients advance with the row)
+SPECS = [
+    ts.KernelSpec(horizon=32, dof=3, dtype="float64", difference="backward", accuracy=1),
+    ts.KernelSpec(horizon=24, dof=3, dtype="float64", difference="central", accuracy=6, end="one_sided", order=4),
+    ts.KernelSpec(horizon=24, dof=3, dtype="float64", difference="central", accuracy=2, dt="per_step"),
+]
+BATCH = 70  # at least 64: the C kernels split the batch over OpenMP threads
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name)
+def test_every_subset_of_output_gradients_is_the_exact_adjoint(spec, autograd_path):
+    step = autograd_path(ts.load(spec))
+    x = Inputs(spec, batch=BATCH, requires_grad=True)
+    dt = dt_value(spec)
+    outs = step(x.u, x.p0, x.v0, x.a0, dt, **x.kwargs())
+    gen = torch.Generator().manual_seed(1)
+    g = torch.randn(len(outs), *outs[0].shape, generator=gen, dtype=torch.float64)
+    M_u, _ = reference.matrices(spec, dt.tolist() if dt.ndim else [float(dt)])
+    for used in itertools.chain.from_iterable(itertools.combinations(range(len(outs)), n) for n in (1, 2, 3)):
+        (gu,) = torch.autograd.grad([outs[k] for k in used], [x.u], [g[k] for k in used], retain_graph=True)
+        expect_u = np.einsum("khn,kbhd->bnd", M_u[list(used)], g[list(used)].numpy())
+        scale_close(gu.numpy(), expect_u, 1e-12)
+
+
+def _parallel_loops(source: str) -> list[str]:
+    return re.findall(r"^\s*(TS_PARALLEL_FOR\w*(?:\([^)]*\))?)$", source, re.M)
+
+
+def test_threads_copy_short_coefficient_tables(monkeypatch):
+    """forward, adjoint (coef) and dt_jvp (coef, coefd) take private copies (dt_vjp's chunks only
+    gather products); one table per trajectory is made inside the loop, and a long table is
+    read where it is."""
+    spec = SPECS[0]
+    source = generate(spec, ("c",), ("all",)).source("c", "all")
+    assert _parallel_loops(source) == ["TS_PARALLEL_FOR_PRIVATE(coef)"] * 2 + [
+        "TS_PARALLEL_FOR_CHUNKS", "TS_PARALLEL_FOR_PRIVATE(coef, coefd)"]
+    per_trajectory = ts.KernelSpec(horizon=32, dof=3, dtype="float64", difference="backward", dt="per_trajectory")
+    assert set(_parallel_loops(generate(per_trajectory, ("c",), ("core",)).source("c", "core"))) == {"TS_PARALLEL_FOR"}
+    monkeypatch.setattr(render, "C_PRIVATE_COEFFICIENTS", 4)
+    assert set(_parallel_loops(generate(spec, ("c",), ("core",)).source("c", "core"))) == {"TS_PARALLEL_FOR"}
