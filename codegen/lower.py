@@ -141,6 +141,7 @@ def _adjoint_lines(op: Operator, coefs: Coefficients, skip: frozenset = frozense
 
 MIN_LOOP = 3  # shorter runs of identical rows stay straight-line
 ZERO = sp.Integer(0)  # the weight of an input a row of a span loop does not read
+ZERO_T = Cast("T", Literal("0"))  # a gathered gradient's start
 
 # A row's terms as loop material: a shape (offsets and unit coefficients, same along a run)
 # and the coefficient-table slot of every other coefficient (advancing by one stride per row).
@@ -320,8 +321,7 @@ def _adjoint_loops(op: Operator, coefs: Coefficients) -> tuple[list[Loop], set[i
         rows[j] = (tuple((k, rel, lit) for k, rel, lit, _ in parts), tuple(slot for *_, slot in parts)) if parts else None
     for start, stop, shape, slots, stride in _runs(rows):
         dependent = stride != 0
-        loops.append(Loop(start, stop, [Store(Read("SGU"), Cast("T", Literal("0")))], row_dependent=dependent,
-                          scale=p))
+        loops.append(Loop(start, stop, [Store(Read("SGU"), ZERO_T)], row_dependent=dependent, scale=p))
         for k in sorted({kk for kk, _, _ in shape}):
             value = Sum(tuple(_term(coefs, lit, _slot(slot, stride, start), Read(f"SG{k}", (rel,)))
                               for (kk, rel, lit), slot in zip(shape, slots) if kk == k))
@@ -329,6 +329,32 @@ def _adjoint_loops(op: Operator, coefs: Coefficients) -> tuple[list[Loop], set[i
                               scale=p))
         covered.update(range(start, stop))
     return loops, covered
+
+
+def fused_gathers(loops: list[Loop]) -> list[Loop]:
+    """Consecutive loops over the same rows that gather into one target (an action's gradient:
+    zeroed, then a pass per output gradient) as one pass storing the sum of all their terms, for
+    C: the target is written once instead of read and written in every pass. Their guards go: in
+    C an absent output gradient reads zeros (the template's zero block). Loops that store
+    different outputs stay apart (one pass per output stream was faster in C)."""
+    fused: list[Loop] = []
+    for loop in loops:
+        last = fused[-1] if fused else None
+        if (last is not None and last.key == loop.key and last.row_dependent == loop.row_dependent
+                and _gather(last) and _gather(loop) and loop.statements[0].op == "+="
+                and last.statements[0].target == loop.statements[0].target):
+            total, added = last.statements[0], loop.statements[0]
+            terms = (() if total.value == ZERO_T else total.value.terms) + added.value.terms
+            fused[-1] = dataclasses.replace(last, statements=[Store(total.target, Sum(terms))], guard="")
+        else:
+            fused.append(loop)
+    return fused
+
+
+def _gather(loop: Loop) -> bool:
+    """One store of a column sum (or of zero) into the loop's target."""
+    return (len(loop.statements) == 1 and isinstance(loop.statements[0], Store) and not loop.init
+            and (loop.statements[0].value == ZERO_T or isinstance(loop.statements[0].value, Sum)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -934,6 +960,12 @@ class LoweredOperator:
     @functools.cached_property
     def adjoint(self) -> KernelCode:
         return _adjoint(self.op, self.coefs, self.spans["adjoint"], self.only)
+
+    @functools.cached_property
+    def gathered_adjoint(self) -> KernelCode:
+        """The adjoint with each run of actions gathered in one pass over the output gradients
+        (``fused_gathers``), for C."""
+        return dataclasses.replace(self.adjoint, loops=fused_gathers(self.adjoint.loops))
 
     @functools.cached_property
     def stencil(self) -> bool:

@@ -121,6 +121,11 @@ def _cuda_codes(code: LoweredOperator, kernels: tuple, itemsize: int) -> dict:
     return codes
 
 
+def _c_codes(code: LoweredOperator, kernels: tuple) -> dict:
+    """The kernels' code for the C template: the adjoint's gathers each in one pass."""
+    return {k: code.gathered_adjoint if k == "adjoint" else getattr(code, k) for k in kernels}
+
+
 #: C kernels with at most this many step coefficients (one dt per call) give each thread its own
 #: copy of the table (firstprivate: a few KB per call), so gcc keeps a loop's coefficients in
 #: registers; longer tables (per-step durations) are read where used, each row its own entries.
@@ -242,8 +247,7 @@ def render(spec: Any, code: LoweredOperator, table: ArgumentTable, target: str, 
         u_sb=u[0], u_sh=u[1], u_sd=u[2], y_sb=y[0], y_sh=y[1], y_sd=y[2],
         kernels=kernels,
         units=units,
-        codes=_cuda_codes(code, kernels, itemsize) if target == "cuda"
-        else {k: getattr(code, k) for k in kernels},
+        codes=_cuda_codes(code, kernels, itemsize) if target == "cuda" else _c_codes(code, kernels),
         private_coefficients=table.dt.shape != ("B",) and code.n_coefficients <= C_PRIVATE_COEFFICIENTS,
         lanes=lane_form,
         lane_bodies=_lane_bodies(code, kernels) if lane_form else {},

@@ -1,6 +1,7 @@
-"""The C kernels' loops over the batch: each thread holds its own copy of a short coefficient
-table. Exact against the dense reference with every subset of the outputs in the loss, at
-batches that the kernels split over threads."""
+"""The C kernels' interior loops over the batch: an action's gradient is gathered from every
+output gradient in one pass (absent ones read the zero block), and each thread holds its own
+copy of a short coefficient table. Exact against the dense reference with every subset of the
+outputs in the loss, at batches that the kernels split over threads."""
 from __future__ import annotations
 
 import itertools
@@ -25,6 +26,23 @@ SPECS = [
     ts.KernelSpec(horizon=24, dof=3, dtype="float64", difference="central", accuracy=2, dt="per_step"),
 ]
 BATCH = 70  # at least 64: the C kernels split the batch over OpenMP threads
+
+
+def _function(source: str, name: str) -> str:
+    """The text of one C function of a generated source, from its head to the closing brace."""
+    start = re.search(rf"^void \w+_{name}\(", source, re.M).start()
+    return source[start:source.index("\n}\n", start)]
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name)
+def test_each_actions_gradient_is_gathered_in_one_pass(spec):
+    """Before: a pass zeroing the actions' gradients, then one pass adding each output's share."""
+    adjoint = _function(generate(spec, ("c",), ("core",)).source("c", "core"), "adjoint")
+    assert "SGU +=" not in adjoint
+    passes = adjoint.count("SGU =")
+    assert passes >= 1
+    for k in range(spec.order + 1):  # every output's gradient is read in those passes
+        assert f"SG{k}(" in adjoint
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name)

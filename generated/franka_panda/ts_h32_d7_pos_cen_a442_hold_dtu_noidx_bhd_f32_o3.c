@@ -155,12 +155,20 @@ typedef T VT __attribute__((vector_size(32)));
 static T ts_zero_outputs[Y_SB];
 #undef G0
 #define G0(h) gb0[d * Y_SD + (h) * Y_SH]
+#undef SG0
+#define SG0(rel) gb0[sy - b * Y_SB + (rel) * Y_SH]
 #undef G1
 #define G1(h) gb1[d * Y_SD + (h) * Y_SH]
+#undef SG1
+#define SG1(rel) gb1[sy - b * Y_SB + (rel) * Y_SH]
 #undef G2
 #define G2(h) gb2[d * Y_SD + (h) * Y_SH]
+#undef SG2
+#define SG2(rel) gb2[sy - b * Y_SB + (rel) * Y_SH]
 #undef G3
 #define G3(h) gb3[d * Y_SD + (h) * Y_SH]
+#undef SG3
+#define SG3(rel) gb3[sy - b * Y_SB + (rel) * Y_SH]
 /* A missing input tangent reads zeros the same way, from per-batch-element bases (dub, ds<m>b,
  * de<m>b): "du ? du[i] : 0" in a vectorised loop became an AVX-512 load masked by du != NULL,
  * and a masked load from a null address costs a microcode assist every time, even with every
@@ -373,35 +381,7 @@ void ts_h32_d7_pos_cen_a442_hold_dtu_noidx_bhd_f32_o3_adjoint(int64_t B, const f
             TS_SIMD
             for (int64_t f = 2LL * D_; f < 29LL * D_; ++f) {
                 const int64_t su = b * U_SB + f, sy = b * Y_SB + f;
-                SGU = (T)0;
-            }
-        }
-        if (g0) {
-            TS_SIMD
-            for (int64_t f = 2LL * D_; f < 29LL * D_; ++f) {
-                const int64_t su = b * U_SB + f, sy = b * Y_SB + f;
-                SGU += SG0(1);
-            }
-        }
-        if (g1) {
-            TS_SIMD
-            for (int64_t f = 2LL * D_; f < 29LL * D_; ++f) {
-                const int64_t su = b * U_SB + f, sy = b * Y_SB + f;
-                SGU += C(5)*SG1(-1)+C(4)*SG1(0)+C(18)*SG1(2)+C(7)*SG1(3);
-            }
-        }
-        if (g2) {
-            TS_SIMD
-            for (int64_t f = 2LL * D_; f < 29LL * D_; ++f) {
-                const int64_t su = b * U_SB + f, sy = b * Y_SB + f;
-                SGU += C(12)*SG2(-1)+C(11)*SG2(0)+C(10)*SG2(1)+C(11)*SG2(2)+C(12)*SG2(3);
-            }
-        }
-        if (g3) {
-            TS_SIMD
-            for (int64_t f = 2LL * D_; f < 29LL * D_; ++f) {
-                const int64_t su = b * U_SB + f, sy = b * Y_SB + f;
-                SGU += C(13)*SG3(-1)+C(17)*SG3(0)+C(20)*SG3(2)+C(19)*SG3(3);
+                SGU = SG0(1)+C(5)*SG1(-1)+C(4)*SG1(0)+C(18)*SG1(2)+C(7)*SG1(3)+C(12)*SG2(-1)+C(11)*SG2(0)+C(10)*SG2(1)+C(11)*SG2(2)+C(12)*SG2(3)+C(13)*SG3(-1)+C(17)*SG3(0)+C(20)*SG3(2)+C(19)*SG3(3);
             }
         }
 #if defined(TS_LANES)

@@ -116,12 +116,20 @@ enum { H_ = 24, N_ = 23, D_ = 10, NDT_ = 1, NC_ = 32 };
 static T ts_zero_outputs[Y_SB];
 #undef G0
 #define G0(h) gb0[d * Y_SD + (h) * Y_SH]
+#undef SG0
+#define SG0(rel) gb0[sy - b * Y_SB + (rel) * Y_SH]
 #undef G1
 #define G1(h) gb1[d * Y_SD + (h) * Y_SH]
+#undef SG1
+#define SG1(rel) gb1[sy - b * Y_SB + (rel) * Y_SH]
 #undef G2
 #define G2(h) gb2[d * Y_SD + (h) * Y_SH]
+#undef SG2
+#define SG2(rel) gb2[sy - b * Y_SB + (rel) * Y_SH]
 #undef G3
 #define G3(h) gb3[d * Y_SD + (h) * Y_SH]
+#undef SG3
+#define SG3(rel) gb3[sy - b * Y_SB + (rel) * Y_SH]
 /* A missing input tangent reads zeros the same way, from per-batch-element bases (dub, ds<m>b,
  * de<m>b): "du ? du[i] : 0" in a vectorised loop became an AVX-512 load masked by du != NULL,
  * and a masked load from a null address costs a microcode assist every time, even with every
@@ -293,43 +301,7 @@ void ts_h24_d10_pos_bac_a222_hold_dtu_noidx_bdh_f64_o3_adjoint(int64_t B, const 
               TS_SIMD
               for (int64_t r = 0; r < 19; ++r) {
                 const int64_t su = b * U_SB + d * U_SD + r, sy = b * Y_SB + d * Y_SD + r;
-                SGU = (T)0;
-              }
-            }
-        }
-        if (g0) {
-            for (int64_t d = 0; d < D_; ++d) {
-              TS_SIMD
-              for (int64_t r = 0; r < 19; ++r) {
-                const int64_t su = b * U_SB + d * U_SD + r, sy = b * Y_SB + d * Y_SD + r;
-                SGU += SG0(1);
-              }
-            }
-        }
-        if (g1) {
-            for (int64_t d = 0; d < D_; ++d) {
-              TS_SIMD
-              for (int64_t r = 0; r < 19; ++r) {
-                const int64_t su = b * U_SB + d * U_SD + r, sy = b * Y_SB + d * Y_SD + r;
-                SGU += C(4)*SG1(1)+C(6)*SG1(2)+C(14)*SG1(3);
-              }
-            }
-        }
-        if (g2) {
-            for (int64_t d = 0; d < D_; ++d) {
-              TS_SIMD
-              for (int64_t r = 0; r < 19; ++r) {
-                const int64_t su = b * U_SB + d * U_SD + r, sy = b * Y_SB + d * Y_SD + r;
-                SGU += C(8)*SG2(1)+C(18)*SG2(2)+C(20)*SG2(3)+C(24)*SG2(4);
-              }
-            }
-        }
-        if (g3) {
-            for (int64_t d = 0; d < D_; ++d) {
-              TS_SIMD
-              for (int64_t r = 0; r < 19; ++r) {
-                const int64_t su = b * U_SB + d * U_SD + r, sy = b * Y_SB + d * Y_SD + r;
-                SGU += C(13)*SG3(1)+C(23)*SG3(2)+C(29)*SG3(3)+C(31)*SG3(4)+C(30)*SG3(5);
+                SGU = SG0(1)+C(4)*SG1(1)+C(6)*SG1(2)+C(14)*SG1(3)+C(8)*SG2(1)+C(18)*SG2(2)+C(20)*SG2(3)+C(24)*SG2(4)+C(13)*SG3(1)+C(23)*SG3(2)+C(29)*SG3(3)+C(31)*SG3(4)+C(30)*SG3(5);
               }
             }
         }

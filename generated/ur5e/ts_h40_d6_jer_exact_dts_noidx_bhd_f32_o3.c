@@ -160,12 +160,20 @@ typedef T VT __attribute__((vector_size(32)));
 static T ts_zero_outputs[Y_SB];
 #undef G0
 #define G0(h) gb0[d * Y_SD + (h) * Y_SH]
+#undef SG0
+#define SG0(rel) gb0[sy - b * Y_SB + (rel) * Y_SH]
 #undef G1
 #define G1(h) gb1[d * Y_SD + (h) * Y_SH]
+#undef SG1
+#define SG1(rel) gb1[sy - b * Y_SB + (rel) * Y_SH]
 #undef G2
 #define G2(h) gb2[d * Y_SD + (h) * Y_SH]
+#undef SG2
+#define SG2(rel) gb2[sy - b * Y_SB + (rel) * Y_SH]
 #undef G3
 #define G3(h) gb3[d * Y_SD + (h) * Y_SH]
+#undef SG3
+#define SG3(rel) gb3[sy - b * Y_SB + (rel) * Y_SH]
 /* A missing input tangent reads zeros the same way, from per-batch-element bases (dub, ds<m>b,
  * de<m>b): "du ? du[i] : 0" in a vectorised loop became an AVX-512 load masked by du != NULL,
  * and a masked load from a null address costs a microcode assist every time, even with every
