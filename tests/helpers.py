@@ -1,6 +1,8 @@
 """Test helpers: the variant grid, random inputs, layout conversion."""
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import torch
 
@@ -36,6 +38,12 @@ GRID = [
     dict(control="jerk"),
     dict(control="jerk", integrator="exact", dt="per_step", start_index=True),
 ]
+
+
+def c_functions(source: str) -> dict[str, str]:
+    """The C functions of a generated source by name: their head line and body."""
+    heads = re.finditer(r"^(?:static )?(?:TS_\w+ )*void (\w+)\([^\n]*\)\n\{\n(.*?)\n\}\n", source, re.M | re.S)
+    return {m.group(1): m.group(0) for m in heads}
 
 
 def grid_id(overrides: dict) -> str:

@@ -14,7 +14,7 @@ import tensorstep as ts
 from tensorstep.codegen.driver import generate
 
 import reference
-from helpers import Inputs, dt_gradient, dt_value, grid_id, scale_close, to_bhd
+from helpers import Inputs, c_functions, dt_gradient, dt_value, grid_id, scale_close, to_bhd
 
 H_ROLLED = 40  # long enough that interior rows repeat and are emitted as loops
 
@@ -51,15 +51,9 @@ def test_per_step_source_grows_linearly(overrides):
     assert sizes[128] < 600_000, sizes
 
 
-def _functions(source: str) -> dict[str, str]:
-    """The C functions of a generated source by name: their head line and body."""
-    heads = re.finditer(r"^(?:static )?(?:TS_\w+ )*void (\w+)\([^\n]*\)\n\{\n(.*?)\n\}\n", source, re.M | re.S)
-    return {m.group(1): m.group(0) for m in heads}
-
-
 def test_interior_rows_are_one_loop_in_each_program():
     source = generate(_spec(dict(difference="central"), 64), targets=("c",), parts=("dt",)).source("c", "dt")
-    functions = _functions(source)
+    functions = c_functions(source)
     finish = "".join(text for name, text in functions.items() if "_dt_vjp_finish" in name)
     assert finish.count("for (int64_t r = ") == 1
     assert "GDT(r + " in finish or "GDT(r - " in finish or "GDT(r)" in finish
@@ -79,7 +73,7 @@ def test_long_coefficient_programs_are_tapes(overrides):
     of gcc on a wide stencil's tangent rows), and every function stays short."""
     source = generate(_spec(overrides, 256, "float32"), targets=("c",), parts=("core", "dt")).source("c", "dt")
     assert '#define TS_ROWS __attribute__((optimize("O2", "no-tree-vectorize")))' in source
-    functions = _functions(source)
+    functions = c_functions(source)
     kernel = lambda k: next(text for name, text in functions.items() if name.endswith(f"_{k}"))
     assert "TS_TAPE_REVERSE();" in kernel("dt_vjp_finish")
     assert "TS_TAPE_TANGENT();" in kernel("coefficients_jvp")
@@ -126,7 +120,7 @@ def test_per_trajectory_tables_are_data():
         source = generate(spec, targets=("c",), parts=(part,)).source("c", part)
         assert "TS_MONOMIALS_VALUE();" in source
         assert len(source) < 200_000, (part, len(source))
-        programs = {name: text for name, text in _functions(source).items()
+        programs = {name: text for name, text in c_functions(source).items()
                     if name.endswith(("_coefficients", "_dt_vjp_finish"))}
         assert len(programs) == (1 if part == "core" else 2)
         for name, text in programs.items():
@@ -140,7 +134,7 @@ def test_bspline_dt_kernels_are_span_loops(knots, dt):
     not over the knots once per phase and output: with 12 steps per knot that was 48 loops per
     kernel, 513 lines of dt_jvp and 941 of dt_vjp, and 3.5-3.8 s of gcc for the dt library."""
     spec = ts.KernelSpec(control="bspline", degree=4, knots=knots, steps=12, dt=dt, dof=7, dtype="float32")
-    functions = _functions(generate(spec, targets=("c",), parts=("dt",)).source("c", "dt"))
+    functions = c_functions(generate(spec, targets=("c",), parts=("dt",)).source("c", "dt"))
     for kernel in ("dt_jvp", "dt_vjp"):
         (text,) = [text for name, text in functions.items() if name.endswith("_" + kernel)]
         assert text.count("\n") < 300, (kernel, text.count("\n"))
@@ -158,7 +152,7 @@ def test_missing_input_tangents_read_a_zero_block(spec):
     from a null address costs a microcode assist each time (3.1 ms against 0.1 ms, central
     differences, H=32, B=400). The tangents' values are checked by the dt_jvp tests."""
     source = generate(spec, targets=("c",), parts=("dt",)).source("c", "dt")
-    (jvp,) = [text for name, text in _functions(source).items() if name.endswith("_dt_jvp")]
+    (jvp,) = [text for name, text in c_functions(source).items() if name.endswith("_dt_jvp")]
     assert "const T* restrict dub = du ? du + b * U_SB : ts_zero_actions;" in jvp
     for macro in ("DU(j)", "SDU(rel)", "DS0", "DS3"):  # redefined over the bases, without a test
         assert re.search(r"#undef %s\n#define %s [^?\n]*\n" % (re.escape(macro.split("(")[0]), re.escape(macro)),
@@ -177,7 +171,7 @@ def test_dt_vjp_is_compiled_without_the_vectoriser(spec):
     -O2 under gcc (TS_SERIAL); its numerics are checked by the dt tests on the built library."""
     source = generate(spec, targets=("c",), parts=("dt",)).source("c", "dt")
     assert '#define TS_SERIAL __attribute__((optimize("O2")))' in source
-    dt_vjp = next(text for name, text in _functions(source).items() if name.endswith("_dt_vjp"))
+    dt_vjp = next(text for name, text in c_functions(source).items() if name.endswith("_dt_vjp"))
     assert dt_vjp.splitlines()[0].startswith("TS_SERIAL ")
     assert "TS_SIMD" not in dt_vjp
 

@@ -16,7 +16,7 @@ from tensorstep.codegen import render
 from tensorstep.codegen.driver import generate
 
 import reference
-from helpers import Inputs, dt_value, scale_close
+from helpers import Inputs, c_functions, dt_value, scale_close
 
 #: long enough for interior loops; uniform dt, a wide stencil, and per-step durations (the
 #: loops' coefficients advance with the row)
@@ -28,16 +28,11 @@ SPECS = [
 BATCH = 70  # at least 64: the C kernels split the batch over OpenMP threads
 
 
-def _function(source: str, name: str) -> str:
-    """The text of one C function of a generated source, from its head to the closing brace."""
-    start = re.search(rf"^void \w+_{name}\(", source, re.M).start()
-    return source[start:source.index("\n}\n", start)]
-
-
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name)
 def test_each_actions_gradient_is_gathered_in_one_pass(spec):
     """Before: a pass zeroing the actions' gradients, then one pass adding each output's share."""
-    adjoint = _function(generate(spec, ("c",), ("core",)).source("c", "core"), "adjoint")
+    functions = c_functions(generate(spec, ("c",), ("core",)).source("c", "core"))
+    (adjoint,) = [text for name, text in functions.items() if name.endswith("_adjoint")]
     assert "SGU +=" not in adjoint
     passes = adjoint.count("SGU =")
     assert passes >= 1
