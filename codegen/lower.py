@@ -964,8 +964,10 @@ class LoweredOperator:
     @functools.cached_property
     def gathered_adjoint(self) -> KernelCode:
         """The adjoint with each run of actions gathered in one pass over the output gradients
-        (``fused_gathers``), for C."""
-        return dataclasses.replace(self.adjoint, loops=fused_gathers(self.adjoint.loops))
+        (``fused_gathers``), for C; the adjoint itself where nothing fuses (an integrator's), so
+        its column text, which the lane form also measures, is printed once."""
+        loops = fused_gathers(self.adjoint.loops)
+        return self.adjoint if len(loops) == len(self.adjoint.loops) else dataclasses.replace(self.adjoint, loops=loops)
 
     @functools.cached_property
     def stencil(self) -> bool:
