@@ -855,8 +855,45 @@ def _dt_vjp(op: Operator, coefs: Coefficients, spans: list[Span] = (), only: boo
         for c, ref in row.terms:
             if coefs.varies(c):
                 uses[(i // ACC_ROWS, coefs.index(c))].append(Mul(Read(f"G{row.k}", (row.h,)), _var(ref)))
-    body += [Store(Read("ACC", (q,)), Cast("double", Paren(Add(tuple(parts)))), "+=") for (_, q), parts in uses.items()]
+    body += _accumulations([(q, tuple(parts)) for (_, q), parts in uses.items()])
     return KernelCode(TABLE_CALL, body, loops)
+
+
+def _accumulation(q: int, parts: tuple) -> Store:
+    return Store(Read("ACC", (q,)), Cast("double", Paren(Add(parts))), "+=")
+
+
+def _accumulations(sums: list[tuple[int, tuple]]) -> list[Statement]:
+    """``ACC(q) += (double)(Σ parts)`` for each slot, in order; a run of at least MIN_LOOP single
+    products ``G<k>(h)·U(j)`` with one gradient read, whose slot and action both advance by one,
+    is a loop over those actions. A per-step dt gives every row slots of its own, so its boundary
+    rows are such runs (row h's coefficients times U(0..h-1)); gcc's time on a wide stencil's
+    dt_vjp was mostly those statements (BENCHMARKS.md)."""
+    out: list[Statement] = []
+    run: list[tuple[int, Read, int]] = []  # (slot, gradient read, action)
+
+    def close() -> None:
+        if len(run) >= MIN_LOOP:
+            (q, g, j), last = run[0], run[-1][2]
+            product = Cast("double", Paren(Mul(g, Read("U", (Rel(0),)))))
+            out.append(For(j, last, 1, (Store(Read("ACC", (Strided(q, 1, j),)), product, "+="),)))
+        else:
+            out.extend(_accumulation(q, (Mul(g, Read("U", (j,))),)) for q, g, j in run)
+        run.clear()
+
+    for q, parts in sums:
+        product = parts[0] if len(parts) == 1 else None
+        if not (isinstance(product, Mul) and isinstance(product.b, Read) and product.b.macro == "U"
+                and isinstance(product.b.args[0], int)):
+            close()
+            out.append(_accumulation(q, parts))
+            continue
+        entry = (q, product.a, product.b.args[0])
+        if run and (run[-1][0] + 1, run[-1][1], run[-1][2] + 1) != entry:
+            close()
+        run.append(entry)
+    close()
+    return out
 
 
 def _integrator_dt_vjp(op: Operator, coefs: Coefficients) -> KernelCode:

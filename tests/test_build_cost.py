@@ -72,7 +72,7 @@ def test_long_coefficient_programs_are_tapes(overrides):
     their own at -O2 without the vectoriser (TS_ROWS: -O2's cheap vectoriser took 1.7 of 3.1 s
     of gcc on a wide stencil's tangent rows), and every function stays short."""
     source = generate(_spec(overrides, 256, "float32"), targets=("c",), parts=("core", "dt")).source("c", "dt")
-    assert '#define TS_ROWS __attribute__((optimize("O2", "no-tree-vectorize")))' in source
+    assert '#define TS_ROWS __attribute__((optimize("O2", "no-tree-vectorize", TS_CHEAP_ALLOCATION)))' in source
     functions = c_functions(source)
     kernel = lambda k: next(text for name, text in functions.items() if name.endswith(f"_{k}"))
     assert "TS_TAPE_REVERSE();" in kernel("dt_vjp_finish")
@@ -168,12 +168,41 @@ def test_dt_vjp_is_compiled_without_the_vectoriser(spec):
     """dt_vjp's dof loop is serial (every dof adds into the same accumulators), so -O3's
     vectoriser has nothing to do there, while its register allocation over the long body was
     most of gcc's time on a B-spline's dt library (60 knots: 2.8 of 3 s). dt_vjp is compiled at
-    -O2 under gcc (TS_SERIAL); its numerics are checked by the dt tests on the built library."""
+    -O2 under gcc (TS_SERIAL), with the allocator's cheaper settings (TS_CHEAP_ALLOCATION, also
+    on the once-per-call row loops); its numerics are checked by the dt tests on the built library."""
     source = generate(spec, targets=("c",), parts=("dt",)).source("c", "dt")
-    assert '#define TS_SERIAL __attribute__((optimize("O2")))' in source
+    assert '#define TS_SERIAL __attribute__((optimize("O2", TS_CHEAP_ALLOCATION)))' in source
+    assert '#define TS_CHEAP_ALLOCATION "ira-algorithm=priority", "ira-region=one", "no-lra-remat"' in source
     dt_vjp = next(text for name, text in c_functions(source).items() if name.endswith("_dt_vjp"))
     assert dt_vjp.splitlines()[0].startswith("TS_SERIAL ")
     assert "TS_SIMD" not in dt_vjp
+
+
+_STRAIGHT_PRODUCT = re.compile(r"^\s*ACC\((\d+)\) \+= \(double\)\((G\d\(\d+\))\*U\((\d+)\)\);$", re.M)
+
+
+@pytest.mark.parametrize("overrides", WIDE_BOUNDARIES, ids=grid_id)
+def test_dt_vjp_boundary_rows_loop_over_their_actions(overrides):
+    """With a duration per step every boundary row has coefficients of its own, so dt_vjp gathers
+    row h's G<k>(h)·U(j) into consecutive accumulator slots for consecutive actions j: each such
+    run is one loop over the actions (as separate statements they were most of gcc's time on the
+    widest stencil's dt_vjp: BENCHMARKS.md), in C and CUDA alike. The loops' numerics are checked by
+    the dt gradient tests against finite differences of the reference (C and CUDA on the host)."""
+    spec = _spec(overrides, 64, "float32")
+    generated = generate(spec, targets=("c", "cuda"), parts=("dt",))
+    loop = re.compile(r"for \(int64_t r = (\d+); r <= (\d+); \+\+r\) \{\n\s*"
+                      r"ACC\((\d+) \+ 1 \* \(r - \1\)\) \+= \(double\)\(G\d\(\d+\)\*U\(r\)\);")
+    for target in ("c", "cuda"):
+        source = generated.source(target, "dt")
+        dt_vjp = source[source.index(f"{spec.name}_dt_vjp("):]
+        loops = loop.findall(dt_vjp)
+        assert len(loops) >= 4 and all(int(last) - int(first) + 1 >= 3 for first, last, _ in loops), (target, loops)
+        # what is left straight-line: no two statements in a row that a loop would have continued
+        products = [(m.start(), int(m.group(1)), m.group(2), int(m.group(3))) for m in _STRAIGHT_PRODUCT.finditer(dt_vjp)]
+        for (at, q, g, j), (at2, q2, g2, j2) in zip(products, products[1:]):
+            adjacent = dt_vjp.count("\n", at, at2) == 1
+            assert not (adjacent and (q2, g2, j2) == (q + 1, g, j + 1)
+                        and any(p[1:] == (q + 2, g, j + 2) for p in products)), (target, q, g, j)
 
 
 def test_program_derivatives_are_sympys():

@@ -15,6 +15,10 @@ typedef float T;
 #endif
 /* a loop the generator keeps rolled (CUDA needs a pragma for it; gcc decides for itself) */
 #define TS_ROLLED
+/* gcc's register allocation in its cheaper settings, for the long once-per-call loop bodies and
+ * dt_vjp's serial body: most of their compile time was the allocator's (it made no measurable
+ * difference to their run time: see BENCHMARKS.md) */
+#define TS_CHEAP_ALLOCATION "ira-algorithm=priority", "ira-region=one", "no-lra-remat"
 #if defined(_OPENMP)
 /* batch elements are independent: split them over threads (small batches stay serial) */
 #define TS_PARALLEL_FOR _Pragma("omp parallel for schedule(static) if(B >= 64)")
@@ -31,7 +35,7 @@ typedef float T;
  * reassociation gcc does not vectorise a floating-point sum), so -O3's vectoriser finds nothing
  * there; its register allocation over the long body was most of the dt library's compile time */
 #if defined(__GNUC__) && !defined(__clang__)
-#define TS_SERIAL __attribute__((optimize("O2")))
+#define TS_SERIAL __attribute__((optimize("O2", TS_CHEAP_ALLOCATION)))
 #else
 #define TS_SERIAL
 #endif

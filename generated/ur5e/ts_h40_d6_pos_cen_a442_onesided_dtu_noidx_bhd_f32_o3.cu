@@ -601,35 +601,27 @@ extern "C" __global__ void ts_h40_d6_pos_cen_a442_onesided_dtu_noidx_bhd_f32_o3_
         ACC(19) += (double)(G3(2)*s0);
         ACC(20) += (double)(G3(2)*U(0));
         ACC(5) += (double)(G1(38)*U(34));
-        ACC(21) += (double)(G1(38)*U(35));
-        ACC(22) += (double)(G1(38)*U(36));
-        ACC(23) += (double)(G1(38)*U(37));
+        for (int64_t r = 35; r <= 37; ++r) {
+            ACC(21 + 1 * (r - 35)) += (double)(G1(38)*U(r));
+        }
         ACC(24) += (double)(G1(38)*U(38) + G1(39)*U(34));
-        ACC(25) += (double)(G2(38)*U(33));
-        ACC(26) += (double)(G2(38)*U(34));
-        ACC(27) += (double)(G2(38)*U(35));
-        ACC(28) += (double)(G2(38)*U(36));
-        ACC(29) += (double)(G2(38)*U(37));
-        ACC(30) += (double)(G2(38)*U(38));
+        for (int64_t r = 33; r <= 38; ++r) {
+            ACC(25 + 1 * (r - 33)) += (double)(G2(38)*U(r));
+        }
         ACC(13) += (double)(G3(38)*U(34));
-        ACC(31) += (double)(G3(38)*U(35));
-        ACC(32) += (double)(G3(38)*U(36));
-        ACC(33) += (double)(G3(38)*U(37));
+        for (int64_t r = 35; r <= 37; ++r) {
+            ACC(31 + 1 * (r - 35)) += (double)(G3(38)*U(r));
+        }
         ACC(34) += (double)(G3(38)*U(38) + G3(39)*U(34));
-        ACC(35) += (double)(G1(39)*U(35));
-        ACC(36) += (double)(G1(39)*U(36));
-        ACC(37) += (double)(G1(39)*U(37));
-        ACC(38) += (double)(G1(39)*U(38));
-        ACC(39) += (double)(G2(39)*U(33));
-        ACC(40) += (double)(G2(39)*U(34));
-        ACC(41) += (double)(G2(39)*U(35));
-        ACC(42) += (double)(G2(39)*U(36));
-        ACC(43) += (double)(G2(39)*U(37));
-        ACC(44) += (double)(G2(39)*U(38));
-        ACC(45) += (double)(G3(39)*U(35));
-        ACC(46) += (double)(G3(39)*U(36));
-        ACC(47) += (double)(G3(39)*U(37));
-        ACC(48) += (double)(G3(39)*U(38));
+        for (int64_t r = 35; r <= 38; ++r) {
+            ACC(35 + 1 * (r - 35)) += (double)(G1(39)*U(r));
+        }
+        for (int64_t r = 33; r <= 38; ++r) {
+            ACC(39 + 1 * (r - 33)) += (double)(G2(39)*U(r));
+        }
+        for (int64_t r = 35; r <= 38; ++r) {
+            ACC(45 + 1 * (r - 35)) += (double)(G3(39)*U(r));
+        }
     }
 }
 
