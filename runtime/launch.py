@@ -92,7 +92,8 @@ class Launcher:
         return inputs
 
     def _empty_outputs(self, like: Tensor, B: int) -> list[Tensor]:
-        return [torch.empty(self.output_shape(B), dtype=self.dtype, device=like.device) for _ in range(self.K)]
+        shape = self.output_shape(B)
+        return [torch.empty(shape, dtype=self.dtype, device=like.device) for _ in range(self.K)]
 
     def forward(self, inputs: Sequence[OptTensor], dt: Tensor, out: Optional[Sequence[Tensor]] = None) -> list[Tensor]:
         """Outputs (P, V, A, J[, S]): new tensors, or ``out`` (validated by the caller) written in place."""
