@@ -1,7 +1,7 @@
 """The native autograd node (runtime/native_node.cpp): build once per PyTorch install, load, route.
 
 Python's autograd.Function adds tens of microseconds per call, more than the kernels cost at
-small batches. The native node is one generic C++ autograd Function that calls the generated
+small batches. The native node is one generic C++ op and autograd node that calls the generated
 kernels by address, with each spec's argument table registered alongside (its checks, pointer
 lists and shapes follow the table). It is compiled against the installed PyTorch's headers
 (once per PyTorch install and compiler, kept in the kernel cache) and used for plain CPU calls:

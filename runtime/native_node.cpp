@@ -1,4 +1,4 @@
-// tensorstep's native autograd node: one C++ autograd Function for every generated CPU kernel.
+// tensorstep's native autograd node: one C++ op and autograd node for every generated CPU kernel.
 //
 // A Python autograd.Function costs tens of microseconds per call (Function.apply, and the
 // engine calling back into Python for backward), more than the kernels themselves at small
@@ -16,7 +16,9 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
-#include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/utils.h>
+#include <torch/csrc/autograd/saved_variable.h>
 #include <torch/library.h>
 
 #include <array>
@@ -26,13 +28,13 @@
 #include <mutex>
 #include <sstream>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
 namespace {
 
 using at::Tensor;
-using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
 // ---- calling a generated kernel: B, then one pointer per parameter --------------------------
@@ -320,60 +322,51 @@ variable_list run_adjoint(const Kernels& k, const variable_list& grads, const Te
 }
 
 // ---- the autograd node ------------------------------------------------------------------------
-struct NativeStep : public torch::autograd::Function<NativeStep> {
-  // given: the inputs present (autograd cannot take undefined ones), at these table positions
-  static variable_list forward(AutogradContext* ctx, at::TensorList given, std::vector<int64_t> positions,
-                               int64_t handle) {
-    const Kernels& k = kernels(handle);
-    std::vector<Tensor> inputs(k.rows.size());
-    std::vector<int64_t> rows(k.rows.size(), 0);  // leading size of each input, 0 when absent
-    for (size_t j = 0; j < positions.size(); ++j) {
-      inputs[positions[j]] = given[j];
-      rows[positions[j]] = given[j].dim() > 0 ? given[j].size(0) : 1;
-    }
-    const int64_t B = inputs[0].size(0);
-    const auto shape = resolve(k.output_shape, {B});
-    variable_list ys;
-    for (int64_t i = 0; i < k.outputs; ++i) ys.push_back(at::empty(shape, inputs[0].options()));
-    run_forward(k, inputs, ys);
-    ctx->set_materialize_grads(false);  // unused outputs arrive as undefined: no zero tensors
-    variable_list kept;  // what backward reads: indices (to sum gradients onto their rows) and dt
-    std::vector<int64_t> kept_at;
-    for (size_t i = 0; i < k.rows.size(); ++i) {
-      if (k.rows[i].rule != KERNEL_DTYPE && inputs[i].defined()) {
-        kept.push_back(inputs[i]);
-        kept_at.push_back(static_cast<int64_t>(i));
-      }
-    }
-    ctx->save_for_backward(kept);
-    ctx->saved_data["handle"] = handle;
-    ctx->saved_data["rows"] = rows;
-    ctx->saved_data["positions"] = positions;
-    ctx->saved_data["kept_at"] = kept_at;
-    return ys;
+// A plain autograd Node, as PyTorch's own ops have, rather than a torch::autograd::Function,
+// whose machinery (a context with a map of saved data, output wrapping and checks) cost about
+// 3 us in the forward and 3 us in the backward of every call (BENCHMARKS.md).
+
+// The engine's pointer to a node: std::shared_ptr in older PyTorch, c10::intrusive_ptr since.
+using NodePointer = decltype(torch::autograd::Edge::function);
+
+template <typename N>
+NodePointer make_node() {
+  if constexpr (std::is_same_v<NodePointer, std::shared_ptr<torch::autograd::Node>>) {
+    return std::make_shared<N>();
+  } else {
+    return c10::make_intrusive<N>();
+  }
+}
+
+struct NativeStepBackward : public torch::autograd::Node {
+  int64_t handle = -1;
+  std::vector<int64_t> rows;       // leading size of each table input, 0 when absent
+  std::vector<int64_t> positions;  // table position of each given input (= this node's output edge)
+  std::vector<torch::autograd::SavedVariable> kept;  // indices (to sum gradients onto their rows) and dt
+  std::vector<int64_t> kept_at;
+
+  std::string name() const override { return "NativeStepBackward"; }
+
+  void release_variables() override {
+    for (auto& v : kept) v.reset_data();
   }
 
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const int64_t handle = ctx->saved_data["handle"].toInt();
+  variable_list apply(variable_list&& grads) override {
     const Kernels& k = kernels(handle);
     const size_t n = k.rows.size();
-    const auto rows = ctx->saved_data["rows"].toIntVector();
-    const auto positions = ctx->saved_data["positions"].toIntVector();
-    variable_list out(positions.size() + 2);  // one per given input, then positions and handle
-    std::vector<int64_t> edge(n, -1);  // table position → autograd edge
+    variable_list out(positions.size());  // one per given input
+    std::vector<int64_t> edge(n, -1);     // table position → output edge
     for (size_t j = 0; j < positions.size(); ++j) edge[positions[j]] = static_cast<int64_t>(j);
-    auto needs = [&](size_t i) { return edge[i] >= 0 && ctx->needs_input_grad(edge[i]); };
+    auto needs = [&](size_t i) { return edge[i] >= 0 && task_should_compute_output(edge[i]); };
     TORCH_CHECK(!needs(n - 1), "tensorstep: internal error: dt gradients take the Python path");
     bool any_grad = false, any_need = false;
     for (const auto& g : grads) any_grad = any_grad || g.defined();
     for (size_t i = 0; i < n; ++i) any_need = any_need || (k.rows[i].differentiable && needs(i));
     if (!any_grad || !any_need) return out;
 
-    const auto saved = ctx->get_saved_variables();
-    const auto kept_at = ctx->saved_data["kept_at"].toIntVector();
-    std::vector<Tensor> kept(n);
-    for (size_t s = 0; s < kept_at.size(); ++s) kept[kept_at[s]] = saved[s];
-    const Tensor& dt = kept[n - 1];
+    std::vector<Tensor> saved(n);
+    for (size_t s = 0; s < kept_at.size(); ++s) saved[kept_at[s]] = kept[s].unpack();
+    const Tensor& dt = saved[n - 1];
     const int64_t B = rows[0];
 
     variable_list per_batch;  // per-trajectory gradients of the differentiable inputs, in table order
@@ -430,7 +423,7 @@ struct NativeStep : public torch::autograd::Function<NativeStep> {
       } else {
         auto shape = g.sizes().vec();
         shape[0] = rows[i];
-        out[edge[i]] = at::zeros(shape, g.options()).index_add(0, kept[row.index], g);
+        out[edge[i]] = at::zeros(shape, g.options()).index_add(0, saved[row.index], g);
       }
     }
     return out;
@@ -438,15 +431,39 @@ struct NativeStep : public torch::autograd::Function<NativeStep> {
 };
 
 std::vector<Tensor> run_node(int64_t handle, const std::vector<Tensor>& inputs) {
+  const Kernels& k = kernels(handle);
   std::vector<Tensor> given;
-  std::vector<int64_t> positions;
+  std::vector<int64_t> positions, rows(k.rows.size(), 0);
+  bool requires_grad = false;
   for (size_t i = 0; i < inputs.size(); ++i) {
     if (inputs[i].defined()) {
       given.push_back(inputs[i]);
       positions.push_back(static_cast<int64_t>(i));
+      rows[i] = inputs[i].dim() > 0 ? inputs[i].size(0) : 1;
+      requires_grad = requires_grad || inputs[i].requires_grad();
     }
   }
-  return NativeStep::apply(at::TensorList(given), positions, handle);
+  const int64_t B = inputs[0].size(0);
+  const auto shape = resolve(k.output_shape, {B});
+  std::vector<Tensor> ys;
+  for (int64_t i = 0; i < k.outputs; ++i) ys.push_back(at::empty(shape, inputs[0].options()));
+  run_forward(k, inputs, ys);
+  if (!requires_grad || !at::GradMode::is_enabled()) return ys;
+
+  auto node = make_node<NativeStepBackward>();
+  auto* step = static_cast<NativeStepBackward*>(node.get());
+  step->set_next_edges(torch::autograd::collect_next_edges(given));
+  step->handle = handle;
+  step->rows = std::move(rows);
+  step->positions = std::move(positions);
+  for (size_t i = 0; i < k.rows.size(); ++i) {
+    if (k.rows[i].rule != KERNEL_DTYPE && inputs[i].defined()) {
+      step->kept.emplace_back(inputs[i], /*is_output=*/false);
+      step->kept_at.push_back(static_cast<int64_t>(i));
+    }
+  }
+  for (auto& y : ys) torch::autograd::set_history(y, node);
+  return ys;
 }
 
 // A call checked here rather than in Python (whose checks cost several microseconds per call).

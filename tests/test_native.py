@@ -313,6 +313,28 @@ def test_only_requested_gradients_are_returned(step):
     assert x.u.grad is not None and x.p0.grad is None and x.j0.grad is None
 
 
+def test_the_node_keeps_autograds_rules(step):
+    """The node is a plain autograd node, as PyTorch's own ops make (not a C++ autograd Function,
+    whose bookkeeping cost about 6 us a call), and keeps the engine's rules: its inputs' edges,
+    retain_graph, saved tensors freed after a backward, and dt modified in place refused."""
+    x = Inputs(SPEC, requires_grad=True)
+    dt = torch.tensor(0.1, dtype=torch.float64)
+    P, V, A, J = step(x.u, x.p0, x.v0, x.a0, dt, **x.kwargs())
+    assert node_name(P) == "NativeStepBackward" and all(y.grad_fn is P.grad_fn for y in (V, A, J))
+    leaves = {id(f.variable) for f, _ in P.grad_fn.next_functions if f is not None}
+    assert leaves == {id(t) for t in (x.u, x.p0, x.v0, x.a0, x.j0)}
+    loss = (A * A).sum() + J.sum()
+    (first,) = torch.autograd.grad(loss, x.u, retain_graph=True)
+    (again,) = torch.autograd.grad(loss, x.u)
+    assert torch.equal(first, again)
+    with pytest.raises(RuntimeError, match="second time"):
+        torch.autograd.grad(loss, x.u)
+    P, *_ = step(x.u, x.p0, x.v0, x.a0, dt, **x.kwargs())
+    dt.mul_(2.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        P.sum().backward()
+
+
 def test_double_backward_with_unused_outputs_is_exact(autograd_path):
     """create_graph with only one output used: the backward is itself differentiable
     (hessian-vector product of a quadratic in A), on both autograd paths."""
