@@ -768,6 +768,42 @@ def _spans_only(op: Operator) -> bool:
     return _period(op) > 1
 
 
+#: cycles until a column sum's next partial sum is ready: an FMA for a term with a coefficient,
+#: an add for a unit one (the ordering below only compares them)
+FMA_LATENCY, ADD_LATENCY = 4, 3
+
+
+def _shallow_first(statements: list[Statement]) -> list[Statement]:
+    """Each straight-line column sum with its terms in order of when their operands are ready
+    (the latency of the chain of sums that computes them), earliest first: a sum is evaluated
+    left to right, so a recurrence's carried value then comes last and costs its chain one add.
+    ``g1_30 + yb1_31 + C(0)*yb0_30`` put an add and an FMA on semi-implicit Euler's adjoint
+    chain, ``g1_30 + C(0)*yb0_30 + yb1_31`` puts one add (BENCHMARKS.md). Stable: a sum of
+    loads keeps its order; loops are left as they are."""
+    ready: dict[Any, int] = {}
+
+    def operand(term: Term) -> int:
+        return max((ready.get(n, 0) for n in walk(term.operand) if isinstance(n, (Val, Var))), default=0)
+
+    def ordered(value: Sum) -> tuple[Sum, int]:
+        terms = sorted(value.terms, key=operand)
+        at = 0
+        for i, t in enumerate(terms):
+            step = FMA_LATENCY if t.factor is not None else ADD_LATENCY if i else 0
+            at = max(at, operand(t)) + step
+        return Sum(tuple(terms)), at
+
+    out: list[Statement] = []
+    for s in statements:
+        if isinstance(s, Def) and isinstance(s.value, Sum):
+            value, ready[s.target] = ordered(s.value)
+            s = dataclasses.replace(s, value=value)
+        elif isinstance(s, Call) and isinstance(s.value, Sum):
+            s = dataclasses.replace(s, value=ordered(s.value)[0])
+        out.append(s)
+    return out
+
+
 def _forward(op: Operator, coefs: Coefficients, spans: list[Span], only: bool) -> KernelCode:
     """``only``: span loops cover every row (no interior loops)."""
     loops, covered = ([], set()) if only else _forward_loops(op, coefs)
@@ -779,7 +815,7 @@ def _forward(op: Operator, coefs: Coefficients, spans: list[Span], only: bool) -
             body.append(span_loops[(row.k, row.h)])
         if (row.k, row.h) not in straight:
             body += [line, Call(f"Y{row.k}", (row.h,), Val("y", row.k, row.h))]
-    return KernelCode(TABLE_CALL, body, loops)
+    return KernelCode(TABLE_CALL, _shallow_first(body), loops)
 
 
 def _adjoint(op: Operator, coefs: Coefficients, spans: list[Span], only: bool, reads: bool = False) -> KernelCode:
@@ -803,6 +839,7 @@ def _adjoint(op: Operator, coefs: Coefficients, spans: list[Span], only: bool, r
     refs = [("u", j) for j in range(op.n_actions) if j not in covered]
     refs += [("s", m) for m in range(4)] + [("g", m) for m in range(op.n_goal)]
     lines += [_gradient(ref, tuple(contributions.get(ref, []))) for ref in refs if ref not in done]
+    lines = _shallow_first(lines)
     return KernelCode(TABLE_CALL, _live(lines) if covered or spans else lines, loops)
 
 

@@ -71,3 +71,26 @@ def test_threads_copy_short_coefficient_tables(monkeypatch):
     assert set(_parallel_loops(generate(per_trajectory, ("c",), ("core",)).source("c", "core"))) == {"TS_PARALLEL_FOR"}
     monkeypatch.setattr(render, "C_PRIVATE_COEFFICIENTS", 4)
     assert set(_parallel_loops(generate(spec, ("c",), ("core",)).source("c", "core"))) == {"TS_PARALLEL_FOR"}
+
+
+@pytest.mark.parametrize("spec", [
+    ts.KernelSpec(horizon=32, dof=7, control="acceleration", integrator="semi_implicit_euler"),
+    ts.KernelSpec(horizon=24, dof=7, control="jerk", integrator="semi_implicit_euler", order=4),
+    ts.KernelSpec(horizon=32, dof=7, control="acceleration", integrator="exact"),
+], ids=lambda s: s.name)
+def test_a_recurrences_carried_value_is_added_last(spec):
+    """A column sum is evaluated left to right, so the previous row's adjoint, the value the
+    recurrence carries, comes last (lower._shallow_first): its chain is then one add per row, not an add and an FMA
+    (semi-implicit Euler's adjoint took 21-22 us against 16.5-17 us at B=400: BENCHMARKS.md).
+    Its exactness is checked by the numerics and lane tests against the dense reference."""
+    source = generate(spec, ("c",), ("core",)).source("c", "core")
+    (adjoint,) = [text for name, text in c_functions(source).items() if name.endswith("_adjoint")]
+    carried = 0
+    for k, h, value in re.findall(r"const VT yb(\d)_(\d+) = ([^;]+);", adjoint):
+        previous = f"yb{k}_{int(h) + 1}"
+        terms = re.split(r"(?=[+-])", value)
+        # (the last rows, where the chains start, may order by their own readiness)
+        if int(h) < spec.horizon - 3 and any(t.lstrip("+-") == previous for t in terms):
+            carried += 1
+            assert terms[-1].lstrip("+") == previous, (k, h, value)
+    assert carried >= spec.horizon - 4

@@ -242,11 +242,11 @@ void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_forward(int64_t B, const float* rest
             VY0(1, y0_1);
             const VT y2_1 = C(1)*y1_1+C(2)*s1;
             VY2(1, y2_1);
-            const VT y3_1 = C(1)*y2_1+C(2)*s2;
+            const VT y3_1 = C(2)*s2+C(1)*y2_1;
             VY3(1, y3_1);
             const VT y1_2 = VU(1);
             VY1(2, y1_2);
-            const VT y0_2 = y0_1+C(0)*y1_2;
+            const VT y0_2 = C(0)*y1_2+y0_1;
             VY0(2, y0_2);
             const VT y2_2 = C(1)*y1_2+C(2)*y1_1;
             VY2(2, y2_2);
@@ -254,7 +254,7 @@ void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_forward(int64_t B, const float* rest
             VY3(2, y3_2);
             const VT y1_3 = VU(2);
             VY1(3, y1_3);
-            const VT y0_3 = y0_2+C(0)*y1_3;
+            const VT y0_3 = C(0)*y1_3+y0_2;
             VY0(3, y0_3);
             const VT y2_3 = C(1)*y1_3+C(2)*y1_2;
             VY2(3, y2_3);
@@ -262,7 +262,7 @@ void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_forward(int64_t B, const float* rest
             VY3(3, y3_3);
             const VT y1_4 = VU(3);
             VY1(4, y1_4);
-            const VT y0_4 = y0_3+C(0)*y1_4;
+            const VT y0_4 = C(0)*y1_4+y0_3;
             VY0(4, y0_4);
             const VT y2_4 = C(1)*y1_4+C(2)*y1_3;
             VY2(4, y2_4);
@@ -270,7 +270,7 @@ void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_forward(int64_t B, const float* rest
             VY3(4, y3_4);
             const VT y1_5 = VU(4);
             VY1(5, y1_5);
-            const VT y0_5 = y0_4+C(0)*y1_5;
+            const VT y0_5 = C(0)*y1_5+y0_4;
             VY0(5, y0_5);
             const VT y2_5 = C(1)*y1_5+C(2)*y1_4;
             VY2(5, y2_5);
@@ -278,7 +278,7 @@ void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_forward(int64_t B, const float* rest
             VY3(5, y3_5);
             const VT y1_6 = VU(5);
             VY1(6, y1_6);
-            const VT y0_6 = y0_5+C(0)*y1_6;
+            const VT y0_6 = C(0)*y1_6+y0_5;
             VY0(6, y0_6);
             const VT y2_6 = C(1)*y1_6+C(2)*y1_5;
             VY2(6, y2_6);
@@ -286,7 +286,7 @@ void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_forward(int64_t B, const float* rest
             VY3(6, y3_6);
             const VT y1_7 = VU(6);
             VY1(7, y1_7);
-            const VT y0_7 = y0_6+C(0)*y1_7;
+            const VT y0_7 = C(0)*y1_7+y0_6;
             VY0(7, y0_7);
             const VT y2_7 = C(1)*y1_7+C(2)*y1_6;
             VY2(7, y2_7);
@@ -294,7 +294,7 @@ void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_forward(int64_t B, const float* rest
             VY3(7, y3_7);
             const VT y1_8 = VU(7);
             VY1(8, y1_8);
-            const VT y0_8 = y0_7+C(0)*y1_8;
+            const VT y0_8 = C(0)*y1_8+y0_7;
             VY0(8, y0_8);
             const VT y2_8 = C(1)*y1_8+C(2)*y1_7;
             VY2(8, y2_8);
@@ -302,7 +302,7 @@ void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_forward(int64_t B, const float* rest
             VY3(8, y3_8);
             const VT y1_9 = VU(8);
             VY1(9, y1_9);
-            const VT y0_9 = y0_8+C(0)*y1_9;
+            const VT y0_9 = C(0)*y1_9+y0_8;
             VY0(9, y0_9);
             const VT y2_9 = C(1)*y1_9+C(2)*y1_8;
             VY2(9, y2_9);
@@ -310,7 +310,7 @@ void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_forward(int64_t B, const float* rest
             VY3(9, y3_9);
             const VT y1_10 = VU(9);
             VY1(10, y1_10);
-            const VT y0_10 = y0_9+C(0)*y1_10;
+            const VT y0_10 = C(0)*y1_10+y0_9;
             VY0(10, y0_10);
             const VT y2_10 = C(1)*y1_10+C(2)*y1_9;
             VY2(10, y2_10);
@@ -318,7 +318,7 @@ void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_forward(int64_t B, const float* rest
             VY3(10, y3_10);
             const VT y1_11 = VU(10);
             VY1(11, y1_11);
-            const VT y0_11 = y0_10+C(0)*y1_11;
+            const VT y0_11 = C(0)*y1_11+y0_10;
             VY0(11, y0_11);
             const VT y2_11 = C(1)*y1_11+C(2)*y1_10;
             VY2(11, y2_11);
@@ -326,7 +326,7 @@ void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_forward(int64_t B, const float* rest
             VY3(11, y3_11);
             const VT y1_12 = VU(11);
             VY1(12, y1_12);
-            const VT y0_12 = y0_11+C(0)*y1_12;
+            const VT y0_12 = C(0)*y1_12+y0_11;
             VY0(12, y0_12);
             const VT y2_12 = C(1)*y1_12+C(2)*y1_11;
             VY2(12, y2_12);
@@ -334,7 +334,7 @@ void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_forward(int64_t B, const float* rest
             VY3(12, y3_12);
             const VT y1_13 = VU(12);
             VY1(13, y1_13);
-            const VT y0_13 = y0_12+C(0)*y1_13;
+            const VT y0_13 = C(0)*y1_13+y0_12;
             VY0(13, y0_13);
             const VT y2_13 = C(1)*y1_13+C(2)*y1_12;
             VY2(13, y2_13);
@@ -342,7 +342,7 @@ void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_forward(int64_t B, const float* rest
             VY3(13, y3_13);
             const VT y1_14 = VU(13);
             VY1(14, y1_14);
-            const VT y0_14 = y0_13+C(0)*y1_14;
+            const VT y0_14 = C(0)*y1_14+y0_13;
             VY0(14, y0_14);
             const VT y2_14 = C(1)*y1_14+C(2)*y1_13;
             VY2(14, y2_14);
@@ -350,7 +350,7 @@ void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_forward(int64_t B, const float* rest
             VY3(14, y3_14);
             const VT y1_15 = VU(14);
             VY1(15, y1_15);
-            const VT y0_15 = y0_14+C(0)*y1_15;
+            const VT y0_15 = C(0)*y1_15+y0_14;
             VY0(15, y0_15);
             const VT y2_15 = C(1)*y1_15+C(2)*y1_14;
             VY2(15, y2_15);
@@ -358,7 +358,7 @@ void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_forward(int64_t B, const float* rest
             VY3(15, y3_15);
             const VT y1_16 = VU(15);
             VY1(16, y1_16);
-            const VT y0_16 = y0_15+C(0)*y1_16;
+            const VT y0_16 = C(0)*y1_16+y0_15;
             VY0(16, y0_16);
             const VT y2_16 = C(1)*y1_16+C(2)*y1_15;
             VY2(16, y2_16);
@@ -366,7 +366,7 @@ void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_forward(int64_t B, const float* rest
             VY3(16, y3_16);
             const VT y1_17 = VU(16);
             VY1(17, y1_17);
-            const VT y0_17 = y0_16+C(0)*y1_17;
+            const VT y0_17 = C(0)*y1_17+y0_16;
             VY0(17, y0_17);
             const VT y2_17 = C(1)*y1_17+C(2)*y1_16;
             VY2(17, y2_17);
@@ -374,7 +374,7 @@ void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_forward(int64_t B, const float* rest
             VY3(17, y3_17);
             const VT y1_18 = VU(17);
             VY1(18, y1_18);
-            const VT y0_18 = y0_17+C(0)*y1_18;
+            const VT y0_18 = C(0)*y1_18+y0_17;
             VY0(18, y0_18);
             const VT y2_18 = C(1)*y1_18+C(2)*y1_17;
             VY2(18, y2_18);
@@ -382,7 +382,7 @@ void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_forward(int64_t B, const float* rest
             VY3(18, y3_18);
             const VT y1_19 = VU(18);
             VY1(19, y1_19);
-            const VT y0_19 = y0_18+C(0)*y1_19;
+            const VT y0_19 = C(0)*y1_19+y0_18;
             VY0(19, y0_19);
             const VT y2_19 = C(1)*y1_19+C(2)*y1_18;
             VY2(19, y2_19);
@@ -390,7 +390,7 @@ void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_forward(int64_t B, const float* rest
             VY3(19, y3_19);
             const VT y1_20 = VU(19);
             VY1(20, y1_20);
-            const VT y0_20 = y0_19+C(0)*y1_20;
+            const VT y0_20 = C(0)*y1_20+y0_19;
             VY0(20, y0_20);
             const VT y2_20 = C(1)*y1_20+C(2)*y1_19;
             VY2(20, y2_20);
@@ -398,7 +398,7 @@ void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_forward(int64_t B, const float* rest
             VY3(20, y3_20);
             const VT y1_21 = VU(20);
             VY1(21, y1_21);
-            const VT y0_21 = y0_20+C(0)*y1_21;
+            const VT y0_21 = C(0)*y1_21+y0_20;
             VY0(21, y0_21);
             const VT y2_21 = C(1)*y1_21+C(2)*y1_20;
             VY2(21, y2_21);
@@ -406,7 +406,7 @@ void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_forward(int64_t B, const float* rest
             VY3(21, y3_21);
             const VT y1_22 = VU(21);
             VY1(22, y1_22);
-            const VT y0_22 = y0_21+C(0)*y1_22;
+            const VT y0_22 = C(0)*y1_22+y0_21;
             VY0(22, y0_22);
             const VT y2_22 = C(1)*y1_22+C(2)*y1_21;
             VY2(22, y2_22);
@@ -414,7 +414,7 @@ void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_forward(int64_t B, const float* rest
             VY3(22, y3_22);
             const VT y1_23 = VU(22);
             VY1(23, y1_23);
-            const VT y0_23 = y0_22+C(0)*y1_23;
+            const VT y0_23 = C(0)*y1_23+y0_22;
             VY0(23, y0_23);
             const VT y2_23 = C(1)*y1_23+C(2)*y1_22;
             VY2(23, y2_23);
@@ -443,11 +443,11 @@ void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_forward(int64_t B, const float* rest
             Y0(1, y0_1);
             const T y2_1 = C(1)*y1_1+C(2)*s1;
             Y2(1, y2_1);
-            const T y3_1 = C(1)*y2_1+C(2)*s2;
+            const T y3_1 = C(2)*s2+C(1)*y2_1;
             Y3(1, y3_1);
             const T y1_2 = U(1);
             Y1(2, y1_2);
-            const T y0_2 = y0_1+C(0)*y1_2;
+            const T y0_2 = C(0)*y1_2+y0_1;
             Y0(2, y0_2);
             const T y2_2 = C(1)*y1_2+C(2)*y1_1;
             Y2(2, y2_2);
@@ -455,7 +455,7 @@ void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_forward(int64_t B, const float* rest
             Y3(2, y3_2);
             const T y1_3 = U(2);
             Y1(3, y1_3);
-            const T y0_3 = y0_2+C(0)*y1_3;
+            const T y0_3 = C(0)*y1_3+y0_2;
             Y0(3, y0_3);
             const T y2_3 = C(1)*y1_3+C(2)*y1_2;
             Y2(3, y2_3);
@@ -463,7 +463,7 @@ void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_forward(int64_t B, const float* rest
             Y3(3, y3_3);
             const T y1_4 = U(3);
             Y1(4, y1_4);
-            const T y0_4 = y0_3+C(0)*y1_4;
+            const T y0_4 = C(0)*y1_4+y0_3;
             Y0(4, y0_4);
             const T y2_4 = C(1)*y1_4+C(2)*y1_3;
             Y2(4, y2_4);
@@ -471,7 +471,7 @@ void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_forward(int64_t B, const float* rest
             Y3(4, y3_4);
             const T y1_5 = U(4);
             Y1(5, y1_5);
-            const T y0_5 = y0_4+C(0)*y1_5;
+            const T y0_5 = C(0)*y1_5+y0_4;
             Y0(5, y0_5);
             const T y2_5 = C(1)*y1_5+C(2)*y1_4;
             Y2(5, y2_5);
@@ -479,7 +479,7 @@ void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_forward(int64_t B, const float* rest
             Y3(5, y3_5);
             const T y1_6 = U(5);
             Y1(6, y1_6);
-            const T y0_6 = y0_5+C(0)*y1_6;
+            const T y0_6 = C(0)*y1_6+y0_5;
             Y0(6, y0_6);
             const T y2_6 = C(1)*y1_6+C(2)*y1_5;
             Y2(6, y2_6);
@@ -487,7 +487,7 @@ void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_forward(int64_t B, const float* rest
             Y3(6, y3_6);
             const T y1_7 = U(6);
             Y1(7, y1_7);
-            const T y0_7 = y0_6+C(0)*y1_7;
+            const T y0_7 = C(0)*y1_7+y0_6;
             Y0(7, y0_7);
             const T y2_7 = C(1)*y1_7+C(2)*y1_6;
             Y2(7, y2_7);
@@ -495,7 +495,7 @@ void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_forward(int64_t B, const float* rest
             Y3(7, y3_7);
             const T y1_8 = U(7);
             Y1(8, y1_8);
-            const T y0_8 = y0_7+C(0)*y1_8;
+            const T y0_8 = C(0)*y1_8+y0_7;
             Y0(8, y0_8);
             const T y2_8 = C(1)*y1_8+C(2)*y1_7;
             Y2(8, y2_8);
@@ -503,7 +503,7 @@ void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_forward(int64_t B, const float* rest
             Y3(8, y3_8);
             const T y1_9 = U(8);
             Y1(9, y1_9);
-            const T y0_9 = y0_8+C(0)*y1_9;
+            const T y0_9 = C(0)*y1_9+y0_8;
             Y0(9, y0_9);
             const T y2_9 = C(1)*y1_9+C(2)*y1_8;
             Y2(9, y2_9);
@@ -511,7 +511,7 @@ void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_forward(int64_t B, const float* rest
             Y3(9, y3_9);
             const T y1_10 = U(9);
             Y1(10, y1_10);
-            const T y0_10 = y0_9+C(0)*y1_10;
+            const T y0_10 = C(0)*y1_10+y0_9;
             Y0(10, y0_10);
             const T y2_10 = C(1)*y1_10+C(2)*y1_9;
             Y2(10, y2_10);
@@ -519,7 +519,7 @@ void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_forward(int64_t B, const float* rest
             Y3(10, y3_10);
             const T y1_11 = U(10);
             Y1(11, y1_11);
-            const T y0_11 = y0_10+C(0)*y1_11;
+            const T y0_11 = C(0)*y1_11+y0_10;
             Y0(11, y0_11);
             const T y2_11 = C(1)*y1_11+C(2)*y1_10;
             Y2(11, y2_11);
@@ -527,7 +527,7 @@ void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_forward(int64_t B, const float* rest
             Y3(11, y3_11);
             const T y1_12 = U(11);
             Y1(12, y1_12);
-            const T y0_12 = y0_11+C(0)*y1_12;
+            const T y0_12 = C(0)*y1_12+y0_11;
             Y0(12, y0_12);
             const T y2_12 = C(1)*y1_12+C(2)*y1_11;
             Y2(12, y2_12);
@@ -535,7 +535,7 @@ void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_forward(int64_t B, const float* rest
             Y3(12, y3_12);
             const T y1_13 = U(12);
             Y1(13, y1_13);
-            const T y0_13 = y0_12+C(0)*y1_13;
+            const T y0_13 = C(0)*y1_13+y0_12;
             Y0(13, y0_13);
             const T y2_13 = C(1)*y1_13+C(2)*y1_12;
             Y2(13, y2_13);
@@ -543,7 +543,7 @@ void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_forward(int64_t B, const float* rest
             Y3(13, y3_13);
             const T y1_14 = U(13);
             Y1(14, y1_14);
-            const T y0_14 = y0_13+C(0)*y1_14;
+            const T y0_14 = C(0)*y1_14+y0_13;
             Y0(14, y0_14);
             const T y2_14 = C(1)*y1_14+C(2)*y1_13;
             Y2(14, y2_14);
@@ -551,7 +551,7 @@ void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_forward(int64_t B, const float* rest
             Y3(14, y3_14);
             const T y1_15 = U(14);
             Y1(15, y1_15);
-            const T y0_15 = y0_14+C(0)*y1_15;
+            const T y0_15 = C(0)*y1_15+y0_14;
             Y0(15, y0_15);
             const T y2_15 = C(1)*y1_15+C(2)*y1_14;
             Y2(15, y2_15);
@@ -559,7 +559,7 @@ void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_forward(int64_t B, const float* rest
             Y3(15, y3_15);
             const T y1_16 = U(15);
             Y1(16, y1_16);
-            const T y0_16 = y0_15+C(0)*y1_16;
+            const T y0_16 = C(0)*y1_16+y0_15;
             Y0(16, y0_16);
             const T y2_16 = C(1)*y1_16+C(2)*y1_15;
             Y2(16, y2_16);
@@ -567,7 +567,7 @@ void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_forward(int64_t B, const float* rest
             Y3(16, y3_16);
             const T y1_17 = U(16);
             Y1(17, y1_17);
-            const T y0_17 = y0_16+C(0)*y1_17;
+            const T y0_17 = C(0)*y1_17+y0_16;
             Y0(17, y0_17);
             const T y2_17 = C(1)*y1_17+C(2)*y1_16;
             Y2(17, y2_17);
@@ -575,7 +575,7 @@ void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_forward(int64_t B, const float* rest
             Y3(17, y3_17);
             const T y1_18 = U(17);
             Y1(18, y1_18);
-            const T y0_18 = y0_17+C(0)*y1_18;
+            const T y0_18 = C(0)*y1_18+y0_17;
             Y0(18, y0_18);
             const T y2_18 = C(1)*y1_18+C(2)*y1_17;
             Y2(18, y2_18);
@@ -583,7 +583,7 @@ void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_forward(int64_t B, const float* rest
             Y3(18, y3_18);
             const T y1_19 = U(18);
             Y1(19, y1_19);
-            const T y0_19 = y0_18+C(0)*y1_19;
+            const T y0_19 = C(0)*y1_19+y0_18;
             Y0(19, y0_19);
             const T y2_19 = C(1)*y1_19+C(2)*y1_18;
             Y2(19, y2_19);
@@ -591,7 +591,7 @@ void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_forward(int64_t B, const float* rest
             Y3(19, y3_19);
             const T y1_20 = U(19);
             Y1(20, y1_20);
-            const T y0_20 = y0_19+C(0)*y1_20;
+            const T y0_20 = C(0)*y1_20+y0_19;
             Y0(20, y0_20);
             const T y2_20 = C(1)*y1_20+C(2)*y1_19;
             Y2(20, y2_20);
@@ -599,7 +599,7 @@ void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_forward(int64_t B, const float* rest
             Y3(20, y3_20);
             const T y1_21 = U(20);
             Y1(21, y1_21);
-            const T y0_21 = y0_20+C(0)*y1_21;
+            const T y0_21 = C(0)*y1_21+y0_20;
             Y0(21, y0_21);
             const T y2_21 = C(1)*y1_21+C(2)*y1_20;
             Y2(21, y2_21);
@@ -607,7 +607,7 @@ void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_forward(int64_t B, const float* rest
             Y3(21, y3_21);
             const T y1_22 = U(21);
             Y1(22, y1_22);
-            const T y0_22 = y0_21+C(0)*y1_22;
+            const T y0_22 = C(0)*y1_22+y0_21;
             Y0(22, y0_22);
             const T y2_22 = C(1)*y1_22+C(2)*y1_21;
             Y2(22, y2_22);
@@ -615,7 +615,7 @@ void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_forward(int64_t B, const float* rest
             Y3(22, y3_22);
             const T y1_23 = U(22);
             Y1(23, y1_23);
-            const T y0_23 = y0_22+C(0)*y1_23;
+            const T y0_23 = C(0)*y1_23+y0_22;
             Y0(23, y0_23);
             const T y2_23 = C(1)*y1_23+C(2)*y1_22;
             Y2(23, y2_23);
@@ -742,15 +742,15 @@ void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_adjoint(int64_t B, const float* rest
             const VT yb3_23 = g3_23;
             const VT yb2_23 = g2_23+C(1)*yb3_23;
             const VT yb0_23 = g0_23;
-            const VT yb1_23 = g1_23+C(1)*yb2_23+C(0)*yb0_23;
+            const VT yb1_23 = g1_23+C(0)*yb0_23+C(1)*yb2_23;
             const VT yb3_22 = g3_22;
             const VT yb2_22 = g2_22+C(2)*yb3_23+C(1)*yb3_22;
             const VT yb0_22 = g0_22+yb0_23;
-            const VT yb1_22 = g1_22+C(2)*yb2_23+C(1)*yb2_22+C(0)*yb0_22;
+            const VT yb1_22 = g1_22+C(0)*yb0_22+C(2)*yb2_23+C(1)*yb2_22;
             const VT yb3_21 = g3_21;
             const VT yb2_21 = g2_21+C(2)*yb3_22+C(1)*yb3_21;
             const VT yb0_21 = g0_21+yb0_22;
-            const VT yb1_21 = g1_21+C(2)*yb2_22+C(1)*yb2_21+C(0)*yb0_21;
+            const VT yb1_21 = g1_21+C(0)*yb0_21+C(2)*yb2_22+C(1)*yb2_21;
             const VT yb3_20 = g3_20;
             const VT yb2_20 = g2_20+C(2)*yb3_21+C(1)*yb3_20;
             const VT yb0_20 = g0_20+yb0_21;
@@ -858,8 +858,8 @@ void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_adjoint(int64_t B, const float* rest
             VGU(20, yb1_21);
             VGU(21, yb1_22);
             VGU(22, yb1_23);
-            VGS0(yb0_1+yb0_0);
-            VGS1(C(2)*yb2_1+yb1_0);
+            VGS0(yb0_0+yb0_1);
+            VGS1(yb1_0+C(2)*yb2_1);
             VGS2(C(2)*yb3_1+yb2_0);
             VGS3(yb3_0);
         }
@@ -966,15 +966,15 @@ void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_adjoint(int64_t B, const float* rest
             const T yb3_23 = g3_23;
             const T yb2_23 = g2_23+C(1)*yb3_23;
             const T yb0_23 = g0_23;
-            const T yb1_23 = g1_23+C(1)*yb2_23+C(0)*yb0_23;
+            const T yb1_23 = g1_23+C(0)*yb0_23+C(1)*yb2_23;
             const T yb3_22 = g3_22;
             const T yb2_22 = g2_22+C(2)*yb3_23+C(1)*yb3_22;
             const T yb0_22 = g0_22+yb0_23;
-            const T yb1_22 = g1_22+C(2)*yb2_23+C(1)*yb2_22+C(0)*yb0_22;
+            const T yb1_22 = g1_22+C(0)*yb0_22+C(2)*yb2_23+C(1)*yb2_22;
             const T yb3_21 = g3_21;
             const T yb2_21 = g2_21+C(2)*yb3_22+C(1)*yb3_21;
             const T yb0_21 = g0_21+yb0_22;
-            const T yb1_21 = g1_21+C(2)*yb2_22+C(1)*yb2_21+C(0)*yb0_21;
+            const T yb1_21 = g1_21+C(0)*yb0_21+C(2)*yb2_22+C(1)*yb2_21;
             const T yb3_20 = g3_20;
             const T yb2_20 = g2_20+C(2)*yb3_21+C(1)*yb3_20;
             const T yb0_20 = g0_20+yb0_21;
@@ -1082,8 +1082,8 @@ void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_adjoint(int64_t B, const float* rest
             GU(20, yb1_21);
             GU(21, yb1_22);
             GU(22, yb1_23);
-            GS0(yb0_1+yb0_0);
-            GS1(C(2)*yb2_1+yb1_0);
+            GS0(yb0_0+yb0_1);
+            GS1(yb1_0+C(2)*yb2_1);
             GS2(C(2)*yb3_1+yb2_0);
             GS3(yb3_0);
         }

@@ -195,11 +195,11 @@ extern "C" __global__ void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_forward(int64_
         Y0(1, y0_1);
         const T y2_1 = C(1)*y1_1+C(2)*s1;
         Y2(1, y2_1);
-        const T y3_1 = C(1)*y2_1+C(2)*s2;
+        const T y3_1 = C(2)*s2+C(1)*y2_1;
         Y3(1, y3_1);
         const T y1_2 = U(1);
         Y1(2, y1_2);
-        const T y0_2 = y0_1+C(0)*y1_2;
+        const T y0_2 = C(0)*y1_2+y0_1;
         Y0(2, y0_2);
         const T y2_2 = C(1)*y1_2+C(2)*y1_1;
         Y2(2, y2_2);
@@ -207,7 +207,7 @@ extern "C" __global__ void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_forward(int64_
         Y3(2, y3_2);
         const T y1_3 = U(2);
         Y1(3, y1_3);
-        const T y0_3 = y0_2+C(0)*y1_3;
+        const T y0_3 = C(0)*y1_3+y0_2;
         Y0(3, y0_3);
         const T y2_3 = C(1)*y1_3+C(2)*y1_2;
         Y2(3, y2_3);
@@ -215,7 +215,7 @@ extern "C" __global__ void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_forward(int64_
         Y3(3, y3_3);
         const T y1_4 = U(3);
         Y1(4, y1_4);
-        const T y0_4 = y0_3+C(0)*y1_4;
+        const T y0_4 = C(0)*y1_4+y0_3;
         Y0(4, y0_4);
         const T y2_4 = C(1)*y1_4+C(2)*y1_3;
         Y2(4, y2_4);
@@ -223,7 +223,7 @@ extern "C" __global__ void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_forward(int64_
         Y3(4, y3_4);
         const T y1_5 = U(4);
         Y1(5, y1_5);
-        const T y0_5 = y0_4+C(0)*y1_5;
+        const T y0_5 = C(0)*y1_5+y0_4;
         Y0(5, y0_5);
         const T y2_5 = C(1)*y1_5+C(2)*y1_4;
         Y2(5, y2_5);
@@ -231,7 +231,7 @@ extern "C" __global__ void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_forward(int64_
         Y3(5, y3_5);
         const T y1_6 = U(5);
         Y1(6, y1_6);
-        const T y0_6 = y0_5+C(0)*y1_6;
+        const T y0_6 = C(0)*y1_6+y0_5;
         Y0(6, y0_6);
         const T y2_6 = C(1)*y1_6+C(2)*y1_5;
         Y2(6, y2_6);
@@ -239,7 +239,7 @@ extern "C" __global__ void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_forward(int64_
         Y3(6, y3_6);
         const T y1_7 = U(6);
         Y1(7, y1_7);
-        const T y0_7 = y0_6+C(0)*y1_7;
+        const T y0_7 = C(0)*y1_7+y0_6;
         Y0(7, y0_7);
         const T y2_7 = C(1)*y1_7+C(2)*y1_6;
         Y2(7, y2_7);
@@ -247,7 +247,7 @@ extern "C" __global__ void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_forward(int64_
         Y3(7, y3_7);
         const T y1_8 = U(7);
         Y1(8, y1_8);
-        const T y0_8 = y0_7+C(0)*y1_8;
+        const T y0_8 = C(0)*y1_8+y0_7;
         Y0(8, y0_8);
         const T y2_8 = C(1)*y1_8+C(2)*y1_7;
         Y2(8, y2_8);
@@ -255,7 +255,7 @@ extern "C" __global__ void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_forward(int64_
         Y3(8, y3_8);
         const T y1_9 = U(8);
         Y1(9, y1_9);
-        const T y0_9 = y0_8+C(0)*y1_9;
+        const T y0_9 = C(0)*y1_9+y0_8;
         Y0(9, y0_9);
         const T y2_9 = C(1)*y1_9+C(2)*y1_8;
         Y2(9, y2_9);
@@ -263,7 +263,7 @@ extern "C" __global__ void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_forward(int64_
         Y3(9, y3_9);
         const T y1_10 = U(9);
         Y1(10, y1_10);
-        const T y0_10 = y0_9+C(0)*y1_10;
+        const T y0_10 = C(0)*y1_10+y0_9;
         Y0(10, y0_10);
         const T y2_10 = C(1)*y1_10+C(2)*y1_9;
         Y2(10, y2_10);
@@ -271,7 +271,7 @@ extern "C" __global__ void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_forward(int64_
         Y3(10, y3_10);
         const T y1_11 = U(10);
         Y1(11, y1_11);
-        const T y0_11 = y0_10+C(0)*y1_11;
+        const T y0_11 = C(0)*y1_11+y0_10;
         Y0(11, y0_11);
         const T y2_11 = C(1)*y1_11+C(2)*y1_10;
         Y2(11, y2_11);
@@ -279,7 +279,7 @@ extern "C" __global__ void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_forward(int64_
         Y3(11, y3_11);
         const T y1_12 = U(11);
         Y1(12, y1_12);
-        const T y0_12 = y0_11+C(0)*y1_12;
+        const T y0_12 = C(0)*y1_12+y0_11;
         Y0(12, y0_12);
         const T y2_12 = C(1)*y1_12+C(2)*y1_11;
         Y2(12, y2_12);
@@ -287,7 +287,7 @@ extern "C" __global__ void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_forward(int64_
         Y3(12, y3_12);
         const T y1_13 = U(12);
         Y1(13, y1_13);
-        const T y0_13 = y0_12+C(0)*y1_13;
+        const T y0_13 = C(0)*y1_13+y0_12;
         Y0(13, y0_13);
         const T y2_13 = C(1)*y1_13+C(2)*y1_12;
         Y2(13, y2_13);
@@ -295,7 +295,7 @@ extern "C" __global__ void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_forward(int64_
         Y3(13, y3_13);
         const T y1_14 = U(13);
         Y1(14, y1_14);
-        const T y0_14 = y0_13+C(0)*y1_14;
+        const T y0_14 = C(0)*y1_14+y0_13;
         Y0(14, y0_14);
         const T y2_14 = C(1)*y1_14+C(2)*y1_13;
         Y2(14, y2_14);
@@ -303,7 +303,7 @@ extern "C" __global__ void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_forward(int64_
         Y3(14, y3_14);
         const T y1_15 = U(14);
         Y1(15, y1_15);
-        const T y0_15 = y0_14+C(0)*y1_15;
+        const T y0_15 = C(0)*y1_15+y0_14;
         Y0(15, y0_15);
         const T y2_15 = C(1)*y1_15+C(2)*y1_14;
         Y2(15, y2_15);
@@ -311,7 +311,7 @@ extern "C" __global__ void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_forward(int64_
         Y3(15, y3_15);
         const T y1_16 = U(15);
         Y1(16, y1_16);
-        const T y0_16 = y0_15+C(0)*y1_16;
+        const T y0_16 = C(0)*y1_16+y0_15;
         Y0(16, y0_16);
         const T y2_16 = C(1)*y1_16+C(2)*y1_15;
         Y2(16, y2_16);
@@ -319,7 +319,7 @@ extern "C" __global__ void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_forward(int64_
         Y3(16, y3_16);
         const T y1_17 = U(16);
         Y1(17, y1_17);
-        const T y0_17 = y0_16+C(0)*y1_17;
+        const T y0_17 = C(0)*y1_17+y0_16;
         Y0(17, y0_17);
         const T y2_17 = C(1)*y1_17+C(2)*y1_16;
         Y2(17, y2_17);
@@ -327,7 +327,7 @@ extern "C" __global__ void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_forward(int64_
         Y3(17, y3_17);
         const T y1_18 = U(17);
         Y1(18, y1_18);
-        const T y0_18 = y0_17+C(0)*y1_18;
+        const T y0_18 = C(0)*y1_18+y0_17;
         Y0(18, y0_18);
         const T y2_18 = C(1)*y1_18+C(2)*y1_17;
         Y2(18, y2_18);
@@ -335,7 +335,7 @@ extern "C" __global__ void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_forward(int64_
         Y3(18, y3_18);
         const T y1_19 = U(18);
         Y1(19, y1_19);
-        const T y0_19 = y0_18+C(0)*y1_19;
+        const T y0_19 = C(0)*y1_19+y0_18;
         Y0(19, y0_19);
         const T y2_19 = C(1)*y1_19+C(2)*y1_18;
         Y2(19, y2_19);
@@ -343,7 +343,7 @@ extern "C" __global__ void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_forward(int64_
         Y3(19, y3_19);
         const T y1_20 = U(19);
         Y1(20, y1_20);
-        const T y0_20 = y0_19+C(0)*y1_20;
+        const T y0_20 = C(0)*y1_20+y0_19;
         Y0(20, y0_20);
         const T y2_20 = C(1)*y1_20+C(2)*y1_19;
         Y2(20, y2_20);
@@ -351,7 +351,7 @@ extern "C" __global__ void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_forward(int64_
         Y3(20, y3_20);
         const T y1_21 = U(20);
         Y1(21, y1_21);
-        const T y0_21 = y0_20+C(0)*y1_21;
+        const T y0_21 = C(0)*y1_21+y0_20;
         Y0(21, y0_21);
         const T y2_21 = C(1)*y1_21+C(2)*y1_20;
         Y2(21, y2_21);
@@ -359,7 +359,7 @@ extern "C" __global__ void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_forward(int64_
         Y3(21, y3_21);
         const T y1_22 = U(21);
         Y1(22, y1_22);
-        const T y0_22 = y0_21+C(0)*y1_22;
+        const T y0_22 = C(0)*y1_22+y0_21;
         Y0(22, y0_22);
         const T y2_22 = C(1)*y1_22+C(2)*y1_21;
         Y2(22, y2_22);
@@ -367,7 +367,7 @@ extern "C" __global__ void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_forward(int64_
         Y3(22, y3_22);
         const T y1_23 = U(22);
         Y1(23, y1_23);
-        const T y0_23 = y0_22+C(0)*y1_23;
+        const T y0_23 = C(0)*y1_23+y0_22;
         Y0(23, y0_23);
         const T y2_23 = C(1)*y1_23+C(2)*y1_22;
         Y2(23, y2_23);
