@@ -786,12 +786,12 @@ def _shallow_first(statements: list[Statement]) -> list[Statement]:
         return max((ready.get(n, 0) for n in walk(term.operand) if isinstance(n, (Val, Var))), default=0)
 
     def ordered(value: Sum) -> tuple[Sum, int]:
-        terms = sorted(value.terms, key=operand)
+        terms = sorted(((operand(t), t) for t in value.terms), key=lambda pair: pair[0])
         at = 0
-        for i, t in enumerate(terms):
+        for i, (when, t) in enumerate(terms):
             step = FMA_LATENCY if t.factor is not None else ADD_LATENCY if i else 0
-            at = max(at, operand(t)) + step
-        return Sum(tuple(terms)), at
+            at = max(at, when) + step
+        return Sum(tuple(t for _, t in terms)), at
 
     out: list[Statement] = []
     for s in statements:
@@ -896,7 +896,7 @@ def _dt_vjp(op: Operator, coefs: Coefficients, spans: list[Span] = (), only: boo
     return KernelCode(TABLE_CALL, body, loops)
 
 
-def _accumulation(q: int, parts: tuple) -> Store:
+def _accumulation(q: int | Strided, parts: tuple) -> Store:
     return Store(Read("ACC", (q,)), Cast("double", Paren(Add(parts))), "+=")
 
 
@@ -912,8 +912,7 @@ def _accumulations(sums: list[tuple[int, tuple]]) -> list[Statement]:
     def close() -> None:
         if len(run) >= MIN_LOOP:
             (q, g, j), last = run[0], run[-1][2]
-            product = Cast("double", Paren(Mul(g, Read("U", (Rel(0),)))))
-            out.append(For(j, last, 1, (Store(Read("ACC", (Strided(q, 1, j),)), product, "+="),)))
+            out.append(For(j, last, 1, (_accumulation(Strided(q, 1, j), (Mul(g, Read("U", (Rel(0),))),)),)))
         else:
             out.extend(_accumulation(q, (Mul(g, Read("U", (j,))),)) for q, g, j in run)
         run.clear()

@@ -430,8 +430,7 @@ struct NativeStepBackward : public torch::autograd::Node {
   }
 };
 
-std::vector<Tensor> run_node(int64_t handle, const std::vector<Tensor>& inputs) {
-  const Kernels& k = kernels(handle);
+std::vector<Tensor> run_node(const Kernels& k, int64_t handle, const std::vector<Tensor>& inputs) {
   std::vector<Tensor> given;
   std::vector<int64_t> positions, rows(k.rows.size(), 0);
   bool requires_grad = false;
@@ -472,7 +471,7 @@ std::vector<Tensor> step(int64_t handle, const Given& given) {
   const Kernels& k = kernels(handle);
   Checked c;
   if (!check(k, given, c)) return {};
-  return run_node(handle, c.inputs);
+  return run_node(k, handle, c.inputs);
 }
 
 bool overlap(const Tensor& a, const Tensor& b) {  // both contiguous CPU tensors
