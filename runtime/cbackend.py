@@ -24,6 +24,12 @@ from .fingerprint import generator_fingerprint
 # -fopenmp: the batch loop runs on all cores; the library links libgomp.so.1, the same soname
 # PyTorch ships, so one OpenMP runtime serves both.
 C_FLAGS = ("-O3", "-march=native", "-std=gnu99", "-shared", "-fPIC", "-fno-math-errno", "-fopenmp")
+# x86-64: the vectoriser's loops (position control's interior rows) in 256-bit vectors, as gcc's
+# own tuning for Intel's AVX-512 server cores has it; where gcc tunes an AVX-512 AMD core as an
+# older one, its 512-bit loops were slower (BENCHMARKS.md, eighteenth session). The dof lanes'
+# explicit vector types are not affected.
+if platform.machine().lower() in ("x86_64", "amd64"):
+    C_FLAGS += ("-mprefer-vector-width=256",)
 
 
 @functools.lru_cache(maxsize=1)
