@@ -127,8 +127,9 @@ def _c_codes(code: LoweredOperator, kernels: tuple) -> dict:
 
 
 #: C kernels with at most this many step coefficients (one dt per call) give each thread its own
-#: copy of the table (firstprivate: a few KB per call), so gcc keeps a loop's coefficients in
-#: registers; longer tables (per-step durations) are read where used, each row its own entries.
+#: copy of the table (an array in the batch function: a few KB per call), so gcc keeps a loop's
+#: coefficients in registers; longer tables (per-step durations) are read where used, each row
+#: its own entries.
 C_PRIVATE_COEFFICIENTS = 1024
 
 
@@ -257,6 +258,7 @@ def render(spec: Any, code: LoweredOperator, table: ArgumentTable, target: str, 
         guards=_unit_guards(kernels, programs, units) if target == "c" else {},
         signatures={k: abi.signature(k, table, ctype, RESTRICT[target], cuda=target == "cuda")
                     for k in (abi.cuda_kernels(kernels) if target == "cuda" else kernels)},
+        argument_names={k: ", ".join(n for _, n in abi.arguments(k, table)) for k in kernels},
         itemsize=itemsize,
         shared_coef_bytes=CUDA_SHARED_COEF_BYTES,
         dt_chunk=abi.C_DT_VJP_CHUNK,

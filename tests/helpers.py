@@ -41,9 +41,14 @@ GRID = [
 
 
 def c_functions(source: str) -> dict[str, str]:
-    """The C functions of a generated source by name: their head line and body."""
+    """The C functions of a generated source by name: their head line and body. An entry point's
+    text ends with its batch function's (``<entry>_batch``, which holds the batch loop)."""
     heads = re.finditer(r"^(?:static )?(?:TS_\w+ )*void (\w+)\([^\n]*\)\n\{\n(.*?)\n\}\n", source, re.M | re.S)
-    return {m.group(1): m.group(0) for m in heads}
+    functions = {m.group(1): m.group(0) for m in heads}
+    for name in list(functions):
+        if f"{name}_batch" in functions:
+            functions[name] += functions[f"{name}_batch"]
+    return functions
 
 
 def grid_id(overrides: dict) -> str:

@@ -35,7 +35,7 @@ BATCH = 70  # at least 64: the C kernels split the batch over OpenMP threads
 def test_each_actions_gradient_is_gathered_in_one_pass(spec):
     """Before: a pass zeroing the actions' gradients, then one pass adding each output's share."""
     functions = c_functions(generate(spec, ("c",), ("core",)).source("c", "core"))
-    (adjoint,) = [text for name, text in functions.items() if name.endswith("_adjoint")]
+    adjoint = functions[f"{spec.name}_adjoint"]
     assert "SGU +=" not in adjoint
     passes = adjoint.count("SGU =")
     assert passes >= 1
@@ -58,22 +58,58 @@ def test_every_subset_of_output_gradients_is_the_exact_adjoint(spec, autograd_pa
         scale_close(gu.numpy(), expect_u, 1e-12)
 
 
-def _parallel_loops(source: str) -> list[str]:
-    return re.findall(r"^\s*(TS_PARALLEL_FOR\w*(?:\([^)]*\))?)$", source, re.M)
+def _coefficient_tables(source: str) -> dict[str, str]:
+    """How each batch function holds the step coefficients: 'copy' (its own array, filled from
+    the entry point's), 'shared' (the entry point's array), 'own' (made per trajectory)."""
+    tables = {}
+    for name, text in c_functions(source).items():
+        if not name.endswith("_batch"):
+            continue
+        kernel = name[: -len("_batch")].rsplit("_o3_", 1)[1]
+        copies = re.findall(r"(\w+)\[i\] = \1_in\[i\];", text)
+        shared = re.findall(r"const T\* restrict (\w+) = \1_in;", text)
+        tables[kernel] = ("copy", *copies) if copies else ("shared", *shared) if shared else ("own",)
+    return tables
 
 
 def test_threads_copy_short_coefficient_tables(monkeypatch):
-    """forward, adjoint (coef) and dt_jvp (coef, coefd) take private copies (dt_vjp's chunks only
-    gather products); one table per trajectory is made inside the loop, and a long table is
-    read where it is."""
+    """forward, adjoint (coef) and dt_jvp (coef, coefd) run their batch loops on a copy of the
+    table of their own (each thread calls the batch function); dt_vjp's chunks are its own loop;
+    one table per trajectory is made inside the loop, and a long table is read where it is."""
     spec = SPECS[0]
     source = generate(spec, ("c",), ("all",)).source("c", "all")
-    assert _parallel_loops(source) == ["TS_PARALLEL_FOR_PRIVATE(coef)"] * 2 + [
-        "TS_PARALLEL_FOR_CHUNKS", "TS_PARALLEL_FOR_PRIVATE(coef, coefd)"]
+    assert _coefficient_tables(source) == {"forward": ("copy", "coef"), "adjoint": ("copy", "coef"),
+                                           "dt_jvp": ("copy", "coef", "coefd")}
+    assert "TS_PARALLEL_FOR_CHUNKS" in c_functions(source)[f"{spec.name}_dt_vjp"]
     per_trajectory = ts.KernelSpec(horizon=32, dof=3, dtype="float64", difference="backward", dt="per_trajectory")
-    assert set(_parallel_loops(generate(per_trajectory, ("c",), ("core",)).source("c", "core"))) == {"TS_PARALLEL_FOR"}
+    assert set(_coefficient_tables(generate(per_trajectory, ("c",), ("core",)).source("c", "core")).values()) == {
+        ("own",)}
     monkeypatch.setattr(render, "C_PRIVATE_COEFFICIENTS", 4)
-    assert set(_parallel_loops(generate(spec, ("c",), ("core",)).source("c", "core"))) == {"TS_PARALLEL_FOR"}
+    assert set(_coefficient_tables(generate(spec, ("c",), ("core",)).source("c", "core")).values()) == {
+        ("shared", "coef")}
+
+
+@pytest.mark.parametrize("spec", [SPECS[0], SPECS[1].replace(dt="per_trajectory")], ids=lambda s: s.name)
+def test_a_small_batch_runs_outside_an_openmp_region(spec, tmp_path):
+    """Below TS_MIN_PARALLEL_BATCH the entry point calls its batch function directly: entering
+    and leaving an OpenMP region, even with one thread, cost about a microsecond per kernel call
+    (a futex call each time; B=1 forward+backward 49-50 -> 47 us: BENCHMARKS.md). Each entry
+    point calls its batch function once in the serial branch and once inside the region."""
+    source = generate(spec, ("c",), ("core",)).source("c", "core")
+    functions = c_functions(source)
+    for kernel in ("forward", "adjoint"):
+        entry = functions[f"{spec.name}_{kernel}"]
+        assert re.search(rf"TS_BATCH\({spec.name}_{kernel}_batch, B, ", entry), entry
+        assert f"{spec.name}_{kernel}_batch" in functions
+    assert "#define TS_MIN_PARALLEL_BATCH 64" in source
+    src = tmp_path / "kernel.c"
+    src.write_text(source)
+    expanded = subprocess.run([cbackend.compiler(), *cbackend.c_flags(), "-E", "-P", str(src)], check=True,
+                              capture_output=True, text=True).stdout
+    entry = re.search(rf"void {spec.name}_forward\(.*?\n\}}", expanded, re.S).group(0)
+    serial, parallel = entry.split("else", 1)
+    assert "if (B < 64)" in serial and f"{spec.name}_forward_batch(0, B," in serial
+    assert "omp parallel" in parallel and "pragma" in parallel
 
 
 @pytest.mark.parametrize("spec", [

@@ -19,17 +19,32 @@ typedef float T;
  * dt_vjp's serial body: most of their compile time was the allocator's (it made no measurable
  * difference to their run time: see BENCHMARKS.md) */
 #define TS_CHEAP_ALLOCATION "ira-algorithm=priority", "ira-region=one", "no-lra-remat"
-#if defined(_OPENMP)
-/* batch elements are independent: split them over threads (small batches stay serial) */
-#define TS_PARALLEL_FOR _Pragma("omp parallel for schedule(static) if(B >= 64)")
-#define TS_PRAGMA(text) _Pragma(#text)
-/* the same, each thread with its own copy of the named arrays (the step coefficients): gcc
- * cannot tell a shared array from the outputs its loops store to, so it would reload and
- * broadcast every coefficient in every vector iteration */
-#define TS_PARALLEL_FOR_PRIVATE(...) TS_PRAGMA(omp parallel for schedule(static) if(B >= 64) firstprivate(__VA_ARGS__))
+/* batch elements are independent: TS_BATCH(f, args...) runs f(b_begin, b_end, args...) on all of
+ * them, split over threads; a small batch is run by the calling thread without entering an
+ * OpenMP region (whose start and end cost about a microsecond per call) */
+#define TS_MIN_PARALLEL_BATCH 64
+/* the batch functions' loops stay loops: gcc's pattern pass made an output row that copies an
+ * action row a memmove call per batch element, which was slower (BENCHMARKS.md) */
+#if defined(__GNUC__) && !defined(__clang__)
+#define TS_BATCH_FUNCTION __attribute__((optimize("no-tree-loop-distribute-patterns")))
 #else
-#define TS_PARALLEL_FOR
-#define TS_PARALLEL_FOR_PRIVATE(...)
+#define TS_BATCH_FUNCTION
+#endif
+#if defined(_OPENMP)
+int omp_get_num_threads(void);
+int omp_get_thread_num(void);
+#define TS_BATCH(f, ...) do { \
+    if (B < TS_MIN_PARALLEL_BATCH) { \
+        f(0, B, __VA_ARGS__); \
+    } else { \
+        _Pragma("omp parallel") { \
+            const int64_t n_ = omp_get_num_threads(), t_ = omp_get_thread_num(); \
+            f(B * t_ / n_, B * (t_ + 1) / n_, __VA_ARGS__); \
+        } \
+    } \
+} while (0)
+#else
+#define TS_BATCH(f, ...) f(0, B, __VA_ARGS__)
 #endif
 /* dt_vjp's dof loop is serial (every dof adds into the same accumulators, and without
  * reassociation gcc does not vectorise a floating-point sum), so -O3's vectoriser finds nothing
@@ -234,12 +249,16 @@ static void ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_coefficients(const 
 #endif
 
 #if !defined(TS_UNIT) || TS_UNIT == 1
-void ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_forward(int64_t B, const float* restrict u, const float* restrict p0, const float* restrict v0, const float* restrict a0, const float* restrict j0, const int64_t* restrict idx, const float* restrict dt_in, float* restrict y0, float* restrict y1, float* restrict y2, float* restrict y3)
+/* forward on batch elements b_begin .. b_end - 1: its batch loop, a function of its own so that
+ * a small batch runs it without entering an OpenMP region (TS_BATCH) */
+static TS_BATCH_FUNCTION void ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_forward_batch(int64_t b_begin, int64_t b_end, int64_t B, const float* restrict u, const float* restrict p0, const float* restrict v0, const float* restrict a0, const float* restrict j0, const int64_t* restrict idx, const float* restrict dt_in, float* restrict y0, float* restrict y1, float* restrict y2, float* restrict y3, const T* restrict coef_in)
 {
+    (void)B;
+    /* this thread's own copy: gcc cannot tell a shared array from the outputs the loops store to,
+     * so it would reload and broadcast every coefficient in every vector iteration */
     T coef[NC_];
-    COEFFICIENTS(dt_in, coef);
-    TS_PARALLEL_FOR_PRIVATE(coef)
-    for (int64_t b = 0; b < B; ++b) {
+    for (int i = 0; i < NC_; ++i) coef[i] = coef_in[i];
+    for (int64_t b = b_begin; b < b_end; ++b) {
         const int64_t srow = idx ? idx[b] : b;
         {
             TS_SIMD
@@ -329,16 +348,26 @@ void ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_forward(int64_t B, const f
 #endif
     }
 }
-#endif
-
-#if !defined(TS_UNIT) || TS_UNIT == 2
-void ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_adjoint(int64_t B, const float* restrict g0, const float* restrict g1, const float* restrict g2, const float* restrict g3, const float* restrict dt_in, float* restrict gu, float* restrict gp0, float* restrict gv0, float* restrict ga0, float* restrict gj0)
+void ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_forward(int64_t B, const float* restrict u, const float* restrict p0, const float* restrict v0, const float* restrict a0, const float* restrict j0, const int64_t* restrict idx, const float* restrict dt_in, float* restrict y0, float* restrict y1, float* restrict y2, float* restrict y3)
 {
     T coef[NC_];
     COEFFICIENTS(dt_in, coef);
+    TS_BATCH(ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_forward_batch, B, u, p0, v0, a0, j0, idx, dt_in, y0, y1, y2, y3, coef);
+}
+#endif
+
+#if !defined(TS_UNIT) || TS_UNIT == 2
+/* adjoint on batch elements b_begin .. b_end - 1: its batch loop, a function of its own so that
+ * a small batch runs it without entering an OpenMP region (TS_BATCH) */
+static TS_BATCH_FUNCTION void ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_adjoint_batch(int64_t b_begin, int64_t b_end, int64_t B, const float* restrict g0, const float* restrict g1, const float* restrict g2, const float* restrict g3, const float* restrict dt_in, float* restrict gu, float* restrict gp0, float* restrict gv0, float* restrict ga0, float* restrict gj0, const T* restrict coef_in)
+{
+    (void)B;
+    /* this thread's own copy: gcc cannot tell a shared array from the outputs the loops store to,
+     * so it would reload and broadcast every coefficient in every vector iteration */
+    T coef[NC_];
+    for (int i = 0; i < NC_; ++i) coef[i] = coef_in[i];
     const int64_t* idx = NULL; /* start gradients are per batch row; the runtime scatters them */
-    TS_PARALLEL_FOR_PRIVATE(coef)
-    for (int64_t b = 0; b < B; ++b) {
+    for (int64_t b = b_begin; b < b_end; ++b) {
         const int64_t srow = idx ? idx[b] : b;
         const T* restrict gb0 = g0 ? g0 + b * Y_SB : ts_zero_outputs;
         const T* restrict gb1 = g1 ? g1 + b * Y_SB : ts_zero_outputs;
@@ -465,6 +494,12 @@ void ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_adjoint(int64_t B, const f
 #endif
     }
 }
+void ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_adjoint(int64_t B, const float* restrict g0, const float* restrict g1, const float* restrict g2, const float* restrict g3, const float* restrict dt_in, float* restrict gu, float* restrict gp0, float* restrict gv0, float* restrict ga0, float* restrict gj0)
+{
+    T coef[NC_];
+    COEFFICIENTS(dt_in, coef);
+    TS_BATCH(ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_adjoint_batch, B, g0, g1, g2, g3, dt_in, gu, gp0, gv0, ga0, gj0, coef);
+}
 #endif
 
 #if !defined(TS_UNIT) || TS_UNIT == 3
@@ -549,7 +584,7 @@ TS_SERIAL void ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_dt_vjp(int64_t B
             ACC(13) += (double)(G3(2)*U(0) + G3(3)*U(1));
             ACC(14) += (double)(G3(3)*U(0));
         }
-    }
+      }
     }
     for (int64_t chunk = 1; chunk < n_chunks; ++chunk)
         for (int i = 0; i < NC_; ++i) gc[i] += gc[chunk * NC_ + i];
@@ -601,81 +636,20 @@ void ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_dt_vjp_finish(int64_t B, c
 #endif
 
 #if !defined(TS_UNIT) || TS_UNIT == 5
-void ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_dt_jvp(int64_t B, const float* restrict u, const float* restrict p0, const float* restrict v0, const float* restrict a0, const float* restrict j0, const int64_t* restrict idx, const float* restrict du, const float* restrict dp0, const float* restrict dv0, const float* restrict da0, const float* restrict dj0, const float* restrict dt_in, const float* restrict ddt_in, float* restrict ty0, float* restrict ty1, float* restrict ty2, float* restrict ty3)
+/* dt_jvp on batch elements b_begin .. b_end - 1: its batch loop, a function of its own so that
+ * a small batch runs it without entering an OpenMP region (TS_BATCH) */
+static TS_BATCH_FUNCTION void ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_dt_jvp_batch(int64_t b_begin, int64_t b_end, int64_t B, const float* restrict u, const float* restrict p0, const float* restrict v0, const float* restrict a0, const float* restrict j0, const int64_t* restrict idx, const float* restrict du, const float* restrict dp0, const float* restrict dv0, const float* restrict da0, const float* restrict dj0, const float* restrict dt_in, const float* restrict ddt_in, float* restrict ty0, float* restrict ty1, float* restrict ty2, float* restrict ty3, const T* restrict coef_in, const T* restrict coefd_in)
 {
-    T coef[NC_]; T coefd[NC_];
-    const double dt = (double)DT(0);
-    const double d_dt = (double)DDT(0);
-    const double t0 = (1.0/dt);
-    const double d_t0 = (-1/(dt*dt))*d_dt;
-    const double t1 = (1.0/(dt*dt));
-    const double d_t1 = (-2/(dt*dt*dt))*d_dt;
-    const double t2 = (1.0/(dt*dt*dt));
-    const double d_t2 = (-3/(dt*dt*dt*dt))*d_dt;
-    const double t3 = 3*t2;
-    const double d_t3 = (3)*d_t2;
-    const double k0 = -t0;
-    const double d_k0 = (-1)*d_t0;
-    const double k1 = t0;
-    const double d_k1 = (1)*d_t0;
-    const double k2 = -t1;
-    const double d_k2 = (-1)*d_t1;
-    const double k3 = 0.5;
-    const double d_k3 = 0.0;
-    const double k4 = -1.0/6.0*dt;
-    const double d_k4 = (-0.16666666666666667)*d_dt;
-    const double k5 = t1;
-    const double d_k5 = (1)*d_t1;
-    const double k6 = -t2;
-    const double d_k6 = (-1)*d_t2;
-    const double k7 = -1.0/2.0*t0;
-    const double d_k7 = (-0.5)*d_t0;
-    const double k8 = 0.83333333333333333;
-    const double d_k8 = 0.0;
-    const double k9 = t2;
-    const double d_k9 = (1)*d_t2;
-    const double k10 = -2*t1;
-    const double d_k10 = (-2)*d_t1;
-    const double k11 = 2*t2;
-    const double d_k11 = (2)*d_t2;
-    const double k12 = 0.16666666666666667;
-    const double d_k12 = 0.0;
-    const double k13 = -t3;
-    const double d_k13 = (-1)*d_t3;
-    const double k14 = t3;
-    const double d_k14 = (1)*d_t3;
-    C(0) = (T)(k0);
-    C(1) = (T)(k1);
-    C(2) = (T)(k2);
-    C(3) = (T)(k3);
-    C(4) = (T)(k4);
-    C(5) = (T)(k5);
-    C(6) = (T)(k6);
-    C(7) = (T)(k7);
-    C(8) = (T)(k8);
-    C(9) = (T)(k9);
-    C(10) = (T)(k10);
-    C(11) = (T)(k11);
-    C(12) = (T)(k12);
-    C(13) = (T)(k13);
-    C(14) = (T)(k14);
-    CD(0) = (T)(d_k0);
-    CD(1) = (T)(d_k1);
-    CD(2) = (T)(d_k2);
-    CD(3) = (T)(d_k3);
-    CD(4) = (T)(d_k4);
-    CD(5) = (T)(d_k5);
-    CD(6) = (T)(d_k6);
-    CD(7) = (T)(d_k7);
-    CD(8) = (T)(d_k8);
-    CD(9) = (T)(d_k9);
-    CD(10) = (T)(d_k10);
-    CD(11) = (T)(d_k11);
-    CD(12) = (T)(d_k12);
-    CD(13) = (T)(d_k13);
-    CD(14) = (T)(d_k14);
-    TS_PARALLEL_FOR_PRIVATE(coef, coefd)
-    for (int64_t b = 0; b < B; ++b) {
+    (void)B;
+    /* this thread's own copy: gcc cannot tell a shared array from the outputs the loops store to,
+     * so it would reload and broadcast every coefficient in every vector iteration */
+    T coef[NC_];
+    for (int i = 0; i < NC_; ++i) coef[i] = coef_in[i];
+    /* this thread's own copy: gcc cannot tell a shared array from the outputs the loops store to,
+     * so it would reload and broadcast every coefficient in every vector iteration */
+    T coefd[NC_];
+    for (int i = 0; i < NC_; ++i) coefd[i] = coefd_in[i];
+    for (int64_t b = b_begin; b < b_end; ++b) {
         const int64_t srow = idx ? idx[b] : b;
         const T* restrict dub = du ? du + b * U_SB : ts_zero_actions;
         const T* restrict ds0b = dp0 ? dp0 + srow * D_ : ts_zero_state;
@@ -777,6 +751,81 @@ void ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_dt_jvp(int64_t B, const fl
         }
 #endif
     }
+}
+void ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_dt_jvp(int64_t B, const float* restrict u, const float* restrict p0, const float* restrict v0, const float* restrict a0, const float* restrict j0, const int64_t* restrict idx, const float* restrict du, const float* restrict dp0, const float* restrict dv0, const float* restrict da0, const float* restrict dj0, const float* restrict dt_in, const float* restrict ddt_in, float* restrict ty0, float* restrict ty1, float* restrict ty2, float* restrict ty3)
+{
+    T coef[NC_]; T coefd[NC_];
+    const double dt = (double)DT(0);
+    const double d_dt = (double)DDT(0);
+    const double t0 = (1.0/dt);
+    const double d_t0 = (-1/(dt*dt))*d_dt;
+    const double t1 = (1.0/(dt*dt));
+    const double d_t1 = (-2/(dt*dt*dt))*d_dt;
+    const double t2 = (1.0/(dt*dt*dt));
+    const double d_t2 = (-3/(dt*dt*dt*dt))*d_dt;
+    const double t3 = 3*t2;
+    const double d_t3 = (3)*d_t2;
+    const double k0 = -t0;
+    const double d_k0 = (-1)*d_t0;
+    const double k1 = t0;
+    const double d_k1 = (1)*d_t0;
+    const double k2 = -t1;
+    const double d_k2 = (-1)*d_t1;
+    const double k3 = 0.5;
+    const double d_k3 = 0.0;
+    const double k4 = -1.0/6.0*dt;
+    const double d_k4 = (-0.16666666666666667)*d_dt;
+    const double k5 = t1;
+    const double d_k5 = (1)*d_t1;
+    const double k6 = -t2;
+    const double d_k6 = (-1)*d_t2;
+    const double k7 = -1.0/2.0*t0;
+    const double d_k7 = (-0.5)*d_t0;
+    const double k8 = 0.83333333333333333;
+    const double d_k8 = 0.0;
+    const double k9 = t2;
+    const double d_k9 = (1)*d_t2;
+    const double k10 = -2*t1;
+    const double d_k10 = (-2)*d_t1;
+    const double k11 = 2*t2;
+    const double d_k11 = (2)*d_t2;
+    const double k12 = 0.16666666666666667;
+    const double d_k12 = 0.0;
+    const double k13 = -t3;
+    const double d_k13 = (-1)*d_t3;
+    const double k14 = t3;
+    const double d_k14 = (1)*d_t3;
+    C(0) = (T)(k0);
+    C(1) = (T)(k1);
+    C(2) = (T)(k2);
+    C(3) = (T)(k3);
+    C(4) = (T)(k4);
+    C(5) = (T)(k5);
+    C(6) = (T)(k6);
+    C(7) = (T)(k7);
+    C(8) = (T)(k8);
+    C(9) = (T)(k9);
+    C(10) = (T)(k10);
+    C(11) = (T)(k11);
+    C(12) = (T)(k12);
+    C(13) = (T)(k13);
+    C(14) = (T)(k14);
+    CD(0) = (T)(d_k0);
+    CD(1) = (T)(d_k1);
+    CD(2) = (T)(d_k2);
+    CD(3) = (T)(d_k3);
+    CD(4) = (T)(d_k4);
+    CD(5) = (T)(d_k5);
+    CD(6) = (T)(d_k6);
+    CD(7) = (T)(d_k7);
+    CD(8) = (T)(d_k8);
+    CD(9) = (T)(d_k9);
+    CD(10) = (T)(d_k10);
+    CD(11) = (T)(d_k11);
+    CD(12) = (T)(d_k12);
+    CD(13) = (T)(d_k13);
+    CD(14) = (T)(d_k14);
+    TS_BATCH(ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_dt_jvp_batch, B, u, p0, v0, a0, j0, idx, du, dp0, dv0, da0, dj0, dt_in, ddt_in, ty0, ty1, ty2, ty3, coef, coefd);
 }
 #endif
 

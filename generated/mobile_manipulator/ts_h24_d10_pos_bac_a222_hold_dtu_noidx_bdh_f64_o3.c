@@ -19,17 +19,32 @@ typedef double T;
  * dt_vjp's serial body: most of their compile time was the allocator's (it made no measurable
  * difference to their run time: see BENCHMARKS.md) */
 #define TS_CHEAP_ALLOCATION "ira-algorithm=priority", "ira-region=one", "no-lra-remat"
-#if defined(_OPENMP)
-/* batch elements are independent: split them over threads (small batches stay serial) */
-#define TS_PARALLEL_FOR _Pragma("omp parallel for schedule(static) if(B >= 64)")
-#define TS_PRAGMA(text) _Pragma(#text)
-/* the same, each thread with its own copy of the named arrays (the step coefficients): gcc
- * cannot tell a shared array from the outputs its loops store to, so it would reload and
- * broadcast every coefficient in every vector iteration */
-#define TS_PARALLEL_FOR_PRIVATE(...) TS_PRAGMA(omp parallel for schedule(static) if(B >= 64) firstprivate(__VA_ARGS__))
+/* batch elements are independent: TS_BATCH(f, args...) runs f(b_begin, b_end, args...) on all of
+ * them, split over threads; a small batch is run by the calling thread without entering an
+ * OpenMP region (whose start and end cost about a microsecond per call) */
+#define TS_MIN_PARALLEL_BATCH 64
+/* the batch functions' loops stay loops: gcc's pattern pass made an output row that copies an
+ * action row a memmove call per batch element, which was slower (BENCHMARKS.md) */
+#if defined(__GNUC__) && !defined(__clang__)
+#define TS_BATCH_FUNCTION __attribute__((optimize("no-tree-loop-distribute-patterns")))
 #else
-#define TS_PARALLEL_FOR
-#define TS_PARALLEL_FOR_PRIVATE(...)
+#define TS_BATCH_FUNCTION
+#endif
+#if defined(_OPENMP)
+int omp_get_num_threads(void);
+int omp_get_thread_num(void);
+#define TS_BATCH(f, ...) do { \
+    if (B < TS_MIN_PARALLEL_BATCH) { \
+        f(0, B, __VA_ARGS__); \
+    } else { \
+        _Pragma("omp parallel") { \
+            const int64_t n_ = omp_get_num_threads(), t_ = omp_get_thread_num(); \
+            f(B * t_ / n_, B * (t_ + 1) / n_, __VA_ARGS__); \
+        } \
+    } \
+} while (0)
+#else
+#define TS_BATCH(f, ...) f(0, B, __VA_ARGS__)
 #endif
 /* dt_vjp's dof loop is serial (every dof adds into the same accumulators, and without
  * reassociation gcc does not vectorise a floating-point sum), so -O3's vectoriser finds nothing
@@ -206,12 +221,16 @@ static void ts_h24_d10_pos_bac_a222_hold_dtu_noidx_bdh_f64_o3_coefficients(const
 #endif
 
 #if !defined(TS_UNIT) || TS_UNIT == 1
-void ts_h24_d10_pos_bac_a222_hold_dtu_noidx_bdh_f64_o3_forward(int64_t B, const double* restrict u, const double* restrict p0, const double* restrict v0, const double* restrict a0, const double* restrict j0, const int64_t* restrict idx, const double* restrict dt_in, double* restrict y0, double* restrict y1, double* restrict y2, double* restrict y3)
+/* forward on batch elements b_begin .. b_end - 1: its batch loop, a function of its own so that
+ * a small batch runs it without entering an OpenMP region (TS_BATCH) */
+static TS_BATCH_FUNCTION void ts_h24_d10_pos_bac_a222_hold_dtu_noidx_bdh_f64_o3_forward_batch(int64_t b_begin, int64_t b_end, int64_t B, const double* restrict u, const double* restrict p0, const double* restrict v0, const double* restrict a0, const double* restrict j0, const int64_t* restrict idx, const double* restrict dt_in, double* restrict y0, double* restrict y1, double* restrict y2, double* restrict y3, const T* restrict coef_in)
 {
+    (void)B;
+    /* this thread's own copy: gcc cannot tell a shared array from the outputs the loops store to,
+     * so it would reload and broadcast every coefficient in every vector iteration */
     T coef[NC_];
-    COEFFICIENTS(dt_in, coef);
-    TS_PARALLEL_FOR_PRIVATE(coef)
-    for (int64_t b = 0; b < B; ++b) {
+    for (int i = 0; i < NC_; ++i) coef[i] = coef_in[i];
+    for (int64_t b = b_begin; b < b_end; ++b) {
         const int64_t srow = idx ? idx[b] : b;
         {
             for (int64_t d = 0; d < D_; ++d) {
@@ -285,16 +304,26 @@ void ts_h24_d10_pos_bac_a222_hold_dtu_noidx_bdh_f64_o3_forward(int64_t B, const 
         }
     }
 }
-#endif
-
-#if !defined(TS_UNIT) || TS_UNIT == 2
-void ts_h24_d10_pos_bac_a222_hold_dtu_noidx_bdh_f64_o3_adjoint(int64_t B, const double* restrict g0, const double* restrict g1, const double* restrict g2, const double* restrict g3, const double* restrict dt_in, double* restrict gu, double* restrict gp0, double* restrict gv0, double* restrict ga0, double* restrict gj0)
+void ts_h24_d10_pos_bac_a222_hold_dtu_noidx_bdh_f64_o3_forward(int64_t B, const double* restrict u, const double* restrict p0, const double* restrict v0, const double* restrict a0, const double* restrict j0, const int64_t* restrict idx, const double* restrict dt_in, double* restrict y0, double* restrict y1, double* restrict y2, double* restrict y3)
 {
     T coef[NC_];
     COEFFICIENTS(dt_in, coef);
+    TS_BATCH(ts_h24_d10_pos_bac_a222_hold_dtu_noidx_bdh_f64_o3_forward_batch, B, u, p0, v0, a0, j0, idx, dt_in, y0, y1, y2, y3, coef);
+}
+#endif
+
+#if !defined(TS_UNIT) || TS_UNIT == 2
+/* adjoint on batch elements b_begin .. b_end - 1: its batch loop, a function of its own so that
+ * a small batch runs it without entering an OpenMP region (TS_BATCH) */
+static TS_BATCH_FUNCTION void ts_h24_d10_pos_bac_a222_hold_dtu_noidx_bdh_f64_o3_adjoint_batch(int64_t b_begin, int64_t b_end, int64_t B, const double* restrict g0, const double* restrict g1, const double* restrict g2, const double* restrict g3, const double* restrict dt_in, double* restrict gu, double* restrict gp0, double* restrict gv0, double* restrict ga0, double* restrict gj0, const T* restrict coef_in)
+{
+    (void)B;
+    /* this thread's own copy: gcc cannot tell a shared array from the outputs the loops store to,
+     * so it would reload and broadcast every coefficient in every vector iteration */
+    T coef[NC_];
+    for (int i = 0; i < NC_; ++i) coef[i] = coef_in[i];
     const int64_t* idx = NULL; /* start gradients are per batch row; the runtime scatters them */
-    TS_PARALLEL_FOR_PRIVATE(coef)
-    for (int64_t b = 0; b < B; ++b) {
+    for (int64_t b = b_begin; b < b_end; ++b) {
         const int64_t srow = idx ? idx[b] : b;
         const T* restrict gb0 = g0 ? g0 + b * Y_SB : ts_zero_outputs;
         const T* restrict gb1 = g1 ? g1 + b * Y_SB : ts_zero_outputs;
@@ -380,6 +409,12 @@ void ts_h24_d10_pos_bac_a222_hold_dtu_noidx_bdh_f64_o3_adjoint(int64_t B, const 
             GS3(C(28)*yb3_3+C(22)*yb3_2+C(17)*yb2_2+C(12)*yb3_1+C(7)*yb2_1+C(3)*yb1_1+yb3_0);
         }
     }
+}
+void ts_h24_d10_pos_bac_a222_hold_dtu_noidx_bdh_f64_o3_adjoint(int64_t B, const double* restrict g0, const double* restrict g1, const double* restrict g2, const double* restrict g3, const double* restrict dt_in, double* restrict gu, double* restrict gp0, double* restrict gv0, double* restrict ga0, double* restrict gj0)
+{
+    T coef[NC_];
+    COEFFICIENTS(dt_in, coef);
+    TS_BATCH(ts_h24_d10_pos_bac_a222_hold_dtu_noidx_bdh_f64_o3_adjoint_batch, B, g0, g1, g2, g3, dt_in, gu, gp0, gv0, ga0, gj0, coef);
 }
 #endif
 
@@ -501,7 +536,7 @@ TS_SERIAL void ts_h24_d10_pos_bac_a222_hold_dtu_noidx_bdh_f64_o3_dt_vjp(int64_t 
             ACC(23) += (double)(G3(4)*U(2));
             ACC(13) += (double)(G3(4)*U(3));
         }
-    }
+      }
     }
     for (int64_t chunk = 1; chunk < n_chunks; ++chunk)
         for (int i = 0; i < NC_; ++i) gc[i] += gc[chunk * NC_ + i];
@@ -594,6 +629,102 @@ void ts_h24_d10_pos_bac_a222_hold_dtu_noidx_bdh_f64_o3_dt_vjp_finish(int64_t B, 
 #endif
 
 #if !defined(TS_UNIT) || TS_UNIT == 5
+/* dt_jvp on batch elements b_begin .. b_end - 1: its batch loop, a function of its own so that
+ * a small batch runs it without entering an OpenMP region (TS_BATCH) */
+static TS_BATCH_FUNCTION void ts_h24_d10_pos_bac_a222_hold_dtu_noidx_bdh_f64_o3_dt_jvp_batch(int64_t b_begin, int64_t b_end, int64_t B, const double* restrict u, const double* restrict p0, const double* restrict v0, const double* restrict a0, const double* restrict j0, const int64_t* restrict idx, const double* restrict du, const double* restrict dp0, const double* restrict dv0, const double* restrict da0, const double* restrict dj0, const double* restrict dt_in, const double* restrict ddt_in, double* restrict ty0, double* restrict ty1, double* restrict ty2, double* restrict ty3, const T* restrict coef_in, const T* restrict coefd_in)
+{
+    (void)B;
+    /* this thread's own copy: gcc cannot tell a shared array from the outputs the loops store to,
+     * so it would reload and broadcast every coefficient in every vector iteration */
+    T coef[NC_];
+    for (int i = 0; i < NC_; ++i) coef[i] = coef_in[i];
+    /* this thread's own copy: gcc cannot tell a shared array from the outputs the loops store to,
+     * so it would reload and broadcast every coefficient in every vector iteration */
+    T coefd[NC_];
+    for (int i = 0; i < NC_; ++i) coefd[i] = coefd_in[i];
+    for (int64_t b = b_begin; b < b_end; ++b) {
+        const int64_t srow = idx ? idx[b] : b;
+        const T* restrict dub = du ? du + b * U_SB : ts_zero_actions;
+        const T* restrict ds0b = dp0 ? dp0 + srow * D_ : ts_zero_state;
+        const T* restrict ds1b = dv0 ? dv0 + srow * D_ : ts_zero_state;
+        const T* restrict ds2b = da0 ? da0 + srow * D_ : ts_zero_state;
+        const T* restrict ds3b = dj0 ? dj0 + srow * D_ : ts_zero_state;
+        {
+            for (int64_t d = 0; d < D_; ++d) {
+              TS_SIMD
+              for (int64_t r = 1; r < 24; ++r) {
+                const int64_t su = b * U_SB + d * U_SD + r, sy = b * Y_SB + d * Y_SD + r;
+                STY0 = SDU(-1);
+              }
+            }
+        }
+        {
+            for (int64_t d = 0; d < D_; ++d) {
+              TS_SIMD
+              for (int64_t r = 3; r < 24; ++r) {
+                const int64_t su = b * U_SB + d * U_SD + r, sy = b * Y_SB + d * Y_SD + r;
+                STY1 = CD(14)*SU(-3)+C(14)*SDU(-3)+CD(6)*SU(-2)+C(6)*SDU(-2)+CD(4)*SU(-1)+C(4)*SDU(-1);
+              }
+            }
+        }
+        {
+            for (int64_t d = 0; d < D_; ++d) {
+              TS_SIMD
+              for (int64_t r = 4; r < 24; ++r) {
+                const int64_t su = b * U_SB + d * U_SD + r, sy = b * Y_SB + d * Y_SD + r;
+                STY2 = CD(24)*SU(-4)+C(24)*SDU(-4)+CD(20)*SU(-3)+C(20)*SDU(-3)+CD(18)*SU(-2)+C(18)*SDU(-2)+CD(8)*SU(-1)+C(8)*SDU(-1);
+              }
+            }
+        }
+        {
+            for (int64_t d = 0; d < D_; ++d) {
+              TS_SIMD
+              for (int64_t r = 5; r < 24; ++r) {
+                const int64_t su = b * U_SB + d * U_SD + r, sy = b * Y_SB + d * Y_SD + r;
+                STY3 = CD(30)*SU(-5)+C(30)*SDU(-5)+CD(31)*SU(-4)+C(31)*SDU(-4)+CD(29)*SU(-3)+C(29)*SDU(-3)+CD(23)*SU(-2)+C(23)*SDU(-2)+CD(13)*SU(-1)+C(13)*SDU(-1);
+              }
+            }
+        }
+        TS_SIMD
+        for (int64_t d = 0; d < D_; ++d) {
+            COLUMN_BASES(b, d)
+            const T s0 = S0;
+            const T s1 = S1;
+            const T s2 = S2;
+            const T s3 = S3;
+            const T ts0 = DS0;
+            const T ts1 = DS1;
+            const T ts2 = DS2;
+            const T ts3 = DS3;
+            const T ty0_0 = ts0;
+            TY0(0, ty0_0);
+            const T ty1_0 = ts1;
+            TY1(0, ty1_0);
+            const T ty2_0 = ts2;
+            TY2(0, ty2_0);
+            const T ty3_0 = ts3;
+            TY3(0, ty3_0);
+            const T ty1_1 = CD(0)*s0+C(0)*ts0+C(1)*ts1+CD(2)*s2+C(2)*ts2+CD(3)*s3+C(3)*ts3+CD(4)*U(0)+C(4)*DU(0);
+            TY1(1, ty1_1);
+            const T ty2_1 = CD(5)*s0+C(5)*ts0+CD(6)*s1+C(6)*ts1+CD(7)*s3+C(7)*ts3+CD(8)*U(0)+C(8)*DU(0);
+            TY2(1, ty2_1);
+            const T ty3_1 = CD(9)*s0+C(9)*ts0+CD(10)*s1+C(10)*ts1+CD(11)*s2+C(11)*ts2+C(12)*ts3+CD(13)*U(0)+C(13)*DU(0);
+            TY3(1, ty3_1);
+            const T ty1_2 = CD(14)*s0+C(14)*ts0+CD(6)*U(0)+C(6)*DU(0)+CD(4)*U(1)+C(4)*DU(1);
+            TY1(2, ty1_2);
+            const T ty2_2 = CD(15)*s0+C(15)*ts0+CD(16)*s1+C(16)*ts1+C(1)*ts2+CD(17)*s3+C(17)*ts3+CD(18)*U(0)+C(18)*DU(0)+CD(8)*U(1)+C(8)*DU(1);
+            TY2(2, ty2_2);
+            const T ty3_2 = CD(19)*s0+C(19)*ts0+CD(20)*s1+C(20)*ts1+CD(21)*s2+C(21)*ts2+C(22)*ts3+CD(23)*U(0)+C(23)*DU(0)+CD(13)*U(1)+C(13)*DU(1);
+            TY3(2, ty3_2);
+            const T ty2_3 = CD(24)*s0+C(24)*ts0+CD(20)*U(0)+C(20)*DU(0)+CD(18)*U(1)+C(18)*DU(1)+CD(8)*U(2)+C(8)*DU(2);
+            TY2(3, ty2_3);
+            const T ty3_3 = CD(25)*s0+C(25)*ts0+CD(26)*s1+C(26)*ts1+CD(27)*s2+C(27)*ts2+C(28)*ts3+CD(29)*U(0)+C(29)*DU(0)+CD(23)*U(1)+C(23)*DU(1)+CD(13)*U(2)+C(13)*DU(2);
+            TY3(3, ty3_3);
+            const T ty3_4 = CD(30)*s0+C(30)*ts0+CD(31)*U(0)+C(31)*DU(0)+CD(29)*U(1)+C(29)*DU(1)+CD(23)*U(2)+C(23)*DU(2)+CD(13)*U(3)+C(13)*DU(3);
+            TY3(4, ty3_4);
+        }
+    }
+}
 void ts_h24_d10_pos_bac_a222_hold_dtu_noidx_bdh_f64_o3_dt_jvp(int64_t B, const double* restrict u, const double* restrict p0, const double* restrict v0, const double* restrict a0, const double* restrict j0, const int64_t* restrict idx, const double* restrict du, const double* restrict dp0, const double* restrict dv0, const double* restrict da0, const double* restrict dj0, const double* restrict dt_in, const double* restrict ddt_in, double* restrict ty0, double* restrict ty1, double* restrict ty2, double* restrict ty3)
 {
     T coef[NC_]; T coefd[NC_];
@@ -743,89 +874,7 @@ void ts_h24_d10_pos_bac_a222_hold_dtu_noidx_bdh_f64_o3_dt_jvp(int64_t B, const d
     CD(29) = (T)(d_k29);
     CD(30) = (T)(d_k30);
     CD(31) = (T)(d_k31);
-    TS_PARALLEL_FOR_PRIVATE(coef, coefd)
-    for (int64_t b = 0; b < B; ++b) {
-        const int64_t srow = idx ? idx[b] : b;
-        const T* restrict dub = du ? du + b * U_SB : ts_zero_actions;
-        const T* restrict ds0b = dp0 ? dp0 + srow * D_ : ts_zero_state;
-        const T* restrict ds1b = dv0 ? dv0 + srow * D_ : ts_zero_state;
-        const T* restrict ds2b = da0 ? da0 + srow * D_ : ts_zero_state;
-        const T* restrict ds3b = dj0 ? dj0 + srow * D_ : ts_zero_state;
-        {
-            for (int64_t d = 0; d < D_; ++d) {
-              TS_SIMD
-              for (int64_t r = 1; r < 24; ++r) {
-                const int64_t su = b * U_SB + d * U_SD + r, sy = b * Y_SB + d * Y_SD + r;
-                STY0 = SDU(-1);
-              }
-            }
-        }
-        {
-            for (int64_t d = 0; d < D_; ++d) {
-              TS_SIMD
-              for (int64_t r = 3; r < 24; ++r) {
-                const int64_t su = b * U_SB + d * U_SD + r, sy = b * Y_SB + d * Y_SD + r;
-                STY1 = CD(14)*SU(-3)+C(14)*SDU(-3)+CD(6)*SU(-2)+C(6)*SDU(-2)+CD(4)*SU(-1)+C(4)*SDU(-1);
-              }
-            }
-        }
-        {
-            for (int64_t d = 0; d < D_; ++d) {
-              TS_SIMD
-              for (int64_t r = 4; r < 24; ++r) {
-                const int64_t su = b * U_SB + d * U_SD + r, sy = b * Y_SB + d * Y_SD + r;
-                STY2 = CD(24)*SU(-4)+C(24)*SDU(-4)+CD(20)*SU(-3)+C(20)*SDU(-3)+CD(18)*SU(-2)+C(18)*SDU(-2)+CD(8)*SU(-1)+C(8)*SDU(-1);
-              }
-            }
-        }
-        {
-            for (int64_t d = 0; d < D_; ++d) {
-              TS_SIMD
-              for (int64_t r = 5; r < 24; ++r) {
-                const int64_t su = b * U_SB + d * U_SD + r, sy = b * Y_SB + d * Y_SD + r;
-                STY3 = CD(30)*SU(-5)+C(30)*SDU(-5)+CD(31)*SU(-4)+C(31)*SDU(-4)+CD(29)*SU(-3)+C(29)*SDU(-3)+CD(23)*SU(-2)+C(23)*SDU(-2)+CD(13)*SU(-1)+C(13)*SDU(-1);
-              }
-            }
-        }
-        TS_SIMD
-        for (int64_t d = 0; d < D_; ++d) {
-            COLUMN_BASES(b, d)
-            const T s0 = S0;
-            const T s1 = S1;
-            const T s2 = S2;
-            const T s3 = S3;
-            const T ts0 = DS0;
-            const T ts1 = DS1;
-            const T ts2 = DS2;
-            const T ts3 = DS3;
-            const T ty0_0 = ts0;
-            TY0(0, ty0_0);
-            const T ty1_0 = ts1;
-            TY1(0, ty1_0);
-            const T ty2_0 = ts2;
-            TY2(0, ty2_0);
-            const T ty3_0 = ts3;
-            TY3(0, ty3_0);
-            const T ty1_1 = CD(0)*s0+C(0)*ts0+C(1)*ts1+CD(2)*s2+C(2)*ts2+CD(3)*s3+C(3)*ts3+CD(4)*U(0)+C(4)*DU(0);
-            TY1(1, ty1_1);
-            const T ty2_1 = CD(5)*s0+C(5)*ts0+CD(6)*s1+C(6)*ts1+CD(7)*s3+C(7)*ts3+CD(8)*U(0)+C(8)*DU(0);
-            TY2(1, ty2_1);
-            const T ty3_1 = CD(9)*s0+C(9)*ts0+CD(10)*s1+C(10)*ts1+CD(11)*s2+C(11)*ts2+C(12)*ts3+CD(13)*U(0)+C(13)*DU(0);
-            TY3(1, ty3_1);
-            const T ty1_2 = CD(14)*s0+C(14)*ts0+CD(6)*U(0)+C(6)*DU(0)+CD(4)*U(1)+C(4)*DU(1);
-            TY1(2, ty1_2);
-            const T ty2_2 = CD(15)*s0+C(15)*ts0+CD(16)*s1+C(16)*ts1+C(1)*ts2+CD(17)*s3+C(17)*ts3+CD(18)*U(0)+C(18)*DU(0)+CD(8)*U(1)+C(8)*DU(1);
-            TY2(2, ty2_2);
-            const T ty3_2 = CD(19)*s0+C(19)*ts0+CD(20)*s1+C(20)*ts1+CD(21)*s2+C(21)*ts2+C(22)*ts3+CD(23)*U(0)+C(23)*DU(0)+CD(13)*U(1)+C(13)*DU(1);
-            TY3(2, ty3_2);
-            const T ty2_3 = CD(24)*s0+C(24)*ts0+CD(20)*U(0)+C(20)*DU(0)+CD(18)*U(1)+C(18)*DU(1)+CD(8)*U(2)+C(8)*DU(2);
-            TY2(3, ty2_3);
-            const T ty3_3 = CD(25)*s0+C(25)*ts0+CD(26)*s1+C(26)*ts1+CD(27)*s2+C(27)*ts2+C(28)*ts3+CD(29)*U(0)+C(29)*DU(0)+CD(23)*U(1)+C(23)*DU(1)+CD(13)*U(2)+C(13)*DU(2);
-            TY3(3, ty3_3);
-            const T ty3_4 = CD(30)*s0+C(30)*ts0+CD(31)*U(0)+C(31)*DU(0)+CD(29)*U(1)+C(29)*DU(1)+CD(23)*U(2)+C(23)*DU(2)+CD(13)*U(3)+C(13)*DU(3);
-            TY3(4, ty3_4);
-        }
-    }
+    TS_BATCH(ts_h24_d10_pos_bac_a222_hold_dtu_noidx_bdh_f64_o3_dt_jvp_batch, B, u, p0, v0, a0, j0, idx, du, dp0, dv0, da0, dj0, dt_in, ddt_in, ty0, ty1, ty2, ty3, coef, coefd);
 }
 #endif
 

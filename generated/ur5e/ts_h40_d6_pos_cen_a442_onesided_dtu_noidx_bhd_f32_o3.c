@@ -19,17 +19,32 @@ typedef float T;
  * dt_vjp's serial body: most of their compile time was the allocator's (it made no measurable
  * difference to their run time: see BENCHMARKS.md) */
 #define TS_CHEAP_ALLOCATION "ira-algorithm=priority", "ira-region=one", "no-lra-remat"
-#if defined(_OPENMP)
-/* batch elements are independent: split them over threads (small batches stay serial) */
-#define TS_PARALLEL_FOR _Pragma("omp parallel for schedule(static) if(B >= 64)")
-#define TS_PRAGMA(text) _Pragma(#text)
-/* the same, each thread with its own copy of the named arrays (the step coefficients): gcc
- * cannot tell a shared array from the outputs its loops store to, so it would reload and
- * broadcast every coefficient in every vector iteration */
-#define TS_PARALLEL_FOR_PRIVATE(...) TS_PRAGMA(omp parallel for schedule(static) if(B >= 64) firstprivate(__VA_ARGS__))
+/* batch elements are independent: TS_BATCH(f, args...) runs f(b_begin, b_end, args...) on all of
+ * them, split over threads; a small batch is run by the calling thread without entering an
+ * OpenMP region (whose start and end cost about a microsecond per call) */
+#define TS_MIN_PARALLEL_BATCH 64
+/* the batch functions' loops stay loops: gcc's pattern pass made an output row that copies an
+ * action row a memmove call per batch element, which was slower (BENCHMARKS.md) */
+#if defined(__GNUC__) && !defined(__clang__)
+#define TS_BATCH_FUNCTION __attribute__((optimize("no-tree-loop-distribute-patterns")))
 #else
-#define TS_PARALLEL_FOR
-#define TS_PARALLEL_FOR_PRIVATE(...)
+#define TS_BATCH_FUNCTION
+#endif
+#if defined(_OPENMP)
+int omp_get_num_threads(void);
+int omp_get_thread_num(void);
+#define TS_BATCH(f, ...) do { \
+    if (B < TS_MIN_PARALLEL_BATCH) { \
+        f(0, B, __VA_ARGS__); \
+    } else { \
+        _Pragma("omp parallel") { \
+            const int64_t n_ = omp_get_num_threads(), t_ = omp_get_thread_num(); \
+            f(B * t_ / n_, B * (t_ + 1) / n_, __VA_ARGS__); \
+        } \
+    } \
+} while (0)
+#else
+#define TS_BATCH(f, ...) f(0, B, __VA_ARGS__)
 #endif
 /* dt_vjp's dof loop is serial (every dof adds into the same accumulators, and without
  * reassociation gcc does not vectorise a floating-point sum), so -O3's vectoriser finds nothing
@@ -276,12 +291,16 @@ static void ts_h40_d6_pos_cen_a442_onesided_dtu_noidx_bhd_f32_o3_coefficients(co
 #endif
 
 #if !defined(TS_UNIT) || TS_UNIT == 1
-void ts_h40_d6_pos_cen_a442_onesided_dtu_noidx_bhd_f32_o3_forward(int64_t B, const float* restrict u, const float* restrict p0, const float* restrict v0, const float* restrict a0, const float* restrict j0, const int64_t* restrict idx, const float* restrict dt_in, float* restrict y0, float* restrict y1, float* restrict y2, float* restrict y3)
+/* forward on batch elements b_begin .. b_end - 1: its batch loop, a function of its own so that
+ * a small batch runs it without entering an OpenMP region (TS_BATCH) */
+static TS_BATCH_FUNCTION void ts_h40_d6_pos_cen_a442_onesided_dtu_noidx_bhd_f32_o3_forward_batch(int64_t b_begin, int64_t b_end, int64_t B, const float* restrict u, const float* restrict p0, const float* restrict v0, const float* restrict a0, const float* restrict j0, const int64_t* restrict idx, const float* restrict dt_in, float* restrict y0, float* restrict y1, float* restrict y2, float* restrict y3, const T* restrict coef_in)
 {
+    (void)B;
+    /* this thread's own copy: gcc cannot tell a shared array from the outputs the loops store to,
+     * so it would reload and broadcast every coefficient in every vector iteration */
     T coef[NC_];
-    COEFFICIENTS(dt_in, coef);
-    TS_PARALLEL_FOR_PRIVATE(coef)
-    for (int64_t b = 0; b < B; ++b) {
+    for (int i = 0; i < NC_; ++i) coef[i] = coef_in[i];
+    for (int64_t b = b_begin; b < b_end; ++b) {
         const int64_t srow = idx ? idx[b] : b;
         {
             TS_SIMD
@@ -395,16 +414,26 @@ void ts_h40_d6_pos_cen_a442_onesided_dtu_noidx_bhd_f32_o3_forward(int64_t B, con
 #endif
     }
 }
-#endif
-
-#if !defined(TS_UNIT) || TS_UNIT == 2
-void ts_h40_d6_pos_cen_a442_onesided_dtu_noidx_bhd_f32_o3_adjoint(int64_t B, const float* restrict g0, const float* restrict g1, const float* restrict g2, const float* restrict g3, const float* restrict dt_in, float* restrict gu, float* restrict gp0, float* restrict gv0, float* restrict ga0, float* restrict gj0)
+void ts_h40_d6_pos_cen_a442_onesided_dtu_noidx_bhd_f32_o3_forward(int64_t B, const float* restrict u, const float* restrict p0, const float* restrict v0, const float* restrict a0, const float* restrict j0, const int64_t* restrict idx, const float* restrict dt_in, float* restrict y0, float* restrict y1, float* restrict y2, float* restrict y3)
 {
     T coef[NC_];
     COEFFICIENTS(dt_in, coef);
+    TS_BATCH(ts_h40_d6_pos_cen_a442_onesided_dtu_noidx_bhd_f32_o3_forward_batch, B, u, p0, v0, a0, j0, idx, dt_in, y0, y1, y2, y3, coef);
+}
+#endif
+
+#if !defined(TS_UNIT) || TS_UNIT == 2
+/* adjoint on batch elements b_begin .. b_end - 1: its batch loop, a function of its own so that
+ * a small batch runs it without entering an OpenMP region (TS_BATCH) */
+static TS_BATCH_FUNCTION void ts_h40_d6_pos_cen_a442_onesided_dtu_noidx_bhd_f32_o3_adjoint_batch(int64_t b_begin, int64_t b_end, int64_t B, const float* restrict g0, const float* restrict g1, const float* restrict g2, const float* restrict g3, const float* restrict dt_in, float* restrict gu, float* restrict gp0, float* restrict gv0, float* restrict ga0, float* restrict gj0, const T* restrict coef_in)
+{
+    (void)B;
+    /* this thread's own copy: gcc cannot tell a shared array from the outputs the loops store to,
+     * so it would reload and broadcast every coefficient in every vector iteration */
+    T coef[NC_];
+    for (int i = 0; i < NC_; ++i) coef[i] = coef_in[i];
     const int64_t* idx = NULL; /* start gradients are per batch row; the runtime scatters them */
-    TS_PARALLEL_FOR_PRIVATE(coef)
-    for (int64_t b = 0; b < B; ++b) {
+    for (int64_t b = b_begin; b < b_end; ++b) {
         const int64_t srow = idx ? idx[b] : b;
         const T* restrict gb0 = g0 ? g0 + b * Y_SB : ts_zero_outputs;
         const T* restrict gb1 = g1 ? g1 + b * Y_SB : ts_zero_outputs;
@@ -645,6 +674,12 @@ void ts_h40_d6_pos_cen_a442_onesided_dtu_noidx_bhd_f32_o3_adjoint(int64_t B, con
 #endif
     }
 }
+void ts_h40_d6_pos_cen_a442_onesided_dtu_noidx_bhd_f32_o3_adjoint(int64_t B, const float* restrict g0, const float* restrict g1, const float* restrict g2, const float* restrict g3, const float* restrict dt_in, float* restrict gu, float* restrict gp0, float* restrict gv0, float* restrict ga0, float* restrict gj0)
+{
+    T coef[NC_];
+    COEFFICIENTS(dt_in, coef);
+    TS_BATCH(ts_h40_d6_pos_cen_a442_onesided_dtu_noidx_bhd_f32_o3_adjoint_batch, B, g0, g1, g2, g3, dt_in, gu, gp0, gv0, ga0, gj0, coef);
+}
 #endif
 
 #if !defined(TS_UNIT) || TS_UNIT == 3
@@ -767,7 +802,7 @@ TS_SERIAL void ts_h40_d6_pos_cen_a442_onesided_dtu_noidx_bhd_f32_o3_dt_vjp(int64
                 ACC(45 + 1 * (r - 35)) += (double)(G3(39)*U(r));
             }
         }
-    }
+      }
     }
     for (int64_t chunk = 1; chunk < n_chunks; ++chunk)
         for (int i = 0; i < NC_; ++i) gc[i] += gc[chunk * NC_ + i];
@@ -903,6 +938,146 @@ void ts_h40_d6_pos_cen_a442_onesided_dtu_noidx_bhd_f32_o3_dt_vjp_finish(int64_t 
 #endif
 
 #if !defined(TS_UNIT) || TS_UNIT == 5
+/* dt_jvp on batch elements b_begin .. b_end - 1: its batch loop, a function of its own so that
+ * a small batch runs it without entering an OpenMP region (TS_BATCH) */
+static TS_BATCH_FUNCTION void ts_h40_d6_pos_cen_a442_onesided_dtu_noidx_bhd_f32_o3_dt_jvp_batch(int64_t b_begin, int64_t b_end, int64_t B, const float* restrict u, const float* restrict p0, const float* restrict v0, const float* restrict a0, const float* restrict j0, const int64_t* restrict idx, const float* restrict du, const float* restrict dp0, const float* restrict dv0, const float* restrict da0, const float* restrict dj0, const float* restrict dt_in, const float* restrict ddt_in, float* restrict ty0, float* restrict ty1, float* restrict ty2, float* restrict ty3, const T* restrict coef_in, const T* restrict coefd_in)
+{
+    (void)B;
+    /* this thread's own copy: gcc cannot tell a shared array from the outputs the loops store to,
+     * so it would reload and broadcast every coefficient in every vector iteration */
+    T coef[NC_];
+    for (int i = 0; i < NC_; ++i) coef[i] = coef_in[i];
+    /* this thread's own copy: gcc cannot tell a shared array from the outputs the loops store to,
+     * so it would reload and broadcast every coefficient in every vector iteration */
+    T coefd[NC_];
+    for (int i = 0; i < NC_; ++i) coefd[i] = coefd_in[i];
+    for (int64_t b = b_begin; b < b_end; ++b) {
+        const int64_t srow = idx ? idx[b] : b;
+        const T* restrict dub = du ? du + b * U_SB : ts_zero_actions;
+        const T* restrict ds0b = dp0 ? dp0 + srow * D_ : ts_zero_state;
+        const T* restrict ds1b = dv0 ? dv0 + srow * D_ : ts_zero_state;
+        const T* restrict ds2b = da0 ? da0 + srow * D_ : ts_zero_state;
+        const T* restrict ds3b = dj0 ? dj0 + srow * D_ : ts_zero_state;
+        {
+            TS_SIMD
+            for (int64_t f = 1LL * D_; f < 40LL * D_; ++f) {
+                const int64_t su = b * U_SB + f, sy = b * Y_SB + f;
+                STY0 = SDU(-1);
+            }
+        }
+        {
+            TS_SIMD
+            for (int64_t f = 3LL * D_; f < 38LL * D_; ++f) {
+                const int64_t su = b * U_SB + f, sy = b * Y_SB + f;
+                STY1 = CD(7)*SU(-3)+C(7)*SDU(-3)+CD(18)*SU(-2)+C(18)*SDU(-2)+CD(4)*SU(0)+C(4)*SDU(0)+CD(5)*SU(1)+C(5)*SDU(1);
+            }
+        }
+        {
+            TS_SIMD
+            for (int64_t f = 3LL * D_; f < 38LL * D_; ++f) {
+                const int64_t su = b * U_SB + f, sy = b * Y_SB + f;
+                STY2 = CD(12)*SU(-3)+C(12)*SDU(-3)+CD(11)*SU(-2)+C(11)*SDU(-2)+CD(10)*SU(-1)+C(10)*SDU(-1)+CD(11)*SU(0)+C(11)*SDU(0)+CD(12)*SU(1)+C(12)*SDU(1);
+            }
+        }
+        {
+            TS_SIMD
+            for (int64_t f = 3LL * D_; f < 38LL * D_; ++f) {
+                const int64_t su = b * U_SB + f, sy = b * Y_SB + f;
+                STY3 = CD(19)*SU(-3)+C(19)*SDU(-3)+CD(20)*SU(-2)+C(20)*SDU(-2)+CD(17)*SU(0)+C(17)*SDU(0)+CD(13)*SU(1)+C(13)*SDU(1);
+            }
+        }
+#if defined(TS_LANES)
+        {
+            COLUMN_BASES(b, 0)
+            const VT s0 = VS0;
+            const VT s1 = VS1;
+            const VT s2 = VS2;
+            const VT s3 = VS3;
+            const VT ts0 = VDS0;
+            const VT ts1 = VDS1;
+            const VT ts2 = VDS2;
+            const VT ts3 = VDS3;
+            const VT ty0_0 = ts0;
+            VTY0(0, ty0_0);
+            const VT ty1_0 = ts1;
+            VTY1(0, ty1_0);
+            const VT ty2_0 = ts2;
+            VTY2(0, ty2_0);
+            const VT ty3_0 = ts3;
+            VTY3(0, ty3_0);
+            const VT ty1_1 = CD(0)*s0+C(0)*ts0+C(1)*ts1+CD(2)*s2+C(2)*ts2+CD(3)*s3+C(3)*ts3+CD(4)*VU(1)+C(4)*VDU(1)+CD(5)*VU(2)+C(5)*VDU(2);
+            VTY1(1, ty1_1);
+            const VT ty2_1 = CD(6)*s0+C(6)*ts0+CD(7)*s1+C(7)*ts1+C(8)*ts2+CD(9)*s3+C(9)*ts3+CD(10)*VU(0)+C(10)*VDU(0)+CD(11)*VU(1)+C(11)*VDU(1)+CD(12)*VU(2)+C(12)*VDU(2);
+            VTY2(1, ty2_1);
+            const VT ty3_1 = CD(13)*s0+C(13)*ts0+CD(14)*s1+C(14)*ts1+CD(15)*s2+C(15)*ts2+C(16)*ts3+CD(17)*VU(1)+C(17)*VDU(1)+CD(13)*VU(2)+C(13)*VDU(2);
+            VTY3(1, ty3_1);
+            const VT ty1_2 = CD(7)*s0+C(7)*ts0+CD(18)*VU(0)+C(18)*VDU(0)+CD(4)*VU(2)+C(4)*VDU(2)+CD(5)*VU(3)+C(5)*VDU(3);
+            VTY1(2, ty1_2);
+            const VT ty2_2 = CD(12)*s0+C(12)*ts0+CD(11)*VU(0)+C(11)*VDU(0)+CD(10)*VU(1)+C(10)*VDU(1)+CD(11)*VU(2)+C(11)*VDU(2)+CD(12)*VU(3)+C(12)*VDU(3);
+            VTY2(2, ty2_2);
+            const VT ty3_2 = CD(19)*s0+C(19)*ts0+CD(20)*VU(0)+C(20)*VDU(0)+CD(17)*VU(2)+C(17)*VDU(2)+CD(13)*VU(3)+C(13)*VDU(3);
+            VTY3(2, ty3_2);
+            const VT ty1_38 = CD(5)*VU(34)+C(5)*VDU(34)+CD(21)*VU(35)+C(21)*VDU(35)+CD(22)*VU(36)+C(22)*VDU(36)+CD(23)*VU(37)+C(23)*VDU(37)+CD(24)*VU(38)+C(24)*VDU(38);
+            VTY1(38, ty1_38);
+            const VT ty2_38 = CD(25)*VU(33)+C(25)*VDU(33)+CD(26)*VU(34)+C(26)*VDU(34)+CD(27)*VU(35)+C(27)*VDU(35)+CD(28)*VU(36)+C(28)*VDU(36)+CD(29)*VU(37)+C(29)*VDU(37)+CD(30)*VU(38)+C(30)*VDU(38);
+            VTY2(38, ty2_38);
+            const VT ty3_38 = CD(13)*VU(34)+C(13)*VDU(34)+CD(31)*VU(35)+C(31)*VDU(35)+CD(32)*VU(36)+C(32)*VDU(36)+CD(33)*VU(37)+C(33)*VDU(37)+CD(34)*VU(38)+C(34)*VDU(38);
+            VTY3(38, ty3_38);
+            const VT ty1_39 = CD(24)*VU(34)+C(24)*VDU(34)+CD(35)*VU(35)+C(35)*VDU(35)+CD(36)*VU(36)+C(36)*VDU(36)+CD(37)*VU(37)+C(37)*VDU(37)+CD(38)*VU(38)+C(38)*VDU(38);
+            VTY1(39, ty1_39);
+            const VT ty2_39 = CD(39)*VU(33)+C(39)*VDU(33)+CD(40)*VU(34)+C(40)*VDU(34)+CD(41)*VU(35)+C(41)*VDU(35)+CD(42)*VU(36)+C(42)*VDU(36)+CD(43)*VU(37)+C(43)*VDU(37)+CD(44)*VU(38)+C(44)*VDU(38);
+            VTY2(39, ty2_39);
+            const VT ty3_39 = CD(34)*VU(34)+C(34)*VDU(34)+CD(45)*VU(35)+C(45)*VDU(35)+CD(46)*VU(36)+C(46)*VDU(36)+CD(47)*VU(37)+C(47)*VDU(37)+CD(48)*VU(38)+C(48)*VDU(38);
+            VTY3(39, ty3_39);
+        }
+#else
+        TS_SIMD
+        for (int64_t d = 0; d < D_; ++d) {
+            COLUMN_BASES(b, d)
+            const T s0 = S0;
+            const T s1 = S1;
+            const T s2 = S2;
+            const T s3 = S3;
+            const T ts0 = DS0;
+            const T ts1 = DS1;
+            const T ts2 = DS2;
+            const T ts3 = DS3;
+            const T ty0_0 = ts0;
+            TY0(0, ty0_0);
+            const T ty1_0 = ts1;
+            TY1(0, ty1_0);
+            const T ty2_0 = ts2;
+            TY2(0, ty2_0);
+            const T ty3_0 = ts3;
+            TY3(0, ty3_0);
+            const T ty1_1 = CD(0)*s0+C(0)*ts0+C(1)*ts1+CD(2)*s2+C(2)*ts2+CD(3)*s3+C(3)*ts3+CD(4)*U(1)+C(4)*DU(1)+CD(5)*U(2)+C(5)*DU(2);
+            TY1(1, ty1_1);
+            const T ty2_1 = CD(6)*s0+C(6)*ts0+CD(7)*s1+C(7)*ts1+C(8)*ts2+CD(9)*s3+C(9)*ts3+CD(10)*U(0)+C(10)*DU(0)+CD(11)*U(1)+C(11)*DU(1)+CD(12)*U(2)+C(12)*DU(2);
+            TY2(1, ty2_1);
+            const T ty3_1 = CD(13)*s0+C(13)*ts0+CD(14)*s1+C(14)*ts1+CD(15)*s2+C(15)*ts2+C(16)*ts3+CD(17)*U(1)+C(17)*DU(1)+CD(13)*U(2)+C(13)*DU(2);
+            TY3(1, ty3_1);
+            const T ty1_2 = CD(7)*s0+C(7)*ts0+CD(18)*U(0)+C(18)*DU(0)+CD(4)*U(2)+C(4)*DU(2)+CD(5)*U(3)+C(5)*DU(3);
+            TY1(2, ty1_2);
+            const T ty2_2 = CD(12)*s0+C(12)*ts0+CD(11)*U(0)+C(11)*DU(0)+CD(10)*U(1)+C(10)*DU(1)+CD(11)*U(2)+C(11)*DU(2)+CD(12)*U(3)+C(12)*DU(3);
+            TY2(2, ty2_2);
+            const T ty3_2 = CD(19)*s0+C(19)*ts0+CD(20)*U(0)+C(20)*DU(0)+CD(17)*U(2)+C(17)*DU(2)+CD(13)*U(3)+C(13)*DU(3);
+            TY3(2, ty3_2);
+            const T ty1_38 = CD(5)*U(34)+C(5)*DU(34)+CD(21)*U(35)+C(21)*DU(35)+CD(22)*U(36)+C(22)*DU(36)+CD(23)*U(37)+C(23)*DU(37)+CD(24)*U(38)+C(24)*DU(38);
+            TY1(38, ty1_38);
+            const T ty2_38 = CD(25)*U(33)+C(25)*DU(33)+CD(26)*U(34)+C(26)*DU(34)+CD(27)*U(35)+C(27)*DU(35)+CD(28)*U(36)+C(28)*DU(36)+CD(29)*U(37)+C(29)*DU(37)+CD(30)*U(38)+C(30)*DU(38);
+            TY2(38, ty2_38);
+            const T ty3_38 = CD(13)*U(34)+C(13)*DU(34)+CD(31)*U(35)+C(31)*DU(35)+CD(32)*U(36)+C(32)*DU(36)+CD(33)*U(37)+C(33)*DU(37)+CD(34)*U(38)+C(34)*DU(38);
+            TY3(38, ty3_38);
+            const T ty1_39 = CD(24)*U(34)+C(24)*DU(34)+CD(35)*U(35)+C(35)*DU(35)+CD(36)*U(36)+C(36)*DU(36)+CD(37)*U(37)+C(37)*DU(37)+CD(38)*U(38)+C(38)*DU(38);
+            TY1(39, ty1_39);
+            const T ty2_39 = CD(39)*U(33)+C(39)*DU(33)+CD(40)*U(34)+C(40)*DU(34)+CD(41)*U(35)+C(41)*DU(35)+CD(42)*U(36)+C(42)*DU(36)+CD(43)*U(37)+C(43)*DU(37)+CD(44)*U(38)+C(44)*DU(38);
+            TY2(39, ty2_39);
+            const T ty3_39 = CD(34)*U(34)+C(34)*DU(34)+CD(45)*U(35)+C(45)*DU(35)+CD(46)*U(36)+C(46)*DU(36)+CD(47)*U(37)+C(47)*DU(37)+CD(48)*U(38)+C(48)*DU(38);
+            TY3(39, ty3_39);
+        }
+#endif
+    }
+}
 void ts_h40_d6_pos_cen_a442_onesided_dtu_noidx_bhd_f32_o3_dt_jvp(int64_t B, const float* restrict u, const float* restrict p0, const float* restrict v0, const float* restrict a0, const float* restrict j0, const int64_t* restrict idx, const float* restrict du, const float* restrict dp0, const float* restrict dv0, const float* restrict da0, const float* restrict dj0, const float* restrict dt_in, const float* restrict ddt_in, float* restrict ty0, float* restrict ty1, float* restrict ty2, float* restrict ty3)
 {
     T coef[NC_]; T coefd[NC_];
@@ -1128,133 +1303,7 @@ void ts_h40_d6_pos_cen_a442_onesided_dtu_noidx_bhd_f32_o3_dt_jvp(int64_t B, cons
     CD(46) = (T)(d_k46);
     CD(47) = (T)(d_k47);
     CD(48) = (T)(d_k48);
-    TS_PARALLEL_FOR_PRIVATE(coef, coefd)
-    for (int64_t b = 0; b < B; ++b) {
-        const int64_t srow = idx ? idx[b] : b;
-        const T* restrict dub = du ? du + b * U_SB : ts_zero_actions;
-        const T* restrict ds0b = dp0 ? dp0 + srow * D_ : ts_zero_state;
-        const T* restrict ds1b = dv0 ? dv0 + srow * D_ : ts_zero_state;
-        const T* restrict ds2b = da0 ? da0 + srow * D_ : ts_zero_state;
-        const T* restrict ds3b = dj0 ? dj0 + srow * D_ : ts_zero_state;
-        {
-            TS_SIMD
-            for (int64_t f = 1LL * D_; f < 40LL * D_; ++f) {
-                const int64_t su = b * U_SB + f, sy = b * Y_SB + f;
-                STY0 = SDU(-1);
-            }
-        }
-        {
-            TS_SIMD
-            for (int64_t f = 3LL * D_; f < 38LL * D_; ++f) {
-                const int64_t su = b * U_SB + f, sy = b * Y_SB + f;
-                STY1 = CD(7)*SU(-3)+C(7)*SDU(-3)+CD(18)*SU(-2)+C(18)*SDU(-2)+CD(4)*SU(0)+C(4)*SDU(0)+CD(5)*SU(1)+C(5)*SDU(1);
-            }
-        }
-        {
-            TS_SIMD
-            for (int64_t f = 3LL * D_; f < 38LL * D_; ++f) {
-                const int64_t su = b * U_SB + f, sy = b * Y_SB + f;
-                STY2 = CD(12)*SU(-3)+C(12)*SDU(-3)+CD(11)*SU(-2)+C(11)*SDU(-2)+CD(10)*SU(-1)+C(10)*SDU(-1)+CD(11)*SU(0)+C(11)*SDU(0)+CD(12)*SU(1)+C(12)*SDU(1);
-            }
-        }
-        {
-            TS_SIMD
-            for (int64_t f = 3LL * D_; f < 38LL * D_; ++f) {
-                const int64_t su = b * U_SB + f, sy = b * Y_SB + f;
-                STY3 = CD(19)*SU(-3)+C(19)*SDU(-3)+CD(20)*SU(-2)+C(20)*SDU(-2)+CD(17)*SU(0)+C(17)*SDU(0)+CD(13)*SU(1)+C(13)*SDU(1);
-            }
-        }
-#if defined(TS_LANES)
-        {
-            COLUMN_BASES(b, 0)
-            const VT s0 = VS0;
-            const VT s1 = VS1;
-            const VT s2 = VS2;
-            const VT s3 = VS3;
-            const VT ts0 = VDS0;
-            const VT ts1 = VDS1;
-            const VT ts2 = VDS2;
-            const VT ts3 = VDS3;
-            const VT ty0_0 = ts0;
-            VTY0(0, ty0_0);
-            const VT ty1_0 = ts1;
-            VTY1(0, ty1_0);
-            const VT ty2_0 = ts2;
-            VTY2(0, ty2_0);
-            const VT ty3_0 = ts3;
-            VTY3(0, ty3_0);
-            const VT ty1_1 = CD(0)*s0+C(0)*ts0+C(1)*ts1+CD(2)*s2+C(2)*ts2+CD(3)*s3+C(3)*ts3+CD(4)*VU(1)+C(4)*VDU(1)+CD(5)*VU(2)+C(5)*VDU(2);
-            VTY1(1, ty1_1);
-            const VT ty2_1 = CD(6)*s0+C(6)*ts0+CD(7)*s1+C(7)*ts1+C(8)*ts2+CD(9)*s3+C(9)*ts3+CD(10)*VU(0)+C(10)*VDU(0)+CD(11)*VU(1)+C(11)*VDU(1)+CD(12)*VU(2)+C(12)*VDU(2);
-            VTY2(1, ty2_1);
-            const VT ty3_1 = CD(13)*s0+C(13)*ts0+CD(14)*s1+C(14)*ts1+CD(15)*s2+C(15)*ts2+C(16)*ts3+CD(17)*VU(1)+C(17)*VDU(1)+CD(13)*VU(2)+C(13)*VDU(2);
-            VTY3(1, ty3_1);
-            const VT ty1_2 = CD(7)*s0+C(7)*ts0+CD(18)*VU(0)+C(18)*VDU(0)+CD(4)*VU(2)+C(4)*VDU(2)+CD(5)*VU(3)+C(5)*VDU(3);
-            VTY1(2, ty1_2);
-            const VT ty2_2 = CD(12)*s0+C(12)*ts0+CD(11)*VU(0)+C(11)*VDU(0)+CD(10)*VU(1)+C(10)*VDU(1)+CD(11)*VU(2)+C(11)*VDU(2)+CD(12)*VU(3)+C(12)*VDU(3);
-            VTY2(2, ty2_2);
-            const VT ty3_2 = CD(19)*s0+C(19)*ts0+CD(20)*VU(0)+C(20)*VDU(0)+CD(17)*VU(2)+C(17)*VDU(2)+CD(13)*VU(3)+C(13)*VDU(3);
-            VTY3(2, ty3_2);
-            const VT ty1_38 = CD(5)*VU(34)+C(5)*VDU(34)+CD(21)*VU(35)+C(21)*VDU(35)+CD(22)*VU(36)+C(22)*VDU(36)+CD(23)*VU(37)+C(23)*VDU(37)+CD(24)*VU(38)+C(24)*VDU(38);
-            VTY1(38, ty1_38);
-            const VT ty2_38 = CD(25)*VU(33)+C(25)*VDU(33)+CD(26)*VU(34)+C(26)*VDU(34)+CD(27)*VU(35)+C(27)*VDU(35)+CD(28)*VU(36)+C(28)*VDU(36)+CD(29)*VU(37)+C(29)*VDU(37)+CD(30)*VU(38)+C(30)*VDU(38);
-            VTY2(38, ty2_38);
-            const VT ty3_38 = CD(13)*VU(34)+C(13)*VDU(34)+CD(31)*VU(35)+C(31)*VDU(35)+CD(32)*VU(36)+C(32)*VDU(36)+CD(33)*VU(37)+C(33)*VDU(37)+CD(34)*VU(38)+C(34)*VDU(38);
-            VTY3(38, ty3_38);
-            const VT ty1_39 = CD(24)*VU(34)+C(24)*VDU(34)+CD(35)*VU(35)+C(35)*VDU(35)+CD(36)*VU(36)+C(36)*VDU(36)+CD(37)*VU(37)+C(37)*VDU(37)+CD(38)*VU(38)+C(38)*VDU(38);
-            VTY1(39, ty1_39);
-            const VT ty2_39 = CD(39)*VU(33)+C(39)*VDU(33)+CD(40)*VU(34)+C(40)*VDU(34)+CD(41)*VU(35)+C(41)*VDU(35)+CD(42)*VU(36)+C(42)*VDU(36)+CD(43)*VU(37)+C(43)*VDU(37)+CD(44)*VU(38)+C(44)*VDU(38);
-            VTY2(39, ty2_39);
-            const VT ty3_39 = CD(34)*VU(34)+C(34)*VDU(34)+CD(45)*VU(35)+C(45)*VDU(35)+CD(46)*VU(36)+C(46)*VDU(36)+CD(47)*VU(37)+C(47)*VDU(37)+CD(48)*VU(38)+C(48)*VDU(38);
-            VTY3(39, ty3_39);
-        }
-#else
-        TS_SIMD
-        for (int64_t d = 0; d < D_; ++d) {
-            COLUMN_BASES(b, d)
-            const T s0 = S0;
-            const T s1 = S1;
-            const T s2 = S2;
-            const T s3 = S3;
-            const T ts0 = DS0;
-            const T ts1 = DS1;
-            const T ts2 = DS2;
-            const T ts3 = DS3;
-            const T ty0_0 = ts0;
-            TY0(0, ty0_0);
-            const T ty1_0 = ts1;
-            TY1(0, ty1_0);
-            const T ty2_0 = ts2;
-            TY2(0, ty2_0);
-            const T ty3_0 = ts3;
-            TY3(0, ty3_0);
-            const T ty1_1 = CD(0)*s0+C(0)*ts0+C(1)*ts1+CD(2)*s2+C(2)*ts2+CD(3)*s3+C(3)*ts3+CD(4)*U(1)+C(4)*DU(1)+CD(5)*U(2)+C(5)*DU(2);
-            TY1(1, ty1_1);
-            const T ty2_1 = CD(6)*s0+C(6)*ts0+CD(7)*s1+C(7)*ts1+C(8)*ts2+CD(9)*s3+C(9)*ts3+CD(10)*U(0)+C(10)*DU(0)+CD(11)*U(1)+C(11)*DU(1)+CD(12)*U(2)+C(12)*DU(2);
-            TY2(1, ty2_1);
-            const T ty3_1 = CD(13)*s0+C(13)*ts0+CD(14)*s1+C(14)*ts1+CD(15)*s2+C(15)*ts2+C(16)*ts3+CD(17)*U(1)+C(17)*DU(1)+CD(13)*U(2)+C(13)*DU(2);
-            TY3(1, ty3_1);
-            const T ty1_2 = CD(7)*s0+C(7)*ts0+CD(18)*U(0)+C(18)*DU(0)+CD(4)*U(2)+C(4)*DU(2)+CD(5)*U(3)+C(5)*DU(3);
-            TY1(2, ty1_2);
-            const T ty2_2 = CD(12)*s0+C(12)*ts0+CD(11)*U(0)+C(11)*DU(0)+CD(10)*U(1)+C(10)*DU(1)+CD(11)*U(2)+C(11)*DU(2)+CD(12)*U(3)+C(12)*DU(3);
-            TY2(2, ty2_2);
-            const T ty3_2 = CD(19)*s0+C(19)*ts0+CD(20)*U(0)+C(20)*DU(0)+CD(17)*U(2)+C(17)*DU(2)+CD(13)*U(3)+C(13)*DU(3);
-            TY3(2, ty3_2);
-            const T ty1_38 = CD(5)*U(34)+C(5)*DU(34)+CD(21)*U(35)+C(21)*DU(35)+CD(22)*U(36)+C(22)*DU(36)+CD(23)*U(37)+C(23)*DU(37)+CD(24)*U(38)+C(24)*DU(38);
-            TY1(38, ty1_38);
-            const T ty2_38 = CD(25)*U(33)+C(25)*DU(33)+CD(26)*U(34)+C(26)*DU(34)+CD(27)*U(35)+C(27)*DU(35)+CD(28)*U(36)+C(28)*DU(36)+CD(29)*U(37)+C(29)*DU(37)+CD(30)*U(38)+C(30)*DU(38);
-            TY2(38, ty2_38);
-            const T ty3_38 = CD(13)*U(34)+C(13)*DU(34)+CD(31)*U(35)+C(31)*DU(35)+CD(32)*U(36)+C(32)*DU(36)+CD(33)*U(37)+C(33)*DU(37)+CD(34)*U(38)+C(34)*DU(38);
-            TY3(38, ty3_38);
-            const T ty1_39 = CD(24)*U(34)+C(24)*DU(34)+CD(35)*U(35)+C(35)*DU(35)+CD(36)*U(36)+C(36)*DU(36)+CD(37)*U(37)+C(37)*DU(37)+CD(38)*U(38)+C(38)*DU(38);
-            TY1(39, ty1_39);
-            const T ty2_39 = CD(39)*U(33)+C(39)*DU(33)+CD(40)*U(34)+C(40)*DU(34)+CD(41)*U(35)+C(41)*DU(35)+CD(42)*U(36)+C(42)*DU(36)+CD(43)*U(37)+C(43)*DU(37)+CD(44)*U(38)+C(44)*DU(38);
-            TY2(39, ty2_39);
-            const T ty3_39 = CD(34)*U(34)+C(34)*DU(34)+CD(45)*U(35)+C(45)*DU(35)+CD(46)*U(36)+C(46)*DU(36)+CD(47)*U(37)+C(47)*DU(37)+CD(48)*U(38)+C(48)*DU(38);
-            TY3(39, ty3_39);
-        }
-#endif
-    }
+    TS_BATCH(ts_h40_d6_pos_cen_a442_onesided_dtu_noidx_bhd_f32_o3_dt_jvp_batch, B, u, p0, v0, a0, j0, idx, du, dp0, dv0, da0, dj0, dt_in, ddt_in, ty0, ty1, ty2, ty3, coef, coefd);
 }
 #endif
 
