@@ -186,6 +186,10 @@ std::string say(const Kernels& k, Message m, const Row& row, std::map<std::strin
 // A structural problem (presence, layout, rank, shape, dtype, device) raises the table's message.
 // A problem with values (dt entries, index entries) or with dt's form returns false: the caller
 // then runs the Python checks, which say what is wrong.
+// A tensor shape on the stack: the containers below are filled on every call, and heap
+// allocations were a noticeable part of a small call's cost.
+using Sizes = c10::SmallVector<int64_t, 6>;
+
 struct Checked {
   std::vector<Tensor> inputs;  // contiguous, int64 indices, dt reshaped to the kernel's vector
   std::vector<int64_t> sizes;  // of the free symbols
@@ -216,7 +220,7 @@ bool check_row(const Kernels& k, const Row& row, const Tensor& t, std::vector<in
   TORCH_CHECK_VALUE(t.dim() == static_cast<int64_t>(row.shape.size()),
                     say(k, DIMS, row, {{"count", std::to_string(row.shape.size())},
                                        {"expected", symbolic_text(k, row)}, {"got", shape_text(t.sizes())}}));
-  std::vector<int64_t> expected;
+  Sizes expected;
   for (size_t d = 0; d < row.shape.size(); ++d) {
     int64_t s = row.shape[d];
     if (s < 0) {
@@ -272,8 +276,8 @@ bool check(const Kernels& k, const Given& given, Checked& c) {
   return indices_in_range(k, c.inputs);
 }
 
-std::vector<int64_t> resolve(const std::vector<int64_t>& shape, const std::vector<int64_t>& sizes) {
-  std::vector<int64_t> out;
+Sizes resolve(const std::vector<int64_t>& shape, at::IntArrayRef sizes) {
+  Sizes out;
   for (auto s : shape) out.push_back(s >= 0 ? s : sizes[-1 - s]);
   return out;
 }
@@ -282,6 +286,7 @@ void* ptr(const Tensor& t) { return t.defined() ? const_cast<void*>(t.const_data
 
 void run_forward(const Kernels& k, const std::vector<Tensor>& inputs, const std::vector<Tensor>& ys) {
   std::vector<void*> args;
+  args.reserve(inputs.size() + ys.size());
   for (const auto& t : inputs) args.push_back(ptr(t));
   for (const auto& y : ys) args.push_back(ptr(y));
   call(k.forward, inputs[0].size(0), args);
@@ -303,6 +308,7 @@ template <typename Needs>
 variable_list run_adjoint(const Kernels& k, const variable_list& grads, const Tensor& dt, int64_t B,
                           const Needs& needs) {
   std::vector<void*> args;
+  args.reserve(grads.size() + 1 + k.rows.size());
   Tensor like;
   for (const auto& g : grads) {
     if (g.defined()) like = g;
@@ -310,6 +316,7 @@ variable_list run_adjoint(const Kernels& k, const variable_list& grads, const Te
   }
   args.push_back(ptr(dt));
   variable_list per_batch;
+  per_batch.reserve(k.rows.size());
   const std::vector<int64_t> sizes(k.symbols.size(), B);
   for (size_t i = 0; i < k.rows.size(); ++i) {
     const Row& row = k.rows[i];
@@ -433,6 +440,8 @@ struct NativeStepBackward : public torch::autograd::Node {
 std::vector<Tensor> run_node(const Kernels& k, int64_t handle, const std::vector<Tensor>& inputs) {
   std::vector<Tensor> given;
   std::vector<int64_t> positions, rows(k.rows.size(), 0);
+  given.reserve(inputs.size());
+  positions.reserve(inputs.size());
   bool requires_grad = false;
   for (size_t i = 0; i < inputs.size(); ++i) {
     if (inputs[i].defined()) {
@@ -445,6 +454,7 @@ std::vector<Tensor> run_node(const Kernels& k, int64_t handle, const std::vector
   const int64_t B = inputs[0].size(0);
   const auto shape = resolve(k.output_shape, {B});
   std::vector<Tensor> ys;
+  ys.reserve(k.outputs);
   for (int64_t i = 0; i < k.outputs; ++i) ys.push_back(at::empty(shape, inputs[0].options()));
   run_forward(k, inputs, ys);
   if (!requires_grad || !at::GradMode::is_enabled()) return ys;
