@@ -91,10 +91,10 @@ def test_threads_copy_short_coefficient_tables(monkeypatch):
 
 @pytest.mark.parametrize("spec", [SPECS[0], SPECS[1].replace(dt="per_trajectory")], ids=lambda s: s.name)
 def test_a_small_batch_runs_outside_an_openmp_region(spec, tmp_path):
-    """Below TS_MIN_PARALLEL_BATCH the entry point calls its batch function directly: entering
-    and leaving an OpenMP region, even with one thread, cost about a microsecond per kernel call
-    (a futex call each time; B=1 forward+backward 49-50 -> 47 us: BENCHMARKS.md). Each entry
-    point calls its batch function once in the serial branch and once inside the region."""
+    """Below TS_MIN_PARALLEL_BATCH the entry point calls its batch function directly: an OpenMP
+    region, even with one thread, sets up a team and ends with a futex call on every kernel call
+    (B=1 timings: BENCHMARKS.md, eighteenth session). Each entry point calls its batch function
+    once in the serial branch and once inside the region."""
     source = generate(spec, ("c",), ("core",)).source("c", "core")
     functions = c_functions(source)
     for kernel in ("forward", "adjoint"):
@@ -143,9 +143,9 @@ def _defines_avx512(flags: tuple[str, ...]) -> bool:
 
 def test_the_vectorised_loops_use_256_bit_vectors_on_x86(tmp_path):
     """Position control's interior rows are loops gcc vectorises. Tuning an AVX-512 AMD core as an
-    older one, gcc 12 made them 512-bit, which took longer per call than 256-bit (forward 34-38
-    against 30-34 us on one thread: BENCHMARKS.md); gcc's own tuning for Intel's AVX-512 cores
-    prefers 256 bits as well. 7 float32 dof are one 256-bit lane vector, so nothing is 512-bit."""
+    older one, gcc 12 made them 512-bit, which took longer per call than 256-bit (BENCHMARKS.md,
+    eighteenth session); gcc's own tuning for Intel's AVX-512 cores prefers 256 bits as well.
+    7 float32 dof are one 256-bit lane vector, so nothing is 512-bit."""
     flags = cbackend.c_flags()
     if platform.machine().lower() not in ("x86_64", "amd64") or not _defines_avx512(flags):
         pytest.skip("needs an x86-64 compiler targeting AVX-512 (-march=native on this machine)")

@@ -21,7 +21,7 @@ typedef float T;
 #define TS_CHEAP_ALLOCATION "ira-algorithm=priority", "ira-region=one", "no-lra-remat"
 /* batch elements are independent: TS_BATCH(f, args...) runs f(b_begin, b_end, args...) on all of
  * them, split over threads; a small batch is run by the calling thread without entering an
- * OpenMP region (whose start and end cost about a microsecond per call) */
+ * OpenMP region (even with one thread, a region sets up a team and ends with a futex wake) */
 #define TS_MIN_PARALLEL_BATCH 64
 /* the batch functions' loops stay loops: gcc's pattern pass made an output row that copies an
  * action row a memmove call per batch element, which was slower (BENCHMARKS.md) */
