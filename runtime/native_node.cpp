@@ -182,14 +182,14 @@ std::string say(const Kernels& k, Message m, const Row& row, std::map<std::strin
   return format(k.messages[m], fields);
 }
 
-// ---- checks: the rules of runtime/validate.py, row by row -------------------------------------
-// A structural problem (presence, layout, rank, shape, dtype, device) raises the table's message.
-// A problem with values (dt entries, index entries) or with dt's form returns false: the caller
-// then runs the Python checks, which say what is wrong.
 // A tensor shape on the stack: the containers below are filled on every call, and heap
 // allocations were a noticeable part of a small call's cost.
 using Sizes = c10::SmallVector<int64_t, 6>;
 
+// ---- checks: the rules of runtime/validate.py, row by row -------------------------------------
+// A structural problem (presence, layout, rank, shape, dtype, device) raises the table's message.
+// A problem with values (dt entries, index entries) or with dt's form returns false: the caller
+// then runs the Python checks, which say what is wrong.
 struct Checked {
   std::vector<Tensor> inputs;  // contiguous, int64 indices, dt reshaped to the kernel's vector
   std::vector<int64_t> sizes;  // of the free symbols
@@ -317,7 +317,7 @@ variable_list run_adjoint(const Kernels& k, const variable_list& grads, const Te
   args.push_back(ptr(dt));
   variable_list per_batch;
   per_batch.reserve(k.rows.size());
-  const std::vector<int64_t> sizes(k.symbols.size(), B);
+  const Sizes sizes(k.symbols.size(), B);
   for (size_t i = 0; i < k.rows.size(); ++i) {
     const Row& row = k.rows[i];
     if (!row.differentiable || row.rule != KERNEL_DTYPE) continue;
@@ -330,8 +330,8 @@ variable_list run_adjoint(const Kernels& k, const variable_list& grads, const Te
 
 // ---- the autograd node ------------------------------------------------------------------------
 // A plain autograd Node, as PyTorch's own ops have, rather than a torch::autograd::Function,
-// whose machinery (a context with a map of saved data, output wrapping and checks) cost about
-// 3 us in the forward and 3 us in the backward of every call (BENCHMARKS.md).
+// whose machinery (a context with a map of saved data, output wrapping and checks) adds work to
+// the forward and the backward of every call (BENCHMARKS.md, seventeenth session).
 
 // The engine's pointer to a node: std::shared_ptr in older PyTorch, c10::intrusive_ptr since.
 using NodePointer = decltype(torch::autograd::Edge::function);
