@@ -13,6 +13,7 @@ from . import abi, monomials, tape
 from .arguments import ArgumentTable
 from .lower import LoweredOperator
 from .printer import LANES
+from .statements import Read, Shift, walk
 
 TARGETS = ("c", "cuda", "header")
 CTYPES = {"float32": "float", "float64": "double"}
@@ -70,7 +71,27 @@ def lanes(spec: Any) -> dict | None:
     return None
 
 
-def _lane_bodies(code: LoweredOperator, kernels: tuple) -> dict[str, list[str]]:
+def _rereads_actions(statements: Any, n_actions: int) -> bool:
+    """Whether a lane body reads most action rows several times each: a knot loop's rows (read at
+    every knot), or straight-line reads of at least half of the rows, twice or more per row."""
+    reads = []
+    for node in walk(tuple(statements)):
+        if isinstance(node, Read) and node.macro == "U":
+            if isinstance(node.args[0], Shift):
+                return True
+            reads.append(node.args[0])
+    rows = {j for j in reads if isinstance(j, int)}
+    return 2 * len(rows) >= n_actions > 0 and len(reads) >= 2 * len(rows)
+
+
+def _lane_actions(code: LoweredOperator, bodies: dict[str, Any]) -> tuple[str, ...]:
+    """The lane bodies that load every action row once, up front, into a local array: those that
+    read most rows several times. GCC takes a masked store for one that may alias any later load, so a row read
+    where it is used was loaded again after every store (BENCHMARKS.md, nineteenth session)."""
+    return tuple(k for k, statements in bodies.items() if _rereads_actions(statements, code.op.n_actions))
+
+
+def _lane_bodies(code: LoweredOperator, kernels: tuple) -> dict[str, tuple[Any, list[str]]]:
     """The forward and adjoint columns in the lane form: straight-line where that is short
     enough, else (an integrator's long horizon) rolled into a loop over the rows. Straight-line
     is preferred: all of a column's loads are known up front, which keeps more memory traffic
@@ -86,7 +107,7 @@ def _lane_bodies(code: LoweredOperator, kernels: tuple) -> dict[str, list[str]]:
                 statements = getattr(code, f"{k}_rolled") or statements  # built on demand
             lines = LANES.lines(statements)
             if len(lines) <= LANE_MAX_LINES:
-                bodies[k] = lines
+                bodies[k] = statements, lines
     return bodies
 
 
@@ -229,6 +250,7 @@ def render(spec: Any, code: LoweredOperator, table: ArgumentTable, target: str, 
     u = strides(spec.layout, spec.n_actions, spec.dof)
     y = strides(spec.layout, spec.horizon, spec.dof)
     lane_form = lanes(spec) if target == "c" else None
+    lane_bodies = _lane_bodies(code, kernels) if lane_form else {}
     programs = _long_programs(code, kernels, table.dt.shape == ("B",)) if target == "c" else {}
     units = abi.units(part)
     if bool(table.values) == code.stencil:
@@ -251,7 +273,8 @@ def render(spec: Any, code: LoweredOperator, table: ArgumentTable, target: str, 
         codes=_cuda_codes(code, kernels, itemsize) if target == "cuda" else _c_codes(code, kernels),
         private_coefficients=table.dt.shape != ("B",) and code.n_coefficients <= C_PRIVATE_COEFFICIENTS,
         lanes=lane_form,
-        lane_bodies=_lane_bodies(code, kernels) if lane_form else {},
+        lane_bodies={k: lines for k, (_, lines) in lane_bodies.items()},
+        lane_actions=_lane_actions(code, {k: statements for k, (statements, _) in lane_bodies.items()}),
         table=(code.cuda_program("table") if target == "cuda" else code.table)
         if set(kernels) & set(TABLE_KERNELS) else None,
         programs=programs,

@@ -2,11 +2,15 @@
 from __future__ import annotations
 
 import re
+import subprocess
+from pathlib import Path
 
 import numpy as np
 import torch
 
 import tensorstep as ts
+from tensorstep.codegen.driver import generate
+from tensorstep.runtime import cbackend
 
 H, D = 7, 2
 
@@ -49,6 +53,22 @@ def c_functions(source: str) -> dict[str, str]:
         if f"{name}_batch" in functions:
             functions[name] += functions[f"{name}_batch"]
     return functions
+
+
+def targets_avx512() -> bool:
+    """Whether the C compiler, with the runtime's flags, targets AVX-512 (the lane form compiles)."""
+    probe = subprocess.run([cbackend.compiler(), *cbackend.c_flags(), "-dM", "-E", "-x", "c", "-"], input="",
+                           capture_output=True, text=True)
+    return "__AVX512F__" in probe.stdout
+
+
+def assembly(spec: ts.KernelSpec, folder: Path) -> str:
+    """The assembly the runtime's compiler and flags make of a spec's C kernels."""
+    src, out = folder / "kernel.c", folder / "kernel.s"
+    src.write_text(generate(spec, ("c",), ("core",)).source("c", "core"))
+    command = [a for a in cbackend.c_flags() if a != "-shared"]
+    subprocess.run([cbackend.compiler(), *command, "-S", str(src), "-o", str(out)], check=True)
+    return out.read_text()
 
 
 def grid_id(overrides: dict) -> str:

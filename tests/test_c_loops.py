@@ -19,7 +19,7 @@ from tensorstep.codegen.driver import generate
 from tensorstep.runtime import cbackend
 
 import reference
-from helpers import Inputs, c_functions, dt_value, scale_close
+from helpers import Inputs, assembly, c_functions, dt_value, scale_close, targets_avx512
 
 #: long enough for interior loops; uniform dt, a wide stencil, and per-step durations (the
 #: loops' coefficients advance with the row)
@@ -135,26 +135,13 @@ def test_a_recurrences_carried_value_is_added_last(spec):
     assert carried >= spec.horizon - 4
 
 
-def _defines_avx512(flags: tuple[str, ...]) -> bool:
-    probe = subprocess.run([cbackend.compiler(), *flags, "-dM", "-E", "-x", "c", "-"], input="",
-                           capture_output=True, text=True)
-    return "__AVX512F__" in probe.stdout
-
-
 def test_the_vectorised_loops_use_256_bit_vectors_on_x86(tmp_path):
     """Position control's interior rows are loops gcc vectorises. Tuning an AVX-512 AMD core as an
     older one, gcc 12 made them 512-bit, which took longer per call than 256-bit (BENCHMARKS.md,
     eighteenth session); gcc's own tuning for Intel's AVX-512 cores prefers 256 bits as well.
     7 float32 dof are one 256-bit lane vector, so nothing is 512-bit."""
-    flags = cbackend.c_flags()
-    if platform.machine().lower() not in ("x86_64", "amd64") or not _defines_avx512(flags):
+    if platform.machine().lower() not in ("x86_64", "amd64") or not targets_avx512():
         pytest.skip("needs an x86-64 compiler targeting AVX-512 (-march=native on this machine)")
-    spec = ts.KernelSpec(horizon=32, dof=7, difference="backward")
-    src = tmp_path / "kernel.c"
-    src.write_text(generate(spec, ("c",), ("core",)).source("c", "core"))
-    assembly = tmp_path / "kernel.s"
-    command = [a for a in flags if a != "-shared"]
-    subprocess.run([cbackend.compiler(), *command, "-S", str(src), "-o", str(assembly)], check=True)
-    text = assembly.read_text()
+    text = assembly(ts.KernelSpec(horizon=32, dof=7, difference="backward"), tmp_path)
     assert "%ymm" in text
     assert "%zmm" not in text

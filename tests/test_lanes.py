@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import os
+import platform
+import re
 import subprocess
 import sys
 import textwrap
@@ -25,7 +27,7 @@ from tensorstep.runtime import validate
 from tensorstep.runtime.launch import CpuBackend, Launcher
 
 import reference
-from helpers import GRID, Inputs, dt_value, grid_id, make_spec, scale_close
+from helpers import GRID, Inputs, assembly, dt_value, grid_id, make_spec, scale_close, targets_avx512
 
 # dof and dtype pick the vector: float64 D=3 (256 bits), float64 D=7 and float32 D=12 (512 bits),
 # float32 D=17 (more than one vector holds: per-dof loop only)
@@ -150,3 +152,26 @@ def test_rolled_lane_columns_match_reference(overrides, monkeypatch):
     scale_close(gu.numpy(), expect_u, 1e-12)
     for m in range(4):
         scale_close(gs[m].numpy(), expect_start[:, m], 1e-12)
+
+
+def _masked_loads(text: str, function: str) -> int:
+    """Masked (zeroing) vector loads in one function of an assembly listing."""
+    body = re.search(rf"^{function}[.\w]*:\n(.*?)\.cfi_endproc", text, re.M | re.S)
+    assert body, function
+    return len(re.findall(r"vmovup[sd]\s+[^\n]*\(%\w+[^\n]*\{%k\d\}\{z\}", body.group(1)))
+
+
+def test_a_bspline_forward_loads_each_action_row_once(tmp_path):
+    """Every output row of a B-spline reads degree + 1 action rows, so each row is read by dozens
+    of row expressions. GCC takes a masked store for one that may alias any later load and
+    loaded a row again wherever it was read (hundreds of masked loads per batch element, about
+    half of the forward's time); the lane body now loads every action row once, up front. An
+    integrator's forward, which reads each row once, keeps reading rows in place."""
+    if platform.machine().lower() not in ("x86_64", "amd64") or not targets_avx512():
+        pytest.skip("needs an x86-64 compiler targeting AVX-512 (-march=native on this machine)")
+    bspline = ts.KernelSpec(dof=7, control="bspline", degree=4, knots=8, steps=4)
+    text = assembly(bspline, tmp_path)
+    rows = bspline.n_actions + 4  # the action rows and the start state
+    assert _masked_loads(text, f"{bspline.name}_forward_batch") <= rows
+    integrator = generate(ts.KernelSpec(horizon=32, dof=7, control="acceleration"), ("c",), ("core",)).source("c", "core")
+    assert "ua_[N_]" not in integrator and "ua_[N_]" in generate(bspline, ("c",), ("core",)).source("c", "core")
