@@ -84,11 +84,12 @@ def _rereads_actions(statements: Any, n_actions: int) -> bool:
     return 2 * len(rows) >= n_actions > 0 and len(reads) >= 2 * len(rows)
 
 
-def _lane_actions(code: LoweredOperator, bodies: dict[str, Any]) -> tuple[str, ...]:
+def _lane_actions(bodies: dict[str, tuple[Any, list[str]]], n_actions: int) -> tuple[str, ...]:
     """The lane bodies that load every action row once, up front, into a local array: those that
-    read most rows several times. GCC takes a masked store for one that may alias any later load, so a row read
-    where it is used was loaded again after every store (BENCHMARKS.md, nineteenth session)."""
-    return tuple(k for k, statements in bodies.items() if _rereads_actions(statements, code.op.n_actions))
+    read most rows several times. GCC takes a masked store for one that may alias any later
+    load, so a row read where it is used was loaded again after every store (BENCHMARKS.md,
+    nineteenth session)."""
+    return tuple(k for k, (statements, _) in bodies.items() if _rereads_actions(statements, n_actions))
 
 
 def _lane_bodies(code: LoweredOperator, kernels: tuple) -> dict[str, tuple[Any, list[str]]]:
@@ -274,7 +275,7 @@ def render(spec: Any, code: LoweredOperator, table: ArgumentTable, target: str, 
         private_coefficients=table.dt.shape != ("B",) and code.n_coefficients <= C_PRIVATE_COEFFICIENTS,
         lanes=lane_form,
         lane_bodies={k: lines for k, (_, lines) in lane_bodies.items()},
-        lane_actions=_lane_actions(code, {k: statements for k, (statements, _) in lane_bodies.items()}),
+        lane_actions=_lane_actions(lane_bodies, spec.n_actions),
         table=(code.cuda_program("table") if target == "cuda" else code.table)
         if set(kernels) & set(TABLE_KERNELS) else None,
         programs=programs,

@@ -6,6 +6,7 @@ import subprocess
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 import tensorstep as ts
@@ -55,11 +56,13 @@ def c_functions(source: str) -> dict[str, str]:
     return functions
 
 
-def targets_avx512() -> bool:
-    """Whether the C compiler, with the runtime's flags, targets AVX-512 (the lane form compiles)."""
+def require_avx512() -> None:
+    """Skip unless the C compiler, with the runtime's flags, targets AVX-512 (x86-64 only; the
+    lane form compiles)."""
     probe = subprocess.run([cbackend.compiler(), *cbackend.c_flags(), "-dM", "-E", "-x", "c", "-"], input="",
                            capture_output=True, text=True)
-    return "__AVX512F__" in probe.stdout
+    if "__AVX512F__" not in probe.stdout:
+        pytest.skip("needs an x86-64 compiler targeting AVX-512 (-march=native on this machine)")
 
 
 def assembly(spec: ts.KernelSpec, folder: Path) -> str:

@@ -5,7 +5,6 @@ outputs in the loss, at batches that the kernels split over threads."""
 from __future__ import annotations
 
 import itertools
-import platform
 import re
 import subprocess
 
@@ -19,7 +18,7 @@ from tensorstep.codegen.driver import generate
 from tensorstep.runtime import cbackend
 
 import reference
-from helpers import Inputs, assembly, c_functions, dt_value, scale_close, targets_avx512
+from helpers import Inputs, assembly, c_functions, dt_value, require_avx512, scale_close
 
 #: long enough for interior loops; uniform dt, a wide stencil, and per-step durations (the
 #: loops' coefficients advance with the row)
@@ -140,8 +139,7 @@ def test_the_vectorised_loops_use_256_bit_vectors_on_x86(tmp_path):
     older one, gcc 12 made them 512-bit, which took longer per call than 256-bit (BENCHMARKS.md,
     eighteenth session); gcc's own tuning for Intel's AVX-512 cores prefers 256 bits as well.
     7 float32 dof are one 256-bit lane vector, so nothing is 512-bit."""
-    if platform.machine().lower() not in ("x86_64", "amd64") or not targets_avx512():
-        pytest.skip("needs an x86-64 compiler targeting AVX-512 (-march=native on this machine)")
+    require_avx512()
     text = assembly(ts.KernelSpec(horizon=32, dof=7, difference="backward"), tmp_path)
     assert "%ymm" in text
     assert "%zmm" not in text

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import re
 import subprocess
 import sys
@@ -27,7 +26,7 @@ from tensorstep.runtime import validate
 from tensorstep.runtime.launch import CpuBackend, Launcher
 
 import reference
-from helpers import GRID, Inputs, assembly, dt_value, grid_id, make_spec, scale_close, targets_avx512
+from helpers import GRID, Inputs, assembly, dt_value, grid_id, make_spec, require_avx512, scale_close
 
 # dof and dtype pick the vector: float64 D=3 (256 bits), float64 D=7 and float32 D=12 (512 bits),
 # float32 D=17 (more than one vector holds: per-dof loop only)
@@ -167,8 +166,7 @@ def test_a_bspline_forward_loads_each_action_row_once(tmp_path):
     loaded a row again wherever it was read (hundreds of masked loads per batch element, about
     half of the forward's time); the lane body now loads every action row once, up front. An
     integrator's forward, which reads each row once, keeps reading rows in place."""
-    if platform.machine().lower() not in ("x86_64", "amd64") or not targets_avx512():
-        pytest.skip("needs an x86-64 compiler targeting AVX-512 (-march=native on this machine)")
+    require_avx512()
     bspline = ts.KernelSpec(dof=7, control="bspline", degree=4, knots=8, steps=4)
     text = assembly(bspline, tmp_path)
     rows = bspline.n_actions + 4  # the action rows and the start state

@@ -149,7 +149,8 @@ typedef T VT __attribute__((vector_size(32)));
 #define VLOAD(p) ((VT)_mm256_maskz_loadu_ps(TS_MASK, (p)))
 #define VSTORE(p, v) _mm256_mask_storeu_ps((p), TS_MASK, (__m256)(v))
 #endif
-#define VU(j) VLOAD(u + uo + (j) * U_SH)
+#define VU_LOAD(j) VLOAD(u + uo + (j) * U_SH)
+#define VU(j) VU_LOAD(j)
 #define VS0 VLOAD(p0 + so)
 #define VS1 VLOAD(v0 + so)
 #define VS2 VLOAD(a0 + so)
