@@ -363,14 +363,17 @@ def run(config: str, task: Optional[str], output: str, batch: int, device: str) 
               help="also time the slicing baseline under torch.compile (compiled per case before timing)")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
               help="draw time per call against batch into FILE.png (needs matplotlib)")
+@click.option("--steady-malloc/--system-malloc", default=True, show_default=True,
+              help="keep freed memory in the process (fixed glibc thresholds, so no method's outputs are "
+                   "page-faulted in on some runs and not others), or leave glibc's defaults")
 @friendly
 def bench(device: str, quick: bool, scheme: tuple, batch: tuple, horizon: tuple, dtype: tuple,
-          budget: float, codegen: bool, inductor: bool, plot_path: Optional[str]) -> None:
+          budget: float, codegen: bool, inductor: bool, plot_path: Optional[str], steady_malloc: bool) -> None:
     """Time forward+backward against the dense-matrix and slicing PyTorch baselines (eager and under
     torch.compile) and the copy bound, then the forward alone (rollouts) into new and into reused
     outputs (out=)."""
     check_device(device)
-    from .bench import bspline, harness
+    from .bench import allocator, bspline, harness
 
     if plot_path:
         from . import plot as pictures
@@ -380,6 +383,7 @@ def bench(device: str, quick: bool, scheme: tuple, batch: tuple, horizon: tuple,
         except ImportError as err:
             raise UserError(str(err)) from None
 
+    click.echo(allocator.keep_freed_memory() if steady_malloc else allocator.DEFAULTS_LINE)
     others = tuple(s for s in scheme if s != "bspline")
     filtered = bool(scheme or batch or horizon or dtype)
     if others or (filtered and "bspline" not in scheme):
