@@ -21,7 +21,7 @@ def call():  # four 6 MB outputs, about the B-spline case's at B=4000, freed tog
     outs = [torch.empty(6 << 18).fill_(1.0) for _ in range(4)]
     del outs
 
-for _ in range(3):
+for _ in range(10):
     call()
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 for _ in range(10):
@@ -32,15 +32,15 @@ print((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 10)
 
 @pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc's mallopt")
 def test_fixed_thresholds_keep_freed_outputs_in_the_process():
-    """With glibc's defaults these calls page-fault their 6144 pages in on every call in some
-    processes and not in others (it depends on what the heap holds); with the bench's thresholds,
-    in none."""
+    """With glibc's defaults these calls page-fault all 6144 pages of their outputs in on every
+    call in some processes and not in others (it depends on what the heap holds); with the bench's
+    thresholds, in none. (The heap may still grow now and then, by one output's 1536 pages.)"""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MALLOC_", "GLIBC_TUNABLES"))}
     run = subprocess.run([sys.executable, "-c", CALLS], capture_output=True, text=True, timeout=120, env=env)
     assert run.returncode == 0, run.stderr
     line, faults = run.stdout.splitlines()
     assert line.startswith("malloc: freed memory kept in the process") and "32 MiB" in line
-    assert float(faults) < 100
+    assert float(faults) < 1000
 
 
 def test_bench_says_which_malloc_settings_it_ran_with():
