@@ -65,13 +65,19 @@ def require_avx512() -> None:
         pytest.skip("needs an x86-64 compiler targeting AVX-512 (-march=native on this machine)")
 
 
-def assembly(spec: ts.KernelSpec, folder: Path) -> str:
-    """The assembly the runtime's compiler and flags make of a spec's C kernels."""
-    src, out = folder / "kernel.c", folder / "kernel.s"
+def compiler_output(spec: ts.KernelSpec, folder: Path, *stage: str) -> str:
+    """What the runtime's compiler and flags make of a spec's C kernels when stopped at ``stage``:
+    ("-S",) the assembly, ("-E", "-P") the preprocessed source."""
+    src, out = folder / "kernel.c", folder / "kernel.out"
     src.write_text(generate(spec, ("c",), ("core",)).source("c", "core"))
     command = [a for a in cbackend.c_flags() if a != "-shared"]
-    subprocess.run([cbackend.compiler(), *command, "-S", str(src), "-o", str(out)], check=True)
+    subprocess.run([cbackend.compiler(), *command, *stage, str(src), "-o", str(out)], check=True)
     return out.read_text()
+
+
+def assembly(spec: ts.KernelSpec, folder: Path) -> str:
+    """The assembly the runtime's compiler and flags make of a spec's C kernels."""
+    return compiler_output(spec, folder, "-S")
 
 
 def grid_id(overrides: dict) -> str:

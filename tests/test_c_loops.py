@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import itertools
 import re
-import subprocess
 
 import numpy as np
 import pytest
@@ -15,10 +14,9 @@ import torch
 import tensorstep as ts
 from tensorstep.codegen import render
 from tensorstep.codegen.driver import generate
-from tensorstep.runtime import cbackend
 
 import reference
-from helpers import Inputs, assembly, c_functions, dt_value, require_avx512, scale_close
+from helpers import Inputs, assembly, c_functions, compiler_output, dt_value, require_avx512, scale_close
 
 #: long enough for interior loops; uniform dt, a wide stencil, and per-step durations (the
 #: loops' coefficients advance with the row)
@@ -101,10 +99,7 @@ def test_a_small_batch_runs_outside_an_openmp_region(spec, tmp_path):
         assert re.search(rf"TS_BATCH\({spec.name}_{kernel}_batch, B, ", entry), entry
         assert f"{spec.name}_{kernel}_batch" in functions
     assert "#define TS_MIN_PARALLEL_BATCH 64" in source
-    src = tmp_path / "kernel.c"
-    src.write_text(source)
-    expanded = subprocess.run([cbackend.compiler(), *cbackend.c_flags(), "-E", "-P", str(src)], check=True,
-                              capture_output=True, text=True).stdout
+    expanded = compiler_output(spec, tmp_path, "-E", "-P")
     entry = re.search(rf"void {spec.name}_forward\(.*?\n\}}", expanded, re.S).group(0)
     serial, parallel = entry.split("else", 1)
     assert "if (B < 64)" in serial and f"{spec.name}_forward_batch(0, B," in serial
