@@ -65,11 +65,11 @@ def require_avx512() -> None:
         pytest.skip("needs an x86-64 compiler targeting AVX-512 (-march=native on this machine)")
 
 
-def compiler_output(spec: ts.KernelSpec, folder: Path, *stage: str) -> str:
-    """What the runtime's compiler and flags make of a spec's C kernels when stopped at ``stage``:
-    ("-S",) the assembly, ("-E", "-P") the preprocessed source."""
+def compiler_output(spec: ts.KernelSpec, folder: Path, *stage: str, part: str = "core") -> str:
+    """What the runtime's compiler and flags make of a spec's C kernels (the library ``part``)
+    when stopped at ``stage``: ("-S",) the assembly, ("-E", "-P") the preprocessed source."""
     src, out = folder / "kernel.c", folder / "kernel.out"
-    src.write_text(generate(spec, ("c",), ("core",)).source("c", "core"))
+    src.write_text(generate(spec, ("c",), (part,)).source("c", part))
     command = [a for a in cbackend.c_flags() if a != "-shared"]
     subprocess.run([cbackend.compiler(), *command, *stage, str(src), "-o", str(out)], check=True)
     return out.read_text()

@@ -173,9 +173,11 @@ def test_dt_vjp_is_compiled_without_the_vectoriser(spec):
     source = generate(spec, targets=("c",), parts=("dt",)).source("c", "dt")
     assert '#define TS_SERIAL __attribute__((optimize("O2", TS_CHEAP_ALLOCATION)))' in source
     assert '#define TS_CHEAP_ALLOCATION "ira-algorithm=priority", "ira-region=one", "no-lra-remat"' in source
-    dt_vjp = next(text for name, text in c_functions(source).items() if name.endswith("_dt_vjp"))
-    assert dt_vjp.splitlines()[0].startswith("TS_SERIAL ")
-    assert "TS_SIMD" not in dt_vjp
+    functions = {name: text for name, text in c_functions(source).items() if name.endswith(("_dt_vjp", "_dt_vjp_batch"))}
+    assert len(functions) == 2  # the entry point and its batch loop
+    for text in functions.values():
+        assert "TS_SERIAL " in text.splitlines()[0]
+        assert "TS_SIMD" not in text
 
 
 _STRAIGHT_PRODUCT = re.compile(r"^\s*ACC\((\d+)\) \+= \(double\)\((G\d\(\d+\))\*U\((\d+)\)\);$", re.M)
@@ -194,7 +196,9 @@ def test_dt_vjp_boundary_rows_loop_over_their_actions(overrides):
                       r"ACC\((\d+) \+ 1 \* \(r - \1\)\) \+= \(double\)\(G\d\(\d+\)\*U\(r\)\);")
     for target in ("c", "cuda"):
         source = generated.source(target, "dt")
-        dt_vjp = source[source.index(f"{spec.name}_dt_vjp("):]
+        # the C body is in the batch function (over chunks of the batch), CUDA's in the kernel
+        body = f"{spec.name}_dt_vjp_batch(" if target == "c" else f"{spec.name}_dt_vjp("
+        dt_vjp = source[source.index(body):]
         loops = loop.findall(dt_vjp)
         assert len(loops) >= 4 and all(int(last) - int(first) + 1 >= 3 for first, last, _ in loops), (target, loops)
         # what is left straight-line: no two statements in a row that a loop would have continued

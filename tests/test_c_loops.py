@@ -70,20 +70,25 @@ def _coefficient_tables(source: str) -> dict[str, str]:
 
 
 def test_threads_copy_short_coefficient_tables(monkeypatch):
-    """forward, adjoint (coef) and dt_jvp (coef, coefd) run their batch loops on a copy of the
-    table of their own (each thread calls the batch function); dt_vjp's chunks are its own loop;
-    one table per trajectory is made inside the loop, and a long table is read where it is."""
+    """forward, adjoint, dt_vjp (coef) and dt_jvp (coef, coefd) run their batch loops on a copy
+    of the table of their own (each thread calls the batch function); one table per trajectory
+    is made inside the loop, and a long table is read where it is."""
     spec = SPECS[0]
     source = generate(spec, ("c",), ("all",)).source("c", "all")
     assert _coefficient_tables(source) == {"forward": ("copy", "coef"), "adjoint": ("copy", "coef"),
-                                           "dt_jvp": ("copy", "coef", "coefd")}
-    assert "TS_PARALLEL_FOR_CHUNKS" in c_functions(source)[f"{spec.name}_dt_vjp"]
+                                           "dt_vjp": ("copy", "coef"), "dt_jvp": ("copy", "coef", "coefd")}
     per_trajectory = ts.KernelSpec(horizon=32, dof=3, dtype="float64", difference="backward", dt="per_trajectory")
     assert set(_coefficient_tables(generate(per_trajectory, ("c",), ("core",)).source("c", "core")).values()) == {
         ("own",)}
     monkeypatch.setattr(render, "C_PRIVATE_COEFFICIENTS", 4)
     assert set(_coefficient_tables(generate(spec, ("c",), ("core",)).source("c", "core")).values()) == {
         ("shared", "coef")}
+
+
+def _serial_and_parallel_branches(expanded: str, entry_point: str) -> tuple[str, str]:
+    entry = re.search(rf"void {entry_point}\(.*?\n\}}", expanded, re.S).group(0)
+    serial, parallel = entry.split("else", 1)
+    return serial, parallel
 
 
 @pytest.mark.parametrize("spec", [SPECS[0], SPECS[1].replace(dt="per_trajectory")], ids=lambda s: s.name)
@@ -99,11 +104,20 @@ def test_a_small_batch_runs_outside_an_openmp_region(spec, tmp_path):
         assert re.search(rf"TS_BATCH\({spec.name}_{kernel}_batch, B, ", entry), entry
         assert f"{spec.name}_{kernel}_batch" in functions
     assert "#define TS_MIN_PARALLEL_BATCH 64" in source
-    expanded = compiler_output(spec, tmp_path, "-E", "-P")
-    entry = re.search(rf"void {spec.name}_forward\(.*?\n\}}", expanded, re.S).group(0)
-    serial, parallel = entry.split("else", 1)
-    assert "if (B < 64)" in serial and f"{spec.name}_forward_batch(0, B," in serial
+    serial, parallel = _serial_and_parallel_branches(compiler_output(spec, tmp_path, "-E", "-P"), f"{spec.name}_forward")
+    assert "if ((B) < (64))" in serial and f"{spec.name}_forward_batch(0, (B)," in serial
     assert "omp parallel" in parallel and "pragma" in parallel
+
+
+def test_a_single_chunk_of_dt_gradients_runs_outside_an_openmp_region(tmp_path):
+    """The uniform-dt gradient sums its batch in chunks of TS_DT_CHUNK (64); one chunk is summed
+    by the calling thread. It was an `omp parallel for if(n_chunks > 1)`, which still sets up a
+    team of one and ends it with a futex wake on every call."""
+    spec = SPECS[0]
+    expanded = compiler_output(spec, tmp_path, "-E", "-P", part="dt")
+    serial, parallel = _serial_and_parallel_branches(expanded, f"{spec.name}_dt_vjp")
+    assert "if ((n_chunks) < (2))" in serial and f"{spec.name}_dt_vjp_batch(0, (n_chunks)," in serial
+    assert "omp parallel" in parallel and f"{spec.name}_dt_vjp_batch(" in parallel
 
 
 @pytest.mark.parametrize("spec", [

@@ -30,22 +30,25 @@ typedef float T;
 #else
 #define TS_BATCH_FUNCTION
 #endif
+/* TS_SPLIT(n, least, f, args...): f(begin, end, args...) over 0 .. n - 1, by the calling thread
+ * when n < least, else in one contiguous range per thread of an OpenMP region */
 #if defined(_OPENMP)
 int omp_get_num_threads(void);
 int omp_get_thread_num(void);
-#define TS_BATCH(f, ...) do { \
-    if (B < TS_MIN_PARALLEL_BATCH) { \
-        f(0, B, __VA_ARGS__); \
+#define TS_SPLIT(n, least, f, ...) do { \
+    if ((n) < (least)) { \
+        f(0, (n), __VA_ARGS__); \
     } else { \
         _Pragma("omp parallel") { \
             const int64_t n_ = omp_get_num_threads(), t_ = omp_get_thread_num(); \
-            f(B * t_ / n_, B * (t_ + 1) / n_, __VA_ARGS__); \
+            f((n) * t_ / n_, (n) * (t_ + 1) / n_, __VA_ARGS__); \
         } \
     } \
 } while (0)
 #else
-#define TS_BATCH(f, ...) f(0, B, __VA_ARGS__)
+#define TS_SPLIT(n, least, f, ...) f(0, (n), __VA_ARGS__)
 #endif
+#define TS_BATCH(f, ...) TS_SPLIT(B, TS_MIN_PARALLEL_BATCH, f, __VA_ARGS__)
 /* dt_vjp's dof loop is serial (every dof adds into the same accumulators, and without
  * reassociation gcc does not vectorise a floating-point sum), so -O3's vectoriser finds nothing
  * there; its register allocation over the long body was most of the dt library's compile time */
@@ -53,11 +56,6 @@ int omp_get_thread_num(void);
 #define TS_SERIAL __attribute__((optimize("O2", TS_CHEAP_ALLOCATION)))
 #else
 #define TS_SERIAL
-#endif
-#if defined(_OPENMP)
-#define TS_PARALLEL_FOR_CHUNKS _Pragma("omp parallel for schedule(static) if(n_chunks > 1)")
-#else
-#define TS_PARALLEL_FOR_CHUNKS
 #endif
 /* batch elements per row of dt_vjp's partial sums (the runtime allocates that many rows) */
 #define TS_DT_CHUNK 64
@@ -583,16 +581,17 @@ void ts_h32_d7_pos_cen_a442_hold_dtu_noidx_bhd_f32_o3_adjoint(int64_t B, const f
 #endif
 
 #if !defined(TS_UNIT) || TS_UNIT == 3
-TS_SERIAL void ts_h32_d7_pos_cen_a442_hold_dtu_noidx_bhd_f32_o3_dt_vjp(int64_t B, const float* restrict u, const float* restrict p0, const float* restrict v0, const float* restrict a0, const float* restrict j0, const int64_t* restrict idx, const float* restrict g0, const float* restrict g1, const float* restrict g2, const float* restrict g3, const float* restrict dt_in, double* restrict gc)
+/* dt_vjp on chunks c_begin .. c_end - 1 of TS_DT_CHUNK batch elements, each chunk adding
+ * into its own row of gc (zeroed by the runtime): threads never share an accumulator, and the
+ * entry point adds the rows in order, so the sums are the same for any number of threads */
+static TS_BATCH_FUNCTION TS_SERIAL void ts_h32_d7_pos_cen_a442_hold_dtu_noidx_bhd_f32_o3_dt_vjp_batch(int64_t c_begin, int64_t c_end, int64_t B, const float* restrict u, const float* restrict p0, const float* restrict v0, const float* restrict a0, const float* restrict j0, const int64_t* restrict idx, const float* restrict g0, const float* restrict g1, const float* restrict g2, const float* restrict g3, const float* restrict dt_in, double* restrict gc, const T* restrict coef_in)
 {
+    (void)B;
+    /* this thread's own copy: gcc cannot tell a shared array from the outputs the loops store to,
+     * so it would reload and broadcast every coefficient in every vector iteration */
     T coef[NC_];
-    COEFFICIENTS(dt_in, coef);
-    /* Batch elements in chunks of TS_DT_CHUNK, each adding into its own row of gc (zeroed by the
-     * runtime), the rows then added in order: threads never share an accumulator, and the sums
-     * are the same for any number of threads. */
-    const int64_t n_chunks = (B + TS_DT_CHUNK - 1) / TS_DT_CHUNK;
-    TS_PARALLEL_FOR_CHUNKS
-    for (int64_t chunk = 0; chunk < n_chunks; ++chunk) {
+    for (int i = 0; i < NC_; ++i) coef[i] = coef_in[i];
+    for (int64_t chunk = c_begin; chunk < c_end; ++chunk) {
       double* restrict acc = gc + chunk * NC_;
       const int64_t b_end = (chunk + 1) * TS_DT_CHUNK < B ? (chunk + 1) * TS_DT_CHUNK : B;
       for (int64_t b = chunk * TS_DT_CHUNK; b < b_end; ++b) {
@@ -692,6 +691,13 @@ TS_SERIAL void ts_h32_d7_pos_cen_a442_hold_dtu_noidx_bhd_f32_o3_dt_vjp(int64_t B
         }
       }
     }
+}
+TS_SERIAL void ts_h32_d7_pos_cen_a442_hold_dtu_noidx_bhd_f32_o3_dt_vjp(int64_t B, const float* restrict u, const float* restrict p0, const float* restrict v0, const float* restrict a0, const float* restrict j0, const int64_t* restrict idx, const float* restrict g0, const float* restrict g1, const float* restrict g2, const float* restrict g3, const float* restrict dt_in, double* restrict gc)
+{
+    T coef[NC_];
+    COEFFICIENTS(dt_in, coef);
+    const int64_t n_chunks = (B + TS_DT_CHUNK - 1) / TS_DT_CHUNK;
+    TS_SPLIT(n_chunks, 2, ts_h32_d7_pos_cen_a442_hold_dtu_noidx_bhd_f32_o3_dt_vjp_batch, B, u, p0, v0, a0, j0, idx, g0, g1, g2, g3, dt_in, gc, coef);
     for (int64_t chunk = 1; chunk < n_chunks; ++chunk)
         for (int i = 0; i < NC_; ++i) gc[i] += gc[chunk * NC_ + i];
 }
