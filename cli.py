@@ -383,7 +383,7 @@ def bench(device: str, quick: bool, scheme: tuple, batch: tuple, horizon: tuple,
         except ImportError as err:
             raise UserError(str(err)) from None
 
-    click.echo(allocator.keep_freed_memory() if steady_malloc else allocator.DEFAULTS_LINE)
+    click.echo(allocator.keep_freed_memory() if steady_malloc else allocator.leave_as_is())
     others = tuple(s for s in scheme if s != "bspline")
     filtered = bool(scheme or batch or horizon or dtype)
     if others or (filtered and "bspline" not in scheme):

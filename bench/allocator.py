@@ -47,4 +47,12 @@ def keep_freed_memory() -> str:
             "glibc's defaults)")
 
 
-DEFAULTS_LINE = "malloc: glibc's defaults (large outputs may be page-faulted in on every call; see docs/semantics.md)"
+def leave_as_is() -> str:
+    """The line the bench prints with ``--system-malloc``: the C library's own settings.
+
+    >>> leave_as_is().startswith("malloc: ")
+    True
+    """
+    if _glibc() is None:
+        return "malloc: not glibc; left as it is"
+    return "malloc: glibc's defaults (large outputs may be page-faulted in on every call; see docs/semantics.md)"

@@ -43,8 +43,19 @@ def test_fixed_thresholds_keep_freed_outputs_in_the_process():
     assert float(faults) < 1000
 
 
+@pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc's mallopt")
 def test_bench_says_which_malloc_settings_it_ran_with():
     args = ["bench", "--scheme", "backward", "--batch", "1", "--no-codegen", "--budget", "0.01", "--no-inductor"]
     system = CliRunner().invoke(main, [*args, "--system-malloc"])
     assert system.exit_code == 0, system.output
     assert system.output.startswith("malloc: glibc's defaults")
+
+
+@pytest.mark.parametrize("libc", [("musl", ""), ("", "")])
+def test_off_glibc_neither_line_claims_glibc(monkeypatch, libc):
+    """Off glibc (musl, or a C library platform cannot name) the bench leaves malloc alone and
+    says so, with and without --system-malloc."""
+    from tensorstep.bench import allocator
+
+    monkeypatch.setattr(platform, "libc_ver", lambda *args, **kwargs: libc)
+    assert allocator.keep_freed_memory() == allocator.leave_as_is() == "malloc: not glibc; left as it is"
