@@ -771,6 +771,19 @@ def _spans_only(op: Operator) -> bool:
 #: cycles until a column sum's next partial sum is ready: an FMA for a term with a coefficient,
 #: an add for a unit one (the ordering below only compares them)
 FMA_LATENCY, ADD_LATENCY = 4, 3
+#: terms per partial sum, and partial sums at most, when a sum's leading terms are ready together
+CHAIN_TERMS, MAX_CHAINS = 8, 4
+
+
+def _chains(terms: list[Term]) -> list[Term]:
+    """Terms whose operands are ready together, as up to MAX_CHAINS parenthesised partial sums
+    of consecutive terms: each is a chain of its own, so a long sum is not one chain of
+    dependent FMAs (a B-spline gradient's 20-30 terms; BENCHMARKS.md, twenty-first session)."""
+    n = min(MAX_CHAINS, len(terms) // CHAIN_TERMS)
+    if n < 2:
+        return terms
+    size = -(-len(terms) // n)
+    return [Term(None, Paren(Sum(tuple(terms[i:i + size])))) for i in range(0, len(terms), size)]
 
 
 def _shallow_first(statements: list[Statement]) -> list[Statement]:
@@ -779,7 +792,8 @@ def _shallow_first(statements: list[Statement]) -> list[Statement]:
     left to right, so a recurrence's carried value then comes last and costs its chain one add.
     ``g1_30 + yb1_31 + C(0)*yb0_30`` put an add and an FMA on semi-implicit Euler's adjoint
     chain, ``g1_30 + C(0)*yb0_30 + yb1_31`` puts one add (BENCHMARKS.md). Stable: a sum of
-    loads keeps its order; loops are left as they are."""
+    loads keeps its order (as partial sums when it is long: ``_chains``); loops are left as
+    they are."""
     ready: dict[Any, int] = {}
 
     def operand(term: Term) -> int:
@@ -791,7 +805,9 @@ def _shallow_first(statements: list[Statement]) -> list[Statement]:
         for i, (when, t) in enumerate(terms):
             step = FMA_LATENCY if t.factor is not None else ADD_LATENCY if i else 0
             at = max(at, when) + step
-        return Sum(tuple(t for _, t in terms)), at
+        together = sum(1 for when, _ in terms if when == terms[0][0]) if terms else 0
+        chained = _chains([t for _, t in terms[:together]]) + [t for _, t in terms[together:]]
+        return Sum(tuple(chained)), at
 
     out: list[Statement] = []
     for s in statements:

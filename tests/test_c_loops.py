@@ -152,3 +152,36 @@ def test_the_vectorised_loops_use_256_bit_vectors_on_x86(tmp_path):
     text = assembly(ts.KernelSpec(horizon=32, dof=7, difference="backward"), tmp_path)
     assert "%ymm" in text
     assert "%zmm" not in text
+
+
+def _top_level_terms(expr: str) -> list[str]:
+    parts, depth, current = [], 0, ""
+    for ch in expr:
+        depth += (ch == "(") - (ch == ")")
+        if ch in "+-" and depth == 0 and current:
+            parts.append(current)
+            current = ""
+        current += ch
+    return parts + [current]
+
+
+def test_a_long_gradient_sum_is_several_chains():
+    """A B-spline knot's gradient sums 20-30 rows' terms, all loaded up front; as one sum evaluated
+    left to right it was one chain of dependent FMAs, latency-bound (the adjoint took 248 ns per
+    trajectory in cache, 218-224 ns as two to four partial sums: BENCHMARKS.md, twenty-first session). The
+    exactness of the reordered sums is checked by the B-spline tests against SciPy."""
+    spec = ts.KernelSpec(dof=7, control="bspline", degree=4, knots=8, steps=4, dtype="float32")
+    source = generate(spec, ("c",), ("core",)).source("c", "core")
+    (adjoint,) = [text for name, text in c_functions(source).items() if name.endswith("_adjoint_batch")]
+    lane_body = adjoint[:adjoint.index("#else")]
+    long_sums = 0
+    for expr in re.findall(r"VGU\(\d+, (.+)\);", lane_body):
+        parts = _top_level_terms(expr)
+        terms = sum(len(_top_level_terms(p.lstrip("+")[1:-1])) if p.lstrip("+").startswith("(") else 1 for p in parts)
+        if terms < 16:
+            continue
+        long_sums += 1
+        longest = max((len(_top_level_terms(p.lstrip("+")[1:-1])) for p in parts if p.lstrip("+").startswith("(")),
+                      default=1)
+        assert longest + len(parts) - 1 <= -(-terms // 2) + 2, (terms, len(parts), longest)
+    assert long_sums >= 4
