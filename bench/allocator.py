@@ -20,6 +20,8 @@ M_MMAP_THRESHOLD = -3
 #: the values docs/semantics.md gives users (32 MiB is glibc's largest mmap threshold)
 MMAP_THRESHOLD = 32 << 20
 TRIM_THRESHOLD = 256 << 20
+#: what the bench prints, either way, where the C library is not glibc
+NOT_GLIBC = "malloc: not glibc; left as it is"
 
 
 def _glibc() -> ctypes.CDLL | None:
@@ -39,7 +41,7 @@ def keep_freed_memory() -> str:
     """
     libc = _glibc()
     if libc is None:
-        return "malloc: not glibc; left as it is"
+        return NOT_GLIBC
     if not (libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) and libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)):
         return "malloc: glibc refused the fixed thresholds; left as it is"
     return (f"malloc: freed memory kept in the process (glibc mmap threshold {MMAP_THRESHOLD >> 20} MiB, "
@@ -54,5 +56,5 @@ def leave_as_is() -> str:
     True
     """
     if _glibc() is None:
-        return "malloc: not glibc; left as it is"
+        return NOT_GLIBC
     return "malloc: glibc's defaults (large outputs may be page-faulted in on every call; see docs/semantics.md)"

@@ -29,8 +29,11 @@ for _ in range(10):
 print((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 10)
 """
 
+glibc_only = pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc",
+                                reason="glibc's mallopt")
 
-@pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc's mallopt")
+
+@glibc_only
 def test_fixed_thresholds_keep_freed_outputs_in_the_process():
     """With glibc's defaults these calls page-fault all 6144 pages of their outputs in on every
     call in some processes and not in others (it depends on what the heap holds); with the bench's
@@ -43,7 +46,7 @@ def test_fixed_thresholds_keep_freed_outputs_in_the_process():
     assert float(faults) < 1000
 
 
-@pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc's mallopt")
+@glibc_only
 def test_bench_says_which_malloc_settings_it_ran_with():
     args = ["bench", "--scheme", "backward", "--batch", "1", "--no-codegen", "--budget", "0.01", "--no-inductor"]
     system = CliRunner().invoke(main, [*args, "--system-malloc"])

@@ -176,12 +176,12 @@ def test_a_long_gradient_sum_is_several_chains():
     lane_body = adjoint[:adjoint.index("#else")]
     long_sums = 0
     for expr in re.findall(r"VGU\(\d+, (.+)\);", lane_body):
-        parts = _top_level_terms(expr)
-        terms = sum(len(_top_level_terms(p.lstrip("+")[1:-1])) if p.lstrip("+").startswith("(") else 1 for p in parts)
+        parts = [p.lstrip("+") for p in _top_level_terms(expr)]
+        # terms per part: a parenthesised partial sum's, or 1 for a plain term
+        lengths = [len(_top_level_terms(p[1:-1])) if p.startswith("(") else 1 for p in parts]
+        terms = sum(lengths)
         if terms < 16:
             continue
         long_sums += 1
-        longest = max((len(_top_level_terms(p.lstrip("+")[1:-1])) for p in parts if p.lstrip("+").startswith("(")),
-                      default=1)
-        assert longest + len(parts) - 1 <= -(-terms // 2) + 2, (terms, len(parts), longest)
+        assert max(lengths) + len(parts) - 1 <= -(-terms // 2) + 2, (terms, lengths)
     assert long_sums >= 4
