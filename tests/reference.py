@@ -5,6 +5,7 @@ Vandermonde solve (not Fornberg or Lagrange formulas), integration from explicit
 """
 from __future__ import annotations
 
+import functools
 import math
 from fractions import Fraction
 
@@ -25,8 +26,13 @@ def vandermonde_weights(x: np.ndarray, k: int) -> np.ndarray:
     Solved exactly over rationals (the float nodes converted without rounding), since
     large stencils make the float64 Vandermonde system ill-conditioned.
     """
+    return np.array(_exact_weights(tuple(float(xi) for xi in x), k))
+
+
+@functools.lru_cache(maxsize=None)  # rows, dof and batch elements with the same nodes share a solve
+def _exact_weights(x: tuple, k: int) -> tuple:
     n = len(x)
-    xs = [Fraction(float(xi)) for xi in x]
+    xs = [Fraction(xi) for xi in x]
     A = [[xi**m / math.factorial(m) for xi in xs] + [Fraction(int(m == k))] for m in range(n)]
     for col in range(n):  # Gauss-Jordan elimination with exact arithmetic
         pivot = next(r for r in range(col, n) if A[r][col] != 0)
@@ -36,7 +42,7 @@ def vandermonde_weights(x: np.ndarray, k: int) -> np.ndarray:
             if r != col and A[r][col] != 0:
                 f = A[r][col]
                 A[r] = [a - f * b for a, b in zip(A[r], A[col])]
-    return np.array([float(A[r][n]) for r in range(n)])
+    return tuple(float(A[r][n]) for r in range(n))
 
 
 def _position(spec, u: np.ndarray, s: np.ndarray, dts: np.ndarray, g: np.ndarray) -> np.ndarray:

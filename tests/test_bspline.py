@@ -14,7 +14,7 @@ from scipy.interpolate import BSpline
 
 import reference_bspline as ref
 import tensorstep as ts
-from helpers import BoundaryCase, as_bhd, check_ptx, kernel_paths, scale_close
+from helpers import ReferenceCase, as_bhd, check_ptx, kernel_paths, scale_close
 
 DOF = 2
 
@@ -202,24 +202,11 @@ def test_polynomial_reproduces_itself(degree, steps, dt_mode):
 
 # ---- kernels: C (native and Python paths) and the CUDA source on the host -----------------------
 
-class Case(BoundaryCase):
+class Case(ReferenceCase):
     """Random inputs of a B-spline spec (u holds the knots) and the reference outputs for them."""
 
     def __init__(self, spec, B: int = 3, seed: int = 0):
         super().__init__(spec, B, seed, uniform_dt=0.07)
-
-    def expected(self) -> np.ndarray:
-        """Reference P, V, A, J [4, B, R, D] (bhd)."""
-        spec = self.spec
-        u = self.u.numpy() if spec.layout == "bhd" else self.u.numpy().transpose(0, 2, 1)
-        pick = lambda rows, index: [r[index if index is not None else slice(None)].numpy() for r in rows]
-        s, g = pick(self.start, self.idx), pick(self.goal, self.gidx)
-        out = np.zeros((4, self.B, spec.horizon, spec.dof))
-        for b in range(self.B):
-            dt = float(self.dt[b] if spec.dt == "per_trajectory" else self.dt)
-            out[:, b] = ref.trajectory(u[b], [x[b] for x in s], [x[b] for x in g] if g else None, spec.degree,
-                                       spec.steps, dt).Y
-        return out
 
 
 def dense_snap(case: Case) -> np.ndarray:
@@ -236,8 +223,6 @@ def dense_snap(case: Case) -> np.ndarray:
             g = b if case.gidx is None else int(case.gidx[b])
             out[b] += m["goal"][4] @ np.stack([x[g].numpy() for x in case.goal])
     return out
-
-
 
 
 @pytest.mark.parametrize("overrides", KERNEL_GRID, ids=[grid_id(g) for g in KERNEL_GRID])

@@ -13,7 +13,7 @@ import torch
 
 import reference
 import tensorstep as ts
-from helpers import BoundaryCase, check_ptx, scale_close
+from helpers import ReferenceCase, check_ptx, scale_close
 
 H, D = 8, 2
 GOAL_GRID = [
@@ -36,24 +36,7 @@ def spec_of(overrides: dict, dtype: str = "float64") -> ts.KernelSpec:
     return ts.KernelSpec(horizon=H, dof=D, dtype=dtype, **overrides)
 
 
-class Case(BoundaryCase):
-    """Random inputs for a goal / per-trajectory spec, and what the reference needs of them."""
-
-    def expected(self) -> np.ndarray:
-        """Reference outputs [K, B, H, D] (bhd)."""
-        spec = self.spec
-        u = self.u.numpy() if spec.layout == "bhd" else self.u.numpy().transpose(0, 2, 1)
-        pick = lambda rows, index: torch.stack(rows, 1)[index if index is not None else slice(None)].numpy()
-        s = pick(self.start, self.idx)
-        g = pick(self.goal, self.gidx) if self.goal else None
-        out = np.zeros((spec.order + 1, self.B, H, D))
-        for b in range(self.B):
-            dt = self.dt[b].item() if spec.dt == "per_trajectory" else self.dt.reshape(-1).tolist()
-            for d in range(D):
-                out[:, b, :, d] = reference.column(spec, u[b, :, d], s[b, :, d], dt,
-                                                   None if g is None else g[b, :, d])
-        return out
-
+Case = ReferenceCase  # random inputs and the reference's outputs for them
 
 
 # ---- spec ---------------------------------------------------------------------------------------
