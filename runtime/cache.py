@@ -81,6 +81,20 @@ def locked(path: Path) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+def held_elsewhere(path: Path) -> bool:
+    """Whether another process holds the lock on ``path`` now (False if there is no lock file)."""
+    try:
+        with open(path, "r") as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return True
+            fcntl.flock(f, fcntl.LOCK_UN)
+    except OSError:
+        pass
+    return False
+
+
 class CacheError(RuntimeError):
     """The cache directory cannot be used (e.g. read-only with nothing cached)."""
 
@@ -115,6 +129,10 @@ class BuildCache:
         except (OSError, ValueError, AttributeError):
             pass
         return None
+
+    def building(self, content_hash: str) -> bool:
+        """Whether another process is building this artefact now (holds its build lock)."""
+        return held_elsewhere(self.build_dir(content_hash) / ".lock")
 
     def metadata(self, content_hash: str) -> dict:
         """The generator's metadata stored with a build ({} if none)."""
