@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import math
 import sys
 import time
 from pathlib import Path
@@ -45,6 +46,15 @@ def friendly(fn: Callable) -> Callable:
             raise
 
     return wrapper
+
+
+def positive(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
+    """Option callback: each given number is finite and positive (batch sizes, seconds)."""
+    for number in value if isinstance(value, tuple) else () if value is None else (value,):
+        if not (math.isfinite(number) and number > 0):
+            kind = "integer" if isinstance(number, int) else "number"
+            raise UserError(f"{param.opts[0]}={number}: expected a positive {kind}")
+    return value
 
 
 def check_device(device: str) -> None:
@@ -202,7 +212,7 @@ def show(config: Optional[str], task: Optional[str], target: str, kernel: str, *
 @click.argument("config", required=False, type=click.Path(dir_okay=False))
 @click.option("--task", type=click.Path(dir_okay=False))
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="the picture (FILE.png)")
-@click.option("--step-dt", type=float, default=None,
+@click.option("--step-dt", type=float, default=None, callback=positive,
               help="step duration in seconds [default: a CONFIG's dt, else 0.02]")
 @spec_options
 @friendly
@@ -295,7 +305,7 @@ def stencil(difference: str, accuracy: int, derivative: tuple[int, ...]) -> None
 @click.argument("config", type=click.Path(dir_okay=False))
 @click.option("--task", type=click.Path(dir_okay=False))
 @click.option("-o", "--output", default="generated-run", show_default=True, type=click.Path(file_okay=False))
-@click.option("--batch", type=int, default=400, show_default=True)
+@click.option("--batch", type=int, default=400, show_default=True, callback=positive)
 @click.option("--device", default="cpu", show_default=True)
 @friendly
 def run(config: str, task: Optional[str], output: str, batch: int, device: str) -> None:
@@ -354,10 +364,11 @@ def run(config: str, task: Optional[str], output: str, batch: int, device: str) 
 @click.option("--quick", is_flag=True, help="fewer sizes (B up to 4000)")
 @click.option("--scheme", type=click.Choice(["central", "backward", "accel", "bspline"]), multiple=True,
               help="bspline: degree 4, 8 knots, 4 rows per span, 7 dof (B=4000 unless --batch)")
-@click.option("--batch", type=int, multiple=True, help="batch sizes (default: the standard set)")
+@click.option("--batch", type=int, multiple=True, callback=positive, help="batch sizes (default: the standard set)")
 @click.option("--horizon", type=int, multiple=True, help="horizons (default: 32, plus 8/128/256 at B=400)")
 @click.option("--dtype", type=click.Choice(["float32", "float64"]), multiple=True)
-@click.option("--budget", type=float, default=0.6, show_default=True, help="seconds of timing per case")
+@click.option("--budget", type=float, default=0.6, show_default=True, callback=positive,
+              help="seconds of timing per case")
 @click.option("--codegen/--no-codegen", default=True, show_default=True, help="also time cold and warm loads")
 @click.option("--inductor/--no-inductor", default=True, show_default=True,
               help="also time the slicing baseline under torch.compile (compiled per case before timing)")

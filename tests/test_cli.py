@@ -154,6 +154,12 @@ def error_line(result) -> str:
     (("bench", "--device", "gpu", "--no-codegen"), "--device='gpu' is invalid"),
     (("stencil", "--accuracy", "9", "--difference", "backward"), "--accuracy=9: expected 1 to 8"),
     (("show", "ur5e", "--horizon", "8", "--dt", "per_step"), "--horizon, --dt cannot be combined with CONFIG"),
+    (("run", "ur5e", "--batch", "-3"), "--batch=-3: expected a positive integer"),
+    (("run", "ur5e", "--batch", "0"), "--batch=0: expected a positive integer"),
+    (("bench", "--batch", "400", "--batch", "-5", "--no-codegen"), "--batch=-5: expected a positive integer"),
+    (("bench", "--budget", "nan", "--no-codegen"), "--budget=nan: expected a positive number"),
+    (("bench", "--budget", "0", "--no-codegen"), "--budget=0.0: expected a positive number"),
+    (("plot", "ur5e", "-o", "x.png", "--step-dt", "-0.02"), "--step-dt=-0.02: expected a positive number"),
 ])
 def test_cli_errors_are_one_line(tmp_path, args, fragment):
     assert fragment in error_line(run(*args, *(("-o", str(tmp_path)) if args[0] == "run" else ())))
