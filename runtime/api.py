@@ -269,7 +269,13 @@ _jvp_transform._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def _device(device: Union[str, torch.device]) -> torch.device:
-    dev = torch.device(device)
+    allowed = "allowed 'cpu', 'cuda', 'cuda:N' or a torch.device"
+    if not isinstance(device, (str, torch.device)):
+        raise TypeError(f"device={device!r} is invalid: {allowed}, got {type(device).__name__}")
+    try:
+        dev = torch.device(device)
+    except RuntimeError:  # torch's own message lists every device type it knows
+        raise ValueError(f"device={device!r} is invalid: {allowed}") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         from .cuda_backend import CudaUnavailable
 
@@ -281,7 +287,7 @@ def _device(device: Union[str, torch.device]) -> torch.device:
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
     if dev.type not in ("cpu", "cuda"):
-        raise ValueError(f"device={device!r} is invalid: allowed 'cpu', 'cuda', 'cuda:N'")
+        raise ValueError(f"device={device!r} is invalid: {allowed}")
     return dev
 
 

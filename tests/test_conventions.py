@@ -53,6 +53,13 @@ def test_other_dtypes_raise_and_leave_the_step_as_it_was(convert):
     assert step.spec == SPEC32 and step.dtype == torch.float32
 
 
+@pytest.mark.parametrize("device, error", [("tpu", ValueError), ("cuda:x", ValueError), ("mps", ValueError),
+                                           (3, TypeError), (None, TypeError)])
+def test_load_names_the_allowed_devices(device, error):
+    with pytest.raises(error, match=r"device=.* is invalid: allowed 'cpu', 'cuda', 'cuda:N' or a torch.device"):
+        ts.load(SPEC32, device)
+
+
 def test_unsupported_devices_raise():
     step = ts.load(SPEC32)
     with pytest.raises(ValueError, match="device=.*meta.* is invalid"):
