@@ -299,3 +299,41 @@ class ReferenceCase(BoundaryCase):
                 out[:, b, :, d] = reference.column(spec, u[b, :, d], s[b, :, d], dt,
                                                    None if g is None else g[b, :, d])
         return out
+
+
+def check_dt_derivatives(case: ReferenceCase, paths, h: float = 1e-4, rtol: float = 1e-8) -> None:
+    """dt's gradient (dt_vjp) and tangent (dt_jvp) on each (name, step) of ``paths`` against the
+    reference's derivative in dt along a direction r: Richardson-extrapolated central differences
+    (error O(h⁴)), float64. r is 1 for a uniform dt, 1 per trajectory (each trajectory reads only
+    its own) and random per step; the gradient is compared as <gradient, r> per step."""
+    import torch.autograd.forward_ad as fwAD
+
+    dt0 = case.dt.clone()
+    per_step = case.spec.dt == "per_step"
+    r = (0.5 + torch.rand(dt0.shape, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+         if per_step else torch.ones_like(dt0))
+
+    def reference(dt: torch.Tensor) -> np.ndarray:
+        case.dt = dt
+        return case.expected()
+
+    def slope(step: float) -> np.ndarray:
+        return (reference(dt0 + step * r) - reference(dt0 - step * r)) / (2 * step)
+
+    derivative = (4 * slope(h / 2) - slope(h)) / 3  # [K, B, H, D] in bhd
+    case.dt = dt0
+    gen = torch.Generator().manual_seed(3)
+    ys = case.call(ts.load(case.spec), *case.tensors())[: len(derivative)]
+    grads = [torch.randn(y.shape, generator=gen, dtype=torch.float64) for y in ys]
+    per_b = np.einsum("kbrd,kbrd->b", np.stack([as_bhd(g, case.spec) for g in grads]), derivative)
+    expect_grad = per_b if case.spec.dt == "per_trajectory" else per_b.sum()
+    for name, step in paths:
+        dt = dt0.clone().requires_grad_(True)
+        ys = case.call(step, *case.tensors()[:-1], dt)[: len(derivative)]
+        (gdt,) = torch.autograd.grad(ys, dt, grads)
+        got = (gdt * r).sum() if per_step else gdt
+        scale_close(np.atleast_1d(got.numpy()), np.atleast_1d(expect_grad), rtol)
+        with fwAD.dual_level():
+            ys = case.call(step, *case.tensors()[:-1], fwAD.make_dual(dt0.clone(), r.clone()))[: len(derivative)]
+            tangents = np.stack([as_bhd(fwAD.unpack_dual(y).tangent, case.spec) for y in ys])
+        scale_close(tangents, derivative, rtol)

@@ -14,7 +14,7 @@ from scipy.interpolate import BSpline
 
 import reference_bspline as ref
 import tensorstep as ts
-from helpers import ReferenceCase, as_bhd, check_ptx, kernel_paths, scale_close
+from helpers import ReferenceCase, as_bhd, check_dt_derivatives, check_ptx, kernel_paths, scale_close
 
 DOF = 2
 
@@ -234,40 +234,6 @@ def test_kernels_match_reference_and_adjoint_dot_test(overrides):
     if case.spec.order == 4:  # snap: the dense operator (checked against SciPy above) applied per column
         expect = np.concatenate([expect, dense_snap(case)[None]])
     case.check_kernels(expect)
-
-
-def check_dt_derivatives(case: Case, paths) -> None:
-    """dt's gradient (dt_vjp) and tangent (dt_jvp) on each (name, step) of ``paths`` against the
-    reference's derivative in dt: Richardson-extrapolated central differences of SciPy's curve
-    (error O(h⁴)), float64."""
-    import torch.autograd.forward_ad as fwAD
-
-    dt0 = case.dt.clone()
-
-    def reference(dt: torch.Tensor) -> np.ndarray:
-        case.dt = dt
-        return case.expected()
-
-    def slope(h: float) -> np.ndarray:
-        return (reference(dt0 + h) - reference(dt0 - h)) / (2 * h)
-
-    h = 1e-4
-    derivative = (4 * slope(h / 2) - slope(h)) / 3  # [4, B, R, D] in bhd: every entry of dt moved at once
-    case.dt = dt0
-    gen = torch.Generator().manual_seed(3)
-    grads = [torch.randn(y.shape, generator=gen, dtype=torch.float64) for y in case.call(ts.load(case.spec),
-                                                                                        *case.tensors())]
-    per_b = np.einsum("kbrd,kbrd->b", np.stack([as_bhd(g, case.spec) for g in grads]), derivative)
-    expect_grad = per_b if case.spec.dt == "per_trajectory" else per_b.sum()
-    for name, step in paths:
-        dt = dt0.clone().requires_grad_(True)
-        ys = case.call(step, *case.tensors()[:-1], dt)
-        (gdt,) = torch.autograd.grad(ys, dt, grads)
-        scale_close(np.atleast_1d(gdt.numpy()), np.atleast_1d(expect_grad), 1e-8)
-        with fwAD.dual_level():
-            ys = case.call(step, *case.tensors()[:-1], fwAD.make_dual(dt0.clone(), torch.ones_like(dt0)))
-            tangents = np.stack([as_bhd(fwAD.unpack_dual(y).tangent, case.spec) for y in ys])
-        scale_close(tangents, derivative, 1e-8)
 
 
 @pytest.mark.parametrize("overrides", LONG_SPANS, ids=[grid_id(g) for g in LONG_SPANS])

@@ -1,8 +1,8 @@
 """Seeded random variants against the independent references: the fields that apply to a
-control drawn together, at horizons, dof and batches beyond the hand-picked grids (several
-AVX-512 vectors per row, batches past OpenMP's threshold and past a 64-trajectory chunk),
-forward and dot test on every kernel path (C through the native node and through the Python
-Functions, the CUDA source run on the host).
+control drawn together, at horizons, dof and batches beyond the hand-picked grids (rows wider
+than one vector, batches past OpenMP's threshold and past a 64-trajectory chunk of the dt
+gradient). On every kernel path (C through the native node and through the Python Functions,
+the CUDA source run on the host): the forward and the dot test, and dt's gradient and tangent.
 
 Each test id names its draw (``steps-7``, ``bspline-3``), so a failure reruns with ``-k``.
 ``TENSORSTEP_RANDOM_SPECS=N`` draws N variants of each family instead of the few CI runs, for
@@ -16,10 +16,10 @@ import random
 import pytest
 
 import tensorstep as ts
-from helpers import ReferenceCase
+from helpers import ReferenceCase, check_dt_derivatives, kernel_paths
 
 DRAWS = int(os.environ.get("TENSORSTEP_RANDOM_SPECS", "6"))
-BATCHES = (1, 2, 3, 17, 65, 70)  # 65 and 70: two threads, a second 64-trajectory dt chunk
+BATCHES = (1, 2, 3, 17, 65, 70)  # 65 and 70: two OpenMP threads, and a uniform dt's gradient in two chunks
 
 
 def _accuracy(rng: random.Random, difference: str, order: int):
@@ -65,9 +65,25 @@ FAMILIES = {"steps": draw_steps, "bspline": draw_bspline}
 DRAWN = [f"{family}-{seed}" for family in FAMILIES for seed in range(DRAWS)]
 
 
+def drawn(draw: str) -> tuple[ts.KernelSpec, int, int]:
+    """The spec, batch size and input seed of a draw (every draw is a valid spec)."""
+    rng = random.Random(draw)
+    spec = ts.KernelSpec(**FAMILIES[draw.split("-")[0]](rng))
+    return spec, rng.choice(BATCHES), rng.randrange(1 << 30)
+
+
 @pytest.mark.parametrize("draw", DRAWN)
 def test_drawn_variant_matches_reference_on_every_path(draw):
-    rng = random.Random(draw)
-    spec = ts.KernelSpec(**FAMILIES[draw.split("-")[0]](rng))  # every draw is valid: a refusal fails
-    case = ReferenceCase(spec, B=rng.choice(BATCHES), seed=rng.randrange(1 << 30))
+    spec, batch, seed = drawn(draw)
+    case = ReferenceCase(spec, B=batch, seed=seed)
     case.check_kernels(case.expected())
+
+
+@pytest.mark.parametrize("draw", DRAWN)
+def test_drawn_variant_dt_gradient_and_tangent_match_reference(draw):
+    """dt's gradient and tangent on every path against differences of the reference in dt
+    (helpers.check_dt_derivatives)."""
+    spec, batch, seed = drawn(draw)
+    if spec.dt == "per_trajectory":
+        batch = min(batch, 3)  # the reference solves every trajectory's stencils anew
+    check_dt_derivatives(ReferenceCase(spec, B=batch, seed=seed), kernel_paths(spec))
