@@ -146,7 +146,7 @@ def _begin() -> Optional[tuple[Callable[[], None], str]]:
         found = BuildCache().verified_artefact(key, ARTEFACT)
         if found is not None:
             return _settle(*_load(found))
-        doing = ("another process is building" if BuildCache().building(key) else "building")
+        doing = "another process is building" if BuildCache().building(key) else "building"
         print(f"tensorstep: {doing} the native autograd node for torch {torch.__version__} in the background "
               "(once per PyTorch install); steps use the Python autograd path until it is ready",
               file=sys.stderr, flush=True)
