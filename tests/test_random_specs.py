@@ -2,7 +2,8 @@
 control drawn together, at horizons, dof and batches beyond the hand-picked grids (rows wider
 than one vector, batches past OpenMP's threshold and past a 64-trajectory chunk of the dt
 gradient). On every kernel path (C through the native node and through the Python Functions,
-the CUDA source run on the host): the forward and the dot test, and dt's gradient and tangent.
+the CUDA source run on the host): the forward and the dot test, and dt's gradient and tangent;
+and torch.compile of the whole graph.
 
 Each test id names its draw (``steps-7``, ``bspline-3``), so a failure reruns with ``-k``.
 ``TENSORSTEP_RANDOM_SPECS=N`` draws N variants of each family instead of the few CI runs, for
@@ -87,3 +88,11 @@ def test_drawn_variant_dt_gradient_and_tangent_match_reference(draw):
     if spec.dt == "per_trajectory":
         batch = min(batch, 3)  # the reference solves every trajectory's stencils anew
     check_dt_derivatives(ReferenceCase(spec, B=batch, seed=seed), kernel_paths(spec))
+
+
+@pytest.mark.parametrize("draw", DRAWN)
+def test_drawn_variant_compiles_to_one_graph(draw):
+    """torch.compile(fullgraph=True) of a loss over every output gives eager's value and gradients
+    (every input, dt included): the custom ops' schemas hold for every argument combination."""
+    spec, batch, seed = drawn(draw)
+    ReferenceCase(spec, B=min(batch, 3), seed=seed).check_compile()
