@@ -135,5 +135,5 @@ def vmap(table: ArgumentTable, V: int, in_dims: Sequence[Optional[int]], inputs:
         if any(input_dims[position[a.name]] is not None for a in picked):
             S = _rows(inputs[position[picked[0].name]], input_dims[position[picked[0].name]])
             entries = entries + torch.arange(V, device=x.device, dtype=x.dtype).unsqueeze(1) * S
-        folded[i] = entries.reshape(-1)
+        folded[i] = entries.reshape(-1).contiguous()  # with B=1 the reshape is a stride-0 view
     return unfold(apply(*folded, dt), V)

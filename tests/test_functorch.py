@@ -1,11 +1,13 @@
 """torch.func transforms through the step agree with the dense reference."""
 from __future__ import annotations
 
+import pytest
 import torch
 from torch.func import grad, hessian, jacfwd, jacrev, jvp, vjp, vmap
 
 import reference
 import tensorstep as ts
+from helpers import ReferenceCase, as_bhd, scale_close
 
 SPEC = ts.KernelSpec(horizon=6, dof=2, dtype="float64", control="acceleration", integrator="exact")
 DT = 0.1
@@ -67,3 +69,20 @@ def test_vmap_matches_loop():
     batched = vmap(lambda u, p0: torch.stack(step(u, p0, v0, a0, DT)))(us, p0s)
     looped = torch.stack([torch.stack(step(us[i], p0s[i], v0, a0, DT)) for i in range(3)])
     assert torch.allclose(batched, looped, atol=0)
+
+
+@pytest.mark.parametrize("fields", [dict(horizon=8, start_index=True), dict(horizon=8, end="goal", goal_index=True),
+                                    dict(control="bspline", knots=3, steps=2, end="goal", goal_index=True,
+                                         start_index=True)], ids=["start_index", "goal_index", "bspline"])
+def test_vmap_of_u_with_one_trajectory_and_an_index(fields):
+    """vmap over u alone with B=1 and an index: the folded index holds V equal entries (once a
+    stride-0 view that the kernel read past its one element); each slice is the reference's."""
+    spec = ts.KernelSpec(**fields, dof=2, dtype="float64")
+    case, other = ReferenceCase(spec, B=1, seed=0), ReferenceCase(spec, B=1, seed=1)
+    other.start, other.goal, other.idx, other.gidx = case.start, case.goal, case.idx, case.gidx
+    step = ts.load(spec)
+    states = case.tensors()[1:-1]
+    ys = vmap(lambda u: torch.stack(case.call(step, u, *states, case.dt)[:4]))(torch.stack([case.u, other.u]))
+    for slice_, each in zip(ys, (case, other)):
+        for y, e in zip(slice_, each.expected()):
+            scale_close(as_bhd(y, spec), e, 1e-12)

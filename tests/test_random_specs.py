@@ -2,8 +2,8 @@
 control drawn together, at horizons, dof and batches beyond the hand-picked grids (rows wider
 than one vector, batches past OpenMP's threshold and past a 64-trajectory chunk of the dt
 gradient). On every kernel path (C through the native node and through the Python Functions,
-the CUDA source run on the host): the forward and the dot test, and dt's gradient and tangent;
-and torch.compile of the whole graph.
+the CUDA source run on the host): the forward and the dot test, and dt's gradient and tangent.
+Through the default path: torch.compile of the whole graph, torch.func.jvp and vmap.
 
 Each test id names its draw (``steps-7``, ``bspline-3``), so a failure reruns with ``-k``.
 ``TENSORSTEP_RANDOM_SPECS=N`` draws N variants of each family instead of the few CI runs, for
@@ -11,13 +11,15 @@ a longer search.
 """
 from __future__ import annotations
 
+import copy
 import os
 import random
 
 import pytest
+import torch
 
 import tensorstep as ts
-from helpers import ReferenceCase, check_dt_derivatives, kernel_paths
+from helpers import ReferenceCase, as_bhd, check_dt_derivatives, kernel_paths, scale_close
 
 DRAWS = int(os.environ.get("TENSORSTEP_RANDOM_SPECS", "6"))
 BATCHES = (1, 2, 3, 17, 65, 70)  # 65 and 70: two OpenMP threads, and a uniform dt's gradient in two chunks
@@ -96,3 +98,28 @@ def test_drawn_variant_compiles_to_one_graph(draw):
     (every input, dt included): the custom ops' schemas hold for every argument combination."""
     spec, batch, seed = drawn(draw)
     ReferenceCase(spec, B=min(batch, 3), seed=seed).check_compile()
+
+
+@pytest.mark.parametrize("draw", DRAWN)
+def test_drawn_variant_forward_mode_and_vmap_match_reference(draw):
+    """torch.func.jvp in u and the start and goal states (for a fixed dt the step is linear in
+    them, so the outputs' tangent is the reference of the tangents), and vmap over a leading
+    axis of u (each slice the reference of its u)."""
+    spec, batch, seed = drawn(draw)
+    case = ReferenceCase(spec, B=min(batch, 3), seed=seed)
+    step = ts.load(spec)
+    states, K = case.tensors()[:-1], len(case.expected())
+    outputs = lambda *states_: case.call(step, *states_, case.dt)[:K]
+
+    tangent = ReferenceCase(spec, B=case.B, seed=seed + 1)
+    tangent.dt, tangent.idx, tangent.gidx = case.dt, case.idx, case.gidx  # the same indices and dt
+    _, tangents = torch.func.jvp(outputs, tuple(states), tuple(tangent.tensors()[:-1]))
+    for y, e in zip(tangents, tangent.expected()):
+        scale_close(as_bhd(y, spec), e, 1e-12)
+
+    other = copy.copy(case)
+    other.u = ReferenceCase(spec, B=case.B, seed=seed + 2).u
+    ys = torch.func.vmap(lambda u: torch.stack(outputs(u, *states[1:])))(torch.stack([case.u, other.u]))
+    for slice_, each in zip(ys, (case, other)):
+        for y, e in zip(slice_, each.expected()):
+            scale_close(as_bhd(y, spec), e, 1e-12)
