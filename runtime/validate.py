@@ -8,6 +8,7 @@ autograd returns gradients in each input's own shape.
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any, Optional, Sequence
 
 import torch
@@ -141,6 +142,8 @@ def dt_tensor(dt: Any, table: ArgumentTable, dtype: torch.dtype, device: torch.d
                 else "a scalar (0-dim or 1 element)" if n == 1 else f"shape ({n},)")
     if isinstance(dt, bool) or dt is None:
         raise TypeError(f"{arg.name}: expected a positive float or a tensor, got {dt!r}")
+    if isinstance(dt, numbers.Real) and not isinstance(dt, (int, float)):
+        dt = float(dt)  # a NumPy scalar (numpy.float32 is no float subclass), a Fraction
     if isinstance(dt, (int, float)) or _symbolic_float(dt):
         if per_trajectory:
             raise TypeError(f"{arg.name}: this kernel takes one step duration per trajectory (dt='per_trajectory'), "

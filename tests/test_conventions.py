@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import pickle
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -94,3 +95,25 @@ def test_numpy_and_torch_spellings_load_the_same_kernel():
     spec = ts.KernelSpec(horizon=np.int64(6), dof=np.int64(2), control="acceleration", integrator="exact",
                          dtype=torch.float32)
     assert ts.load(spec).spec.name == SPEC32.name
+
+
+@pytest.mark.parametrize("dt", [np.float32(0.125), np.float64(0.125), Fraction(1, 8)],
+                         ids=["numpy.float32", "numpy.float64", "Fraction"])
+def test_a_scalar_dt_may_be_any_real_number(dt):
+    """As PyTorch's ops take NumPy scalars: a dt read from a NumPy config (numpy.float32 is no
+    float subclass) gives the reference's outputs for that dt (0.125 is exact in binary)."""
+    step = ts.load(SPEC32.replace(dtype="float64"))
+    gen = torch.Generator().manual_seed(0)
+    u = torch.randn(3, 5, 2, generator=gen, dtype=torch.float64)
+    starts = [torch.randn(3, 2, generator=gen, dtype=torch.float64) for _ in range(3)]
+    expected = reference.apply(step.spec, 0.125, u.numpy(), np.concatenate(
+        [torch.stack(starts, 1).numpy(), np.zeros((3, 1, 2))], 1))
+    for k, y in enumerate(step(u, *starts, dt)):
+        scale_close(y.numpy(), expected[k], 1e-12)
+
+
+@pytest.mark.parametrize("dt", [True, np.bool_(True), "0.1", None], ids=["bool", "numpy.bool_", "str", "None"])
+def test_a_dt_that_is_no_real_number_is_refused(dt):
+    step = ts.load(SPEC32)
+    with pytest.raises(TypeError, match=r"^dt: expected a positive float or a tensor, got "):
+        step(torch.zeros(3, 5, 2), torch.zeros(3, 2), torch.zeros(3, 2), torch.zeros(3, 2), dt)
