@@ -73,3 +73,31 @@ def test_dt_gradient_has_the_same_bits_for_any_number_of_threads():
         assert run.returncode == 0, run.stderr
         bits.add(run.stdout.strip())
     assert len(bits) == 1
+
+
+_FORK_SCRIPT = """
+import multiprocessing, torch, tensorstep as ts
+step = ts.load(ts.KernelSpec(horizon=10, dof=3, dtype="float64"), "cpu")
+u, s = torch.randn(300, 9, 3, dtype=torch.float64), torch.randn(300, 3, dtype=torch.float64)
+expected = step(u, s, s, s, 0.1)  # B=300: the parent's OpenMP threads run the batch
+def child(queue):
+    torch.set_num_threads(1)  # as README says (and DataLoader's workers do)
+    queue.put(all(torch.equal(y, e) for y, e in zip(step(u, s, s, s, 0.1), expected)))
+queue = multiprocessing.get_context("fork").SimpleQueue()
+worker = multiprocessing.get_context("fork").Process(target=child, args=(queue,))
+worker.start()
+worker.join(60)
+print("hung" if worker.is_alive() else queue.get())
+worker.kill()
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="fork as multiprocessing's default start method")
+def test_a_forked_process_that_sets_one_thread_runs_the_step():
+    """GNU OpenMP's threads do not survive a fork: like PyTorch's own CPU ops, the kernels in a
+    process forked after they ran in parallel need torch.set_num_threads(1) (the kernels follow
+    torch's setting: one OpenMP runtime serves both), and then give the parent's bits."""
+    env = dict(os.environ, OMP_NUM_THREADS="2")
+    run = subprocess.run([sys.executable, "-c", _FORK_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "True"
