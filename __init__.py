@@ -1,7 +1,7 @@
 """tensorstep: generated, differentiable trajectory step kernels for robot motion optimisation.
 
 ``import tensorstep`` is light: the runtime (and PyTorch with it) is imported on first use of
-``load``, ``source``, ``operator_matrices`` or ``Step``, so the command line's code-only
+``load``, ``source``, ``operator_matrices``, ``register_ops`` or ``Step``, so the command line's code-only
 commands never import PyTorch.
 """
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any
 from .codegen.spec import KernelSpec
 from .version import __version__
 
-_RUNTIME = ("load", "source", "operator_matrices", "Step")
+_RUNTIME = ("load", "source", "operator_matrices", "register_ops", "Step")
 
 
 def __getattr__(name: str) -> Any:
@@ -28,4 +28,4 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_RUNTIME))
 
 
-__all__ = ["KernelSpec", "Step", "load", "operator_matrices", "source", "__version__"]
+__all__ = ["KernelSpec", "Step", "load", "operator_matrices", "register_ops", "source", "__version__"]

@@ -315,6 +315,16 @@ def load(spec: Any, device: Union[str, torch.device] = "cpu") -> Step:
     return Step(spec, dev, Launcher(spec, backend))
 
 
+def register_ops() -> None:
+    """Register tensorstep's torch.library ops (``tensorstep::step`` and the others) in this
+    process. ``torch.compile`` registers them itself when it first traces a step; call this
+    before ``torch.export.load`` of a program that calls a step. The program's kernels are
+    loaded (or built) from its graph on their first call."""
+    from . import ops
+
+    ops.register_all()
+
+
 def source(spec: Any, target: str = "c") -> str:
     """The generated source text ('c', 'cuda' or 'header')."""
     from ..codegen.driver import generate

@@ -50,6 +50,17 @@ def ops_for(launcher: Any) -> FamilyOps:
     return _FAMILIES[family]
 
 
+def register_all() -> None:
+    """Register the ops of every kernel family now (each spec of a family shares its schema)."""
+    from ..codegen.arguments import table
+    from ..codegen.spec import KernelSpec
+
+    for spec in (KernelSpec(horizon=3, dof=1), KernelSpec(horizon=3, dof=1, end="goal")):
+        family_table = table(spec)
+        if family_table.family not in _FAMILIES:
+            _FAMILIES[family_table.family] = _register(family_table.family, family_table)
+
+
 def _register(family: str, table: Any) -> FamilyOps:
     """Register the ops of a family; ``table`` is any of its tables (they share the schema)."""
     n = len(table.tensors)
