@@ -88,6 +88,7 @@ class Step(torch.nn.Module):
         later eager calls would read it: such a call raises (``prepare`` caches it beforehand)."""
         if self.launcher.per_trajectory:
             return validate.dt_tensor(dt, self.table, self.dtype, self.device, batch)
+        dt = validate.python_number(dt)
         if isinstance(dt, float) and not torch.compiler.is_compiling():
             cached = self._dt_cache.get(dt)
             if cached is None:
@@ -106,6 +107,7 @@ class Step(torch.nn.Module):
         if capturing():
             raise warm_up_first("prepare was called")
         if dt is not None:
+            dt = validate.python_number(dt)
             if not isinstance(dt, float):
                 raise TypeError(f"dt: prepare takes the float dt later calls pass, got {type(dt).__name__}")
             if dt not in self._dt_cache:

@@ -142,8 +142,7 @@ def dt_tensor(dt: Any, table: ArgumentTable, dtype: torch.dtype, device: torch.d
                 else "a scalar (0-dim or 1 element)" if n == 1 else f"shape ({n},)")
     if isinstance(dt, bool) or dt is None:
         raise TypeError(f"{arg.name}: expected a positive float or a tensor, got {dt!r}")
-    if isinstance(dt, numbers.Real) and not isinstance(dt, (int, float)):
-        dt = float(dt)  # a NumPy scalar (numpy.float32 is no float subclass), a Fraction
+    dt = python_number(dt)
     if isinstance(dt, (int, float)) or _symbolic_float(dt):
         if per_trajectory:
             raise TypeError(f"{arg.name}: this kernel takes one step duration per trajectory (dt='per_trajectory'), "
@@ -165,6 +164,14 @@ def dt_tensor(dt: Any, table: ArgumentTable, dtype: torch.dtype, device: torch.d
     if dt.device.type == "cpu" and not torch.compiler.is_compiling():
         check_dt_values(dt, arg.name)
     return dt.reshape(n).to(dtype).contiguous()
+
+
+def python_number(value: Any) -> Any:
+    """A real number that is no Python int or float (a NumPy scalar: numpy.float32 is no float
+    subclass; a Fraction) as a Python float; anything else as it is."""
+    if isinstance(value, numbers.Real) and not isinstance(value, (int, float)):
+        return float(value)
+    return value
 
 
 def _symbolic_float(value: Any) -> bool:

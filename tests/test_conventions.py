@@ -110,6 +110,7 @@ def test_a_scalar_dt_may_be_any_real_number(dt):
         [torch.stack(starts, 1).numpy(), np.zeros((3, 1, 2))], 1))
     for k, y in enumerate(step(u, *starts, dt)):
         scale_close(y.numpy(), expected[k], 1e-12)
+    assert step.prepare(dt=dt) is step and 0.125 in step._dt_cache  # later calls reuse its tensor
 
 
 @pytest.mark.parametrize("dt", [True, np.bool_(True), "0.1", None], ids=["bool", "numpy.bool_", "str", "None"])
