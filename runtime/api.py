@@ -86,9 +86,9 @@ class Step(torch.nn.Module):
 
         Inside a CUDA graph capture a new float's tensor would only be recorded, never filled, and
         later eager calls would read it: such a call raises (``prepare`` caches it beforehand)."""
+        dt = validate.python_number(dt)
         if self.launcher.per_trajectory:
             return validate.dt_tensor(dt, self.table, self.dtype, self.device, batch)
-        dt = validate.python_number(dt)
         if isinstance(dt, float) and not torch.compiler.is_compiling():
             cached = self._dt_cache.get(dt)
             if cached is None:

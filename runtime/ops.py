@@ -44,10 +44,7 @@ _FAMILIES: dict[str, FamilyOps] = {}
 
 def ops_for(launcher: Any) -> FamilyOps:
     """The ops serving a launcher's kernel family (registered on first use)."""
-    family = launcher.table.family
-    if family not in _FAMILIES:
-        _FAMILIES[family] = _register(family, launcher.table)
-    return _FAMILIES[family]
+    return _family_ops(launcher.table)
 
 
 def register_all() -> None:
@@ -56,9 +53,13 @@ def register_all() -> None:
     from ..codegen.spec import KernelSpec
 
     for spec in (KernelSpec(horizon=3, dof=1), KernelSpec(horizon=3, dof=1, end="goal")):
-        family_table = table(spec)
-        if family_table.family not in _FAMILIES:
-            _FAMILIES[family_table.family] = _register(family_table.family, family_table)
+        _family_ops(table(spec))
+
+
+def _family_ops(table: Any) -> FamilyOps:
+    if table.family not in _FAMILIES:
+        _FAMILIES[table.family] = _register(table.family, table)
+    return _FAMILIES[table.family]
 
 
 def _register(family: str, table: Any) -> FamilyOps:

@@ -45,5 +45,5 @@ def _load(key: str) -> Launcher:
         spec = spec_from_dict(json.loads(fields))
     except (ValueError, TypeError, KeyError) as err:
         raise RuntimeError(f"tensorstep: {key!r} is not a kernel key (name@device@fields): {err}") from None
-    step = load(spec, device)  # registers the key
-    return _LAUNCHERS.get(key, step.launcher)
+    _LAUNCHERS[key] = load(spec, device).launcher
+    return _LAUNCHERS[key]

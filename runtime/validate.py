@@ -129,7 +129,7 @@ def check_dt_values(dt: Tensor, name: str = "dt") -> None:
 
 def dt_tensor(dt: Any, table: ArgumentTable, dtype: torch.dtype, device: torch.device,
               batch: Optional[int] = None) -> Tensor:
-    """Normalise dt (a float or a tensor) to the kernel's dt vector; refuse non-finite or ≤ 0.
+    """Normalise dt (a float, see ``python_number``, or a tensor) to the kernel's dt vector; refuse non-finite or ≤ 0.
 
     With dt="per_trajectory" dt is a tensor [B] (``batch`` = B); a float is refused rather than
     broadcast, so that a forgotten per-trajectory dt never passes silently.
@@ -142,7 +142,6 @@ def dt_tensor(dt: Any, table: ArgumentTable, dtype: torch.dtype, device: torch.d
                 else "a scalar (0-dim or 1 element)" if n == 1 else f"shape ({n},)")
     if isinstance(dt, bool) or dt is None:
         raise TypeError(f"{arg.name}: expected a positive float or a tensor, got {dt!r}")
-    dt = python_number(dt)
     if isinstance(dt, (int, float)) or _symbolic_float(dt):
         if per_trajectory:
             raise TypeError(f"{arg.name}: this kernel takes one step duration per trajectory (dt='per_trajectory'), "
