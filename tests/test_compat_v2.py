@@ -322,8 +322,8 @@ def _no_kernel(monkeypatch):
 CLIQUE_ERRORS = [
     ({"u": torch.zeros(3, 6, 2, dtype=f64)}, ValueError, r"u_act: expected u_act.shape\[-2\] = H - 4 = 5"),
     ({"H": 8, "u": torch.zeros(3, 4, 2, dtype=f64)}, ValueError, r"out_position: H = 8 rows; .* H >= 9"),
-    ({"sidx": torch.zeros(3, dtype=torch.int64)}, TypeError, r"start_idx: expected dtype torch.int32, got torch.int64"),
-    ({"gidx": torch.zeros(3, dtype=torch.int64)}, TypeError, r"goal_idx: expected dtype torch.int32"),
+    ({"sidx": torch.zeros(3, dtype=f64)}, TypeError, r"start_idx: expected dtype torch.int32 or torch.int64, got"),
+    ({"gidx": torch.zeros(3, 2, dtype=torch.int32)}, ValueError, r"goal_idx: expected shape \(3,\) or \(3, 1\)"),
     ({"gidx": torch.tensor([0, 1, 3], dtype=torch.int32)}, IndexError, r"goal_idx: entry 3 is out of range: .*goal_position"),
     ({"sidx": torch.tensor([0, 9, 1], dtype=torch.int32)}, IndexError, r"start_idx: entry 9 is out of range"),
     ({"traj_dt": torch.tensor([0.1, 0.1], dtype=f64)}, IndexError, r"goal_idx: entry 2 is out of range: .*traj_dt"),
@@ -337,7 +337,10 @@ CLIQUE_ERRORS = [
     ({"gp": "goal"}, TypeError, r"goal_position: expected a torch.Tensor"),
     ({"u": torch.zeros(3, 5, 2, dtype=torch.float16)}, TypeError, r"u_act: expected dtype torch.float32 or torch.float64"),
     ({"out": None}, TypeError, r"out_position: expected a torch.Tensor"),
-    ({"out_dt": torch.zeros(2, dtype=f64)}, ValueError, r"out_dt: expected shape \(3,\)"),
+    ({"out_dt": torch.zeros(2, dtype=f64)}, ValueError, r"out_dt: expected at least B = 3 elements"),
+    ({"out_dt": torch.zeros(4, 2, dtype=f64).t()}, ValueError, r"out_dt: expected a 1-D or contiguous tensor"),
+    ({"u": torch.zeros(3, 5, 3, dtype=f64)}, ValueError, r"u_act: expected 2 dof \(the last dimension of out_position"),
+    ({"out2": "out"}, ValueError, r"out_velocity: shares memory with out_position"),
     ({"u": torch.zeros(0, 5, 2, dtype=f64)}, ValueError, r"u_act: batch size is 0"),
 ]
 
@@ -348,11 +351,14 @@ def test_clique_bad_input(over, kind, pattern, monkeypatch):
     case = Case(3, H - 4, 2, FLAGS["mixed"])
     x = {"u": case.u, "sp": case.start[0], "sv": case.start[1], "sa": case.start[2], "gp": case.goal[0],
          "sidx": case.sidx, "gidx": case.gidx, "traj_dt": case.traj_dt, "flag": case.flag,
-         "out": torch.empty(3, H, 2, dtype=f64), "out_dt": None, **over}
+         "out": torch.empty(3, H, 2, dtype=f64), "out2": None, "out_dt": None, **over}
+    if x["out2"] == "out":
+        x["out2"] = x["out"]
     _no_kernel(monkeypatch)
-    with pytest.raises(kind, match=pattern):
+    with pytest.raises(kind, match=pattern) as info:
         C.CliqueTensorStepIdxKernel.apply(x["u"], x["sp"], x["sv"], x["sa"], x["gp"], None, None, x["sidx"], x["gidx"],
-                                          x["out"], None, None, None, x["out_dt"], x["traj_dt"], x["flag"], None)
+                                          x["out"], x["out2"], None, None, x["out_dt"], x["traj_dt"], x["flag"], None)
+    assert isinstance(info.value, ValueError) and isinstance(info.value, TypeError)  # cuRobo's callers catch ValueError
 
 
 def test_acceleration_bad_input(monkeypatch):
@@ -360,13 +366,17 @@ def test_acceleration_bad_input(monkeypatch):
     call = lambda **kw: C.AccelerationTensorStepIdxKernel.apply(
         kw.get("u", case.u), *case.start[:3], kw.get("sidx", case.sidx[:2]), torch.empty(2, 6, 2, dtype=f64),
         None, None, None, kw.get("traj_dt", torch.full((6,), 0.1, dtype=f64)), None)
-    monkeypatch.setattr(C.v07, "_step", lambda *a: pytest.fail("a kernel ran before the check"))
+    _no_kernel(monkeypatch)
     with pytest.raises(ValueError, match=r"u_act: expected u_act.shape\[-2\] = H = 6"):
         call(u=torch.zeros(2, 5, 2, dtype=f64))
     with pytest.raises(ValueError, match=r"traj_dt: expected at least H = 6 step durations"):
         call(traj_dt=torch.full((5,), 0.1, dtype=f64))
-    with pytest.raises(TypeError, match=r"start_idx: expected dtype torch.int32"):
-        call(sidx=torch.zeros(2, dtype=torch.int64))
+    with pytest.raises(ValueError, match=r"start_idx: expected dtype torch.int32 or torch.int64"):
+        call(sidx=torch.zeros(2, dtype=f32))
+    with pytest.raises(IndexError, match=r"start_idx: entry 4 is out of range"):
+        call(sidx=torch.tensor([0, 4], dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"u_act: expected 2 dof"):
+        call(u=torch.zeros(2, 6, 3, dtype=f64))
 
 
 def test_bspline_bad_input(monkeypatch):
@@ -385,6 +395,11 @@ def test_bspline_bad_input(monkeypatch):
         bspline(case, 40, 4, traj_dt=torch.tensor([0.1, float("nan"), 0.1], dtype=f64))
     with pytest.raises(ValueError, match=r"goal_jerk: expected shape \(3, 2\)"):
         bspline(case, 40, 4, g3=torch.zeros(2, 2, dtype=f64))
+    with pytest.raises(ValueError, match=r"u_act: expected 2 dof"):
+        bspline(case, 40, 4, u=torch.zeros(3, 6, 3, dtype=f64))
+    with pytest.raises(IndexError, match=r"goal_idx: entry 2 is out of range") as info:
+        bspline(case, 40, 4, traj_dt=case.traj_dt[:2])
+    assert isinstance(info.value, ValueError)
 
 
 def test_bspline_n_equal_degree_without_flag_is_computed():
@@ -432,8 +447,7 @@ def test_cuda_source_run_on_the_host_matches_reference(spec, monkeypatch):
     """The generated CUDA kernels run on the host (every thread of the grid in turn) behind the
     kernel classes: forward against the reference, gradcheck with forward mode (float64)."""
     step = host_step(spec)
-    cache = C.v07._STEPS if isinstance(spec, LegacySpec) else C._STEPS  # the classes' loaded steps
-    monkeypatch.setitem(cache, (spec, "cpu"), step)
+    monkeypatch.setitem(C._STEPS, (spec, "cpu"), step)  # the classes' loaded steps
     dtype = f64 if spec.dtype == "float64" else f32
     small = Case(2, spec.n_actions, spec.dof, [1, 0, 1], seed=10)
     x = [small.u, small.start[0], small.goal[0], small.traj_dt]
@@ -564,3 +578,246 @@ def test_vmap_and_jacfwd():
     forward = jacfwd(lambda u: bspline(knots, 23, 4, u=u)[2])(knots.u)
     reverse = jacrev(lambda u: bspline(knots, 23, 4, u=u)[2])(knots.u)
     torch.testing.assert_close(forward, reverse, rtol=1e-12, atol=1e-12)
+
+
+# ---- the calls cuRobo v2's own code makes --------------------------------------------------------
+
+def _flat_tables(case: Case) -> Case:
+    """The same case, every start and goal table reshaped [2, rows/2, dof] or [1, rows, dof] (as
+    cuRobo passes seed_goal_js [batch, seeds, dof]) and every index [B, 1] int64."""
+    moved = object.__new__(Case)
+    moved.__dict__.update(vars(case))
+    moved.start = [t.reshape(2, -1, case.D) for t in case.start]  # NS = 4 rows
+    moved.goal = [t.reshape(1, -1, case.D) for t in case.goal]
+    moved.sidx, moved.gidx = case.sidx.long().reshape(-1, 1), case.gidx.long().reshape(-1, 1)
+    return moved
+
+
+def test_tables_of_more_dims_and_column_indices_as_curobo_passes_them():
+    """[batch, seeds, dof] / [1, H, dof] tables read as flat rows of dof, [B, 1] int64 indices, in all
+    three kernels: the values of the flat-table reference, gradients in the tables' own shapes."""
+    case = Case(3, 5, 2, FLAGS["mixed"], seed=20)
+    curobo = _flat_tables(case)
+    for k, (got, expected) in enumerate(zip(clique(curobo, 9), clique_reference(case, 9))):
+        scale_close(got.numpy(), expected, 1e-12)
+    traj_dt = torch.linspace(0.05, 0.1, 12, dtype=f64)
+    got = acceleration(curobo, 5, traj_dt)
+    expected = ref.acceleration_v2(case.u.numpy(), *(t.numpy() for t in case.start[:3]), case.sidx.numpy(),
+                                   traj_dt.numpy(), 5)
+    for k in range(4):
+        scale_close(got[k].numpy(), expected[k], 1e-12)
+    knots = Case(3, 6, 2, FLAGS["mixed"], seed=21)
+    R = 11 * 2 + 1
+    for got, expected in zip(bspline(_flat_tables(knots), R, 4), bspline_reference(knots, R, 4)):
+        scale_close(got.numpy(), expected, 1e-12)
+    goal = curobo.goal[0].clone().requires_grad_(True)
+    (g3,) = torch.autograd.grad(clique(curobo, 9, gp=goal)[0].sum(), goal)
+    flat = case.goal[0].clone().requires_grad_(True)
+    (g2,) = torch.autograd.grad(clique(case, 9, gp=flat)[0].sum(), flat)
+    assert g3.shape == goal.shape and torch.equal(g3.reshape(g2.shape), g2) and float(g2.abs().max()) > 0
+
+
+def test_interpolation_takes_curobo_tables_and_indices():
+    n, B, D, max_out, degree = 6, 3, 2, 40, 4
+    case = Case(B, n, D, FLAGS["mixed"], seed=22)
+    curobo = _flat_tables(case)
+    horizon = torch.tensor([[25], [39], [11]], dtype=torch.int64)  # [B, 1], as the goal registry's
+    interp_dt = torch.tensor([0.03], dtype=f64)
+    out = C.JointState(*(torch.empty(B, max_out, D, dtype=f64) for _ in range(4)), dt=torch.full((B + 2,), -1.0, dtype=f64))
+    C.get_bspline_interpolation(C.JointState(knot=case.u), out, interp_dt, C.JointState(*curobo.start),
+                                C.JointState(*curobo.goal), curobo.sidx, curobo.gidx, case.flag, horizon, degree)
+    expected = ref.bspline_interpolation_v2(case.u.numpy(), *(t.numpy() for t in case.start),
+                                            *(t.numpy() for t in case.goal), case.sidx.numpy(), case.gidx.numpy(),
+                                            interp_dt.numpy(), case.flag.numpy(), horizon.reshape(-1).numpy(),
+                                            max_out, degree)
+    for k, name in enumerate(("position", "velocity", "acceleration", "jerk")):
+        scale_close(getattr(out, name).numpy(), expected[k], 1e-12)
+    assert out.dt.tolist() == [0.03] * B + [-1.0, -1.0]  # a longer dt buffer: its first B entries
+
+
+@pytest.mark.parametrize("shape", [(5,), (5, 1), (1, 5)])
+def test_out_dt_with_more_entries_gets_its_first_B_written(shape):
+    case = Case(3, 5, 2, FLAGS["mixed"], seed=23)
+    out_dt = torch.full(shape, -1.0, dtype=f32)
+    C.CliqueTensorStepIdxKernel.apply(case.u, *case.start[:3], *case.goal[:3], case.sidx, case.gidx,
+                                      torch.empty(3, 9, 2, dtype=f64), None, None, None, out_dt, case.traj_dt,
+                                      case.flag, None)
+    expected = case.traj_dt[case.gidx.long()].float().tolist() + [-1.0, -1.0]
+    assert out_dt.reshape(-1).tolist() == expected
+    out_dt = torch.full(shape, -1.0, dtype=f64)
+    bspline(Case(3, 6, 2, FLAGS["mixed"], seed=23), 23, 4, out_dt=out_dt)
+    assert out_dt.reshape(-1).tolist() == case.traj_dt[case.gidx.long()].tolist() + [-1.0, -1.0]
+
+
+def _recording_steps(monkeypatch) -> list:
+    """Record the out= of every step call the classes make (the kernel's own output tensors)."""
+    calls = []
+    load = C._step
+
+    class Recording:
+        def __init__(self, step):
+            self.step, self.launcher = step, step.launcher
+
+        def __call__(self, *args, out=None, **kw):
+            calls.append(out)
+            return self.step(*args, out=out, **kw)
+
+    monkeypatch.setattr(C, "_step", lambda spec, device: Recording(load(spec, device)))
+    return calls
+
+
+KERNELS = ["clique", "acceleration", "bspline"]
+
+
+def _call_with_buffers(kind: str, case: Case, leaves: dict, buffers: list):
+    if kind == "clique":
+        return C.CliqueTensorStepIdxKernel.apply(leaves["u"], leaves["sp"], leaves["sv"], leaves["sa"], leaves["gp"],
+                                                 None, None, case.sidx, case.gidx, *buffers, None, leaves["traj_dt"],
+                                                 case.flag, None)
+    if kind == "acceleration":
+        return C.AccelerationTensorStepIdxKernel.apply(leaves["u"], leaves["sp"], leaves["sv"], leaves["sa"],
+                                                       case.sidx, *buffers, leaves["traj_dt"], None)
+    return C.BSplineIdxKernel.apply(leaves["u"], leaves["sp"], leaves["sv"], leaves["sa"], None, leaves["gp"],
+                                    case.goal[1], case.goal[2], None, case.sidx, case.gidx, *buffers, None,
+                                    leaves["traj_dt"], case.flag, None, 4)
+
+
+def _buffer_case(kind: str):
+    """(case, rows, inputs, the reference as a function of the inputs' arrays, reference names)."""
+    case = Case(3, {"clique": 6, "acceleration": 7, "bspline": 6}[kind], 2, FLAGS["mixed"], seed=24)
+    inputs = {"u": case.u, "sp": case.start[0], "sv": case.start[1], "sa": case.start[2]}
+    names = {"u": "u_act", "sp": "start_p", "sv": "start_v", "sa": "start_a", "traj_dt": "traj_dt"}
+    if kind == "clique":
+        rows, fn = 10, lambda **x: ref.clique_v2(**x, start_idx=case.sidx.numpy(), goal_idx=case.gidx.numpy(),
+                                                 flag=case.flag.numpy(), H=10)[:4]
+        inputs.update(gp=case.goal[0], traj_dt=case.traj_dt)
+        names["gp"] = "goal_p"
+    elif kind == "acceleration":
+        rows = 7
+        fn = lambda **x: ref.acceleration_v2(**x, start_idx=case.sidx.numpy(), H=7)
+        inputs["traj_dt"] = torch.linspace(0.05, 0.1, 7, dtype=f64)
+    else:
+        rows = 11 * 2 + 1
+        z = np.zeros((NS, 2))
+        fn = lambda **x: ref.bspline_v2(**x, start_j=z, goal_v=case.goal[1].numpy(), goal_a=case.goal[2].numpy(),
+                                        goal_j=z[:NG], start_idx=case.sidx.numpy(), goal_idx=case.gidx.numpy(),
+                                        flag=case.flag.numpy(), R=rows, degree=4)[:4]
+        inputs.update(gp=case.goal[0], traj_dt=case.traj_dt)
+        names["gp"] = "goal_p"
+    return case, rows, inputs, fn, names
+
+
+@pytest.mark.parametrize("kind", KERNELS)
+def test_returned_tensors_are_the_buffers_written_in_place_with_exact_gradients(kind, monkeypatch):
+    """cuRobo returns its out_* buffers: the results share their memory (the kernel writes into them,
+    no other output is allocated), the buffers stay plain tensors, and backward still reaches u,
+    the start and goal tables and traj_dt with the reference's dense transposes. A second call
+    into the same buffers (cuRobo's optimisation loop) works the same."""
+    calls = _recording_steps(monkeypatch)
+    case, rows, inputs, fn, names = _buffer_case(kind)
+    buffers = [torch.empty(3, rows, 2, dtype=f64) for _ in range(4)]
+    g = torch.Generator().manual_seed(25)
+    grads = [torch.randn(3, rows, 2, generator=g, dtype=f64) for _ in range(4)]
+    arrays = {names[k]: v.numpy() for k, v in inputs.items()}
+    expected = fn(**arrays)
+    for _ in range(2):
+        leaves = {k: v.clone().requires_grad_(True) for k, v in inputs.items()}
+        got = _call_with_buffers(kind, case, leaves, buffers)
+        assert [y is b for y, b in zip(calls[-1], buffers)] == [True] * 4  # the kernel wrote into the buffers
+        for y, b, e in zip(got, buffers, expected):
+            assert y.data_ptr() == b.data_ptr() and y.shape == b.shape and y.grad_fn is not None
+            scale_close(b.numpy(), e, 1e-12)
+        assert all(b.is_leaf and not b.requires_grad for b in buffers)
+        got_grads = dict(zip(leaves, torch.autograd.grad(got, list(leaves.values()), grads)))
+        for k, name in names.items():
+            if k not in inputs:
+                continue
+            jac = (ref.central_difference_jacobian if k == "traj_dt" else ref.affine_jacobian)(fn, arrays, name)
+            scale_close(got_grads[k].numpy(), _vjp(jac, grads).reshape(inputs[k].shape),
+                        1e-6 if k == "traj_dt" else 1e-12)
+
+
+def test_strided_and_missing_buffers():
+    """A strided buffer (a slice of a larger one) is written through a copy and still returned; a
+    missing one (None) gives a new tensor."""
+    case = Case(3, 5, 2, FLAGS["mixed"], seed=26)
+    big = torch.zeros(3, 9, 4, dtype=f64)
+    position = big[..., 1:3]
+    got = C.CliqueTensorStepIdxKernel.apply(case.u, *case.start[:3], *case.goal[:3], case.sidx, case.gidx, position,
+                                            None, None, None, None, case.traj_dt, case.flag, None)
+    expected = clique_reference(case, 9)
+    assert got[0].data_ptr() == position.data_ptr() and float(big[..., 0].abs().max()) == 0.0
+    for y, e in zip(got, expected):
+        scale_close(y.numpy(), e, 1e-12)
+
+
+def test_errors_are_value_errors_and_an_index_outside_its_table_stays_an_error():
+    """cuRobo's callers catch ValueError: each kind of bad argument is one, and still the TypeError or
+    IndexError PyTorch's conventions give."""
+    case = Case(3, 5, 2, FLAGS["mixed"], seed=27)
+    out = torch.empty(3, 9, 2, dtype=f64)
+    call = lambda **kw: C.CliqueTensorStepIdxKernel.apply(
+        kw.get("u", case.u), *case.start[:3], *case.goal[:3], kw.get("sidx", case.sidx), case.gidx, out, None, None,
+        None, None, case.traj_dt, case.flag, None)
+    for kw, also in (({"u": case.u.float()}, TypeError), ({"u": case.u[:, :4]}, TypeError),
+                     ({"sidx": torch.tensor([[0], [4], [1]])}, IndexError),
+                     ({"sidx": torch.tensor([0, -1, 1])}, IndexError)):
+        with pytest.raises(ValueError) as info:
+            call(**kw)
+        assert isinstance(info.value, also) and isinstance(info.value, C.ArgumentError), info.value
+    assert issubclass(C.IndexOutOfRange, IndexError) and issubclass(C.ArgumentError, (TypeError, ValueError))
+
+
+@pytest.mark.parametrize("s", [3, 5, 4])
+def test_float64_against_curobos_float32_row_parameter(s, monkeypatch):
+    """cuRobo computes a row's t in float32, t = float(h)/float(s) − j. tensorstep's float64 kernel
+    uses the exact t = (h mod s)/s: it equals a float64 transcription of cuRobo's kernel to ~1e-7
+    of the output's scale when s is not a power of two, and to 1e-12 when it is."""
+    case = Case(3, 6, 2, FLAGS["mixed"], seed=28)
+    R = 11 * s + 1
+    got = bspline(case, R, 4)
+
+    def float32_row(h: int, steps: int, T: int):
+        j = h // steps
+        if j >= T:
+            return T - 1, 1.0
+        return j, float(np.float32(np.float32(h) / np.float32(steps)) - np.float32(j))
+
+    monkeypatch.setattr(ref, "bspline_row", float32_row)
+    faithful = bspline_reference(case, R, 4)
+    errors = []
+    for y, e in zip(got, faithful):
+        scale = max(1.0, float(np.abs(e).max()))
+        errors.append(float(np.abs(y.numpy() - e).max()) / scale)
+    if s & (s - 1):
+        assert 1e-12 < max(errors) < 1e-6, errors
+    else:
+        assert max(errors) < 1e-12, errors
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("kind", KERNELS)
+def test_cuda_graph_capture_writes_the_buffers(kind):
+    """Under CUDA-graph capture (as cuRobo runs its solvers) the captured call writes its out_*
+    buffers; a replay with new actions leaves the reference's values in them."""
+    case, rows, inputs, fn, names = _buffer_case(kind)
+    gpu = case.to("cuda")
+    static = {k: v.to("cuda") for k, v in inputs.items()}
+    buffers = [torch.empty(3, rows, 2, dtype=f64, device="cuda") for _ in range(4)]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):  # warm up: load the kernels outside the capture
+            _call_with_buffers(kind, gpu, static, buffers)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = _call_with_buffers(kind, gpu, static, buffers)
+    assert all(y.data_ptr() == b.data_ptr() for y, b in zip(got, buffers))
+    u = torch.randn(inputs["u"].shape, generator=torch.Generator().manual_seed(29), dtype=f64)
+    static["u"].copy_(u)
+    graph.replay()
+    torch.cuda.synchronize()
+    expected = fn(**{names[k]: (u if k == "u" else v).numpy() for k, v in inputs.items()})
+    for b, e in zip(buffers, expected):
+        scale_close(b.cpu().numpy(), e, 1e-12)
