@@ -13,6 +13,11 @@ import click
 from .codegen.spec import CONTROLS, DIFFERENCES, DT_MODES, DTYPES, ENDS, INTEGRATORS, LAYOUTS, KernelSpec
 
 
+TASK_HELP = ("cuRobo task file, with a cuRobo robot file as CONFIG: v0.7's (settings under model:) or v2's "
+             "transition file (under transition_model_cfg:); examples in examples/curobo and examples/curobo_v2")
+DEVICE_HELP = "cpu, cuda or cuda:N (CUDA needs a CUDA build of PyTorch, CuPy and an NVIDIA GPU)"
+
+
 class UserError(click.ClickException):
     """An error worth one line, not a traceback."""
 
@@ -97,7 +102,7 @@ def main() -> None:
 
 @main.command()
 @click.argument("config", type=click.Path(dir_okay=False))
-@click.option("--task", type=click.Path(dir_okay=False), help="cuRobo task file (with a cuRobo robot file).")
+@click.option("--task", type=click.Path(dir_okay=False), help=TASK_HELP)
 @click.option("-o", "--output", default="generated", show_default=True, type=click.Path(file_okay=False))
 @click.option("--target", type=click.Choice(["c", "cuda", "all"]), default="all", show_default=True)
 @click.option("--force", is_flag=True, help="Overwrite files tensorstep did not write.")
@@ -186,7 +191,7 @@ def specs_from(config: Optional[str], task: Optional[str], options: dict[str, An
 
 @main.command()
 @click.argument("config", required=False, type=click.Path(dir_okay=False))
-@click.option("--task", type=click.Path(dir_okay=False))
+@click.option("--task", type=click.Path(dir_okay=False), help=TASK_HELP)
 @click.option("--target", type=click.Choice(["c", "cuda", "header"]), default="c", show_default=True)
 @click.option("--kernel", type=click.Choice(["all", "core", "dt", "forward", "backward", "adjoint", "dt_vjp", "dt_jvp"]),
               default="all", show_default=True,
@@ -210,7 +215,7 @@ def show(config: Optional[str], task: Optional[str], target: str, kernel: str, *
 
 @main.command()
 @click.argument("config", required=False, type=click.Path(dir_okay=False))
-@click.option("--task", type=click.Path(dir_okay=False))
+@click.option("--task", type=click.Path(dir_okay=False), help=TASK_HELP)
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="the picture (FILE.png)")
 @click.option("--step-dt", type=float, default=None, callback=positive,
               help="step duration in seconds [default: a CONFIG's dt, else 0.02]")
@@ -263,7 +268,7 @@ def list_(directory: str) -> None:
 
 @main.command()
 @click.argument("target", type=click.Path(exists=True))
-@click.option("--task", type=click.Path(dir_okay=False))
+@click.option("--task", type=click.Path(dir_okay=False), help=TASK_HELP)
 @friendly
 def check(target: str, task: Optional[str]) -> None:
     """Compile a generated DIR (or a CONFIG) and verify it against the dense reference."""
@@ -303,10 +308,10 @@ def stencil(difference: str, accuracy: int, derivative: tuple[int, ...]) -> None
 
 @main.command()
 @click.argument("config", type=click.Path(dir_okay=False))
-@click.option("--task", type=click.Path(dir_okay=False))
+@click.option("--task", type=click.Path(dir_okay=False), help=TASK_HELP)
 @click.option("-o", "--output", default="generated-run", show_default=True, type=click.Path(file_okay=False))
 @click.option("--batch", type=int, default=400, show_default=True, callback=positive)
-@click.option("--device", default="cpu", show_default=True)
+@click.option("--device", default="cpu", show_default=True, help=DEVICE_HELP)
 @friendly
 def run(config: str, task: Optional[str], output: str, batch: int, device: str) -> None:
     """Generate a CONFIG's kernels, run forward+backward on each, say where the source is."""

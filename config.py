@@ -11,12 +11,15 @@ Native form::
       - {control: acceleration}
       - {control: bspline, degree: 4, knots: 8, steps: 4}   # horizon derived (T·steps + 1)
 
-cuRobo form: a robot file with ``robot_cfg.kinematics.cspace.joint_names`` (less the joints
-in ``robot_cfg.kinematics.lock_joints``, which are not optimised) plus a task file with
-``model.horizon``, ``model.dt_traj_params``, ``model.control_space`` and
-``model.state_finite_difference_mode``. cuRobo v2's task files (``control_space: BSPLINE_3/4/5``
-with ``n_knots`` and ``interpolation_steps``, or ``curobo_version: 2``) map to the kernels of
-``tensorstep.compat.curobo_v2``.
+cuRobo form: a robot file with ``kinematics.cspace.joint_names`` (less the joints in
+``kinematics.lock_joints``, which are not optimised), under ``robot_cfg:`` or at the top level
+(cuRobo v2's robot files), plus a task file. The task file's layout is recognised by its keys:
+cuRobo v2's transition files put their settings under ``transition_model_cfg:`` and map to the
+kernels of ``tensorstep.compat.curobo_v2``; v0.7's task files put them under ``model:``
+(``horizon``, ``dt_traj_params``, ``control_space``, ``state_finite_difference_mode``) and map to
+tensorstep's own kernels, unless they name a B-spline control space (v2 only) or carry
+``curobo_version: 2``. Keys tensorstep does not use (``state_filter_cfg``, ``teleport_mode``,
+``vel_scale``, ...) are ignored.
 
 A bare name that is not a file (``franka_panda``) names a bundled example config.
 """
@@ -80,7 +83,9 @@ def _get(data: Any, path: Path, keys: str, required: bool = True) -> Any:
         if not isinstance(node, dict) or key not in node:
             if not required:
                 return None
-            raise ConfigError(path, ".".join(walked), "missing key")
+            close = difflib.get_close_matches(key, [str(k) for k in node], n=1) if isinstance(node, dict) else []
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(path, ".".join(walked), f"missing key{hint}")
         node = node[key]
     return node
 
@@ -179,35 +184,34 @@ def _with_defaults(defaults: dict, kernel: Any) -> Any:
 
 CUROBO_CONTROL = {"POSITION": {"control": "position"}, "ACCELERATION": {"control": "acceleration"}}
 CUROBO_DIFFERENCE = {"BACKWARD": {"difference": "backward", "accuracy": 1}, "CENTRAL": {"difference": "central"}}
+CUROBO_V2_BSPLINE = {"BSPLINE_3": 3, "BSPLINE_4": 4, "BSPLINE_5": 5}
+CUROBO_CONTROL_SPACES = (*CUROBO_CONTROL, *CUROBO_V2_BSPLINE)
+#: the keys that make a cuRobo file's layout: robot files, then task files (v2's, v0.7's)
+CUROBO_ROBOT_KEYS = ("robot_cfg", "kinematics")
+CUROBO_TASK_KEYS = ("transition_model_cfg", "model")
 
 
-def _unlocked_joints(path: Path, robot: Any) -> tuple[str, ...]:
-    """cspace joint names less those in ``lock_joints`` (name → fixed value): the optimised joints."""
-    key = "robot_cfg.kinematics.cspace.joint_names"
+def _curobo_key(data: Any, keys: tuple[str, ...]) -> Optional[str]:
+    """The first of ``keys`` at the top level of a mapping (the layout it marks), else None."""
+    return next((k for k in keys if k in data), None) if isinstance(data, dict) else None
+
+
+def _unlocked_joints(path: Path, robot: dict) -> tuple[str, ...]:
+    """cspace joint names less those in ``lock_joints`` (name → fixed value): the optimised joints.
+    The kinematics sit under ``robot_cfg:`` or, in cuRobo v2's robot files, at the top level."""
+    root = "robot_cfg.kinematics" if "robot_cfg" in robot else "kinematics"
+    key = f"{root}.cspace.joint_names"
     joints = _joint_names(path, key, _get(robot, path, key))
-    locked = _get(robot, path, "robot_cfg.kinematics.lock_joints", required=False) or {}
+    locked = _get(robot, path, f"{root}.lock_joints", required=False) or {}
     if not isinstance(locked, dict):
-        raise ConfigError(path, "robot_cfg.kinematics.lock_joints", "expected a mapping of joint name to locked value")
+        raise ConfigError(path, f"{root}.lock_joints", "expected a mapping of joint name to locked value")
     for name in locked:
         if name not in joints:
-            raise ConfigError(path, f"robot_cfg.kinematics.lock_joints.{name}", f"not a joint of {key}")
+            raise ConfigError(path, f"{root}.lock_joints.{name}", f"not a joint of {key}")
     free = tuple(j for j in joints if j not in locked)
     if not free:
-        raise ConfigError(path, "robot_cfg.kinematics.lock_joints", "locks every joint: nothing left to optimise")
+        raise ConfigError(path, f"{root}.lock_joints", "locks every joint: nothing left to optimise")
     return free
-
-
-CUROBO_V2_BSPLINE = {"BSPLINE_3": 3, "BSPLINE_4": 4, "BSPLINE_5": 5}
-
-
-def _is_curobo_v2(task: Any, task_path: Path) -> bool:
-    """cuRobo v2's task files: a B-spline control space (v2 only), or ``model.curobo_version: 2``
-    (which selects v2's position and acceleration kernels; without it they read as v0.7's)."""
-    version = _get(task, task_path, "model.curobo_version", required=False)
-    if version not in (None, 2, 0.7, "0.7", "2"):
-        raise ConfigError(task_path, "model.curobo_version", f"{version!r} is not supported: allowed 2 (cuRobo v2) "
-                          "or 0.7 (the default for POSITION and ACCELERATION)")
-    return str(version) == "2" or _get(task, task_path, "model.control_space", required=False) in CUROBO_V2_BSPLINE
 
 
 def _count(path: Path, key: str, value: Any, least: int) -> int:
@@ -216,43 +220,97 @@ def _count(path: Path, key: str, value: Any, least: int) -> int:
     return value
 
 
-def curobo_v2_spec(task: Any, task_path: Path, dof: int) -> Any:
-    """The kernel tensorstep.compat.curobo_v2 runs for a cuRobo v2 task file (float32, as cuRobo):
-    POSITION → the position kernel (H ≥ 9 rows, H − 4 actions), ACCELERATION → the acceleration
-    kernel, BSPLINE_3/4/5 → the B-spline kernel of that degree with ``model.n_knots`` knots and
-    ``model.interpolation_steps`` rows per span (``model.horizon``, if given, must hold them)."""
-    from .codegen.legacy_spec import LegacySpec
-    from .codegen.legacy_v2_spec import CuroboV2Spec
+@dataclasses.dataclass(frozen=True)
+class _Task:
+    """A cuRobo task file's settings: the section they sit in (``transition_model_cfg`` or
+    ``model``), read with that section's key paths in errors."""
 
-    control = _get(task, task_path, "model.control_space")
-    allowed = ("POSITION", "ACCELERATION", *CUROBO_V2_BSPLINE)
-    if control not in allowed:
-        raise ConfigError(task_path, "model.control_space", f"{control!r} is not supported for cuRobo v2: allowed "
-                          + ", ".join(allowed))
-    horizon = _get(task, task_path, "model.horizon", required=control not in CUROBO_V2_BSPLINE)
-    if horizon is not None:
-        horizon = _count(task_path, "model.horizon", horizon, 2)
+    path: Path
+    section: str
+    settings: dict
+
+    def get(self, key: str, required: bool = True) -> Any:
+        return _get({self.section: self.settings}, self.path, f"{self.section}.{key}", required)
+
+    def key(self, key: str) -> str:
+        return f"{self.section}.{key}"
+
+
+def _read_task(task_path: Path) -> _Task:
+    """The task file's settings section, its control space checked first (every allowed one named)."""
+    data = _read_yaml(task_path)
+    section = _curobo_key(data, CUROBO_TASK_KEYS)
+    if section is None:
+        robot = _curobo_key(data, CUROBO_ROBOT_KEYS)
+        hint = (f" (this is a cuRobo robot file, with {robot}: give it as CONFIG and the task file with --task)"
+                if robot else "")
+        raise ConfigError(task_path, "", "expected a cuRobo task file: its settings under transition_model_cfg: "
+                          f"(cuRobo v2's transition files) or model: (v0.7's task files){hint}")
+    settings = data[section]
+    if not isinstance(settings, dict):
+        raise ConfigError(task_path, section, f"expected a mapping of settings, got {type(settings).__name__}")
+    task = _Task(task_path, section, settings)
+    control = task.get("control_space")
+    if control not in CUROBO_CONTROL_SPACES:
+        raise ConfigError(task_path, task.key("control_space"), f"{control!r} is not supported: allowed "
+                          f"{', '.join(CUROBO_CONTROL_SPACES)} (B-splines of degree 3 to 5 are cuRobo v2's)")
+    return task
+
+
+def _is_curobo_v2(task: _Task) -> bool:
+    """cuRobo v2's settings: a transition file (transition_model_cfg:), a B-spline control space
+    (v2 only), or ``model.curobo_version: 2`` (without it, POSITION and ACCELERATION under model:
+    read as v0.7's)."""
+    version = task.get("curobo_version", required=False)
+    if version not in (None, 2, 0.7, "0.7", "2"):
+        raise ConfigError(task.path, task.key("curobo_version"), f"{version!r} is not supported: allowed 2 (cuRobo "
+                          "v2) or 0.7 (the default for POSITION and ACCELERATION under model:)")
+    return (task.section == "transition_model_cfg" or str(version) == "2"
+            or task.settings["control_space"] in CUROBO_V2_BSPLINE)
+
+
+def _horizon(task: _Task, least: int, required: bool = True) -> Optional[int]:
+    """The horizon (output rows). POSITION with horizon 1 is an IK or graph-planner file: no
+    trajectory, said in one line."""
+    horizon = task.get("horizon", required=required)
+    if horizon == 1 and task.settings["control_space"] == "POSITION":
+        raise ConfigError(task.path, task.key("horizon"), "1: a POSITION task with horizon 1 (cuRobo's IK and "
+                          "graph-planner files) has no trajectory to step; use a trajectory-optimisation or MPC task "
+                          f"file, or set {task.key('horizon')} to {least} or more")
+    return None if horizon is None else _count(task.path, task.key("horizon"), horizon, 2)
+
+
+def curobo_v2_spec(task: _Task, dof: int) -> Any:
+    """The kernel tensorstep.compat.curobo_v2 runs for cuRobo v2 settings (float32, as cuRobo):
+    POSITION → the position kernel (H ≥ 9 rows, H − 4 actions), ACCELERATION → the acceleration
+    kernel, BSPLINE_3/4/5 → the B-spline kernel of that degree with ``n_knots`` knots and
+    ``interpolation_steps`` rows per span (``horizon``, if given, must hold them)."""
+    from .codegen.legacy_spec import LegacySpec
+    from .codegen.legacy_v2_spec import CLIQUE_MIN_HORIZON, CuroboV2Spec
+
+    control = task.settings["control_space"]
+    horizon = _horizon(task, CLIQUE_MIN_HORIZON, required=control not in CUROBO_V2_BSPLINE)
     try:
         if control == "POSITION":
-            mode = _get(task, task_path, "model.state_finite_difference_mode", required=False) or "CENTRAL"
+            mode = task.get("state_finite_difference_mode", required=False) or "CENTRAL"
             if mode != "CENTRAL":
-                raise ConfigError(task_path, "model.state_finite_difference_mode",
+                raise ConfigError(task.path, task.key("state_finite_difference_mode"),
                                   f"{mode!r}: cuRobo v2's position kernel is the five-point central one (allowed CENTRAL)")
             return CuroboV2Spec("clique", horizon, dof)
         if control == "ACCELERATION":
             return LegacySpec("accel_semi_euler", horizon, dof, start_index=True)
         degree = CUROBO_V2_BSPLINE[control]
-        knots = _count(task_path, "model.n_knots", _get(task, task_path, "model.n_knots"), 1)
-        steps = _count(task_path, "model.interpolation_steps", _get(task, task_path, "model.interpolation_steps"), 1)
+        knots = _count(task.path, task.key("n_knots"), task.get("n_knots"), 1)
+        steps = _count(task.path, task.key("interpolation_steps"), task.get("interpolation_steps"), 1)
         rows = (knots + degree + 1) * steps + 1
         if horizon is not None and (horizon - 1) // (knots + degree + 1) != steps:
-            raise ConfigError(task_path, "model.horizon", f"{horizon} rows do not give {steps} rows per span for "
+            raise ConfigError(task.path, task.key("horizon"), f"{horizon} rows do not give {steps} rows per span for "
                               f"{knots + degree + 1} spans (n_knots + degree + 1): expected {rows} (or drop it)")
         return CuroboV2Spec("bspline", horizon or rows, dof, degree=degree, knots=knots, steps=steps)
     except ValueError as err:
         if isinstance(err, ConfigError):
             raise
-        raise ConfigError(task_path, "model", str(err)) from None
+        raise ConfigError(task.path, task.section, str(err)) from None
 
 
 def spec_from_dict(data: Any) -> Any:
@@ -268,31 +326,27 @@ def spec_from_dict(data: Any) -> Any:
     return KernelSpec.from_dict(data)
 
 
-def load_curobo(robot_path: Path, robot: Any, task_path: Path) -> RobotConfig:
+def load_curobo(robot_path: Path, robot: dict, task_path: Path) -> RobotConfig:
     joints = _unlocked_joints(robot_path, robot)
-    task = _read_yaml(task_path)
+    task = _read_task(task_path)
     name = Path(robot_path).stem
-    if _is_curobo_v2(task, task_path):
-        dt_params = _get(task, task_path, "model.dt_traj_params", required=False) or {}
+    if _is_curobo_v2(task):
+        dt_params = task.get("dt_traj_params", required=False) or {}
         if not isinstance(dt_params, dict):
-            raise ConfigError(task_path, "model.dt_traj_params", "expected a mapping with base_dt")
-        base_dt = _positive_float(task_path, "model.dt_traj_params.base_dt", dt_params.get("base_dt", 0.02))
-        spec = curobo_v2_spec(task, task_path, len(joints))
+            raise ConfigError(task_path, task.key("dt_traj_params"), "expected a mapping with base_dt")
+        base_dt = _positive_float(task_path, task.key("dt_traj_params.base_dt"), dt_params.get("base_dt", 0.02))
+        spec = curobo_v2_spec(task, len(joints))
         return RobotConfig(name, len(joints), joints, base_dt, (spec,), f"{robot_path} + {task_path}")
-    horizon = _get(task, task_path, "model.horizon")
-    if isinstance(horizon, bool) or not isinstance(horizon, int):
-        raise ConfigError(task_path, "model.horizon", f"expected an integer, got {horizon!r}")
-    dt_params = _get(task, task_path, "model.dt_traj_params")
+    control = task.settings["control_space"]
+    horizon = _horizon(task, 2)
+    dt_params = task.get("dt_traj_params")
     if not isinstance(dt_params, dict):
         raise ConfigError(task_path, "model.dt_traj_params", "expected a mapping with base_dt")
     base_dt = _positive_float(task_path, "model.dt_traj_params.base_dt", dt_params.get("base_dt"))
     ratio = dt_params.get("base_ratio", 1.0)
     if "max_dt" in dt_params:  # a value of the traj_dt tensor passed at call time, not part of a kernel
         _positive_float(task_path, "model.dt_traj_params.max_dt", dt_params["max_dt"])
-    control = _get(task, task_path, "model.control_space")
-    if control not in CUROBO_CONTROL:
-        raise ConfigError(task_path, "model.control_space", f"{control!r} is not supported: allowed {', '.join(CUROBO_CONTROL)}")
-    mode = _get(task, task_path, "model.state_finite_difference_mode", required=False) or "BACKWARD"
+    mode = task.get("state_finite_difference_mode", required=False) or "BACKWARD"
     if mode not in CUROBO_DIFFERENCE:
         raise ConfigError(task_path, "model.state_finite_difference_mode",
                           f"{mode!r} is not supported: allowed {', '.join(CUROBO_DIFFERENCE)}")
@@ -326,10 +380,15 @@ def load_config(path: Any, task: Optional[Any] = None) -> RobotConfig:
     """Read a native config, or a cuRobo robot file together with its task file."""
     path = resolve_config_path(path)
     data = _read_yaml(path)
-    if isinstance(data, dict) and "robot_cfg" in data:
+    robot = _curobo_key(data, CUROBO_ROBOT_KEYS)
+    if robot is not None:
         if task is None:
-            raise ConfigError(path, "robot_cfg", "a cuRobo robot file needs its task file too (--task TASK.yml)")
+            raise ConfigError(path, robot, "a cuRobo robot file needs its task file too (--task TASK.yml)")
         return load_curobo(path, data, Path(task))
+    section = _curobo_key(data, CUROBO_TASK_KEYS)
+    if section is not None:
+        raise ConfigError(path, section, "this is a cuRobo task file, not a robot config: give the robot file as "
+                          "CONFIG and this file with --task (tensorstep generate ROBOT.yml --task TASK.yml)")
     if task is not None:
-        raise ConfigError(path, "", "--task is only for cuRobo robot files (with robot_cfg)")
+        raise ConfigError(path, "", "--task is only for cuRobo robot files (with robot_cfg: or kinematics:)")
     return load_native(path, data)

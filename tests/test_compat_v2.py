@@ -543,7 +543,7 @@ def test_curobo_v2_task_files_select_the_compat_kernels(tmp_path):
 
 
 @pytest.mark.parametrize("model, pattern", [
-    ("control_space: BSPLINE_6\n  curobo_version: 2\n  horizon: 20", r"'BSPLINE_6' is not supported for cuRobo v2"),
+    ("control_space: BSPLINE_6\n  curobo_version: 2\n  horizon: 20", r"'BSPLINE_6' is not supported: allowed POSITION, ACCELERATION, BSPLINE_3, BSPLINE_4, BSPLINE_5"),
     ("control_space: BSPLINE_4\n  interpolation_steps: 4", r"model.n_knots: missing key"),
     ("control_space: BSPLINE_4\n  n_knots: 0\n  interpolation_steps: 4", r"model.n_knots: expected an integer >= 1"),
     ("control_space: BSPLINE_4\n  n_knots: 8\n  interpolation_steps: 4\n  horizon: 40",
