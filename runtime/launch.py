@@ -52,6 +52,7 @@ class Launcher:
         self.K = len(self.table.outputs)
         #: dt="per_trajectory": dt is [B], one step duration per trajectory
         self.per_trajectory = self.table.dt.shape == ("B",)
+        self._adjoint_shapes: dict[int, list[tuple[int, ...]]] = {}
 
     def prepare(self, dt_grad: bool) -> None:
         """Load now what later calls would load lazily (the dt kernels: gradients and tangents)."""
@@ -72,6 +73,16 @@ class Launcher:
         picks are summed back onto their table later)."""
         free = [s for s in arg.shape if isinstance(s, str) and self.table.size(s) is None]
         return self.table.physical(arg, {s: B for s in free})
+
+    def adjoint_shapes(self, B: int) -> list[tuple[int, ...]]:
+        """The adjoint's gradient shapes (``per_batch_shape`` of each differentiable input), kept
+        for a few batch sizes: a small call would spend more on working them out than on its kernel."""
+        shapes = self._adjoint_shapes.get(B)
+        if shapes is None:
+            shapes = [self.per_batch_shape(a, B) for a in self.table.differentiable]
+            if len(self._adjoint_shapes) < 64:
+                self._adjoint_shapes[B] = shapes
+        return shapes
 
     def forward_inputs(self, B: int, grads: Sequence[OptTensor]) -> Optional[list[OptTensor]]:
         """Tensor inputs for running the forward on adjoint-shaped tensors (double backward):
@@ -109,8 +120,8 @@ class Launcher:
         first, the actions', is always written)."""
         grads = [contiguous(g) for g in grads]
         like = next(g for g in grads if g is not None)
-        outs = [torch.empty(self.per_batch_shape(a, B), dtype=self.dtype, device=like.device) if (need or i == 0)
-                else None for i, (a, need) in enumerate(zip(self.table.differentiable, needed))]
+        outs = [torch.empty(shape, dtype=self.dtype, device=like.device) if (need or i == 0)
+                else None for i, (shape, need) in enumerate(zip(self.adjoint_shapes(B), needed))]
         if B:
             self.backend.call("adjoint", B, [*map(ptr, grads), ptr(dt), *map(ptr, outs)])
         return outs

@@ -1,14 +1,21 @@
-"""torch.library custom ops: how torch.compile sees a step (no graph breaks).
+"""torch.library ops: how torch.compile sees a step (no graph breaks).
 
-For each kernel family three ops are registered, their schemas written from the family's
+For each kernel family three ops are defined, their schemas written from the family's
 argument table: ``tensorstep::<family>`` (forward: a kernel key, then the inputs in table
-order), ``tensorstep::<family>_adjoint`` and ``tensorstep::<family>_dt_vjp``. Each has a fake
-kernel whose shapes come from the table; autograd and vmap use the shared rules
-(runtime/rules.py), the same ones as the eager Function. Value checks that need the data
-(index range, dt) run inside the op implementations.
+order), ``tensorstep::<family>_adjoint`` (with an overload ``.needed`` that returns only the
+gradients a backward asks for) and ``tensorstep::<family>_dt_vjp``. Each has a fake kernel
+whose shapes come from the table; autograd and vmap use the shared rules (runtime/rules.py),
+the same ones as the eager Function (an unused output's gradient stays None: no zeros are
+filled). Value checks that need the data (index range, dt) run inside the op implementations.
 
-Registering costs milliseconds (``torch.library.custom_op``), so ``Step`` does it only when
-torch.compile first traces a step (``api._custom_ops``).
+A compiled graph calls these ops on every call, so they are defined with ``torch.library``'s
+low-level ``Library`` and a lean autograd kernel of our own rather than with ``custom_op``, whose
+per-call wrappers (Python hops, output checks) cost several times a small kernel. On CPU the
+forward runs through the native node's op (runtime/native.py) once it is built: checks and
+kernel in C++.
+
+Registering costs milliseconds, so ``Step`` does it only when torch.compile first traces a step
+(``api._custom_ops``).
 """
 from __future__ import annotations
 
@@ -20,15 +27,22 @@ from torch import Tensor
 
 from . import rules, validate
 from .autograd import NO_SECOND_DT
+from .launch import CpuBackend
 from .registry import launcher as _launcher
+
+_below_autograd = torch._C._AutoDispatchBelowAutograd
+_any_requires_grad = torch._C._any_requires_grad
 
 
 @dataclasses.dataclass(frozen=True)
 class FamilyOps:
-    """The three ops of one kernel family."""
+    """The ops of one kernel family (the overloads a graph calls)."""
 
     step: Any
     adjoint: Any
+    #: the adjoint returning only the gradients a backward needs (no kernel work, no allocation for
+    #: the others): (str key, int batch, Tensor?[] grads, Tensor dt, bool[] needed) -> Tensor[]
+    adjoint_needed: Any
     dt_vjp: Any
 
 
@@ -40,6 +54,9 @@ def _check_values(launcher: Any, inputs: list, dt: Tensor) -> None:
 
 
 _FAMILIES: dict[str, FamilyOps] = {}
+_LIBRARY: Optional[torch.library.Library] = None
+#: kernel key → (launcher, native handle or None, settled, positions of the table's required inputs)
+_KERNELS: dict[str, tuple[Any, Optional[int], bool, tuple[int, ...]]] = {}
 
 
 def ops_for(launcher: Any) -> FamilyOps:
@@ -62,38 +79,161 @@ def _family_ops(table: Any) -> FamilyOps:
     return _FAMILIES[table.family]
 
 
+def _kernel(key: str) -> tuple[Any, Optional[int], tuple[int, ...]]:
+    """A key's launcher, the native node's handle for a CPU kernel (None while it builds, asked
+    again on the next call, or when there is no node), and the positions of required inputs."""
+    found = _KERNELS.get(key)
+    if found is None or not found[2]:
+        from ..codegen.arguments import REQUIRED
+        from . import native
+
+        launcher = _launcher(key)
+        required = tuple(i for i, a in enumerate(launcher.table.inputs) if a.presence == REQUIRED)
+        if isinstance(launcher.backend, CpuBackend):
+            settled = native.ready()  # asked first: a build that ends in between is taken next time
+            handle = native.handle(launcher)
+            found = (launcher, handle, settled or handle is not None, required)
+        else:
+            found = (launcher, None, True, required)
+        _KERNELS[key] = found
+    return found[0], found[1], found[3]
+
+
+def _forward(key: str, args: tuple) -> list[Tensor]:
+    """The forward on real tensors: the native op (its checks in C++), else the Python checks and
+    launcher. A value the native op refuses is explained by the Python checks; a call without a
+    required input (the double backward's forward on gradients, which has no index) takes the
+    launcher, as the native op would refuse it."""
+    launcher, handle, required = _kernel(key)
+    if (handle is not None and all(args[i] is not None for i in required)
+            and not (torch.is_grad_enabled() and _any_requires_grad(*args))):
+        outs = torch.ops.tensorstep_native.step.default(handle, list(args))
+        if outs:
+            return outs
+    *inputs, dt = args
+    _check_values(launcher, inputs, dt)
+    return launcher.forward(inputs, dt)
+
+
+class _StepNode(torch.autograd.Function):
+    """The autograd node of a forward op; its backward runs the adjoint and dt_vjp ops (so that a
+    compiled backward graph holds them)."""
+
+    @staticmethod
+    def forward(ctx, ops: FamilyOps, key: str, *args: Optional[Tensor]):  # type: ignore[override]
+        with _below_autograd():
+            outs = ops.step(key, *args)
+        ctx.ops, ctx.key = ops, key
+        ctx.save_for_backward(*args)
+        ctx.set_materialize_grads(False)  # an unused output's gradient stays None: no zeros to fill
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *grads: Optional[Tensor]):
+        ops: FamilyOps = ctx.ops
+        *xs, dt = ctx.saved_tensors
+        key, B = ctx.key, xs[0].shape[0]
+        listed = list(grads)
+        out = rules.backward(_launcher(key).table, xs, listed, ctx.needs_input_grad[2:],
+                             lambda needed: _placed(ops.adjoint_needed(key, B, listed, dt, list(needed)), needed),
+                             lambda: ops.dt_vjp(key, *xs, dt, listed))
+        return (None, None, *out)
+
+
+def _placed(returned: list[Tensor], needed: Any) -> list[Optional[Tensor]]:
+    """The gradients of ``adjoint_needed`` on their places among the differentiable inputs."""
+    it = iter(returned)
+    return [next(it) if n else None for n in needed]
+
+
+class _AdjointNode(torch.autograd.Function):
+    """An adjoint op's node: linear in the grads, so its backward is the forward op.
+    ``needed``: the differentiable inputs whose gradients the op returns (None: all)."""
+
+    @staticmethod
+    def forward(ctx, op: Any, key: str, batch: int, dt: Tensor, needed: Optional[list[bool]],  # type: ignore[override]
+                *grads: Optional[Tensor]):
+        with _below_autograd():
+            outs = op(key, batch, list(grads), dt) if needed is None else op(key, batch, list(grads), dt, needed)
+        ctx.key, ctx.batch, ctx.needed = key, batch, needed
+        ctx.present = [g is not None for g in grads]
+        ctx.save_for_backward(dt)
+        ctx.set_materialize_grads(False)
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *out_grads: Optional[Tensor]):
+        if ctx.needs_input_grad[3]:
+            raise RuntimeError(NO_SECOND_DT)
+        (dt,) = ctx.saved_tensors
+        launcher = _launcher(ctx.key)
+        none = (None,) * 5
+        if ctx.needed is not None:  # the returned gradients back onto their inputs' places
+            returned = iter(out_grads)
+            out_grads = tuple(next(returned) if n else None for n in ctx.needed)
+        inputs = launcher.forward_inputs(ctx.batch, out_grads)
+        if inputs is None:
+            return (*none, *(None for _ in ctx.present))
+        outs = ops_for(launcher).step(ctx.key, *inputs, dt)
+        return (*none, *(y if present else None for y, present in zip(outs, ctx.present)))
+
+
+class _DtVjpNode(torch.autograd.Function):
+    """dt's gradient: first order only (differentiating it again raises, never a silent zero)."""
+
+    @staticmethod
+    def forward(ctx, op: Any, key: str, n: int, *args: Optional[Tensor]):  # type: ignore[override]
+        with _below_autograd():  # args: the inputs and dt, then the grads (unpacked: autograd sees them)
+            return op(key, *args[:n], list(args[n:]))
+
+    @staticmethod
+    def backward(ctx, *_: Any):
+        raise RuntimeError(NO_SECOND_DT)
+
+
 def _register(family: str, table: Any) -> FamilyOps:
-    """Register the ops of a family; ``table`` is any of its tables (they share the schema)."""
+    """Define the ops of a family; ``table`` is any of its tables (they share the schema)."""
+    global _LIBRARY
+    if _LIBRARY is None:
+        _LIBRARY = torch.library.Library("tensorstep", "FRAGMENT")  # kept: it holds the registrations
+    lib = _LIBRARY
     n = len(table.tensors)
     name = f"tensorstep::{family}"
+    tags = (torch.Tag.pt2_compliant_tag,)
+    lib.define(family + table.schema(), tags=tags)
+    lib.define(f"{family}_adjoint(str key, int batch, Tensor?[] grads, Tensor dt) -> Tensor[]", tags=tags)
+    lib.define(f"{family}_adjoint.needed(str key, int batch, Tensor?[] grads, Tensor dt, bool[] needed) -> Tensor[]",
+               tags=tags)
+    lib.define(f"{family}_dt_vjp" + table.schema("Tensor?[] grads", returns="Tensor"), tags=tags)
+    namespace = torch.ops.tensorstep
+    adjoint_packet = getattr(namespace, f"{family}_adjoint")
+    ops = FamilyOps(getattr(namespace, family).default, adjoint_packet.default, adjoint_packet.needed,
+                    getattr(namespace, f"{family}_dt_vjp").default)
+    step, dt_vjp = ops.step, ops.dt_vjp
+
+    # ---- the kernels (any device), and their fakes (shapes from the table) ---------------------------
 
     def step_impl(key: str, *args: Optional[Tensor]) -> list[Tensor]:
-        launcher = _launcher(key)
-        *inputs, dt = args
-        _check_values(launcher, inputs, dt)
-        return launcher.forward(inputs, dt)
+        return _forward(key, args)
 
     def step_fake(key: str, *args: Optional[Tensor]) -> list[Tensor]:
         launcher = _launcher(key)
         u = args[0]
         return [u.new_empty(launcher.output_shape(u.shape[0])) for _ in range(launcher.K)]
 
-    step = torch.library.custom_op(name, step_impl, mutates_args=(), schema=table.schema())
-    step.register_fake(step_fake)
-
-    def adjoint_impl(key: str, batch: int, grads: list[Optional[Tensor]], dt: Tensor) -> list[Tensor]:
+    def adjoint_impl(key: str, batch: int, grads: list[Optional[Tensor]], dt: Tensor,
+                     needed: Optional[list[bool]] = None) -> list[Tensor]:
         launcher = _launcher(key)
+        shapes = launcher.adjoint_shapes(batch)
+        flags = (True,) * len(shapes) if needed is None else needed
         if all(g is None for g in grads):
-            return [dt.new_zeros(launcher.per_batch_shape(a, batch)) for a in launcher.table.differentiable]
-        return list(launcher.adjoint(grads, dt, batch, (True,) * len(launcher.table.differentiable)))
+            return [dt.new_zeros(shape) for shape, n in zip(shapes, flags) if n]
+        return [g for g, n in zip(launcher.adjoint(grads, dt, batch, flags), flags) if n]
 
-    def adjoint_fake(key: str, batch: int, grads: list[Optional[Tensor]], dt: Tensor) -> list[Tensor]:
-        launcher = _launcher(key)
-        return [dt.new_empty(launcher.per_batch_shape(a, batch)) for a in launcher.table.differentiable]
-
-    adjoint = torch.library.custom_op(f"{name}_adjoint", adjoint_impl, mutates_args=(),
-                                      schema="(str key, int batch, Tensor?[] grads, Tensor dt) -> Tensor[]")
-    adjoint.register_fake(adjoint_fake)
+    def adjoint_fake(key: str, batch: int, grads: list[Optional[Tensor]], dt: Tensor,
+                     needed: Optional[list[bool]] = None) -> list[Tensor]:
+        shapes = _launcher(key).adjoint_shapes(batch)
+        return [dt.new_empty(shape) for shape, n in zip(shapes, (True,) * len(shapes) if needed is None else needed) if n]
 
     def dt_vjp_impl(key: str, *args: Any) -> Tensor:
         *inputs, dt, grads = args
@@ -103,45 +243,39 @@ def _register(family: str, table: Any) -> FamilyOps:
         dt = args[n]
         return dt.new_empty(dt.shape)
 
-    dt_vjp = torch.library.custom_op(f"{name}_dt_vjp", dt_vjp_impl, mutates_args=(),
-                                     schema=table.schema("Tensor?[] grads", returns="Tensor"))
-    dt_vjp.register_fake(dt_vjp_fake)
+    for op_name, impl, fake in ((family, step_impl, step_fake), (f"{family}_adjoint", adjoint_impl, adjoint_fake),
+                                (f"{family}_adjoint.needed", adjoint_impl, adjoint_fake),
+                                (f"{family}_dt_vjp", dt_vjp_impl, dt_vjp_fake)):
+        lib.impl(op_name, impl, "CompositeExplicitAutograd")
+        torch.library.register_fake(f"tensorstep::{op_name}", fake, lib=lib)
 
-    # ---- autograd: the shared backward rule over these ops ----------------------------------------
+    # ---- autograd: a node only when a gradient is wanted; else straight to the kernel --------------
 
-    def step_setup(ctx, inputs, output):
-        ctx.key = inputs[0]
-        ctx.save_for_backward(*inputs[1:])
+    def step_autograd(key: str, *args: Optional[Tensor]) -> list[Tensor]:
+        if torch.is_grad_enabled() and _any_requires_grad(*args):
+            return list(_StepNode.apply(ops, key, *args))
+        with _below_autograd():
+            return step(key, *args)
 
-    def step_backward(ctx, grads):
-        *xs, dt = ctx.saved_tensors
-        grads = list(grads)
-        B = xs[0].shape[0]
-        launcher = _launcher(ctx.key)
-        out = rules.backward(launcher.table, xs, grads, ctx.needs_input_grad[1:],
-                             lambda needed: adjoint(ctx.key, B, grads, dt),
-                             lambda: dt_vjp(ctx.key, *xs, dt, grads))
-        return (None, *out)
+    def adjoint_autograd(op: Any) -> Any:
+        def kernel(key: str, batch: int, grads: list[Optional[Tensor]], dt: Tensor, *needed: list[bool]) -> list[Tensor]:
+            if torch.is_grad_enabled() and _any_requires_grad(dt, *grads):
+                return list(_AdjointNode.apply(op, key, batch, dt, needed[0] if needed else None, *grads))
+            with _below_autograd():
+                return op(key, batch, grads, dt, *needed)
 
-    step.register_autograd(step_backward, setup_context=step_setup)
+        return kernel
 
-    def adjoint_setup(ctx, inputs, output):
-        key, batch, grads, dt = inputs
-        ctx.key, ctx.batch = key, batch
-        ctx.present = [g is not None for g in grads]
-        ctx.save_for_backward(dt)
+    def dt_vjp_autograd(key: str, *args: Any) -> Tensor:
+        if torch.is_grad_enabled() and _any_requires_grad(*args[:-1], *args[-1]):
+            return _DtVjpNode.apply(dt_vjp, key, n + 1, *args[:-1], *args[-1])
+        with _below_autograd():
+            return dt_vjp(key, *args)
 
-    def adjoint_backward(ctx, out_grads):
-        if ctx.needs_input_grad[3]:
-            raise RuntimeError(NO_SECOND_DT)
-        (dt,) = ctx.saved_tensors
-        inputs = _launcher(ctx.key).forward_inputs(ctx.batch, out_grads)
-        if inputs is None:
-            return None, None, None, None
-        outs = step(ctx.key, *inputs, dt)
-        return None, None, [y if present else None for y, present in zip(outs, ctx.present)], None
-
-    adjoint.register_autograd(adjoint_backward, setup_context=adjoint_setup)
+    lib.impl(family, step_autograd, "Autograd")
+    lib.impl(f"{family}_adjoint", adjoint_autograd(ops.adjoint), "Autograd")
+    lib.impl(f"{family}_adjoint.needed", adjoint_autograd(ops.adjoint_needed), "Autograd")
+    lib.impl(f"{family}_dt_vjp", dt_vjp_autograd, "Autograd")
 
     # ---- vmap: the shared rule ---------------------------------------------------------------------
 
@@ -150,6 +284,5 @@ def _register(family: str, table: Any) -> FamilyOps:
                                 lambda *a: step(key, *a))
         return list(outs), list(dims)
 
-    torch.library.register_vmap(name, step_vmap)
-    return FamilyOps(step, adjoint, dt_vjp)
-
+    torch.library.register_vmap(name, step_vmap, lib=lib)
+    return ops
