@@ -1,4 +1,5 @@
-"""Uniform B-spline trajectories (SPEC §9): basis, derivatives, boundary points, row layout.
+"""Uniform B-spline trajectories: basis, derivatives, boundary points, row layout (their
+semantics: docs/semantics.md, "B-spline control").
 
 Everything is derived with SymPy in exact rationals for any degree D (3 ≤ D ≤ 7):
 
@@ -134,7 +135,7 @@ class Layout:
 
 
 def layout(degree: int, knots: int, steps: int, end: End) -> Layout:
-    """SPEC §9's control sequence and row → (span, t) map.
+    """docs/semantics.md's B-spline control sequence and row → (span, t) map.
 
     points: F_0..F_D, u_0..u_{n−1}, then G_0..G_D ("goal") or u_{n−1} D more times ("hold").
     T = m − D spans, R = T·s + 1 rows; row h: j = min(h // s, T − 1), t = h/s − j.

@@ -71,7 +71,7 @@ def bspline_rows(lay: Layout, order: int, dt: sp.Symbol) -> list[Row]:
 
 @register(KernelSpec, control="bspline")
 def build(spec: KernelSpec) -> Operator:
-    """The operator of a B-spline spec (SPEC §9): R = T·s + 1 rows over n knots."""
+    """The operator of a B-spline spec (docs/semantics.md, B-spline control): R = T·s + 1 rows over n knots."""
     syms = dt_symbols(spec.horizon, spec.dt)  # one symbol: uniform, or one per trajectory
     lay = layout(spec.degree, spec.knots, spec.steps, spec.end)
     assert lay.horizon == spec.horizon, (lay.horizon, spec.horizon)

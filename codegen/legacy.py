@@ -1,4 +1,4 @@
-"""cuRobo's legacy kernels (COMPAT.md) as operators of the generic IR.
+"""cuRobo's legacy kernels (docs/compat_curobo.md) as operators of the generic IR.
 
 Each is data for the same generator as native specs: points given as formulas in the
 start state (ghosts), fixed stencil weights in the step parameter, cuRobo's row mapping and

@@ -1,4 +1,4 @@
-"""LegacySpec: cuRobo's fixed kernels as variants of the one generator (COMPAT.md).
+"""LegacySpec: cuRobo's fixed kernels as variants of the one generator (docs/compat_curobo.md).
 
 Import-light (no SymPy): the compat layer loads cached kernels through it. The operators
 themselves are built by codegen.legacy (registered in codegen.builders), on the same IR

@@ -1,4 +1,4 @@
-"""Builders: KernelSpec → Operator rows (SPEC §2). Each scheme is data fed to one IR."""
+"""Builders: KernelSpec → Operator rows (docs/semantics.md). Each scheme is data fed to one IR."""
 from __future__ import annotations
 
 import functools

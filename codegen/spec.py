@@ -1,4 +1,4 @@
-"""KernelSpec: the immutable, validated description of one kernel variant (SPEC §3).
+"""KernelSpec: the immutable, validated description of one kernel variant (docs/kernelspec.md).
 
 This module imports nothing heavy: the runtime uses it on the cached-load path,
 which must not import SymPy or Jinja2.

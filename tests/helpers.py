@@ -22,7 +22,7 @@ def scale_close(actual: np.ndarray, expected: np.ndarray, rtol: float) -> None:
     err = float(np.abs(actual - expected).max())
     assert err <= rtol * scale, f"max error {err:.3e} > {rtol:.0e} x scale {scale:.3e}"
 
-#: A grid that covers every option of SPEC §2/§3 (each row: KernelSpec overrides).
+#: A grid that covers every option of docs/semantics.md and docs/kernelspec.md (each row: KernelSpec overrides).
 GRID = [
     dict(difference="backward", accuracy=1),
     dict(difference="backward", accuracy=2, dt="per_step"),

@@ -1,4 +1,4 @@
-"""An independent float64 reference of SPEC §2, written directly from the text.
+"""An independent float64 reference of docs/semantics.md, written directly from the text.
 
 Nothing here calls tensorstep's code generator: finite-difference weights come from a
 Vandermonde solve (not Fornberg or Lagrange formulas), integration from explicit loops.
@@ -46,7 +46,7 @@ def _exact_weights(x: tuple, k: int) -> tuple:
 
 
 def _position(spec, u: np.ndarray, s: np.ndarray, dts: np.ndarray, g: np.ndarray) -> np.ndarray:
-    """SPEC §2 position control; with end="goal" (SPEC §8) q_{H-1} = gp, row H-1 is the goal
+    """Position control (docs/semantics.md); with end="goal" (docs/semantics.md, goal state and step durations) q_{H-1} = gp, row H-1 is the goal
     state g (gp, gv, ga, gj) and the points after the end are the goal's Taylor expansion."""
     H = spec.horizon
     goal = spec.end == "goal"

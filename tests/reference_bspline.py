@@ -1,4 +1,4 @@
-"""An independent float64 reference of SPEC §9 (B-spline trajectories), written from the text.
+"""An independent float64 reference of docs/semantics.md (B-spline control) (B-spline trajectories), written from the text.
 
 Nothing here calls tensorstep's code: the trajectory is `scipy.interpolate.BSpline` on the full
 control polygon with a uniform knot vector, and the boundary points come from a numerical solve
@@ -52,7 +52,7 @@ class Trajectory:
 
 def trajectory(knots: np.ndarray, start: State, goal: Optional[State], degree: int, steps: int,
                dt: float) -> Trajectory:
-    """SPEC §9 for one trajectory: knots [n, dof], start (p, v, a, j), goal (p, v, a, j) or None (hold)."""
+    """docs/semantics.md (B-spline control) for one trajectory: knots [n, dof], start (p, v, a, j), goal (p, v, a, j) or None (hold)."""
     knots = np.asarray(knots, dtype=np.float64)
     n, D, s = knots.shape[0], degree, steps
     kdt = s * dt

@@ -1,4 +1,4 @@
-"""An independent float64 reference of cuRobo v2's trajectory kernels, written from COMPAT_V2.md.
+"""An independent float64 reference of cuRobo v2's trajectory kernels, written from docs/compat_curobo_v2.md.
 
 Plain loops that read like the document, one function per kernel. Nothing here imports
 tensorstep, SymPy or SciPy: the B-spline basis comes from the truncated-power formula below.

@@ -1,4 +1,4 @@
-"""B-spline control (SPEC §9) against the independent float64 reference (tests/reference_bspline.py:
+"""B-spline control (docs/semantics.md, B-spline control) against the independent float64 reference (tests/reference_bspline.py:
 SciPy's BSpline on the full control polygon, boundary points by a numerical solve): operator
 matrices, exact boundary rows, polynomial reproduction, the C kernels and the CUDA source run on
 the host (forward, adjoint dot tests, gradcheck with forward AD, double backward), nvcc,

@@ -1,13 +1,14 @@
-"""B-spline math (codegen/bspline.py) and its independent reference (reference_bspline.py), SPEC §9.
+"""B-spline math (codegen/bspline.py) and its independent reference (reference_bspline.py);
+semantics in docs/semantics.md, "B-spline control".
 
-Closed form of the boundary points (COMPAT_V2.md): F_i = p + ξ_i·v·kdt + (ξ_i² − σ)/2·a·kdt²
+Closed form of the boundary points (docs/compat_curobo_v2.md): F_i = p + ξ_i·v·kdt + (ξ_i² − σ)/2·a·kdt²
 + (ξ_i³ − 3σξ_i)/6·j·kdt³, ξ_i = i − (D−1)/2, σ = (D+1)/12. Finding: it is EXACT for every
 D = 3..7 for the start side (Taylor polynomial about the span's start). It is the blossom
 (polar form) of the cubic at point i's D interior knots, whose centred offsets c have Σc = 0,
 Σ_{a<b} c_a c_b / C(D,2) = −σ and e_3(c) = 0 by symmetry. For tensorstep's goal side (Taylor
 polynomial about the span's END) the same formula holds with ξ_i shifted by −1,
 ξ_i = i − (D+1)/2; applied unshifted to the goal it puts the goal state at the START of the
-last span, which is cuRobo's convention (COMPAT_V2.md), not SPEC §9's.
+last span, which is cuRobo's convention (docs/compat_curobo_v2.md), not tensorstep's (docs/semantics.md).
 """
 from __future__ import annotations
 
@@ -47,7 +48,7 @@ def truncated_power(D: int, x: np.ndarray) -> np.ndarray:
 
 
 def closed_form(D: int, shift: int = 0) -> list[list[Fraction]]:
-    """COMPAT_V2.md's coefficients [i][m], with ξ_i − shift in place of ξ_i."""
+    """docs/compat_curobo_v2.md's coefficients [i][m], with ξ_i − shift in place of ξ_i."""
     sigma = Fraction(D + 1, 12)
     out = []
     for i in range(D + 1):
@@ -238,7 +239,7 @@ def test_reference_jacobians_reproduce_outputs(end):
         np.testing.assert_allclose(tr.jac_knots[0, -1], np.eye(n)[-1], atol=1e-12)
 
 
-# --- codegen's pieces assembled per SPEC §9 against the reference --------------------------
+# --- codegen's pieces assembled per docs/semantics.md (B-spline control) against the reference --------------------------
 
 
 @pytest.mark.parametrize("end", ["hold", "goal"])

@@ -1,4 +1,4 @@
-"""tensorstep.compat.curobo against COMPAT.md's formulas (independent NumPy loops)."""
+"""tensorstep.compat.curobo against docs/compat_curobo.md's formulas (independent NumPy loops)."""
 from __future__ import annotations
 
 import inspect
@@ -13,7 +13,7 @@ from tensorstep.compat import curobo as C
 from helpers import scale_close
 
 
-# ---- independent references (COMPAT.md, written as loops) -----------------------------------------
+# ---- independent references (docs/compat_curobo.md, written as loops) -----------------------------------------
 
 def ref_clique_backward(u, p, v, a, D):
     B, H, n = u.shape

@@ -1,4 +1,4 @@
-"""end="goal" and dt="per_trajectory" (SPEC §8): against the independent float64 reference
+"""end="goal" and dt="per_trajectory" (docs/semantics.md, goal state and step durations): against the independent float64 reference
 (tests/reference.py: Vandermonde weights by exact rational solves), exact cubics, separate
 uniform calls, gathered goals, finite differences, the CUDA source run on the host, nvcc,
 torch.compile, and the argument checks."""

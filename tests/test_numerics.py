@@ -1,4 +1,4 @@
-"""Kernels and operator matrices against the independent float64 reference (SPEC §2, §7)."""
+"""Kernels and operator matrices against the independent float64 reference (docs/semantics.md, docs/numerics.md)."""
 from __future__ import annotations
 
 import numpy as np
@@ -84,7 +84,7 @@ EXACT = [g for g in GRID if g.get("control", "position") == "position" and g.get
 
 @pytest.mark.parametrize("overrides", EXACT, ids=[grid_id(g) for g in EXACT])
 def test_polynomial_exactness(overrides):
-    """SPEC §2: degree ≤ min(3, k + a_k - 1) (uniform) or ≤ min(3, n_k - 1) (per step) is exact."""
+    """docs/semantics.md (Exactness): degree ≤ min(3, k + a_k - 1) (uniform) or ≤ min(3, n_k - 1) (per step) is exact."""
     spec = make_spec(overrides, horizon=10, dof=1)
     step = ts.load(spec)
     dt = dt_value(spec)

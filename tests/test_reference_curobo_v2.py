@@ -1,4 +1,4 @@
-"""Checks of the cuRobo v2 reference itself (reference_curobo_v2.py), against COMPAT_V2.md's claims.
+"""Checks of the cuRobo v2 reference itself (reference_curobo_v2.py), against docs/compat_curobo_v2.md's claims.
 
 The compat tests compare tensorstep.compat.curobo_v2 with that reference; these tests make sure
 the reference says what the document says (polynomial exactness, boundary rows, unused inputs,
