@@ -4,16 +4,26 @@ Python's autograd.Function adds tens of microseconds per call, more than the ker
 small batches. The native node is one generic C++ op and autograd node that calls the generated
 kernels by address, with each spec's argument table registered alongside (its checks, pointer
 lists and shapes follow the table). It is compiled against the installed PyTorch's headers
-(once per PyTorch install and compiler, kept in the kernel cache) and used for plain CPU calls:
+(once per PyTorch install and compiler, see ``node_root``) and used for plain CPU calls:
 gradients to the tensor inputs. dt gradients, forward mode, functorch transforms and
 torch.compile keep the Python Functions. ``TENSORSTEP_NATIVE=0`` turns it off; when it
 cannot be built (no C++ compiler, no PyTorch headers) steps run on the Python path with one
 warning.
 
-Nothing waits for the build: when the cache lacks the node, a background process builds it
-(into the cache, under its lock, so it completes even if this process exits first) while steps
+Nothing waits for the build: when no node is built yet, a background process builds it
+(under its folder's lock, so it completes even if this process exits first) while steps
 run on the Python path; a daemon thread loads it when it is done, and steps take it on their
 next call (``wait()`` blocks until then).
+
+Where it is kept: not in the kernel cache (``$TENSORSTEP_CACHE_DIR``, which CI and users point
+at fresh folders), but in one per-user folder shared by every kernel cache, in PyTorch's own
+folder for extension builds (``node_root``), one build per PyTorch install (version, git
+revision, location) and compiler (path, size, date, flags). ``torch.utils.cpp_extension.load``
+is not used to build it: its build folder is named by the extension and Python/CUDA versions
+only, so two PyTorch installs would rebuild over each other's library; its lock is a file whose
+existence is the lock, left behind by a killed build (every later load then waits for ever);
+it builds in the calling process (this build must outlive it) and needs ninja; and importing it
+imports setuptools, more than a warm load costs.
 """
 from __future__ import annotations
 
@@ -34,7 +44,8 @@ from ..codegen.arguments import ABSENT, INDEX, KERNEL, MESSAGES, OPTIONAL, REQUI
 from .cache import ABI_VERSION, BuildCache, cache_root, digest
 
 SOURCE = Path(__file__).with_name("native_node.cpp")
-CXX_FLAGS = ("-O2", "-std=c++17", "-shared", "-fPIC", "-w")
+# -O1: as fast per call as -O2 (BENCHMARKS.md), and the back end takes less of the build
+CXX_FLAGS = ("-O1", "-std=c++17", "-shared", "-fPIC", "-w")
 ARTEFACT = "native.so"
 
 #: False makes a load wait for the node (the test suite: each test sees one path throughout)
@@ -51,12 +62,43 @@ def _torch_paths() -> tuple[Path, list[Path]]:
     return root / "lib", [root / "include", root / "include" / "torch" / "csrc" / "api" / "include"]
 
 
+def torch_extensions_dir() -> Path:
+    """PyTorch's folder for extension builds: $TORCH_EXTENSIONS_DIR, else the default of
+    ``torch.utils.cpp_extension`` (not imported: it imports setuptools)."""
+    env = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if env:
+        return Path(env)
+    try:
+        from torch._appdirs import user_cache_dir
+        return Path(os.path.realpath(user_cache_dir(appname="torch_extensions")))
+    except ImportError:
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        return Path(base) / "torch_extensions"
+
+
+def node_root() -> Path:
+    """The folder the node is built into and loaded from, shared by every kernel cache:
+    $TENSORSTEP_NATIVE_DIR, else ``tensorstep_native`` in PyTorch's extension folder
+    (~/.cache/torch_extensions by default)."""
+    env = os.environ.get("TENSORSTEP_NATIVE_DIR")
+    return Path(env) if env else torch_extensions_dir() / "tensorstep_native"
+
+
+def _writable(folder: Path) -> bool:
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return False
+    return os.access(folder, os.W_OK | os.X_OK)
+
+
 def _cxx() -> Optional[str]:
     candidates = [os.environ["CXX"]] if os.environ.get("CXX") else ["c++", "g++", "clang++"]
     return next((p for p in map(shutil.which, candidates) if p), None)
 
 
-def _command(cxx: str, src: Path, out: Path) -> list[str]:
+def command(cxx: str, src: Path, out: Path) -> list[str]:
+    """The compiler command that builds the node from ``src`` into ``out``."""
     lib, includes = _torch_paths()
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     return [cxx, *CXX_FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *(f"-I{p}" for p in includes), "-x", "c++",
@@ -64,10 +106,12 @@ def _command(cxx: str, src: Path, out: Path) -> list[str]:
 
 
 def build_key(cxx: str, source: str) -> str:
-    """Content hash of the node's build: source, compiler, flags, PyTorch version and location."""
+    """Content hash of the node's build: source, compiler (path, date, size), the whole command
+    (flags, PyTorch's include and library folders), PyTorch's version and git revision."""
     st = os.stat(os.path.realpath(cxx))
-    return digest(source, os.path.realpath(cxx), str(st.st_mtime_ns), str(st.st_size), " ".join(CXX_FLAGS),
-                  torch.__version__, str(_torch_paths()[0]), ABI_VERSION, platform.machine())
+    return digest(source, os.path.realpath(cxx), str(st.st_mtime_ns), str(st.st_size),
+                  " ".join(command(cxx, Path("{src}"), Path("{out}"))), torch.__version__,
+                  str(getattr(torch.version, "git_version", "")), ABI_VERSION, platform.machine())
 
 
 # The build process: BuildCache.build with the compiler command ({src} and {out} filled in), the
@@ -90,12 +134,12 @@ except cache.CacheError as err:
 """
 
 
-def _start_build(cxx: str, key: str, source: str) -> Callable[[], None]:
-    """Start the build process (the node into the cache); the returned function waits for it and
-    raises RuntimeError if it failed. Started here, not in the waiting thread, so that it runs
-    even if this process exits at once."""
-    job = dict(path=sys.path, module=BuildCache.__module__, root=str(cache_root()), key=key, ext=ARTEFACT,
-               source=source, command=_command(cxx, Path("{src}"), Path("{out}")))
+def _start_build(cxx: str, key: str, source: str, root: Path) -> Callable[[], None]:
+    """Start the build process (the node into the cache at ``root``); the returned function waits
+    for it and raises RuntimeError if it failed. Started here, not in the waiting thread, so that
+    it runs even if this process exits at once."""
+    job = dict(path=sys.path, module=BuildCache.__module__, root=str(root), key=key, ext=ARTEFACT,
+               source=source, command=command(cxx, Path("{src}"), Path("{out}")))
     process = subprocess.Popen([sys.executable, "-c", _BUILDER], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
                                stderr=subprocess.PIPE, text=True)
     with process.stdin:
@@ -114,6 +158,7 @@ _LOCK = threading.Lock()
 _STARTED = False
 _DONE = threading.Event()  # set once the node is loaded, or known to be unavailable
 _PATH: Optional[Path] = None
+_ROOT: Optional[Path] = None  # the folder the node is built into (set when a build starts)
 _FAILURE: Optional[str] = None  # why there is no node, warned once (in a caller's thread)
 
 
@@ -131,8 +176,9 @@ def start() -> None:
 
 
 def _begin() -> Optional[tuple[Callable[[], None], str]]:
-    """Settle the node now if possible (off, impossible, cached); else start its build:
+    """Settle the node now if possible (off, impossible, built); else start its build:
     (the function that waits for it, its cache key)."""
+    global _ROOT
     if not enabled() or platform.system() == "Windows":
         return _settle(None)
     cxx = _cxx()
@@ -143,14 +189,19 @@ def _begin() -> Optional[tuple[Callable[[], None], str]]:
     try:
         source = SOURCE.read_text()
         key = build_key(cxx, source)
-        found = BuildCache().verified_artefact(key, ARTEFACT)
-        if found is not None:
-            return _settle(*_load(found))
-        doing = "another process is building" if BuildCache().building(key) else "building"
+        shared = node_root()
+        for root in (shared, cache_root()):  # the kernel cache holds it where the shared folder is read-only
+            found = BuildCache(root).verified_artefact(key, ARTEFACT)
+            if found is not None:
+                return _settle(*_load(found))
+        if _writable(shared):
+            _ROOT, where = shared, f"once per PyTorch install and compiler, into {shared}"
+        else:
+            _ROOT, where = cache_root(), f"into the kernel cache, since {shared} cannot be written: set TENSORSTEP_NATIVE_DIR"
+        doing = "another process is building" if BuildCache(_ROOT).building(key) else "building"
         print(f"tensorstep: {doing} the native autograd node for torch {torch.__version__} in the background "
-              "(once per PyTorch install); steps use the Python autograd path until it is ready",
-              file=sys.stderr, flush=True)
-        return _start_build(cxx, key, source), key
+              f"({where}); steps use the Python autograd path until it is ready", file=sys.stderr, flush=True)
+        return _start_build(cxx, key, source, _ROOT), key
     except OSError as err:
         return _settle(None, _failed(err))
 
@@ -158,7 +209,7 @@ def _begin() -> Optional[tuple[Callable[[], None], str]]:
 def _finish_and_load(finish: Callable[[], None], key: str) -> None:
     try:
         finish()
-        path = BuildCache().verified_artefact(key, ARTEFACT)
+        path = BuildCache(_ROOT).verified_artefact(key, ARTEFACT)
         if path is None:
             raise RuntimeError("the built node is missing from the cache")
     except Exception as err:  # the thread's end: whatever went wrong, steps stay on the Python path

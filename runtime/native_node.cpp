@@ -13,12 +13,21 @@
 // gradients, forward mode, functorch transforms, torch.compile) to the Python Functions.
 // Double backward (create_graph) calls the op tensorstep_native::adjoint_graph, implemented
 // in Python by the differentiable AdjointFunction, so higher derivatives stay exact.
+//
+// Built once per PyTorch install, most of its compile time is parsing PyTorch's headers, so it
+// includes only what it uses: the autograd Node (not function.h and functions/utils.h, which
+// add the engine's graph tasks and the whole autograd API), and the per-operator ATen headers
+// (PyTorch's own AT_PER_OPERATOR_HEADERS: without it, the Node's headers include
+// ATen/Functions.h, every operator's declarations, most of the parse).
+#ifndef AT_PER_OPERATOR_HEADERS
+#define AT_PER_OPERATOR_HEADERS
+#endif
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
-#include <torch/csrc/autograd/function.h>
-#include <torch/csrc/autograd/functions/utils.h>
+#include <torch/csrc/autograd/node.h>
 #include <torch/csrc/autograd/saved_variable.h>
+#include <torch/csrc/autograd/variable.h>
 #include <torch/library.h>
 
 #include <array>
@@ -58,7 +67,8 @@ constexpr std::array<Caller, sizeof...(N)> callers(std::index_sequence<N...>) {
   return {&call_n<N>...};
 }
 
-constexpr auto CALLERS = callers(std::make_index_sequence<64>{});
+// (an argument table has at most 12 inputs and 4 outputs: 16 pointers, the adjoint's fewer)
+constexpr auto CALLERS = callers(std::make_index_sequence<32>{});
 
 void call(int64_t address, int64_t B, std::vector<void*>& args) {
   TORCH_CHECK(args.size() < CALLERS.size(), "tensorstep: a kernel with ", args.size(), " parameters");
@@ -461,7 +471,10 @@ std::vector<Tensor> run_node(const Kernels& k, int64_t handle, const std::vector
 
   auto node = make_node<NativeStepBackward>();
   auto* step = static_cast<NativeStepBackward*>(node.get());
-  step->set_next_edges(torch::autograd::collect_next_edges(given));
+  torch::autograd::edge_list edges;  // (what function.h's collect_next_edges does)
+  edges.reserve(given.size());
+  for (const auto& t : given) edges.push_back(torch::autograd::impl::gradient_edge(t));
+  step->set_next_edges(std::move(edges));
   step->handle = handle;
   step->rows = std::move(rows);
   step->positions = std::move(positions);
@@ -471,7 +484,10 @@ std::vector<Tensor> run_node(const Kernels& k, int64_t handle, const std::vector
       step->kept_at.push_back(static_cast<int64_t>(i));
     }
   }
-  for (auto& y : ys) torch::autograd::set_history(y, node);
+  for (auto& y : ys) {  // (functions/utils.h's set_history: the outputs are float tensors)
+    const auto output_nr = node->add_input_metadata(y);
+    torch::autograd::impl::set_gradient_edge(y, {node, output_nr});
+  }
   return ys;
 }
 
@@ -493,7 +509,7 @@ bool overlap(const Tensor& a, const Tensor& b) {  // both contiguous CPU tensors
 // out=: a plain call written into caller-owned outputs, with the rules of runtime/validate.py's
 // check_out (nothing to differentiate, outputs disjoint from each other and from the inputs).
 // False when anything is off: the caller then runs the Python checks, which name the problem.
-bool step_out(int64_t handle, const Given& given, at::TensorList out) {
+bool step_out(int64_t handle, const Given& given, const std::vector<Tensor>& out) {
   const Kernels& k = kernels(handle);
   Checked c;
   if (!check(k, given, c) || static_cast<int64_t>(out.size()) != k.outputs) return false;
@@ -515,9 +531,46 @@ bool step_out(int64_t handle, const Given& given, at::TensorList out) {
       if (overlap(out[j], y)) return false;
     }
   }
-  run_forward(k, c.inputs, out.vec());
+  run_forward(k, c.inputs, out);
   for (const auto& y : out) y.unsafeGetTensorImpl()->bump_version();  // written in place
   return true;
+}
+
+// ---- the ops, as boxed kernels ---------------------------------------------------------------
+// Python calls an op with its arguments on a stack (boxed) either way: these read them from
+// there, sparing the compiler the templates that unbox typed C++ functions (a good part of the
+// node's build time).
+using Stack = torch::jit::Stack;
+
+std::vector<std::string> strings(const c10::IValue& v) {
+  std::vector<std::string> out;
+  for (const auto& s : v.toListRef()) out.push_back(s.toStringRef());
+  return out;
+}
+
+void register_kernels_boxed(const c10::OperatorHandle&, Stack* stack) {
+  constexpr size_t n = 15;
+  const auto a = torch::jit::last(*stack, n);
+  const int64_t h = register_kernels(a[0].toInt(), a[1].toInt(), strings(a[2]), strings(a[3]), a[4].toIntVector(),
+                                     a[5].toIntVector(), a[6].toIntVector(), a[7].toIntVector(), a[8].toIntVector(),
+                                     a[9].toIntVector(), a[10].toIntVector(), a[11].toInt(), strings(a[12]),
+                                     strings(a[13]), a[14].toScalarType());
+  torch::jit::drop(*stack, n);
+  stack->emplace_back(h);
+}
+
+void step_boxed(const c10::OperatorHandle&, Stack* stack) {
+  const auto a = torch::jit::last(*stack, 2);
+  std::vector<Tensor> ys = step(a[0].toInt(), a[1].toOptionalTensorList());
+  torch::jit::drop(*stack, 2);
+  stack->emplace_back(std::move(ys));
+}
+
+void step_out_boxed(const c10::OperatorHandle&, Stack* stack) {
+  const auto a = torch::jit::last(*stack, 3);
+  const bool done = step_out(a[0].toInt(), a[1].toOptionalTensorList(), a[2].toTensorVector());
+  torch::jit::drop(*stack, 3);
+  stack->emplace_back(done);
 }
 
 }  // namespace
@@ -526,7 +579,7 @@ TORCH_LIBRARY(tensorstep_native, m) {
   m.def("register_kernels(int forward, int adjoint, str[] names, str[] meanings, int[] ranks, int[] shapes, "
         "int[] rules, int[] presences, int[] indices, int[] differentiable, int[] output_shape, int outputs, "
         "str[] symbols, str[] messages, ScalarType dtype) -> int",
-        &register_kernels);
+        torch::CppFunction::makeFromBoxedFunction<&register_kernels_boxed>());
   m.def("step(int handle, Tensor?[] inputs) -> Tensor[]");
   m.def("step_out(int handle, Tensor?[] inputs, Tensor(a!)[] out) -> bool");
   // implemented in Python (runtime/native.py): the create_graph adjoint
@@ -534,6 +587,6 @@ TORCH_LIBRARY(tensorstep_native, m) {
 }
 
 TORCH_LIBRARY_IMPL(tensorstep_native, CompositeImplicitAutograd, m) {
-  m.impl("step", &step);
-  m.impl("step_out", &step_out);
+  m.impl("step", torch::CppFunction::makeFromBoxedFunction<&step_boxed>());
+  m.impl("step_out", torch::CppFunction::makeFromBoxedFunction<&step_out_boxed>());
 }

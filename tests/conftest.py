@@ -22,6 +22,10 @@ if not os.environ.get("TENSORSTEP_CACHE_DIR"):
     _SESSION_CACHE = tempfile.mkdtemp(prefix="tensorstep-test-cache-")
     os.environ["TENSORSTEP_CACHE_DIR"] = _SESSION_CACHE
     atexit.register(shutil.rmtree, _SESSION_CACHE, ignore_errors=True)
+# Nor the native autograd node into the per-user folder shared by every cache: unless one is
+# given, the session's node goes into its kernel cache folder (a temporary one, or CI's).
+if not os.environ.get("TENSORSTEP_NATIVE_DIR"):
+    os.environ["TENSORSTEP_NATIVE_DIR"] = os.path.join(os.environ["TENSORSTEP_CACHE_DIR"], "native")
 
 
 @pytest.fixture(params=GRID, ids=[grid_id(g) for g in GRID])

@@ -389,11 +389,13 @@ def call(step):
 """
 
 
-def _first_use(tmp_path, body: str, **env) -> list[str]:
-    """Run FIRST_USE + body in a fresh process with an empty cache; its stdout lines (stderr kept
-    in tmp_path/stderr)."""
+def _first_use(tmp_path, body: str, cache: str = "cache", **env) -> list[str]:
+    """Run FIRST_USE + body in a fresh process with an empty kernel cache (tmp_path/cache) and no
+    native node built (tmp_path/native); its stdout lines (stderr kept in tmp_path/stderr)."""
     environ = {k: v for k, v in os.environ.items() if k not in ("CXX", "TENSORSTEP_NATIVE")}
-    environ.update(TENSORSTEP_CACHE_DIR=str(tmp_path / "cache"), **env)
+    environ.update({"TENSORSTEP_CACHE_DIR": str(tmp_path / cache), "TENSORSTEP_NATIVE_DIR": str(tmp_path / "native"),
+                    **env})
+    environ = {k: v for k, v in environ.items() if v is not None}  # None: unset
     run = subprocess.run([sys.executable, "-c", FIRST_USE + textwrap.dedent(body)], env=environ,
                          capture_output=True, text=True, cwd=tmp_path, timeout=300)
     (tmp_path / "stderr").write_text(run.stderr)
@@ -423,11 +425,11 @@ def test_first_call_does_not_wait_for_the_node_and_later_calls_take_it(tmp_path)
         from tensorstep.runtime.cache import BuildCache
         held, release = threading.Event(), threading.Event()
 
-        def start_build(cxx, key, source):  # the build, held; then the session's node as its output
+        def start_build(cxx, key, source, root):  # the build, held; then the session's node as its output
             def finish():
                 held.set()
                 release.wait()
-                BuildCache().build(key, native.ARTEFACT, source, lambda src, out: shutil.copy({str(built)!r}, out))
+                BuildCache(root).build(key, native.ARTEFACT, source, lambda src, out: shutil.copy({str(built)!r}, out))
             return finish
 
         native._start_build = start_build
@@ -459,16 +461,16 @@ def test_a_second_process_says_it_waits_for_the_first_ones_build(tmp_path):
         import shutil, subprocess
         from tensorstep.runtime.cache import BuildCache
         key = native.build_key(native._cxx(), native.SOURCE.read_text())
-        lock = BuildCache().build_dir(key) / ".lock"
+        lock = BuildCache(native.node_root()).build_dir(key) / ".lock"
         lock.parent.mkdir(parents=True)
         holder = subprocess.Popen([sys.executable, "-c", "import fcntl, sys; f = open(sys.argv[1], 'a+'); "
                                    "fcntl.flock(f, fcntl.LOCK_EX); print(flush=True); sys.stdin.read()", str(lock)],
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         holder.stdout.readline()  # the other process holds the lock
 
-        def start_build(cxx, key, source):  # waits on the lock as the real build does, then finds the node
+        def start_build(cxx, key, source, root):  # waits on the lock as the real build does, then finds the node
             def finish():
-                BuildCache().build(key, native.ARTEFACT, source, lambda src, out: shutil.copy({str(built)!r}, out))
+                BuildCache(root).build(key, native.ARTEFACT, source, lambda src, out: shutil.copy({str(built)!r}, out))
             return finish
 
         native._start_build = start_build
@@ -537,7 +539,8 @@ def test_two_processes_building_at_once_build_once(tmp_path):
     cxx, log = _fake_cxx(tmp_path, node)
     code = FIRST_USE + "step = ts.load(spec); native.wait(); print(call(step)[0])"
     env = {k: v for k, v in os.environ.items() if k != "TENSORSTEP_NATIVE"}
-    env.update(TENSORSTEP_CACHE_DIR=str(tmp_path / "cache"), CXX=str(cxx))
+    env.update(TENSORSTEP_CACHE_DIR=str(tmp_path / "cache"), TENSORSTEP_NATIVE_DIR=str(tmp_path / "native"),
+               CXX=str(cxx))
     runs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                              text=True) for _ in range(2)]
     for run in runs:
@@ -552,7 +555,7 @@ def test_exit_during_the_build_leaves_it_to_finish_whole(tmp_path):
     (all of it, under its temporary names until done), and the next process loads it."""
     cxx, log = _fake_cxx(tmp_path)
     _first_use(tmp_path, "ts.load(spec)", CXX=str(cxx))
-    builds = tmp_path / "cache" / "builds"
+    builds = tmp_path / "native" / "builds"
     for _ in range(600):
         done = [d for d in builds.iterdir() if (d / "kernel.native.so").exists() and (d / "meta.json").exists()]
         if done:
@@ -563,3 +566,55 @@ def test_exit_during_the_build_leaves_it_to_finish_whole(tmp_path):
     _first_use(tmp_path, "ts.load(spec); native.wait()", CXX=str(cxx))
     assert log.read_text().split() == ["run"]
     assert "building" not in (tmp_path / "stderr").read_text()
+
+
+# ---- where the node is kept: once per PyTorch install, not per kernel cache -------------------
+
+def _node_files(folder) -> list:
+    return sorted(folder.glob("builds/*/kernel.native.so"))
+
+
+def test_a_second_cache_folder_uses_the_first_ones_node_without_a_build(tmp_path):
+    """Two processes with different kernel caches (as CI's fresh TENSORSTEP_CACHE_DIR gives): the
+    first builds the node into the shared folder, the second loads it from there, building nothing."""
+    node = native.wait()
+    if node is None:
+        pytest.skip("the native autograd node is unavailable here (no C++ compiler?)")
+    cxx, log = _fake_cxx(tmp_path, node)
+    body = "step = ts.load(spec); native.wait(); print(call(step)[0])"
+    first = _first_use(tmp_path, body, cache="cache-1", CXX=str(cxx))
+    second = _first_use(tmp_path, body, cache="cache-2", CXX=str(cxx))
+    assert "NativeStep" in first[0] and "NativeStep" in second[0]
+    assert log.read_text().split() == ["run"]  # compiled once, by the first process
+    assert "native autograd node" not in (tmp_path / "stderr").read_text()  # the second said nothing
+    assert len(_node_files(tmp_path / "native")) == 1
+    assert not _node_files(tmp_path / "cache-1") and not _node_files(tmp_path / "cache-2")
+
+
+def test_by_default_the_node_is_kept_in_pytorchs_extension_folder(tmp_path):
+    """Without TENSORSTEP_NATIVE_DIR, the node goes to PyTorch's folder for extension builds
+    (TORCH_EXTENSIONS_DIR here), and the message says where."""
+    cxx, log = _fake_cxx(tmp_path)
+    _first_use(tmp_path, "ts.load(spec); native.wait()", CXX=str(cxx), TENSORSTEP_NATIVE_DIR=None,
+               TORCH_EXTENSIONS_DIR=str(tmp_path / "ext"))
+    assert len(_node_files(tmp_path / "ext" / "tensorstep_native")) == 1
+    message = [l for l in (tmp_path / "stderr").read_text().splitlines() if "native autograd node" in l][0]
+    assert "once per PyTorch install and compiler" in message and str(tmp_path / "ext") in message
+
+
+def test_an_unwritable_shared_folder_keeps_the_node_in_the_kernel_cache(tmp_path):
+    """Where the shared folder cannot be made, the node is built into the kernel cache (as before),
+    the message says why, and the next process with that cache loads it without a build."""
+    node = native.wait()
+    if node is None:
+        pytest.skip("the native autograd node is unavailable here (no C++ compiler?)")
+    cxx, log = _fake_cxx(tmp_path, node)
+    (tmp_path / "a-file").write_text("")
+    env = dict(CXX=str(cxx), TENSORSTEP_NATIVE_DIR=str(tmp_path / "a-file" / "native"))
+    _first_use(tmp_path, "ts.load(spec); native.wait()", **env)
+    assert len(_node_files(tmp_path / "cache")) == 1
+    message = [l for l in (tmp_path / "stderr").read_text().splitlines() if "native autograd node" in l][0]
+    assert "into the kernel cache" in message and "cannot be written" in message
+    _first_use(tmp_path, "ts.load(spec); native.wait()", **env)
+    assert log.read_text().split() == ["run"]
+    assert "native autograd node" not in (tmp_path / "stderr").read_text()
