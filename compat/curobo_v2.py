@@ -566,11 +566,19 @@ def _bspline_inputs(u_act: Tensor, start: Sequence[Any], goal: Sequence[Any], st
 def _small_n(n: int, degree: int, flag: Tensor, goal_idx: Tensor) -> None:
     """Refuse the knot counts where a span would be both a start and a goal boundary: n ≤ degree − 1,
     and n = degree for trajectories whose flag is set (cuRobo's curve breaks there)."""
-    if n <= degree - 1 or (n == degree and bool(_goal_flag(flag, goal_idx).any())):
-        with_flag = " with use_implicit_goal_state set" if n == degree else ""
-        raise ValueError(f"u_act: {n} knots with bspline_degree={degree}{with_flag}: a span would be both a start and "
-                         f"a goal boundary, where cuRobo's result is wrong; use at least {degree + 1} knots "
-                         f"(or {degree} with the flag off)")
+    def refused(with_flag: str) -> str:
+        return (f"u_act: {n} knots with bspline_degree={degree}{with_flag}: a span would be both a start and "
+                f"a goal boundary, where cuRobo's result is wrong; use at least {degree + 1} knots "
+                f"(or {degree} with the flag off)")
+
+    if n <= degree - 1:
+        raise ValueError(refused(""))
+    if n == degree:
+        flagged = _goal_flag(flag, goal_idx).any()
+        if flag.device.type != "cpu":  # a device-side assert: no host synchronisation (CUDA-graph capture)
+            torch._assert_async(~flagged, refused(" with use_implicit_goal_state set"))
+        elif bool(flagged):
+            raise ValueError(refused(" with use_implicit_goal_state set"))
 
 
 def _field(obj: Any, owner: str, name: str, optional: bool = False) -> Any:
