@@ -66,7 +66,13 @@ class Step(torch.nn.Module):
         """Module conversions (``to``, ``double``, ``cuda``, ...): the kernel is fixed per spec and
         device, so a new dtype or device loads that kernel into this module (there are no tensors
         to convert). ``fn`` is applied to a probe tensor to see what the conversion asks for."""
-        probe = fn(torch.zeros((), dtype=self.dtype, device=self.device))
+        try:
+            probe = fn(torch.zeros((), dtype=self.dtype, device=self.device))
+        except (AssertionError, RuntimeError) as err:
+            # PyTorch's bare "Torch not compiled with CUDA enabled" (or no driver): load's message
+            if torch.cuda.is_available() or not any(word in str(err) for word in ("CUDA", "NVIDIA")):
+                raise
+            raise _cuda_unavailable("cuda") from None
         if probe.dtype != self.dtype or probe.device != self.device:
             name = {v: k for k, v in DTYPES.items()}.get(probe.dtype)
             if name is None:
@@ -270,6 +276,17 @@ def _jvp_transform() -> bool:
 _jvp_transform._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
+def _cuda_unavailable(device: Union[str, torch.device]) -> Exception:
+    """The error for a CUDA device asked of a PyTorch that sees none (ts.load, Step.to)."""
+    from .cuda_backend import CudaUnavailable
+
+    return CudaUnavailable(
+        f"device={str(device)!r}: this PyTorch build sees no CUDA device (torch.cuda.is_available() is False); "
+        "install a CUDA build of PyTorch and the CuPy of its CUDA version (pip install 'tensorstep[cuda12]' "
+        "or 'tensorstep[cuda13]', as torch.version.cuda says) on a machine with an NVIDIA GPU"
+    )
+
+
 def _device(device: Union[str, torch.device]) -> torch.device:
     allowed = "allowed 'cpu', 'cuda', 'cuda:N' or a torch.device"
     if not isinstance(device, (str, torch.device)):
@@ -279,13 +296,7 @@ def _device(device: Union[str, torch.device]) -> torch.device:
     except RuntimeError:  # torch's own message lists every device type it knows
         raise ValueError(f"device={device!r} is invalid: {allowed}") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
-        from .cuda_backend import CudaUnavailable
-
-        raise CudaUnavailable(
-            f"device={str(device)!r}: this PyTorch build sees no CUDA device (torch.cuda.is_available() is False); "
-            "install a CUDA build of PyTorch and the CuPy of its CUDA version (pip install 'tensorstep[cuda12]' "
-            "or 'tensorstep[cuda13]', as torch.version.cuda says) on a machine with an NVIDIA GPU"
-        )
+        raise _cuda_unavailable(device)
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
     if dev.type not in ("cpu", "cuda"):

@@ -66,10 +66,23 @@ def test_unsupported_devices_raise():
     with pytest.raises(ValueError, match="device=.*meta.* is invalid"):
         step.to("meta")
     assert step.device == torch.device("cpu")
-    if not torch.cuda.is_available():
-        with pytest.raises((AssertionError, RuntimeError)):
-            step.cuda()
-        assert step.device == torch.device("cpu")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a PyTorch that sees no CUDA device")
+@pytest.mark.parametrize("convert", [lambda s: s.to("cuda"), lambda s: s.cuda(), lambda s: s.to("cuda:0"),
+                                     lambda s: s.to(torch.device("cuda"), torch.float64),
+                                     lambda s: torch.nn.Sequential(s).to("cuda")])
+def test_cuda_without_a_gpu_says_what_load_says(convert):
+    """Not PyTorch's bare 'Torch not compiled with CUDA enabled': the message ts.load gives, which
+    says what to install; the step stays as it was."""
+    step = ts.load(SPEC32)
+    with pytest.raises(RuntimeError) as load_error:
+        ts.load(SPEC32, "cuda")
+    with pytest.raises(RuntimeError) as to_error:
+        convert(step)
+    assert type(to_error.value) is type(load_error.value) and str(to_error.value) == str(load_error.value)
+    assert "sees no CUDA device" in str(to_error.value) and "install" in str(to_error.value)
+    assert step.device == torch.device("cpu") and step.spec == SPEC32
 
 
 def test_load_takes_a_dict_of_spec_fields():
