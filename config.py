@@ -33,7 +33,7 @@ from typing import Any, Optional
 
 import yaml
 
-from .codegen.spec import RELEVANT, KernelSpec
+from .codegen.spec import RELEVANT, KernelSpec, unknown_name
 
 MAX_CONFIG_BYTES = 1 << 20
 
@@ -127,10 +127,8 @@ def _check_keys(path: Path, key: str, data: dict, allowed: tuple[str, ...]) -> N
     """Name the first unknown key (with the closest allowed one) before anything reads the rest."""
     for name in data:
         if name not in allowed:
-            close = difflib.get_close_matches(str(name), allowed, n=1)
-            hint = f"did you mean {close[0]!r}? " if close else ""
             where = f"{key}.{name}" if key else str(name)
-            raise ConfigError(path, where, f"unknown key ({hint}allowed: {', '.join(allowed)})")
+            raise ConfigError(path, where, f"unknown key ({unknown_name(name, allowed)})")
 
 
 def _mapping(path: Path, key: str, value: Any, allowed: Any, expected: str) -> dict:

@@ -6,11 +6,12 @@ which must not import SymPy or Jinja2.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import hashlib
 import json
 import numbers
 import operator
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 CONTROLS = ("position", "velocity", "acceleration", "jerk", "bspline")
 DIFFERENCES = ("backward", "central")
@@ -33,6 +34,14 @@ BSPLINE_DT = ("uniform", "per_trajectory")
 CONTROL_ORDER = {"position": 0, "velocity": 1, "acceleration": 2, "jerk": 3}
 DERIVATIVE_NAMES = ("position", "velocity", "acceleration", "jerk", "snap")
 DEFAULT_ACCURACY = {"backward": (1, 1, 1, 1), "central": (4, 4, 2, 2)}
+
+
+def unknown_name(name: Any, allowed: Sequence[str]) -> str:
+    """The hint for a misspelt field or key: "did you mean 'x'? allowed: a, b, ..." (the closest
+    allowed name where one is close)."""
+    close = difflib.get_close_matches(str(name), list(allowed), n=1)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    return f"{hint}allowed: {', '.join(allowed)}"
 
 
 def _fail(field: str, value: Any, allowed: str) -> ValueError:
@@ -106,6 +115,14 @@ class KernelSpec:
     degree: Any = None  # B-spline degree D (control="bspline"; default 4)
     knots: Any = None  # B-spline free control points n (control="bspline")
     steps: Any = None  # B-spline output rows per span s (control="bspline")
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> "KernelSpec":
+        # Python's own "unexpected keyword argument" names no field: say the closest and the allowed
+        for name in kwargs:
+            if name not in cls.__dataclass_fields__:
+                raise TypeError(f"KernelSpec() got an unexpected keyword argument {name!r} "
+                                f"({unknown_name(name, tuple(cls.__dataclass_fields__))})")
+        return super().__new__(cls)
 
     def __post_init__(self) -> None:
         if self.dof is None:
@@ -271,10 +288,10 @@ class KernelSpec:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "KernelSpec":
-        unknown = set(data) - {f.name for f in dataclasses.fields(cls)}
+        fields = tuple(f.name for f in dataclasses.fields(cls))
+        unknown = [name for name in data if name not in fields]
         if unknown:
-            allowed = ", ".join(f.name for f in dataclasses.fields(cls))
-            raise ValueError(f"unknown KernelSpec field(s) {sorted(unknown)}; allowed: {allowed}")
+            raise ValueError(f"unknown KernelSpec field {unknown[0]!r} ({unknown_name(unknown[0], fields)})")
         kwargs = dict(data)
         if isinstance(kwargs.get("accuracy"), list):
             kwargs["accuracy"] = tuple(kwargs["accuracy"])

@@ -62,6 +62,25 @@ def test_from_dict_rejects_unknown_fields():
         ts.KernelSpec.from_dict({"horizon": 8, "dof": 2, "robot": "x"})
 
 
+ALLOWED_FIELDS = ("horizon, dof, control, difference, accuracy, integrator, end, dt, start_index, layout, dtype, "
+                  "order, goal_index, degree, knots, steps")
+
+
+@pytest.mark.parametrize("typo, closest", [("diference", "difference"), ("horizn", "horizon"),
+                                           ("stpes", "steps"), ("robot", None)])
+def test_a_misspelt_keyword_names_the_closest_field_and_the_allowed_ones(typo, closest):
+    """As a config's unknown keys do: the closest field (where one is close) and every field."""
+    hint = f"did you mean '{closest}'? " if closest else ""
+    with pytest.raises(TypeError) as err:
+        ts.KernelSpec(horizon=8, dof=2, **{typo: "central"})
+    assert str(err.value) == f"KernelSpec() got an unexpected keyword argument '{typo}' ({hint}allowed: {ALLOWED_FIELDS})"
+    with pytest.raises(ValueError) as err:
+        ts.KernelSpec.from_dict({"horizon": 8, "dof": 2, typo: "central"})
+    assert str(err.value) == f"unknown KernelSpec field '{typo}' ({hint}allowed: {ALLOWED_FIELDS})"
+    with pytest.raises(TypeError, match=f"unexpected keyword argument '{typo}'"):
+        ts.KernelSpec(horizon=8, dof=2).replace(**{typo: 1})
+
+
 # ---- PyTorch and NumPy conventions: integers and dtypes as the libraries spell them ----------------
 
 def test_numpy_integers_are_plain_ints_in_the_spec():
