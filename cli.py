@@ -330,6 +330,10 @@ def run(config: str, task: Optional[str], output: str, batch: int, device: str) 
     for line in emit.write(Path(output), files).notes():
         click.echo(line)
     click.echo(f"{cfg.robot}: {cfg.dof} dof, dt={cfg.dt}, batch={batch}, device={device}")
+    threads = torch.get_num_threads()  # the kernels' OpenMP threads too (one runtime)
+    if not device.startswith("cuda"):
+        click.echo(f"CPU threads: {threads} (torch.get_num_threads(), set by OMP_NUM_THREADS; on a machine other "
+                   "busy processes share, OMP_NUM_THREADS=1 can be many times faster: README, 'CPU kernels')")
     for spec in cfg.specs:
         t0 = time.perf_counter()
         step = ts.load(spec, device)
@@ -358,6 +362,8 @@ def run(config: str, task: Optional[str], output: str, batch: int, device: str) 
         per_call = (time.perf_counter() - t0) / reps * 1e6
         shapes = " ".join("x".join(map(str, o.shape)) for o in outs)
         path = "native node" if step.native is not None else "Python autograd path"
+        if step.device.type == "cpu":
+            path += f", {threads} thread{'s' if threads > 1 else ''}"
         click.echo(f"  {spec.name}\n    outputs {shapes}; load {load_s * 1e3:.0f} ms; "
                    f"forward+backward {per_call:.0f} us/call ({path}); grad u {tuple(u.grad.shape)}")
         click.echo(f"    source: {Path(output) / (spec.name + '.c')} and {Path(output) / (spec.name + '.cu')}")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -222,3 +223,36 @@ def test_generating_another_config_removes_only_its_own_unchanged_files(tmp_path
     assert f"left 1 files of kernels no longer in the config (edited since tensorstep wrote them): {edited.name}" in result.output
     assert edited.read_text() == "/* my edits */\n" and (tmp_path / "notes.txt").read_text() == "mine"
     assert not any((tmp_path / name).exists() for name in removed)
+
+
+SMALL_CONFIG = """
+robot: demo_arm
+dof: 2
+dt: 0.02
+defaults: {horizon: 8, dtype: float64}
+kernels:
+  - {control: position, difference: central}
+  - {control: acceleration, integrator: exact}
+"""
+
+
+def test_run_prints_the_thread_count_beside_its_timings(tmp_path):
+    """Timings on a busy machine depend on the thread count: run says how many it used, beside
+    each timing, and what to set on a shared machine."""
+    import torch
+
+    config = tmp_path / "small.yml"
+    config.write_text(SMALL_CONFIG)
+    before = torch.get_num_threads()
+    try:
+        for n, words in ((1, "1 thread)"), (2, "2 threads)")):
+            torch.set_num_threads(n)
+            lines = run("run", str(config), "-o", str(tmp_path / f"out-{n}"), "--batch", "4").output.splitlines()
+            assert [l for l in lines if l.startswith("CPU threads: ")] == [
+                f"CPU threads: {n} (torch.get_num_threads(), set by OMP_NUM_THREADS; on a machine other busy "
+                "processes share, OMP_NUM_THREADS=1 can be many times faster: README, 'CPU kernels')"]
+            timings = [l for l in lines if "us/call" in l]
+            assert len(timings) == 2 and all(re.search(r"\d+ us/call \((native node|Python autograd path), "
+                                                       + re.escape(words), l) for l in timings), timings
+    finally:
+        torch.set_num_threads(before)
