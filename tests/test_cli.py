@@ -79,6 +79,29 @@ def test_list_and_check_generated_folder(tmp_path):
     assert checked.output.count("PASS") == 3 and "all passed" in checked.output
 
 
+def test_check_reads_states_through_their_indices():
+    """`check` picks the start and goal rows from tables by start_index and goal_index: kernels
+    that pass it fail it once a forward ignores either index (each trajectory reading its own row)."""
+    import torch
+
+    from tensorstep.codegen.arguments import table
+    from tensorstep.runtime.launch import CpuBackend, Launcher
+    from tensorstep.runtime.verify import verify_launcher
+
+    spec = ts.KernelSpec(horizon=7, dof=2, dtype="float64", end="goal", start_index=True, goal_index=True)
+    assert verify_launcher(spec, Launcher(spec, CpuBackend(spec)), torch.device("cpu"))["ok"]
+    for name in ("start_index", "goal_index"):
+        backend = CpuBackend(spec)
+        position, call = [a.name for a in table(spec).tensors].index(name), backend.call
+
+        def no_index(kernel, B, args, position=position, call=call):
+            return call(kernel, B, [0 if kernel == "forward" and i == position else a for i, a in enumerate(args)])
+
+        backend.call = no_index
+        row = verify_launcher(spec, Launcher(spec, backend), torch.device("cpu"))
+        assert not row["ok"] and row["forward"] > 1e-3, (name, row)
+
+
 def test_check_config_and_show_and_stencil():
     checked = run("check", str(ROOT / "examples" / "mobile_manipulator.yml"))
     assert checked.exit_code == 0 and "all passed" in checked.output

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import reference
+import reference_bspline
 import tensorstep as ts
 from cuda_on_host import HostCudaBackend, host_source, host_step
 from tensorstep.codegen import abi, render
@@ -20,7 +21,8 @@ from tensorstep.codegen.driver import lowered
 from tensorstep.runtime.api import Step
 from tensorstep.runtime.launch import CpuBackend, Launcher
 from tensorstep.runtime.verify import verify_launcher
-from helpers import GRID, Inputs, dt_value, grid_id, make_spec, to_bhd
+from helpers import (GRID, Inputs, ReferenceCase, as_bhd, check_dt_derivatives, dt_value, grid_id, make_spec,
+                     to_bhd)
 from test_numerics import scale_close
 
 NVCC = shutil.which("nvcc")
@@ -231,6 +233,102 @@ def test_cuda_source_run_on_the_host_passes_gradcheck(overrides):
     kw = {"start_index": x.idx} if x.idx is not None else {}
     f = lambda u, p0, v0, a0, j0, dt: step(u, p0, v0, a0, dt, j0=j0, **kw)
     assert torch.autograd.gradcheck(f, (*args, dt), check_forward_ad=True)
+
+
+# The CUDA source run on the host against the independent references (tests/reference.py,
+# tests/reference_bspline.py) with start and goal tables picked by start_index and goal_index:
+# until a GPU has run these kernels, this is the evidence for the CUDA gathers and scatters.
+INDEXED = [
+    dict(difference="central", start_index=True, layout="bdh"),
+    dict(difference="backward", accuracy=2, order=4, start_index=True),
+    dict(control="acceleration", integrator="exact", start_index=True),
+    dict(control="jerk", integrator="exact", dt="per_step", start_index=True, layout="bdh"),
+    dict(control="velocity", dt="per_trajectory", start_index=True),
+    dict(end="goal", goal_index=True, start_index=True, layout="bdh"),
+    dict(end="goal", goal_index=True, accuracy=(2, 4, 2), dt="per_step"),
+    dict(end="goal", goal_index=True, start_index=True, dt="per_trajectory"),
+    dict(control="bspline", degree=3, knots=5, steps=3, start_index=True),
+    dict(control="bspline", degree=4, knots=3, steps=2, end="goal", goal_index=True, start_index=True,
+         dt="per_trajectory", layout="bdh"),
+]
+
+
+def _indexed_spec(overrides: dict) -> ts.KernelSpec:
+    if overrides.get("control") == "bspline":  # the horizon follows from knots and steps
+        return ts.KernelSpec(dof=2, dtype="float64", **overrides)
+    return make_spec(overrides)
+
+
+def _reference_jacobians(case: ReferenceCase) -> list[tuple]:
+    """Per trajectory, the reference's dense operator (of u [K, H, N], of the start state [K, H, 4],
+    of the goal state [K, H, 4] or None), K = P..J (and S, not for a B-spline), by probing it."""
+    spec = case.spec
+
+    def one(dt) -> tuple:
+        if spec.control == "bspline":  # a uniform or per-trajectory dt: one number
+            zero = [np.zeros(1)] * 4
+            t = reference_bspline.trajectory(np.zeros((spec.n_actions, 1)), zero, zero if case.goal else None,
+                                             spec.degree, spec.steps, float(np.ravel(dt)[0]))
+            return t.jac_knots, t.jac_start, t.jac_goal
+        return (*reference.matrices(spec, dt), reference.goal_matrix(spec, dt) if case.goal else None)
+
+    if spec.dt == "per_trajectory":
+        return [one(case.dt[b].item()) for b in range(case.B)]
+    return [one(case.dt.reshape(-1).tolist())] * case.B
+
+
+@pytest.mark.parametrize("overrides", INDEXED, ids=grid_id)
+def test_cuda_source_run_on_the_host_with_indices_matches_reference(overrides):
+    """Start and goal rows picked from tables (B + 2, B + 1 rows, some picked twice), dt uniform,
+    per step or per trajectory, B·D = 260 columns (two blocks): the outputs against the
+    reference's dense operator applied to the picked rows, and the gradient of every input (the
+    tables' scatter-added through the indices) against that operator's transpose, at 1e-12."""
+    spec = _indexed_spec(overrides)
+    case = ReferenceCase(spec, B=130, seed=2)
+    assert case.idx is not None or case.gidx is not None
+    jacobians = _reference_jacobians(case)
+    K = jacobians[0][0].shape[0]
+    u = as_bhd(case.u, spec)
+    start = torch.stack(case.start, 1).numpy()  # [S, 4, D]
+    goal = torch.stack(case.goal, 1).numpy() if case.goal else None
+    srow = case.idx.numpy() if case.idx is not None else np.arange(case.B)
+    grow = case.gidx.numpy() if case.gidx is not None else np.arange(case.B)
+    expect = np.zeros((K, case.B, spec.horizon, spec.dof))
+    for b, (J_u, J_s, J_g) in enumerate(jacobians):
+        expect[:, b] = J_u @ u[b] + J_s @ start[srow[b]]
+        if goal is not None:
+            expect[:, b] += J_g @ goal[grow[b]]
+
+    xs = [t.clone().requires_grad_(True) for t in case.tensors()[:-1]]
+    ys = case.call(host_step(spec), *xs, case.dt)[:K]
+    for y, e in zip(ys, expect):
+        scale_close(as_bhd(y, spec), e, 1e-12)
+    gen = torch.Generator().manual_seed(5)
+    weights = [torch.randn(y.shape, generator=gen, dtype=torch.float64) for y in ys]
+    got = [g.numpy() for g in torch.autograd.grad(ys, xs, weights)]
+    W = np.stack([as_bhd(w, spec) for w in weights])  # [K, B, H, D]
+    expect_u = np.zeros_like(u)
+    expect_start = np.zeros((start.shape[1], *start[:, 0].shape))  # [4, S, D]
+    expect_goal = None if goal is None else np.zeros((goal.shape[1], *goal[:, 0].shape))
+    for b, (J_u, J_s, J_g) in enumerate(jacobians):
+        expect_u[b] = np.einsum("khn,khd->nd", J_u, W[:, b])
+        expect_start[:, srow[b]] += np.einsum("khm,khd->md", J_s, W[:, b])
+        if goal is not None:
+            expect_goal[:, grow[b]] += np.einsum("khm,khd->md", J_g, W[:, b])
+    scale_close(got[0], expect_u if spec.layout == "bhd" else expect_u.transpose(0, 2, 1), 1e-12)
+    for m in range(4):
+        scale_close(got[1 + m], expect_start[m], 1e-12)
+        if goal is not None:
+            scale_close(got[5 + m], expect_goal[m], 1e-12)
+
+
+@pytest.mark.parametrize("overrides", INDEXED, ids=grid_id)
+def test_cuda_source_run_on_the_host_with_indices_dt_derivatives_match_reference(overrides):
+    """dt's gradient (dt_vjp, dt_vjp_finish) and tangent (dt_jvp) of the CUDA kernels run on the host,
+    start and goal rows picked by their indices, against differences of the reference in dt
+    (helpers.check_dt_derivatives)."""
+    spec = _indexed_spec(overrides)
+    check_dt_derivatives(ReferenceCase(spec, B=3, seed=4), [("cuda-on-host", host_step(spec))])
 
 
 
