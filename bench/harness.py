@@ -135,29 +135,30 @@ def case_callables(case: Case, inductor: bool = True) -> dict[str, Callable[[], 
 
 
 def time_interleaved(methods: dict[str, Callable[[], None]], device: str, budget_s: float = 0.6,
-                     repeats: int = 7) -> dict[str, float]:
+                     repeats: int = 7, clock: Callable[[], float] = time.perf_counter) -> dict[str, float]:
     """Median seconds per call of each method; methods take turns in every repeat, each turn
-    starting with one untimed call (steady state, equally for every method)."""
+    starting with one untimed call (steady state, equally for every method). ``clock``: wall
+    time, or e.g. the thread's CPU time."""
     for fn in methods.values():  # warm up (compiles, allocator)
         fn()
         fn()
     _sync(device)
-    start = time.perf_counter()
+    start = clock()
     for fn in methods.values():
         fn()
     _sync(device)
-    one_round = max(time.perf_counter() - start, 1e-6)
+    one_round = max(clock() - start, 1e-6)
     inner = max(1, int(budget_s / repeats / one_round))
     samples: dict[str, list[float]] = {name: [] for name in methods}
     for _ in range(repeats):
         for name, fn in methods.items():
             fn()  # untimed: the first call after another method pays for its cache and heap state
             _sync(device)
-            t0 = time.perf_counter()
+            t0 = clock()
             for _ in range(inner):
                 fn()
             _sync(device)
-            samples[name].append((time.perf_counter() - t0) / inner)
+            samples[name].append((clock() - t0) / inner)
     return {name: statistics.median(v) for name, v in samples.items()}
 
 
