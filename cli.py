@@ -385,17 +385,32 @@ def run(config: str, task: Optional[str], output: str, batch: int, device: str) 
               help="also time the slicing baseline under torch.compile (compiled per case before timing)")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
               help="draw time per call against batch into FILE.png (needs matplotlib)")
+@click.option("--compiled-loss", is_flag=True,
+              help="only the step inside a loss, eager and under torch.compile, against a tiny loss's floor "
+                   "(B=8 and 400 unless --batch), and its first compile in fresh processes unless --no-codegen")
 @click.option("--steady-malloc/--system-malloc", default=True, show_default=True,
               help="keep freed memory in the process (fixed glibc thresholds, so no method's outputs are "
                    "page-faulted in on some runs and not others), or leave glibc's defaults")
 @friendly
 def bench(device: str, quick: bool, scheme: tuple, batch: tuple, horizon: tuple, dtype: tuple,
-          budget: float, codegen: bool, inductor: bool, plot_path: Optional[str], steady_malloc: bool) -> None:
+          budget: float, codegen: bool, inductor: bool, plot_path: Optional[str], compiled_loss: bool,
+          steady_malloc: bool) -> None:
     """Time forward+backward against the dense-matrix and slicing PyTorch baselines (eager and under
     torch.compile) and the copy bound, then the forward alone (rollouts) into new and into reused
     outputs (out=)."""
     check_device(device)
     from .bench import allocator, bspline, harness
+
+    if compiled_loss:
+        if device != "cpu" or scheme or dtype or plot_path or len(horizon) > 1:
+            raise UserError("--compiled-loss times one float32 CPU loss: it takes --batch, one --horizon, --budget "
+                            "and --no-codegen, not --device, --scheme, --dtype or --plot")
+        from .bench import compiled
+
+        click.echo(allocator.keep_freed_memory() if steady_malloc else allocator.leave_as_is())
+        compiled.run(batch or (8, 400), horizon[0] if horizon else 32, click.echo, budget,
+                     compile_cost=codegen)
+        return
 
     if plot_path:
         from . import plot as pictures

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from click.testing import CliRunner
 from functorch.compile import make_boxed_func
 from torch._dynamo.backends.common import aot_autograd
 
 import tensorstep as ts
 from tensorstep.bench import compiled
+from tensorstep.cli import main
 
 
 def graphs_of(loss, *args):
@@ -85,3 +87,9 @@ def test_bench_compiled_loss_table():
     row = next(line for line in lines if line.startswith("| 2 |"))
     share = (t["compiled loss"] - t["compiled tiny"]) / (t["eager loss"] - t["eager tiny"])
     assert row.endswith(f"| {share:.2f}× |")
+
+
+def test_bench_compiled_loss_refuses_options_it_does_not_take():
+    result = CliRunner().invoke(main, ["bench", "--compiled-loss", "--scheme", "accel"])
+    assert result.exit_code != 0
+    assert "--compiled-loss times one float32 CPU loss" in result.output and "Traceback" not in result.output
