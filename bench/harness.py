@@ -302,8 +302,9 @@ print(time.perf_counter() - t0, path.parent if path else "")
 
 
 def native_build(echo: Callable[[str], None], cache: str) -> Optional[str]:
-    """Build the native autograd node in an empty cache (once per PyTorch install); its build folder."""
-    env = dict(os.environ, TENSORSTEP_CACHE_DIR=cache)
+    """Build the native autograd node in an empty cache (once per PyTorch install); its build folder.
+    The cache is also the node's folder, so the user's own node is neither used nor touched."""
+    env = dict(os.environ, TENSORSTEP_CACHE_DIR=cache, TENSORSTEP_NATIVE_DIR=cache)
     run = subprocess.run([sys.executable, "-c", NATIVE_SNIPPET], env=env, capture_output=True, text=True)
     parts = run.stdout.split()
     if run.returncode or len(parts) < 2:
@@ -338,7 +339,7 @@ def _codegen_cost(echo: Callable[[str], None], horizons, node: Optional[str]) ->
                     shutil.copytree(node, os.path.join(cache, "builds", os.path.basename(node)))
                 # Python's usual bytecode cache (some machines turn it off), as a user's process has it
                 env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
-                env["TENSORSTEP_CACHE_DIR"] = cache
+                env["TENSORSTEP_CACHE_DIR"] = env["TENSORSTEP_NATIVE_DIR"] = cache
                 code = COLD_SNIPPET.format(H=H, kw=repr(SCHEMES[scheme]))
                 run = lambda: subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
                 cold = run()
