@@ -197,7 +197,8 @@ def _begin() -> Optional[tuple[Callable[[], None], str]]:
         if _writable(shared):
             _ROOT, where = shared, f"once per PyTorch install and compiler, into {shared}"
         else:
-            _ROOT, where = cache_root(), f"into the kernel cache, since {shared} cannot be written: set TENSORSTEP_NATIVE_DIR"
+            _ROOT, where = cache_root(), (f"into the kernel cache: {shared} cannot be written; TENSORSTEP_NATIVE_DIR "
+                                          "names a folder for it that every cache shares")
         doing = "another process is building" if BuildCache(_ROOT).building(key) else "building"
         print(f"tensorstep: {doing} the native autograd node for torch {torch.__version__} in the background "
               f"({where}); steps use the Python autograd path until it is ready", file=sys.stderr, flush=True)
