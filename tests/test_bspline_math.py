@@ -233,10 +233,11 @@ def test_reference_jacobians_reproduce_outputs(end):
             y += tr.jac_goal[k] @ np.stack(goal)
         np.testing.assert_allclose(y, tr.Y[k], rtol=0, atol=1e-9)
     # Row 0 depends on the start only; with hold the last row is u_{n−1}.
-    assert np.allclose(tr.jac_knots[:, 0], 0.0) and np.allclose(tr.jac_start[:, 0], np.eye(4))
+    assert np.allclose(tr.jac_knots[:, 0], 0.0, rtol=0, atol=1e-12)
+    assert np.allclose(tr.jac_start[:, 0], np.eye(4), rtol=0, atol=1e-12)
     if goal is None:
         assert tr.jac_goal is None
-        np.testing.assert_allclose(tr.jac_knots[0, -1], np.eye(n)[-1], atol=1e-12)
+        np.testing.assert_allclose(tr.jac_knots[0, -1], np.eye(n)[-1], rtol=0, atol=1e-12)
 
 
 # --- codegen's pieces assembled per docs/semantics.md (B-spline control) against the reference --------------------------

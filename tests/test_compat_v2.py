@@ -20,7 +20,7 @@ from tensorstep.compat import curobo_v2 as C
 
 import reference_curobo_v2 as ref
 from cuda_on_host import host_step
-from helpers import check_ptx, scale_close
+from helpers import check_ptx, gradcheck64, gradgradcheck64, scale_close
 
 f64, f32 = torch.float64, torch.float32
 FLAGS = {"on": [1, 1, 1], "off": [0, 0, 0], "mixed": [1, 0, 1]}
@@ -232,7 +232,7 @@ def test_rows_held_past_the_spline_have_the_dense_adjoint(degree):
 def test_gradcheck_with_forward_mode():
     """gradcheck (backward and forward AD) of all three kernel classes through every float input."""
     case = Case(2, 5, 2, [1, 0, 1], seed=3)
-    gc = lambda f, xs: torch.autograd.gradcheck(f, [x.clone().requires_grad_(True) for x in xs], check_forward_ad=True)
+    gc = lambda f, xs: gradcheck64(f, [x.clone().requires_grad_(True) for x in xs], check_forward_ad=True)
     assert gc(lambda u, sp, sv, sa, gp, dt: clique(case, 9, u=u, sp=sp, sv=sv, sa=sa, gp=gp, traj_dt=dt),
               [case.u, *case.start[:3], case.goal[0], case.traj_dt])
     traj_dt = torch.tensor([0.1, 0.05, 0.07, 0.2, 0.11], dtype=f64)
@@ -252,7 +252,7 @@ def test_double_backward_and_autograd_function():
     u = case.u.clone().requires_grad_(True)
     y = clique(case, 9, u=u)
     assert type(y[0].grad_fn).__name__ == "CliqueTensorStepIdxKernelBackward"
-    assert torch.autograd.gradgradcheck(lambda u: clique(case, 9, u=u), [u])
+    assert gradgradcheck64(lambda u: clique(case, 9, u=u), [u])
 
 
 def test_bspline_dt_floor_and_flag_off_tail():
@@ -469,7 +469,7 @@ def test_cuda_source_run_on_the_host_matches_reference(spec, monkeypatch):
     for k in range(4):
         scale_close(got[k].double().numpy(), expected[k], 1e-12 if dtype == f64 else 1e-5)
     if dtype == f64:
-        assert torch.autograd.gradcheck(f, [t.clone().requires_grad_(True) for t in x], check_forward_ad=True)
+        assert gradcheck64(f, [t.clone().requires_grad_(True) for t in x], check_forward_ad=True)
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")

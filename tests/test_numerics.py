@@ -8,7 +8,8 @@ import torch
 import tensorstep as ts
 
 import reference
-from helpers import GRID, Inputs, dt_value, grid_id, make_spec, scale_close, to_bhd
+from helpers import (GRID, Inputs, dt_value, gradcheck64, gradgradcheck64, grid_id, make_spec, scale_close,
+                     to_bhd)
 
 
 def test_operator_matrices_match_reference(spec):
@@ -51,7 +52,7 @@ def test_gradcheck_with_forward_ad(spec):
     dt = dt_value(spec, requires_grad=True)
     kw = {"start_index": x.idx} if x.idx is not None else {}
     f = lambda u, p0, v0, a0, j0, dt: step(u, p0, v0, a0, dt, j0=j0, **kw)
-    assert torch.autograd.gradcheck(f, (x.u, x.p0, x.v0, x.a0, x.j0, dt), check_forward_ad=True)
+    assert gradcheck64(f, (x.u, x.p0, x.v0, x.a0, x.j0, dt), check_forward_ad=True)
 
 
 def test_gradgradcheck(spec, autograd_path):
@@ -60,7 +61,7 @@ def test_gradgradcheck(spec, autograd_path):
     dt = dt_value(spec)
     kw = {"start_index": x.idx} if x.idx is not None else {}
     f = lambda u, p0, v0, a0, j0: step(u, p0, v0, a0, dt, j0=j0, **kw)
-    assert torch.autograd.gradgradcheck(f, (x.u, x.p0, x.v0, x.a0, x.j0), check_fwd_over_rev=True)
+    assert gradgradcheck64(f, (x.u, x.p0, x.v0, x.a0, x.j0), check_fwd_over_rev=True)
 
 
 FLOAT32_GRID = [g for g in GRID if not g.get("order") == 4][::2]
