@@ -10,7 +10,7 @@ import torch
 
 from tensorstep.compat import curobo as C
 
-from helpers import scale_close
+from helpers import gradcheck64, scale_close
 
 
 # ---- independent references (docs/compat_curobo.md, written as loops) -----------------------------------------
@@ -59,6 +59,32 @@ def ref_acceleration(u, p, v, a, tau, rk2):
             V[:, h] = V[:, h - 1] + tau[h] * A[:, h]
             P[:, h] = P[:, h - 1] + tau[h] * V[:, h]
     return np.stack([P, V, A, J])
+
+
+def ref_fd_matrix(H, order=1, shift=False, prev_state=False):
+    """build_fd_matrix: F^order, F[i, i] = −1, F[i, i+1] = 1 (i < H−1), or with ``shift``
+    F[i, i−1] = −1, F[i, i] = 1 (i ≥ 1); ``prev_state``: −(G^order)[:H], G the plain form of H + order."""
+    size = H + order if prev_state else H
+    F = np.zeros((size, size))
+    for i in range(size):
+        if shift and i >= 1:
+            F[i, i - 1], F[i, i] = -1.0, 1.0
+        elif not shift and i < size - 1:
+            F[i, i], F[i, i + 1] = -1.0, 1.0
+    power = np.eye(size)
+    for _ in range(order):
+        power = power @ F
+    return -power[:H] if prev_state else power
+
+
+def ref_integrate(x0, x, dt):
+    """x0 + (tril(ones)·diag(dt)) @ x, as running sums: row h adds dt_i·x_i for i ≤ h; x [B, H, n]."""
+    out = np.zeros_like(x)
+    total = np.array(x0, dtype=np.float64)
+    for h in range(x.shape[1]):
+        total = total + dt[h] * x[:, h]
+        out[:, h] = total
+    return out
 
 
 # kernel class → (reference, rows of u_act for horizon H, indexed, smallest horizon)
@@ -116,7 +142,7 @@ def test_kernel_class_backward_is_exact(name):
     # gradcheck of the whole class call (u and start tensors)
     def f(u, p, v, a):
         return call_with(name, H, u, p, v, a)
-    assert torch.autograd.gradcheck(f, tuple(t), check_forward_ad=True)
+    assert gradcheck64(f, tuple(t), check_forward_ad=True)
     # adjoint dot test, including the last (held) central action and both acceleration classes
     gen = torch.Generator().manual_seed(5)  # not the global generator: the same case in any test order
     gs = [torch.randn(y.shape, generator=gen, dtype=y.dtype) for y in got]
@@ -141,21 +167,23 @@ def test_builders_follow_compat_definitions():
     F = C.build_fd_matrix(5, order=1)
     assert torch.equal(F[:4].diagonal(), -torch.ones(4)) and torch.equal(F[:4].diagonal(1), torch.ones(4))
     assert torch.equal(F[4], torch.zeros(5))
-    assert torch.allclose(C.build_fd_matrix(5, order=2), F @ F)
+    for order in (1, 2, 3):  # small integers: exact in float32
+        assert np.array_equal(C.build_fd_matrix(5, order=order).numpy(), ref_fd_matrix(5, order))
+        assert np.array_equal(C.build_fd_matrix(5, order=order, SHIFT=True).numpy(), ref_fd_matrix(5, order, shift=True))
     S = C.build_fd_matrix(4, SHIFT=True)
     assert torch.equal(S[0], torch.zeros(4)) and S[2, 1] == -1 and S[2, 2] == 1
     prev = C.build_fd_matrix(4, order=2, PREV_STATE=True)
-    G = C.build_fd_matrix(6)
-    assert prev.shape == (4, 6) and torch.allclose(prev, -(G @ G)[:4])
+    assert prev.shape == (4, 6) and np.array_equal(prev.numpy(), ref_fd_matrix(4, 2, prev_state=True))
     full = C.build_fd_matrix(5, FULL_RANK=True)
     assert torch.equal(full[2], torch.tensor([0.0, -1.0, 0.0, 1.0, 0.0]))
     assert torch.equal(full[0], torch.tensor([1.0, -1.0, 0.0, 0.0, 0.0])) and torch.equal(full[4], torch.tensor([0.0, 0.0, 0.0, -1.0, 1.0]))
     with pytest.raises(ValueError, match="odd horizon"):
         C.build_fd_matrix(4, FULL_RANK=True)
-    dt = torch.tensor([0.1, 0.2, 0.3])
-    L = torch.tril(torch.ones(3, 3))
-    assert torch.allclose(C.build_int_matrix(3, order=2, traj_dt=dt), (L @ torch.diag(dt)) @ (L @ torch.diag(dt)))
-    clique = C.build_clique_matrix(3, dt)
+    steps = np.array([0.1, 0.2, 0.3])
+    once = np.array([[steps[j] if j <= i else 0.0 for j in range(3)] for i in range(3)])  # tril(ones)·diag(dt)
+    got = C.build_int_matrix(3, order=2, traj_dt=torch.from_numpy(steps), dtype=torch.float64).numpy()
+    np.testing.assert_allclose(got, once @ once, rtol=1e-15, atol=0)
+    clique = C.build_clique_matrix(3, torch.tensor([0.1, 0.2, 0.3]))
     assert clique.shape == (9, 3) and clique[3, 0] == 0  # Vm[0, 0] = 0
     assert torch.isclose(clique[4, 1], torch.tensor(1 / 0.2)) and torch.isclose(clique[4, 0], torch.tensor(-1 / 0.2))
     assert torch.isclose(clique[7, 1], torch.tensor(1 / 0.2**2)) and torch.isclose(clique[7, 0], torch.tensor(-1 / 0.2**2))
@@ -165,17 +193,20 @@ def test_builders_follow_compat_definitions():
     Ssum = C.sum_matrix(3, 4, targs)
     assert Ssum.shape == (8, 3) and Ssum[:4, 0].sum() == 4 and Ssum[4:, 1].sum() == 4
     K = C.interpolate_kernel(3, 4, targs)
-    assert torch.allclose(K[:4, 0], torch.tensor([1, 2 / 3, 1 / 3, 0], dtype=torch.float64))
-    assert torch.allclose(K[:4, 1], torch.tensor([0, 1 / 3, 2 / 3, 1], dtype=torch.float64))
+    assert torch.allclose(K[:4, 0], torch.tensor([1, 2 / 3, 1 / 3, 0], dtype=torch.float64), rtol=0, atol=1e-15)
+    assert torch.allclose(K[:4, 1], torch.tensor([0, 1 / 3, 2 / 3, 1], dtype=torch.float64), rtol=0, atol=1e-15)
     Ka = C.action_interpolate_kernel(3, 6, targs, offset=2)
-    assert torch.allclose(Ka[:4, 0], torch.tensor([0.75, 0.5, 0.25, 0.0], dtype=torch.float64))
-    assert torch.allclose(Ka[:4, 1], torch.tensor([0.25, 0.5, 0.75, 1.0], dtype=torch.float64))
+    assert torch.equal(Ka[:4, 0], torch.tensor([0.75, 0.5, 0.25, 0.0], dtype=torch.float64))
+    assert torch.equal(Ka[:4, 1], torch.tensor([0.25, 0.5, 0.75, 1.0], dtype=torch.float64))
     assert torch.equal(Ka[-2:, 1], torch.ones(2, dtype=torch.float64))
     lin = C.tensor_linspace(torch.zeros(2), torch.ones(2) * 4, steps=4)
-    assert torch.allclose(lin, torch.tensor([[1.0, 2, 3, 4], [1.0, 2, 3, 4]]))
+    assert torch.equal(lin, torch.tensor([[1.0, 2, 3, 4], [1.0, 2, 3, 4]]))
 
 
 def test_clique_dense_step_and_backward():
+    """The dense clique step (and its backward) against loops of docs/compat_curobo.md: position
+    rows 1… the actions, velocity..jerk backward differences (first row zero), the gradient
+    n_maskᵀ Σ F_kᵀ g_k with F_k and n_mask written out."""
     H, n = 6, 2
     targs = C.TensorDeviceType(dtype=torch.float64)
     mask, n_mask = C.build_start_state_mask(H, targs)
@@ -184,32 +215,49 @@ def test_clique_dense_step_and_backward():
     p0 = torch.randn(3, n, dtype=torch.float64)
     state = C.JointState(position=p0)
     seq = C.tensor_step_pos_clique(state, u, C.JointState(), (mask, n_mask), fds)
-    expected_p = torch.cat([p0.unsqueeze(1), u[:, :-1]], 1)
-    assert torch.allclose(seq.position, expected_p) and torch.allclose(seq.velocity, fds[0] @ expected_p)
+    expected = [np.concatenate([p0.numpy()[:, None], u.detach().numpy()[:, :-1]], 1)]
+    for _ in range(3):  # each row minus the one before, the first row zero
+        lower, y = expected[-1], np.zeros_like(expected[-1])
+        for h in range(1, H):
+            y[:, h] = lower[:, h] - lower[:, h - 1]
+        expected.append(y)
+    got = [seq.position, seq.velocity, seq.acceleration, seq.jerk]
+    plain = C.jit_tensor_step_pos_clique(u.detach(), p0, mask, n_mask, *fds)
+    for y, yp, e in zip(got, plain, expected):
+        scale_close(y.detach().numpy(), e, 1e-15)
+        scale_close(yp.numpy(), e, 1e-15)
     gs = [torch.randn(3, H, n, dtype=torch.float64) for _ in range(4)]
-    (g_custom,) = torch.autograd.grad([seq.position, seq.velocity, seq.acceleration, seq.jerk], u, gs)
-    # independent: autograd through the plain matmuls
-    u2 = u.detach().requires_grad_(True)
-    outs = C.jit_tensor_step_pos_clique(u2, p0, mask, n_mask, *fds)
-    (g_auto,) = torch.autograd.grad(outs, u2, gs)
-    assert torch.allclose(g_custom, g_auto)
-    assert torch.allclose(C.jit_backward_pos_clique_contiguous(*gs, n_mask, *fds), g_auto)
+    (g_custom,) = torch.autograd.grad(got, u, gs)
+    sub = np.eye(H, k=-1)  # n_mask: row h picks action h − 1
+    pulled = gs[0].numpy() + sum(np.einsum("ih,bid->bhd", ref_fd_matrix(H, k, shift=True), gs[k].numpy())
+                                 for k in (1, 2, 3))
+    expect_u = np.einsum("ih,bid->bhd", sub, pulled)
+    scale_close(g_custom.numpy(), expect_u, 1e-14)
+    scale_close(C.jit_backward_pos_clique_contiguous(*gs, n_mask, *fds).numpy(), expect_u, 1e-14)
 
 
 def test_dense_integration_steps():
+    """The dense integration steps against running sums (docs/compat_curobo.md: qd' = qd + M·act,
+    q' = q + M·qd', M = tril(ones)·diag(dt)), dt per step."""
     B, H, n = 2, 5, 3
     act = torch.randn(B, H, n, dtype=torch.float64)
-    dt = torch.full((H,), 0.1, dtype=torch.float64)
+    dt = 0.05 + 0.1 * torch.rand(H, dtype=torch.float64)
     M = C.build_int_matrix(H, dtype=torch.float64, traj_dt=dt)
     state = torch.randn(B, 1, 3 * n, dtype=torch.float64)
     seq = C.tensor_step_acc(state, act, torch.zeros(B, H, 3 * n, dtype=torch.float64), dt, n, M)
-    qd = state[..., n:2 * n] + M @ act
-    assert torch.allclose(seq[..., n:2 * n], qd) and torch.allclose(seq[..., :n], state[..., :n] + M @ qd)
+    s, d = state.numpy()[:, 0], dt.numpy()
+    qd = ref_integrate(s[:, n:2 * n], act.numpy(), d)
+    q = ref_integrate(s[:, :n], qd, d)
+    scale_close(seq[..., n:2 * n].numpy(), qd, 1e-14)
+    scale_close(seq[..., :n].numpy(), q, 1e-14)
+    assert torch.equal(seq[..., 2 * n:], act)
     cat = C.step_acc_semi_euler(state, act, dt, n, M)
-    assert torch.allclose(cat, seq)
+    assert torch.equal(cat, seq)
     js = C.JointState(position=torch.randn(B, n, dtype=torch.float64), velocity=torch.randn(B, n, dtype=torch.float64))
     out = C.tensor_step_acc_semi_euler(js, act, C.JointState(), dt, M, M)
-    assert torch.allclose(out.velocity, js.velocity.unsqueeze(1) + M @ act)
+    velocity = ref_integrate(js.velocity.numpy(), act.numpy(), d)
+    scale_close(out.velocity.numpy(), velocity, 1e-14)
+    scale_close(out.position.numpy(), ref_integrate(js.position.numpy(), velocity, d), 1e-14)
     assert js[torch.tensor([1])].position.shape == (1, n) and js.unsqueeze(1).velocity.shape == (B, 1, n)
 
 
@@ -298,4 +346,4 @@ def test_kernel_classes_are_autograd_functions_with_exact_gradients(name):
         return cls.apply(u, p, v, a, *idx, None, None, None, None, traj_dt, None)
 
     assert type(f(u, p, v, a, traj_dt)[0].grad_fn).__name__ == f"{name}Backward"
-    assert torch.autograd.gradcheck(f, (u, p, v, a, traj_dt), check_forward_ad=True)
+    assert gradcheck64(f, (u, p, v, a, traj_dt), check_forward_ad=True)
