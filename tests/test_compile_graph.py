@@ -93,3 +93,22 @@ def test_bench_compiled_loss_refuses_options_it_does_not_take():
     result = CliRunner().invoke(main, ["bench", "--compiled-loss", "--scheme", "accel"])
     assert result.exit_code != 0
     assert "--compiled-loss times one float32 CPU loss" in result.output and "Traceback" not in result.output
+
+
+def test_opcheck_adjoint_needed():
+    """The overload a compiled backward calls passes torch.library.opcheck (schema, fake kernel
+    against the real one, autograd registration, AOT dispatch), gradients requiring grad too."""
+    from tensorstep.runtime import ops
+
+    spec = ts.KernelSpec(horizon=8, dof=3, dtype="float64", difference="backward", start_index=True)
+    step = ts.load(spec)
+    ops.ops_for(step.launcher)
+    g = torch.Generator().manual_seed(3)
+    grads = [torch.randn(4, 8, 3, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(4)]
+    grads[2] = None
+    dt = torch.tensor([0.1], dtype=torch.float64)
+    op = torch.ops.tensorstep.step_adjoint.needed
+    torch.library.opcheck(op, (step.op_key, 4, grads, dt, [True, False, True, False, False]))
+    outs = op(step.op_key, 4, grads, dt, [True, False, True, False, False])
+    full = torch.ops.tensorstep.step_adjoint.default(step.op_key, 4, grads, dt)
+    assert len(outs) == 2 and torch.equal(outs[0], full[0]) and torch.equal(outs[1], full[2])
