@@ -78,17 +78,19 @@ def test_the_sample_of_a_bspline_is_the_spline_of_its_knots(end):
 
 
 def test_plot_draws_every_kernel_of_a_config(tmp_path):
-    pytest.importorskip("matplotlib")
+    """matplotlib is in the test extra: drawn headless (Agg, a file backend, whatever MPLBACKEND says)."""
+    import matplotlib
+
     out = tmp_path / "ur5e.png"
     result = invoke("plot", "ur5e", "-o", str(out))
     assert result.exit_code == 0, result.output
+    assert matplotlib.get_backend().lower() == "agg"
     assert "2 kernel(s), dt=0.025 s" in result.output
     width, height = png_size(out)
     assert width > 1000 and height > 500  # four panels across, two kernels down
 
 
 def test_plot_from_spec_options_and_refusals(tmp_path):
-    pytest.importorskip("matplotlib")
     out = tmp_path / "jerk.png"
     assert invoke("plot", "--horizon", "8", "--dof", "2", "--control", "jerk", "--order", "4",
                   "--step-dt", "0.1", "-o", str(out)).exit_code == 0
@@ -105,13 +107,8 @@ def test_bench_times_the_compiled_slicing_baseline_in_the_same_run(monkeypatch, 
     monkeypatch.setattr(harness, "COMPILE_BACKEND", "eager")
     args = ["bench", "--scheme", "central", "--scheme", "accel", "--batch", "1", "--batch", "4", "--no-codegen",
             "--budget", "0.01"]
-    try:
-        import matplotlib  # noqa: F401
-        drawing = True
-    except ImportError:  # the table alone
-        drawing = False
     out = tmp_path / "bench.png"
-    result = invoke(*args, *(("--plot", str(out)) if drawing else ()))
+    result = invoke(*args, "--plot", str(out))
     assert result.exit_code == 0, result.output
     header = next(line for line in result.output.splitlines() if line.startswith("| scheme |"))
     assert "slicing, torch.compile" in header and "compiled slicing / tensorstep" in header
@@ -119,8 +116,7 @@ def test_bench_times_the_compiled_slicing_baseline_in_the_same_run(monkeypatch, 
         row = next(line for line in result.output.splitlines() if line.startswith(f"| {scheme} | 32 | 4 |"))
         cells = [c.strip() for c in row.strip("|").split("|")]
         assert len(cells) == 14 and cells[9].endswith("s") and cells[12].endswith("×")
-    if drawing:
-        assert png_size(out)[0] > 800
+    assert png_size(out)[0] > 800
 
 
 def test_compiled_slicing_is_compiled_before_timing(monkeypatch):
