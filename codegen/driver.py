@@ -5,7 +5,8 @@
          ──render───▶ sources per (target, part) (Jinja2 templates)
 
 ``generate(spec)`` returns a ``Generated``: the sources, the entry points, the argument
-table, the coefficient count and the metadata the runtime caches beside a build. The
+table, the coefficient count, each target's launch plan (codegen/targets.py) and the metadata
+the runtime caches beside a build (from which a target rebuilds the same plan). The
 runtime compiles and loads that result; it never reaches into the stages or parses the text.
 
 >>> from tensorstep.codegen.spec import KernelSpec
@@ -28,9 +29,9 @@ from ..version import __version__
 from . import abi
 from .arguments import ArgumentTable, table
 from .builders import build_operator
+from .targets import TARGETS, target as target_of
 
 STAGES = ("operator", "lower", "render")
-TARGETS = ("c", "cuda", "header")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +44,7 @@ class Generated:
     entry_points: Mapping[str, str]  # kernel → exported symbol
     n_coefficients: int  # entries of the dt_vjp coefficient accumulator
     metadata: Mapping[str, Any]
+    launch_plans: Mapping[str, Any]  # target → its launch plan (None for the header)
 
     def source(self, target: str, part: str = "all") -> str:
         try:
@@ -50,6 +52,13 @@ class Generated:
         except KeyError:
             made = ", ".join(f"{t}/{p}" for t, p in self.sources)
             raise KeyError(f"({target!r}, {part!r}) was not generated (generated: {made})") from None
+
+    def launch_plan(self, target: str) -> Any:
+        """A generated target's launch plan (codegen/targets.py): its launches for a batch size."""
+        try:
+            return self.launch_plans[target]
+        except KeyError:
+            raise KeyError(f"{target!r} was not generated (generated: {', '.join(self.launch_plans)})") from None
 
 
 @contextlib.contextmanager
@@ -82,24 +91,24 @@ def metadata(spec: Any, n_coefficients: int, tapes: bool = False) -> dict[str, A
             "entry_points": {k: abi.symbol(spec.name, k) for k in abi.KERNELS}}
 
 
-def generate(spec: Any, targets: tuple[str, ...] = TARGETS, parts: tuple[str, ...] = ("all",)) -> Generated:
-    """Run the stages for one spec; sources for each requested target and part."""
+def generate(spec: Any, targets: tuple[str, ...] = tuple(TARGETS), parts: tuple[str, ...] = ("all",)) -> Generated:
+    """Run the stages for one spec; sources for each requested target (by name) and part."""
     from .render import render  # Jinja2
 
-    for target in targets:
-        if target not in TARGETS:
-            raise ValueError(f"target={target!r} is invalid: allowed {', '.join(TARGETS)}")
+    chosen = {name: target_of(name) for name in targets}
     for part in parts:
         if part not in abi.PARTS:
             raise ValueError(f"part={part!r} is invalid: allowed {', '.join(abi.PARTS)}")
     with _without_cycle_collection():
         program = lowered(spec)
         args = table(spec)
-        sources = {(t, p): render(spec, program, args, t, p) for t in targets for p in parts}
+        sources = {(name, p): render(spec, program, args, t, p) for name, t in chosen.items() for p in parts}
     kernels = {k for p in parts for k in abi.PARTS[p]}
+    meta = metadata(spec, program.n_coefficients, program.coefs.long)
     return Generated(
         spec=spec, table=args, sources=types.MappingProxyType(sources),
         entry_points=types.MappingProxyType({k: abi.symbol(spec.name, k) for k in abi.KERNELS if k in kernels}),
         n_coefficients=program.n_coefficients,
-        metadata=types.MappingProxyType(metadata(spec, program.n_coefficients, program.coefs.long)),
+        metadata=types.MappingProxyType(meta),
+        launch_plans=types.MappingProxyType({name: t.launch_plan(spec, meta) for name, t in chosen.items()}),
     )

@@ -16,9 +16,10 @@ from typing import Any, Optional
 from ..version import __version__
 from .driver import generate
 from .files import atomic_write
+from .targets import target as target_of
 
 MANIFEST = "manifest.json"
-EXTENSIONS = {"c": "c", "cuda": "cu", "header": "h"}
+#: what `tensorstep generate --target` writes: the sources of each target named, with the header
 TARGET_SETS = {"c": ("c", "header"), "cuda": ("cuda", "header"), "all": ("c", "cuda", "header")}
 
 
@@ -54,7 +55,7 @@ def plan(config: Any, target: str) -> dict[str, bytes]:
     for spec in config.specs:
         generated = generate(spec, targets=TARGET_SETS[target])
         for t in TARGET_SETS[target]:
-            files[f"{spec.name}.{EXTENSIONS[t]}"] = generated.source(t).encode()
+            files[f"{spec.name}.{target_of(t).extension}"] = generated.source(t).encode()
     files[MANIFEST] = plan_manifest(config, target, files)
     return files
 
@@ -65,7 +66,7 @@ def plan_manifest(config: Any, target: str, files: dict[str, bytes]) -> bytes:
     for spec in config.specs:
         entry: dict[str, Any] = {"name": spec.name, "spec": spec.to_dict(), "files": {}}
         for t in TARGET_SETS[target]:
-            name = f"{spec.name}.{EXTENSIONS[t]}"
+            name = f"{spec.name}.{target_of(t).extension}"
             entry["files"][t] = {"path": name, "sha256": sha256(files[name])}
         kernels.append(entry)
     manifest = {"tool": "tensorstep", "version": __version__, **config.to_dict(), "target": target, "kernels": kernels}

@@ -14,12 +14,10 @@ from .arguments import ArgumentTable
 from .lower import LoweredOperator
 from .printer import LANES
 from .statements import Read, Shift, walk
+from .targets import TABLE_KERNELS, Target
 
-TARGETS = ("c", "cuda", "header")
 CTYPES = {"float32": "float", "float64": "double"}
 ITEMSIZE = {"float32": 4, "float64": 8}
-RESTRICT = {"c": "restrict", "cuda": "__restrict__", "header": "restrict"}
-_TEMPLATE_FILES = {"c": "kernel.c.j2", "cuda": "kernel.cu.j2", "header": "header.h.j2"}
 
 
 @functools.lru_cache(maxsize=1)
@@ -112,40 +110,10 @@ def _lane_bodies(code: LoweredOperator, kernels: tuple) -> dict[str, tuple[Any, 
     return bodies
 
 
-#: CUDA keeps every row's gradients of a straight-line integrator adjoint live in registers
-#: (ptxas, sm_90: accel float32 160 registers at H=32, 254 at H=60 and spilling beyond;
-#: float64 spills from H=40), while the rolled column needs about 40-60 at any H. Adjoint bodies
-#: whose values exceed this many bytes (lines x element size: float32 from H=22, float64 from
-#: H=11; order 4 from H=18 and H=9) are rolled, which keeps every kernel within 128 registers;
-#: shorter ones keep straight-line, which has more loads in flight.
-CUDA_ROLL_ABOVE_BYTES = 800
-
-
 #: CUDA kernels copy the step coefficients (filled once per call by the table kernel) into
 #: shared memory up to this size; larger tables (long per-step horizons) are read from global
 #: memory, where every thread reads the same address.
 CUDA_SHARED_COEF_BYTES = 16384
-
-
-def _cuda_codes(code: LoweredOperator, kernels: tuple, itemsize: int) -> dict:
-    """The kernels' code for the CUDA template: an integrator's long adjoint rolled (see above); a
-    stencil's adjoint reads each output gradient where it is used (held in locals, the boundary
-    rows of a wide per-step stencil took 144 registers, order 4, H=64, float32); with a period
-    above 1 (B-splines) the forward and adjoint are span loops only, as in C (lower._spans_only)."""
-    codes = {k: code.cuda_program(k) if k in code.CUDA_PROGRAMS else getattr(code, k) for k in kernels}
-    adjoint = codes.get("adjoint")
-    if adjoint is not None and code.adjoint_reads is not None:
-        codes["adjoint"] = code.adjoint_reads
-    elif adjoint is not None and len(adjoint.body) * itemsize > CUDA_ROLL_ABOVE_BYTES:
-        rolled = code.adjoint_rolled  # None for stencils, whose columns hold few values
-        if rolled:
-            codes["adjoint"] = dataclasses.replace(adjoint, statements=rolled)
-    return codes
-
-
-def _c_codes(code: LoweredOperator, kernels: tuple) -> dict:
-    """The kernels' code for the C template: the adjoint's gathers each in one pass."""
-    return {k: code.gathered_adjoint if k == "adjoint" else getattr(code, k) for k in kernels}
 
 
 #: C kernels with at most this many step coefficients (one dt per call) give each thread its own
@@ -188,33 +156,13 @@ def _long_programs(code: LoweredOperator, kernels: tuple, per_trajectory: bool) 
     return out
 
 
-#: a CUDA block's static shared memory, where a tape's registers live
-CUDA_TAPE_SHARED_BYTES = 48 * 1024
-
-
-def _check_cuda_tapes(spec: Any, tapes: list[tape.Tape]) -> None:
-    """A tape's registers must fit in a block's shared memory (else NVRTC fails on the source)."""
-    for t in tapes:
-        if t.registers * 8 > CUDA_TAPE_SHARED_BYTES:
-            raise ValueError(
-                f"{spec.name}: its coefficient program ({t.name}) needs {t.registers * 8 // 1024} KB of shared memory "
-                f"on CUDA, above the {CUDA_TAPE_SHARED_BYTES // 1024} KB a block has: use fewer rows per knot span "
-                "or a shorter horizon, or device='cpu'")
-
-
-#: the kernels that run the coefficient table's program in C, each library's its own (on CUDA the
-#: table kernel of a spec's core module fills it; a dt module's dt_vjp reads it)
-TABLE_KERNELS = ("forward", "adjoint", "dt_vjp")
-
-
-def _tapes(code: LoweredOperator, kernels: tuple, taped: bool, cuda: bool) -> list[tape.Tape]:
+def _tapes(code: LoweredOperator, kernels: tuple, taped: bool, fillers: tuple[str, ...]) -> list[tape.Tape]:
     """The tapes the kernels run (see codegen/tape.py): the table's where a kernel fills it (in C
     each library's kernels fill their own; a CUDA dt module's dt_vjp reads the table the core
     module's kernel fills), dt_jvp's tangent program, dt_vjp_finish's reverse program."""
     if not taped:
         return []
-    fills = {"forward", "adjoint"} if cuda else set(TABLE_KERNELS)
-    names = (["value"] if set(kernels) & fills else []) + \
+    names = (["value"] if set(kernels) & set(fillers) else []) + \
         (["tangent"] if "dt_jvp" in kernels else []) + (["reverse"] if "dt_vjp_finish" in kernels else [])
     return [code.coefs.tape(n) for n in names]
 
@@ -235,24 +183,23 @@ def _unit_guards(kernels: tuple, programs: dict, units: tuple[str, ...]) -> dict
     return guards
 
 
-def render(spec: Any, code: LoweredOperator, table: ArgumentTable, target: str, part: str = "all") -> str:
-    """Source text of one spec's kernels for a target ('c', 'cuda' or 'header').
+def render(spec: Any, code: LoweredOperator, table: ArgumentTable, target: Target, part: str = "all") -> str:
+    """Source text of one spec's kernels for a target (codegen/targets.py).
 
     ``part`` selects the kernels: 'core' (forward, adjoint), 'dt' (dt derivatives) or 'all'.
     Called by the driver (codegen/driver.py), which validates target and part.
     """
     kernels = abi.PARTS[part]
-    taped = code.coefs.long if target == "cuda" else code.coefs.taped  # C per trajectory: monomials
-    tapes = _tapes(code, kernels, taped, target == "cuda")
-    if target == "cuda":
-        _check_cuda_tapes(spec, tapes)
+    taped = target.taped(code.coefs)
+    tapes = _tapes(code, kernels, taped, target.table_fillers())
+    target.check(spec, tapes)
     ctype = CTYPES[spec.dtype]
     itemsize = ITEMSIZE[spec.dtype]
     u = strides(spec.layout, spec.n_actions, spec.dof)
     y = strides(spec.layout, spec.horizon, spec.dof)
-    lane_form = lanes(spec) if target == "c" else None
+    lane_form = lanes(spec) if target.lanes else None
     lane_bodies = _lane_bodies(code, kernels) if lane_form else {}
-    programs = _long_programs(code, kernels, table.dt.shape == ("B",)) if target == "c" else {}
+    programs = _long_programs(code, kernels, table.dt.shape == ("B",)) if target.split_programs else {}
     units = abi.units(part)
     if bool(table.values) == code.stencil:
         raise ValueError(f"{spec.name}: the argument table {'gives' if table.values else 'lacks'} the forward's values "
@@ -271,17 +218,15 @@ def render(spec: Any, code: LoweredOperator, table: ArgumentTable, target: str, 
         u_sb=u[0], u_sh=u[1], u_sd=u[2], y_sb=y[0], y_sh=y[1], y_sd=y[2],
         kernels=kernels,
         units=units,
-        codes=_cuda_codes(code, kernels, itemsize) if target == "cuda" else _c_codes(code, kernels),
+        codes=target.codes(code, kernels, itemsize),
         private_coefficients=table.dt.shape != ("B",) and code.n_coefficients <= C_PRIVATE_COEFFICIENTS,
         lanes=lane_form,
         lane_bodies={k: lines for k, (_, lines) in lane_bodies.items()},
         lane_actions=_lane_actions(lane_bodies, spec.n_actions),
-        table=(code.cuda_program("table") if target == "cuda" else code.table)
-        if set(kernels) & set(TABLE_KERNELS) else None,
+        table=target.table_program(code) if set(kernels) & set(TABLE_KERNELS) else None,
         programs=programs,
-        guards=_unit_guards(kernels, programs, units) if target == "c" else {},
-        signatures={k: abi.signature(k, table, ctype, RESTRICT[target], cuda=target == "cuda")
-                    for k in (abi.cuda_kernels(kernels) if target == "cuda" else kernels)},
+        guards=_unit_guards(kernels, programs, units) if target.unit_guards else {},
+        signatures={k: target.signature(k, table, ctype) for k in target.entry_points(kernels)},
         argument_names={k: ", ".join(n for _, n in abi.arguments(k, table)) for k in kernels},
         itemsize=itemsize,
         shared_coef_bytes=CUDA_SHARED_COEF_BYTES,
@@ -292,10 +237,10 @@ def render(spec: Any, code: LoweredOperator, table: ArgumentTable, target: str, 
         tapes=tapes,
         ops=tape.OPS,
         tape_math=any("powc" in t.ops for t in tapes),
-        monomials=code.coefs.monomials if target == "c" and not taped else None,
+        monomials=code.coefs.monomials if target.monomials and not taped else None,
         c_double=tape.c_double,
         shuffle_width=monomials.SHUFFLE_WIDTH,
-        cuda=target == "cuda",
-        device="__device__ " if target == "cuda" else "",
+        block_tapes=target.block_tapes,
+        device=target.device,
     )
-    return _environment().get_template(_TEMPLATE_FILES[target]).render(**context)
+    return _environment().get_template(target.template).render(**context)

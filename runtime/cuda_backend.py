@@ -1,10 +1,12 @@
 """CUDA backend: generated CUDA compiled by NVRTC through CuPy's RawModule.
 
 Launches go on PyTorch's current stream of the tensor's device (no host synchronisation);
-outputs come from PyTorch's allocator (runtime.launch). Each call runs the coefficient program
-once, in a kernel of its own, into a table the per-element kernels then read (``launch_plan``);
-dt gradients are finished by two small kernels that add dt_vjp's partial sums in a fixed order
-and run the reverse coefficient program. Those buffers come from PyTorch's caching allocator on
+outputs come from PyTorch's allocator (runtime.launch). What each call launches, with which grid,
+block and temporaries, is the build's launch plan (codegen/targets.py ``CudaLaunchPlan``, rebuilt
+from the build's metadata): each call runs the coefficient program once, in a kernel of its own,
+into a table the per-element kernels then read; dt gradients are finished by two small kernels
+that add dt_vjp's partial sums in a fixed order and run the reverse coefficient program. The
+temporaries come from PyTorch's caching allocator on
 the current stream, which CUDA graph capture supports (the graph keeps them for its replays).
 CUDA graph capture is safe once the kernels a capture runs are loaded: a module is never
 compiled or loaded inside a capture (the call raises instead); ``Step.prepare`` loads the dt
@@ -23,53 +25,26 @@ import torch
 
 from ..codegen import abi
 from ..codegen.arguments import table
+from ..codegen.targets import CUDA, Launches
 from .cache import ABI_VERSION, BuildCache, digest
 from .fingerprint import generator_fingerprint
 from .launch import DTYPES, capturing, warm_up_first
 
-THREADS = 256  # a multiple of the warp size, at most 1024 (the dt_vjp reduction relies on whole warps)
+#: One launch bound to a call: (kernel, grid, block, shared memory bytes, arguments after B)
+Bound = tuple[str, int, int, int, list[int]]
 
 
-def grid_blocks(B: int, dof: int) -> int:
-    """Blocks of a launch over the B·dof columns (dt_vjp: one row of partial sums per block)."""
-    return max(1, (B * dof + THREADS - 1) // THREADS)
-
-
-def dt_vjp_rows(spec: Any, B: int, per_trajectory: bool) -> int:
-    """Rows of dt_vjp's partial sums: one per column when each trajectory has its own dt (its
-    dof columns are added in turn), else one per block (no atomics, a fixed order of sums)."""
-    return B * spec.dof if per_trajectory else grid_blocks(B, spec.dof)
-
-
-#: One launch: (kernel, threads it needs, pointer and size arguments after B)
-Launch = tuple[str, int, list[int]]
-
-
-def launch_plan(spec: Any, table: Any, n_coef: int, kernel: str, B: int, args: list[int],
-                empty: Callable[[int, torch.dtype], torch.Tensor],
-                tapes: bool = False) -> tuple[list[Launch], list[torch.Tensor]]:
-    """The launches of one entry point of the C ABI (``args`` in its order, after B) and the
-    buffers they use, from ``empty(size, dtype)``; the caller keeps the buffers until the
-    launches are queued. A per-element kernel first has its coefficient table filled (one
-    thread, or one per trajectory; with ``tapes``, the build's metadata "tapes", one block each,
-    whose threads share the tape); dt_vjp_finish first has dt_vjp's partial sums added."""
-    per_trajectory = table.dt.shape == ("B",)
-    runs = B if per_trajectory else 1  # coefficient programs: one per trajectory, or one
-    threads = runs * THREADS if tapes else runs  # of the once-per-call kernels
-    names = [name for _, name in abi.arguments(kernel, table)][1:]
-    if kernel in abi.CUDA_TABLES:
-        fill = abi.CUDA_TABLES[kernel]
-        inputs = [table.dt.c_name] + (["ddt_in"] if fill == "coefficients_jvp" else [])
-        coef = empty(runs * (len(inputs)) * n_coef, DTYPES[spec.dtype])
-        return ([(fill, threads, [*(args[names.index(n)] for n in inputs), coef.data_ptr()]),
-                 (kernel, B * spec.dof, [*args, coef.data_ptr()])], [coef])
-    if kernel == "dt_vjp_finish":
-        dt, gc, gdt = args
-        sums = empty(runs * n_coef, torch.float64)
-        rows = dt_vjp_rows(spec, B, per_trajectory) // runs
-        return [("dt_vjp_sum", runs * n_coef, [rows, gc, sums.data_ptr()]),
-                (kernel, threads, [dt, sums.data_ptr(), gdt])], [sums]
-    raise ValueError(f"unknown kernel {kernel!r}; allowed: {', '.join(abi.KERNELS)}")
+def bind(launches: Launches, table: Any, kernel: str, args: list[int],
+         empty: Callable[[int, torch.dtype], torch.Tensor]) -> tuple[list[Bound], list[torch.Tensor]]:
+    """A plan's launches for one call of an entry point of the C ABI (``args`` in its order, after
+    B), with their temporaries from ``empty(size, dtype)``; the caller keeps the buffers until the
+    launches are queued."""
+    values: dict[Any, int] = dict(zip([name for _, name in abi.arguments(kernel, table)][1:], args))
+    buffers = {t.name: empty(t.size, DTYPES[t.dtype]) for t in launches.temporaries}
+    values.update((name, buffer.data_ptr()) for name, buffer in buffers.items())
+    return ([(launch.kernel, launch.grid, launch.block, launch.shared,
+              [a if isinstance(a, int) else values[a] for a in launch.args]) for launch in launches.launches],
+            list(buffers.values()))
 
 
 NVRTC_OPTIONS = ("--std=c++14",)
@@ -160,6 +135,7 @@ class CudaBackend:
             raise warm_up_first(f"the {abi.LIBRARY_ROLES.get(part, part)} kernels ({part}) would be compiled and loaded")
         cp = self.cupy
         source, metadata = cuda_source(self.spec, part)
+        self.plan = CUDA.launch_plan(self.spec, metadata)  # every library's metadata is the same
         with cp.cuda.Device(self.device.index):
             module = cp.RawModule(code=source, options=NVRTC_OPTIONS)
             for kernel in abi.cuda_kernels(abi.PARTS[part]):
@@ -171,10 +147,6 @@ class CudaBackend:
         if not all(k in self.functions for k in abi.cuda_kernels(abi.PARTS[part])):
             self._bind(part)
 
-    def dt_vjp_rows(self, B: int, per_trajectory: bool) -> int:
-        """Rows of dt_vjp's partial sums (see ``dt_vjp_rows``)."""
-        return dt_vjp_rows(self.spec, B, per_trajectory)
-
     def empty(self, size: int, dtype: torch.dtype) -> torch.Tensor:
         """A buffer for one call, from PyTorch's caching allocator (on the current stream)."""
         return torch.empty(size, dtype=dtype, device=self.device)
@@ -182,13 +154,11 @@ class CudaBackend:
     def call(self, kernel: str, B: int, args: list[int]) -> None:
         if kernel not in self.functions:
             self.load_part(abi.library(kernel))
-        launches, buffers = launch_plan(self.spec, self.table, int(self.metadata["n_coefficients"]), kernel, B,
-                                        args, self.empty, bool(self.metadata.get("tapes")))
+        launches, buffers = bind(self.plan.launches(kernel, B), self.table, kernel, args, self.empty)
         stream = self._stream(torch.cuda.current_stream(self.device).cuda_stream)
         with self.cupy.cuda.Device(self.device.index), stream:
-            for name, threads, arguments in launches:
-                blocks = max(1, (threads + THREADS - 1) // THREADS)
-                self.functions[name]((blocks,), (THREADS,), (B, *arguments))
+            for name, grid, block, shared, arguments in launches:
+                self.functions[name]((grid,), (block,), (B, *arguments), shared_mem=shared)
         del buffers  # queued: the caching allocator reuses them in stream order
 
     def _stream(self, ptr: int) -> Any:

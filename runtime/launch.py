@@ -12,6 +12,7 @@ import torch
 
 from ..codegen import abi
 from ..codegen.arguments import REQUIRED, Argument, ArgumentTable, table
+from ..codegen.targets import C
 
 Tensor = torch.Tensor
 OptTensor = Optional[Tensor]
@@ -131,8 +132,8 @@ class Launcher:
         grads = [contiguous(g) for g in grads]
         u = inputs[0]
         B = u.shape[0]
-        # the partial sums, as many rows as the backend's dt_vjp writes (the finish adds them in order)
-        rows = self.backend.dt_vjp_rows(B, self.per_trajectory)
+        # the partial sums, as many rows as the backend's dt_vjp writes (its launch plan's; the finish adds them in order)
+        rows = self.backend.plan.dt_vjp_rows(B)
         # (the coefficient count is in the build's metadata: no code generation, no parsing)
         gc = torch.zeros(rows * int(self.backend.metadata["n_coefficients"]), dtype=torch.float64, device=u.device)
         gdt = torch.empty(dt.shape[0], dtype=torch.float64, device=u.device)
@@ -168,6 +169,7 @@ class CpuBackend:
         self._load = load_library if source is None else (lambda spec, part: load_source(spec, source, metadata or {}))
         self.functions: dict[str, Any] = {}
         self._core, self.metadata = self._bind("core" if source is None else "all")
+        self.plan = C.launch_plan(spec, self.metadata)
 
     def _bind(self, part: str) -> tuple[Any, dict]:
         lib, metadata = self._load(self.spec, part)
@@ -179,11 +181,6 @@ class CpuBackend:
         from .cbackend import address
 
         return address(self._core, abi.symbol(self.spec.name, kernel))
-
-    def dt_vjp_rows(self, B: int, per_trajectory: bool) -> int:
-        """Rows of dt_vjp's partial sums: one per trajectory with its own dt, else one per chunk of
-        batch elements (the kernel adds them in order into the first)."""
-        return B if per_trajectory else max(1, -(-B // abi.C_DT_VJP_CHUNK))
 
     def load_part(self, part: str) -> None:
         """Load a library's kernels unless they are loaded."""

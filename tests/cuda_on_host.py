@@ -1,8 +1,9 @@
 """The generated CUDA source run on the host, a test double for the GPU (CI has none).
 
 Every CUDA kernel is compiled as C with the CUDA keywords defined away, and each entry point
-runs every (block, thread) of its launch grid one after another. The calls go through the CUDA
-backend's own launch plan (runtime/cuda_backend.py ``launch_plan``): the coefficient table is
+runs every (block, thread) of its launch grid one after another. The calls go through the
+generated launch plan (codegen/targets.py, ``Generated.launch_plan``), its grids and blocks, bound
+to buffers as the CUDA backend binds them (runtime/cuda_backend.py ``bind``): the coefficient table is
 filled by its kernel, the per-element kernels read it, dt_vjp's partial sums are added by
 dt_vjp_sum and finished by dt_vjp_finish. The kernels' arithmetic and indexing can then be
 checked against the dense reference and by gradcheck. Shared memory is one static array per
@@ -38,9 +39,11 @@ from tensorstep.codegen.render import CTYPES
 from tensorstep.runtime import cbackend
 from tensorstep.runtime.api import Step
 from tensorstep.runtime.cache import BuildCache, digest
-from tensorstep.runtime.cuda_backend import THREADS, dt_vjp_rows, launch_plan
+from tensorstep.runtime.cuda_backend import bind
 from tensorstep.runtime.launch import Launcher
 
+#: CUDA's largest block (a launch plan's blocks may be any size up to it)
+MAX_BLOCK = 1024
 PRELUDE = f"""/* CUDA keywords for a sequential run on the host */
 #include <stdbool.h>
 #include <string.h>
@@ -51,13 +54,14 @@ PRELUDE = f"""/* CUDA keywords for a sequential run on the host */
 #define __shared__ static
 #define __syncthreads()
 typedef struct {{ long long x; }} ts_dim3;
-static ts_dim3 blockIdx, threadIdx, blockDim = {{{THREADS}}};
+static ts_dim3 blockIdx, threadIdx, blockDim; /* set by each launch */
+#define TS_MAX_BLOCK {MAX_BLOCK}
 """
 #: kernels run once per call (or per trajectory); with tapes, a block's threads share a tape's levels
 ONCE_PER_CALL = ("coefficients", "coefficients_jvp", "dt_vjp_finish")
 ACCUMULATOR = ("/* dt_vjp's accumulator: begin */", "/* dt_vjp's accumulator: end */")
 #: per column: its value of each ACC statement (the columns past the end add nothing)
-HOST_ACCUMULATOR = f"""static double ts_lanes[{THREADS}][NC_], ts_discard;
+HOST_ACCUMULATOR = """static double ts_lanes[TS_MAX_BLOCK][NC_], ts_discard;
 #undef ACC
 #define ACC(q) (*(active ? &ts_lanes[threadIdx.x][(q)] : &ts_discard))
 """
@@ -67,9 +71,10 @@ def _block_reduction(symbol: str) -> str:
     """The dt_vjp reduction of one block as 32 lanes in lockstep run it (see the module docstring)."""
     return f"""static void {symbol}_block(double* gc)
 {{
-    double warp_sums[{THREADS} / 32];
+    double warp_sums[TS_MAX_BLOCK / 32];
+    const int warps = (int)(blockDim.x / 32);
     for (int i = 0; i < NC_; ++i) {{
-        for (int w = 0; w < {THREADS} / 32; ++w) {{
+        for (int w = 0; w < warps; ++w) {{
             double v[32], before[32];
             for (int lane = 0; lane < 32; ++lane) v[lane] = ts_lanes[w * 32 + lane][i];
             for (int off = 16; off > 0; off >>= 1) {{
@@ -80,33 +85,33 @@ def _block_reduction(symbol: str) -> str:
             warp_sums[w] = v[0];
         }}
         double s = 0.0;
-        for (int w = 0; w < {THREADS} / 32; ++w) s += warp_sums[w];
+        for (int w = 0; w < warps; ++w) s += warp_sums[w];
         gc[(long long)blockIdx.x * NC_ + i] += s;
     }}
-    memset(ts_lanes, 0, sizeof ts_lanes);
+    memset(ts_lanes, 0, sizeof ts_lanes[0] * blockDim.x);
 }}
 """
 
 
 def _entry_point(spec: Any, kernel: str, reduce_blocks: bool, one_thread: bool) -> tuple[str, str]:
     """(C definition, cffi declaration) of one kernel's host entry point: its CUDA parameters after
-    the number of threads the launch covers, every (block, thread) run in turn (``one_thread``:
-    thread 0 only, see the module docstring)."""
+    the launch's grid and block, every (block, thread) run in turn (``one_thread``: thread 0 only,
+    see the module docstring)."""
     args = table(spec)
     symbol = abi.symbol(spec.name, kernel)
     names = ", ".join(name for _, name in abi.cuda_arguments(kernel, args))
     signature = abi.signature(kernel, args, CTYPES[spec.dtype], "restrict", cuda=True)
     definition = (
-        f"void {symbol}(long long threads, {signature})\n{{\n"
-        f"    const long long blocks = (threads + {THREADS} - 1) / {THREADS};\n"
-        f"    for (long long b = 0; b < (blocks > 0 ? blocks : 1); ++b) {{\n"
-        f"        for (long long t = 0; t < {1 if one_thread else THREADS}; ++t) {{\n"
+        f"void {symbol}(long long grid, long long block, {signature})\n{{\n"
+        f"    blockDim.x = block;\n"
+        f"    for (long long b = 0; b < grid; ++b) {{\n"
+        f"        for (long long t = 0; t < {'1' if one_thread else 'block'}; ++t) {{\n"
         f"            blockIdx.x = b; threadIdx.x = t; {symbol}_thread({names});\n"
         f"        }}\n"
         + (f"        {symbol}_block(gc);\n" if reduce_blocks else "")
         + "    }\n}")
     params = ", ".join(("intptr_t" if "*" in t else t) + f" {n}" for t, n in abi.cuda_arguments(kernel, args))
-    return definition, f"void {symbol}(long long threads, {params});"
+    return definition, f"void {symbol}(long long grid, long long block, {params});"
 
 
 def host_source(spec: Any) -> tuple[str, str]:
@@ -143,32 +148,31 @@ def _library(source: str, declarations: str) -> Any:
 
 
 class HostCudaBackend:
-    """The CUDA kernels run on the host, launched by the CUDA backend's plan with its buffers."""
+    """The CUDA kernels run on the host, launched by the generated launch plan (or ``plan``) with
+    buffers bound as the CUDA backend binds them."""
 
-    def __init__(self, spec: Any):
+    def __init__(self, spec: Any, plan: Any = None):
         self.spec = spec
         self.table = table(spec)
         generated = generate(spec, targets=("cuda",))
         self.metadata = dict(generated.metadata)
+        self.plan = plan or generated.launch_plan("cuda")
         self.lib = _library(*host_source(spec))
-        self.launched: list[str] = []
+        self.launched: list[tuple[str, int, int]] = []  # (kernel, grid, block)
 
     def load_part(self, part: str) -> None:
         """Every kernel is built at once."""
-
-    def dt_vjp_rows(self, B: int, per_trajectory: bool) -> int:
-        return dt_vjp_rows(self.spec, B, per_trajectory)
 
     def empty(self, size: int, dtype: torch.dtype) -> torch.Tensor:
         """Buffers are filled with NaN: a kernel that reads what no kernel wrote shows up."""
         return torch.full((size,), float("nan"), dtype=dtype)
 
     def call(self, kernel: str, B: int, args: list[int]) -> None:
-        launches, buffers = launch_plan(self.spec, self.table, int(self.metadata["n_coefficients"]), kernel, B,
-                                        args, self.empty, bool(self.metadata["tapes"]))
-        for name, threads, arguments in launches:
-            self.launched.append(name)
-            getattr(self.lib, abi.symbol(self.spec.name, name))(threads, B, *arguments)
+        launches, buffers = bind(self.plan.launches(kernel, B), self.table, kernel, args, self.empty)
+        for name, grid, block, shared, arguments in launches:
+            assert shared == 0 and block % 32 == 0 and 0 < block <= MAX_BLOCK, "a launch the host run cannot model"
+            self.launched.append((name, grid, block))
+            getattr(self.lib, abi.symbol(self.spec.name, name))(grid, block, B, *arguments)
         del buffers
 
 

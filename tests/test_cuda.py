@@ -15,7 +15,7 @@ import reference
 import reference_bspline
 import tensorstep as ts
 from cuda_on_host import HostCudaBackend, host_source, host_step
-from tensorstep.codegen import abi, render
+from tensorstep.codegen import abi, render, targets
 from tensorstep.codegen.arguments import table
 from tensorstep.codegen.driver import lowered
 from tensorstep.runtime.api import Step
@@ -157,7 +157,7 @@ def test_cuda_second_device_if_present():
         scale_close(a.cpu().numpy(), b.numpy(), 1e-12)
 
 
-# Integrator adjoints this long (float64) roll into a reverse loop for CUDA (render.CUDA_ROLL_ABOVE_BYTES):
+# Integrator adjoints this long (float64) roll into a reverse loop for CUDA (targets.CUDA_ROLL_ABOVE_BYTES):
 # straight-line they would hold every row's gradients in registers and spill.
 INTEGRATORS = [g for g in GRID if g.get("control", "position") != "position"]
 LONG = 40
@@ -210,7 +210,7 @@ def test_cuda_source_run_on_the_host_matches_reference(overrides, form, monkeypa
     if form == "rolled":
         if overrides.get("control", "position") == "position":
             pytest.skip("stencil adjoints are never rolled")
-        monkeypatch.setattr(render, "CUDA_ROLL_ABOVE_BYTES", 0)
+        monkeypatch.setattr(targets, "CUDA_ROLL_ABOVE_BYTES", 0)
     if form == "global-coefficients":
         monkeypatch.setattr(render, "CUDA_SHARED_COEF_BYTES", 0)
     spec = make_spec(overrides)
@@ -404,6 +404,7 @@ class FakeCupy:
     def __init__(self):
         self.built: list[str] = []
         self.launched: list[str] = []
+        self.shapes: list[tuple] = []  # (symbol, grid, block, shared memory bytes)
         fake = self
 
         class Module:
@@ -411,7 +412,10 @@ class FakeCupy:
                 fake.built.append(code)
 
             def get_function(self, symbol):
-                return lambda grid, block, args: fake.launched.append(symbol)
+                def launch(grid, block, args, shared_mem=0):
+                    fake.launched.append(symbol)
+                    fake.shapes.append((symbol, grid, block, shared_mem))
+                return launch
 
         self.RawModule = Module
         self.cuda = type("cuda", (), {"Device": staticmethod(lambda index: contextlib.nullcontext()),
@@ -453,6 +457,62 @@ def test_capture_never_builds_or_loads_a_cuda_module(capture, monkeypatch):
     assert len(backend.cupy.built) == 3
     assert backend.cupy.launched == [f"{spec.name}_{k}" for k in ("coefficients", "forward", "coefficients", "dt_vjp",
                                                                   "dt_vjp_sum", "dt_vjp_finish")]
+
+
+
+class SmallBlocks(targets.CudaLaunchPlan):
+    """A launch plan with 64-thread blocks, where the generated one has 256."""
+
+    def block(self, B):
+        return 64
+
+
+def small_blocks(plan):
+    return SmallBlocks(**{f: getattr(plan, f) for f in plan.__dataclass_fields__})
+
+
+def test_cuda_backend_launches_what_the_plan_says(monkeypatch):
+    """CudaBackend launches each kernel with its plan's grid, block and shared memory: the build's
+    plan (256 threads a block, a grid over the B·D columns; the table's one thread a grid of 1),
+    and a plan with other blocks just as it says."""
+    spec = make_spec(GRID[0])
+    backend = fake_cuda_backend(spec, monkeypatch)
+    B, D = 300, spec.dof
+    args = [0] * (len(abi.arguments("forward", table(spec))) - 1)
+    backend.call("forward", B, args)
+    name = spec.name
+    assert backend.cupy.shapes == [(f"{name}_coefficients", (1,), (256,), 0),
+                                   (f"{name}_forward", (-(-B * D // 256),), (256,), 0)]
+    backend.plan = small_blocks(backend.plan)
+    backend.cupy.shapes.clear()
+    backend.call("forward", B, args)
+    assert backend.cupy.shapes == [(f"{name}_coefficients", (1,), (64,), 0),
+                                   (f"{name}_forward", (-(-B * D // 64),), (64,), 0)]
+
+
+@pytest.mark.parametrize("overrides", [GRID[0], dict(control="acceleration", dt="per_step")],
+                         ids=grid_id)
+def test_host_run_follows_the_generated_launch_plan(overrides):
+    """The host-run CUDA kernels launched by a plan with 64-thread blocks (dt_vjp's block sums and
+    rows of partial sums then follow the plan's blocks): every launch has the plan's grid and
+    block, and forward, adjoint and dt gradient match the C kernels (float64)."""
+    spec = make_spec(overrides, dtype="float64")
+    generated_plan = HostCudaBackend(spec).plan
+    backend = HostCudaBackend(spec, small_blocks(generated_plan))
+    host, cpu = Launcher(spec, backend), Launcher(spec, CpuBackend(spec))
+    B = 150
+    x = Inputs(spec, B, seed=5)
+    dt = 0.02 + 0.02 * torch.rand(spec.n_dt, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    inputs = [getattr(x, a.c_name) for a in table(spec).tensors]
+    grads = [torch.randn(y.shape, dtype=torch.float64) for y in cpu.forward(inputs, dt)]
+    for a, b in zip(host.forward(inputs, dt), cpu.forward(inputs, dt)):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    needed = [True] * len(table(spec).differentiable)
+    for a, b in zip(host.adjoint(grads, dt, B, needed), cpu.adjoint(grads, dt, B, needed)):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(host.dt_vjp(inputs, grads, dt), cpu.dt_vjp(inputs, grads, dt), rtol=1e-12, atol=1e-12)
+    assert generated_plan.block(B) == 256 and {block for _, _, block in backend.launched} == {64}
+    assert ("dt_vjp", -(-B * spec.dof // 64)) in [(kernel, grid) for kernel, grid, _ in backend.launched]
 
 
 CAPTURED = [dict(control="acceleration", integrator="exact"), dict(difference="central", dt="per_step")]

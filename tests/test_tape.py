@@ -23,8 +23,6 @@ import torch.autograd.forward_ad as fwAD
 import reference
 import tensorstep as ts
 from helpers import Inputs, kernel_paths, scale_close, to_bhd
-from tensorstep.codegen import abi
-from tensorstep.codegen.arguments import table
 from tensorstep.codegen.coefficients import TAPE_ABOVE_LINES
 from tensorstep.codegen.driver import generate, lowered
 from tensorstep.codegen.operator import expand_formulas
@@ -167,9 +165,7 @@ def test_per_trajectory_programs_are_tapes_on_cuda_only():
     as a tape it would be interpreted per trajectory, slower than the code (BENCHMARKS.md), so C
     fills such a table from its monomials instead (codegen/monomials.py). On CUDA a block per
     trajectory runs the tape (its threads share the levels): the coefficient kernels are
-    launched with a block of threads per trajectory, the build's metadata saying so."""
-    from tensorstep.runtime.cuda_backend import THREADS, launch_plan
-
+    launched with a block of threads per trajectory, the build's metadata and launch plan saying so."""
     spec = spec_of(dict(control="bspline", degree=4, knots=4, steps=12, dt="per_trajectory"))
     coefs = lowered(spec).coefs
     assert coefs.long and not coefs.taped
@@ -179,12 +175,11 @@ def test_per_trajectory_programs_are_tapes_on_cuda_only():
     assert generated.metadata["tapes"] is True
     assert "const int64_t b = (int64_t)blockIdx.x;\n    if (b >= B) return;" in generated.source("cuda")
     B = 5
-    args = table(spec)
-    n_args = len(abi.arguments("dt_vjp_finish", args)) - 1
-    launches, _ = launch_plan(spec, args, generated.n_coefficients, "dt_vjp_finish", B, list(range(n_args)),
-                              lambda size, dtype: torch.empty(size, dtype=dtype), tapes=True)
-    assert [(name, threads) for name, threads, _ in launches] == [
-        ("dt_vjp_sum", B * generated.n_coefficients), ("dt_vjp_finish", B * THREADS)]
+    plan = generated.launch_plan("cuda")
+    block = plan.block(B)
+    launches = plan.launches("dt_vjp_finish", B).launches
+    assert [(launch.kernel, launch.grid, launch.block) for launch in launches] == [
+        ("dt_vjp_sum", -(-B * generated.n_coefficients // block), block), ("dt_vjp_finish", B, block)]
 
 
 def test_tape_sources_name_each_tape_once():
@@ -249,10 +244,10 @@ def test_a_tape_too_large_for_shared_memory_is_refused(monkeypatch):
     """A tape's registers live in a CUDA block's shared memory: a program needing more than a
     block has is refused with the reason, before NVRTC would fail on the source (here the limit
     is lowered; a B-spline of degree 5 with 200 rows per span needs 61 KB)."""
-    from tensorstep.codegen import render
+    from tensorstep.codegen import targets
 
     spec = spec_of(TAPED[2])
-    monkeypatch.setattr(render, "CUDA_TAPE_SHARED_BYTES", 1024)
+    monkeypatch.setattr(targets, "CUDA_TAPE_SHARED_BYTES", 1024)
     with pytest.raises(ValueError, match=r"needs \d+ KB of shared memory on CUDA, above the 1 KB a block has"):
         generate(spec, targets=("cuda",))
     generate(spec, targets=("c",))  # the CPU has no such limit

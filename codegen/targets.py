@@ -1,0 +1,266 @@
+"""The code generator's targets: everything that differs between C, CUDA and the C header.
+
+A ``Target`` owns its template, its ABI entry points, the form of its coefficient programs
+(straight-line code, monomials or tapes), its choice among a kernel's lowered variants and, for
+CUDA, its launch plan. The renderer (codegen/render.py) asks the target and never tests a
+target's name; a new target is a Target plus a template. The CLI and the public API name targets
+by string ("c", "cuda", "header"): ``target(name)`` maps a name to its Target, here only.
+
+A launch plan says what each entry point of the C ABI runs: its launches (kernel, grid, block,
+dynamic shared memory, arguments) and the temporaries they use, as a function of the batch size.
+It is part of the generated result (``Generated.launch_plan``) and is rebuilt from a cached
+build's metadata by ``Target.launch_plan``, so the runtime never derives a launch of its own.
+Import-light: the runtime reads plans on the cached-load path (no SymPy, no Jinja2).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping, Optional, Union
+
+from . import abi
+from .arguments import ArgumentTable, table as argument_table
+
+#: CUDA threads per block: a multiple of the warp size, at most 1024 (dt_vjp's block sum adds
+#: whole warps, at most 32 of them)
+CUDA_BLOCK = 256
+
+#: CUDA keeps every row's gradients of a straight-line integrator adjoint live in registers
+#: (ptxas, sm_90: accel float32 160 registers at H=32, 254 at H=60 and spilling beyond;
+#: float64 spills from H=40), while the rolled column needs about 40-60 at any H. Adjoint bodies
+#: whose values exceed this many bytes (lines x element size: float32 from H=22, float64 from
+#: H=11; order 4 from H=18 and H=9) are rolled, which keeps every kernel within 128 registers;
+#: shorter ones keep straight-line, which has more loads in flight.
+CUDA_ROLL_ABOVE_BYTES = 800
+
+#: a CUDA block's static shared memory, where a tape's registers live
+CUDA_TAPE_SHARED_BYTES = 48 * 1024
+
+#: the kernels that run the coefficient table's program in C, each library's its own (on CUDA the
+#: table kernel of a spec's core module fills it; a dt module's dt_vjp reads it)
+TABLE_KERNELS = ("forward", "adjoint", "dt_vjp")
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """One kernel launch: ``grid`` blocks of ``block`` threads, ``shared`` bytes of dynamic shared
+    memory, and its arguments after B, each the name of an argument of the entry point's C ABI
+    (codegen/abi.py ``arguments``), the name of a temporary, or an integer."""
+
+    kernel: str
+    grid: int
+    block: int
+    shared: int
+    args: tuple[Union[str, int], ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Temporary:
+    """A buffer one call allocates for its launches: ``size`` elements of ``dtype``."""
+
+    name: str
+    size: int
+    dtype: str  # "float32" or "float64"
+
+
+@dataclasses.dataclass(frozen=True)
+class Launches:
+    """What one entry point of the C ABI runs, in order, and the temporaries its launches share."""
+
+    launches: tuple[Launch, ...]
+    temporaries: tuple[Temporary, ...]
+
+
+def _blocks(threads: int, block: int) -> int:
+    return max(1, -(-threads // block))
+
+
+@dataclasses.dataclass(frozen=True)
+class CudaLaunchPlan:
+    """The CUDA launches of a spec's entry points. Each call first runs the coefficient program
+    once (or once per trajectory), in a kernel of its own, into a table the per-element kernels
+    then read (one thread per (batch, dof) column); dt gradients are finished by dt_vjp_sum, which
+    adds dt_vjp's partial sums in a fixed order, then dt_vjp_finish's reverse program. A
+    coefficient program kept as a tape (``tapes``) runs a block per run, whose threads share the
+    tape's levels; otherwise one thread per run."""
+
+    table: ArgumentTable
+    dof: int
+    dtype: str
+    n_coefficients: int
+    tapes: bool
+
+    @property
+    def per_trajectory(self) -> bool:
+        return self.table.dt.shape == ("B",)
+
+    def block(self, B: int) -> int:
+        """Threads per block of every launch of a call over a batch of B."""
+        return CUDA_BLOCK
+
+    def runs(self, B: int) -> int:
+        """Runs of the once-per-call programs: one per trajectory, or one."""
+        return B if self.per_trajectory else 1
+
+    def dt_vjp_rows(self, B: int) -> int:
+        """Rows of dt_vjp's partial sums: one per column when each trajectory has its own dt (its
+        dof columns are added in turn), else one per block of dt_vjp (no atomics, a fixed order)."""
+        return B * self.dof if self.per_trajectory else _blocks(B * self.dof, self.block(B))
+
+    def launches(self, kernel: str, B: int) -> Launches:
+        """The launches of one entry point of the C ABI over a batch of B, and their temporaries.
+        A per-element kernel first has its coefficient table filled; dt_vjp_finish first has
+        dt_vjp's partial sums added."""
+        block, runs = self.block(B), self.runs(B)
+        once = runs if self.tapes else _blocks(runs, block)  # grid of a once-per-call kernel
+        dt = self.table.dt.c_name
+        if kernel in abi.CUDA_TABLES:
+            fill = abi.CUDA_TABLES[kernel]
+            inputs = (dt, "ddt_in") if fill == "coefficients_jvp" else (dt,)
+            names = tuple(name for _, name in abi.arguments(kernel, self.table))[1:]
+            coef = Temporary("coef", runs * len(inputs) * self.n_coefficients, self.dtype)
+            return Launches((Launch(fill, once, block, 0, (*inputs, "coef")),
+                             Launch(kernel, _blocks(B * self.dof, block), block, 0, (*names, "coef"))), (coef,))
+        if kernel == "dt_vjp_finish":
+            sums = Temporary("sums", runs * self.n_coefficients, "float64")
+            rows = self.dt_vjp_rows(B) // runs
+            return Launches((Launch("dt_vjp_sum", _blocks(runs * self.n_coefficients, block), block, 0,
+                                    (rows, "gc", "sums")),
+                             Launch(kernel, once, block, 0, (dt, "sums", "gdt"))), (sums,))
+        raise ValueError(f"unknown kernel {kernel!r}; allowed: {', '.join(abi.KERNELS)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class CLaunchPlan:
+    """The C entry points run as called (OpenMP threads over the batch); dt_vjp writes its partial
+    sums a row per chunk of batch elements, added in order, so the dt gradient is the same for
+    any number of threads."""
+
+    per_trajectory: bool
+    chunk: int = abi.C_DT_VJP_CHUNK
+
+    def dt_vjp_rows(self, B: int) -> int:
+        """Rows of dt_vjp's partial sums: one per trajectory with its own dt, else one per chunk."""
+        return B if self.per_trajectory else max(1, -(-B // self.chunk))
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """A target's template and ABI, with the defaults of plain C (the header's)."""
+
+    name: str
+    template: str  # file in templates/
+    extension: str  # of its source files
+    restrict: str = "restrict"  # qualifier of every pointer parameter
+    device: str = ""  # qualifier of the tapes' constant arrays
+    #: a tape runs level by level, a block's threads sharing each level (else a loop)
+    block_tapes: bool = False
+    #: the C template's forms (codegen/render.py): all-dof vector lanes, long once-per-call
+    #: programs split for the compiler, preprocessor guards per translation unit, tables filled
+    #: from monomials where the coefficient program is not a tape
+    lanes: bool = False
+    split_programs: bool = False
+    unit_guards: bool = False
+    monomials: bool = False
+
+    def entry_points(self, kernels: tuple[str, ...]) -> tuple[str, ...]:
+        """The entry points a source with these kernels defines."""
+        return kernels
+
+    def signature(self, kernel: str, table: ArgumentTable, ctype: str) -> str:
+        """One entry point's parameter list (codegen/abi.py)."""
+        return abi.signature(kernel, table, ctype, self.restrict)
+
+    def taped(self, coefs: Any) -> bool:
+        """Whether the coefficient programs are tapes (codegen/coefficients.py): C keeps a dt per
+        trajectory's long program as monomials, run inside its loop over the batch."""
+        return coefs.taped
+
+    def table_fillers(self) -> tuple[str, ...]:
+        """The kernels that run the coefficient table's program (each library its own)."""
+        return TABLE_KERNELS
+
+    def table_program(self, code: Any) -> list[str]:
+        """The coefficient table's program as the template runs it."""
+        return code.table
+
+    def codes(self, code: Any, kernels: tuple[str, ...], itemsize: int) -> dict[str, Any]:
+        """Each kernel's lowered variant: the adjoint's gathers each in one pass."""
+        return {k: code.gathered_adjoint if k == "adjoint" else getattr(code, k) for k in kernels}
+
+    def check(self, spec: Any, tapes: list) -> None:
+        """Raise where the target cannot run the spec's programs."""
+
+    def launch_plan(self, spec: Any, metadata: Mapping[str, Any]) -> Any:
+        """The launch plan of a spec's build from its metadata (codegen/driver.py ``metadata``)."""
+        return None
+
+
+class CTarget(Target):
+    """C: entry points looping over the batch, compiled by the C backend."""
+
+    def launch_plan(self, spec: Any, metadata: Mapping[str, Any]) -> CLaunchPlan:
+        return CLaunchPlan(argument_table(spec).dt.shape == ("B",))
+
+
+class CudaTarget(Target):
+    """CUDA: a thread per (batch, dof) column, the coefficient programs in kernels of their own."""
+
+    def entry_points(self, kernels: tuple[str, ...]) -> tuple[str, ...]:
+        return abi.cuda_kernels(kernels)
+
+    def signature(self, kernel: str, table: ArgumentTable, ctype: str) -> str:
+        return abi.signature(kernel, table, ctype, self.restrict, cuda=True)
+
+    def taped(self, coefs: Any) -> bool:
+        """Every long program is a tape, a dt per trajectory's too (a block per trajectory runs it)."""
+        return coefs.long
+
+    def table_fillers(self) -> tuple[str, ...]:
+        """The core module's table kernel fills it; a dt module's dt_vjp reads it."""
+        return ("forward", "adjoint")
+
+    def table_program(self, code: Any) -> list[str]:
+        return code.cuda_program("table")
+
+    def codes(self, code: Any, kernels: tuple[str, ...], itemsize: int) -> dict[str, Any]:
+        """An integrator's long adjoint rolled (``CUDA_ROLL_ABOVE_BYTES``); a stencil's adjoint
+        reads each output gradient where it is used (held in locals, the boundary rows of a wide
+        per-step stencil took 144 registers, order 4, H=64, float32); with a period above 1
+        (B-splines) the forward and adjoint are span loops only, as in C (lower._spans_only)."""
+        codes = {k: code.cuda_program(k) if k in code.CUDA_PROGRAMS else getattr(code, k) for k in kernels}
+        adjoint = codes.get("adjoint")
+        if adjoint is not None and code.adjoint_reads is not None:
+            codes["adjoint"] = code.adjoint_reads
+        elif adjoint is not None and len(adjoint.body) * itemsize > CUDA_ROLL_ABOVE_BYTES:
+            rolled = code.adjoint_rolled  # None for stencils, whose columns hold few values
+            if rolled:
+                codes["adjoint"] = dataclasses.replace(adjoint, statements=rolled)
+        return codes
+
+    def check(self, spec: Any, tapes: list) -> None:
+        """A tape's registers must fit in a block's shared memory (else NVRTC fails on the source)."""
+        for t in tapes:
+            if t.registers * 8 > CUDA_TAPE_SHARED_BYTES:
+                raise ValueError(
+                    f"{spec.name}: its coefficient program ({t.name}) needs {t.registers * 8 // 1024} KB of shared "
+                    f"memory on CUDA, above the {CUDA_TAPE_SHARED_BYTES // 1024} KB a block has: use fewer rows per "
+                    "knot span or a shorter horizon, or device='cpu'")
+
+    def launch_plan(self, spec: Any, metadata: Mapping[str, Any]) -> CudaLaunchPlan:
+        return CudaLaunchPlan(argument_table(spec), spec.dof, spec.dtype, int(metadata["n_coefficients"]),
+                              bool(metadata.get("tapes")))
+
+
+C = CTarget("c", "kernel.c.j2", "c", lanes=True, split_programs=True, unit_guards=True, monomials=True)
+CUDA = CudaTarget("cuda", "kernel.cu.j2", "cu", restrict="__restrict__", device="__device__ ", block_tapes=True)
+HEADER = Target("header", "header.h.j2", "h")
+#: every target by the name the CLI and the API use
+TARGETS: Mapping[str, Target] = {t.name: t for t in (C, CUDA, HEADER)}
+
+
+def target(name: str) -> Target:
+    """The target of a name ('c', 'cuda', 'header')."""
+    found: Optional[Target] = TARGETS.get(name) if isinstance(name, str) else None
+    if found is None:
+        raise ValueError(f"target={name!r} is invalid: allowed {', '.join(TARGETS)}")
+    return found
