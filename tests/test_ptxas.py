@@ -37,7 +37,7 @@ pytestmark = pytest.mark.skipif(NVCC is None, reason="nvcc not found on PATH (th
 #: (KernelSpec overrides, horizon, dtype, {part: reason it is not yet within the limits}):
 #: position central and backward with per-step dt, order 4, start_index; acceleration and jerk,
 #: exact and semi-implicit; float32 and float64; the longest straight-line integrator adjoints
-#: (just below render.CUDA_ROLL_ABOVE_BYTES) and horizons up to 256; a B-spline with loops over knots
+#: (just below targets.CUDA_ROLL_ABOVE_BYTES) and horizons up to 256; a B-spline with loops over knots
 GRID = [
     (dict(difference="central", dt="per_step"), 32, "float32", {}),
     (dict(difference="central", dt="per_step"), 256, "float64", {}),
