@@ -128,8 +128,8 @@ def _single(cfg: Any, spec: KernelSpec) -> Any:
     return dataclasses.replace(cfg, specs=(spec,))
 
 
-def spec_options(fn: Callable) -> Callable:
-    """KernelSpec fields as options (for `show` without a config)."""
+def spec_options(fn: Callable, skip: tuple[str, ...] = ()) -> Callable:
+    """KernelSpec fields as options (for `show` without a config), but those named in ``skip``."""
     options = [
         click.option("--horizon", type=int, default=None, help="output rows [default: 32; derived for bspline]"),
         click.option("--dof", type=int, default=7, show_default=True),
@@ -149,7 +149,8 @@ def spec_options(fn: Callable) -> Callable:
         click.option("--steps", type=int, default=None, help="bspline: output rows per span"),
     ]
     for option in reversed(options):
-        fn = option(fn)
+        if option(lambda: None).__click_params__[0].opts[0] not in skip:
+            fn = option(fn)
     return fn
 
 
@@ -196,21 +197,32 @@ def specs_from(config: Optional[str], task: Optional[str], options: dict[str, An
 @click.option("--kernel", type=click.Choice(["all", "core", "dt", "forward", "backward", "adjoint", "dt_vjp", "dt_jvp"]),
               default="all", show_default=True,
               help="core = forward + adjoint (backward); dt = the dt derivatives (dt_vjp, dt_jvp)")
+@click.option("--stage", type=click.Choice(["operator", "lowered", "c", "cuda"]), default=None,
+              help="print a stage of the code generator instead: the operator's rows, the lowered statements "
+                   "of the kernels --kernel picks, or a target's source (c, cuda: as --target) [default: --target's source]")
 @spec_options
 @friendly
-def show(config: Optional[str], task: Optional[str], target: str, kernel: str, **options: Any) -> None:
+def show(config: Optional[str], task: Optional[str], target: str, kernel: str, stage: Optional[str],
+         **options: Any) -> None:
     """Print generated source for a CONFIG, or for the spec given by options (a B-spline's derived
-    basis matrix and boundary coefficients first, as a comment)."""
+    basis matrix and boundary coefficients first, as a comment); --stage prints another stage."""
     from .codegen.driver import generate
 
+    source = stage in (None, "c", "cuda")
+    if stage in ("c", "cuda"):
+        given = click.get_current_context().get_parameter_source("target") != click.core.ParameterSource.DEFAULT
+        if given and target != stage:
+            raise UserError(f"--stage {stage} prints the {stage} source: it cannot be combined with --target {target}")
+        target = stage
     specs = specs_from(config, task, options, "shown")
     for spec in specs:
-        if getattr(spec, "control", None) == "bspline":  # cuRobo's kernels have no control field
+        if source and getattr(spec, "control", None) == "bspline":  # cuRobo's kernels have no control field
             from .codegen.bspline import describe
 
             click.echo("/*\n" + "\n".join(" * " + line for line in
                                            describe(spec.degree, spec.knots, spec.steps, spec.end)) + "\n */")
-        click.echo(generate(spec, targets=(target,), parts=(kernel,)).source(target, kernel))
+        generated = generate(spec, targets=(target,), parts=(kernel,), keep=not source)
+        click.echo(generated.source(target, kernel) if source else generated.stages.text(stage), nl=source)
 
 
 @main.command()
@@ -391,13 +403,35 @@ def run(config: str, task: Optional[str], output: str, batch: int, device: str) 
 @click.option("--steady-malloc/--system-malloc", default=True, show_default=True,
               help="keep freed memory in the process (fixed glibc thresholds, so no method's outputs are "
                    "page-faulted in on some runs and not others), or leave glibc's defaults")
+@click.option("--cuda-plan", is_flag=True,
+              help="no timing and no GPU: the CUDA launches of a forward, a backward and a backward with a dt "
+                   "gradient for the spec the spec options give (B=400 and 40000 unless --batch), the bytes of "
+                   "temporaries, and ptxas's registers, spills and stack per kernel")
+@click.option("--json", "as_json", is_flag=True, help="with --cuda-plan: print JSON")
+@click.option("--ptxas/--no-ptxas", default=True, show_default=True,
+              help="with --cuda-plan: compile each library with nvcc for ptxas's figures")
+@functools.partial(spec_options, skip=("--horizon", "--dtype"))
 @friendly
 def bench(device: str, quick: bool, scheme: tuple, batch: tuple, horizon: tuple, dtype: tuple,
           budget: float, codegen: bool, inductor: bool, plot_path: Optional[str], compiled_loss: bool,
-          steady_malloc: bool) -> None:
+          steady_malloc: bool, cuda_plan: bool, as_json: bool, ptxas: bool, **options: Any) -> None:
     """Time forward+backward against the dense-matrix and slicing PyTorch baselines (eager and under
     torch.compile) and the copy bound, then the forward alone (rollouts) into new and into reused
-    outputs (out=)."""
+    outputs (out=). With --cuda-plan, the spec options (and --horizon, --dtype) choose the spec."""
+    ctx = click.get_current_context()
+    given = [p.opts[0] for p in ctx.command.params
+             if ctx.get_parameter_source(p.name) != click.core.ParameterSource.DEFAULT]
+    plan_only = {p.opts[0] for p in ctx.command.params if p.name in options or p.name in ("as_json", "ptxas")}
+    if cuda_plan:
+        allowed = plan_only | {"--cuda-plan", "--batch", "--horizon", "--dtype"}
+        if set(given) - allowed:
+            raise UserError(f"--cuda-plan takes the spec options, --batch and --json, not "
+                            f"{', '.join(g for g in given if g not in allowed)}")
+        _cuda_plan(batch or (400, 40000), horizon, dtype, as_json, ptxas, options)
+        return
+    if set(given) & plan_only:
+        raise UserError(f"{', '.join(g for g in given if g in plan_only)}: only with --cuda-plan (the spec whose "
+                        "launches it reports)")
     check_device(device)
     from .bench import allocator, bspline, harness
 
@@ -441,6 +475,19 @@ def bench(device: str, quick: bool, scheme: tuple, batch: tuple, horizon: tuple,
         harness.run_rollouts(rollouts, click.echo, budget)
     if codegen:
         harness.codegen_cost(click.echo)
+
+
+def _cuda_plan(batches: tuple[int, ...], horizons: tuple, dtypes: tuple, as_json: bool, with_ptxas: bool,
+               options: dict[str, Any]) -> None:
+    """`bench --cuda-plan`: a report per spec (each --horizon and --dtype given), as tables or JSON."""
+    import json
+
+    from .bench import cuda_plan
+
+    specs = [spec_from_options({**options, "horizon": h, "dtype": d})
+             for h in (horizons or (None,)) for d in (dtypes or ("float32",))]
+    reports = [cuda_plan.report(spec, batches, with_ptxas) for spec in specs]
+    click.echo(json.dumps(reports, indent=1) if as_json else cuda_plan.tables(reports))
 
 
 if __name__ == "__main__":  # pragma: no cover

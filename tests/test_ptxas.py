@@ -9,21 +9,18 @@ spills, stack, seconds).
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
+import functools
 import multiprocessing
 import os
-import re
 import shutil
-import signal
-import subprocess
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
 
-NVCC = shutil.which("nvcc")
-ARCH = "sm_90"
+from tensorstep.bench.ptxas import Kernel, Module, compile_module, nvcc, parse
+
+NVCC = nvcc()
 MAX_REGISTERS = 128
 MAX_STACK = 1024
 #: a guard against a hung nvcc only (compile time is measured, never asserted)
@@ -57,22 +54,6 @@ GRID = [
 DOF = 7
 
 
-@dataclasses.dataclass
-class Kernel:
-    name: str
-    registers: int
-    spill_stores: int
-    stack: int
-
-
-@dataclasses.dataclass
-class Module:
-    label: str
-    seconds: float
-    kernels: list[Kernel]
-    error: str = ""
-
-
 def spec_of(overrides: dict, horizon: int, dtype: str):
     import tensorstep as ts
 
@@ -88,42 +69,10 @@ def cases() -> list[tuple[str, dict, int, str, str, str]]:
             for overrides, horizon, dtype, not_yet in GRID for part in abi.LIBRARIES]
 
 
-def parse(report: str) -> list[Kernel]:
-    """The kernels of a ptxas -v report: name, registers, spill stores, stack frame."""
-    kernels = []
-    for block in re.split(r"ptxas info\s*: Compiling entry function ", report)[1:]:
-        name = re.match(r"'(\w+)'", block).group(1)
-        frame = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores", block)
-        registers = re.search(r"Used (\d+) registers", block)
-        kernels.append(Kernel(name, int(registers.group(1)), int(frame.group(2)), int(frame.group(1))))
-    return kernels
-
-
-def compile_module(label: str, source: str, workdir: Path) -> Module:
-    """nvcc -cubin of one module, timed; killed past KILL_AFTER seconds."""
-    src = workdir / f"{label}.cu"
-    src.write_text(source)
-    cmd = [NVCC, "-cubin", f"-arch={ARCH}", "--ptxas-options=-v", str(src), "-o", str(workdir / f"{label}.cubin")]
-    start = time.perf_counter()
-    # a session of its own: past the limit, nvcc and the compilers it started are stopped together
-    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          start_new_session=True) as process:
-        try:
-            report, _ = process.communicate(timeout=KILL_AFTER)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.communicate()
-            return Module(label, time.perf_counter() - start, [], f"stopped after {KILL_AFTER:.0f} s")
-    seconds = time.perf_counter() - start
-    if process.returncode != 0:
-        return Module(label, seconds, [], report[-3000:])
-    return Module(label, seconds, parse(report))
-
-
 def source_of(overrides: dict, horizon: int, dtype: str, part: str) -> str:
-    from tensorstep.codegen.driver import generate
+    from tensorstep.bench.ptxas import source_of
 
-    return generate(spec_of(overrides, horizon, dtype), targets=("cuda",), parts=(part,)).source("cuda", part)
+    return source_of(spec_of(overrides, horizon, dtype), part)
 
 
 def compile_all(selected: list[tuple], workers: int = 0) -> dict[str, Module]:
@@ -136,7 +85,8 @@ def compile_all(selected: list[tuple], workers: int = 0) -> dict[str, Module]:
         with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as renderers, \
                 concurrent.futures.ThreadPoolExecutor(workers) as compilers:
             rendering = {renderers.submit(source_of, o, h, dt, part): label for label, o, h, dt, part, _ in selected}
-            compiling = [compilers.submit(compile_module, rendering[done], done.result(), workdir)
+            compile_one = functools.partial(compile_module, kill_after=KILL_AFTER)
+            compiling = [compilers.submit(compile_one, rendering[done], done.result(), workdir)
                          for done in concurrent.futures.as_completed(rendering)]
             modules = [c.result() for c in compiling]
     finally:
@@ -181,7 +131,7 @@ ptxas info    : Function properties for ts_x_forward
     64 bytes stack frame, 44 bytes spill stores, 40 bytes spill loads
 ptxas info    : Used 255 registers, used 1 barriers, 64 bytes cumulative stack size, 1848 bytes smem
 """
-    assert parse(report) == [Kernel("ts_x_forward", 255, 44, 64)]
+    assert parse(report) == [Kernel("ts_x_forward", 255, 44, 64, 1848)]
 
 
 def table(modules: dict[str, Module]) -> str:

@@ -1,0 +1,121 @@
+"""`tensorstep bench --cuda-plan`: the launches it reports are those the CUDA kernels run on the host
+are launched with (tests/cuda_on_host.py, through the runtime's Launcher), the temporaries' bytes
+those counted buffer by buffer here, and ptxas's figures cover every kernel launched."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+import tensorstep as ts
+from cuda_on_host import HostCudaBackend
+from helpers import Inputs
+from tensorstep.bench import ptxas
+from tensorstep.cli import main
+from tensorstep.codegen.arguments import table
+from tensorstep.codegen.driver import generate
+from tensorstep.runtime.launch import Launcher
+
+SPECS = [  # (CLI options, the KernelSpec they give)
+    (["--horizon", "8", "--dof", "3", "--dtype", "float64"], dict(horizon=8, dof=3, dtype="float64")),
+    (["--horizon", "8", "--dof", "3", "--dt", "per_step"], dict(horizon=8, dof=3, dt="per_step")),
+    (["--horizon", "6", "--dof", "2", "--control", "acceleration"], dict(horizon=6, dof=2, control="acceleration")),
+    (["--dof", "2", "--control", "bspline", "--degree", "3", "--knots", "5", "--steps", "2", "--dt", "per_trajectory"],
+     dict(dof=2, control="bspline", degree=3, knots=5, steps=2, dt="per_trajectory")),
+]
+IDS = ["uniform", "per_step", "accel", "bspline_per_trajectory"]
+
+
+def plan_json(options: list[str], batches: tuple[int, ...], *extra: str) -> list[dict]:
+    args = ["bench", "--cuda-plan", "--json", *extra, *options]
+    for B in batches:
+        args += ["--batch", str(B)]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    return json.loads(result.output)
+
+
+@pytest.mark.parametrize("options,fields", SPECS, ids=IDS)
+def test_reported_launches_are_those_the_runtime_makes(options, fields):
+    """Each operation's launches (kernel, grid, block) as the host-run CUDA kernels record them when
+    the runtime's Launcher runs a forward, an adjoint, then an adjoint and a dt gradient."""
+    spec = ts.KernelSpec(**fields)
+    B = 150
+    (report,) = plan_json(options + ["--no-ptxas"], (B,))
+    assert report["spec"] == spec.name
+    backend = HostCudaBackend(spec)
+    launcher = Launcher(spec, backend)
+    x = Inputs(spec, B, seed=3)
+    dt = torch.full((spec.n_dt,) if spec.dt != "per_trajectory" else (B,), 0.03, dtype=launcher.dtype)
+    inputs = [getattr(x, a.c_name) for a in table(spec).tensors]
+    grads = [torch.ones_like(y) for y in launcher.forward(inputs, dt)]
+    needed = [True] * len(table(spec).differentiable)
+    recorded = {}
+    for name, run in (("forward", lambda: launcher.forward(inputs, dt)),
+                      ("backward", lambda: launcher.adjoint(grads, dt, B, needed)),
+                      ("backward_dt", lambda: (launcher.adjoint(grads, dt, B, needed),
+                                               launcher.dt_vjp(inputs, grads, dt)))):
+        backend.launched.clear()
+        run()
+        recorded[name] = list(backend.launched)
+    operations = report["batches"][0]["operations"]
+    for name, launched in recorded.items():
+        assert [(l["kernel"], l["grid"], l["block"]) for l in operations[name]["launches"]] == launched, name
+        assert all(l["shared"] == 0 for l in operations[name]["launches"])
+
+
+def test_temporaries_counted_buffer_by_buffer():
+    """The bytes per call against a count of each buffer: a table of the coefficients per fill
+    (float32), dt_vjp's float64 partial sums (a row per block of dt_vjp, or per column with a dt per
+    trajectory), their sums per run, an integrator's forward outputs, the float64 dt gradient."""
+    B = 1000
+    for options, fields in SPECS[1:]:
+        spec = ts.KernelSpec(**fields)
+        nc = generate(spec, targets=("cuda",), parts=("core",)).n_coefficients
+        (report,) = plan_json(options + ["--no-ptxas"], (B,))
+        ops = report["batches"][0]["operations"]
+        runs = B if spec.dt == "per_trajectory" else 1
+        table_bytes = runs * nc * 4
+        assert ops["forward"]["temporary_bytes"] == table_bytes
+        assert ops["backward"]["temporary_bytes"] == table_bytes
+        dt_vjp = [l for l in ops["backward_dt"]["launches"] if l["kernel"] == "dt_vjp"]
+        rows = B * spec.dof if spec.dt == "per_trajectory" else dt_vjp[0]["grid"]
+        integrator = spec.control == "acceleration"
+        values = 4 * B * spec.horizon * spec.dof * 4 if integrator else 0  # P, V, A, J
+        fills = 3 if integrator else 2  # adjoint, (forward,) dt_vjp
+        n_dt = {"uniform": 1, "per_step": spec.horizon, "per_trajectory": B}[spec.dt]
+        expect = fills * table_bytes + rows * nc * 8 + runs * nc * 8 + values + n_dt * 8
+        assert ops["backward_dt"]["temporary_bytes"] == expect, fields
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--control", "bspline", "--degree", "9"], "KernelSpec.degree=9 is invalid"),
+    (["--batch", "0"], "--batch=0: expected a positive integer"),
+    (["--device", "cuda"], "--cuda-plan takes the spec options, --batch and --json, not --device"),
+    (["--order", "5"], "'5' is not one of '3', '4'"),
+])
+def test_a_bad_option_is_a_one_line_error(args, message):
+    result = CliRunner().invoke(main, ["bench", "--cuda-plan", "--no-ptxas", *args])
+    assert result.exit_code != 0 and message in result.output and "Traceback" not in result.output
+    assert len([line for line in result.output.splitlines() if line.startswith("error") or "Error" in line]) == 1
+
+
+def test_spec_options_without_cuda_plan_are_refused():
+    result = CliRunner().invoke(main, ["bench", "--control", "bspline", "--json"])
+    assert result.exit_code != 0
+    assert result.output.strip() == "error: --json, --control: only with --cuda-plan (the spec whose launches it reports)"
+
+
+@pytest.mark.skipif(ptxas.nvcc() is None, reason="nvcc not found on PATH: no ptxas figures")
+def test_ptxas_figures_cover_every_launched_kernel():
+    options, _ = SPECS[1]
+    (report,) = plan_json(options, (400,))
+    assert report["ptxas"]["error"] == ""
+    launched = {l["kernel"] for op in report["batches"][0]["operations"].values() for l in op["launches"]}
+    kernels = report["ptxas"]["kernels"]
+    assert launched <= set(kernels)
+    assert all(k["registers"] > 0 and k["spill_stores"] >= 0 and k["stack"] >= 0 for k in kernels.values())
+    result = CliRunner().invoke(main, ["bench", "--cuda-plan", *options, "--batch", "400"])
+    assert result.exit_code == 0 and "| dt_vjp | " in result.output and "| forward (2) |" in result.output
