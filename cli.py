@@ -197,21 +197,32 @@ def specs_from(config: Optional[str], task: Optional[str], options: dict[str, An
 @click.option("--kernel", type=click.Choice(["all", "core", "dt", "forward", "backward", "adjoint", "dt_vjp", "dt_jvp"]),
               default="all", show_default=True,
               help="core = forward + adjoint (backward); dt = the dt derivatives (dt_vjp, dt_jvp)")
+@click.option("--stage", type=click.Choice(["operator", "lowered", "c", "cuda"]), default=None,
+              help="print a stage of the code generator instead: the operator's rows, the lowered statements "
+                   "of the kernels --kernel picks, or a target's source (c, cuda: as --target) [default: --target's source]")
 @spec_options
 @friendly
-def show(config: Optional[str], task: Optional[str], target: str, kernel: str, **options: Any) -> None:
+def show(config: Optional[str], task: Optional[str], target: str, kernel: str, stage: Optional[str],
+         **options: Any) -> None:
     """Print generated source for a CONFIG, or for the spec given by options (a B-spline's derived
-    basis matrix and boundary coefficients first, as a comment)."""
+    basis matrix and boundary coefficients first, as a comment); --stage prints another stage."""
     from .codegen.driver import generate
 
+    source = stage in (None, "c", "cuda")
+    if stage in ("c", "cuda"):
+        given = click.get_current_context().get_parameter_source("target") != click.core.ParameterSource.DEFAULT
+        if given and target != stage:
+            raise UserError(f"--stage {stage} prints the {stage} source: it cannot be combined with --target {target}")
+        target = stage
     specs = specs_from(config, task, options, "shown")
     for spec in specs:
-        if getattr(spec, "control", None) == "bspline":  # cuRobo's kernels have no control field
+        if source and getattr(spec, "control", None) == "bspline":  # cuRobo's kernels have no control field
             from .codegen.bspline import describe
 
             click.echo("/*\n" + "\n".join(" * " + line for line in
                                            describe(spec.degree, spec.knots, spec.steps, spec.end)) + "\n */")
-        click.echo(generate(spec, targets=(target,), parts=(kernel,)).source(target, kernel))
+        generated = generate(spec, targets=(target,), parts=(kernel,), keep=not source)
+        click.echo(generated.source(target, kernel) if source else generated.stages.text(stage), nl=source)
 
 
 @main.command()

@@ -8,6 +8,8 @@
 table, the coefficient count, each target's launch plan (codegen/targets.py) and the metadata
 the runtime caches beside a build (from which a target rebuilds the same plan). The
 runtime compiles and loads that result; it never reaches into the stages or parses the text.
+``generate(spec, keep=True)`` also keeps each stage's output (``Generated.stages``), each
+printable (``Stages.text``: what `tensorstep show --stage` prints).
 
 >>> from tensorstep.codegen.spec import KernelSpec
 >>> g = generate(KernelSpec(horizon=6, dof=2), targets=("c",), parts=("core",))
@@ -32,6 +34,8 @@ from .builders import build_operator
 from .targets import TARGETS, target as target_of
 
 STAGES = ("operator", "lower", "render")
+#: what a kept stage prints as (``Stages.text``): the operator, the lowered statements, a target's source
+FORMS = ("operator", "lowered", *TARGETS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +49,7 @@ class Generated:
     n_coefficients: int  # entries of the dt_vjp coefficient accumulator
     metadata: Mapping[str, Any]
     launch_plans: Mapping[str, Any]  # target → its launch plan (None for the header)
+    stages: Stages | None = None  # each stage's output, with generate(..., keep=True)
 
     def source(self, target: str, part: str = "all") -> str:
         try:
@@ -61,6 +66,97 @@ class Generated:
             raise KeyError(f"{target!r} was not generated (generated: {', '.join(self.launch_plans)})") from None
 
 
+@dataclasses.dataclass(frozen=True)
+class Stages:
+    """Each stage's output for one spec (``generate(..., keep=True)``): the operator's rows, the
+    lowered kernels (statements) and the rendered sources, each printable by ``text``."""
+
+    spec: Any
+    table: ArgumentTable
+    operator: Any  # codegen/operator.py Operator
+    lowered: Any  # codegen/lower.py LoweredOperator
+    kernels: tuple[str, ...]  # the kernels of the parts generated
+    sources: Mapping[tuple[str, str], str]  # (target, part) → source text
+
+    def text(self, form: str) -> str:
+        """One stage's output as text: 'operator' (its rows), 'lowered' (each generated kernel's
+        statements) or a target's name (its source, where one part was generated)."""
+        if form == "operator":
+            return operator_text(self.operator, self.table, self.spec.name)
+        if form == "lowered":
+            return lowered_text(self.lowered, self.kernels, self.spec.name)
+        sources = [text for (t, _), text in self.sources.items() if t == form]
+        if len(sources) != 1:
+            made = ", ".join(f"{t}/{p}" for t, p in self.sources)
+            raise ValueError(f"form={form!r}: allowed {', '.join(FORMS)} with one part of that target "
+                             f"generated (generated: {made})")
+        return sources[0]
+
+
+def _names(table: ArgumentTable) -> dict[str, list[str]]:
+    """The operator's reference kinds → their components' names in the argument table."""
+    action = next(a.name for a in table.inputs if a.role == "action")
+    return {"u": [action], "s": [a.name for a in table.inputs if a.role == "start"],
+            "g": [a.name for a in table.inputs if a.role == "goal"], "y": [a.name for a in table.outputs]}
+
+
+def operator_text(op: Any, table: ArgumentTable, name: str = "") -> str:
+    """An operator's rows as text, one per line in evaluation order: ``V[3] = (c)*u[2] + ...``
+    (references by their argument's name: ``u[j]`` an action row, ``p0``… the start state,
+    ``gp``… the goal state, ``P[h]``… an earlier output row; coefficients are SymPy's)."""
+    from sympy.core.function import AppliedUndef
+
+    from .operator import is_formula
+
+    names = _names(table)
+
+    def ref(r: tuple) -> str:
+        if r[0] == "u":
+            return f"{names['u'][0]}[{r[1]}]"
+        if r[0] == "y":
+            return f"{names['y'][r[1]]}[{r[2]}]"
+        return names[r[0]][r[1]]
+
+    def term(coef: Any, r: tuple) -> str:
+        return ref(r) if coef == 1 else f"-{ref(r)}" if coef == -1 else f"({coef})*{ref(r)}"
+
+    outputs = ", ".join(names["y"][:op.n_outputs])
+    lines = [f"# operator {name}: outputs {outputs} over {op.horizon} rows; {op.n_actions} rows of "
+             f"{names['u'][0]}; step durations {', '.join(map(str, op.dt_symbols))}"]
+    formulas = {type(f) for row in op.rows for c, _ in row.terms for f in c.atoms(AppliedUndef) if is_formula(f)}
+    for f in sorted(formulas, key=str):
+        lines.append(f"# formula {f}{tuple(f.definition.variables)} = {f.definition.expr}".replace(",)", ")"))
+    lines += [f"{symbol} = {expr}" for symbol, expr in op.program]
+    for row in op.rows:
+        body = " + ".join(term(c, r) for c, r in row.terms).replace("+ -", "- ")
+        lines.append(f"{names['y'][row.k]}[{row.h}] = {body or 0}")
+    return "\n".join(lines) + "\n"
+
+
+def lowered_text(code: Any, kernels: tuple[str, ...], name: str = "") -> str:
+    """The lowered kernels as text: the coefficient table's program, then each kernel's setup,
+    its loops (index range, output row, guard) and its statements (per column; dt_vjp_finish's
+    run once per call), over the column macros (codegen/printer.py). Target-neutral: each
+    target picks among a kernel's variants (codegen/targets.py)."""
+    def block(title: str, lines: list[str], indent: str = "    ") -> list[str]:
+        return [title] + [indent + line for line in lines] if lines else []
+
+    out = [f"# lowered {name}: a {'stencil' if code.stencil else 'recurrence'}; coefficient table of "
+           f"{code.n_coefficients} slots; step durations: {code.n_dt}"]
+    out += block("# coefficient table (once per call, double precision)", code.table)
+    for kernel in kernels:
+        kc = getattr(code, kernel)
+        out.append(f"# {kernel}")
+        out += block("  setup:", kc.preamble)
+        for loop in kc.loops:
+            guard = f", where {loop.guard} is given" if loop.guard else ""
+            out += block("  before the loop:", loop.init_lines)
+            out += block(f"  for r in [{loop.start}, {loop.stop}), output row {loop.row}{guard}:", loop.lines)
+            out += block("  after the loop:", loop.finish_lines)
+        out += block("  statements:", kc.body)
+    return "\n".join(out) + "\n"
+
+
 @contextlib.contextmanager
 def _without_cycle_collection() -> Iterator[None]:
     """Python's cycle collector paused: the stages make millions of short-lived SymPy objects and
@@ -75,12 +171,30 @@ def _without_cycle_collection() -> Iterator[None]:
             gc.enable()
 
 
+def operator_stage(spec: Any) -> Any:
+    """Stage 1, operator: the spec's rows, derived by the builder registered for its type (SymPy)."""
+    return build_operator(spec)
+
+
+def lower_stage(spec: Any, op: Any) -> Any:
+    """Stage 2, lower: the operator's kernels as statements and its coefficient program (SymPy)."""
+    from .lower import lower
+
+    return lower(op, per_trajectory=table(spec).dt.shape == ("B",))
+
+
+def render_stage(spec: Any, code: Any, args: ArgumentTable, targets: Mapping[str, Any],
+                 parts: tuple[str, ...]) -> dict[tuple[str, str], str]:
+    """Stage 3, render: each target's source of each part (Jinja2)."""
+    from .render import render
+
+    return {(name, p): render(spec, code, args, t, p) for name, t in targets.items() for p in parts}
+
+
 @functools.lru_cache(maxsize=256)
 def lowered(spec: Any) -> Any:
     """Stages 1 and 2, operator and lowering, once per spec and process."""
-    from .lower import lower  # SymPy
-
-    return lower(build_operator(spec), per_trajectory=table(spec).dt.shape == ("B",))
+    return lower_stage(spec, operator_stage(spec))
 
 
 def metadata(spec: Any, n_coefficients: int, tapes: bool = False) -> dict[str, Any]:
@@ -91,22 +205,23 @@ def metadata(spec: Any, n_coefficients: int, tapes: bool = False) -> dict[str, A
             "entry_points": {k: abi.symbol(spec.name, k) for k in abi.KERNELS}}
 
 
-def generate(spec: Any, targets: tuple[str, ...] = tuple(TARGETS), parts: tuple[str, ...] = ("all",)) -> Generated:
-    """Run the stages for one spec; sources for each requested target (by name) and part."""
-    from .render import render  # Jinja2
-
+def generate(spec: Any, targets: tuple[str, ...] = tuple(TARGETS), parts: tuple[str, ...] = ("all",),
+             keep: bool = False) -> Generated:
+    """Run the stages for one spec; sources for each requested target (by name) and part.
+    ``keep``: the result holds each stage's output too (``Generated.stages``)."""
     chosen = {name: target_of(name) for name in targets}
     for part in parts:
         if part not in abi.PARTS:
             raise ValueError(f"part={part!r} is invalid: allowed {', '.join(abi.PARTS)}")
     with _without_cycle_collection():
-        program = lowered(spec)
+        program = lowered(spec)  # operator_stage, then lower_stage
         args = table(spec)
-        sources = {(name, p): render(spec, program, args, t, p) for name, t in chosen.items() for p in parts}
+        sources = types.MappingProxyType(render_stage(spec, program, args, chosen, parts))
     kernels = {k for p in parts for k in abi.PARTS[p]}
     meta = metadata(spec, program.n_coefficients, program.coefs.long)
+    stages = Stages(spec, args, program.op, program, tuple(k for k in abi.KERNELS if k in kernels), sources) if keep else None
     return Generated(
-        spec=spec, table=args, sources=types.MappingProxyType(sources),
+        spec=spec, table=args, sources=sources, stages=stages,
         entry_points=types.MappingProxyType({k: abi.symbol(spec.name, k) for k in abi.KERNELS if k in kernels}),
         n_coefficients=program.n_coefficients,
         metadata=types.MappingProxyType(meta),
