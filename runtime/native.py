@@ -5,8 +5,10 @@ small batches. The native node is one generic C++ op and autograd node that call
 kernels by address, with each spec's argument table registered alongside (its checks, pointer
 lists and shapes follow the table). It is compiled against the installed PyTorch's headers
 (once per PyTorch install and compiler, see ``node_root``) and used for plain CPU calls:
-gradients to the tensor inputs. dt gradients, forward mode, functorch transforms and
-torch.compile keep the Python Functions. ``TENSORSTEP_NATIVE=0`` turns it off; when it
+gradients to the tensor inputs. dt gradients, forward mode and functorch transforms keep the
+Python Functions. torch.compile's graphs call runtime/ops.py's ops, whose CPU and autograd
+kernels the node registers once a key is bound to its handle (``bind``): a compiled call runs
+the same checks and kernels without entering Python. ``TENSORSTEP_NATIVE=0`` turns it off; when it
 cannot be built (no C++ compiler, no PyTorch headers) steps run on the Python path with one
 warning.
 
@@ -273,15 +275,38 @@ _HANDLES: dict[tuple[int, int], int] = {}  # kernel addresses → handle: loadin
 
 
 def _register_python_parts() -> None:
-    """The create_graph adjoint, in Python: AdjointFunction is differentiable (backward, jvp, vmap)."""
+    """The ops the node calls back into Python: the create_graph adjoint (AdjointFunction is
+    differentiable: backward, jvp, vmap), and the Python implementations of torch.compile's ops
+    (runtime/ops.py) for the calls the node's CPU kernels for them leave to Python."""
     from .autograd import AdjointFunction
 
     def adjoint_graph(handle: int, grads: list, dt: torch.Tensor, batch: int) -> list[torch.Tensor]:
         return list(AdjointFunction.apply(_LAUNCHERS[handle], dt, batch, *grads))
 
+    def forward_py(key: str, inputs: list) -> list[torch.Tensor]:
+        from . import ops
+        return ops.forward(key, tuple(inputs))
+
+    def adjoint_py(key: str, batch: int, grads: list, dt: torch.Tensor, needed: Optional[list]) -> list[torch.Tensor]:
+        from . import ops
+        return ops.adjoint(key, batch, grads, dt, needed)
+
+    def forward_autograd_py(key: str, inputs: list) -> list[torch.Tensor]:
+        from . import ops
+        return ops.forward_autograd(key, inputs)
+
+    def adjoint_autograd_py(key: str, batch: int, grads: list, dt: torch.Tensor,
+                            needed: Optional[list]) -> list[torch.Tensor]:
+        from . import ops
+        return ops.adjoint_autograd(key, batch, grads, dt, needed)
+
     global _PYTHON_IMPL
     _PYTHON_IMPL = torch.library.Library("tensorstep_native", "IMPL")  # kept alive: it holds the registration
     _PYTHON_IMPL.impl("adjoint_graph", adjoint_graph, "CompositeImplicitAutograd")
+    _PYTHON_IMPL.impl("forward_py", forward_py, "CompositeImplicitAutograd")
+    _PYTHON_IMPL.impl("adjoint_py", adjoint_py, "CompositeImplicitAutograd")
+    _PYTHON_IMPL.impl("forward_autograd_py", forward_autograd_py, "CompositeImplicitAutograd")
+    _PYTHON_IMPL.impl("adjoint_autograd_py", adjoint_autograd_py, "CompositeImplicitAutograd")
 
 
 def handle(launcher: Any) -> Optional[int]:
@@ -298,6 +323,12 @@ def handle(launcher: Any) -> Optional[int]:
         return None
     with _LOCK:
         return _handle(launcher)
+
+
+def bind(key: str, handle: int, family: str) -> None:
+    """torch.compile's ops (runtime/ops.py) run ``key``'s CPU calls in the node with ``handle``'s
+    kernels, entering no Python (the node registers its CPU kernels for ``family``'s ops)."""
+    torch.ops.tensorstep_native.bind(key, handle, family)
 
 
 #: the free shape symbols, in the order of the node's negative size codes (-1 is B, -2 S, ...)

@@ -10,7 +10,9 @@
 // (runtime/native.py), never per variant.
 //
 // Scope: CPU, gradients to the tensor inputs. The Python side routes everything else (dt
-// gradients, forward mode, functorch transforms, torch.compile) to the Python Functions.
+// gradients, forward mode, functorch transforms) to the Python Functions. Under torch.compile,
+// the graph's ops (runtime/ops.py) take this node's checks and kernels on CPU as well (their
+// CPU and autograd kernels, below), so that a compiled call does not enter Python for a step.
 // Double backward (create_graph) calls the op tensorstep_native::adjoint_graph, implemented
 // in Python by the differentiable AdjointFunction, so higher derivatives stay exact.
 //
@@ -35,9 +37,11 @@
 #include <deque>
 #include <map>
 #include <mutex>
+#include <set>
 #include <sstream>
 #include <string>
 #include <type_traits>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -447,7 +451,9 @@ struct NativeStepBackward : public torch::autograd::Node {
   }
 };
 
-std::vector<Tensor> run_node(const Kernels& k, int64_t handle, const std::vector<Tensor>& inputs) {
+// The outputs, with the autograd node when a gradient is wanted (never when ``record`` is false:
+// the tensorstep::<family> ops run below autograd, which their own autograd kernel handles).
+std::vector<Tensor> run_node(const Kernels& k, int64_t handle, const std::vector<Tensor>& inputs, bool record = true) {
   std::vector<Tensor> given;
   std::vector<int64_t> positions, rows(k.rows.size(), 0);
   given.reserve(inputs.size());
@@ -467,7 +473,7 @@ std::vector<Tensor> run_node(const Kernels& k, int64_t handle, const std::vector
   ys.reserve(k.outputs);
   for (int64_t i = 0; i < k.outputs; ++i) ys.push_back(at::empty(shape, inputs[0].options()));
   run_forward(k, inputs, ys);
-  if (!requires_grad || !at::GradMode::is_enabled()) return ys;
+  if (!record || !requires_grad || !at::GradMode::is_enabled()) return ys;
 
   auto node = make_node<NativeStepBackward>();
   auto* step = static_cast<NativeStepBackward*>(node.get());
@@ -493,11 +499,11 @@ std::vector<Tensor> run_node(const Kernels& k, int64_t handle, const std::vector
 
 // A call checked here rather than in Python (whose checks cost several microseconds per call).
 // An empty result means a value is off: the caller's Python checks say which.
-std::vector<Tensor> step(int64_t handle, const Given& given) {
+std::vector<Tensor> step(int64_t handle, const Given& given, bool record = true) {
   const Kernels& k = kernels(handle);
   Checked c;
   if (!check(k, given, c)) return {};
-  return run_node(k, handle, c.inputs);
+  return run_node(k, handle, c.inputs, record);
 }
 
 bool overlap(const Tensor& a, const Tensor& b) {  // both contiguous CPU tensors
@@ -573,6 +579,194 @@ void step_out_boxed(const c10::OperatorHandle&, Stack* stack) {
   stack->emplace_back(done);
 }
 
+// ---- the CPU kernels of torch.compile's ops (tensorstep::<family>, runtime/ops.py) --------------
+// A compiled graph calls a family's forward op and its adjoint's .needed overload on every call;
+// their Python kernels cost more than the kernels themselves at small batches. Once Python binds a
+// kernel key to its handle (``bind``), these kernels serve the family's ops on CPU with the checks
+// and kernels above. Anything else (a key not bound, a value to explain, a call the step op does
+// not take) goes to the ops' Python implementation (tensorstep_native::forward_py, adjoint_py).
+std::mutex bound_mutex;
+std::unordered_map<std::string, int64_t> bound;  // kernel key → handle
+std::set<std::string> claimed;                   // families whose CPU kernels are these
+
+int64_t bound_handle(const std::string& key) {
+  std::lock_guard<std::mutex> guard(bound_mutex);
+  const auto found = bound.find(key);
+  return found == bound.end() ? -1 : found->second;
+}
+
+bool has_required(const Kernels& k, const Given& given) {
+  for (size_t i = 0; i < k.rows.size() && i < given.size(); ++i) {
+    if (k.rows[i].presence == REQUIRED && !given.get(i).has_value()) return false;
+  }
+  return true;
+}
+
+// A forward op's arguments (key, the table's inputs, dt: n on the stack) passed to a Python op
+// taking (key, inputs as one list).
+void forward_in_python(const c10::OperatorHandle& python, size_t n, Stack* stack) {
+  const auto a = torch::jit::last(*stack, n);
+  c10::IValue key = a[0];
+  Given given;
+  for (size_t i = 1; i < n; ++i) given.push_back(a[i].isNone() ? std::nullopt : std::optional<Tensor>(a[i].toTensor()));
+  torch::jit::drop(*stack, n);
+  stack->emplace_back(std::move(key));
+  stack->emplace_back(std::move(given));
+  python.callBoxed(stack);
+}
+
+// (key, the table's inputs, dt) -> outputs
+void family_forward_boxed(const c10::OperatorHandle& op, Stack* stack) {
+  const size_t n = op.schema().arguments().size();
+  const auto a = torch::jit::last(*stack, n);
+  Given given;
+  given.reserve(n - 1);
+  for (size_t i = 1; i < n; ++i) given.push_back(a[i].isNone() ? std::nullopt : std::optional<Tensor>(a[i].toTensor()));
+  const int64_t h = bound_handle(a[0].toStringRef());
+  if (h >= 0 && has_required(kernels(h), given)) {
+    std::vector<Tensor> ys = step(h, given, /*record=*/false);
+    if (!ys.empty()) {
+      torch::jit::drop(*stack, n);
+      stack->emplace_back(std::move(ys));
+      return;
+    }
+  }
+  static const auto python = c10::Dispatcher::singleton().findSchemaOrThrow("tensorstep_native::forward_py", "");
+  forward_in_python(python, n, stack);
+}
+
+// The adjoint's arguments as run_adjoint takes them (contiguous gradients): false when they are
+// not what the family's forward gives (the Python implementation then handles them).
+bool adjoint_arguments(const Kernels& k, int64_t B, const Given& grads, const Tensor& dt, size_t needed,
+                       variable_list& out) {
+  size_t differentiable = 0;
+  for (const auto& row : k.rows) differentiable += row.differentiable && row.rule == KERNEL_DTYPE;
+  if (B <= 0 || needed != differentiable || static_cast<int64_t>(grads.size()) != k.outputs) return false;
+  const Sizes sizes(k.symbols.size(), B);
+  const auto shape = resolve(k.output_shape, sizes);
+  const auto dt_shape = resolve(k.rows.back().shape, sizes);
+  if (!dt.defined() || !dt.device().is_cpu() || dt.scalar_type() != k.dtype || !dt.is_contiguous() ||
+      dt.sizes() != at::IntArrayRef(dt_shape)) {
+    return false;
+  }
+  bool any = false;
+  out.assign(grads.size(), Tensor());
+  for (size_t j = 0; j < grads.size(); ++j) {
+    const std::optional<Tensor> g = grads.get(j);
+    if (!g.has_value()) continue;
+    if (g->layout() != at::kStrided || !g->device().is_cpu() || g->scalar_type() != k.dtype ||
+        g->sizes() != at::IntArrayRef(shape)) {
+      return false;
+    }
+    out[j] = g->contiguous();
+    any = true;
+  }
+  return any;
+}
+
+// (key, batch, grads, dt[, needed]) -> the gradients of the differentiable inputs (those needed)
+void family_adjoint_boxed(const c10::OperatorHandle& op, Stack* stack) {
+  const size_t n = op.schema().arguments().size();
+  const auto a = torch::jit::last(*stack, n);
+  const int64_t B = a[1].toInt();
+  const Given grads = a[2].toOptionalTensorList();
+  const Tensor dt = a[3].toTensor();
+  c10::IValue flags = n == 5 ? a[4] : c10::IValue();
+  std::vector<bool> needed;
+  if (n == 5) {
+    for (const bool flag : a[4].toBoolList()) needed.push_back(flag);
+  }
+  const int64_t h = bound_handle(a[0].toStringRef());
+  if (h >= 0) {
+    const Kernels& k = kernels(h);
+    std::vector<int64_t> slot(k.rows.size(), -1);  // table position → place among the differentiable inputs
+    int64_t count = 0;
+    for (size_t i = 0; i < k.rows.size(); ++i) {
+      if (k.rows[i].differentiable && k.rows[i].rule == KERNEL_DTYPE) slot[i] = count++;
+    }
+    if (n == 4) needed.assign(count, true);
+    variable_list given;
+    if (adjoint_arguments(k, B, grads, dt, needed.size(), given)) {
+      const variable_list per_batch = run_adjoint(k, given, dt, B, [&](size_t i) { return needed[slot[i]]; });
+      std::vector<Tensor> out;
+      for (size_t d = 0; d < per_batch.size(); ++d) {
+        if (needed[d]) out.push_back(per_batch[d]);
+      }
+      torch::jit::drop(*stack, n);
+      stack->emplace_back(std::move(out));
+      return;
+    }
+  }
+  c10::IValue key = a[0];
+  torch::jit::drop(*stack, n);
+  stack->emplace_back(std::move(key));
+  stack->emplace_back(B);
+  stack->emplace_back(grads);
+  stack->emplace_back(dt);
+  stack->emplace_back(std::move(flags));
+  static const auto python = c10::Dispatcher::singleton().findSchemaOrThrow("tensorstep_native::adjoint_py", "");
+  python.callBoxed(stack);
+}
+
+// Their autograd kernels (CPU): a call that wants no gradient (every call a compiled graph makes)
+// goes straight to the kernel below autograd; one that does takes the Python autograd kernel
+// (runtime/ops.py's autograd.Functions) through tensorstep_native::forward_autograd_py /
+// adjoint_autograd_py.
+bool wants_grad(at::ArrayRef<c10::IValue> args) {
+  if (!at::GradMode::is_enabled()) return false;
+  for (const auto& v : args) {
+    if (v.isTensor() && v.toTensor().requires_grad()) return true;
+    if (v.isList()) {
+      for (const auto& x : v.toListRef()) {
+        if (x.isTensor() && x.toTensor().requires_grad()) return true;
+      }
+    }
+  }
+  return false;
+}
+
+bool below_autograd(const c10::OperatorHandle& op, c10::DispatchKeySet ks, Stack* stack) {
+  if (wants_grad(torch::jit::last(*stack, op.schema().arguments().size()))) return false;
+  at::AutoDispatchBelowADInplaceOrView guard;
+  op.redispatchBoxed(ks & c10::after_ADInplaceOrView_keyset, stack);
+  return true;
+}
+
+void family_forward_autograd(const c10::OperatorHandle& op, c10::DispatchKeySet ks, Stack* stack) {
+  if (below_autograd(op, ks, stack)) return;
+  static const auto python = c10::Dispatcher::singleton().findSchemaOrThrow("tensorstep_native::forward_autograd_py", "");
+  forward_in_python(python, op.schema().arguments().size(), stack);
+}
+
+void family_adjoint_autograd(const c10::OperatorHandle& op, c10::DispatchKeySet ks, Stack* stack) {
+  if (below_autograd(op, ks, stack)) return;
+  if (op.schema().arguments().size() == 4) stack->emplace_back();  // needed: None (every gradient)
+  static const auto python = c10::Dispatcher::singleton().findSchemaOrThrow("tensorstep_native::adjoint_autograd_py", "");
+  python.callBoxed(stack);
+}
+
+// bind(key, handle, family): the key's calls take the handle's kernels; the family's ops take the
+// kernels above on CPU (registered once per family, for the life of the process).
+void bind_boxed(const c10::OperatorHandle&, Stack* stack) {
+  const auto a = torch::jit::last(*stack, 3);
+  const std::string key = a[0].toStringRef(), family = a[2].toStringRef();
+  const int64_t h = a[1].toInt();
+  torch::jit::drop(*stack, 3);
+  kernels(h);  // a known handle
+  std::lock_guard<std::mutex> guard(bound_mutex);
+  if (claimed.insert(family).second) {
+    auto* lib = new torch::Library(torch::Library::IMPL, "tensorstep", c10::DispatchKey::CPU, __FILE__, __LINE__);
+    lib->impl(family.c_str(), torch::CppFunction::makeFromBoxedFunction<&family_forward_boxed>());
+    lib->impl((family + "_adjoint").c_str(), torch::CppFunction::makeFromBoxedFunction<&family_adjoint_boxed>());
+    lib->impl((family + "_adjoint.needed").c_str(), torch::CppFunction::makeFromBoxedFunction<&family_adjoint_boxed>());
+    auto* grad = new torch::Library(torch::Library::IMPL, "tensorstep", c10::DispatchKey::AutogradCPU, __FILE__, __LINE__);
+    grad->impl(family.c_str(), torch::CppFunction::makeFromBoxedFunction<&family_forward_autograd>());
+    grad->impl((family + "_adjoint").c_str(), torch::CppFunction::makeFromBoxedFunction<&family_adjoint_autograd>());
+    grad->impl((family + "_adjoint.needed").c_str(), torch::CppFunction::makeFromBoxedFunction<&family_adjoint_autograd>());
+  }
+  bound[key] = h;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(tensorstep_native, m) {
@@ -582,8 +776,13 @@ TORCH_LIBRARY(tensorstep_native, m) {
         torch::CppFunction::makeFromBoxedFunction<&register_kernels_boxed>());
   m.def("step(int handle, Tensor?[] inputs) -> Tensor[]");
   m.def("step_out(int handle, Tensor?[] inputs, Tensor(a!)[] out) -> bool");
-  // implemented in Python (runtime/native.py): the create_graph adjoint
+  m.def("bind(str key, int handle, str family) -> ()", torch::CppFunction::makeFromBoxedFunction<&bind_boxed>());
+  // implemented in Python (runtime/native.py): the create_graph adjoint, and the ops' Python path
   m.def("adjoint_graph(int handle, Tensor?[] grads, Tensor dt, int batch) -> Tensor[]");
+  m.def("forward_py(str key, Tensor?[] inputs) -> Tensor[]");
+  m.def("adjoint_py(str key, int batch, Tensor?[] grads, Tensor dt, bool[]? needed) -> Tensor[]");
+  m.def("forward_autograd_py(str key, Tensor?[] inputs) -> Tensor[]");
+  m.def("adjoint_autograd_py(str key, int batch, Tensor?[] grads, Tensor dt, bool[]? needed) -> Tensor[]");
 }
 
 TORCH_LIBRARY_IMPL(tensorstep_native, CompositeImplicitAutograd, m) {

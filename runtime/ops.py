@@ -10,9 +10,12 @@ filled). Value checks that need the data (index range, dt) run inside the op imp
 
 A compiled graph calls these ops on every call, so they are defined with ``torch.library``'s
 low-level ``Library`` and a lean autograd kernel of our own rather than with ``custom_op``, whose
-per-call wrappers (Python hops, output checks) cost several times a small kernel. On CPU the
-forward runs through the native node's op (runtime/native.py) once it is built: checks and
-kernel in C++.
+per-call wrappers (Python hops, output checks) cost several times a small kernel. On CPU, once
+the native node (runtime/native.py) is built and a kernel key's first call has bound the key to
+its handle (``_kernel``), the forward and adjoint ops run in the node: it registers C++ CPU and
+autograd kernels for them, so a compiled graph's call never enters Python. The Python kernels
+here serve the rest: other devices, no node, the first call of a key, a call that wants a
+gradient (the autograd.Functions below) and values whose error the Python checks explain.
 
 Registering costs milliseconds, so ``Step`` does it only when torch.compile first traces a step
 (``api._custom_ops``).
@@ -92,6 +95,8 @@ def _kernel(key: str) -> tuple[Any, Optional[int], tuple[int, ...]]:
         if isinstance(launcher.backend, CpuBackend):
             settled = native.ready()  # asked first: a build that ends in between is taken next time
             handle = native.handle(launcher)
+            if handle is not None:  # the key's later calls run in the node, without Python
+                native.bind(key, handle, launcher.table.family)
             found = (launcher, handle, settled or handle is not None, required)
         else:
             found = (launcher, None, True, required)
@@ -99,7 +104,7 @@ def _kernel(key: str) -> tuple[Any, Optional[int], tuple[int, ...]]:
     return found[0], found[1], found[3]
 
 
-def _forward(key: str, args: tuple) -> list[Tensor]:
+def forward(key: str, args: tuple) -> list[Tensor]:
     """The forward on real tensors: the native op (its checks in C++), else the Python checks and
     launcher. A value the native op refuses is explained by the Python checks; a call without a
     required input (the double backward's forward on gradients, which has no index) takes the
@@ -113,6 +118,30 @@ def _forward(key: str, args: tuple) -> list[Tensor]:
     *inputs, dt = args
     _check_values(launcher, inputs, dt)
     return launcher.forward(inputs, dt)
+
+
+def adjoint(key: str, batch: int, grads: list[Optional[Tensor]], dt: Tensor,
+            needed: Optional[list[bool]] = None) -> list[Tensor]:
+    """The adjoint on real tensors: the gradients of the differentiable inputs (those ``needed``)."""
+    launcher, _, _ = _kernel(key)
+    shapes = launcher.adjoint_shapes(batch)
+    flags = (True,) * len(shapes) if needed is None else needed
+    if all(g is None for g in grads):
+        return [dt.new_zeros(shape) for shape, n in zip(shapes, flags) if n]
+    return [g for g, n in zip(launcher.adjoint(grads, dt, batch, flags), flags) if n]
+
+
+def forward_autograd(key: str, inputs: list[Optional[Tensor]]) -> list[Tensor]:
+    """The forward with its autograd node (a call that wants a gradient)."""
+    return list(_StepNode.apply(ops_for(_launcher(key)), key, *inputs))
+
+
+def adjoint_autograd(key: str, batch: int, grads: list[Optional[Tensor]], dt: Tensor,
+                     needed: Optional[list[bool]]) -> list[Tensor]:
+    """The adjoint (all gradients, or those ``needed``) with its autograd node."""
+    ops = ops_for(_launcher(key))
+    op = ops.adjoint if needed is None else ops.adjoint_needed
+    return list(_AdjointNode.apply(op, key, batch, dt, needed, *grads))
 
 
 class _StepNode(torch.autograd.Function):
@@ -214,21 +243,12 @@ def _register(family: str, table: Any) -> FamilyOps:
     # ---- the kernels (any device), and their fakes (shapes from the table) ---------------------------
 
     def step_impl(key: str, *args: Optional[Tensor]) -> list[Tensor]:
-        return _forward(key, args)
+        return forward(key, args)
 
     def step_fake(key: str, *args: Optional[Tensor]) -> list[Tensor]:
         launcher = _launcher(key)
         u = args[0]
         return [u.new_empty(launcher.output_shape(u.shape[0])) for _ in range(launcher.K)]
-
-    def adjoint_impl(key: str, batch: int, grads: list[Optional[Tensor]], dt: Tensor,
-                     needed: Optional[list[bool]] = None) -> list[Tensor]:
-        launcher = _launcher(key)
-        shapes = launcher.adjoint_shapes(batch)
-        flags = (True,) * len(shapes) if needed is None else needed
-        if all(g is None for g in grads):
-            return [dt.new_zeros(shape) for shape, n in zip(shapes, flags) if n]
-        return [g for g, n in zip(launcher.adjoint(grads, dt, batch, flags), flags) if n]
 
     def adjoint_fake(key: str, batch: int, grads: list[Optional[Tensor]], dt: Tensor,
                      needed: Optional[list[bool]] = None) -> list[Tensor]:
@@ -243,8 +263,8 @@ def _register(family: str, table: Any) -> FamilyOps:
         dt = args[n]
         return dt.new_empty(dt.shape)
 
-    for op_name, impl, fake in ((family, step_impl, step_fake), (f"{family}_adjoint", adjoint_impl, adjoint_fake),
-                                (f"{family}_adjoint.needed", adjoint_impl, adjoint_fake),
+    for op_name, impl, fake in ((family, step_impl, step_fake), (f"{family}_adjoint", adjoint, adjoint_fake),
+                                (f"{family}_adjoint.needed", adjoint, adjoint_fake),
                                 (f"{family}_dt_vjp", dt_vjp_impl, dt_vjp_fake)):
         lib.impl(op_name, impl, "CompositeExplicitAutograd")
         torch.library.register_fake(f"tensorstep::{op_name}", fake, lib=lib)
