@@ -242,5 +242,6 @@ def render(spec: Any, code: LoweredOperator, table: ArgumentTable, target: Targe
         shuffle_width=monomials.SHUFFLE_WIDTH,
         block_tapes=target.block_tapes,
         device=target.device,
+        launch_bounds=target.launch_bounds,
     )
     return _environment().get_template(target.template).render(**context)

@@ -24,6 +24,13 @@ from .arguments import ArgumentTable, table as argument_table
 #: whole warps, at most 32 of them)
 CUDA_BLOCK = 256
 
+#: 32-bit registers of an SM (sm_70 to sm_90) and the most a per-element kernel's thread may use:
+#: its ``__launch_bounds__`` ask for CUDA_MIN_BLOCKS resident blocks of CUDA_BLOCK threads, which
+#: caps ptxas at CUDA_MAX_REGISTERS (without it ptxas may take 255, one block per SM)
+CUDA_SM_REGISTERS = 65536
+CUDA_MAX_REGISTERS = 128
+CUDA_MIN_BLOCKS = CUDA_SM_REGISTERS // (CUDA_BLOCK * CUDA_MAX_REGISTERS)
+
 #: CUDA keeps every row's gradients of a straight-line integrator adjoint live in registers
 #: (ptxas, sm_90: accel float32 160 registers at H=32, 254 at H=60 and spilling beyond;
 #: float64 spills from H=40), while the rolled column needs about 40-60 at any H. Adjoint bodies
@@ -161,6 +168,8 @@ class Target:
     split_programs: bool = False
     unit_guards: bool = False
     monomials: bool = False
+    #: (most threads a block, fewest resident blocks an SM) of each per-element kernel, or None
+    launch_bounds: Optional[tuple[int, int]] = None
 
     def entry_points(self, kernels: tuple[str, ...]) -> tuple[str, ...]:
         """The entry points a source with these kernels defines."""
@@ -252,7 +261,8 @@ class CudaTarget(Target):
 
 
 C = CTarget("c", "kernel.c.j2", "c", lanes=True, split_programs=True, unit_guards=True, monomials=True)
-CUDA = CudaTarget("cuda", "kernel.cu.j2", "cu", restrict="__restrict__", device="__device__ ", block_tapes=True)
+CUDA = CudaTarget("cuda", "kernel.cu.j2", "cu", restrict="__restrict__", device="__device__ ", block_tapes=True,
+                  launch_bounds=(CUDA_BLOCK, CUDA_MIN_BLOCKS))
 HEADER = Target("header", "header.h.j2", "h")
 #: every target by the name the CLI and the API use
 TARGETS: Mapping[str, Target] = {t.name: t for t in (C, CUDA, HEADER)}

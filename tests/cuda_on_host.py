@@ -53,6 +53,7 @@ PRELUDE = f"""/* CUDA keywords for a sequential run on the host */
 #define __restrict__ restrict
 #define __shared__ static
 #define __syncthreads()
+#define __launch_bounds__(threads, blocks)
 typedef struct {{ long long x; }} ts_dim3;
 static ts_dim3 blockIdx, threadIdx, blockDim; /* set by each launch */
 #define TS_MAX_BLOCK {MAX_BLOCK}

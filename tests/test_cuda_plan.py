@@ -4,6 +4,7 @@ those counted buffer by buffer here, and ptxas's figures cover every kernel laun
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -88,6 +89,25 @@ def test_temporaries_counted_buffer_by_buffer():
         n_dt = {"uniform": 1, "per_step": spec.horizon, "per_trajectory": B}[spec.dt]
         expect = fills * table_bytes + rows * nc * 8 + runs * nc * 8 + values + n_dt * 8
         assert ops["backward_dt"]["temporary_bytes"] == expect, fields
+
+
+@pytest.mark.parametrize("options,fields", SPECS, ids=IDS)
+def test_per_element_kernels_bound_the_plans_blocks(options, fields):
+    """Each per-element kernel's __launch_bounds__ cover every block the plan launches it with and
+    ask for as many resident blocks as cap a thread at 128 of an SM's 65,536 registers; the kernels
+    run once per call or per trajectory have none (their register use is not capped)."""
+    spec = ts.KernelSpec(**fields)
+    generated = generate(spec, targets=("cuda",))
+    source, plan = generated.source("cuda"), generated.launch_plan("cuda")
+    for kernel in ("forward", "adjoint", "dt_vjp", "dt_jvp"):
+        found = re.search(rf'__global__ __launch_bounds__\((\d+), (\d+)\) void {spec.name}_{kernel}\(', source)
+        assert found, kernel
+        threads, blocks = int(found[1]), int(found[2])
+        assert 65536 // (threads * blocks) == 128
+        for B in (1, 100, 400, 4000, 40000, 10 ** 6):
+            assert all(0 < l.block <= threads for l in plan.launches(kernel, B).launches if l.kernel == kernel)
+    for kernel in ("coefficients", "coefficients_jvp", "dt_vjp_sum", "dt_vjp_finish"):
+        assert f'__global__ void {spec.name}_{kernel}(' in source, kernel
 
 
 @pytest.mark.parametrize("args,message", [

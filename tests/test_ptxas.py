@@ -50,6 +50,12 @@ GRID = [
     # many rows per span (s=25): the forward and adjoint loop over each span's rows
     (dict(control="bspline", degree=4, knots=10, steps=25), 376, "float32", {}),
     (dict(control="bspline", degree=4, knots=60, steps=4), 261, "float64", {}),
+    # wide per-step stencils of order 4: held to 128 registers by __launch_bounds__, ptxas spills a little
+    (dict(difference="backward", accuracy=3, dt="per_step", order=4), 32, "float32",
+     {"core": "the adjoint needs 130 registers: 8 bytes of spill stores at the cap of 128",
+      "dt_jvp": "24 bytes of spill stores at the cap of 128 (56 registers, no spills, without a cap)"}),
+    (dict(difference="central", accuracy=8, dt="per_step", order=4), 64, "float32",
+     {"core": "the adjoint needs 255 registers: 272 bytes of spill stores at the cap of 128"}),
 ]
 DOF = 7
 

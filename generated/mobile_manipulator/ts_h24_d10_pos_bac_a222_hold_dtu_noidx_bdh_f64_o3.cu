@@ -326,7 +326,7 @@ struct ts_block_sum {
 /* dt_vjp's accumulator: end */
 
 
-extern "C" __global__ void ts_h24_d10_pos_bac_a222_hold_dtu_noidx_bdh_f64_o3_forward(int64_t B, const double* __restrict__ u, const double* __restrict__ p0, const double* __restrict__ v0, const double* __restrict__ a0, const double* __restrict__ j0, const int64_t* __restrict__ idx, const double* __restrict__ dt_in, double* __restrict__ y0, double* __restrict__ y1, double* __restrict__ y2, double* __restrict__ y3, const double* __restrict__ coef_g)
+extern "C" __global__ __launch_bounds__(256, 2) void ts_h24_d10_pos_bac_a222_hold_dtu_noidx_bdh_f64_o3_forward(int64_t B, const double* __restrict__ u, const double* __restrict__ p0, const double* __restrict__ v0, const double* __restrict__ a0, const double* __restrict__ j0, const int64_t* __restrict__ idx, const double* __restrict__ dt_in, double* __restrict__ y0, double* __restrict__ y1, double* __restrict__ y2, double* __restrict__ y3, const double* __restrict__ coef_g)
 {
     /* the step coefficients, copied from the table into shared memory */
     __shared__ T coef[1 * NC_];
@@ -387,7 +387,7 @@ extern "C" __global__ void ts_h24_d10_pos_bac_a222_hold_dtu_noidx_bdh_f64_o3_for
     }
 }
 
-extern "C" __global__ void ts_h24_d10_pos_bac_a222_hold_dtu_noidx_bdh_f64_o3_adjoint(int64_t B, const double* __restrict__ g0, const double* __restrict__ g1, const double* __restrict__ g2, const double* __restrict__ g3, const double* __restrict__ dt_in, double* __restrict__ gu, double* __restrict__ gp0, double* __restrict__ gv0, double* __restrict__ ga0, double* __restrict__ gj0, const double* __restrict__ coef_g)
+extern "C" __global__ __launch_bounds__(256, 2) void ts_h24_d10_pos_bac_a222_hold_dtu_noidx_bdh_f64_o3_adjoint(int64_t B, const double* __restrict__ g0, const double* __restrict__ g1, const double* __restrict__ g2, const double* __restrict__ g3, const double* __restrict__ dt_in, double* __restrict__ gu, double* __restrict__ gp0, double* __restrict__ gv0, double* __restrict__ ga0, double* __restrict__ gj0, const double* __restrict__ coef_g)
 {
     const int64_t* idx = 0;
     /* the step coefficients, copied from the table into shared memory */
@@ -419,7 +419,7 @@ extern "C" __global__ void ts_h24_d10_pos_bac_a222_hold_dtu_noidx_bdh_f64_o3_adj
     }
 }
 
-extern "C" __global__ void ts_h24_d10_pos_bac_a222_hold_dtu_noidx_bdh_f64_o3_dt_vjp(int64_t B, const double* __restrict__ u, const double* __restrict__ p0, const double* __restrict__ v0, const double* __restrict__ a0, const double* __restrict__ j0, const int64_t* __restrict__ idx, const double* __restrict__ g0, const double* __restrict__ g1, const double* __restrict__ g2, const double* __restrict__ g3, const double* __restrict__ dt_in, double* __restrict__ gc, const double* __restrict__ coef_g)
+extern "C" __global__ __launch_bounds__(256, 2) void ts_h24_d10_pos_bac_a222_hold_dtu_noidx_bdh_f64_o3_dt_vjp(int64_t B, const double* __restrict__ u, const double* __restrict__ p0, const double* __restrict__ v0, const double* __restrict__ a0, const double* __restrict__ j0, const int64_t* __restrict__ idx, const double* __restrict__ g0, const double* __restrict__ g1, const double* __restrict__ g2, const double* __restrict__ g3, const double* __restrict__ dt_in, double* __restrict__ gc, const double* __restrict__ coef_g)
 {
     /* the step coefficients, copied from the table into shared memory */
     __shared__ T coef[1 * NC_];
@@ -600,7 +600,7 @@ extern "C" __global__ void ts_h24_d10_pos_bac_a222_hold_dtu_noidx_bdh_f64_o3_dt_
     GDT(0) = (0.16666666666666667)*b_k17 + (0.66666666666666667)*b_k7 + (0.25)*b_k2 + (-3/(dt*dt*dt*dt))*b_t5 + (2*dt)*b_t2 + (-1/(dt*dt))*b_t0;
 }
 
-extern "C" __global__ void ts_h24_d10_pos_bac_a222_hold_dtu_noidx_bdh_f64_o3_dt_jvp(int64_t B, const double* __restrict__ u, const double* __restrict__ p0, const double* __restrict__ v0, const double* __restrict__ a0, const double* __restrict__ j0, const int64_t* __restrict__ idx, const double* __restrict__ du, const double* __restrict__ dp0, const double* __restrict__ dv0, const double* __restrict__ da0, const double* __restrict__ dj0, const double* __restrict__ dt_in, const double* __restrict__ ddt_in, double* __restrict__ ty0, double* __restrict__ ty1, double* __restrict__ ty2, double* __restrict__ ty3, const double* __restrict__ coef_g)
+extern "C" __global__ __launch_bounds__(256, 2) void ts_h24_d10_pos_bac_a222_hold_dtu_noidx_bdh_f64_o3_dt_jvp(int64_t B, const double* __restrict__ u, const double* __restrict__ p0, const double* __restrict__ v0, const double* __restrict__ a0, const double* __restrict__ j0, const int64_t* __restrict__ idx, const double* __restrict__ du, const double* __restrict__ dp0, const double* __restrict__ dv0, const double* __restrict__ da0, const double* __restrict__ dj0, const double* __restrict__ dt_in, const double* __restrict__ ddt_in, double* __restrict__ ty0, double* __restrict__ ty1, double* __restrict__ ty2, double* __restrict__ ty3, const double* __restrict__ coef_g)
 {
     /* the step coefficients, copied from the table into shared memory */
     __shared__ T coef[2 * NC_];

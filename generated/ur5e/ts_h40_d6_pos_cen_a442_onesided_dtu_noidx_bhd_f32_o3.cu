@@ -423,7 +423,7 @@ struct ts_block_sum {
 /* dt_vjp's accumulator: end */
 
 
-extern "C" __global__ void ts_h40_d6_pos_cen_a442_onesided_dtu_noidx_bhd_f32_o3_forward(int64_t B, const float* __restrict__ u, const float* __restrict__ p0, const float* __restrict__ v0, const float* __restrict__ a0, const float* __restrict__ j0, const int64_t* __restrict__ idx, const float* __restrict__ dt_in, float* __restrict__ y0, float* __restrict__ y1, float* __restrict__ y2, float* __restrict__ y3, const float* __restrict__ coef_g)
+extern "C" __global__ __launch_bounds__(256, 2) void ts_h40_d6_pos_cen_a442_onesided_dtu_noidx_bhd_f32_o3_forward(int64_t B, const float* __restrict__ u, const float* __restrict__ p0, const float* __restrict__ v0, const float* __restrict__ a0, const float* __restrict__ j0, const int64_t* __restrict__ idx, const float* __restrict__ dt_in, float* __restrict__ y0, float* __restrict__ y1, float* __restrict__ y2, float* __restrict__ y3, const float* __restrict__ coef_g)
 {
     /* the step coefficients, copied from the table into shared memory */
     __shared__ T coef[1 * NC_];
@@ -484,7 +484,7 @@ extern "C" __global__ void ts_h40_d6_pos_cen_a442_onesided_dtu_noidx_bhd_f32_o3_
     }
 }
 
-extern "C" __global__ void ts_h40_d6_pos_cen_a442_onesided_dtu_noidx_bhd_f32_o3_adjoint(int64_t B, const float* __restrict__ g0, const float* __restrict__ g1, const float* __restrict__ g2, const float* __restrict__ g3, const float* __restrict__ dt_in, float* __restrict__ gu, float* __restrict__ gp0, float* __restrict__ gv0, float* __restrict__ ga0, float* __restrict__ gj0, const float* __restrict__ coef_g)
+extern "C" __global__ __launch_bounds__(256, 2) void ts_h40_d6_pos_cen_a442_onesided_dtu_noidx_bhd_f32_o3_adjoint(int64_t B, const float* __restrict__ g0, const float* __restrict__ g1, const float* __restrict__ g2, const float* __restrict__ g3, const float* __restrict__ dt_in, float* __restrict__ gu, float* __restrict__ gp0, float* __restrict__ gv0, float* __restrict__ ga0, float* __restrict__ gj0, const float* __restrict__ coef_g)
 {
     const int64_t* idx = 0;
     /* the step coefficients, copied from the table into shared memory */
@@ -520,7 +520,7 @@ extern "C" __global__ void ts_h40_d6_pos_cen_a442_onesided_dtu_noidx_bhd_f32_o3_
     }
 }
 
-extern "C" __global__ void ts_h40_d6_pos_cen_a442_onesided_dtu_noidx_bhd_f32_o3_dt_vjp(int64_t B, const float* __restrict__ u, const float* __restrict__ p0, const float* __restrict__ v0, const float* __restrict__ a0, const float* __restrict__ j0, const int64_t* __restrict__ idx, const float* __restrict__ g0, const float* __restrict__ g1, const float* __restrict__ g2, const float* __restrict__ g3, const float* __restrict__ dt_in, double* __restrict__ gc, const float* __restrict__ coef_g)
+extern "C" __global__ __launch_bounds__(256, 2) void ts_h40_d6_pos_cen_a442_onesided_dtu_noidx_bhd_f32_o3_dt_vjp(int64_t B, const float* __restrict__ u, const float* __restrict__ p0, const float* __restrict__ v0, const float* __restrict__ a0, const float* __restrict__ j0, const int64_t* __restrict__ idx, const float* __restrict__ g0, const float* __restrict__ g1, const float* __restrict__ g2, const float* __restrict__ g3, const float* __restrict__ dt_in, double* __restrict__ gc, const float* __restrict__ coef_g)
 {
     /* the step coefficients, copied from the table into shared memory */
     __shared__ T coef[1 * NC_];
@@ -752,7 +752,7 @@ extern "C" __global__ void ts_h40_d6_pos_cen_a442_onesided_dtu_noidx_bhd_f32_o3_
     GDT(0) = (-(15.0/2.0)/(dt*dt*dt*dt))*b_k48 + (0.013888888888888889)*b_k9 + (0.041666666666666667)*b_k2 + (-3/(dt*dt*dt*dt))*b_t7 + (2*dt)*b_t1 + (-1/(dt*dt))*b_t0;
 }
 
-extern "C" __global__ void ts_h40_d6_pos_cen_a442_onesided_dtu_noidx_bhd_f32_o3_dt_jvp(int64_t B, const float* __restrict__ u, const float* __restrict__ p0, const float* __restrict__ v0, const float* __restrict__ a0, const float* __restrict__ j0, const int64_t* __restrict__ idx, const float* __restrict__ du, const float* __restrict__ dp0, const float* __restrict__ dv0, const float* __restrict__ da0, const float* __restrict__ dj0, const float* __restrict__ dt_in, const float* __restrict__ ddt_in, float* __restrict__ ty0, float* __restrict__ ty1, float* __restrict__ ty2, float* __restrict__ ty3, const float* __restrict__ coef_g)
+extern "C" __global__ __launch_bounds__(256, 2) void ts_h40_d6_pos_cen_a442_onesided_dtu_noidx_bhd_f32_o3_dt_jvp(int64_t B, const float* __restrict__ u, const float* __restrict__ p0, const float* __restrict__ v0, const float* __restrict__ a0, const float* __restrict__ j0, const int64_t* __restrict__ idx, const float* __restrict__ du, const float* __restrict__ dp0, const float* __restrict__ dv0, const float* __restrict__ da0, const float* __restrict__ dj0, const float* __restrict__ dt_in, const float* __restrict__ ddt_in, float* __restrict__ ty0, float* __restrict__ ty1, float* __restrict__ ty2, float* __restrict__ ty3, const float* __restrict__ coef_g)
 {
     /* the step coefficients, copied from the table into shared memory */
     __shared__ T coef[2 * NC_];
