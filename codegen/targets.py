@@ -21,8 +21,12 @@ from . import abi
 from .arguments import ArgumentTable, table as argument_table
 
 #: CUDA threads per block: a multiple of the warp size, at most 1024 (dt_vjp's block sum adds
-#: whole warps, at most 32 of them)
+#: whole warps, at most 32 of them); the per-element kernels' largest block
 CUDA_BLOCK = 256
+CUDA_WARP = 32
+#: the SMs a plan sets out to fill (an H100 SXM has 132): below this many blocks of CUDA_BLOCK
+#: threads, the per-element kernels take smaller blocks, down to a warp, so that more SMs get work
+CUDA_FILL_BLOCKS = 132
 
 #: 32-bit registers of an SM (sm_70 to sm_90) and the most a per-element kernel's thread may use:
 #: its ``__launch_bounds__`` ask for CUDA_MIN_BLOCKS resident blocks of CUDA_BLOCK threads, which
@@ -101,8 +105,13 @@ class CudaLaunchPlan:
         return self.table.dt.shape == ("B",)
 
     def block(self, B: int) -> int:
-        """Threads per block of every launch of a call over a batch of B."""
-        return CUDA_BLOCK
+        """Threads per block of the per-element kernels over a batch of B (one thread per column):
+        CUDA_BLOCK, halved down to a warp while the grid would have fewer than CUDA_FILL_BLOCKS
+        blocks. A function of B alone, so dt_vjp's block sums are the same on every run."""
+        block = CUDA_BLOCK
+        while block > CUDA_WARP and _blocks(B * self.dof, block) < CUDA_FILL_BLOCKS:
+            block //= 2
+        return block
 
     def runs(self, B: int) -> int:
         """Runs of the once-per-call programs: one per trajectory, or one."""
@@ -116,23 +125,24 @@ class CudaLaunchPlan:
     def launches(self, kernel: str, B: int) -> Launches:
         """The launches of one entry point of the C ABI over a batch of B, and their temporaries.
         A per-element kernel first has its coefficient table filled; dt_vjp_finish first has
-        dt_vjp's partial sums added."""
+        dt_vjp's partial sums added. The other kernels keep CUDA_BLOCK threads (a tape's block
+        shares its levels among them)."""
         block, runs = self.block(B), self.runs(B)
-        once = runs if self.tapes else _blocks(runs, block)  # grid of a once-per-call kernel
+        once = runs if self.tapes else _blocks(runs, CUDA_BLOCK)  # grid of a once-per-call kernel
         dt = self.table.dt.c_name
         if kernel in abi.CUDA_TABLES:
             fill = abi.CUDA_TABLES[kernel]
             inputs = (dt, "ddt_in") if fill == "coefficients_jvp" else (dt,)
             names = tuple(name for _, name in abi.arguments(kernel, self.table))[1:]
             coef = Temporary("coef", runs * len(inputs) * self.n_coefficients, self.dtype)
-            return Launches((Launch(fill, once, block, 0, (*inputs, "coef")),
+            return Launches((Launch(fill, once, CUDA_BLOCK, 0, (*inputs, "coef")),
                              Launch(kernel, _blocks(B * self.dof, block), block, 0, (*names, "coef"))), (coef,))
         if kernel == "dt_vjp_finish":
             sums = Temporary("sums", runs * self.n_coefficients, "float64")
             rows = self.dt_vjp_rows(B) // runs
-            return Launches((Launch("dt_vjp_sum", _blocks(runs * self.n_coefficients, block), block, 0,
+            return Launches((Launch("dt_vjp_sum", _blocks(runs * self.n_coefficients, CUDA_BLOCK), CUDA_BLOCK, 0,
                                     (rows, "gc", "sums")),
-                             Launch(kernel, once, block, 0, (dt, "sums", "gdt"))), (sums,))
+                             Launch(kernel, once, CUDA_BLOCK, 0, (dt, "sums", "gdt"))), (sums,))
         raise ValueError(f"unknown kernel {kernel!r}; allowed: {', '.join(abi.KERNELS)}")
 
 

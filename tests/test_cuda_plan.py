@@ -17,7 +17,7 @@ from tensorstep.bench import ptxas
 from tensorstep.cli import main
 from tensorstep.codegen.arguments import table
 from tensorstep.codegen.driver import generate
-from tensorstep.runtime.launch import Launcher
+from tensorstep.runtime.launch import CpuBackend, Launcher
 
 SPECS = [  # (CLI options, the KernelSpec they give)
     (["--horizon", "8", "--dof", "3", "--dtype", "float64"], dict(horizon=8, dof=3, dtype="float64")),
@@ -108,6 +108,38 @@ def test_per_element_kernels_bound_the_plans_blocks(options, fields):
             assert all(0 < l.block <= threads for l in plan.launches(kernel, B).launches if l.kernel == kernel)
     for kernel in ("coefficients", "coefficients_jvp", "dt_vjp_sum", "dt_vjp_finish"):
         assert f'__global__ void {spec.name}_{kernel}(' in source, kernel
+
+
+def test_block_size_follows_the_batch():
+    """Blocks of 256 threads where that gives a grid of at least 132 blocks (an H100's SMs), else
+    halved down to a warp; the once-per-call kernels keep 256."""
+    plan = generate(ts.KernelSpec(horizon=32, dof=7), targets=("cuda",), parts=("core",)).launch_plan("cuda")
+    expect = {1: 32, 400: 32, 1000: 32, 1300: 64, 2000: 64, 2700: 128, 4000: 128, 4800: 256, 40000: 256, 10 ** 6: 256}
+    assert {B: plan.block(B) for B in expect} == expect
+    for B in expect:
+        (table_fill, forward) = plan.launches("forward", B).launches
+        assert (table_fill.grid, table_fill.block) == (1, 256)
+        assert forward.block == expect[B] and forward.grid == -(-B * 7 // expect[B])
+        assert forward.grid >= 132 or forward.block == 32
+
+
+@pytest.mark.parametrize("B", [150, 3000])  # blocks of 32 (15 of them) and of 64 (141)
+def test_dt_gradient_with_the_plans_blocks_is_deterministic_and_matches_c(B):
+    """The host-run CUDA kernels at the block size the plan picks for B: the dt gradient (dt_vjp's
+    block sums, added in order) is the same bit for bit on every run, and the C kernels' to 1e-12."""
+    spec = ts.KernelSpec(horizon=8, dof=3, dtype="float64", dt="per_step")
+    backend = HostCudaBackend(spec)
+    host, cpu = Launcher(spec, backend), Launcher(spec, CpuBackend(spec))
+    x = Inputs(spec, B, seed=5)
+    dt = 0.02 + 0.02 * torch.rand(spec.n_dt, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    inputs = [getattr(x, a.c_name) for a in table(spec).tensors]
+    grads = [torch.randn(y.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
+             for y in cpu.forward(inputs, dt)]
+    first = host.dt_vjp(inputs, grads, dt)
+    assert torch.equal(first, host.dt_vjp(inputs, grads, dt))
+    torch.testing.assert_close(first, cpu.dt_vjp(inputs, grads, dt), rtol=1e-12, atol=1e-12)
+    assert {block for kernel, _, block in backend.launched if kernel == "dt_vjp"} == {backend.plan.block(B)}
+    assert backend.plan.block(B) == (32 if B == 150 else 64)
 
 
 @pytest.mark.parametrize("args,message", [

@@ -93,14 +93,15 @@ def _matches_cpu(spec, device_launcher: Launcher, device: torch.device, B: int) 
 @gpu
 @pytest.mark.parametrize("name", FAMILIES)
 def test_every_family_on_the_gpu_matches_the_cpu(name):
-    """B=300 at 7 dof: 2,100 columns, nine blocks of 256, the last one partial."""
+    """B=300 at 7 dof: 2,100 columns, 66 blocks of 32 (the launch plan's block for so small a
+    batch), the last one partial."""
     spec = FAMILIES[name]
     _matches_cpu(spec, ts.load(spec, "cuda").launcher, torch.device("cuda"), B=300)
 
 
 @pytest.mark.parametrize("name", ["backward-bdh-indexed", "goal-indexed", "bspline"])
 def test_the_comparison_itself_on_the_host(name):
-    """This file's comparison with the CUDA source run on the host (2 blocks): its inputs,
+    """This file's comparison with the CUDA source run on the host (blocks of 32): its inputs,
     shapes and gradients are right for tables with indices, a goal and B-spline control."""
     spec = FAMILIES[name]
     _matches_cpu(spec, Launcher(spec, HostCudaBackend(spec)), torch.device("cpu"), B=40)
