@@ -18,12 +18,12 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from ..codegen.render import ITEMSIZE
 from ..codegen.targets import Launch
 from . import ptxas
 
 #: the operations reported, each in words
 OPERATIONS = {"forward": "forward", "backward": "backward", "backward_dt": "backward with a dt gradient"}
-ITEMSIZE = {"float32": 4, "float64": 8}
 #: the libraries the operations load
 PARTS = ("core", "dt_vjp")
 
