@@ -221,8 +221,13 @@ def _check_out_dt(name: str, out_dt: Any, B: int, device: torch.device) -> None:
 
 
 def _out_dt(out_dt: Any, dt: Tensor, name: str = "out_dt") -> None:
-    """Write each trajectory's dt into the first B entries of out_dt, as cuRobo's kernels do."""
+    """Check out_dt, then write each trajectory's dt into its first B entries, as cuRobo's kernels do."""
     _check_out_dt(name, out_dt, dt.shape[0], dt.device)
+    _write_out_dt(out_dt, dt)
+
+
+def _write_out_dt(out_dt: Optional[Tensor], dt: Tensor) -> None:
+    """Write dt into the first B entries of an out_dt already checked (``_check_out_dt``)."""
     if out_dt is None or torch._C._are_functorch_transforms_active():  # it cannot take transformed values
         return
     with torch.no_grad():
@@ -641,7 +646,7 @@ def get_bspline_interpolation(input_trajectory: Any, output_trajectory: Any, int
                                             dt_table, flag, spec)
             for y, out in zip(result, outs):
                 out.index_copy_(0, rows, y)
-    _out_dt(out_dt, dt_in[:1].expand(B), "output_trajectory.dt")
+    _write_out_dt(out_dt, dt_in[:1].expand(B))  # checked above, before any kernel ran
     return output_trajectory
 
 
