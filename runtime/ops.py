@@ -23,7 +23,7 @@ Registering costs milliseconds, so ``Step`` does it only when torch.compile firs
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -169,7 +169,7 @@ class _StepNode(torch.autograd.Function):
         return (None, None, *out)
 
 
-def _placed(returned: list[Tensor], needed: Any) -> list[Optional[Tensor]]:
+def _placed(returned: Sequence[Optional[Tensor]], needed: Any) -> list[Optional[Tensor]]:
     """The gradients of ``adjoint_needed`` on their places among the differentiable inputs."""
     it = iter(returned)
     return [next(it) if n else None for n in needed]
@@ -197,10 +197,9 @@ class _AdjointNode(torch.autograd.Function):
         (dt,) = ctx.saved_tensors
         launcher = _launcher(ctx.key)
         none = (None,) * 5
-        if ctx.needed is not None:  # the returned gradients back onto their inputs' places
-            returned = iter(out_grads)
-            out_grads = tuple(next(returned) if n else None for n in ctx.needed)
-        inputs = launcher.forward_inputs(ctx.batch, out_grads)
+        # the returned gradients back onto their inputs' places
+        grads = out_grads if ctx.needed is None else _placed(out_grads, ctx.needed)
+        inputs = launcher.forward_inputs(ctx.batch, grads)
         if inputs is None:
             return (*none, *(None for _ in ctx.present))
         outs = ops_for(launcher).step(ctx.key, *inputs, dt)
