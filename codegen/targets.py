@@ -50,6 +50,9 @@ CUDA_TAPE_SHARED_BYTES = 48 * 1024
 #: table kernel of a spec's core module fills it; a dt module's dt_vjp reads it)
 TABLE_KERNELS = ("forward", "adjoint", "dt_vjp")
 
+#: (kernel, B) pairs whose launches a CUDA plan keeps (B varies from call to call: the oldest goes)
+CUDA_LAUNCHES_KEPT = 256
+
 
 @dataclasses.dataclass(frozen=True)
 class Launch:
@@ -75,10 +78,12 @@ class Temporary:
 
 @dataclasses.dataclass(frozen=True)
 class Launches:
-    """What one entry point of the C ABI runs, in order, and the temporaries its launches share."""
+    """What one entry point of the C ABI runs, in order, the temporaries its launches share, and
+    the names of the entry point's arguments after B (what a call's arguments bind to)."""
 
     launches: tuple[Launch, ...]
     temporaries: tuple[Temporary, ...]
+    parameters: tuple[str, ...]
 
 
 def _blocks(threads: int, block: int) -> int:
@@ -99,6 +104,11 @@ class CudaLaunchPlan:
     dtype: str
     n_coefficients: int
     tapes: bool
+    # worked out once per plan (every call asks; the plan never changes): not part of its value
+    _parameters: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict, init=False, repr=False,
+                                                                compare=False)
+    _launches: dict[tuple[str, int], Launches] = dataclasses.field(default_factory=dict, init=False, repr=False,
+                                                                   compare=False)
 
     @property
     def per_trajectory(self) -> bool:
@@ -122,27 +132,47 @@ class CudaLaunchPlan:
         dof columns are added in turn), else one per block of dt_vjp (no atomics, a fixed order)."""
         return B * self.dof if self.per_trajectory else _blocks(B * self.dof, self.block(B))
 
+    def parameters(self, kernel: str) -> tuple[str, ...]:
+        """The names of an entry point's arguments after B (codegen/abi.py ``arguments``), once per kernel."""
+        found = self._parameters.get(kernel)
+        if found is None:
+            found = self._parameters[kernel] = tuple(name for _, name in abi.arguments(kernel, self.table))[1:]
+        return found
+
     def launches(self, kernel: str, B: int) -> Launches:
-        """The launches of one entry point of the C ABI over a batch of B, and their temporaries.
-        A per-element kernel first has its coefficient table filled; dt_vjp_finish first has
-        dt_vjp's partial sums added. The other kernels keep CUDA_BLOCK threads (a tape's block
-        shares its levels among them)."""
+        """The launches of one entry point of the C ABI over a batch of B, and their temporaries:
+        worked out on a (kernel, B) pair's first call, the same object on the next ones (the
+        CUDA_LAUNCHES_KEPT latest pairs are kept)."""
+        kept = self._launches
+        found = kept.get((kernel, B))
+        if found is None:
+            found = kept[(kernel, B)] = self._plan(kernel, B)
+            if len(kept) > CUDA_LAUNCHES_KEPT:
+                kept.pop(next(iter(kept)), None)  # the oldest
+        return found
+
+    def _plan(self, kernel: str, B: int) -> Launches:
+        """The launches of one entry point over a batch of B. A per-element kernel first has its
+        coefficient table filled; dt_vjp_finish first has dt_vjp's partial sums added. The other
+        kernels keep CUDA_BLOCK threads (a tape's block shares its levels among them)."""
         block, runs = self.block(B), self.runs(B)
         once = runs if self.tapes else _blocks(runs, CUDA_BLOCK)  # grid of a once-per-call kernel
         dt = self.table.dt.c_name
         if kernel in abi.CUDA_TABLES:
             fill = abi.CUDA_TABLES[kernel]
             inputs = (dt, "ddt_in") if fill == "coefficients_jvp" else (dt,)
-            names = tuple(name for _, name in abi.arguments(kernel, self.table))[1:]
+            names = self.parameters(kernel)
             coef = Temporary("coef", runs * len(inputs) * self.n_coefficients, self.dtype)
             return Launches((Launch(fill, once, CUDA_BLOCK, 0, (*inputs, "coef")),
-                             Launch(kernel, _blocks(B * self.dof, block), block, 0, (*names, "coef"))), (coef,))
+                             Launch(kernel, _blocks(B * self.dof, block), block, 0, (*names, "coef"))), (coef,),
+                            names)
         if kernel == "dt_vjp_finish":
             sums = Temporary("sums", runs * self.n_coefficients, "float64")
             rows = self.dt_vjp_rows(B) // runs
             return Launches((Launch("dt_vjp_sum", _blocks(runs * self.n_coefficients, CUDA_BLOCK), CUDA_BLOCK, 0,
                                     (rows, "gc", "sums")),
-                             Launch(kernel, once, CUDA_BLOCK, 0, (dt, "sums", "gdt"))), (sums,))
+                             Launch(kernel, once, CUDA_BLOCK, 0, (dt, "sums", "gdt"))), (sums,),
+                            self.parameters(kernel))
         raise ValueError(f"unknown kernel {kernel!r}; allowed: {', '.join(abi.KERNELS)}")
 
 

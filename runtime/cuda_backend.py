@@ -34,12 +34,12 @@ from .launch import DTYPES, capturing, warm_up_first
 Bound = tuple[str, int, int, int, list[int]]
 
 
-def bind(launches: Launches, table: Any, kernel: str, args: list[int],
+def bind(launches: Launches, args: list[int],
          empty: Callable[[int, torch.dtype], torch.Tensor]) -> tuple[list[Bound], list[torch.Tensor]]:
     """A plan's launches for one call of an entry point of the C ABI (``args`` in its order, after
-    B), with their temporaries from ``empty(size, dtype)``; the caller keeps the buffers until the
-    launches are queued."""
-    values: dict[Any, int] = dict(zip([name for _, name in abi.arguments(kernel, table)][1:], args))
+    B: ``launches.parameters``), with their temporaries from ``empty(size, dtype)``; the caller
+    keeps the buffers until the launches are queued."""
+    values: dict[Any, int] = dict(zip(launches.parameters, args))
     buffers = {t.name: empty(t.size, DTYPES[t.dtype]) for t in launches.temporaries}
     values.update((name, buffer.data_ptr()) for name, buffer in buffers.items())
     return ([(launch.kernel, launch.grid, launch.block, launch.shared,
@@ -129,13 +129,13 @@ class CudaBackend:
         self.functions: dict[str, Any] = {}
         self._streams: dict[int, Any] = {}
         self.metadata = self._bind("core")
+        self.plan = CUDA.launch_plan(spec, self.metadata)  # every library's metadata is the same
 
     def _bind(self, part: str) -> dict:
         if capturing():
             raise warm_up_first(f"the {abi.LIBRARY_ROLES.get(part, part)} kernels ({part}) would be compiled and loaded")
         cp = self.cupy
         source, metadata = cuda_source(self.spec, part)
-        self.plan = CUDA.launch_plan(self.spec, metadata)  # every library's metadata is the same
         with cp.cuda.Device(self.device.index):
             module = cp.RawModule(code=source, options=NVRTC_OPTIONS)
             for kernel in abi.cuda_kernels(abi.PARTS[part]):
@@ -154,7 +154,7 @@ class CudaBackend:
     def call(self, kernel: str, B: int, args: list[int]) -> None:
         if kernel not in self.functions:
             self.load_part(abi.library(kernel))
-        launches, buffers = bind(self.plan.launches(kernel, B), self.table, kernel, args, self.empty)
+        launches, buffers = bind(self.plan.launches(kernel, B), args, self.empty)
         stream = self._stream(torch.cuda.current_stream(self.device).cuda_stream)
         with self.cupy.cuda.Device(self.device.index), stream:
             for name, grid, block, shared, arguments in launches:

@@ -169,7 +169,7 @@ class HostCudaBackend:
         return torch.full((size,), float("nan"), dtype=dtype)
 
     def call(self, kernel: str, B: int, args: list[int]) -> None:
-        launches, buffers = bind(self.plan.launches(kernel, B), self.table, kernel, args, self.empty)
+        launches, buffers = bind(self.plan.launches(kernel, B), args, self.empty)
         for name, grid, block, shared, arguments in launches:
             assert shared == 0 and block % 32 == 0 and 0 < block <= MAX_BLOCK, "a launch the host run cannot model"
             self.launched.append((name, grid, block))

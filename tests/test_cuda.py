@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import re
 import shutil
 import subprocess
@@ -423,15 +424,16 @@ class FakeCupy:
 
 
 def fake_cuda_backend(spec, monkeypatch):
-    from tensorstep.runtime.cuda_backend import CudaBackend
+    """A CudaBackend built by its own __init__ on a FakeCupy (no GPU: buffers in host memory)."""
+    from tensorstep.runtime import cuda_backend
 
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: types.SimpleNamespace(cuda_stream=7))
-    backend = CudaBackend.__new__(CudaBackend)
-    backend.cupy, backend.spec, backend.device = FakeCupy(), spec, torch.device("cuda", 0)
-    backend.table = table(spec)
-    backend.functions, backend._streams = {}, {}
+    monkeypatch.setattr(cuda_backend, "_cupy", FakeCupy)
+    with monkeypatch.context() as m:  # CUDA is there while it is built, and no capture is under way
+        m.setattr(torch.cuda, "is_available", lambda: True)
+        m.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+        backend = cuda_backend.CudaBackend(spec, torch.device("cuda", 0))
     backend.empty = lambda size, dtype: torch.empty(size, dtype=dtype)  # no GPU memory here
-    backend.metadata = backend._bind("core")
     return backend
 
 
@@ -468,7 +470,7 @@ class SmallBlocks(targets.CudaLaunchPlan):
 
 
 def small_blocks(plan):
-    return SmallBlocks(**{f: getattr(plan, f) for f in plan.__dataclass_fields__})
+    return SmallBlocks(**{f.name: getattr(plan, f.name) for f in dataclasses.fields(plan) if f.init})
 
 
 def test_cuda_backend_launches_what_the_plan_says(monkeypatch):
@@ -491,6 +493,36 @@ def test_cuda_backend_launches_what_the_plan_says(monkeypatch):
     backend.call("forward", B, args)
     assert backend.cupy.shapes == [(f"{name}_coefficients", (1,), (256,), 0),
                                    (f"{name}_forward", (-(-B * D // 64),), (64,), 0)]
+
+
+def test_cuda_backend_works_out_each_launch_once(monkeypatch):
+    """Per-call work is done once: the backend builds its plan once (not again for each library it
+    loads), the plan names an entry point's arguments once per kernel, and calls with the same B
+    get the very same launches, while another B gets its own grid; the plan keeps the latest
+    CUDA_LAUNCHES_KEPT batch sizes."""
+    spec = make_spec(GRID[0])
+    plans, named = [], []
+    launch_plan, arguments = targets.CudaTarget.launch_plan, abi.arguments
+    monkeypatch.setattr(targets.CudaTarget, "launch_plan", lambda self, *a: plans.append(a) or launch_plan(self, *a))
+    backend = fake_cuda_backend(spec, monkeypatch)
+    Launcher(spec, backend).prepare(dt_grad=True)
+    assert len(backend.cupy.built) == 3 and len(plans) == 1  # three libraries, one plan
+    monkeypatch.setattr(abi, "arguments", lambda kernel, t: named.append(kernel) or arguments(kernel, t))
+    args = [0] * (len(arguments("forward", table(spec))) - 1)
+    D, plan = spec.dof, backend.plan
+    for B in (20000, 20000, 300, 20000, 300):
+        backend.cupy.shapes.clear()
+        backend.call("forward", B, args)
+        block = 256 if B == 20000 else 32
+        assert backend.cupy.shapes[-1] == (f"{spec.name}_forward", (-(-B * D // block),), (block,), 0)
+    assert named == ["forward"]
+    first, small = plan.launches("forward", 20000), plan.launches("forward", 300)
+    assert plan.launches("forward", 20000) is first and plan.launches("forward", 300) is small
+    for B in range(1, targets.CUDA_LAUNCHES_KEPT + 1):  # 300 among them, 20000 not
+        plan.launches("forward", B)
+    again = plan.launches("forward", 20000)
+    assert again is not first and again == first  # dropped, then worked out the same again
+    assert named == ["forward"]
 
 
 @pytest.mark.parametrize("overrides", [GRID[0], dict(control="acceleration", dt="per_step")],
