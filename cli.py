@@ -284,9 +284,13 @@ def list_(directory: str) -> None:
 @friendly
 def check(target: str, task: Optional[str]) -> None:
     """Compile a generated DIR (or a CONFIG) and verify it against the dense reference."""
+    specs = None if Path(target).is_dir() else load_config(target, task).specs
     from .runtime import verify
 
-    rows = verify.check_target(Path(target), task, progress=lambda items: progress(items, "checking"))
+    def checking(items: list) -> Iterable:
+        return progress(items, "checking")
+
+    rows = verify.check_folder(Path(target), checking) if specs is None else verify.check_specs(specs, checking)
     ok = all(r["ok"] for r in rows)
     click.echo(f"{'kernel':<60} {'device':<6} {'forward err':>12} {'adjoint err':>12}  result")
     for r in rows:

@@ -311,19 +311,6 @@ def curobo_v2_spec(task: _Task, dof: int) -> Any:
         raise ConfigError(task.path, task.section, str(err)) from None
 
 
-def spec_from_dict(data: Any) -> Any:
-    """A spec from its ``to_dict()`` (manifests): tensorstep's KernelSpec, or a cuRobo kernel's."""
-    if isinstance(data, dict) and data.get("family") == "curobo_v2":
-        from .codegen.legacy_v2_spec import CuroboV2Spec
-
-        return CuroboV2Spec.from_dict(data)
-    if isinstance(data, dict) and "kind" in data:
-        from .codegen.legacy_spec import LegacySpec
-
-        return LegacySpec(**data)
-    return KernelSpec.from_dict(data)
-
-
 def load_curobo(robot_path: Path, robot: dict, task_path: Path) -> RobotConfig:
     joints = _unlocked_joints(robot_path, robot)
     task = _read_task(task_path)

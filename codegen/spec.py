@@ -301,6 +301,20 @@ class KernelSpec:
         return dataclasses.replace(self, **changes)
 
 
+def spec_from_dict(data: Any) -> Any:
+    """A spec from its ``to_dict()`` (manifests, kernel keys): a KernelSpec, or a cuRobo kernel's
+    (codegen/legacy_spec.py, codegen/legacy_v2_spec.py)."""
+    if isinstance(data, dict) and data.get("family") == "curobo_v2":
+        from .legacy_v2_spec import CuroboV2Spec
+
+        return CuroboV2Spec.from_dict(data)
+    if isinstance(data, dict) and "kind" in data:
+        from .legacy_spec import LegacySpec
+
+        return LegacySpec(**data)
+    return KernelSpec.from_dict(data)
+
+
 def bspline_horizon(degree: int, knots: int, steps: int, end: str) -> int:
     """R = T·s + 1 rows for T = m − D spans of m = (D+1) + n + (D+1 with a goal, D holding) control points."""
     spans = knots + degree + (2 if end == "goal" else 1)

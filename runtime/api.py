@@ -328,6 +328,14 @@ def load(spec: Any, device: Union[str, torch.device] = "cpu") -> Step:
     return Step(spec, dev, Launcher(spec, backend))
 
 
+def _load_launcher(spec: Any, device: str) -> Launcher:
+    """The launcher of a kernel key this process has not loaded (a graph saved by torch.export)."""
+    return load(spec, device).launcher
+
+
+registry.set_loader(_load_launcher)
+
+
 def register_ops() -> None:
     """Register tensorstep's torch.library ops (``tensorstep::step`` and the others) in this
     process. ``torch.compile`` registers them itself when it first traces a step; call this

@@ -2,17 +2,22 @@
 
 A key holds its spec's fields and the device (``name@device@{json}``), so a graph that names
 it can run in a process that never loaded the kernel: a program saved by ``torch.export`` and
-loaded elsewhere loads (or builds) the kernel on its first call.
+loaded elsewhere loads (or builds) the kernel on its first call. The loading itself is
+runtime/api.py's (``set_loader``): this module holds only the mapping.
 """
 from __future__ import annotations
 
 import json
+from typing import Callable, Optional
 
 import torch
 
+from ..codegen.spec import spec_from_dict
 from .launch import Launcher
 
 _LAUNCHERS: dict[str, Launcher] = {}
+#: (spec, device) → launcher, for a key this process has not loaded (set by runtime/api.py)
+_LOADER: Optional[Callable[[object, str], Launcher]] = None
 
 
 def key_for(spec: object, device: torch.device) -> str:
@@ -28,6 +33,12 @@ def register(launcher: Launcher, device: torch.device) -> str:
     return key
 
 
+def set_loader(load: Callable[[object, str], Launcher]) -> None:
+    """Set how the launcher of a key not loaded in this process is loaded (or built)."""
+    global _LOADER
+    _LOADER = load
+
+
 def launcher(key: str) -> Launcher:
     """The launcher a key names, loaded now if this process has not loaded it yet."""
     found = _LAUNCHERS.get(key)
@@ -37,13 +48,13 @@ def launcher(key: str) -> Launcher:
 
 
 def _load(key: str) -> Launcher:
-    from ..config import spec_from_dict
-    from .api import load
-
     try:
         _, device, fields = key.split("@", 2)
         spec = spec_from_dict(json.loads(fields))
     except (ValueError, TypeError, KeyError) as err:
         raise RuntimeError(f"tensorstep: {key!r} is not a kernel key (name@device@fields): {err}") from None
-    _LAUNCHERS[key] = load(spec, device).launcher
+    if _LOADER is None:
+        raise RuntimeError(f"tensorstep: cannot load kernel {spec.name}: call tensorstep.register_ops() first "
+                           "(it imports the runtime that loads kernels)")
+    _LAUNCHERS[key] = _LOADER(spec, device)
     return _LAUNCHERS[key]

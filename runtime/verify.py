@@ -2,12 +2,12 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable
 
 import numpy as np
 import torch
 
-from .api import operator_matrices
+from .api import load, operator_matrices
 from .cbackend import CompileError
 from .launch import DTYPES, CpuBackend, Launcher
 
@@ -108,35 +108,35 @@ def verify_launcher(spec: Any, launcher: Launcher, device: torch.device, B: int 
             "ok": forward_err <= tol and adjoint_err <= 10 * tol}
 
 
-def check_target(target: Path, task: Optional[str] = None,
-                 progress: Callable[[list], Iterable] = lambda items: items) -> list[dict[str, Any]]:
-    """Verify a generated folder (its own .c files) or a config (freshly generated kernels)."""
+def check_folder(folder: Path, progress: Callable[[list], Iterable] = lambda items: items) -> list[dict[str, Any]]:
+    """Verify a generated folder: compile its own .c files."""
     from ..codegen.emit import read_manifest
-    from ..config import spec_from_dict
+    from ..codegen.spec import spec_from_dict
 
+    manifest = read_manifest(folder)
+    if manifest is None:
+        raise ValueError(f"{folder}: no tensorstep manifest.json here")
     rows = []
-    if target.is_dir():
-        manifest = read_manifest(target)
-        if manifest is None:
-            raise ValueError(f"{target}: no tensorstep manifest.json here")
-        for kernel in progress(manifest["kernels"]):
-            spec = spec_from_dict(kernel["spec"])
-            c_file = kernel["files"].get("c")
-            if c_file is None:
-                raise ValueError(f"{target}: kernel {kernel['name']} has no C source (generated with --target cuda)")
-            source = (target / c_file["path"]).read_text()
-            try:
-                backend = CpuBackend(spec, source, kernel.get("metadata", {}))
-                rows.append(verify_launcher(spec, Launcher(spec, backend), torch.device("cpu")))
-            except CompileError as err:
-                err.source = str(target / c_file["path"])  # the user's file, not the cache's copy
-                raise
-    else:
-        from ..config import load_config
-        from .api import load
+    for kernel in progress(manifest["kernels"]):
+        spec = spec_from_dict(kernel["spec"])
+        c_file = kernel["files"].get("c")
+        if c_file is None:
+            raise ValueError(f"{folder}: kernel {kernel['name']} has no C source (generated with --target cuda)")
+        source = (folder / c_file["path"]).read_text()
+        try:
+            backend = CpuBackend(spec, source, kernel.get("metadata", {}))
+            rows.append(verify_launcher(spec, Launcher(spec, backend), torch.device("cpu")))
+        except CompileError as err:
+            err.source = str(folder / c_file["path"])  # the user's file, not the cache's copy
+            raise
+    return rows
 
-        for spec in progress(list(load_config(target, task).specs)):
-            rows.append(verify_launcher(spec, load(spec, "cpu").launcher, torch.device("cpu")))
-            if torch.cuda.is_available():
-                rows.append(verify_launcher(spec, load(spec, "cuda").launcher, torch.device("cuda")))
+
+def check_specs(specs: Iterable[Any], progress: Callable[[list], Iterable] = lambda items: items) -> list[dict[str, Any]]:
+    """Verify freshly generated kernels of specs (a config's), on CPU and, if present, CUDA."""
+    rows = []
+    for spec in progress(list(specs)):
+        rows.append(verify_launcher(spec, load(spec, "cpu").launcher, torch.device("cpu")))
+        if torch.cuda.is_available():
+            rows.append(verify_launcher(spec, load(spec, "cuda").launcher, torch.device("cuda")))
     return rows
