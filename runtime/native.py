@@ -275,38 +275,17 @@ _HANDLES: dict[tuple[int, int], int] = {}  # kernel addresses → handle: loadin
 
 
 def _register_python_parts() -> None:
-    """The ops the node calls back into Python: the create_graph adjoint (AdjointFunction is
-    differentiable: backward, jvp, vmap), and the Python implementations of torch.compile's ops
-    (runtime/ops.py) for the calls the node's CPU kernels for them leave to Python."""
+    """The op the node calls back into Python for a create_graph adjoint: AdjointFunction, which is
+    differentiable (backward, jvp, vmap). The node's CPU kernels for torch.compile's ops call back
+    into runtime/ops.py, which registers those implementations itself (``ops._serve_node``)."""
     from .autograd import AdjointFunction
 
     def adjoint_graph(handle: int, grads: list, dt: torch.Tensor, batch: int) -> list[torch.Tensor]:
         return list(AdjointFunction.apply(_LAUNCHERS[handle], dt, batch, *grads))
 
-    def forward_py(key: str, inputs: list) -> list[torch.Tensor]:
-        from . import ops
-        return ops.forward(key, tuple(inputs))
-
-    def adjoint_py(key: str, batch: int, grads: list, dt: torch.Tensor, needed: Optional[list]) -> list[torch.Tensor]:
-        from . import ops
-        return ops.adjoint(key, batch, grads, dt, needed)
-
-    def forward_autograd_py(key: str, inputs: list) -> list[torch.Tensor]:
-        from . import ops
-        return ops.forward_autograd(key, inputs)
-
-    def adjoint_autograd_py(key: str, batch: int, grads: list, dt: torch.Tensor,
-                            needed: Optional[list]) -> list[torch.Tensor]:
-        from . import ops
-        return ops.adjoint_autograd(key, batch, grads, dt, needed)
-
     global _PYTHON_IMPL
     _PYTHON_IMPL = torch.library.Library("tensorstep_native", "IMPL")  # kept alive: it holds the registration
     _PYTHON_IMPL.impl("adjoint_graph", adjoint_graph, "CompositeImplicitAutograd")
-    _PYTHON_IMPL.impl("forward_py", forward_py, "CompositeImplicitAutograd")
-    _PYTHON_IMPL.impl("adjoint_py", adjoint_py, "CompositeImplicitAutograd")
-    _PYTHON_IMPL.impl("forward_autograd_py", forward_autograd_py, "CompositeImplicitAutograd")
-    _PYTHON_IMPL.impl("adjoint_autograd_py", adjoint_autograd_py, "CompositeImplicitAutograd")
 
 
 def handle(launcher: Any) -> Optional[int]:

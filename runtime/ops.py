@@ -28,7 +28,7 @@ from typing import Any, Optional, Sequence
 import torch
 from torch import Tensor
 
-from . import rules, validate
+from . import native, rules, validate
 from .autograd import NO_SECOND_DT
 from .launch import CpuBackend
 from .registry import launcher as _launcher
@@ -88,7 +88,6 @@ def _kernel(key: str) -> tuple[Any, Optional[int], tuple[int, ...]]:
     found = _KERNELS.get(key)
     if found is None or not found[2]:
         from ..codegen.arguments import REQUIRED
-        from . import native
 
         launcher = _launcher(key)
         required = tuple(i for i, a in enumerate(launcher.table.inputs) if a.presence == REQUIRED)
@@ -96,12 +95,34 @@ def _kernel(key: str) -> tuple[Any, Optional[int], tuple[int, ...]]:
             settled = native.ready()  # asked first: a build that ends in between is taken next time
             handle = native.handle(launcher)
             if handle is not None:  # the key's later calls run in the node, without Python
+                _serve_node()
                 native.bind(key, handle, launcher.table.family)
             found = (launcher, handle, settled or handle is not None, required)
         else:
             found = (launcher, None, True, required)
         _KERNELS[key] = found
     return found[0], found[1], found[3]
+
+
+_NODE_IMPL: Optional[torch.library.Library] = None
+
+
+def _serve_node() -> None:
+    """Register (once, before the node's first key is bound) the Python implementations that the
+    native node's CPU kernels for these ops call for what they leave to Python."""
+    global _NODE_IMPL
+    if _NODE_IMPL is not None:
+        return
+
+    def forward_py(key: str, inputs: list) -> list[Tensor]:
+        return forward(key, tuple(inputs))
+
+    lib = torch.library.Library("tensorstep_native", "IMPL")  # kept alive: it holds the registration
+    lib.impl("forward_py", forward_py, "CompositeImplicitAutograd")
+    lib.impl("adjoint_py", adjoint, "CompositeImplicitAutograd")
+    lib.impl("forward_autograd_py", forward_autograd, "CompositeImplicitAutograd")
+    lib.impl("adjoint_autograd_py", adjoint_autograd, "CompositeImplicitAutograd")
+    _NODE_IMPL = lib
 
 
 def forward(key: str, args: tuple) -> list[Tensor]:
