@@ -16,6 +16,9 @@ import pytest
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 PAGES = sorted(DOCS.glob("*.md"))
 FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
+#: pages that record measurements: their code blocks are the commands and scripts of their day,
+#: kept as they were run, not examples of today's API
+RECORDS = {"benchmarks-history.md"}
 
 
 def test_pages_exist():
@@ -30,7 +33,7 @@ def test_examples_run(page: Path, monkeypatch, tmp_path):
     has_code = "```" in text
     result = doctest.testfile(str(page), module_relative=False, optionflags=FLAGS, report=True, verbose=False)
     assert result.failed == 0, f"{page.name}: {result.failed} of {result.attempted} examples failed (see the output above)"
-    if has_code:
+    if has_code and page.name not in RECORDS:
         assert result.attempted >= 1, f"{page.name} has code but no runnable >>> example"
 
 
