@@ -764,7 +764,7 @@ def _spans_only(op: Operator) -> bool:
     per phase and output, p of them, and the adjoint's gather p rows a term per action): whenever
     p > 1. On CUDA the gathers and short interior loops took 130-250 registers, the span loops
     32-96; in C the interior loops took gcc seconds at 8-12 rows per span and ran 1.4-4x slower
-    (BENCHMARKS.md)."""
+    (docs/benchmarks-history.md, twelfth session)."""
     return _period(op) > 1
 
 
@@ -778,7 +778,8 @@ CHAIN_TERMS, MAX_CHAINS = 8, 4
 def _chains(terms: list[Term]) -> list[Term]:
     """Terms whose operands are ready together, as up to MAX_CHAINS parenthesised partial sums
     of consecutive terms: each is a chain of its own, so a long sum is not one chain of
-    dependent FMAs (a B-spline gradient's 20-30 terms; BENCHMARKS.md, twenty-first session)."""
+    dependent FMAs (a B-spline gradient's 20-30 terms; docs/benchmarks-history.md, twenty-first
+    session)."""
     n = min(MAX_CHAINS, len(terms) // CHAIN_TERMS)
     if n < 2:
         return terms
@@ -791,9 +792,9 @@ def _shallow_first(statements: list[Statement]) -> list[Statement]:
     (the latency of the chain of sums that computes them), earliest first: a sum is evaluated
     left to right, so a recurrence's carried value then comes last and costs its chain one add.
     ``g1_30 + yb1_31 + C(0)*yb0_30`` put an add and an FMA on semi-implicit Euler's adjoint
-    chain, ``g1_30 + C(0)*yb0_30 + yb1_31`` puts one add (BENCHMARKS.md). Stable: a sum of
-    loads keeps its order (as partial sums when it is long: ``_chains``); loops are left as
-    they are."""
+    chain, ``g1_30 + C(0)*yb0_30 + yb1_31`` puts one add (docs/benchmarks-history.md,
+    seventeenth session, item 8). Stable: a sum of loads keeps its order (as partial sums when it
+    is long: ``_chains``); loops are left as they are."""
     ready: dict[Any, int] = {}
 
     def operand(term: Term) -> int:
@@ -921,7 +922,8 @@ def _accumulations(sums: list[tuple[int, tuple]]) -> list[Statement]:
     products ``G<k>(h)·U(j)`` with one gradient read, whose slot and action both advance by one,
     is a loop over those actions. A per-step dt gives every row slots of its own, so its boundary
     rows are such runs (row h's coefficients times U(0..h-1)); gcc's time on a wide stencil's
-    dt_vjp was mostly those statements (BENCHMARKS.md)."""
+    dt_vjp was mostly those statements (docs/benchmarks-history.md, seventeenth session, item
+    1)."""
     out: list[Statement] = []
     run: list[tuple[int, Read, int]] = []  # (slot, gradient read, action)
 

@@ -85,7 +85,7 @@ def _rereads_actions(statements: Any, n_actions: int) -> bool:
 def _lane_actions(bodies: dict[str, tuple[Any, list[str]]], n_actions: int) -> tuple[str, ...]:
     """The lane bodies that load every action row once, up front, into a local array: those that
     read most rows several times. GCC takes a masked store for one that may alias any later
-    load, so a row read where it is used was loaded again after every store (BENCHMARKS.md,
+    load, so a row read where it is used was loaded again after every store (docs/benchmarks-history.md,
     nineteenth session)."""
     return tuple(k for k, (statements, _) in bodies.items() if _rereads_actions(statements, n_actions))
 

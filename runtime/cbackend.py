@@ -26,7 +26,7 @@ from .fingerprint import generator_fingerprint
 C_FLAGS = ("-O3", "-march=native", "-std=gnu99", "-shared", "-fPIC", "-fno-math-errno", "-fopenmp")
 # x86-64: the vectoriser's loops (position control's interior rows) in 256-bit vectors, as gcc's
 # own tuning for Intel's AVX-512 server cores has it; where gcc tunes an AVX-512 AMD core as an
-# older one, its 512-bit loops were slower (BENCHMARKS.md, eighteenth session). The dof lanes'
+# older one, its 512-bit loops were slower (docs/benchmarks-history.md, eighteenth session). The dof lanes'
 # explicit vector types are not affected.
 if platform.machine().lower() in ("x86_64", "amd64"):
     C_FLAGS += ("-mprefer-vector-width=256",)

@@ -46,7 +46,8 @@ from ..codegen.arguments import ABSENT, INDEX, KERNEL, MESSAGES, OPTIONAL, REQUI
 from .cache import ABI_VERSION, BuildCache, cache_root, digest
 
 SOURCE = Path(__file__).with_name("native_node.cpp")
-# -O1: as fast per call as -O2 (BENCHMARKS.md), and the back end takes less of the build
+# -O1: as fast per call as -O2 (BENCHMARKS.md, "The native node's build"), and the back end
+# takes less of the build
 CXX_FLAGS = ("-O1", "-std=c++17", "-shared", "-fPIC", "-w")
 ARTEFACT = "native.so"
 

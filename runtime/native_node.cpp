@@ -345,7 +345,7 @@ variable_list run_adjoint(const Kernels& k, const variable_list& grads, const Te
 // ---- the autograd node ------------------------------------------------------------------------
 // A plain autograd Node, as PyTorch's own ops have, rather than a torch::autograd::Function,
 // whose machinery (a context with a map of saved data, output wrapping and checks) adds work to
-// the forward and the backward of every call (BENCHMARKS.md, seventeenth session).
+// the forward and the backward of every call (docs/benchmarks-history.md, seventeenth session).
 
 // The engine's pointer to a node: std::shared_ptr in older PyTorch, c10::intrusive_ptr since.
 using NodePointer = decltype(torch::autograd::Edge::function);

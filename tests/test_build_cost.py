@@ -95,7 +95,8 @@ def test_wide_per_step_tapes_come_from_the_formulas(overrides, targets, dt_bytes
     value tape as their formulas (each distinct subexpression once), and the tangent and reverse
     tapes are that tape differentiated (codegen/tape.py), so the generator never expands, CSEs or
     differentiates them in SymPy. Before, that was 4-21 s of generation and 1.5-3.9 MB of dt
-    source per library (BENCHMARKS.md). The tapes' numerics: tests/test_tape.py."""
+    source per library (docs/benchmarks-history.md, thirteenth session). The tapes' numerics:
+    tests/test_tape.py."""
     from tensorstep.codegen.driver import lowered
 
     spec = ts.KernelSpec(horizon=256, dof=7, dtype="float32", dt="per_step", start_index=True, **overrides)
@@ -188,7 +189,8 @@ def test_dt_vjp_boundary_rows_loop_over_their_actions(overrides):
     """With a duration per step every boundary row has coefficients of its own, so dt_vjp gathers
     row h's G<k>(h)·U(j) into consecutive accumulator slots for consecutive actions j: each such
     run is one loop over the actions (as separate statements they were most of gcc's time on the
-    widest stencil's dt_vjp: BENCHMARKS.md), in C and CUDA alike. The loops' numerics are checked by
+    widest stencil's dt_vjp: docs/benchmarks-history.md,
+    seventeenth session, item 1), in C and CUDA alike. The loops' numerics are checked by
     the dt gradient tests against finite differences of the reference (C and CUDA on the host)."""
     spec = _spec(overrides, 64, "float32")
     generated = generate(spec, targets=("c", "cuda"), parts=("dt",))

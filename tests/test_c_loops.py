@@ -95,8 +95,8 @@ def _serial_and_parallel_branches(expanded: str, entry_point: str) -> tuple[str,
 def test_a_small_batch_runs_outside_an_openmp_region(spec, tmp_path):
     """Below TS_MIN_PARALLEL_BATCH the entry point calls its batch function directly: an OpenMP
     region, even with one thread, sets up a team and ends with a futex call on every kernel call
-    (B=1 timings: BENCHMARKS.md, eighteenth session). Each entry point calls its batch function
-    once in the serial branch and once inside the region."""
+    (B=1 timings: docs/benchmarks-history.md, eighteenth session). Each entry point calls its batch
+    function once in the serial branch and once inside the region."""
     source = generate(spec, ("c",), ("core",)).source("c", "core")
     functions = c_functions(source)
     for kernel in ("forward", "adjoint"):
@@ -128,7 +128,8 @@ def test_a_single_chunk_of_dt_gradients_runs_outside_an_openmp_region(tmp_path):
 def test_a_recurrences_carried_value_is_added_last(spec):
     """A column sum is evaluated left to right, so the previous row's adjoint, the value the
     recurrence carries, comes last (lower._shallow_first): its chain is then one add per row, not an add and an FMA
-    (semi-implicit Euler's adjoint took 21-22 us against 16.5-17 us at B=400: BENCHMARKS.md).
+    (semi-implicit Euler's adjoint took 21-22 us against 16.5-17 us at B=400:
+    docs/benchmarks-history.md, seventeenth session, item 8).
     Its exactness is checked by the numerics and lane tests against the dense reference."""
     source = generate(spec, ("c",), ("core",)).source("c", "core")
     (adjoint,) = [text for name, text in c_functions(source).items() if name.endswith("_adjoint")]
@@ -145,7 +146,8 @@ def test_a_recurrences_carried_value_is_added_last(spec):
 
 def test_the_vectorised_loops_use_256_bit_vectors_on_x86(tmp_path):
     """Position control's interior rows are loops gcc vectorises. Tuning an AVX-512 AMD core as an
-    older one, gcc 12 made them 512-bit, which took longer per call than 256-bit (BENCHMARKS.md,
+    older one, gcc 12 made them 512-bit, which took longer per call than 256-bit
+    (docs/benchmarks-history.md,
     eighteenth session); gcc's own tuning for Intel's AVX-512 cores prefers 256 bits as well.
     7 float32 dof are one 256-bit lane vector, so nothing is 512-bit."""
     require_avx512()
@@ -168,7 +170,8 @@ def _top_level_terms(expr: str) -> list[str]:
 def test_a_long_gradient_sum_is_several_chains():
     """A B-spline knot's gradient sums 20-30 rows' terms, all loaded up front; as one sum evaluated
     left to right it was one chain of dependent FMAs, latency-bound (the adjoint took 248 ns per
-    trajectory in cache, 218-224 ns as two to four partial sums: BENCHMARKS.md, twenty-first session). The
+    trajectory in cache, 218-224 ns as two to four partial sums:
+    docs/benchmarks-history.md, twenty-first session). The
     exactness of the reordered sums is checked by the B-spline tests against SciPy."""
     spec = ts.KernelSpec(dof=7, control="bspline", degree=4, knots=8, steps=4, dtype="float32")
     source = generate(spec, ("c",), ("core",)).source("c", "core")

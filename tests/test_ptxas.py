@@ -114,7 +114,8 @@ def _param(case: tuple) -> object:
 @pytest.fixture(scope="module")
 def compiled() -> dict[str, Module]:
     modules = compile_all(cases())
-    if os.environ.get("TENSORSTEP_PTXAS_TABLE"):  # where to write the table (BENCHMARKS.md)
+    if os.environ.get("TENSORSTEP_PTXAS_TABLE"):  # where to write the table (as in
+        # docs/benchmarks-history.md, sixth session's CUDA resource use)
         Path(os.environ["TENSORSTEP_PTXAS_TABLE"]).write_text(table(modules) + "\n")
     return modules
 

@@ -162,7 +162,8 @@ def test_short_programs_stay_code():
 
 def test_per_trajectory_programs_are_tapes_on_cuda_only():
     """With a dt per trajectory, C runs each trajectory's program inside its loop over the batch:
-    as a tape it would be interpreted per trajectory, slower than the code (BENCHMARKS.md), so C
+    as a tape it would be interpreted per trajectory, slower than the code
+    (docs/benchmarks-history.md, ninth session), so C
     fills such a table from its monomials instead (codegen/monomials.py). On CUDA a block per
     trajectory runs the tape (its threads share the levels): the coefficient kernels are
     launched with a block of threads per trajectory, the build's metadata and launch plan saying so."""

@@ -17,14 +17,15 @@ typedef float T;
 #define TS_ROLLED
 /* gcc's register allocation in its cheaper settings, for the long once-per-call loop bodies and
  * dt_vjp's serial body: most of their compile time was the allocator's (it made no measurable
- * difference to their run time: see BENCHMARKS.md) */
+ * difference to their run time: docs/benchmarks-history.md, seventeenth session, item 1) */
 #define TS_CHEAP_ALLOCATION "ira-algorithm=priority", "ira-region=one", "no-lra-remat"
 /* batch elements are independent: TS_BATCH(f, args...) runs f(b_begin, b_end, args...) on all of
  * them, split over threads; a small batch is run by the calling thread without entering an
  * OpenMP region (even with one thread, a region sets up a team and ends with a futex wake) */
 #define TS_MIN_PARALLEL_BATCH 64
 /* the batch functions' loops stay loops: gcc's pattern pass made an output row that copies an
- * action row a memmove call per batch element, which was slower (BENCHMARKS.md) */
+ * action row a memmove call per batch element, which was slower (docs/benchmarks-history.md,
+ * eighteenth session) */
 #if defined(__GNUC__) && !defined(__clang__)
 #define TS_BATCH_FUNCTION __attribute__((optimize("no-tree-loop-distribute-patterns")))
 #else
@@ -195,7 +196,7 @@ static T ts_zero_outputs[Y_SB];
 /* A missing input tangent reads zeros the same way, from per-batch-element bases (dub, ds<m>b,
  * de<m>b): "du ? du[i] : 0" in a vectorised loop became an AVX-512 load masked by du != NULL,
  * and a masked load from a null address costs a microcode assist every time, even with every
- * lane off (BENCHMARKS.md, twelfth session). */
+ * lane off (docs/benchmarks-history.md, twelfth session). */
 static T ts_zero_actions[U_SB];
 static T ts_zero_state[D_];
 #undef DU
