@@ -146,10 +146,15 @@ def adjoint(key: str, batch: int, grads: list[Optional[Tensor]], dt: Tensor,
     """The adjoint on real tensors: the gradients of the differentiable inputs (those ``needed``)."""
     launcher, _, _ = _kernel(key)
     shapes = launcher.adjoint_shapes(batch)
-    flags = (True,) * len(shapes) if needed is None else needed
+    flags = _flags(shapes, needed)
     if all(g is None for g in grads):
         return [dt.new_zeros(shape) for shape, n in zip(shapes, flags) if n]
     return [g for g, n in zip(launcher.adjoint(grads, dt, batch, flags), flags) if n]
+
+
+def _flags(shapes: Sequence[Any], needed: Optional[Sequence[bool]]) -> Sequence[bool]:
+    """Which of the adjoint's gradients a call returns: those ``needed`` (None: all of them)."""
+    return (True,) * len(shapes) if needed is None else needed
 
 
 def forward_autograd(key: str, inputs: list[Optional[Tensor]]) -> list[Tensor]:
@@ -273,7 +278,7 @@ def _register(family: str, table: Any) -> FamilyOps:
     def adjoint_fake(key: str, batch: int, grads: list[Optional[Tensor]], dt: Tensor,
                      needed: Optional[list[bool]] = None) -> list[Tensor]:
         shapes = _launcher(key).adjoint_shapes(batch)
-        return [dt.new_empty(shape) for shape, n in zip(shapes, (True,) * len(shapes) if needed is None else needed) if n]
+        return [dt.new_empty(shape) for shape, n in zip(shapes, _flags(shapes, needed)) if n]
 
     def dt_vjp_impl(key: str, *args: Any) -> Tensor:
         *inputs, dt, grads = args
