@@ -69,6 +69,16 @@ class Argument:
     meaning: str = ""  # for messages: what the argument is
     grad: str = ""  # C name of its gradient (default g<c_name>: gu, gp0, ...)
     tangent: str = ""  # C name of its tangent (default d<c_name>: du, dp0, ...)
+    #: the stem of its kernel macros: a [rows, D] input's value is macro <stem> and local <stem lowercased>,
+    #: its tangent D<stem>, its gradient store G<stem> (default IN_<C NAME>); an index row's stem names
+    #: the row it picks and that row's column base (<stem>row, <stem>o)
+    stem: str = ""
+    #: a [rows, D] input's index row: the index argument whose entry, when given, picks its row (else b)
+    group: str = ""
+
+    @property
+    def macro(self) -> str:
+        return self.stem or "IN_" + self.c_name.upper()
 
     @property
     def grad_name(self) -> str:
@@ -110,6 +120,26 @@ class ArgumentTable:
     def dt(self) -> Argument:
         return next(a for a in self.inputs if a.role == "dt")
 
+    @property
+    def action(self) -> Argument:
+        """The input whose rows follow the layout (the actions, or a B-spline's knots)."""
+        return next(a for a in self.inputs if a.layout)
+
+    @property
+    def columns(self) -> tuple[Argument, ...]:
+        """The inputs of one row of D per trajectory (the start and goal states, ...): each read once per
+        (batch, dof) column."""
+        return tuple(a for a in self.tensors if a.dtype == KERNEL and not a.layout)
+
+    @property
+    def indices(self) -> tuple[Argument, ...]:
+        return tuple(a for a in self.tensors if a.dtype == INDEX)
+
+    def base(self, arg: Argument) -> str:
+        """The C name of a column input's element offset: its index row's (``so``, ``go``), or ``bo``
+        (row b) for an input no index picks."""
+        return self.input(arg.group).stem + "o" if arg.group else "bo"
+
     def size(self, symbol: str) -> int | None:
         return dict(self.sizes).get(symbol)
 
@@ -143,28 +173,30 @@ OUTPUT_NAMES = ("P", "V", "A", "J", "S")
 
 
 def _state(names: tuple[str, ...], role: str, index: str, indexed: bool, symbol: str, meaning: str,
-           index_c_name: str) -> list[Argument]:
+           index_c_name: str, stems: tuple[str, str]) -> list[Argument]:
     """A boundary state (start or goal): four [rows, D] tensors (the fourth optional), each picked
-    per trajectory by an index row when ``indexed``, then that index row."""
+    per trajectory by an index row when ``indexed``, then that index row. ``stems``: the state's
+    macro stem, numbered per entry (S0..S3), and the index row's (s: srow, so)."""
     rows = symbol if indexed else "B"
     state = [Argument(name, name, role, (rows, "D"), presence=OPTIONAL if m == 3 else REQUIRED, nullable=m == 3,
-                      index=index if indexed else "", meaning=meaning) for m, name in enumerate(names)]
+                      index=index if indexed else "", meaning=meaning, stem=f"{stems[0]}{m}", group=index)
+             for m, name in enumerate(names)]
     return state + [Argument(index, index_c_name, "index", ("B",), dtype=INDEX,
                              presence=REQUIRED if indexed else ABSENT, nullable=True, differentiable=False,
-                             meaning=f"{index}=True")]
+                             meaning=f"{index}=True", stem=stems[1])]
 
 
 def step_table(spec: Any) -> ArgumentTable:
     """The arguments of a step: actions, start state (optionally indexed), the goal state with
     end="goal" (optionally indexed), step durations (one per trajectory with dt="per_trajectory")."""
     bspline = getattr(spec, "control", "") == "bspline"  # u holds the n knots: N = n rows
-    inputs = [Argument("u", "u", "action", ("B", "N", "D"), layout=True,
+    inputs = [Argument("u", "u", "action", ("B", "N", "D"), layout=True, stem="U",
                        meaning="knots (B-spline control points)" if bspline else "actions")]
     inputs += _state(START_NAMES, "start", "start_index", bool(getattr(spec, "start_index", False)), "S",
-                     "start state", "idx")
+                     "start state", "idx", ("S", "s"))
     goal = getattr(spec, "end", "") == "goal"
     if goal:
-        inputs += _state(GOAL_NAMES, "goal", "goal_index", spec.goal_index, "G", "goal state", "gidx")
+        inputs += _state(GOAL_NAMES, "goal", "goal_index", spec.goal_index, "G", "goal state", "gidx", ("E", "g"))
     per_trajectory = getattr(spec, "dt", "") == "per_trajectory"
     inputs.append(Argument("dt", "dt_in", "dt", ("B",) if per_trajectory else ("NDT",), dtype=STEP,
                            meaning="step durations"))

@@ -19,7 +19,8 @@ import sympy as sp
 
 from .bspline import Layout, boundary_points, derivative_matrix, layout
 from .builders import register
-from .operator import N_GOAL, Operator, Row, dt_symbols
+from .arguments import table
+from .operator import Operator, Row, action, dt_symbols, goal, reads, start
 from .spec import KernelSpec
 
 
@@ -27,11 +28,11 @@ Point = list  # a control point: [(Fraction, ref, power of kdt)]
 
 
 def point_terms(source: str, index: int, sides: dict) -> Point:
-    """A control point: a knot ("u"), or F_i / G_i = Σ_m C[i, m] · kdt^m · state_m."""
+    """A control point: a knot, or F_i / G_i = Σ_m C[i, m] · kdt^m · state_m."""
     if source == "knot":
-        return [(Fraction(1), ("u", index), 0)]
-    ref, coeffs = ("s" if source == "start" else "g"), sides[source][index]
-    return [(Fraction(int(c.p), int(c.q)), (ref, m), m) for m, c in enumerate(coeffs) if c != 0]
+        return [(Fraction(1), action(index), 0)]
+    entry, coeffs = (start if source == "start" else goal), sides[source][index]
+    return [(Fraction(int(c.p), int(c.q)), entry(m), m) for m, c in enumerate(coeffs) if c != 0]
 
 
 def _weights(degree: int, order: int, t: Fraction) -> list[list[Fraction]]:
@@ -76,4 +77,4 @@ def build(spec: KernelSpec) -> Operator:
     lay = layout(spec.degree, spec.knots, spec.steps, spec.end)
     assert lay.horizon == spec.horizon, (lay.horizon, spec.horizon)
     rows = bspline_rows(lay, spec.order, syms[0])
-    return Operator(spec.horizon, spec.order, spec.knots, syms, rows, n_goal=N_GOAL if spec.end == "goal" else 0)
+    return Operator(spec.horizon, spec.order, spec.knots, syms, rows, inputs=reads(table(spec)))

@@ -93,43 +93,35 @@ class Stages:
         return sources[0]
 
 
-def _names(table: ArgumentTable) -> dict[str, list[str]]:
-    """The operator's reference kinds → their components' names in the argument table."""
-    action = next(a.name for a in table.inputs if a.role == "action")
-    return {"u": [action], "s": [a.name for a in table.inputs if a.role == "start"],
-            "g": [a.name for a in table.inputs if a.role == "goal"], "y": [a.name for a in table.outputs]}
-
-
 def operator_text(op: Any, table: ArgumentTable, name: str = "") -> str:
     """An operator's rows as text, one per line in evaluation order: ``V[3] = (c)*u[2] + ...``
     (references by their argument's name: ``u[j]`` an action row, ``p0``… the start state,
-    ``gp``… the goal state, ``P[h]``… an earlier output row; coefficients are SymPy's)."""
+    ``gp``… the goal state, any other input by its name, ``P[h]``… an earlier output row;
+    coefficients are SymPy's)."""
     from sympy.core.function import AppliedUndef
 
-    from .operator import is_formula
+    from .operator import is_formula, is_row
 
-    names = _names(table)
+    outputs = [a.name for a in table.outputs]
+    action = table.action.name
 
     def ref(r: tuple) -> str:
-        if r[0] == "u":
-            return f"{names['u'][0]}[{r[1]}]"
-        if r[0] == "y":
-            return f"{names['y'][r[1]]}[{r[2]}]"
-        return names[r[0]][r[1]]
+        if is_row(r):
+            return f"{outputs[r[1]]}[{r[2]}]"
+        return f"{r[0]}[{r[1]}]" if r[0] == action else r[0]
 
     def term(coef: Any, r: tuple) -> str:
         return ref(r) if coef == 1 else f"-{ref(r)}" if coef == -1 else f"({coef})*{ref(r)}"
 
-    outputs = ", ".join(names["y"][:op.n_outputs])
-    lines = [f"# operator {name}: outputs {outputs} over {op.horizon} rows; {op.n_actions} rows of "
-             f"{names['u'][0]}; step durations {', '.join(map(str, op.dt_symbols))}"]
+    lines = [f"# operator {name}: outputs {', '.join(outputs[:op.n_outputs])} over {op.horizon} rows; "
+             f"{op.n_actions} rows of {action}; step durations {', '.join(map(str, op.dt_symbols))}"]
     formulas = {type(f) for row in op.rows for c, _ in row.terms for f in c.atoms(AppliedUndef) if is_formula(f)}
     for f in sorted(formulas, key=str):
         lines.append(f"# formula {f}{tuple(f.definition.variables)} = {f.definition.expr}".replace(",)", ")"))
     lines += [f"{symbol} = {expr}" for symbol, expr in op.program]
     for row in op.rows:
         body = " + ".join(term(c, r) for c, r in row.terms).replace("+ -", "- ")
-        lines.append(f"{names['y'][row.k]}[{row.h}] = {body or 0}")
+        lines.append(f"{outputs[row.k]}[{row.h}] = {body or 0}")
     return "\n".join(lines) + "\n"
 
 
@@ -180,7 +172,7 @@ def lower_stage(spec: Any, op: Any) -> Any:
     """Stage 2, lower: the operator's kernels as statements and its coefficient program (SymPy)."""
     from .lower import lower
 
-    return lower(op, per_trajectory=table(spec).dt.shape == ("B",))
+    return lower(op, table(spec))
 
 
 def render_stage(spec: Any, code: Any, args: ArgumentTable, targets: Mapping[str, Any],

@@ -12,11 +12,11 @@ import sympy as sp
 
 from .builders import register
 from .legacy_spec import LegacySpec
-from .operator import Operator, Row, Term, combine, row_ref, scaled
+from .operator import Operator, Row, Term, action, combine, row_ref, scaled, start
 from .schemes import stencil_row
 
 R = sp.Rational
-P, V, A = ("s", 0), ("s", 1), ("s", 2)
+P, V, A = start(0), start(1), start(2)
 
 
 def _legacy_start_rows() -> list[Row]:
@@ -31,7 +31,7 @@ def clique_backward(spec: LegacySpec) -> Operator:
 
     def x(k: int) -> list[Term]:
         if k >= 1:
-            return [(sp.Integer(1), ("u", k - 1))]
+            return [(sp.Integer(1), action(k - 1))]
         if k == 0:
             return [(sp.Integer(1), P)]
         m = -k
@@ -59,7 +59,7 @@ def clique_central(spec: LegacySpec) -> Operator:
     }
 
     def y(k: int) -> list[Term]:
-        return list(ghosts[k]) if k <= 1 else [(sp.Integer(1), ("u", min(k - 2, n_act - 1)))]
+        return list(ghosts[k]) if k <= 1 else [(sp.Integer(1), action(min(k - 2, n_act - 1)))]
 
     stencils = {
         1: [R(1, 12), -R(2, 3), 0, R(2, 3), -R(1, 12)],
@@ -80,7 +80,7 @@ def _acceleration(spec: LegacySpec, lower_rows: Callable) -> Operator:
     rows = _legacy_start_rows()
     for h in range(1, spec.horizon):
         tau = taus[h]
-        rows.append(Row(2, h, ((sp.Integer(1), ("u", h - 1)),)))
+        rows.append(Row(2, h, ((sp.Integer(1), action(h - 1)),)))
         rows += lower_rows(h, tau)
         rows.append(Row(3, h, combine(scaled(row_ref(2, h), 1 / tau) + scaled(row_ref(2, h - 1), -1 / tau))))
     return Operator(spec.horizon, 3, spec.n_actions, taus, rows)

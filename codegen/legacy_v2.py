@@ -12,9 +12,10 @@ from fractions import Fraction
 import sympy as sp
 
 from . import bspline
+from .arguments import table
 from .builders import register
 from .legacy_v2_spec import CuroboV2Spec
-from .operator import N_GOAL, Operator, Row, Term, combine, dt_symbols, scaled
+from .operator import Operator, Row, Term, action, combine, dt_symbols, goal, reads, scaled, start
 from .schemes import stencil_row
 
 R = sp.Rational
@@ -36,16 +37,16 @@ def clique(spec: CuroboV2Spec) -> Operator:
     (dt,) = syms = dt_symbols(spec.horizon, spec.dt)
     H = spec.horizon
     ghosts = {
-        -2: [(ONE, ("s", 0)), (-3 * dt, ("s", 1)), (-R(3, 2) * dt**2, ("s", 2))],
-        -1: [(ONE, ("s", 0)), (-2 * dt, ("s", 1)), (-2 * dt**2, ("s", 2))],
-        0: [(ONE, ("s", 0)), (-dt, ("s", 1)), (-R(3, 2) * dt**2, ("s", 2))],
-        1: [(ONE, ("s", 0))],
+        -2: [(ONE, start(0)), (-3 * dt, start(1)), (-R(3, 2) * dt**2, start(2))],
+        -1: [(ONE, start(0)), (-2 * dt, start(1)), (-2 * dt**2, start(2))],
+        0: [(ONE, start(0)), (-dt, start(1)), (-R(3, 2) * dt**2, start(2))],
+        1: [(ONE, start(0))],
     }
 
     def X(r: int) -> list[Term]:
         if r <= 1:
             return list(ghosts[r])
-        return [(ONE, ("u", r - 2))] if r <= H - 4 else [(ONE, ("g", 0))]
+        return [(ONE, action(r - 2))] if r <= H - 4 else [(ONE, goal(0))]
 
     rows = []
     for h in range(H):
@@ -53,16 +54,16 @@ def clique(spec: CuroboV2Spec) -> Operator:
         rows.append(Row(0, h, combine(window[2])))
         for k, w in CENTRAL.items():
             rows.append(stencil_row(k, h, [c / dt**k for c in w], window))
-    return Operator(H, spec.order, spec.n_actions, syms, rows, n_goal=N_GOAL)
+    return Operator(H, spec.order, spec.n_actions, syms, rows, inputs=reads(table(spec)))
 
 
 def _boundary(degree: int, side: str, kdt: sp.Expr) -> list[list[Term]]:
-    """The D+1 boundary points of a state (refs ("s", m) or ("g", m)): the span whose polynomial
-    is the state's Taylor polynomial about the span's start; degree 3 drops the jerk term."""
+    """The D+1 boundary points of a state (its entries ``start(m)`` or ``goal(m)``): the span whose
+    polynomial is the state's Taylor polynomial about the span's start; degree 3 drops the jerk term."""
     coeffs = bspline.boundary_points(degree, "start").coeffs
-    ref = "s" if side == "start" else "g"
+    entry = start if side == "start" else goal
     used = 3 if degree == 3 else 4
-    return [[(c * kdt**m, (ref, m)) for m, c in enumerate(row[:used]) if c != 0] for row in coeffs]
+    return [[(c * kdt**m, entry(m)) for m, c in enumerate(row[:used]) if c != 0] for row in coeffs]
 
 
 def bspline_rows(spec: CuroboV2Spec) -> Operator:
@@ -72,7 +73,7 @@ def bspline_rows(spec: CuroboV2Spec) -> Operator:
     (dt,) = syms = dt_symbols(spec.horizon, spec.dt)
     D, s, T = spec.degree, spec.steps, spec.spans
     kdt = s * dt
-    points = (_boundary(D, "start", kdt) + [[(ONE, ("u", k))] for k in range(spec.knots - 1)]
+    points = (_boundary(D, "start", kdt) + [[(ONE, action(k))] for k in range(spec.knots - 1)]
               + _boundary(D, "goal", kdt))
     assert len(points) == T + D
     basis = [bspline.derivative_matrix(D, k) for k in range(spec.order + 1)]
@@ -89,7 +90,7 @@ def bspline_rows(spec: CuroboV2Spec) -> Operator:
                 if weight != 0:
                     terms += scaled(points[j + i], weight / kdt**k)
             rows.append(Row(k, h, combine(terms)))
-    return Operator(spec.horizon, spec.order, spec.n_actions, syms, rows, n_goal=N_GOAL)
+    return Operator(spec.horizon, spec.order, spec.n_actions, syms, rows, inputs=reads(table(spec)))
 
 
 BUILDERS = {"clique": clique, "bspline": bspline_rows}

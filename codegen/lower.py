@@ -8,7 +8,7 @@ each template:
 incoming gradient (0 when absent), ``DU(j)``/``DS<m>``/``DE<m>`` input tangents, ``TY<k>(h, value)``
 output tangent store, ``GU(j, value)``/``GS<m>(value)``/``GE<m>(value)`` adjoint stores, ``ZERO``, ``ACC(m)``
 the dt-gradient accumulator, ``TS_ROLLED`` before a loop that must stay rolled. The C template's all-dof vector form prints the forward and
-adjoint columns with the lane vocabulary (``printer.LANES``); for integrators it gets the
+adjoint columns with the lane vocabulary (``printer.lane_printer``); for integrators it gets the
 column with its repeating rows rolled into a loop (codegen/roll.py).
 """
 from __future__ import annotations
@@ -22,8 +22,10 @@ import sympy as sp
 
 from . import roll
 from .coefficients import MINUS_ONE, ONE, Coefficients, table_term
-from .operator import Operator, Ref
+from .arguments import ArgumentTable
+from .operator import Operator, Ref, action, is_action, is_row
 from .printer import COLUMN
+from .references import References
 from .statements import (Add, Call, Cast, Def, For, Literal, Mul, Paren, Read, Rel, Shift, Statement, Store, Strided,
                          Sum, Term, Val, Var, transform, walk)
 
@@ -98,30 +100,10 @@ class KernelCode:
         return COLUMN.lines(self.statements)
 
 
-def _var(ref: Ref, prefix: str = "") -> Read | Var | Val:
-    """A ref's value (forward: U(3), s1, y2_5; with prefix 't' its tangent)."""
-    if ref[0] == "u":  # read at the point of use: keeps register pressure flat in long bodies
-        return Read("DU" if prefix else "U", (ref[1],))
-    if ref[0] == "s":
-        return Var(f"{prefix}s{ref[1]}")
-    if ref[0] == "g":  # the goal state (end="goal"): e0..e3, read once per column like the start
-        return Var(f"{prefix}e{ref[1]}")
-    return Val(f"{prefix}y", ref[1], ref[2])
-
-
-def _loads(tangent: bool = False, goal: int = 0) -> list[Statement]:
-    """The boundary states, read once per column: start (s0..s3) and goal (e0..e3, when ``goal``)."""
-    lines = [Def(Var(f"s{m}"), Read(f"S{m}")) for m in range(4)]
-    lines += [Def(Var(f"e{m}"), Read(f"E{m}")) for m in range(goal)]
-    if tangent:
-        lines += [Def(Var(f"ts{m}"), Read(f"DS{m}")) for m in range(4)]
-        lines += [Def(Var(f"te{m}"), Read(f"DE{m}")) for m in range(goal)]
-    return lines
-
-
-def _forward_lines(op: Operator, coefs: Coefficients) -> list[Statement]:
+def _forward_lines(op: Operator, coefs: Coefficients, refs: References) -> list[Statement]:
     """One SSA assignment per row, in evaluation order (stores are added by the caller)."""
-    return [Def(Val("y", row.k, row.h), Sum(tuple(coefs.term(c, _var(r)) for c, r in row.terms))) for row in op.rows]
+    return [Def(Val("y", row.k, row.h), Sum(tuple(coefs.term(c, refs.value(r)) for c, r in row.terms)))
+            for row in op.rows]
 
 
 def _adjoint_lines(op: Operator, coefs: Coefficients, skip: frozenset = frozenset()
@@ -178,7 +160,7 @@ def _runs(rows: dict[int, tuple[Shape, Slots] | None]) -> list[tuple[int, int, S
 
 def _is_stencil(op: Operator) -> bool:
     """No row reads another row: every output is a direct combination of the inputs."""
-    return all(ref[0] != "y" for row in op.rows for _, ref in row.terms)
+    return all(not is_row(ref) for row in op.rows for _, ref in row.terms)
 
 
 def _coefficient(coefs: Coefficients, coef: sp.Expr) -> tuple[sp.Expr | None, int | None]:
@@ -193,7 +175,7 @@ def _stencil_rows(op: Operator, coefs: Coefficients, k: int, p: int = 1) -> dict
     rows: dict[int, tuple[Shape, Slots] | None] = {}
     for row in op.rows:
         if row.k == k and row.h > 0:
-            if not row.terms or any(ref[0] != "u" for _, ref in row.terms):
+            if not row.terms or any(not is_action(ref) for _, ref in row.terms):
                 rows[row.h] = None
                 continue
             parts = [(ref[1] - row.h // p, *_coefficient(coefs, c), coefs.varies(c)) for c, ref in row.terms]
@@ -206,7 +188,7 @@ def _period(op: Operator) -> int:
     where the first action read advances by one (1 when none do; the smallest on a tie)."""
     first: dict[tuple[int, int], int] = {}
     for row in op.rows:
-        actions = [ref[1] for _, ref in row.terms if ref[0] == "u"]
+        actions = [ref[1] for _, ref in row.terms if is_action(ref)]
         if actions:
             first[(row.k, row.h)] = min(actions)
     advances = sorted((k, h) for (k, h), j in first.items() if first.get((k, h - 1)) == j - 1)
@@ -313,7 +295,7 @@ def _adjoint_loops(op: Operator, coefs: Coefficients) -> tuple[list[Loop], set[i
     gathers: dict[int, list[tuple]] = defaultdict(list)
     for row in op.rows:
         for c, ref in row.terms:
-            if ref[0] == "u":
+            if is_action(ref):
                 gathers[ref[1]].append((row.k, row.h - ref[1] * p, *_coefficient(coefs, c)))
     rows = {}
     for j in range(op.n_actions):
@@ -389,7 +371,7 @@ MIN_KNOTS = 8
 
 def _shifted(terms: dict[Ref, sp.Expr], by: int = 1) -> dict[Ref, sp.Expr]:
     """A row's terms with every action index moved ``by`` (the other inputs stay)."""
-    return {(ref[0], ref[1] + by) if ref[0] == "u" else ref: c for ref, c in terms.items()}
+    return {action(ref[1] + by) if is_action(ref) else ref: c for ref, c in terms.items()}
 
 
 def _by_output(rows: Rows) -> dict[int, dict[int, dict[Ref, sp.Expr]]]:
@@ -448,12 +430,12 @@ def _carried(rows: Rows, first: int, repeat: int, p: int) -> bool:
     along with it: rows before it read no action past its first knot's, rows after it none that
     it finishes (the first of each knot's)."""
     inside = range(first, first + p * (repeat + 1))
-    actions = {ref[1] for (k, h), terms in rows.items() if first <= h < first + p for ref in terms if ref[0] == "u"}
+    actions = {ref[1] for (k, h), terms in rows.items() if first <= h < first + p for ref in terms if is_action(ref)}
     if not actions:
         return True
     lo, hi = min(actions), max(actions)
     for (k, h), terms in rows.items():
-        read = [ref[1] for ref in terms if ref[0] == "u"]
+        read = [ref[1] for ref in terms if is_action(ref)]
         if h < inside.start and any(j > hi for j in read) or h >= inside.stop and any(j <= lo + repeat for j in read):
             return False
     return True
@@ -513,7 +495,7 @@ def _nest_spans(coefs: Coefficients, block: Rows, nest: Span) -> list[Span]:
     the loop's weights change with the row, not with the knot, so nvcc hoists none out of the
     loop over knots); other outputs' runs of rows as ``_spans`` finds them, each other row a
     span of one row."""
-    knot = lambda ref: ("u", Shift(ref[1], 1)) if ref[0] == "u" else ref
+    knot = lambda ref: action(Shift(ref[1], 1)) if is_action(ref) else ref
     spans = []
     for k, by_row in sorted(_by_output(block).items()):
         whole = len(by_row) == nest.period and any(by_row.values())
@@ -617,13 +599,13 @@ def _span_loops(spans: list[Span], body: Callable[[Span], list[Statement]]) -> d
     return loops
 
 
-def _span_forward(coefs: Coefficients, spans: list[Span]) -> dict[tuple[int, int], For]:
+def _span_forward(coefs: Coefficients, refs: References, spans: list[Span]) -> dict[tuple[int, int], For]:
     """Forward span loops: Y<k>(r) from the span's fixed inputs."""
     return _span_loops(spans, lambda span: [Call(f"Y{span.k}", (Rel(0),), Sum(tuple(
-        _term(coefs, lit, slot, _var(ref)) for ref, lit, slot in span.terms)))])
+        _term(coefs, lit, slot, refs.value(ref)) for ref, lit, slot in span.terms)))])
 
 
-def _span_adjoint(coefs: Coefficients, spans: list[Span], wanted: Callable[[Ref], bool],
+def _span_adjoint(coefs: Coefficients, refs: References, spans: list[Span], wanted: Callable[[Ref], bool],
                   finish: Callable[[Ref, Var], Statement],
                   early: Callable[[Ref], list[Term]] = lambda ref: []) -> tuple[list[Statement], set[Ref]]:
     """Adjoint span loops: each input the spans read (of those ``wanted``) gathers the rows'
@@ -649,7 +631,7 @@ def _span_adjoint(coefs: Coefficients, spans: list[Span], wanted: Callable[[Ref]
 
         def acc(ref: Ref) -> Var:
             if ref not in sums:
-                sums[ref] = Var(f"a{ref[0]}{ref[1]}")
+                sums[ref] = Var(f"a{refs.local(ref)}")
                 new.append(ref)
             return sums[ref]
 
@@ -666,16 +648,16 @@ def _span_adjoint(coefs: Coefficients, spans: list[Span], wanted: Callable[[Ref]
             lo, repeat = actions[0], unit.spans[0].repeat
             window = [Var(f"a{unit.nest}k{m}") for m in range(actions[-1] - lo + 1)]
             for m, var in enumerate(window):
-                ref = ("u", lo + m)
+                ref = action(lo + m)
                 carried = (Term(None, sums.pop(ref)),) if ref in sums else ()
                 lines.append(Def(var, Sum(carried + tuple(early(ref))), const=False))
-            tail = (finish(("u", Shift(lo, 1)), window[0]), *[Store(a, b) for a, b in zip(window, window[1:])],
+            tail = (finish(action(Shift(lo, 1)), window[0]), *[Store(a, b) for a, b in zip(window, window[1:])],
                     Store(window[-1], Sum(())))
             loop = unit.loop(lambda span: gather(span, lambda ref: window[ref[1].base - lo]
                                                  if isinstance(ref[1], Shift) else acc(ref)), tail)
             lines += [Def(sums[ref], Sum(()), const=False) for ref in new]
-            done |= {("u", lo + kn) for kn in range(repeat + 1)}
-            sums.update({("u", lo + repeat + 1 + m): var for m, var in enumerate(window[:-1])})
+            done |= {action(lo + kn) for kn in range(repeat + 1)}
+            sums.update({action(lo + repeat + 1 + m): var for m, var in enumerate(window[:-1])})
         if loop is not None:
             lines.append(loop)
         finished = [ref for ref in sums if last.get(ref) == i and ref not in done]
@@ -733,27 +715,20 @@ def _span_varies(coefs: Coefficients, span: Span, slot: int | Strided) -> bool:
     return any(coefs.varies(coefs.value(q)) for q in _table_slots(slot, span))
 
 
-def _span_tangent(coefs: Coefficients, span: Span) -> list[Statement]:
+def _span_tangent(coefs: Coefficients, refs: References, span: Span) -> list[Statement]:
     """dt_jvp's span loop body: TY<k>(r) = Σ ċ·value + c·tangent over the span's fixed inputs."""
     parts: list[Term] = []
     for ref, lit, slot in span.terms:
         if lit is None and _span_varies(coefs, span, slot):
-            parts.append(Term(Read("CD", (slot,)), _var(ref)))
-        parts.append(_term(coefs, lit, slot, _var(ref, "t")))
+            parts.append(Term(Read("CD", (slot,)), refs.value(ref)))
+        parts.append(_term(coefs, lit, slot, refs.value(ref, tangent=True)))
     return [Call(f"TY{span.k}", (Rel(0),), Sum(tuple(parts)))]
 
 
-def _span_products(coefs: Coefficients, span: Span) -> list[Statement]:
+def _span_products(coefs: Coefficients, refs: References, span: Span) -> list[Statement]:
     """dt_vjp's span loop body: each dt-dependent coefficient of row r gathers G<k>(r)·value."""
-    return [Store(Read("ACC", (slot,)), Cast("double", Paren(Mul(Read(f"G{span.k}", (Rel(0),)), _var(ref)))), "+=")
+    return [Store(Read("ACC", (slot,)), Cast("double", Paren(Mul(Read(f"G{span.k}", (Rel(0),)), refs.value(ref)))), "+=")
             for ref, lit, slot in span.terms if lit is None and _span_varies(coefs, span, slot)]
-
-
-def _gradient(ref: Ref, parts: tuple[Term, ...]) -> Call:
-    """The store of an input's gradient: GU(j), GS<m> or GE<m>."""
-    if ref[0] == "u":
-        return Call("GU", (ref[1],), Sum(parts))
-    return Call(f"{'GS' if ref[0] == 's' else 'GE'}{ref[1]}", (), Sum(parts))
 
 
 TABLE_CALL = [Call("COEFFICIENTS", (Var("dt_in"), Var("coef")))]  # the shared table function (templates define it)
@@ -821,13 +796,13 @@ def _shallow_first(statements: list[Statement]) -> list[Statement]:
     return out
 
 
-def _forward(op: Operator, coefs: Coefficients, spans: list[Span], only: bool) -> KernelCode:
+def _forward(op: Operator, coefs: Coefficients, refs: References, spans: list[Span], only: bool) -> KernelCode:
     """``only``: span loops cover every row (no interior loops)."""
     loops, covered = ([], set()) if only else _forward_loops(op, coefs)
     straight = covered | _covered(spans)
-    span_loops = _span_forward(coefs, spans)
-    body = _loads(goal=op.n_goal)
-    for line, row in zip(_forward_lines(op, coefs), op.rows):
+    span_loops = _span_forward(coefs, refs, spans)
+    body = refs.loads(op.columns)
+    for line, row in zip(_forward_lines(op, coefs, refs), op.rows):
         if (row.k, row.h) in span_loops:
             body.append(span_loops[(row.k, row.h)])
         if (row.k, row.h) not in straight:
@@ -835,7 +810,8 @@ def _forward(op: Operator, coefs: Coefficients, spans: list[Span], only: bool) -
     return KernelCode(TABLE_CALL, _shallow_first(body), loops)
 
 
-def _adjoint(op: Operator, coefs: Coefficients, spans: list[Span], only: bool, reads: bool = False) -> KernelCode:
+def _adjoint(op: Operator, coefs: Coefficients, refs: References, spans: list[Span], only: bool,
+             reads: bool = False) -> KernelCode:
     """``reads`` (stencils only): each row's gradient is its incoming one, read where it is used
     rather than held in a local for the whole body (CUDA: fewer registers). Span loops (over
     every row, interior rows also read boundary actions) gather the gradients of the inputs the
@@ -849,13 +825,13 @@ def _adjoint(op: Operator, coefs: Coefficients, spans: list[Span], only: bool, r
                 contributions[ref].append(coefs.term(c, Read(f"G{row.k}", (row.h,))))
     else:
         lines, contributions = _adjoint_lines(op, coefs, spanned)
-    gathered, done = _span_adjoint(coefs, spans, lambda ref: ref[0] != "u" or ref[1] not in covered,
-                                   lambda ref, acc: _gradient(ref, (*contributions.get(ref, []), Term(None, acc))),
+    gathered, done = _span_adjoint(coefs, refs, spans, lambda ref: refs.has_gradient(ref) and not (
+                                       is_action(ref) and ref[1] in covered),
+                                   lambda ref, acc: refs.gradient(ref, (*contributions.get(ref, []), Term(None, acc))),
                                    lambda ref: contributions.pop(ref, []))
     lines += gathered
-    refs = [("u", j) for j in range(op.n_actions) if j not in covered]
-    refs += [("s", m) for m in range(4)] + [("g", m) for m in range(op.n_goal)]
-    lines += [_gradient(ref, tuple(contributions.get(ref, []))) for ref in refs if ref not in done]
+    inputs = [ref for ref in refs.differentiable(op.n_actions, op.columns) if not (is_action(ref) and ref[1] in covered)]
+    lines += [refs.gradient(ref, tuple(contributions.get(ref, []))) for ref in inputs if ref not in done]
     lines = _shallow_first(lines)
     return KernelCode(TABLE_CALL, _live(lines) if covered or spans else lines, loops)
 
@@ -884,7 +860,8 @@ def _live(lines: list[Statement], used: set = frozenset()) -> list[Statement]:
     return kept[::-1]
 
 
-def _dt_vjp(op: Operator, coefs: Coefficients, spans: list[Span] = (), only: bool = False) -> KernelCode:
+def _dt_vjp(op: Operator, coefs: Coefficients, refs: References, spans: list[Span] = (), only: bool = False
+            ) -> KernelCode:
     """GC(q) += Σ yb_row · value over the uses of each dt-dependent coefficient (summed over
     columns); dt_vjp_finish then maps GC to the dt gradient through the coefficient program.
     A stencil's interior rows accumulate in loops (none with ``only``), its spans' rows in span
@@ -892,12 +869,12 @@ def _dt_vjp(op: Operator, coefs: Coefficients, spans: list[Span] = (), only: boo
     is its incoming gradient, read where it is used (nothing held across the body: few registers
     at any horizon). An integrator's is the rolled reverse sweep of ``_integrator_dt_vjp``."""
     if not _is_stencil(op):
-        return _integrator_dt_vjp(op, coefs)
+        return _integrator_dt_vjp(op, coefs, refs)
     loops, covered = ([], set()) if only else _dt_vjp_loops(op, coefs)
     spans = _dt_spans(coefs, list(spans))
     covered = covered | _covered(spans)
-    body = _loads(goal=op.n_goal)
-    for (k, start), loop in _span_loops(spans, functools.partial(_span_products, coefs)).items():
+    body = refs.loads(op.columns)
+    for (k, start), loop in _span_loops(spans, functools.partial(_span_products, coefs, refs)).items():
         statements, init, finish = _sum_locally(list(loop.body), lambda q: f"acc{k}_{start}_{q}")
         body += [*init, dataclasses.replace(loop, body=tuple(statements)), *finish]
     # one statement per coefficient and ACC_ROWS rows, so the values a statement reads are shared
@@ -908,7 +885,7 @@ def _dt_vjp(op: Operator, coefs: Coefficients, spans: list[Span] = (), only: boo
             continue
         for c, ref in row.terms:
             if coefs.varies(c):
-                uses[(i // ACC_ROWS, coefs.index(c))].append(Mul(Read(f"G{row.k}", (row.h,)), _var(ref)))
+                uses[(i // ACC_ROWS, coefs.index(c))].append(Mul(Read(f"G{row.k}", (row.h,)), refs.value(ref)))
     body += _accumulations([(q, tuple(parts)) for (_, q), parts in uses.items()])
     return KernelCode(TABLE_CALL, body, loops)
 
@@ -950,7 +927,7 @@ def _accumulations(sums: list[tuple[int, tuple]]) -> list[Statement]:
     return out
 
 
-def _integrator_dt_vjp(op: Operator, coefs: Coefficients) -> KernelCode:
+def _integrator_dt_vjp(op: Operator, coefs: Coefficients, refs: References) -> KernelCode:
     """A recurrence's dt_vjp as the adjoint's reverse sweep, rolled into loops over the rows
     (codegen/roll.py): the values the dt-dependent coefficients multiply are read from the
     forward's outputs (``YV<k>``, the launcher runs the forward first), so the column holds a
@@ -958,7 +935,7 @@ def _integrator_dt_vjp(op: Operator, coefs: Coefficients) -> KernelCode:
     fixed along the rows (uniform dt) is summed in a local double and added to ``ACC`` once,
     after the loops: on CUDA each ``ACC`` statement is a block-wide reduction."""
     slot = lambda c: coefs.index(c) if coefs.varies(c) else None
-    statements, init, finish = _sum_locally(_loads() + roll.render(roll.dt_vjp_groups(op, coefs.term, slot)),
+    statements, init, finish = _sum_locally(refs.loads(op.columns) + roll.render(roll.dt_vjp_groups(op, refs, coefs.term, slot)),
                                             lambda q: f"acc{q}")
     return KernelCode(TABLE_CALL, _live(init + statements + finish))
 
@@ -975,26 +952,28 @@ ACC_ROWS = 16
 ROLL_DT_JVP_ROWS = 256
 
 
-def _dt_jvp(op: Operator, coefs: Coefficients, spans: list[Span] = (), only: bool = False) -> KernelCode:
+def _dt_jvp(op: Operator, coefs: Coefficients, refs: References, spans: list[Span] = (), only: bool = False
+            ) -> KernelCode:
     """Tangent: ty = Σ (ċ · value + c · tangent), ċ = Σ_m ∂c/∂dt_m · ddt_m. A stencil's interior
     rows are loops (none with ``only``), its spans' rows span loops; each other row's tangent
     follows its value (rows are in evaluation order), so only a few rows' values are live at once."""
     # a recurrence with per-step coefficients, or a long one: rolled
     if not _is_stencil(op) and (coefs.runs or len(op.rows) > ROLL_DT_JVP_ROWS):
-        return KernelCode(coefs.tangent_preamble(), _loads(tangent=True) + roll.render(
-            roll.tangent_groups(op, coefs.term, functools.partial(_tangent_terms, coefs))))
+        return KernelCode(coefs.tangent_preamble(), refs.loads(op.columns, tangent=True) + roll.render(
+            roll.tangent_groups(op, refs, coefs.term, functools.partial(_tangent_terms, coefs))))
     loops, covered = ([], set()) if only else _dt_jvp_loops(op, coefs)
     spans = _dt_spans(coefs, list(spans))
     covered = covered | _covered(spans)
-    span_loops = _span_loops(spans, functools.partial(_span_tangent, coefs))
-    body = _loads(tangent=True, goal=op.n_goal)
-    for line, row in zip(_forward_lines(op, coefs), op.rows):
+    span_loops = _span_loops(spans, functools.partial(_span_tangent, coefs, refs))
+    body = refs.loads(op.columns, tangent=True)
+    for line, row in zip(_forward_lines(op, coefs, refs), op.rows):
         if (row.k, row.h) in span_loops:
             body.append(span_loops[(row.k, row.h)])
         if (row.k, row.h) in covered:
             continue
         body.append(line)
-        parts = tuple(t for c, ref in row.terms for t in _tangent_terms(coefs, c, _var(ref), _var(ref, "t")))
+        parts = tuple(t for c, ref in row.terms
+                      for t in _tangent_terms(coefs, c, refs.value(ref), refs.value(ref, tangent=True)))
         body.append(Def(Val("ty", row.k, row.h), Sum(parts)))
         body.append(Call(f"TY{row.k}", (row.h,), Val("ty", row.k, row.h)))
     # a stencil's rows read no row: only their tangents are used (gcc and nvcc warned of the values)
@@ -1004,9 +983,11 @@ def _dt_jvp(op: Operator, coefs: Coefficients, spans: list[Span] = (), only: boo
 class LoweredOperator:
     """The statements of an operator's kernels, each lowered on first use."""
 
-    def __init__(self, op: Operator, per_trajectory: bool = False):
+    def __init__(self, op: Operator, table: ArgumentTable):
         self.op = op
-        self.coefs = Coefficients(op, per_trajectory)
+        self.arguments = table
+        self.refs = References(table)
+        self.coefs = Coefficients(op, table.dt.shape == ("B",))
         self.n_dt = len(op.dt_symbols)
         # the span loops first: their blocks of copies are part of the table every kernel sizes
         self.only = _spans_only(op)
@@ -1046,11 +1027,11 @@ class LoweredOperator:
 
     @functools.cached_property
     def forward(self) -> KernelCode:
-        return _forward(self.op, self.coefs, self.spans["forward"], self.only)
+        return _forward(self.op, self.coefs, self.refs, self.spans["forward"], self.only)
 
     @functools.cached_property
     def adjoint(self) -> KernelCode:
-        return _adjoint(self.op, self.coefs, self.spans["adjoint"], self.only)
+        return _adjoint(self.op, self.coefs, self.refs, self.spans["adjoint"], self.only)
 
     @functools.cached_property
     def gathered_adjoint(self) -> KernelCode:
@@ -1071,7 +1052,7 @@ class LoweredOperator:
         for CUDA: span loops only where the period is above 1 (see _spans_only)."""
         if not _is_stencil(self.op):
             return None
-        return _adjoint(self.op, self.coefs, self.spans["adjoint"], self.only, reads=True)
+        return _adjoint(self.op, self.coefs, self.refs, self.spans["adjoint"], self.only, reads=True)
 
     # The forward and adjoint columns of an integrator with the recurrence's repeating rows as one
     # loop (None for stencils), for the C lane form at long horizons: their length does not grow
@@ -1079,15 +1060,16 @@ class LoweredOperator:
     # dof; with an inner loop over rows it no longer does.
     @functools.cached_property
     def forward_rolled(self) -> list[Statement] | None:
-        return None if _is_stencil(self.op) else _loads() + roll.render(roll.forward_groups(self.op, self.coefs.term))
+        return None if _is_stencil(self.op) else self.refs.loads(self.op.columns) + roll.render(
+            roll.forward_groups(self.op, self.refs, self.coefs.term))
 
     @functools.cached_property
     def adjoint_rolled(self) -> list[Statement] | None:
-        return None if _is_stencil(self.op) else roll.render(*roll.adjoint_groups(self.op, self.coefs.term))
+        return None if _is_stencil(self.op) else roll.render(*roll.adjoint_groups(self.op, self.refs, self.coefs.term))
 
     @functools.cached_property
     def dt_vjp(self) -> KernelCode:
-        return _dt_vjp(self.op, self.coefs, self.spans["dt"], self.only)
+        return _dt_vjp(self.op, self.coefs, self.refs, self.spans["dt"], self.only)
 
     @functools.cached_property
     def dt_vjp_finish(self) -> KernelCode:
@@ -1095,11 +1077,11 @@ class LoweredOperator:
 
     @functools.cached_property
     def dt_jvp(self) -> KernelCode:
-        return _dt_jvp(self.op, self.coefs, self.spans["dt"], self.only)
+        return _dt_jvp(self.op, self.coefs, self.refs, self.spans["dt"], self.only)
 
 
-def lower(op: Operator, per_trajectory: bool = False) -> LoweredOperator:
-    """Lower an operator; each kernel's statements are produced when first asked for.
-    ``per_trajectory``: each trajectory has its own dt, so the C kernels run the coefficient
-    program per trajectory (a long one as a loop over its monomials: see Coefficients.monomials)."""
-    return LoweredOperator(op, per_trajectory)
+def lower(op: Operator, table: ArgumentTable) -> LoweredOperator:
+    """Lower an operator over its spec's argument table; each kernel's statements are produced when
+    first asked for. A dt per trajectory (dt [B]) makes the C kernels run the coefficient program per
+    trajectory (a long one as a loop over its monomials: see Coefficients.monomials)."""
+    return LoweredOperator(op, table)

@@ -1,11 +1,13 @@
 """The operator IR: an affine straight-line program over one (batch, dof) column.
 
 Every variant — finite-difference stencils, integration recurrences, cuRobo's legacy
-kernels — is expressed as an ordered list of rows ``Y[k][h] = Σ coeff(dt) · ref``, where a
-ref is an action ``("u", j)``, a start-state entry ``("s", m)`` (p0, v0, a0, j0), a
-goal-state entry ``("g", m)`` (gp, gv, ga, gj; end="goal" only) or an earlier row ``("y", k, h)``. Coefficients are SymPy expressions in the step-duration
-symbols. The adjoint (reverse accumulation), the dt-derivatives and the dense matrices are
-all derived from this one description.
+kernels — is expressed as an ordered list of rows ``Y[k][h] = Σ coeff · ref``, where a ref
+is a row of an input argument of the spec's argument table (codegen/arguments.py),
+``(argument, row)``: an action ``("u", j)``, a start-state entry ``("p0", 0)`` … ``("j0", 0)``
+(``start(m)``), a goal-state entry ``("gp", 0)`` … (``goal(m)``; end="goal" only), any other
+input a table adds; or an earlier output row ``("y", k, h)``. Coefficients are SymPy
+expressions in the step-duration symbols. The adjoint (reverse accumulation), the
+dt-derivatives and the dense matrices are all derived from this one description.
 """
 from __future__ import annotations
 
@@ -17,11 +19,44 @@ import numpy as np
 import sympy as sp
 from sympy.core.function import AppliedUndef
 
-Ref = tuple  # ("u", j) | ("s", m) | ("g", m) | ("y", k, h)
+from .arguments import GOAL_NAMES, KERNEL, START_NAMES, ArgumentTable
+
+Ref = tuple  # (argument, row) | ("y", k, h)
 Term = tuple  # (coefficient: sp.Expr, ref: Ref)
 
-N_START = 4  # p0, v0, a0, j0
-N_GOAL = 4  # gp, gv, ga, gj
+N_START = len(START_NAMES)  # p0, v0, a0, j0
+N_GOAL = len(GOAL_NAMES)  # gp, gv, ga, gj
+ROW = "y"  # the first entry of a reference to an earlier output row
+ACTION = "u"  # the actions' (a B-spline's knots') argument
+
+
+def action(j: Any) -> Ref:
+    """Action row j (a knot, for a B-spline)."""
+    return (ACTION, j)
+
+
+def start(m: int) -> Ref:
+    """Entry m of the start state (p0, v0, a0, j0)."""
+    return (START_NAMES[m], 0)
+
+
+def goal(m: int) -> Ref:
+    """Entry m of the goal state (gp, gv, ga, gj)."""
+    return (GOAL_NAMES[m], 0)
+
+
+def is_row(ref: Ref) -> bool:
+    return ref[0] == ROW
+
+
+def is_action(ref: Ref) -> bool:
+    return ref[0] == ACTION
+
+
+def reads(table: ArgumentTable) -> tuple[tuple[str, int], ...]:
+    """The inputs an operator over this table may read, with their rows per trajectory, in table
+    order: the actions (N rows), then every [rows, D] input (one row each)."""
+    return tuple((a.name, table.size(a.shape[1]) if a.layout else 1) for a in table.tensors if a.dtype == KERNEL)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,8 +80,23 @@ class Operator:
     #: Named intermediate quantities (e.g. node times), in dependency order; coefficients
     #: may use these symbols. Kept as short lines so that they are differentiated line by line.
     program: list[tuple[sp.Symbol, sp.Expr]] = dataclasses.field(default_factory=list)
-    #: Entries of the goal state the rows read (N_GOAL with end="goal", else 0).
-    n_goal: int = 0
+    #: The input arguments the rows may read, with their rows per trajectory, in the argument
+    #: table's order (``reads(table)``); the default is a step without a goal.
+    inputs: tuple[tuple[str, int], ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.inputs:
+            self.inputs = ((ACTION, self.n_actions),) + tuple((name, 1) for name in START_NAMES)
+
+    @property
+    def n_goal(self) -> int:
+        """Entries of the goal state the operator reads (N_GOAL with end="goal", else 0)."""
+        return sum(1 for name, _ in self.inputs if name in GOAL_NAMES)
+
+    @property
+    def columns(self) -> tuple[str, ...]:
+        """The inputs of one row per trajectory (read once per column), in table order."""
+        return tuple(name for name, _ in self.inputs if name != ACTION)
 
     @property
     def n_outputs(self) -> int:
@@ -61,13 +111,9 @@ class Operator:
                     seen.setdefault(coef, None)
         return list(seen)
 
-    def dense(self, dt_values: Sequence[float]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Dense float64 matrices (M_u [K, H, N], M_s [K, H, 4], M_g [K, H, n_goal]) at numeric
-        step durations.
-
-        Y_k = M_u[k] @ u + M_s[k] @ s + M_g[k] @ g for one column, s = (p0, v0, a0, j0),
-        g = (gp, gv, ga, gj) (M_g has no columns without a goal).
-        """
+    def dense_inputs(self, dt_values: Sequence[float]) -> dict[str, np.ndarray]:
+        """Dense float64 matrices at numeric step durations, one per input argument: M_a [K, H, rows],
+        so that Y_k = Σ_a M_a[k] @ a for one column (a's rows: the N actions, or one)."""
         coefs = self.coefficients()
         env = dict(zip(self.dt_symbols, (float(v) for v in dt_values)))
         for sym, expr in self.program:
@@ -76,26 +122,31 @@ class Operator:
         values = sp.lambdify(args, coefs, "math")(*env.values()) if coefs else []
         value_of = {c: float(v) for c, v in zip(coefs, values)}
         value_of[sp.Integer(1)], value_of[sp.Integer(-1)] = 1.0, -1.0
-        width = self.n_actions + N_START + self.n_goal
-        rows: dict[tuple[int, int], np.ndarray] = {}
+        offsets, width = {}, 0
+        for name, rows in self.inputs:
+            offsets[name], width = width, width + rows
+        vectors: dict[tuple[int, int], np.ndarray] = {}
         for row in self.rows:
             vec = np.zeros(width)
             for coef, ref in row.terms:
-                vec += value_of[coef] * self._ref_vector(ref, rows, width)
-            rows[(row.k, row.h)] = vec
+                if is_row(ref):
+                    vec += value_of[coef] * vectors[(ref[1], ref[2])]
+                else:
+                    vec[offsets[ref[0]] + ref[1]] += value_of[coef]
+            vectors[(row.k, row.h)] = vec
         out = np.zeros((self.n_outputs, self.horizon, width))
-        for (k, h), vec in rows.items():
+        for (k, h), vec in vectors.items():
             out[k, h] = vec
-        n, s = self.n_actions, self.n_actions + N_START
-        return out[:, :, :n], out[:, :, n:s], out[:, :, s:]
+        return {name: out[:, :, offsets[name]:offsets[name] + rows] for name, rows in self.inputs}
 
-    def _ref_vector(self, ref: Ref, rows: dict, width: int) -> np.ndarray:
-        if ref[0] == "y":
-            return rows[(ref[1], ref[2])]
-        vec = np.zeros(width)
-        offset = {"u": 0, "s": self.n_actions, "g": self.n_actions + N_START}[ref[0]]
-        vec[offset + ref[1]] = 1.0
-        return vec
+    def dense(self, dt_values: Sequence[float]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The step's dense matrices (M_u [K, H, N], M_s [K, H, 4], M_g [K, H, n_goal]) at numeric
+        step durations: Y_k = M_u[k] @ u + M_s[k] @ s + M_g[k] @ g for one column,
+        s = (p0, v0, a0, j0), g = (gp, gv, ga, gj) (M_g has no columns without a goal)."""
+        m = self.dense_inputs(dt_values)
+        empty = np.zeros((self.n_outputs, self.horizon, 0))
+        state = lambda names: np.concatenate([m[n] for n in names if n in m] or [empty], axis=2)
+        return m[ACTION], state(START_NAMES), state(GOAL_NAMES)
 
 
 def combine(terms: Iterable[Term]) -> tuple[Term, ...]:
@@ -120,14 +171,14 @@ def step_durations(symbols: Sequence[sp.Symbol], horizon: int) -> list[sp.Symbol
 
 def start_rows(order: int) -> list[Row]:
     """Row 0 of each output is the start state as given (snap starts at zero)."""
-    return [Row(k, 0, ((sp.Integer(1), ("s", k)),) if k < N_START else ()) for k in range(order + 1)]
+    return [Row(k, 0, ((sp.Integer(1), start(k)),) if k < N_START else ()) for k in range(order + 1)]
 
 
 def row_ref(k: int, h: int) -> list[Term]:
     """Terms that stand for Y[k][h]; row 0 is the start state itself (so no row dependency)."""
     if h == 0:
-        return [(sp.Integer(1), ("s", k))] if k < N_START else []
-    return [(sp.Integer(1), ("y", k, h))]
+        return [(sp.Integer(1), start(k))] if k < N_START else []
+    return [(sp.Integer(1), (ROW, k, h))]
 
 
 def scaled(terms: Iterable[Term], factor: sp.Expr) -> list[Term]:

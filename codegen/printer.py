@@ -2,8 +2,8 @@
 
 One printer class, two vocabularies: ``COLUMN`` prints a (batch, dof) column over the
 scalar macros (``U``, ``S0``, ``Y0``, ``G0``, ``GU``, ``GS0``, ``ZERO``, type ``T``), the form
-both templates run per column; ``LANES`` prints the same statements as one vector over all
-dof lanes, for the C template's lane form (``VU``, ``VS0``, ..., ``VZERO``, type ``VT``).
+both templates run per column; ``lane_printer`` prints the same statements as one vector over
+all dof lanes, for the C template's lane form (``VU``, ``VS0``, ..., ``VZERO``, type ``VT``).
 """
 from __future__ import annotations
 
@@ -56,14 +56,18 @@ def _index(i: Any) -> str:
     return str(i)
 
 
-_LANE_MACROS = {"U", "DU", "GU", *(f"{x}{m}" for x in ("S", "DS", "GS", "E", "DE", "GE") for m in range(4))}
+def lane_printer(names: frozenset[str]) -> "Printer":
+    """The lane form's printer, where ``names`` are the input macros with a lane form (their table's,
+    codegen/macros.py ``lane_names``): those, the output stores and tangent stores (``Y<k>``,
+    ``TY<k>``) and the output gradient reads (``G<k>``) print with a ``V`` prefix."""
+    def lane_macro(name: str) -> str:
+        lane = name in names or (name.rstrip("0123456789") in ("Y", "G", "TY") and name[-1:].isdigit())
+        return "V" + name if lane else name
+
+    return _lane_printers.setdefault(names, Printer(lane_macro, "VT", "VZERO"))
 
 
-def _lane_macro(name: str) -> str:
-    """The lane form's macro for a column macro: inputs and their tangents, output and tangent
-    stores, gradient reads."""
-    lane = name in _LANE_MACROS or (name.rstrip("0123456789") in ("Y", "G", "TY") and name[-1:].isdigit())
-    return "V" + name if lane else name
+_lane_printers: dict[frozenset[str], "Printer"] = {}
 
 
 class Printer:
@@ -138,4 +142,3 @@ class Printer:
 
 
 COLUMN = Printer()
-LANES = Printer(_lane_macro, "VT", "VZERO")

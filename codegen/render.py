@@ -9,10 +9,10 @@ from typing import Any
 import jinja2
 
 from ..version import __version__
-from . import abi, monomials, tape
+from . import abi, macros, monomials, tape
 from .arguments import ArgumentTable
 from .lower import LoweredOperator
-from .printer import LANES
+from .printer import lane_printer
 from .statements import Read, Shift, walk
 from .targets import TABLE_KERNELS, Target
 
@@ -90,7 +90,7 @@ def _lane_actions(bodies: dict[str, tuple[Any, list[str]]], n_actions: int) -> t
     return tuple(k for k, (statements, _) in bodies.items() if _rereads_actions(statements, n_actions))
 
 
-def _lane_bodies(code: LoweredOperator, kernels: tuple) -> dict[str, tuple[Any, list[str]]]:
+def _lane_bodies(code: LoweredOperator, kernels: tuple, table: ArgumentTable) -> dict[str, tuple[Any, list[str]]]:
     """The forward and adjoint columns in the lane form: straight-line where that is short
     enough, else (an integrator's long horizon) rolled into a loop over the rows. Straight-line
     is preferred: all of a column's loads are known up front, which keeps more memory traffic
@@ -104,7 +104,7 @@ def _lane_bodies(code: LoweredOperator, kernels: tuple) -> dict[str, tuple[Any, 
             statements = getattr(code, k).statements
             if len(getattr(code, k).body) > ROLL_ABOVE_LINES and k != "dt_jvp":
                 statements = getattr(code, f"{k}_rolled") or statements  # built on demand
-            lines = LANES.lines(statements)
+            lines = lane_printer(macros.lane_names(table)).lines(statements)
             if len(lines) <= LANE_MAX_LINES:
                 bodies[k] = statements, lines
     return bodies
@@ -198,7 +198,7 @@ def render(spec: Any, code: LoweredOperator, table: ArgumentTable, target: Targe
     u = strides(spec.layout, spec.n_actions, spec.dof)
     y = strides(spec.layout, spec.horizon, spec.dof)
     lane_form = lanes(spec) if target.lanes else None
-    lane_bodies = _lane_bodies(code, kernels) if lane_form else {}
+    lane_bodies = _lane_bodies(code, kernels, table) if lane_form else {}
     programs = _long_programs(code, kernels, table.dt.shape == ("B",)) if target.split_programs else {}
     units = abi.units(part)
     if bool(table.values) == code.stencil:
@@ -212,7 +212,14 @@ def render(spec: Any, code: LoweredOperator, table: ArgumentTable, target: Targe
         ctype=ctype,
         H=spec.horizon, N=spec.n_actions, D=spec.dof, n_dt=code.n_dt, n_coef=code.n_coefficients,
         order=spec.order,
-        goal=any(a.role == "goal" for a in table.inputs),
+        column_macros=macros.column(table),
+        lane_macros=macros.lanes(table),
+        zero_tangent_macros=macros.zero_tangents(table),
+        lane_zero_tangent_macros=macros.lane_zero_tangents(table),
+        tangent_bases=macros.tangent_bases(table, target.restrict),
+        index_rows=macros.rows(table),
+        null_indices=macros.null_indices(table, "0" if target.device else "NULL"),
+        base_lines=macros.bases(table),
         per_trajectory=table.dt.shape == ("B",),
         layout=spec.layout,
         u_sb=u[0], u_sh=u[1], u_sd=u[2], y_sb=y[0], y_sh=y[1], y_sd=y[2],

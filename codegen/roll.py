@@ -23,7 +23,8 @@ from typing import Any, Callable
 
 import sympy as sp
 
-from .operator import Operator
+from .operator import Operator, action, is_action, is_row
+from .references import References
 from .statements import (Add, Call, Cast, Def, For, Mul, Paren, Read, Rel, Statement, Store, Strided, Sum, Term, Val,
                          Var, place, transform, walk)
 
@@ -44,39 +45,39 @@ class NotRollable(Exception):
     """A rolled rendering would read a value no statement defines (the caller goes straight-line)."""
 
 
-def _relative(ref: tuple, h: int, prefix: str) -> Any:
-    if ref[0] == "u":
-        return Read("U", (Rel(ref[1] - h),))
-    if ref[0] == "s":
-        return Var(f"s{ref[1]}")
-    return Val(prefix, ref[1], Rel(ref[2] - h))
+def _relative(refs: References, ref: tuple, h: int, tangent: bool = False) -> Any:
+    """A reference's value (its tangent with ``tangent``) with positions relative to row h."""
+    if is_row(ref):
+        return Val("ty" if tangent else "y", ref[1], Rel(ref[2] - h))
+    if is_action(ref):
+        return _at(refs.value(ref, tangent), h)
+    return refs.value(ref, tangent)
 
 
-def forward_groups(op: Operator, term: TermOf) -> list[Group]:
+def _at(node: Read | Call, h: int) -> Read | Call:
+    """An action's read or gradient store with its row relative to row h."""
+    return dataclasses.replace(node, args=(Rel(node.args[0] - h),) + tuple(node.args[1:]))
+
+
+def forward_groups(op: Operator, refs: References, term: TermOf) -> list[Group]:
     """Forward: each row's value, then its store, grouped by row h in evaluation order."""
     groups: dict[int, Group] = {}
     for row in op.rows:
-        value = Sum(tuple(term(c, _relative(ref, row.h, "y")) for c, ref in row.terms))
+        value = Sum(tuple(term(c, _relative(refs, ref, row.h)) for c, ref in row.terms))
         own = Val("y", row.k, Rel(0))
         groups.setdefault(row.h, Group(row.h, [])).statements += [Def(own, value), Call(f"Y{row.k}", (Rel(0),), own)]
     return list(groups.values())
 
 
-def _tangent_ref(ref: tuple, h: int) -> Any:
-    if ref[0] == "u":
-        return Read("DU", (Rel(ref[1] - h),))
-    if ref[0] == "s":
-        return Var(f"ts{ref[1]}")
-    return Val("ty", ref[1], Rel(ref[2] - h))
-
-
-def tangent_groups(op: Operator, term: TermOf, tangent: Callable[[sp.Expr, Any, Any], list[Term]]) -> list[Group]:
+def tangent_groups(op: Operator, refs: References, term: TermOf,
+                   tangent: Callable[[sp.Expr, Any, Any], list[Term]]) -> list[Group]:
     """dt_jvp: each row's value and its tangent ``tangent(coef, value, value's tangent)`` summed
     over its terms, then the tangent's store, grouped by row h in evaluation order."""
     groups: dict[int, Group] = {}
     for row in op.rows:
-        value = Sum(tuple(term(c, _relative(ref, row.h, "y")) for c, ref in row.terms))
-        dot = Sum(tuple(t for c, ref in row.terms for t in tangent(c, _relative(ref, row.h, "y"), _tangent_ref(ref, row.h))))
+        value = Sum(tuple(term(c, _relative(refs, ref, row.h)) for c, ref in row.terms))
+        dot = Sum(tuple(t for c, ref in row.terms
+                        for t in tangent(c, _relative(refs, ref, row.h), _relative(refs, ref, row.h, tangent=True))))
         own, tan = Val("y", row.k, Rel(0)), Val("ty", row.k, Rel(0))
         groups.setdefault(row.h, Group(row.h, [])).statements += [Def(own, value), Def(tan, dot),
                                                                   Call(f"TY{row.k}", (Rel(0),), tan)]
@@ -115,35 +116,36 @@ def _reverse_groups(op: Operator, term: TermOf, readers: dict[tuple, list[tuple[
     return groups, gather
 
 
-def adjoint_groups(op: Operator, term: TermOf) -> tuple[list[Group], list[Statement]]:
+def adjoint_groups(op: Operator, refs: References, term: TermOf) -> tuple[list[Group], list[Statement]]:
     """Adjoint (reverse accumulation): groups from the last row h down; within a group the
     rows' total adjoints yb<k> in reverse order, then the action gradients this group
-    completes. The tail: actions no row reads, and the start-state gradients."""
+    completes. The tail: actions no row reads, and the gradients of the per-column inputs."""
     readers = _readers(op)
     done_at: dict[int, list[int]] = defaultdict(list)  # row h → actions whose last reader is at h
     for j in range(op.n_actions):
-        if readers.get(("u", j)):
-            done_at[min(h for _, _, h in readers[("u", j)])].append(j)
+        if readers.get(action(j)):
+            done_at[min(h for _, _, h in readers[action(j)])].append(j)
 
     def actions(h: int, rows: list, gather: Callable) -> list[Statement]:
-        return [Call("GU", (Rel(j - h),), gather(("u", j), h)) for j in done_at.get(h, [])]
+        return [_at(refs.gradient(action(j), gather(action(j), h).terms), h) for j in done_at.get(h, [])]
 
     groups, gather = _reverse_groups(op, term, readers, actions)
     # the tail is placed at h = 0, so its positions are absolute
-    tail: list[Statement] = [Call("GU", (Rel(j),), Sum(())) for j in range(op.n_actions) if not readers.get(("u", j))]
-    tail += [Call(f"GS{m}", (), gather(("s", m), 0)) for m in range(4)]
+    tail: list[Statement] = [_at(refs.gradient(action(j), ()), 0) for j in range(op.n_actions)
+                             if not readers.get(action(j))]
+    tail += [refs.gradient(ref, gather(ref, 0).terms) for ref in refs.differentiable(0, op.columns)]
     return groups, tail
 
 
-def _value(ref: tuple, h: int) -> Any:
-    """A ref's forward value, relative to row h: an action, a start entry, or an earlier row as
-    the forward wrote it (``YV<k>``, read from its output)."""
-    if ref[0] == "y":
+def _value(refs: References, ref: tuple, h: int) -> Any:
+    """A ref's forward value, relative to row h: an input, or an earlier row as the forward wrote
+    it (``YV<k>``, read from its output)."""
+    if is_row(ref):
         return Read(f"YV{ref[1]}", (Rel(ref[2] - h),))
-    return _relative(ref, h, "y")
+    return _relative(refs, ref, h)
 
 
-def dt_vjp_groups(op: Operator, term: TermOf, slot: Callable[[sp.Expr], int | None]) -> list[Group]:
+def dt_vjp_groups(op: Operator, refs: References, term: TermOf, slot: Callable[[sp.Expr], int | None]) -> list[Group]:
     """dt_vjp: the adjoint's reverse sweep, where each group then adds, for every dt-dependent
     coefficient of its rows (``slot(coef)``: its table slot, None for the others), the sum of
     row adjoint times the value the coefficient multiplies to ``ACC(slot)``. Values are read
@@ -154,7 +156,7 @@ def dt_vjp_groups(op: Operator, term: TermOf, slot: Callable[[sp.Expr], int | No
             for c, ref in row.terms:
                 q = slot(c)
                 if q is not None:
-                    parts[q].append(Mul(Val("yb", row.k, Rel(0)), _value(ref, h)))
+                    parts[q].append(Mul(Val("yb", row.k, Rel(0)), _value(refs, ref, h)))
         return [Store(Read("ACC", (q,)), Cast("double", Paren(Add(tuple(p)))), "+=") for q, p in parts.items()]
     return _reverse_groups(op, term, _readers(op), uses)[0]
 

@@ -8,8 +8,9 @@ from typing import Callable
 import sympy as sp
 
 from .builders import register
-from .operator import (N_GOAL, N_START, Operator, Row, Term, apply, combine, dt_symbols, formula, row_ref, scaled,
-                       start_rows, step_durations)
+from .arguments import table
+from .operator import (N_GOAL, N_START, Operator, Row, Term, action, apply, combine, dt_symbols, formula, goal, reads,
+                       row_ref, scaled, start, start_rows, step_durations)
 from .spec import KernelSpec
 from .stencils import lagrange_weights, stencil_offsets, uniform_weights
 
@@ -22,7 +23,7 @@ def build_operator(spec: KernelSpec) -> Operator:
         goal = spec.end == "goal"
         points = PositionPoints(spec.horizon, step_durations(syms, spec.horizon), goal)
         rows = position_rows(spec, syms, points)
-        return Operator(spec.horizon, spec.order, spec.n_actions, syms, rows, points.program, N_GOAL if goal else 0)
+        return Operator(spec.horizon, spec.order, spec.n_actions, syms, rows, points.program, reads(table(spec)))
     rows = integration_rows(spec, syms)
     return Operator(spec.horizon, spec.order, spec.n_actions, syms, rows)
 
@@ -73,16 +74,16 @@ class PositionPoints:
         last = self.H - 1
         if self.goal and j >= last:  # q_{H-1+k} = gp + Σ_m (k·dt_{H-1})^m/m! · (gv, ga, gj)_m
             t = (j - last) * self.dts[last]
-            return [(sp.Integer(1), ("g", 0))] if j == last else \
-                [(t**m / math.factorial(m), ("g", m)) for m in range(N_GOAL)]
+            return [(sp.Integer(1), goal(0))] if j == last else \
+                [(t**m / math.factorial(m), goal(m)) for m in range(N_GOAL)]
         if j > last:
             j = last
         if j > 0:
-            return [(sp.Integer(1), ("u", j - 1))]
+            return [(sp.Integer(1), action(j - 1))]
         if j == 0:
-            return [(sp.Integer(1), ("s", 0))]
+            return [(sp.Integer(1), start(0))]
         t = j * self.dts[0]
-        return [(t**m / math.factorial(m), ("s", m)) for m in range(N_START)]
+        return [(t**m / math.factorial(m), start(m)) for m in range(N_START)]
 
     def time(self, j: int, h: int) -> sp.Expr:
         """t_j - t_h, built as a short sum of step durations (no O(H) cancellation)."""
@@ -134,7 +135,7 @@ def position_rows(spec: KernelSpec, syms: tuple[sp.Symbol, ...], pts: PositionPo
     rows = start_rows(spec.order)
     for h in range(1, H):
         if pts.goal and h == H - 1:  # row H-1 is the goal state as given (snap 0), as row 0 is the start
-            rows += [Row(k, h, ((sp.Integer(1), ("g", k)),) if k < N_GOAL else ()) for k in range(spec.order + 1)]
+            rows += [Row(k, h, ((sp.Integer(1), goal(k)),) if k < N_GOAL else ()) for k in range(spec.order + 1)]
             continue
         rows.append(Row(0, h, tuple(pts.value(h))))
         for k in range(1, spec.order + 1):
@@ -180,7 +181,7 @@ def integration_rows(spec: KernelSpec, syms: tuple[sp.Symbol, ...]) -> list[Row]
     dts = step_durations(syms, spec.horizon)
     rows = start_rows(spec.order)
     for h in range(1, spec.horizon):
-        rows.append(Row(c, h, ((sp.Integer(1), ("u", h - 1)),)))
+        rows.append(Row(c, h, ((sp.Integer(1), action(h - 1)),)))
         for k in range(c - 1, -1, -1):
             rows.append(Row(k, h, combine(integrate(k, c, h, dts[h]))))
         for k in range(c + 1, spec.order + 1):

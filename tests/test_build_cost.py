@@ -216,12 +216,14 @@ def test_program_derivatives_are_sympys():
     about ten times more): the same expressions as sp.diff, for every line and input."""
     import sympy as sp
 
+    from tensorstep.codegen.arguments import table
     from tensorstep.codegen.builders import build_operator
     from tensorstep.codegen.coefficients import partial
     from tensorstep.codegen.lower import lower
 
     for overrides in (*WIDE_BOUNDARIES, dict(control="jerk", integrator="exact", order=4)):
-        coefs = lower(build_operator(_spec(overrides, 16))).coefs
+        spec = _spec(overrides, 16)
+        coefs = lower(build_operator(spec), table(spec)).coefs
         lines = list(coefs.lines) + [line for run in coefs.runs for line in run.lines]
         for _, e in lines:
             for a in e.free_symbols | {sp.Symbol("absent")}:
@@ -363,6 +365,7 @@ def test_rows_share_the_relative_times_without_rebuilding_them(monkeypatch):
     """A row's node times relative to the row (sums of durations from it) are recognised by their
     terms: a longer horizon builds no more relative definitions, however many rows it has."""
     from tensorstep.codegen import coefficients
+    from tensorstep.codegen.arguments import table
     from tensorstep.codegen.builders import build_operator
     from tensorstep.codegen.lower import lower
 
@@ -372,7 +375,8 @@ def test_rows_share_the_relative_times_without_rebuilding_them(monkeypatch):
     counts = []
     for horizon in (40, 80):
         built.clear()
-        code = lower(build_operator(_spec(dict(difference="backward", accuracy=4, order=4), horizon)))
+        spec = _spec(dict(difference="backward", accuracy=4, order=4), horizon)
+        code = lower(build_operator(spec), table(spec))
         assert code.coefs.runs
         counts.append(len(built))
     assert counts[0] == counts[1]

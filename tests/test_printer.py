@@ -3,7 +3,7 @@
 The expected lines are written out by hand (the macros each template defines)."""
 from __future__ import annotations
 
-from tensorstep.codegen.printer import COLUMN, LANES
+from tensorstep.codegen.printer import COLUMN, lane_printer
 from tensorstep.codegen.statements import Call, Def, For, Read, Rel, Store, Strided, Sum, Term, Val, Var
 
 STATEMENTS = [
@@ -38,7 +38,10 @@ def test_column_vocabulary():
 
 
 def test_lane_vocabulary_renames_values_not_coefficients():
-    assert LANES.lines(STATEMENTS) == [
+    """The input macros given (a table's: codegen/macros.py lane_names) and the output stores and
+    gradient reads take the lane form; coefficients and other macros do not."""
+    lanes = lane_printer(frozenset({"U", "GU", "S0", "GS1"}))
+    assert lanes.lines(STATEMENTS) == [
         "const VT s0 = VS0;",
         "const VT y0_3 = VU(2)+C(1)*y0_2-s0;",
         "VY0(3, y0_3);",

@@ -10,8 +10,9 @@ import sympy as sp
 
 import tensorstep as ts
 from tensorstep.codegen import roll
+from tensorstep.codegen.arguments import table
 from tensorstep.codegen.lower import lower
-from tensorstep.codegen.operator import Operator, Row
+from tensorstep.codegen.operator import Operator, Row, action, start
 from tensorstep.codegen.printer import COLUMN
 from tensorstep.codegen.schemes import build_operator
 
@@ -20,7 +21,7 @@ ONE = sp.Integer(1)
 
 def rolled(op: Operator) -> tuple[list[str], list[str]]:
     """The rolled forward and adjoint columns, as the column form prints them."""
-    code = lower(op)
+    code = lower(op, table(ts.KernelSpec(horizon=op.horizon, dof=1, control="velocity")))
     return COLUMN.lines(code.forward_rolled), COLUMN.lines(code.adjoint_rolled)
 
 
@@ -47,10 +48,10 @@ def defined_before_use(lines: list[str]) -> bool:
 def chain(horizon: int, far_read: bool = False) -> Operator:
     """y1_h = U(h-1); y0_h = y0_(h-1) + c·y1_h; optionally the last row also reads y0 of a middle row."""
     c = sp.Symbol("dt", positive=True)
-    rows = [Row(0, 0, ((ONE, ("s", 0)),)), Row(1, 0, ((ONE, ("s", 1)),))]
+    rows = [Row(0, 0, ((ONE, start(0)),)), Row(1, 0, ((ONE, start(1)),))]
     for h in range(1, horizon):
-        rows.append(Row(1, h, ((ONE, ("u", h - 1)),)))
-        prev = ("s", 0) if h == 1 else ("y", 0, h - 1)
+        rows.append(Row(1, h, ((ONE, action(h - 1)),)))
+        prev = start(0) if h == 1 else ("y", 0, h - 1)
         terms = [(ONE, prev), (c, ("y", 1, h))]
         if far_read and h == horizon - 1:
             terms.append((c, ("y", 0, horizon // 2)))

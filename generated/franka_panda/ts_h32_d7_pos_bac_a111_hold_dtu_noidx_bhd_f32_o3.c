@@ -72,6 +72,8 @@ enum { H_ = 32, N_ = 31, D_ = 7, NDT_ = 1, NC_ = 15 };
 #define DDT(i) ddt_in[(i)]
 #define U(j) u[uo + (j) * U_SH]
 #define DU(j) (du ? du[uo + (j) * U_SH] : (T)0)
+/* inputs of one row of D per trajectory, at the row their index picks: value, tangent (0 when
+ * absent), gradient store (none when absent) */
 #define S0 p0[so]
 #define S1 v0[so]
 #define S2 a0[so]
@@ -119,14 +121,14 @@ enum { H_ = 32, N_ = 31, D_ = 7, NDT_ = 1, NC_ = 15 };
 #define ACC(m) acc[(m)]
 #define GC(q) gc[(q)]
 #define GDT(i) gdt[(i)]
-/* column bases: action (uo), output (yo), start row (so), per-batch start gradient (bo);
- * srow is the start row of batch element b (idx[b], or b), looked up once per b */
+/* column bases: action (uo), output (yo), per-batch input gradients (bo), and the row each index
+ * picks for the inputs it indexes (its entry for batch element b, or b), looked up once per b */
 #define COLUMN_BASES(b, d) \
     const int64_t uo = (b) * U_SB + (d) * U_SD; \
     const int64_t yo = (b) * Y_SB + (d) * Y_SD; \
-    const int64_t so = srow * D_ + (d); \
+    const int64_t so = srow * D_ + (d); (void)so; \
     const int64_t bo = (b) * D_ + (d); \
-    (void)uo; (void)yo; (void)so; (void)bo;
+    (void)uo; (void)yo; (void)bo;
 
 #if defined(__AVX512F__) && defined(__AVX512VL__) && !defined(TS_NO_LANES)
 /* Forward and adjoint columns as one masked 256-bit vector over the 7 dof of a row
@@ -150,11 +152,11 @@ typedef T VT __attribute__((vector_size(32)));
 #endif
 #define VU_LOAD(j) VLOAD(u + uo + (j) * U_SH)
 #define VU(j) VU_LOAD(j)
+#define VGU(j, v) VSTORE(gu + uo + (j) * U_SH, (v))
 #define VS0 VLOAD(p0 + so)
 #define VS1 VLOAD(v0 + so)
 #define VS2 VLOAD(a0 + so)
 #define VS3 (j0 ? VLOAD(j0 + so) : VZERO)
-#define VGU(j, v) VSTORE(gu + uo + (j) * U_SH, (v))
 #define VGS0(v) do { if (gp0) VSTORE(gp0 + bo, (v)); } while (0)
 #define VGS1(v) do { if (gv0) VSTORE(gv0 + bo, (v)); } while (0)
 #define VGS2(v) do { if (ga0) VSTORE(ga0 + bo, (v)); } while (0)
@@ -188,8 +190,8 @@ static T ts_zero_outputs[Y_SB];
 #define G3(h) gb3[d * Y_SD + (h) * Y_SH]
 #undef SG3
 #define SG3(rel) gb3[sy - b * Y_SB + (rel) * Y_SH]
-/* A missing input tangent reads zeros the same way, from per-batch-element bases (dub, ds<m>b,
- * de<m>b): "du ? du[i] : 0" in a vectorised loop became an AVX-512 load masked by du != NULL,
+/* A missing input tangent reads zeros the same way, from per-batch-element bases (dub, and
+ * ds0b, ... for the per-column inputs): "du ? du[i] : 0" in a vectorised loop became an AVX-512 load masked by du != NULL,
  * and a masked load from a null address costs a microcode assist every time, even with every
  * lane off (docs/benchmarks-history.md, twelfth session). */
 static T ts_zero_actions[U_SB];
@@ -366,7 +368,8 @@ static TS_BATCH_FUNCTION void ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_a
      * so it would reload and broadcast every coefficient in every vector iteration */
     T coef[NC_];
     for (int i = 0; i < NC_; ++i) coef[i] = coef_in[i];
-    const int64_t* idx = NULL; /* start gradients are per batch row; the runtime scatters them */
+    /* input gradients are per batch row; the runtime scatters them onto the rows an index picked */
+    const int64_t* idx = NULL;
     for (int64_t b = b_begin; b < b_end; ++b) {
         const int64_t srow = idx ? idx[b] : b;
         const T* restrict gb0 = g0 ? g0 + b * Y_SB : ts_zero_outputs;

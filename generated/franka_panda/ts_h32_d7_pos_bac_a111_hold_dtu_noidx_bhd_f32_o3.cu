@@ -24,6 +24,8 @@ enum { H_ = 32, N_ = 31, D_ = 7, NDT_ = 1, NC_ = 15 };
 #define DDT(i) ddt_in[(i)]
 #define U(j) u[uo + (j) * U_SH]
 #define DU(j) (du ? du[uo + (j) * U_SH] : (T)0)
+/* inputs of one row of D per trajectory, at the row their index picks: value, tangent (0 when
+ * absent), gradient store (none when absent) */
 #define S0 p0[so]
 #define S1 v0[so]
 #define S2 a0[so]
@@ -71,14 +73,14 @@ enum { H_ = 32, N_ = 31, D_ = 7, NDT_ = 1, NC_ = 15 };
 #define ACC(m) acc[(m)]
 #define GC(q) gc[(q)]
 #define GDT(i) gdt[(i)]
-/* column bases: action (uo), output (yo), start row (so), per-batch start gradient (bo);
- * srow is the start row of batch element b (idx[b], or b), looked up once per b */
+/* column bases: action (uo), output (yo), per-batch input gradients (bo), and the row each index
+ * picks for the inputs it indexes (its entry for batch element b, or b), looked up once per b */
 #define COLUMN_BASES(b, d) \
     const int64_t uo = (b) * U_SB + (d) * U_SD; \
     const int64_t yo = (b) * Y_SB + (d) * Y_SD; \
-    const int64_t so = srow * D_ + (d); \
+    const int64_t so = srow * D_ + (d); (void)so; \
     const int64_t bo = (b) * D_ + (d); \
-    (void)uo; (void)yo; (void)so; (void)bo;
+    (void)uo; (void)yo; (void)bo;
 
 
 /* the step coefficients from dt (double precision, stored as T): one thread */

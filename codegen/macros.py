@@ -1,0 +1,111 @@
+"""The kernels' per-argument C macros and lines, written from the argument table's rows.
+
+The lowered statements (codegen/references.py) read an input of one row of D per trajectory
+(a start or goal entry, or any input a table adds) through its stem: ``S0`` its value,
+``DS0`` its tangent, ``GS0(v)`` its gradient store. Here each row becomes those definitions,
+for the scalar column form (both templates) and the C template's lane form, together with the
+row an index picks per trajectory (``srow = idx ? idx[b] : b``) and the column bases. Nothing
+names an argument by hand: the templates print these lines.
+
+>>> from tensorstep.codegen.arguments import table
+>>> from tensorstep.codegen.spec import KernelSpec
+>>> t = table(KernelSpec(horizon=4, dof=2))
+>>> column(t)[:1] + column(t)[3:6]
+['#define S0 p0[so]', '#define S3 (j0 ? j0[so] : (T)0)', '#define DS0 (dp0 ? dp0[so] : (T)0)', '#define GS0(v) do { if (gp0) gp0[bo] = (v); } while (0)']
+>>> rows(t), bases(t)
+(['const int64_t srow = idx ? idx[b] : b;'], ['const int64_t so = srow * D_ + (d); (void)so;'])
+"""
+from __future__ import annotations
+
+from .arguments import Argument, ArgumentTable
+
+
+def _row(index: Argument) -> str:
+    return index.stem + "row"
+
+
+def _read(a: Argument, at: str, zero: str = "(T)0", load: str = "{p}[{at}]") -> str:
+    value = load.format(p=a.c_name, at=at)
+    return f"({a.c_name} ? {value} : {zero})" if a.nullable else value
+
+
+def column(table: ArgumentTable) -> list[str]:
+    """Value, tangent and gradient-store macros of the per-column inputs, for one (batch, dof) column:
+    a missing optional input reads 0, a missing tangent 0, a missing gradient is not stored."""
+    lines = [f"#define {a.macro} {_read(a, table.base(a))}" for a in table.columns]
+    for a in table.columns:
+        at = table.base(a)
+        lines.append(f"#define D{a.macro} ({a.tangent_name} ? {a.tangent_name}[{at}] : (T)0)")
+        if a.differentiable:
+            lines.append(f"#define G{a.macro}(v) do {{ if ({a.grad_name}) {a.grad_name}[bo] = (v); }} while (0)")
+    return lines
+
+
+def lanes(table: ArgumentTable) -> list[str]:
+    """The same inputs' value and gradient-store macros in the C lane form (all dof of a row at once)."""
+    lines = [f"#define V{a.macro} {_read(a, table.base(a), 'VZERO', 'VLOAD({p} + {at})')}" for a in table.columns]
+    lines += [f"#define VG{a.macro}(v) do {{ if ({a.grad_name}) VSTORE({a.grad_name} + bo, (v)); }} while (0)"
+              for a in table.columns if a.differentiable]
+    return lines
+
+
+def zero_tangents(table: ArgumentTable) -> list[str]:
+    """C dt_jvp: each input tangent read from a per-batch-element base (``tangent_bases``) that points
+    at zeros when the tangent is missing, so the loads stay unconditional and vectorise."""
+    lines = []
+    for a in table.columns:
+        lines += [f"#undef D{a.macro}", f"#define D{a.macro} {_tangent_base(a)}[{_tangent_at(table, a)}]"]
+    return lines
+
+
+def lane_zero_tangents(table: ArgumentTable) -> list[str]:
+    """``zero_tangents`` in the C lane form."""
+    return [f"#define VD{a.macro} VLOAD({_tangent_base(a)} + ({_tangent_at(table, a)}))" for a in table.columns]
+
+
+def _tangent_at(table: ArgumentTable, a: Argument) -> str:
+    return f"{table.base(a)} - {_base_row(table, a)} * D_"
+
+
+def _tangent_base(a: Argument) -> str:
+    return f"d{a.macro.lower()}b"
+
+
+def _base_row(table: ArgumentTable, a: Argument) -> str:
+    return _row(table.input(a.group)) if a.group else "b"
+
+
+def tangent_bases(table: ArgumentTable, restrict: str = "restrict") -> list[str]:
+    """The per-batch-element tangent bases of ``zero_tangents`` (``ts_zero_state``: D zeros)."""
+    return [f"const T* {restrict} {_tangent_base(a)} = {a.tangent_name} ? {a.tangent_name} + "
+            f"{_base_row(table, a)} * D_ : ts_zero_state;" for a in table.columns]
+
+
+def rows(table: ArgumentTable) -> list[str]:
+    """Each index's row of batch element b: the entry it gives, or b without one."""
+    return [f"const int64_t {_row(i)} = {i.c_name} ? {i.c_name}[b] : b;" for i in _used(table)]
+
+
+def null_indices(table: ArgumentTable, null: str = "NULL") -> list[str]:
+    """The adjoint takes no index (its gradients are one row per trajectory; the runtime adds them
+    onto the picked rows): each index is a null pointer there, so its row is b."""
+    return [f"const int64_t* {i.c_name} = {null};" for i in _used(table)]
+
+
+def bases(table: ArgumentTable) -> list[str]:
+    """The column base of each index's row (``so = srow * D_ + d``; some kernels read none)."""
+    return [f"const int64_t {i.stem}o = {_row(i)} * D_ + (d); (void){i.stem}o;" for i in _used(table)]
+
+
+def _used(table: ArgumentTable) -> list[Argument]:
+    """The index rows some per-column input is picked by."""
+    groups = {a.group for a in table.columns}
+    return [i for i in table.indices if i.name in groups]
+
+
+def lane_names(table: ArgumentTable) -> frozenset[str]:
+    """The column macros that have a lane form (``V`` + name): the action's and the per-column inputs'."""
+    names = {table.action.macro, "D" + table.action.macro, "G" + table.action.macro}
+    for a in table.columns:
+        names |= {a.macro, "D" + a.macro, "G" + a.macro}
+    return frozenset(names)
