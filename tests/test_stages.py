@@ -183,3 +183,36 @@ def test_show_stage_imports_no_torch(stage):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith(f"# {stage} ts_h8_d2_")
+
+
+def _macros_used(code, setup: bool = True) -> set[str]:
+    """Every macro the lowered kernels read or call (column form), over each kernel's variants
+    (``setup``: with the per-element kernels' setup, which CUDA runs in a kernel of its own)."""
+    from tensorstep.codegen.statements import Call, Read, walk
+
+    kernels = [code.forward, code.adjoint, code.gathered_adjoint, code.dt_vjp, code.dt_vjp_finish, code.dt_jvp,
+               code.adjoint_reads, code.forward_rolled, code.adjoint_rolled]
+    nodes = []
+    for k in kernels:
+        if k is None:
+            continue
+        if isinstance(k, list):  # a rolled column: statements
+            nodes.append(tuple(k))
+            continue
+        nodes += [tuple(k.setup) if setup or k is code.dt_vjp_finish else (), tuple(k.statements)]
+        nodes += [tuple(s) for loop in k.loops for s in (loop.statements, loop.init, loop.finish)]
+    return {n.macro for n in walk(tuple(nodes)) if isinstance(n, (Read, Call))}
+
+
+@pytest.mark.parametrize("case", [*SPECS, "goal_indexed", "per_trajectory"])
+def test_every_macro_the_statements_use_is_defined_by_each_template(case):
+    """The lowering names macros (``G0``, ``GS1``, ``ACC``, ...) that the templates define; a name
+    one side spells differently is found here, by name, rather than as a C compile error."""
+    overrides = {**SPECS, "goal_indexed": dict(horizon=8, dof=2, end="goal", goal_index=True, start_index=True),
+                 "per_trajectory": dict(horizon=9, dof=2, control="jerk", dt="per_trajectory")}[case]
+    g = generate(KernelSpec(**overrides), targets=("c", "cuda"), keep=True)
+    assert {"U", "GU", "G0", "Y0", "S0", "GS0"} <= _macros_used(g.stages.lowered)  # the walk sees the statements
+    for target in ("c", "cuda"):
+        used = _macros_used(g.stages.lowered, setup=target == "c")
+        defined = set(re.findall(r"^\s*#define\s+(\w+)", g.source(target), re.M))
+        assert used - defined == set(), target
