@@ -7,88 +7,100 @@ from typing import Any, Callable, Iterable
 import numpy as np
 import torch
 
-from .api import load, operator_matrices
+from ..codegen.arguments import INDEX, REQUIRED, ArgumentTable
+from ..codegen.builders import build_operator
+from .api import load
 from .cbackend import CompileError
 from .launch import DTYPES, CpuBackend, Launcher
 
 TOLERANCE = {"float32": 2e-5, "float64": 1e-10}
 
 
-def _inputs(spec: Any, B: int, rows: dict[str, int], seed: int = 0):
-    """Random float64 inputs: u [B, N, D]; start and goal states [rows, 4, D] (``rows["start"]``,
-    ``rows["goal"]``: B, or a table's row count when an index picks them); dt."""
-    gen = torch.Generator().manual_seed(seed)
-    dtype = DTYPES[spec.dtype]
-    N, D = spec.n_actions, spec.dof
-    u = torch.randn(B, N, D, generator=gen, dtype=torch.float64)
-    s = torch.randn(rows["start"], 4, D, generator=gen, dtype=torch.float64)
-    g = torch.randn(rows["goal"], 4, D, generator=gen, dtype=torch.float64)  # the goal state (end="goal")
+def _dt(spec: Any, B: int, gen: torch.Generator) -> torch.Tensor:
+    """Step durations: one value, or random ones (per step or per trajectory)."""
     n_dt = B if getattr(spec, "dt", "") == "per_trajectory" else spec.n_dt
-    dt = torch.full((1,), 0.05, dtype=torch.float64) if n_dt == 1 else 0.03 + 0.04 * torch.rand(n_dt, generator=gen, dtype=torch.float64)
-    return u, s, g, dt, dtype
+    if n_dt == 1:
+        return torch.full((1,), 0.05, dtype=torch.float64)
+    return 0.03 + 0.04 * torch.rand(n_dt, generator=gen, dtype=torch.float64)
 
 
-def _indices(launcher: Launcher, B: int, seed: int = 3) -> dict[str, torch.Tensor]:
-    """A row per trajectory for each index the spec takes (start_index, goal_index), keyed by the
-    role of the states it picks: rows of a table of B + 2, shuffled, some picked twice."""
+def _values(table: ArgumentTable, B: int, picks: dict[str, torch.Tensor], gen: torch.Generator
+            ) -> dict[str, torch.Tensor]:
+    """Random float64 values of every input the operator reads, by name: the actions [B, N, D] (bhd),
+    and each [rows, D] input, a table of B + 2 rows where an index picks its rows, else B."""
+    D = table.size("D")
+    values = {table.action.name: torch.randn(B, table.size("N"), D, generator=gen, dtype=torch.float64)}
+    for arg in table.columns:
+        values[arg.name] = torch.randn(B + 2 if arg.index in picks else B, D, generator=gen, dtype=torch.float64)
+    return values
+
+
+def _indices(table: ArgumentTable, B: int, seed: int = 3) -> dict[str, torch.Tensor]:
+    """A row per trajectory for each index the spec takes (start_index, goal_index), by the index's
+    name: rows of a table of B + 2, shuffled, some picked twice."""
     gen = torch.Generator().manual_seed(seed)
     picks = {}
-    for arg in launcher.table.tensors:
-        if arg.role in ("start", "goal") and arg.index and arg.role not in picks:
+    for arg in table.indices:
+        if arg.presence == REQUIRED:
             idx = torch.randint(0, B + 2, (B,), generator=gen)
-            picks[arg.role] = idx if B < 2 or not torch.equal(idx, torch.arange(B)) else idx.flip(0)
+            picks[arg.name] = idx if B < 2 or not torch.equal(idx, torch.arange(B)) else idx.flip(0)
     return picks
 
 
-def _expected(spec: Any, u: torch.Tensor, s: torch.Tensor, g: torch.Tensor, dt: torch.Tensor) -> np.ndarray:
-    """Outputs [K, B, H, D] from the dense matrices (one set per trajectory when each has its dt),
-    for each trajectory's own start and goal rows s, g [B, 4, D]."""
+def _expected(spec: Any, values: dict[str, torch.Tensor], dt: torch.Tensor) -> np.ndarray:
+    """Outputs [K, B, H, D] from the operator's dense matrices, one per input it reads (one set per
+    trajectory when each has its dt), applied to each trajectory's own rows of every input."""
+    op = build_operator(spec)
     per_trajectory = getattr(spec, "dt", "") == "per_trajectory"
-    rows = []
-    for b in range(u.shape[0]) if per_trajectory else [slice(None)]:
-        M = operator_matrices(spec, float(dt[b]) if per_trajectory else dt.tolist())
-        y = np.einsum("khn,bnd->kbhd", M["u"], u[b].numpy()[None] if per_trajectory else u.numpy())
-        y = y + np.einsum("khm,bmd->kbhd", M["start"], s[b].numpy()[None] if per_trajectory else s.numpy())
-        if "goal" in M:
-            y = y + np.einsum("khm,bmd->kbhd", M["goal"], g[b].numpy()[None] if per_trajectory else g.numpy())
-        rows.append(y)
-    return np.concatenate(rows, axis=1)
+    B = next(iter(values.values())).shape[0]
+    out = []
+    for b in range(B) if per_trajectory else [slice(None)]:
+        matrices = op.dense_inputs([float(dt[b])] if per_trajectory else dt.tolist())
+        y = 0.0
+        for name, M in matrices.items():
+            x = values[name].numpy()
+            x = x[b][None] if per_trajectory else x
+            y = y + np.einsum("khn,bnd->kbhd", M, x if x.ndim == 3 else x[:, None, :])
+        out.append(y)
+    return np.concatenate(out, axis=1)
 
 
-def _tensor_inputs(launcher: Launcher, u: torch.Tensor, states: dict[str, torch.Tensor],
+def _tensor_inputs(table: ArgumentTable, u: torch.Tensor, values: dict[str, torch.Tensor],
                    picks: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device) -> list:
-    """The launcher's tensor inputs in table order: states [rows, 4, D] one column per argument;
-    an index where ``picks`` has one for its states, else None (each trajectory reads its own row)."""
-    count = {"start": 0, "goal": 0}
+    """The launcher's tensor inputs in table order: the actions ``u`` (in the spec's layout), each
+    other input's values, an index where ``picks`` has one (else None: each trajectory reads its own row)."""
     inputs: list = []
-    for arg in launcher.table.tensors:
-        if arg.role in states:
-            inputs.append(states[arg.role][:, count[arg.role]].to(dtype).contiguous().to(device))
-            count[arg.role] += 1
-        elif arg.role == "index":
-            role = next((a.role for a in launcher.table.tensors if a.index == arg.name), "")
-            inputs.append(picks[role].to(device) if role in picks else None)
+    for arg in table.tensors:
+        if arg is table.action:
+            inputs.append(u)
+        elif arg.dtype == INDEX:
+            inputs.append(picks[arg.name].to(device) if arg.name in picks else None)
         else:
-            inputs.append(u if arg.role == "action" else None)
+            inputs.append(values[arg.name].to(dtype).contiguous().to(device))
     return inputs
 
 
 def verify_launcher(spec: Any, launcher: Launcher, device: torch.device, B: int = 3) -> dict[str, Any]:
-    """Relative forward error and adjoint dot-test error of one spec's kernels on a device.
+    """Relative forward error and adjoint dot-test error of one spec's kernels on a device, for
+    every input of its argument table.
 
-    With start_index or goal_index, the states are tables of B + 2 rows and the forward runs twice:
-    through the index, and on the rows it picks gathered beforehand without an index (the form
-    double backward uses); both against the dense matrices applied to the gathered rows."""
-    picks = _indices(launcher, B)
-    u64, s64, g64, dt64, dtype = _inputs(spec, B, {r: B + 2 if r in picks else B for r in ("start", "goal")})
-    gathered = {"start": s64[picks["start"]] if "start" in picks else s64,
-                "goal": g64[picks["goal"]] if "goal" in picks else g64}
-    expected = _expected(spec, u64, gathered["start"], gathered["goal"], dt64)
+    With an index (start_index, goal_index), the rows it picks come from tables of B + 2 rows and
+    the forward runs twice: through the index, and on the rows it picks gathered beforehand without
+    an index (the form double backward uses); both against the dense matrices applied to the
+    gathered rows."""
+    table = launcher.table
+    picks = _indices(table, B)
+    gen = torch.Generator().manual_seed(0)
+    values = _values(table, B, picks, gen)
+    dt64, dtype = _dt(spec, B, gen), DTYPES[spec.dtype]
+    gathered = {name: x[picks[arg.index]] if arg.index in picks else x
+                for name, x in values.items() for arg in [table.input(name)]}
+    expected = _expected(spec, gathered, dt64)
     to_layout = (lambda t: t) if spec.layout == "bhd" else (lambda t: t.transpose(1, 2))
-    u = to_layout(u64).to(dtype).contiguous().to(device)
+    u = to_layout(values[table.action.name]).to(dtype).contiguous().to(device)
     dt = dt64.to(dtype).to(device)
-    plain = _tensor_inputs(launcher, u, gathered, {}, dtype, device)
-    runs = [plain] + ([_tensor_inputs(launcher, u, {"start": s64, "goal": g64}, picks, dtype, device)] if picks else [])
+    plain = _tensor_inputs(table, u, gathered, {}, dtype, device)
+    runs = [plain] + ([_tensor_inputs(table, u, values, picks, dtype, device)] if picks else [])
     scale = max(1.0, float(np.abs(expected).max()))
     forward_err = 0.0
     for inputs in runs:
@@ -98,9 +110,9 @@ def verify_launcher(spec: Any, launcher: Launcher, device: torch.device, B: int 
     gen = torch.Generator().manual_seed(7)
     grads = [torch.randn(o.shape, generator=gen, dtype=torch.float64).to(dtype).to(device) for o in outs]
     # the adjoint's gradients are per trajectory, of the rows each read: the dot test takes the gathered rows
-    gs = launcher.adjoint(grads, dt, B, (True,) * len(launcher.table.differentiable))
+    gs = launcher.adjoint(grads, dt, B, (True,) * len(table.differentiable))
     lhs = sum(float((o.double() * g.double()).sum()) for o, g in zip(outs, grads))
-    given = [x for x, a in zip(plain, launcher.table.tensors) if a.differentiable]
+    given = [x for x, a in zip(plain, table.tensors) if a.differentiable]
     rhs = sum(float((a.double() * b.double()).sum()) for a, b in zip(given, gs) if a is not None)
     adjoint_err = abs(lhs - rhs) / max(1.0, abs(lhs))
     tol = TOLERANCE[spec.dtype]

@@ -182,3 +182,37 @@ def test_cuda_source_compiles_to_ptx(tmp_path):
     source = ts.source(spec, "cuda")
     assert "GIN_BIAS" in source  # the offset's gradient store, defined from its table row
     check_ptx([source], tmp_path)
+
+
+@pytest.mark.parametrize("case", ["stencil", "indexed"])
+def test_check_verifies_the_new_input(case):
+    """`tensorstep check`'s verification reads every input from the argument table: the offset is
+    given random values and its dense matrix comes from the operator, so a wrong kernel fails."""
+    from tensorstep.runtime.verify import verify_launcher
+
+    spec = BiasedSpec(**SPECS[case])
+    result = verify_launcher(spec, ts.load(spec).launcher, torch.device("cpu"))
+    assert result["ok"] and result["forward"] < 1e-13 and result["adjoint"] < 1e-13, result
+    # kernels whose offset enters twice, checked against the family's operator
+    wrong = _DoubledSpec(**SPECS[case])
+    assert not verify_launcher(spec, ts.load(wrong).launcher, torch.device("cpu"))["ok"]
+
+
+@dataclasses.dataclass(frozen=True)
+class _DoubledSpec(BiasedSpec):
+    """The biased family with a wrong builder (the offset counted twice): kernels check must refuse."""
+
+    @property
+    def name(self) -> str:
+        return super().name.replace("tsbias_", "tsbias2_", 1)
+
+    @property
+    def key(self) -> str:
+        return "doubled" + super().key
+
+
+@builders.register(_DoubledSpec)
+def _doubled_operator(spec):
+    op = _biased_operator(spec)
+    rows = [Row(r.k, r.h, tuple((2 * c if ref == BIAS else c, ref) for c, ref in r.terms)) for r in op.rows]
+    return dataclasses.replace(op, rows=rows)
