@@ -143,10 +143,16 @@ class Operator:
         """The step's dense matrices (M_u [K, H, N], M_s [K, H, 4], M_g [K, H, n_goal]) at numeric
         step durations: Y_k = M_u[k] @ u + M_s[k] @ s + M_g[k] @ g for one column,
         s = (p0, v0, a0, j0), g = (gp, gv, ga, gj) (M_g has no columns without a goal)."""
-        m = self.dense_inputs(dt_values)
-        empty = np.zeros((self.n_outputs, self.horizon, 0))
-        state = lambda names: np.concatenate([m[n] for n in names if n in m] or [empty], axis=2)
-        return m[ACTION], state(START_NAMES), state(GOAL_NAMES)
+        return step_matrices(self.dense_inputs(dt_values))
+
+
+def step_matrices(by_input: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``dense_inputs``' matrices grouped as a step's: the actions', the start state's (its four
+    entries side by side) and the goal state's (none without a goal)."""
+    m_u = by_input[ACTION]
+    empty = np.zeros(m_u.shape[:2] + (0,))
+    state = lambda names: np.concatenate([by_input[n] for n in names if n in by_input] or [empty], axis=2)
+    return m_u, state(START_NAMES), state(GOAL_NAMES)
 
 
 def combine(terms: Iterable[Term]) -> tuple[Term, ...]:

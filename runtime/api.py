@@ -358,10 +358,13 @@ def operator_matrices(spec: Any, dt: Union[float, Sequence[float]]) -> dict[str,
 
     Returns ``{"u": M_u [K, H, N], "start": M_s [K, H, 4]}`` with
     ``Y_k = M_u[k] @ u + M_s[k] @ (p0, v0, a0, j0)`` for one (batch, dof) column; with
-    ``end="goal"`` also ``"goal": M_g [K, H, 4]``, the term ``M_g[k] @ (gp, gv, ga, gj)``.
+    ``end="goal"`` also ``"goal": M_g [K, H, 4]``, the term ``M_g[k] @ (gp, gv, ga, gj)``; and
+    any other input of the spec's argument table by its name, ``M [K, H, 1]`` (one row per column).
     A per-trajectory dt spec takes one trajectory's dt (a float).
     """
+    from ..codegen.arguments import GOAL_NAMES, START_NAMES
     from ..codegen.builders import build_operator
+    from ..codegen.operator import ACTION, step_matrices
 
     spec = _spec(spec, "operator_matrices")
     values = [float(dt)] if isinstance(dt, (int, float)) else [float(x) for x in dt]
@@ -370,8 +373,10 @@ def operator_matrices(spec: Any, dt: Union[float, Sequence[float]]) -> dict[str,
     for v in values:
         if not (v > 0 and v < float("inf")):
             raise ValueError(f"dt: expected finite, positive step durations, got {v!r}")
-    m_u, m_s, m_g = build_operator(spec).dense(values)
-    return {"u": m_u, "start": m_s, **({"goal": m_g} if m_g.shape[-1] else {})}
+    by_input = build_operator(spec).dense_inputs(values)
+    m_u, m_s, m_g = step_matrices(by_input)
+    others = {name: m for name, m in by_input.items() if name not in (ACTION, *START_NAMES, *GOAL_NAMES)}
+    return {"u": m_u, "start": m_s, **({"goal": m_g} if m_g.shape[-1] else {}), **others}
 
 
 __all__ = ["KernelSpec", "Step", "load", "source", "operator_matrices"]

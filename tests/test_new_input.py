@@ -216,3 +216,11 @@ def _doubled_operator(spec):
     op = _biased_operator(spec)
     rows = [Row(r.k, r.h, tuple((2 * c if ref == BIAS else c, ref) for c, ref in r.terms)) for r in op.rows]
     return dataclasses.replace(op, rows=rows)
+
+
+def test_operator_matrices_name_the_new_input():
+    """ts.operator_matrices gives the offset's matrix by its name: the actions' summed over their rows."""
+    spec = BiasedSpec(**SPECS["stencil"])
+    M = ts.operator_matrices(spec, 0.1)
+    M_u, _ = reference.matrices(spec.plain, 0.1)
+    np.testing.assert_allclose(M["bias"][:, :, 0], M_u.sum(axis=2), rtol=1e-13, atol=1e-13)
