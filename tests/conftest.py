@@ -1,20 +1,16 @@
-"""Shared fixtures: the variant grid; a temporary kernel cache for the whole session."""
+"""Shared by every folder: a temporary kernel cache for the whole session. No PyTorch here.
+
+tests/codegen runs without PyTorch (tests/codegen/test_torch_free.py checks it), so this conftest
+imports neither torch nor tensorstep.runtime; the folders whose tests run kernels through PyTorch
+take its fixtures from tests/torch_fixtures.py in their own conftest.py. The helpers and references
+beside this file are importable from every folder (pytest.ini puts tests/ on sys.path).
+"""
 from __future__ import annotations
 
 import atexit
 import os
 import shutil
 import tempfile
-
-import pytest
-
-import tensorstep as ts
-from helpers import GRID, grid_id, make_spec
-from tensorstep.runtime import native
-
-# A load here waits for the native autograd node (built in the background for users), so each
-# test sees one autograd path throughout; tests/test_native.py checks the background build.
-native.BACKGROUND = False
 
 # Never build into the user's real ~/.cache/tensorstep: unless a cache is given (as .ci/run
 # does), this session (and the subprocesses it starts) use a temporary one, removed at exit.
@@ -26,22 +22,3 @@ if not os.environ.get("TENSORSTEP_CACHE_DIR"):
 # given, the session's node goes into its kernel cache folder (a temporary one, or CI's).
 if not os.environ.get("TENSORSTEP_NATIVE_DIR"):
     os.environ["TENSORSTEP_NATIVE_DIR"] = os.path.join(os.environ["TENSORSTEP_CACHE_DIR"], "native")
-
-
-@pytest.fixture(params=GRID, ids=[grid_id(g) for g in GRID])
-def spec(request) -> ts.KernelSpec:
-    return make_spec(request.param)
-
-
-@pytest.fixture(params=["native", "python"])
-def autograd_path(request):
-    """Run a test through the native autograd node and through the Python Functions."""
-
-    def use(step):
-        if request.param == "python":
-            step.native = None
-        elif step.native is None:
-            pytest.skip("the native autograd node is unavailable here (no C++ compiler?)")
-        return step
-
-    return use

@@ -520,7 +520,7 @@ def test_curobo_v2_task_files_select_the_compat_kernels(tmp_path):
     from tensorstep.codegen.legacy_spec import LegacySpec
     from tensorstep.config import load_config
 
-    data = Path(__file__).parent / "data"
+    data = Path(__file__).parents[1] / "data"
     robot = data / "curobo_franka.yml"
     (spline,) = load_config(robot, data / "curobo_v2_task_bspline.yml").specs
     assert spline == CuroboV2Spec("bspline", 13 * 4 + 1, 7, degree=4, knots=8, steps=4)
@@ -562,7 +562,7 @@ def test_curobo_v2_task_file_errors(tmp_path, model, pattern):
     task = tmp_path / "task.yml"
     task.write_text(f"model:\n  {model}\n")
     with pytest.raises(ConfigError, match=pattern):
-        load_config(Path(__file__).parent / "data" / "curobo_franka.yml", task)
+        load_config(Path(__file__).parents[1] / "data" / "curobo_franka.yml", task)
 
 
 def test_vmap_and_jacfwd():

@@ -24,7 +24,7 @@ from tensorstep.runtime.launch import CpuBackend, Launcher
 from tensorstep.runtime.verify import verify_launcher
 from helpers import (GRID, Inputs, ReferenceCase, as_bhd, check_dt_derivatives, dt_value, gradcheck64, gradgradcheck64,
                      grid_id, make_spec, to_bhd)
-from test_numerics import scale_close
+from helpers import scale_close
 
 NVCC = shutil.which("nvcc")
 HAS_GPU = torch.cuda.is_available()

@@ -65,7 +65,7 @@ print(g.numpy().tobytes().hex())
 
 
 def test_dt_gradient_has_the_same_bits_for_any_number_of_threads():
-    script = _SCRIPT.format(tests=str(Path(__file__).parent), batch=BATCH)
+    script = _SCRIPT.format(tests=str(Path(__file__).parents[1]), batch=BATCH)
     bits = set()
     for threads in ("1", "2", "3"):
         env = dict(os.environ, OMP_NUM_THREADS=threads)

@@ -22,7 +22,7 @@ import tensorstep as ts
 from tensorstep.codegen import arguments, builders, schemes
 from tensorstep.codegen.arguments import OPTIONAL, Argument
 
-ROOT = __import__("pathlib").Path(__file__).resolve().parent.parent
+ROOT = __import__("pathlib").Path(__file__).resolve().parents[2]
 
 
 def _dummy_table(spec) -> arguments.ArgumentTable:

@@ -16,7 +16,7 @@ from tensorstep.cli import main
 
 ROOT = Path(ts.__file__).resolve().parent
 EXAMPLES = ["franka_panda", "ur5e", "mobile_manipulator"]
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).parents[1] / "data"
 
 
 def run(*args: str):
@@ -154,7 +154,7 @@ def test_python_dash_m_and_plain_output_when_piped(tmp_path):
 def test_bench_smoke_prints_table_and_same_run_floor():
     """`bench` runs end to end (tiny budget: this checks the command, not speed)."""
     result = CliRunner().invoke(main, ["bench", "--scheme", "backward", "--batch", "1", "--no-codegen", "--budget", "0.01",
-                                       "--no-inductor"])  # the torch.compile column: tests/test_plot.py
+                                       "--no-inductor"])  # the torch.compile column: tests/tools/test_plot.py
     assert result.exit_code == 0, result.output
     row = next(line for line in result.output.splitlines() if line.startswith("| backward | 32 | 1 |"))
     assert row.count("|") == 15 and "µs" in row

@@ -7,7 +7,7 @@ import pytest
 
 from tensorstep.config import ConfigError, load_config
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).parents[1] / "data"
 FRANKA_ARM = tuple(f"panda_joint{i}" for i in range(1, 8))
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-DOCS = Path(__file__).resolve().parent.parent / "docs"
+DOCS = Path(__file__).resolve().parents[2] / "docs"
 PAGES = sorted(DOCS.glob("*.md"))
 FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
 #: pages that record measurements: their code blocks are the commands and scripts of their day,
@@ -65,7 +65,7 @@ def test_lbfgs_experiment_one_case():
 
 def _modules_with_examples() -> list[str]:
     """The package's modules whose docstrings hold >>> examples (docs/ and tests/ aside)."""
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     return sorted("tensorstep." + ".".join(p.relative_to(root).with_suffix("").parts)
                   for p in root.rglob("*.py")
                   if p.relative_to(root).parts[0] not in {"tests", "docs", "generated", "build"}

@@ -152,7 +152,7 @@ def test_the_slicing_baseline_computes_what_the_kernel_does(scheme):
 
 def test_plot_refuses_curobo_kernels_in_one_line(tmp_path):
     """cuRobo's kernels (compat) take cuRobo's arguments, so there is no sample to draw."""
-    data = Path(__file__).parent / "data"
+    data = Path(__file__).parents[1] / "data"
     result = invoke("plot", str(data / "curobo_franka.yml"), "--task", str(data / "curobo_v2_task_bspline.yml"),
                     "-o", str(tmp_path / "x.png"))
     assert result.exit_code != 0
