@@ -1,7 +1,7 @@
 """CUDA resource use without a GPU: a module compiled by ``nvcc -cubin -arch=sm_90
 --ptxas-options=-v`` and ptxas's report per kernel (registers, spill stores, stack frame, static
 shared memory). A module is one library of a spec (codegen/abi.py ``LIBRARIES``), as the runtime
-builds them. Used by ``tensorstep bench --cuda-plan`` and tests/test_ptxas.py.
+builds them. Used by ``tensorstep bench --cuda-plan`` and tests/cuda/test_ptxas.py.
 """
 from __future__ import annotations
 

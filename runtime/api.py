@@ -240,7 +240,7 @@ def _custom_ops(key: str) -> bool:
 
 
 # what torch.compiler.assume_constant_result(_custom_ops) sets, without importing Dynamo (and
-# SymPy with it) on every load; tests/test_compile.py checks the two stay the same
+# SymPy with it) on every load; tests/runtime/test_compile.py checks the two stay the same
 _custom_ops._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 

@@ -15,7 +15,7 @@ threads sharing each level, then thread 0 alone goes on (a block per trajectory 
 trajectory). Here thread 0 of each block runs every level's loop in full (the loops over
 threadIdx.x become serial loops, as for the table copy), in the levels' order, and the other
 threads of the once-per-call kernels are not run: on the GPU they only share the levels. That a level's instructions are independent, and registers are
-reused only from the level after their last read, is tests/test_tape.py's to check.
+reused only from the level after their last read, is tests/kernels/test_tape.py's to check.
 
 dt_vjp's block reduction needs a block's threads in lockstep (warp shuffles, barriers), which a
 sequential run cannot give: here each thread leaves its values in a per-block buffer, and after

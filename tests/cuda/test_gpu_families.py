@@ -2,7 +2,7 @@
 
 The families are the argument tables of codegen/arguments.py: tensorstep's own (position
 stencils, integrators, B-splines, a goal end, start and goal tables picked by index) and
-cuRobo's (compat: v0.7's kernels; v2's have their own GPU test in tests/test_compat_v2.py).
+cuRobo's (compat: v0.7's kernels; v2's have their own GPU test in tests/compat/test_compat_v2.py).
 Inputs are made from each table alone, so a new family needs only a spec in FAMILIES. The
 batch spans several blocks. Without a GPU these tests skip; the same comparison runs on the
 host with the CUDA source run thread by thread (tests/cuda_on_host.py), which checks this

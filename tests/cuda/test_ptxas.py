@@ -3,7 +3,7 @@ with ``nvcc -cubin -arch=sm_90 --ptxas-options=-v``, and ptxas's report is check
 per-element kernel (one thread per column): at most 128 registers, no spill stores, a stack frame
 of at most 1 KB. The driver reserves a kernel's stack frame for every thread the GPU can hold, so
 a large frame costs gigabytes at the first launch. How long a module takes to compile is a
-benchmark figure, not a limit: ``python tests/test_ptxas.py`` prints the table (kernel, registers,
+benchmark figure, not a limit: ``python tests/cuda/test_ptxas.py`` prints the table (kernel, registers,
 spills, stack, seconds).
 """
 from __future__ import annotations

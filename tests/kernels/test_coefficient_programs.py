@@ -96,7 +96,7 @@ def test_wide_per_step_tapes_come_from_the_formulas(overrides, targets, dt_bytes
     tapes are that tape differentiated (codegen/tape.py), so the generator never expands, CSEs or
     differentiates them in SymPy. Before, that was 4-21 s of generation and 1.5-3.9 MB of dt
     source per library (docs/benchmarks-history.md, thirteenth session). The tapes' numerics:
-    tests/test_tape.py."""
+    tests/kernels/test_tape.py."""
     from tensorstep.codegen.driver import lowered
 
     spec = ts.KernelSpec(horizon=256, dof=7, dtype="float32", dt="per_step", start_index=True, **overrides)

@@ -7,8 +7,8 @@ writes a register another one of that level reads or writes (a race on the GPU).
 stores is checked against the operator's coefficient expressions, evaluated by SymPy's lambdify
 in float64 (values), with a complex step (dt tangents) and a complex step per duration (the dt
 gradient). The kernels that run tapes are checked against the dense reference by the numerics
-tests (test_dt_loops.py for B-splines; here for per-step stencils of order 4) and for build cost by
-test_build_cost.py and test_ptxas.py.
+tests (test_dt_stencils.py for B-splines; here for per-step stencils of order 4) and for build cost by
+test_coefficient_programs.py and test_ptxas.py.
 """
 from __future__ import annotations
 
@@ -203,7 +203,7 @@ def _reference(spec, dt: np.ndarray, x: Inputs) -> np.ndarray:
 def test_taped_per_step_stencil_matches_the_reference():
     """Forward, dt gradient and dt tangent of a per-step stencil of order 4 whose programs are
     tapes, through the C kernels, the Python path and the CUDA source run on the host, against
-    the float64 reference and its finite differences (B-splines with tapes: test_dt_loops.py)."""
+    the float64 reference and its finite differences (B-splines with tapes: test_dt_stencils.py)."""
     spec = spec_of({**TAPED[0], "horizon": 24})
     assert lowered(spec).coefs.taped
     x = Inputs(spec, batch=3)
