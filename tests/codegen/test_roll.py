@@ -4,8 +4,6 @@ What the loops compute is checked against the dense reference by the whole varia
 (every integrator there is rolled in the C lane form: test_numerics, test_lanes)."""
 from __future__ import annotations
 
-import re
-
 import sympy as sp
 
 import tensorstep as ts
@@ -13,35 +11,34 @@ from tensorstep.codegen import roll
 from tensorstep.codegen.arguments import table
 from tensorstep.codegen.lower import lower
 from tensorstep.codegen.operator import Operator, Row, action, start
-from tensorstep.codegen.printer import COLUMN
 from tensorstep.codegen.schemes import build_operator
+from tensorstep.codegen.statements import Def, For, Read, Term, Val, walk
 
 ONE = sp.Integer(1)
 
 
-def rolled(op: Operator) -> tuple[list[str], list[str]]:
-    """The rolled forward and adjoint columns, as the column form prints them."""
+def rolled(op: Operator) -> tuple[list, list]:
+    """The rolled forward and adjoint statements (what the column and lane forms print)."""
     code = lower(op, table(ts.KernelSpec(horizon=op.horizon, dof=1, control="velocity")))
-    return COLUMN.lines(code.forward_rolled), COLUMN.lines(code.adjoint_rolled)
+    return list(code.forward_rolled), list(code.adjoint_rolled)
 
 
-def loops(lines: list[str]) -> int:
-    return sum(line.startswith("for (int64_t r") for line in lines)
+def loops(statements: list) -> int:
+    return sum(isinstance(s, For) for s in statements)
 
 
-def defined_before_use(lines: list[str]) -> bool:
-    """Every value name (y<k>_<h>, yb<k>_<h>) is declared before a line reads it, and the body's
-    top level declares no name twice (loop bodies are their own scope)."""
-    defined: set[str] = set()
-    for line in lines:
-        m = re.match(r"\s*(?:const )?T (\w+) = (.*);", line)
-        target, expr = (m.group(1), m.group(2)) if m else (None, line)
-        if any(name not in defined for name in re.findall(r"\byb?\d+_\d+\b", expr)):
+def defined_before_use(statements: list) -> bool:
+    """Every value of a fixed row (y<k>_<h>, yb<k>_<h>) is defined before a statement reads it, and
+    the top level defines no name twice (loop bodies are their own scope)."""
+    defined: set = set()
+    for s in statements:
+        if any(isinstance(n, Val) and n.prefix in ("y", "yb") and isinstance(n.h, int) and n not in defined
+               for n in walk(s.value if isinstance(s, Def) else s)):
             return False
-        if target and not line.startswith(" "):
-            if target in defined:
+        if isinstance(s, Def):
+            if s.target in defined:
                 return False
-            defined.add(target)
+            defined.add(s.target)
     return True
 
 
@@ -71,7 +68,8 @@ def test_a_read_the_loop_does_not_carry_falls_back_to_straight_line():
     forward, adjoint = rolled(chain(12, far_read=True))
     assert loops(forward) == 0 and defined_before_use(forward)
     assert loops(adjoint) == 2 and defined_before_use(adjoint)  # rows 10..7 roll, 6 does not, 5..2 roll
-    assert "C(0)*yb0_11" in next(line for line in adjoint if line.startswith("const T yb0_6 ="))
+    yb0_6 = next(s for s in adjoint if isinstance(s, Def) and s.target == Val("yb", 0, 6))
+    assert Term(Read("C", (0,)), Val("yb", 0, 11)) in yb0_6.value.terms
 
 
 def test_short_runs_stay_straight_line():
