@@ -273,7 +273,7 @@ def list_(directory: str) -> None:
             scheme = {"position": s["difference"], "bspline": f"degree {s.get('degree')} n={s.get('knots')} "
                       f"s={s.get('steps')}"}.get(s["control"], s["integrator"])
         else:  # a cuRobo kernel (tensorstep.compat): its kind
-            control, scheme, dt = "curobo" + ("_v2" if s.get("family") == "curobo_v2" else ""), s["kind"], "-"
+            control, scheme, dt = "curobo" + ("_v2" if "curobo_v2" in (s.get("spec"), s.get("family")) else ""), s["kind"], "-"
         files = ", ".join(v["path"] for v in k["files"].values())
         click.echo(f"  H={s['horizon']:<4} {control:<12} {scheme:<20} dt={dt:<8} {s['dtype']:<8} {files}")
 

@@ -284,7 +284,7 @@ def curobo_v2_spec(task: _Task, dof: int) -> Any:
     kernel, BSPLINE_3/4/5 → the B-spline kernel of that degree with ``n_knots`` knots and
     ``interpolation_steps`` rows per span (``horizon``, if given, must hold them)."""
     from .codegen.legacy_spec import LegacySpec
-    from .codegen.legacy_v2_spec import CLIQUE_MIN_HORIZON, CuroboV2Spec
+    from .codegen.curobo_v2_spec import CLIQUE_MIN_HORIZON, CuroboV2Spec
 
     control = task.settings["control_space"]
     horizon = _horizon(task, CLIQUE_MIN_HORIZON, required=control not in CUROBO_V2_BSPLINE)

@@ -14,7 +14,7 @@ from typing import Any, Callable
 _BUILDERS: dict[tuple[type, str | None], Callable[[Any], Any]] = {}
 #: modules whose import registers builders (imported on first look-up: they import SymPy)
 MODULES = ("tensorstep.codegen.schemes", "tensorstep.codegen.legacy", "tensorstep.codegen.bspline_scheme",
-           "tensorstep.codegen.legacy_v2")
+           "tensorstep.codegen.curobo_v2_scheme")
 
 
 def register(spec_type: type, control: str | None = None) -> Callable[[Callable[[Any], Any]], Callable[[Any], Any]]:

@@ -12,7 +12,7 @@ import sympy as sp
 
 from .builders import register
 from .legacy_spec import LegacySpec
-from .operator import Operator, Row, Term, action, combine, row_ref, scaled, start
+from .operator import Operator, Row, RowTerm, action, combine, row_ref, scaled, start
 from .schemes import stencil_row
 
 R = sp.Rational
@@ -29,7 +29,7 @@ def clique_backward(spec: LegacySpec) -> Operator:
     """Backward differences with D = traj_dt[0] = 1/τ; ghosts x_{-m} = p - m(v - ½aD)·D."""
     D = sp.Symbol("inv_dt", positive=True)
 
-    def x(k: int) -> list[Term]:
+    def x(k: int) -> list[RowTerm]:
         if k >= 1:
             return [(sp.Integer(1), action(k - 1))]
         if k == 0:
@@ -58,7 +58,7 @@ def clique_central(spec: LegacySpec) -> Operator:
         1: [(sp.Integer(1), P)],
     }
 
-    def y(k: int) -> list[Term]:
+    def y(k: int) -> list[RowTerm]:
         return list(ghosts[k]) if k <= 1 else [(sp.Integer(1), action(min(k - 2, n_act - 1)))]
 
     stencils = {

@@ -22,7 +22,7 @@ from sympy.core.function import AppliedUndef
 from .arguments import GOAL_NAMES, KERNEL, START_NAMES, ArgumentTable
 
 Ref = tuple  # (argument, row) | ("y", k, h)
-Term = tuple  # (coefficient: sp.Expr, ref: Ref)
+RowTerm = tuple  # (coefficient: sp.Expr, ref: Ref): one term of a row (statements.Term is a lowered one)
 
 N_START = len(START_NAMES)  # p0, v0, a0, j0
 N_GOAL = len(GOAL_NAMES)  # gp, gv, ga, gj
@@ -65,7 +65,7 @@ class Row:
 
     k: int
     h: int
-    terms: tuple[Term, ...]
+    terms: tuple[RowTerm, ...]
 
 
 @dataclasses.dataclass
@@ -155,7 +155,7 @@ def step_matrices(by_input: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarr
     return m_u, state(START_NAMES), state(GOAL_NAMES)
 
 
-def combine(terms: Iterable[Term]) -> tuple[Term, ...]:
+def combine(terms: Iterable[RowTerm]) -> tuple[RowTerm, ...]:
     """Merge terms on the same ref, drop zero coefficients, keep first-use order."""
     acc: dict[Ref, sp.Expr] = {}
     for coef, ref in terms:
@@ -180,14 +180,14 @@ def start_rows(order: int) -> list[Row]:
     return [Row(k, 0, ((sp.Integer(1), start(k)),) if k < N_START else ()) for k in range(order + 1)]
 
 
-def row_ref(k: int, h: int) -> list[Term]:
+def row_ref(k: int, h: int) -> list[RowTerm]:
     """Terms that stand for Y[k][h]; row 0 is the start state itself (so no row dependency)."""
     if h == 0:
         return [(sp.Integer(1), start(k))] if k < N_START else []
     return [(sp.Integer(1), (ROW, k, h))]
 
 
-def scaled(terms: Iterable[Term], factor: sp.Expr) -> list[Term]:
+def scaled(terms: Iterable[RowTerm], factor: sp.Expr) -> list[RowTerm]:
     return [(factor if c is sp.S.One else factor * c, r) for c, r in terms]
 
 

@@ -9,7 +9,7 @@ import sympy as sp
 
 from .builders import register
 from .arguments import table
-from .operator import (N_GOAL, N_START, Operator, Row, Term, action, apply, combine, dt_symbols, formula, goal, reads,
+from .operator import (N_GOAL, N_START, Operator, Row, RowTerm, action, apply, combine, dt_symbols, formula, goal, reads,
                        row_ref, scaled, start, start_rows, step_durations)
 from .spec import KernelSpec
 from .stencils import lagrange_weights, stencil_offsets, uniform_weights
@@ -70,7 +70,7 @@ class PositionPoints:
         args = [x for i, x in enumerate(node_times) if i not in zeros]
         return [w if w.is_Number else apply(w, args) for w in _weight_formulas(len(node_times), derivative, zeros)]
 
-    def value(self, j: int) -> list[Term]:
+    def value(self, j: int) -> list[RowTerm]:
         last = self.H - 1
         if self.goal and j >= last:  # q_{H-1+k} = gp + Σ_m (k·dt_{H-1})^m/m! · (gv, ga, gj)_m
             t = (j - last) * self.dts[last]
@@ -111,9 +111,9 @@ def stencil_points(spec: KernelSpec, k: int, h: int) -> list[int]:
     return points
 
 
-def stencil_row(k: int, h: int, weights: list[sp.Expr], values: list[list[Term]]) -> Row:
+def stencil_row(k: int, h: int, weights: list[sp.Expr], values: list[list[RowTerm]]) -> Row:
     """Row Y[k][h] = Σ_i w_i · value_i (values are linear combinations of refs)."""
-    terms: list[Term] = []
+    terms: list[RowTerm] = []
     for w, value in zip(weights, values):
         terms += scaled(value, w)
     return Row(k, h, combine(terms))
@@ -151,17 +151,17 @@ def position_rows(spec: KernelSpec, syms: tuple[sp.Symbol, ...], pts: PositionPo
 
 # ---- integration control: recurrences ----------------------------------------------------------
 
-Integrator = Callable[[int, int, int, sp.Expr], list[Term]]
+Integrator = Callable[[int, int, int, sp.Expr], list[RowTerm]]
 
 
-def semi_implicit_euler(k: int, c: int, h: int, dt: sp.Expr) -> list[Term]:
+def semi_implicit_euler(k: int, c: int, h: int, dt: sp.Expr) -> list[RowTerm]:
     """Y_k[h] = Y_k[h-1] + dt_h · Y_{k+1}[h] (applied from the action downwards)."""
     return row_ref(k, h - 1) + scaled(row_ref(k + 1, h), dt)
 
 
-def exact_hold(k: int, c: int, h: int, dt: sp.Expr) -> list[Term]:
+def exact_hold(k: int, c: int, h: int, dt: sp.Expr) -> list[RowTerm]:
     """Exact polynomial integral with the action (derivative c) held over the step."""
-    terms: list[Term] = []
+    terms: list[RowTerm] = []
     for m in range(c - k):
         terms += scaled(row_ref(k + m, h - 1), dt**m / math.factorial(m))
     return terms + scaled(row_ref(c, h), dt ** (c - k) / math.factorial(c - k))
@@ -170,7 +170,7 @@ def exact_hold(k: int, c: int, h: int, dt: sp.Expr) -> list[Term]:
 INTEGRATORS: dict[str, Integrator] = {"semi_implicit_euler": semi_implicit_euler, "exact": exact_hold}
 
 
-def backward_difference(k: int, h: int, dt: sp.Expr) -> list[Term]:
+def backward_difference(k: int, h: int, dt: sp.Expr) -> list[RowTerm]:
     """Y_k[h] = (Y_{k-1}[h] - Y_{k-1}[h-1]) / dt_h for derivatives above the action."""
     return scaled(row_ref(k - 1, h), 1 / dt) + scaled(row_ref(k - 1, h - 1), -1 / dt)
 

@@ -303,9 +303,9 @@ class KernelSpec:
 
 def spec_from_dict(data: Any) -> Any:
     """A spec from its ``to_dict()`` (manifests, kernel keys): a KernelSpec, or a cuRobo kernel's
-    (codegen/legacy_spec.py, codegen/legacy_v2_spec.py)."""
-    if isinstance(data, dict) and data.get("family") == "curobo_v2":
-        from .legacy_v2_spec import CuroboV2Spec
+    (codegen/legacy_spec.py, codegen/curobo_v2_spec.py)."""
+    if isinstance(data, dict) and "curobo_v2" in (data.get("spec"), data.get("family")):
+        from .curobo_v2_spec import CuroboV2Spec
 
         return CuroboV2Spec.from_dict(data)
     if isinstance(data, dict) and "kind" in data:

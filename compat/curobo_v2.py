@@ -39,7 +39,7 @@ import torch
 
 from ..codegen.arguments import message
 from ..codegen.legacy_spec import LegacySpec
-from ..codegen.legacy_v2_spec import BSPLINE_DEGREES, CLIQUE_MIN_HORIZON, CuroboV2Spec
+from ..codegen.curobo_v2_spec import BSPLINE_DEGREES, CLIQUE_MIN_HORIZON, CuroboV2Spec
 from ..runtime.validate import _byte_range as byte_range, check_index_values, shape_text
 from . import curobo as v07
 from .curobo import TensorDeviceType

@@ -143,3 +143,16 @@ def test_unused_fields_at_their_defaults_are_accepted():
                              end="hold", integrator="exact")
     assert explicit.integrator == "exact"
     assert ts.KernelSpec(horizon=8, dof=2, integrator="semi_implicit_euler").control == "position"
+
+
+def test_curobo_v2_spec_dicts_name_their_type_and_earlier_ones_still_load():
+    """A cuRobo v2 spec's dict tags its type "spec" (the argument table keeps "family" for kernel
+    families); manifests written with the earlier "family" tag load to the same spec."""
+    from tensorstep.codegen.curobo_v2_spec import CuroboV2Spec
+    from tensorstep.codegen.spec import spec_from_dict
+
+    spec = CuroboV2Spec(kind="bspline", horizon=24, dof=3, degree=4, knots=6, steps=2)
+    data = spec.to_dict()
+    assert data["spec"] == "curobo_v2" and "family" not in data
+    earlier = {"family": "curobo_v2", **{k: v for k, v in data.items() if k != "spec"}}
+    assert spec_from_dict(data) == spec_from_dict(earlier) == spec

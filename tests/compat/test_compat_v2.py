@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tensorstep.codegen.legacy_spec import LegacySpec
-from tensorstep.codegen.legacy_v2_spec import CuroboV2Spec
+from tensorstep.codegen.curobo_v2_spec import CuroboV2Spec
 from tensorstep.compat import curobo_v2 as C
 
 import reference_curobo_v2 as ref

@@ -13,7 +13,7 @@ from click.testing import CliRunner
 import tensorstep as ts
 from tensorstep.cli import main
 from tensorstep.codegen.legacy_spec import LegacySpec
-from tensorstep.codegen.legacy_v2_spec import CuroboV2Spec
+from tensorstep.codegen.curobo_v2_spec import CuroboV2Spec
 from tensorstep.config import ConfigError, load_config
 
 EXAMPLES = Path(ts.__file__).resolve().parent / "examples"

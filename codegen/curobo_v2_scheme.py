@@ -14,8 +14,8 @@ import sympy as sp
 from . import bspline
 from .arguments import table
 from .builders import register
-from .legacy_v2_spec import CuroboV2Spec
-from .operator import Operator, Row, Term, action, combine, dt_symbols, goal, reads, scaled, start
+from .curobo_v2_spec import CuroboV2Spec
+from .operator import Operator, Row, RowTerm, action, combine, dt_symbols, goal, reads, scaled, start
 from .schemes import stencil_row
 
 R = sp.Rational
@@ -43,7 +43,7 @@ def clique(spec: CuroboV2Spec) -> Operator:
         1: [(ONE, start(0))],
     }
 
-    def X(r: int) -> list[Term]:
+    def X(r: int) -> list[RowTerm]:
         if r <= 1:
             return list(ghosts[r])
         return [(ONE, action(r - 2))] if r <= H - 4 else [(ONE, goal(0))]
@@ -57,7 +57,7 @@ def clique(spec: CuroboV2Spec) -> Operator:
     return Operator(H, spec.order, spec.n_actions, syms, rows, inputs=reads(table(spec)))
 
 
-def _boundary(degree: int, side: str, kdt: sp.Expr) -> list[list[Term]]:
+def _boundary(degree: int, side: str, kdt: sp.Expr) -> list[list[RowTerm]]:
     """The D+1 boundary points of a state (its entries ``start(m)`` or ``goal(m)``): the span whose
     polynomial is the state's Taylor polynomial about the span's start; degree 3 drops the jerk term."""
     coeffs = bspline.boundary_points(degree, "start").coeffs
@@ -84,7 +84,7 @@ def bspline_rows(spec: CuroboV2Spec) -> Operator:
             j, t = T - 1, Fraction(1)
         tt = R(t.numerator, t.denominator)
         for k, M in enumerate(basis):
-            terms: list[Term] = []
+            terms: list[RowTerm] = []
             for i in range(D + 1):
                 weight = sum((M[i, c] * tt**c for c in range(D + 1)), sp.Integer(0))
                 if weight != 0:

@@ -1,7 +1,7 @@
 """CuroboV2Spec: cuRobo v2's position and B-spline kernels as variants of the one generator.
 
 Import-light (no SymPy): the compat layer (tensorstep.compat.curobo_v2) loads cached kernels
-through it; codegen.legacy_v2 builds the operators (registered in codegen.builders).
+through it; codegen.curobo_v2_scheme builds the operators (registered in codegen.builders).
 
 Both kernels read, per trajectory, a start state picked by ``start_index``, one step
 duration (dt="per_trajectory") and one goal state (end="goal", one row per trajectory): the
@@ -32,6 +32,11 @@ def _int(value: Any) -> bool:
 
 def _fail(field: str, value: Any, allowed: str) -> ValueError:
     return ValueError(f"CuroboV2Spec.{field}={value!r} is invalid: {allowed}")
+
+
+#: the key naming the spec type in its dict (manifests, kernel keys); earlier versions wrote "family",
+#: a word the argument table keeps for kernel families
+SPEC_TAG, OLD_SPEC_TAG = "spec", "family"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,11 +107,11 @@ class CuroboV2Spec:
         return "_".join(parts)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"family": "curobo_v2", **dataclasses.asdict(self)}
+        return {SPEC_TAG: "curobo_v2", **dataclasses.asdict(self)}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "CuroboV2Spec":
-        fields = {k: v for k, v in data.items() if k != "family"}
+        fields = {k: v for k, v in data.items() if k not in (SPEC_TAG, OLD_SPEC_TAG)}
         return cls(**fields)
 
     def replace(self, **changes: Any) -> "CuroboV2Spec":
