@@ -26,6 +26,7 @@ from .arguments import ArgumentTable
 from .operator import Operator, Ref, action, is_action, is_row
 from .printer import COLUMN
 from .references import References
+from .runs import NEXT, runs, shared
 from .statements import (Add, Call, Cast, Def, For, Literal, Mul, Paren, Read, Rel, Shift, Statement, Store, Strided,
                          Sum, Term, Val, Var, transform, walk)
 
@@ -132,30 +133,16 @@ Slots = tuple
 
 
 def _runs(rows: dict[int, tuple[Shape, Slots] | None]) -> list[tuple[int, int, Shape, Slots, int]]:
-    """Maximal runs [start, stop) of consecutive indices with one shape whose slots advance by a
-    constant stride (0 for uniform dt, where rows share coefficients)."""
-    runs = []
+    """Maximal runs [start, stop) of MIN_LOOP or more consecutive indices with one shape whose slots
+    advance by one stride (0 for uniform dt, where rows share coefficients): (start, stop, shape,
+    first slots, stride)."""
     index = sorted(rows)
-    i = 0
-    while i < len(index):
-        if rows[index[i]] is None:
-            i += 1
-            continue
-        shape, slots0 = rows[index[i]]
-        stride, j = None, i
-        while j + 1 < len(index) and index[j + 1] == index[j] + 1 and rows[index[j + 1]] is not None:
-            nxt_shape, nxt_slots = rows[index[j + 1]]
-            if nxt_shape != shape:
-                break
-            steps = {b - a for a, b in zip(rows[index[j]][1], nxt_slots) if a is not None}
-            if len(steps) > 1 or (stride is not None and steps and steps != {stride}):
-                break
-            stride = next(iter(steps), 0) if stride is None else stride
-            j += 1
-        if j - i + 1 >= MIN_LOOP:
-            runs.append((index[i], index[j] + 1, shape, slots0, stride or 0))
-        i = j + 1
-    return runs
+    found = runs(index, key=lambda h: None if rows[h] is None else rows[h][0],
+                 fields=lambda h: (h, *(slot for slot in rows[h][1] if slot is not None)),
+                 min_length=MIN_LOOP, admits=lambda stride: stride[0] == NEXT and shared(stride[1:]))
+    return [(index[run.start], index[run.stop - 1] + 1, *rows[index[run.start]],
+             next(iter(run.stride[1:]), 0))  # the slots' one stride
+            for run in found]
 
 
 def _is_stencil(op: Operator) -> bool:
@@ -398,21 +385,14 @@ def _knot_runs(rows: Rows, p: int) -> list[tuple[int, int]]:
     best: list[tuple[int, int]] = []
     loops = 0  # of the best phase's first blocks: fewer, shorter bodies
     for b in range(p):
-        blocks = [[(k, h) for k, h in rows if p * q + b <= h < p * q + b + p] for q in range((last - b) // p + 1)]
-        same = [len(blocks[q]) == len(blocks[q + 1]) and
-                all(rows.get((k, h + p)) == _shifted(rows[(k, h)]) for k, h in blocks[q])
-                for q in range(len(blocks) - 1)]
-        runs, q = [], 0
-        while q < len(same):
-            n = 0
-            while q + n < len(same) and same[q + n]:
-                n += 1
-            if n + 1 >= MIN_KNOTS:
-                runs.append((p * q + b, n))
-            q += n + 1
-        count = sum(_loop_count(rows, first, p) for first, _ in runs)
-        if (sum(n for _, n in runs), -count) > (sum(n for _, n in best), -loops):
-            best, loops = runs, count
+        # block q as seen from its first row, with its actions as offsets from the q-th
+        blocks = [{(k, h - p * q - b): _shifted(terms, -q) for (k, h), terms in rows.items()
+                   if p * q + b <= h < p * q + b + p} for q in range((last - b) // p + 1)]
+        found = [(p * run.start + b, len(run) - 1)
+                 for run in runs(blocks, key=lambda block: block, min_length=MIN_KNOTS)]
+        count = sum(_loop_count(rows, first, p) for first, _ in found)
+        if (sum(n for _, n in found), -count) > (sum(n for _, n in best), -loops):
+            best, loops = found, count
     return best
 
 
@@ -679,12 +659,11 @@ def _leftover_spans(op: Operator, coefs: Coefficients, done: set[tuple[int, int]
     spans = []
     for k, by_row in sorted(_by_output(rows).items()):
         index = sorted(by_row)
-        runs = [[index[0]]] if index else []
-        for h in index[1:]:
-            (runs[-1].append(h) if h == runs[-1][-1] + 1 else runs.append([h]))
-        for run in (r for r in runs if len(r) >= MIN_LOOP):
-            refs = dict.fromkeys(ref for h in run for ref in by_row[h])
-            spans.append(_run_span(coefs, k, by_row, run[0], run[-1] + 1, refs))
+        for run in runs(index, key=lambda h: k, fields=lambda h: (h,), min_length=MIN_LOOP,
+                        admits=lambda stride: stride == (NEXT,)):
+            rows_of_run = index[run.start : run.stop]
+            refs = dict.fromkeys(ref for h in rows_of_run for ref in by_row[h])
+            spans.append(_run_span(coefs, k, by_row, rows_of_run[0], rows_of_run[-1] + 1, refs))
     return spans
 
 
@@ -902,29 +881,26 @@ def _accumulations(sums: list[tuple[int, tuple]]) -> list[Statement]:
     dt_vjp was mostly those statements (docs/benchmarks-history.md, seventeenth session, item
     1)."""
     out: list[Statement] = []
-    run: list[tuple[int, Read, int]] = []  # (slot, gradient read, action)
+    done = 0
+    for run in runs(sums, key=_gradient_read, fields=lambda sum_: (sum_[0], sum_[1][0].b.args[0]),
+                    min_length=MIN_LOOP, admits=lambda stride: stride == (NEXT, NEXT)):
+        out += [_accumulation(q, parts) for q, parts in sums[done : run.start]]
+        (q, (first,)), (_, (last,)) = sums[run.start], sums[run.stop - 1]
+        j = first.b.args[0]
+        value = (Mul(first.a, Read("U", (Rel(0),))),)
+        out.append(For(j, last.b.args[0], NEXT, (_accumulation(Strided(q, NEXT, j), value),)))
+        done = run.stop
+    return out + [_accumulation(q, parts) for q, parts in sums[done:]]
 
-    def close() -> None:
-        if len(run) >= MIN_LOOP:
-            (q, g, j), last = run[0], run[-1][2]
-            out.append(For(j, last, 1, (_accumulation(Strided(q, 1, j), (Mul(g, Read("U", (Rel(0),))),)),)))
-        else:
-            out.extend(_accumulation(q, (Mul(g, Read("U", (j,))),)) for q, g, j in run)
-        run.clear()
 
-    for q, parts in sums:
-        product = parts[0] if len(parts) == 1 else None
-        if not (isinstance(product, Mul) and isinstance(product.b, Read) and product.b.macro == "U"
-                and isinstance(product.b.args[0], int)):
-            close()
-            out.append(_accumulation(q, parts))
-            continue
-        entry = (q, product.a, product.b.args[0])
-        if run and (run[-1][0] + 1, run[-1][1], run[-1][2] + 1) != entry:
-            close()
-        run.append(entry)
-    close()
-    return out
+def _gradient_read(sum_: tuple[int, tuple]) -> Read | None:
+    """The gradient read G<k>(h) of a sum that is one product ``G<k>(h)·U(j)`` (j fixed), else None."""
+    parts = sum_[1]
+    product = parts[0] if len(parts) == 1 else None
+    if (isinstance(product, Mul) and isinstance(product.b, Read) and product.b.macro == "U"
+            and isinstance(product.b.args[0], int)):
+        return product.a
+    return None
 
 
 def _integrator_dt_vjp(op: Operator, coefs: Coefficients, refs: References) -> KernelCode:

@@ -11,8 +11,9 @@ table slot at one stride.
 [Run(start=0, stop=3, stride=(1, 2)), Run(start=3, stop=5, stride=(1, 1))]
 >>> runs(rows, key=lambda r: r[0], fields=lambda r: r[1], min_length=3)
 [Run(start=0, stop=3, stride=(1, 2))]
->>> runs(rows, key=lambda r: r[0], fields=lambda r: r[1], admits=lambda stride: stride == (NEXT, NEXT))
-[Run(start=0, stop=1, stride=(0, 0)), Run(start=1, stop=2, stride=(0, 0)), Run(start=2, stop=3, stride=(0, 0)), Run(start=3, stop=5, stride=(1, 1))]
+>>> [(run.start, run.stop) for run in runs(rows, key=lambda r: r[0], fields=lambda r: r[1],
+...                                       admits=lambda stride: stride == (NEXT, NEXT))]
+[(0, 1), (1, 2), (2, 3), (3, 5)]
 """
 from __future__ import annotations
 
