@@ -24,6 +24,7 @@ from sympy.core.function import AppliedUndef
 
 from . import monomials, tape
 from .operator import Operator, expand_formulas, is_formula
+from .runs import NEXT, runs
 from .statements import (Add, Cast, Def, For, Literal, Mul, Paren, Read, Rel, RunTape, Statement, Store, Strided, Sym,
                          Term, Var, transform)
 
@@ -234,36 +235,23 @@ def find_runs(op: Operator, names: dict[sp.Expr, int], varies: Any) -> list[RowR
     rel = _Relative(op)
     signature = {h: tuple(rel.key(exprs[q], h) for q in qs) for h, qs in by_row.items() if qs}
 
-    def contiguous(qs: list[int]) -> bool:
-        return qs == list(range(qs[0], qs[0] + len(qs)))
+    def shape(h: int) -> tuple | None:  # row h's template, when its slots are consecutive (a loop fills them)
+        qs = by_row[h]
+        return signature[h] if qs == list(range(qs[0], qs[0] + len(qs))) else None
 
-    def follows(h: int) -> bool:  # row h continues row h-1's run: the same template, the next slots
-        a, b = by_row[h - 1], by_row[h]
-        return signature[h - 1] == signature[h] and contiguous(a) and contiguous(b) and b[0] == a[-1] + 1
+    def follows(stride: tuple[int, ...]) -> bool:  # the next row, its slots the next ones (a row's width further)
+        return stride[0] == NEXT and set(stride[1:]) == {len(stride) - 1}
 
-    runs = []
+    found = []
     rows = sorted(signature)
-    i = 0
-    while i < len(rows):
-        j = i
-        while j + 1 < len(rows) and rows[j + 1] == rows[j] + 1 and follows(rows[j + 1]):
-            j += 1
-        if j - i + 1 >= MIN_ROWS:
-            template = tuple(expand_formulas(rel.expr(exprs[q], rows[i])) for q in by_row[rows[i]])
-            program = rel.program_of(template)
-            used = set().union(*(e.free_symbols for e in template), *(e.free_symbols for _, e in program))
-            window = tuple(sorted((o, s) for o, s in rel.window.items() if s in used))
-            runs.append(RowRun(rows[i], rows[j], by_row[rows[i]][0], len(template), window, program, template))
-        i = j + 1
-    return runs
-
-
-def _continues(piece: list, source: Any) -> bool:
-    """Whether a copy from ``source`` (a slot, or a constant) continues ``piece``: slots at the
-    stride of its first two, or the same constant."""
-    if isinstance(piece[0], int):
-        return isinstance(source, int) and (len(piece) == 1 or source - piece[-1] == piece[1] - piece[0])
-    return not isinstance(source, int) and source == piece[0]
+    for run in runs(rows, key=shape, fields=lambda h: (h, *by_row[h]), min_length=MIN_ROWS, admits=follows):
+        first, last = rows[run.start], rows[run.stop - 1]
+        template = tuple(expand_formulas(rel.expr(exprs[q], first)) for q in by_row[first])
+        program = rel.program_of(template)
+        used = set().union(*(e.free_symbols for e in template), *(e.free_symbols for _, e in program))
+        window = tuple(sorted((o, s) for o, s in rel.window.items() if s in used))
+        found.append(RowRun(first, last, by_row[first][0], len(template), window, program, template))
+    return found
 
 
 def _find(items: list, values: tuple) -> int | None:
@@ -525,11 +513,10 @@ class Coefficients:
         straight = set(self.straight)
         singles: dict[Any, list[Statement]] = defaultdict(list)  # by source slot (None: a constant)
         loops: list[Statement] = []
-        i = 0
-        while i < len(sources):
-            j = i + 1
-            while j < len(sources) and _continues(sources[i:j], sources[j]):
-                j += 1
+        # pieces: slots at a constant stride, or one constant repeated
+        for run in runs(sources, key=lambda s: ("slot",) if isinstance(s, int) else ("constant", s),
+                        fields=lambda s: (s,) if isinstance(s, int) else ()):
+            i, j = run.start, run.stop
             first, head = len(self.names) + i, sources[i]
             from_straight = all(not isinstance(s, int) or s in straight for s in sources[i:j])
             if from_straight and (j - i < MIN_ROWS or taped):  # a tape's stores cost no compile time
@@ -537,10 +524,9 @@ class Coefficients:
                     singles[s if isinstance(s, int) else None].append(
                         Store(Read("C", (first + m,)), Read("C", (s,)) if isinstance(s, int) else Cast("T", Paren(Sym(s)))))
             else:
-                value = (Read("C", (Strided(head, sources[i + 1] - head, first) if j > i + 1 else head,))
+                value = (Read("C", (Strided(head, run.stride[0], first) if j > i + 1 else head,))
                          if isinstance(head, int) else Cast("T", Paren(Sym(head))))
                 loops.append(For(first, first + j - i - 1, 1, (Store(Read("C", (Rel(0),)), value),), unroll=False))
-            i = j
         return singles, loops
 
     def tangent_preamble(self, taped: bool | None = None) -> list[Statement]:

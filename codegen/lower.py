@@ -423,7 +423,9 @@ def _carried(rows: Rows, first: int, repeat: int, p: int) -> bool:
 
 def _row_runs(by_row: dict[int, dict[Ref, sp.Expr]]) -> list[tuple[int, int, dict[Ref, sp.Expr]]]:
     """Runs [start, stop) of consecutive rows that read fixed inputs (a row may read fewer:
-    coefficient 0 there), with MIN_LOOP rows or more that read every input of the run."""
+    coefficient 0 there), with MIN_LOOP rows or more that read every input of the run. Not the
+    equal-shape runs of codegen/runs.py: a row joins when its inputs are a subset of the first
+    row's, and the run is kept by how many rows read them all."""
     runs = []
     index = sorted(by_row)
     i = 0

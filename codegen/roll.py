@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections import defaultdict
+from operator import itemgetter
 from typing import Any, Callable
 
 import sympy as sp
 
 from .operator import Operator, action, is_action, is_row
 from .references import References
+from .runs import NEXT, run_at, shared
 from .statements import (Add, Call, Cast, Def, For, Mul, Paren, Read, Rel, Statement, Store, Strided, Sum, Term, Val,
                          Var, place, transform, walk)
 
@@ -259,31 +261,19 @@ def render(groups: list[Group], tail: list[Statement] = ()) -> list[Statement]:
 def _render(groups: list[Group], tail: list[Statement], roll: bool) -> list[Statement]:
     defined: set[str] = set()
     out: list[Statement] = []
+    items = [(shape(g), (g.h, *slots(g))) for g in groups] if roll else []  # a group's shape and fields
     i = 0
     while i < len(groups):
-        j = _run_end(groups, i) if roll else i + 1
+        j = run_at(items, i, key=itemgetter(0), fields=itemgetter(1), admits=_rows).stop if roll else i + 1
         if j - i >= MIN_ROLL:
             out += rolled(groups[i:j], groups[i + 1].h - groups[i].h, defined)
-        else:
+        else:  # a short run's first group: the next one may begin a longer run
             j = i + 1
             out += straight(groups[i], defined)
         i = j
     return out + straight(Group(0, list(tail)), defined)
 
 
-def _run_end(groups: list[Group], i: int) -> int:
-    """End of the run of groups equal to groups[i] (consecutive rows, slots advancing evenly)."""
-    first = shape(groups[i])
-    step, stride = None, None
-    j = i + 1
-    while j < len(groups) and shape(groups[j]) == first:
-        dh = groups[j].h - groups[j - 1].h
-        steps = {b - a for a, b in zip(slots(groups[j - 1]), slots(groups[j]))}
-        if abs(dh) != 1 or (step is not None and dh != step) or len(steps) > 1:
-            break
-        s = next(iter(steps), 0)
-        if stride is not None and s != stride:
-            break
-        step, stride = dh, s
-        j += 1
-    return j
+def _rows(stride: tuple[int, ...]) -> bool:
+    """Groups that can share a loop: consecutive rows, up or down, with every table slot at one stride."""
+    return abs(stride[0]) == NEXT and shared(stride[1:])
