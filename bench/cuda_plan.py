@@ -6,9 +6,8 @@ kernel (bench/ptxas.py, each library compiled on its own, as the runtime compile
 
 An operation calls the entry points of the C ABI as runtime/launch.py's ``Launcher`` does: a
 backward with a dt gradient runs the adjoint, then (integrators) a forward whose outputs dt_vjp
-reads, dt_vjp into zeroed partial sums, and dt_vjp_finish into a float64 gradient the autograd
-node casts to dt's dtype. Those buffers of the Launcher are temporaries too; the zero fill and the
-cast are PyTorch's launches, not the plan's, and are not listed.
+reads, dt_vjp into partial sums it writes itself, and dt_vjp_finish into a gradient of dt's dtype
+(no zero fill, no cast: every launch is listed). Those buffers of the Launcher are temporaries too.
 """
 from __future__ import annotations
 
@@ -55,7 +54,7 @@ def entry_points(table: Any, operation: str) -> tuple[str, ...]:
 def operation(generated: Any, name: str, B: int) -> Operation:
     """An operation's launches over a batch of B, from the spec's CUDA launch plan, and its
     temporaries: the plan's and, with a dt gradient, the Launcher's (dt_vjp's partial sums, the
-    forward's outputs an integrator's dt_vjp reads, the float64 dt gradient)."""
+    forward's outputs an integrator's dt_vjp reads, the dt gradient)."""
     plan, table, spec = generated.launch_plan("cuda"), generated.table, generated.spec
     launches: list[tuple[str, Launch]] = []
     temporaries: list[tuple[str, int]] = []
@@ -64,11 +63,11 @@ def operation(generated: Any, name: str, B: int) -> Operation:
         launches += [(entry, launch) for launch in planned.launches]
         temporaries += [(f"{entry}.{t.name}", t.size * ITEMSIZE[t.dtype]) for t in planned.temporaries]
     if name == "backward_dt":
-        temporaries.append(("gc", plan.dt_vjp_rows(B) * generated.n_coefficients * 8))
+        temporaries.append(("gc", plan.dt_vjp_size(B) * 8))
         if table.values:
             outputs = math.prod(table.physical(table.outputs[0], {"B": B})) * len(table.outputs)
             temporaries.append(("values", outputs * ITEMSIZE[spec.dtype]))
-        temporaries.append(("gdt", math.prod(table.physical(table.dt, {"B": B})) * 8))
+        temporaries.append(("gdt", math.prod(table.physical(table.dt, {"B": B})) * ITEMSIZE[plan.gradient_dtype]))
     return Operation(name, tuple(launches), tuple(temporaries))
 
 

@@ -81,33 +81,44 @@ def arguments(kernel: str, table: ArgumentTable) -> list[Parameter]:
 
 #: CUDA runs the coefficient program once per call, in kernels of its own, not in every thread:
 #: ``coefficients`` fills the table C (one thread, or one per trajectory), ``coefficients_jvp`` the
-#: tables C and CD of dt_jvp, and ``dt_vjp_sum`` adds dt_vjp's partial sums in a fixed order
-#: before dt_vjp_finish. The per-element kernels read the table as one more argument, ``coef_g``.
+#: tables C and CD of dt_jvp. The per-element kernels that read the table take it as one more
+#: argument, ``coef_g`` (``cuda_table``).
 CUDA_TABLES = {"forward": "coefficients", "adjoint": "coefficients", "dt_vjp": "coefficients",
                "dt_jvp": "coefficients_jvp"}
+
+
+def cuda_table(kernel: str, table: ArgumentTable) -> str | None:
+    """The kernel that fills the coefficient table a CUDA per-element kernel reads, or None. A
+    stencil's dt_vjp reads none: its outputs are sums of coefficient x input, so the gradient of a
+    coefficient is a sum of output gradient x input, with no coefficient in it (a recurrence's,
+    which reads the forward's values, holds the coefficients of the rows after)."""
+    if kernel == "dt_vjp" and not table.values:
+        return None
+    return CUDA_TABLES.get(kernel)
 
 
 def cuda_kernels(kernels: tuple[str, ...]) -> tuple[str, ...]:
     """The CUDA entry points of a library with these kernels: the once-per-call kernels they need,
     then the kernels. dt_vjp reads the table the core library's kernel fills (always loaded)."""
     extra = [k for k, needed in (("coefficients", {"forward", "adjoint"} & set(kernels)),
-                                 ("coefficients_jvp", "dt_jvp" in kernels),
-                                 ("dt_vjp_sum", "dt_vjp_finish" in kernels)) if needed]
+                                 ("coefficients_jvp", "dt_jvp" in kernels)) if needed]
     return (*extra, *kernels)
 
 
 def cuda_arguments(kernel: str, table: ArgumentTable) -> list[Parameter]:
     """Parameters of one CUDA entry point: the C ABI's (``arguments``) plus the coefficient table
-    for the per-element kernels, or those of a once-per-call kernel."""
+    for the per-element kernels that read it, or those of a once-per-call kernel. dt_vjp_finish
+    writes the gradient in the spec's type and takes dt_vjp's row count and a buffer for the
+    rows' sums (unused, null, with a dt per trajectory)."""
     batch: list[Parameter] = [("int64_t", "B")]
     dt: list[Parameter] = [("const T*", table.dt.c_name)]
     if kernel == "coefficients":
         return batch + dt + [("T*", "coef_g")]
     if kernel == "coefficients_jvp":
         return batch + dt + [("const T*", "ddt_in"), ("T*", "coef_g")]
-    if kernel == "dt_vjp_sum":
-        return batch + [("int64_t", "rows"), ("const double*", "gc"), ("double*", "sums")]
-    return arguments(kernel, table) + ([("const T*", "coef_g")] if kernel in CUDA_TABLES else [])
+    if kernel == "dt_vjp_finish":
+        return batch + dt + [("const double*", "gc"), ("T*", "gdt"), ("int64_t", "rows"), ("double*", "sums")]
+    return arguments(kernel, table) + ([("const T*", "coef_g")] if cuda_table(kernel, table) else [])
 
 
 def signature(kernel: str, table: ArgumentTable, ctype: str, restrict: str = "", cuda: bool = False) -> str:

@@ -20,10 +20,12 @@ from typing import Any, Mapping, Optional, Union
 from . import abi
 from .arguments import ArgumentTable, table as argument_table
 
-#: CUDA threads per block: a multiple of the warp size, at most 1024 (dt_vjp's block sum adds
-#: whole warps, at most 32 of them); the per-element kernels' largest block
+#: CUDA threads per block: a multiple of the warp size (dt_vjp's sums are over whole warps); the
+#: per-element kernels' largest block
 CUDA_BLOCK = 256
 CUDA_WARP = 32
+#: the most warps a block has (dt_vjp keeps a row of partial sums per warp of its block)
+CUDA_WARPS = CUDA_BLOCK // CUDA_WARP
 #: the SMs a plan sets out to fill (an H100 SXM has 132): below this many blocks of CUDA_BLOCK
 #: threads, the per-element kernels take smaller blocks, down to a warp, so that more SMs get work
 CUDA_FILL_BLOCKS = 132
@@ -49,6 +51,22 @@ CUDA_TAPE_SHARED_BYTES = 48 * 1024
 #: the kernels that run the coefficient table's program in C, each library's its own (on CUDA the
 #: table kernel of a spec's core module fills it; a dt module's dt_vjp reads it)
 TABLE_KERNELS = ("forward", "adjoint", "dt_vjp")
+
+#: dt_vjp's warps keep their rows of partial sums in shared memory when a block's rows fit in this
+#: many bytes (CUDA_WARPS rows of the coefficient count's doubles), else in gc
+CUDA_WARP_ROWS_SHARED_BYTES = 32 * 1024
+
+
+def cuda_warp_rows_shared(n_coefficients: int) -> bool:
+    """Whether dt_vjp's warps keep their rows of partial sums in shared memory (else in gc)."""
+    return CUDA_WARPS * n_coefficients * 8 <= CUDA_WARP_ROWS_SHARED_BYTES
+
+
+def cuda_row_stride(n_coefficients: int) -> int:
+    """Doubles between two of dt_vjp's block rows in gc: a row, or a block's warp rows (the block's
+    row is its first warp's, added in place)."""
+    return n_coefficients * (1 if cuda_warp_rows_shared(n_coefficients) else CUDA_WARPS)
+
 
 #: (kernel, B) pairs whose launches a CUDA plan keeps (B varies from call to call: the oldest goes)
 CUDA_LAUNCHES_KEPT = 256
@@ -94,10 +112,17 @@ def _blocks(threads: int, block: int) -> int:
 class CudaLaunchPlan:
     """The CUDA launches of a spec's entry points. Each call first runs the coefficient program
     once (or once per trajectory), in a kernel of its own, into a table the per-element kernels
-    then read (one thread per (batch, dof) column); dt gradients are finished by dt_vjp_sum, which
-    adds dt_vjp's partial sums in a fixed order, then dt_vjp_finish's reverse program. A
-    coefficient program kept as a tape (``tapes``) runs a block per run, whose threads share the
-    tape's levels; otherwise one thread per run."""
+    then read (one thread per (batch, dof) column); a stencil's dt_vjp reads no table (its
+    coefficient gradients hold no coefficient), so it runs alone. dt_vjp writes its partial sums
+    itself (no zero fill): with one run, a row per block of a grid of at most CUDA_FILL_BLOCKS x
+    CUDA_MIN_BLOCKS blocks (each thread strides over the columns); with a dt per trajectory, a
+    thread per trajectory adds its dof columns in turn into the trajectory's own sums.
+    dt_vjp_finish adds the block rows (a fixed tree: each warp a coefficient, its lanes rows
+    lane, lane + 32, ... in turn, then a shuffle tree) and runs the reverse program, writing the
+    gradient in the spec's dtype (no cast). A backward with a dt gradient is then the adjoint's
+    two launches and dt_vjp's one or two, and the finish. A coefficient program kept as a tape
+    (``tapes``) runs a block per run, whose threads share the tape's levels; otherwise one
+    thread per run."""
 
     table: ArgumentTable
     dof: int
@@ -110,16 +135,26 @@ class CudaLaunchPlan:
     _launches: dict[tuple[str, int], Launches] = dataclasses.field(default_factory=dict, init=False, repr=False,
                                                                    compare=False)
 
+    #: dt_vjp writes its partial sums before it adds to them (no zero fill); dt_vjp_finish writes
+    #: the gradient in the spec's dtype (no cast)
+    zeroed_sums = False
+
     @property
     def per_trajectory(self) -> bool:
         return self.table.dt.shape == ("B",)
 
-    def block(self, B: int) -> int:
-        """Threads per block of the per-element kernels over a batch of B (one thread per column):
-        CUDA_BLOCK, halved down to a warp while the grid would have fewer than CUDA_FILL_BLOCKS
-        blocks. A function of B alone, so dt_vjp's block sums are the same on every run."""
+    @property
+    def gradient_dtype(self) -> str:
+        return self.dtype
+
+    def block(self, B: int, per: Optional[int] = None) -> int:
+        """Threads per block of the per-element kernels over a batch of B (one thread per column,
+        or ``per`` threads per batch element): CUDA_BLOCK, halved down to a warp while the grid
+        would have fewer than CUDA_FILL_BLOCKS blocks. A function of B alone, so dt_vjp's sums are
+        the same on every run."""
+        threads = B * (self.dof if per is None else per)
         block = CUDA_BLOCK
-        while block > CUDA_WARP and _blocks(B * self.dof, block) < CUDA_FILL_BLOCKS:
+        while block > CUDA_WARP and _blocks(threads, block) < CUDA_FILL_BLOCKS:
             block //= 2
         return block
 
@@ -127,10 +162,31 @@ class CudaLaunchPlan:
         """Runs of the once-per-call programs: one per trajectory, or one."""
         return B if self.per_trajectory else 1
 
+    def dt_vjp_block(self, B: int) -> int:
+        """Threads per block of dt_vjp: ``block``'s, over its threads (one per trajectory with a
+        dt per trajectory, else one per column)."""
+        return self.block(B if self.per_trajectory else B * self.dof, 1)
+
+    def dt_vjp_grid(self, B: int) -> int:
+        """Blocks of dt_vjp: one per block of threads with a dt per trajectory; else at most
+        CUDA_FILL_BLOCKS x CUDA_MIN_BLOCKS (as many as an H100 holds at once), whose threads stride
+        over the columns, so that the rows of partial sums do not grow with the batch."""
+        if self.per_trajectory:
+            return _blocks(B, self.dt_vjp_block(B))
+        return min(_blocks(B * self.dof, self.dt_vjp_block(B)), CUDA_FILL_BLOCKS * CUDA_MIN_BLOCKS)
+
     def dt_vjp_rows(self, B: int) -> int:
-        """Rows of dt_vjp's partial sums: one per column when each trajectory has its own dt (its
-        dof columns are added in turn), else one per block of dt_vjp (no atomics, a fixed order)."""
-        return B * self.dof if self.per_trajectory else _blocks(B * self.dof, self.block(B))
+        """Rows of dt_vjp's partial sums: one per trajectory with its own dt, else one per block of
+        dt_vjp (none for an empty batch, where dt_vjp is not launched)."""
+        return B if self.per_trajectory else (self.dt_vjp_grid(B) if B else 0)
+
+    def dt_vjp_size(self, B: int) -> int:
+        """Doubles of dt_vjp's partial sums (gc), which dt_vjp writes before it adds to them: a
+        coefficient-major row per trajectory, or a block's row (with its warp rows where they do
+        not fit in shared memory: ``cuda_row_stride``) per block."""
+        if self.per_trajectory:
+            return B * self.n_coefficients
+        return self.dt_vjp_rows(B) * cuda_row_stride(self.n_coefficients)
 
     def parameters(self, kernel: str) -> tuple[str, ...]:
         """The names of an entry point's arguments after B (codegen/abi.py ``arguments``), once per kernel."""
@@ -152,28 +208,31 @@ class CudaLaunchPlan:
         return found
 
     def _plan(self, kernel: str, B: int) -> Launches:
-        """The launches of one entry point over a batch of B. A per-element kernel first has its
-        coefficient table filled; dt_vjp_finish first has dt_vjp's partial sums added. The other
-        kernels keep CUDA_BLOCK threads (a tape's block shares its levels among them)."""
+        """The launches of one entry point over a batch of B. A per-element kernel that reads the
+        coefficient table first has it filled (``abi.cuda_table``). The once-per-call kernels keep
+        CUDA_BLOCK threads (a tape's block shares its levels among them; dt_vjp_finish's threads
+        first add dt_vjp's rows)."""
         block, runs = self.block(B), self.runs(B)
         once = runs if self.tapes else _blocks(runs, CUDA_BLOCK)  # grid of a once-per-call kernel
         dt = self.table.dt.c_name
-        if kernel in abi.CUDA_TABLES:
-            fill = abi.CUDA_TABLES[kernel]
-            inputs = (dt, "ddt_in") if fill == "coefficients_jvp" else (dt,)
-            names = self.parameters(kernel)
-            coef = Temporary("coef", runs * len(inputs) * self.n_coefficients, self.dtype)
-            return Launches((Launch(fill, once, CUDA_BLOCK, 0, (*inputs, "coef")),
-                             Launch(kernel, _blocks(B * self.dof, block), block, 0, (*names, "coef"))), (coef,),
-                            names)
+        names = self.parameters(kernel)
         if kernel == "dt_vjp_finish":
-            sums = Temporary("sums", runs * self.n_coefficients, "float64")
-            rows = self.dt_vjp_rows(B) // runs
-            return Launches((Launch("dt_vjp_sum", _blocks(runs * self.n_coefficients, CUDA_BLOCK), CUDA_BLOCK, 0,
-                                    (rows, "gc", "sums")),
-                             Launch(kernel, once, CUDA_BLOCK, 0, (dt, "sums", "gdt"))), (sums,),
-                            self.parameters(kernel))
-        raise ValueError(f"unknown kernel {kernel!r}; allowed: {', '.join(abi.KERNELS)}")
+            one_run = not self.per_trajectory
+            sums = (Temporary("sums", self.n_coefficients, "float64"),) if one_run else ()
+            return Launches((Launch(kernel, once, CUDA_BLOCK, 0,
+                                    (*names, self.dt_vjp_rows(B), "sums" if one_run else 0)),), sums, names)
+        if kernel not in abi.CUDA_TABLES:
+            raise ValueError(f"unknown kernel {kernel!r}; allowed: {', '.join(abi.KERNELS)}")
+        grid = _blocks(B * self.dof, block)
+        if kernel == "dt_vjp":
+            grid, block = self.dt_vjp_grid(B), self.dt_vjp_block(B)
+        fill = abi.cuda_table(kernel, self.table)
+        if fill is None:
+            return Launches((Launch(kernel, grid, block, 0, names),), (), names)
+        inputs = (dt, "ddt_in") if fill == "coefficients_jvp" else (dt,)
+        coef = Temporary("coef", runs * len(inputs) * self.n_coefficients, self.dtype)
+        return Launches((Launch(fill, once, CUDA_BLOCK, 0, (*inputs, "coef")),
+                         Launch(kernel, grid, block, 0, (*names, "coef"))), (coef,), names)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,11 +242,19 @@ class CLaunchPlan:
     any number of threads."""
 
     per_trajectory: bool
+    n_coefficients: int
     chunk: int = abi.C_DT_VJP_CHUNK
+    #: dt_vjp adds to its rows of partial sums, which the runtime zeroes; the gradient is float64
+    zeroed_sums = True
+    gradient_dtype = "float64"
 
     def dt_vjp_rows(self, B: int) -> int:
         """Rows of dt_vjp's partial sums: one per trajectory with its own dt, else one per chunk."""
         return B if self.per_trajectory else max(1, -(-B // self.chunk))
+
+    def dt_vjp_size(self, B: int) -> int:
+        """Doubles of dt_vjp's partial sums (gc)."""
+        return self.dt_vjp_rows(B) * self.n_coefficients
 
 
 @dataclasses.dataclass(frozen=True)
@@ -248,7 +315,7 @@ class CTarget(Target):
     """C: entry points looping over the batch, compiled by the C backend."""
 
     def launch_plan(self, spec: Any, metadata: Mapping[str, Any]) -> CLaunchPlan:
-        return CLaunchPlan(argument_table(spec).dt.shape == ("B",))
+        return CLaunchPlan(argument_table(spec).dt.shape == ("B",), int(metadata.get("n_coefficients", 0)))
 
 
 class CudaTarget(Target):

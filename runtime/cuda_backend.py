@@ -4,8 +4,9 @@ Launches go on PyTorch's current stream of the tensor's device (no host synchron
 outputs come from PyTorch's allocator (runtime.launch). What each call launches, with which grid,
 block and temporaries, is the build's launch plan (codegen/targets.py ``CudaLaunchPlan``, rebuilt
 from the build's metadata): each call runs the coefficient program once, in a kernel of its own,
-into a table the per-element kernels then read; dt gradients are finished by two small kernels
-that add dt_vjp's partial sums in a fixed order and run the reverse coefficient program. The
+into a table the per-element kernels that need it then read; dt gradients are finished by one
+small kernel that adds dt_vjp's partial sums in a fixed order and runs the reverse coefficient
+program, writing the gradient in dt's dtype. The
 temporaries come from PyTorch's caching allocator on
 the current stream, which CUDA graph capture supports (the graph keeps them for its replays).
 CUDA graph capture is safe once the kernels a capture runs are loaded: a module is never

@@ -128,15 +128,17 @@ class Launcher:
         return outs
 
     def dt_vjp(self, inputs: Sequence[OptTensor], grads: Sequence[OptTensor], dt: Tensor) -> Tensor:
-        """Gradient with respect to the dt vector the kernel reads (float64, summed over the batch)."""
+        """Gradient with respect to the dt vector the kernel reads (summed over the batch): float64
+        from C, the spec's dtype from CUDA (the backend's launch plan says)."""
         grads = [contiguous(g) for g in grads]
         u = inputs[0]
         B = u.shape[0]
-        # the partial sums, as many rows as the backend's dt_vjp writes (its launch plan's; the finish adds them in order)
-        rows = self.backend.plan.dt_vjp_rows(B)
-        # (the coefficient count is in the build's metadata: no code generation, no parsing)
-        gc = torch.zeros(rows * int(self.backend.metadata["n_coefficients"]), dtype=torch.float64, device=u.device)
-        gdt = torch.empty(dt.shape[0], dtype=torch.float64, device=u.device)
+        plan = self.backend.plan
+        # the partial sums, as many as the backend's dt_vjp writes (its launch plan's; the finish adds
+        # them in order), zeroed here where dt_vjp only adds to them
+        size = plan.dt_vjp_size(B)
+        gc = (torch.zeros if plan.zeroed_sums else torch.empty)(size, dtype=torch.float64, device=u.device)
+        gdt = torch.empty(dt.shape[0], dtype=DTYPES[plan.gradient_dtype], device=u.device)
         # an integrator's dt_vjp reads every row's value: the forward writes them first
         values = self.forward(inputs, dt) if self.table.values and B else []
         if B:

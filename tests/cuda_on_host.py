@@ -17,11 +17,13 @@ threadIdx.x become serial loops, as for the table copy), in the levels' order, a
 threads of the once-per-call kernels are not run: on the GPU they only share the levels. That a level's instructions are independent, and registers are
 reused only from the level after their last read, is tests/kernels/test_tape.py's to check.
 
-dt_vjp's block reduction needs a block's threads in lockstep (warp shuffles, barriers), which a
-sequential run cannot give: here each thread leaves its values in a per-block buffer, and after
-the block's last thread the reduction runs as the GPU runs it, shuffle step by shuffle step
-across each warp's 32 lanes, then the warps' sums in turn, into the block's row of gc. The sums
-are the same, in the same order, as on the GPU.
+dt_vjp's sums need a warp's lanes in lockstep (warp shuffles), which a sequential run cannot give:
+here each thread records the value of each of its ACC statements, in order, and after the block's
+last thread the sums run as the GPU runs them: for each statement, a warp's 32 values added shuffle
+step by shuffle step into its lane 0, which adds the sum to the warp's row; then the block's warp
+rows added in order into its row of gc. dt_vjp_finish's sum of the block rows runs the same way
+(each coefficient's lanes, then the shuffle tree), by its thread 0 before the reverse program.
+The sums are the same, in the same order, as on the GPU.
 """
 from __future__ import annotations
 
@@ -55,41 +57,83 @@ PRELUDE = f"""/* CUDA keywords for a sequential run on the host */
 #define __syncthreads()
 #define __launch_bounds__(threads, blocks)
 typedef struct {{ long long x; }} ts_dim3;
-static ts_dim3 blockIdx, threadIdx, blockDim; /* set by each launch */
+static ts_dim3 blockIdx, threadIdx, blockDim, gridDim; /* set by each launch */
 #define TS_MAX_BLOCK {MAX_BLOCK}
 """
 #: kernels run once per call (or per trajectory); with tapes, a block's threads share a tape's levels
 ONCE_PER_CALL = ("coefficients", "coefficients_jvp", "dt_vjp_finish")
 ACCUMULATOR = ("/* dt_vjp's accumulator: begin */", "/* dt_vjp's accumulator: end */")
-#: per column: its value of each ACC statement (the columns past the end add nothing)
-HOST_ACCUMULATOR = """static double ts_lanes[TS_MAX_BLOCK][NC_], ts_discard;
+#: per thread: the slot and value of each ACC statement it runs (a column past the end records 0);
+#: the warp and block sums run after the block (``_block_reduction``), dt_vjp_finish's in ts_sum_rows
+HOST_ACCUMULATOR = """#include <stdlib.h>
+#include <assert.h>
+static struct { long long n, cap; long long* q; double* v; } ts_calls[TS_MAX_BLOCK];
+static double ts_discard;
+static double* ts_record(long long q, bool active)
+{
+    __typeof__(ts_calls[0])* c = &ts_calls[threadIdx.x];
+    if (c->n == c->cap) {
+        c->cap = c->cap ? 2 * c->cap : 1024;
+        c->q = realloc(c->q, c->cap * sizeof *c->q);
+        c->v = realloc(c->v, c->cap * sizeof *c->v);
+    }
+    c->q[c->n] = q;
+    c->v[c->n] = 0.0;
+    return active ? &c->v[c->n++] : (c->n++, &ts_discard);
+}
 #undef ACC
-#define ACC(q) (*(active ? &ts_lanes[threadIdx.x][(q)] : &ts_discard))
+#define ACC(q) (*ts_record((q), active))
+#define ts_rows_begin(gc) ((double*)0)
+#define ts_rows_end(gc) ((void)0)
+/* a warp's 32 values added as __shfl_down_sync adds them: into lane 0 (a lane past the end reads its own) */
+static double ts_shuffle_tree(double* v)
+{
+    double before[32];
+    for (int off = 16; off > 0; off >>= 1) {
+        for (int lane = 0; lane < 32; ++lane) before[lane] = v[lane];
+        for (int lane = 0; lane < 32; ++lane) v[lane] += before[lane + off < 32 ? lane + off : lane];
+    }
+    return v[0];
+}
+static void ts_sum_rows(const double* gc, long long rows, double* sums)
+{
+    if (threadIdx.x != 0) return;
+    for (int q = 0; q < NC_; ++q) {
+        double v[32];
+        for (int lane = 0; lane < 32; ++lane) {
+            v[lane] = 0.0;
+            for (long long k = lane; k < rows; k += 32) v[lane] += gc[k * TS_ROW + q];
+        }
+        sums[q] = ts_shuffle_tree(v);
+    }
+}
 """
 
 
 def _block_reduction(symbol: str) -> str:
-    """The dt_vjp reduction of one block as 32 lanes in lockstep run it (see the module docstring)."""
+    """dt_vjp's sums of one block as lanes in lockstep run them (see the module docstring)."""
     return f"""static void {symbol}_block(double* gc)
 {{
-    double warp_sums[TS_MAX_BLOCK / 32];
     const int warps = (int)(blockDim.x / 32);
-    for (int i = 0; i < NC_; ++i) {{
-        for (int w = 0; w < warps; ++w) {{
-            double v[32], before[32];
-            for (int lane = 0; lane < 32; ++lane) v[lane] = ts_lanes[w * 32 + lane][i];
-            for (int off = 16; off > 0; off >>= 1) {{
-                for (int lane = 0; lane < 32; ++lane) before[lane] = v[lane];
-                /* __shfl_down_sync: a lane past the warp's end reads its own value */
-                for (int lane = 0; lane < 32; ++lane) v[lane] += before[lane + off < 32 ? lane + off : lane];
+    const long long n = ts_calls[0].n;
+    double* rows = calloc((size_t)warps * NC_, sizeof *rows);
+    for (int w = 0; w < warps; ++w) {{
+        for (long long k = 0; k < n; ++k) {{
+            double v[32];
+            for (int lane = 0; lane < 32; ++lane) {{
+                assert(ts_calls[w * 32 + lane].n == n && ts_calls[w * 32 + lane].q[k] == ts_calls[0].q[k]);
+                v[lane] = ts_calls[w * 32 + lane].v[k];
             }}
-            warp_sums[w] = v[0];
+            rows[w * NC_ + ts_calls[0].q[k]] += ts_shuffle_tree(v);
         }}
-        double s = 0.0;
-        for (int w = 0; w < warps; ++w) s += warp_sums[w];
-        gc[(long long)blockIdx.x * NC_ + i] += s;
     }}
-    memset(ts_lanes, 0, sizeof ts_lanes[0] * blockDim.x);
+    for (int q = 0; q < NC_; ++q) {{
+        double s = rows[q];
+        for (int w = 1; w < warps; ++w) s += rows[w * NC_ + q];
+        gc[(long long)blockIdx.x * TS_ROW + q] = s;
+    }}
+    free(rows);
+    for (int t = 0; t < (int)blockDim.x; ++t) ts_calls[t].n = 0;
 }}
 """
 
@@ -104,7 +148,7 @@ def _entry_point(spec: Any, kernel: str, reduce_blocks: bool, one_thread: bool) 
     signature = abi.signature(kernel, args, CTYPES[spec.dtype], "restrict", cuda=True)
     definition = (
         f"void {symbol}(long long grid, long long block, {signature})\n{{\n"
-        f"    blockDim.x = block;\n"
+        f"    blockDim.x = block; gridDim.x = grid;\n"
         f"    for (long long b = 0; b < grid; ++b) {{\n"
         f"        for (long long t = 0; t < {'1' if one_thread else 'block'}; ++t) {{\n"
         f"            blockIdx.x = b; threadIdx.x = t; {symbol}_thread({names});\n"
@@ -118,7 +162,7 @@ def _entry_point(spec: Any, kernel: str, reduce_blocks: bool, one_thread: bool) 
 def host_source(spec: Any) -> tuple[str, str]:
     """(C source, cffi declarations): every CUDA kernel, each looped over its launch grid."""
     source = generate(spec, targets=("cuda",)).source("cuda").replace('extern "C" ', "")
-    per_trajectory = getattr(spec, "dt", "") == "per_trajectory"  # per-column sums, no block reduction
+    per_trajectory = getattr(spec, "dt", "") == "per_trajectory"  # a thread's own sums, no warp sums
     taped = lowered(spec).coefs.long  # the once-per-call kernels: a block per run, its threads share a tape
     dt_vjp = abi.symbol(spec.name, "dt_vjp")
     if not per_trajectory:

@@ -69,8 +69,10 @@ def test_reported_launches_are_those_the_runtime_makes(options, fields):
 
 def test_temporaries_counted_buffer_by_buffer():
     """The bytes per call against a count of each buffer: a table of the coefficients per fill
-    (float32), dt_vjp's float64 partial sums (a row per block of dt_vjp, or per column with a dt per
-    trajectory), their sums per run, an integrator's forward outputs, the float64 dt gradient."""
+    (float32; a stencil's dt_vjp reads none), dt_vjp's float64 partial sums (a row per block of
+    dt_vjp, with its warps' rows where they do not fit in shared memory, or a row per trajectory
+    with a dt per trajectory), the float64 sums of the block rows, an integrator's forward outputs,
+    the dt gradient in dt's dtype (float32)."""
     B = 1000
     for options, fields in SPECS[1:]:
         spec = ts.KernelSpec(**fields)
@@ -82,13 +84,36 @@ def test_temporaries_counted_buffer_by_buffer():
         assert ops["forward"]["temporary_bytes"] == table_bytes
         assert ops["backward"]["temporary_bytes"] == table_bytes
         dt_vjp = [l for l in ops["backward_dt"]["launches"] if l["kernel"] == "dt_vjp"]
-        rows = B * spec.dof if spec.dt == "per_trajectory" else dt_vjp[0]["grid"]
+        warp_rows = 1 if 8 * nc * 8 <= 32 * 1024 else 8  # a block's rows in shared memory, else in gc
+        gc = B * nc if spec.dt == "per_trajectory" else dt_vjp[0]["grid"] * warp_rows * nc
         integrator = spec.control == "acceleration"
         values = 4 * B * spec.horizon * spec.dof * 4 if integrator else 0  # P, V, A, J
-        fills = 3 if integrator else 2  # adjoint, (forward,) dt_vjp
+        fills = 3 if integrator else 1  # adjoint, (forward, dt_vjp)
+        sums = 0 if spec.dt == "per_trajectory" else nc * 8
         n_dt = {"uniform": 1, "per_step": spec.horizon, "per_trajectory": B}[spec.dt]
-        expect = fills * table_bytes + rows * nc * 8 + runs * nc * 8 + values + n_dt * 8
+        expect = fills * table_bytes + gc * 8 + sums + values + n_dt * 4
         assert ops["backward_dt"]["temporary_bytes"] == expect, fields
+
+
+def test_backward_with_a_dt_gradient_is_at_most_four_launches():
+    """Table and adjoint, dt_vjp (a stencil's alone: it reads no table), dt_vjp_finish (which adds
+    dt_vjp's rows: no dt_vjp_sum); an integrator adds its forward and dt_vjp's table. dt_vjp's grid
+    stops growing at 264 blocks (its rows of partial sums with it); with a dt per trajectory it
+    runs a thread per trajectory, whose sums are B rows (not B x dof)."""
+    B = 40000
+    for options, fields in SPECS:
+        (report,) = plan_json(options + ["--no-ptxas"], (B, 10 ** 6))
+        for batch in report["batches"]:
+            launches = [l["kernel"] for l in batch["operations"]["backward_dt"]["launches"]]
+            integrator = fields.get("control") == "acceleration"
+            expect = (["coefficients", "adjoint", "coefficients", "forward", "coefficients", "dt_vjp", "dt_vjp_finish"]
+                      if integrator else ["coefficients", "adjoint", "dt_vjp", "dt_vjp_finish"])
+            assert launches == expect, fields
+            (dt_vjp,) = [l for l in batch["operations"]["backward_dt"]["launches"] if l["kernel"] == "dt_vjp"]
+            if fields.get("dt") == "per_trajectory":
+                assert dt_vjp["grid"] * dt_vjp["block"] >= batch["batch"] > (dt_vjp["grid"] - 1) * dt_vjp["block"]
+            else:
+                assert dt_vjp["grid"] == 264 and dt_vjp["block"] == 256
 
 
 @pytest.mark.parametrize("options,fields", SPECS, ids=IDS)
@@ -106,7 +131,7 @@ def test_per_element_kernels_bound_the_plans_blocks(options, fields):
         assert 65536 // (threads * blocks) == 128
         for B in (1, 100, 400, 4000, 40000, 10 ** 6):
             assert all(0 < l.block <= threads for l in plan.launches(kernel, B).launches if l.kernel == kernel)
-    for kernel in ("coefficients", "coefficients_jvp", "dt_vjp_sum", "dt_vjp_finish"):
+    for kernel in ("coefficients", "coefficients_jvp", "dt_vjp_finish"):
         assert f'__global__ void {spec.name}_{kernel}(' in source, kernel
 
 
@@ -123,23 +148,27 @@ def test_block_size_follows_the_batch():
         assert forward.grid >= 132 or forward.block == 32
 
 
-@pytest.mark.parametrize("B", [150, 3000])  # blocks of 32 (15 of them) and of 64 (141)
-def test_dt_gradient_with_the_plans_blocks_is_deterministic_and_matches_c(B):
-    """The host-run CUDA kernels at the block size the plan picks for B: the dt gradient (dt_vjp's
-    block sums, added in order) is the same bit for bit on every run, and the C kernels' to 1e-12."""
-    spec = ts.KernelSpec(horizon=8, dof=3, dtype="float64", dt="per_step")
+@pytest.mark.parametrize("B,dt", [(150, "per_step"), (3000, "per_step"), (25000, "uniform"), (700, "per_trajectory")])
+def test_dt_gradient_with_the_plans_blocks_is_deterministic_and_matches_c(B, dt):
+    """The host-run CUDA kernels at the block size the plan picks for B (blocks of 32, 15 of them;
+    of 64, 141; of 256, 264, whose threads take a second column past 67,584; a thread per
+    trajectory): the dt gradient (dt_vjp's warp and block sums, added in order) is the same bit for
+    bit on every run, and the C kernels' to 1e-12."""
+    spec = ts.KernelSpec(horizon=8, dof=3, dtype="float64", dt=dt)
     backend = HostCudaBackend(spec)
     host, cpu = Launcher(spec, backend), Launcher(spec, CpuBackend(spec))
     x = Inputs(spec, B, seed=5)
-    dt = 0.02 + 0.02 * torch.rand(spec.n_dt, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    n_dt = B if dt == "per_trajectory" else spec.n_dt
+    dt = 0.02 + 0.02 * torch.rand(n_dt, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
     inputs = [getattr(x, a.c_name) for a in table(spec).tensors]
     grads = [torch.randn(y.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
              for y in cpu.forward(inputs, dt)]
     first = host.dt_vjp(inputs, grads, dt)
     assert torch.equal(first, host.dt_vjp(inputs, grads, dt))
     torch.testing.assert_close(first, cpu.dt_vjp(inputs, grads, dt), rtol=1e-12, atol=1e-12)
-    assert {block for kernel, _, block in backend.launched if kernel == "dt_vjp"} == {backend.plan.block(B)}
-    assert backend.plan.block(B) == (32 if B == 150 else 64)
+    launched = {(grid, block) for kernel, grid, block in backend.launched if kernel == "dt_vjp"}
+    expect = {150: (15, 32), 3000: (141, 64), 25000: (264, 256), 700: (22, 32)}[B]
+    assert launched == {expect} and B * (1 if dt == "per_trajectory" else 3) > (expect[0] - 1) * expect[1]
 
 
 @pytest.mark.parametrize("args,message", [
