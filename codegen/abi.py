@@ -108,8 +108,8 @@ def cuda_kernels(kernels: tuple[str, ...]) -> tuple[str, ...]:
 def cuda_arguments(kernel: str, table: ArgumentTable) -> list[Parameter]:
     """Parameters of one CUDA entry point: the C ABI's (``arguments``) plus the coefficient table
     for the per-element kernels that read it, or those of a once-per-call kernel. dt_vjp_finish
-    writes the gradient in the spec's type and takes dt_vjp's row count and a buffer for the
-    rows' sums (unused, null, with a dt per trajectory)."""
+    writes the gradient in the spec's type and takes dt_vjp's row count, the doubles from a row to
+    the next and a buffer for the rows' sums (unused, null, with a dt per trajectory)."""
     batch: list[Parameter] = [("int64_t", "B")]
     dt: list[Parameter] = [("const T*", table.dt.c_name)]
     if kernel == "coefficients":
@@ -117,7 +117,8 @@ def cuda_arguments(kernel: str, table: ArgumentTable) -> list[Parameter]:
     if kernel == "coefficients_jvp":
         return batch + dt + [("const T*", "ddt_in"), ("T*", "coef_g")]
     if kernel == "dt_vjp_finish":
-        return batch + dt + [("const double*", "gc"), ("T*", "gdt"), ("int64_t", "rows"), ("double*", "sums")]
+        return batch + dt + [("const double*", "gc"), ("T*", "gdt"), ("int64_t", "rows"), ("int64_t", "stride"),
+                                                   ("double*", "sums")]
     return arguments(kernel, table) + ([("const T*", "coef_g")] if cuda_table(kernel, table) else [])
 
 

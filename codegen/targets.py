@@ -62,12 +62,6 @@ def cuda_warp_rows_shared(n_coefficients: int) -> bool:
     return CUDA_WARPS * n_coefficients * 8 <= CUDA_WARP_ROWS_SHARED_BYTES
 
 
-def cuda_row_stride(n_coefficients: int) -> int:
-    """Doubles between two of dt_vjp's block rows in gc: a row, or a block's warp rows (the block's
-    row is its first warp's, added in place)."""
-    return n_coefficients * (1 if cuda_warp_rows_shared(n_coefficients) else CUDA_WARPS)
-
-
 #: (kernel, B) pairs whose launches a CUDA plan keeps (B varies from call to call: the oldest goes)
 CUDA_LAUNCHES_KEPT = 256
 
@@ -106,6 +100,15 @@ class Launches:
 
 def _blocks(threads: int, block: int) -> int:
     return max(1, -(-threads // block))
+
+
+def _filling_block(threads: int) -> int:
+    """CUDA_BLOCK, halved down to a warp while a grid over ``threads`` would have fewer than
+    CUDA_FILL_BLOCKS blocks."""
+    block = CUDA_BLOCK
+    while block > CUDA_WARP and _blocks(threads, block) < CUDA_FILL_BLOCKS:
+        block //= 2
+    return block
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,25 +150,20 @@ class CudaLaunchPlan:
     def gradient_dtype(self) -> str:
         return self.dtype
 
-    def block(self, B: int, per: Optional[int] = None) -> int:
-        """Threads per block of the per-element kernels over a batch of B (one thread per column,
-        or ``per`` threads per batch element): CUDA_BLOCK, halved down to a warp while the grid
-        would have fewer than CUDA_FILL_BLOCKS blocks. A function of B alone, so dt_vjp's sums are
-        the same on every run."""
-        threads = B * (self.dof if per is None else per)
-        block = CUDA_BLOCK
-        while block > CUDA_WARP and _blocks(threads, block) < CUDA_FILL_BLOCKS:
-            block //= 2
-        return block
+    def block(self, B: int) -> int:
+        """Threads per block of the per-element kernels over a batch of B (one thread per column):
+        CUDA_BLOCK, halved down to a warp while the grid would have fewer than CUDA_FILL_BLOCKS
+        blocks. A function of B alone, so dt_vjp's sums are the same on every run."""
+        return _filling_block(B * self.dof)
 
     def runs(self, B: int) -> int:
         """Runs of the once-per-call programs: one per trajectory, or one."""
         return B if self.per_trajectory else 1
 
     def dt_vjp_block(self, B: int) -> int:
-        """Threads per block of dt_vjp: ``block``'s, over its threads (one per trajectory with a
-        dt per trajectory, else one per column)."""
-        return self.block(B if self.per_trajectory else B * self.dof, 1)
+        """Threads per block of dt_vjp: ``block``'s, or with a dt per trajectory (a thread per
+        trajectory) the same rule over B threads."""
+        return _filling_block(B) if self.per_trajectory else self.block(B)
 
     def dt_vjp_grid(self, B: int) -> int:
         """Blocks of dt_vjp: one per block of threads with a dt per trajectory; else at most
@@ -180,13 +178,19 @@ class CudaLaunchPlan:
         dt_vjp (none for an empty batch, where dt_vjp is not launched)."""
         return B if self.per_trajectory else (self.dt_vjp_grid(B) if B else 0)
 
+    def dt_vjp_stride(self, B: int) -> int:
+        """Doubles from one of dt_vjp's block rows to the next in gc: a row, or where a block's warp
+        rows do not fit in shared memory, the block's warp rows (its row is its first warp's)."""
+        if cuda_warp_rows_shared(self.n_coefficients):
+            return self.n_coefficients
+        return self.n_coefficients * (self.dt_vjp_block(B) // CUDA_WARP)
+
     def dt_vjp_size(self, B: int) -> int:
         """Doubles of dt_vjp's partial sums (gc), which dt_vjp writes before it adds to them: a
-        coefficient-major row per trajectory, or a block's row (with its warp rows where they do
-        not fit in shared memory: ``cuda_row_stride``) per block."""
+        coefficient-major row per trajectory, or ``dt_vjp_stride`` per block."""
         if self.per_trajectory:
             return B * self.n_coefficients
-        return self.dt_vjp_rows(B) * cuda_row_stride(self.n_coefficients)
+        return self.dt_vjp_rows(B) * self.dt_vjp_stride(B)
 
     def parameters(self, kernel: str) -> tuple[str, ...]:
         """The names of an entry point's arguments after B (codegen/abi.py ``arguments``), once per kernel."""
@@ -219,8 +223,9 @@ class CudaLaunchPlan:
         if kernel == "dt_vjp_finish":
             one_run = not self.per_trajectory
             sums = (Temporary("sums", self.n_coefficients, "float64"),) if one_run else ()
+            stride = 0 if self.per_trajectory else self.dt_vjp_stride(B)
             return Launches((Launch(kernel, once, CUDA_BLOCK, 0,
-                                    (*names, self.dt_vjp_rows(B), "sums" if one_run else 0)),), sums, names)
+                                    (*names, self.dt_vjp_rows(B), stride, "sums" if one_run else 0)),), sums, names)
         if kernel not in abi.CUDA_TABLES:
             raise ValueError(f"unknown kernel {kernel!r}; allowed: {', '.join(abi.KERNELS)}")
         grid = _blocks(B * self.dof, block)

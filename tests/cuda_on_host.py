@@ -52,6 +52,7 @@ PRELUDE = f"""/* CUDA keywords for a sequential run on the host */
 #define __global__
 #define __device__
 #define __forceinline__ inline
+#define __noinline__
 #define __restrict__ restrict
 #define __shared__ static
 #define __syncthreads()
@@ -95,14 +96,14 @@ static double ts_shuffle_tree(double* v)
     }
     return v[0];
 }
-static void ts_sum_rows(const double* gc, long long rows, double* sums)
+static void ts_sum_rows(const double* gc, long long rows, long long stride, double* sums)
 {
     if (threadIdx.x != 0) return;
     for (int q = 0; q < NC_; ++q) {
         double v[32];
         for (int lane = 0; lane < 32; ++lane) {
             v[lane] = 0.0;
-            for (long long k = lane; k < rows; k += 32) v[lane] += gc[k * TS_ROW + q];
+            for (long long k = lane; k < rows; k += 32) v[lane] += gc[k * stride + q];
         }
         sums[q] = ts_shuffle_tree(v);
     }

@@ -84,7 +84,7 @@ def test_temporaries_counted_buffer_by_buffer():
         assert ops["forward"]["temporary_bytes"] == table_bytes
         assert ops["backward"]["temporary_bytes"] == table_bytes
         dt_vjp = [l for l in ops["backward_dt"]["launches"] if l["kernel"] == "dt_vjp"]
-        warp_rows = 1 if 8 * nc * 8 <= 32 * 1024 else 8  # a block's rows in shared memory, else in gc
+        warp_rows = 1 if 8 * nc * 8 <= 32 * 1024 else dt_vjp[0]["block"] // 32  # in shared memory, else in gc
         gc = B * nc if spec.dt == "per_trajectory" else dt_vjp[0]["grid"] * warp_rows * nc
         integrator = spec.control == "acceleration"
         values = 4 * B * spec.horizon * spec.dof * 4 if integrator else 0  # P, V, A, J
@@ -148,13 +148,15 @@ def test_block_size_follows_the_batch():
         assert forward.grid >= 132 or forward.block == 32
 
 
-@pytest.mark.parametrize("B,dt", [(150, "per_step"), (3000, "per_step"), (25000, "uniform"), (700, "per_trajectory")])
-def test_dt_gradient_with_the_plans_blocks_is_deterministic_and_matches_c(B, dt):
+@pytest.mark.parametrize("B,dt,H", [(150, "per_step", 8), (3000, "per_step", 8), (25000, "uniform", 8),
+                                    (700, "per_trajectory", 8), (3000, "per_step", 36)])
+def test_dt_gradient_with_the_plans_blocks_is_deterministic_and_matches_c(B, dt, H):
     """The host-run CUDA kernels at the block size the plan picks for B (blocks of 32, 15 of them;
     of 64, 141; of 256, 264, whose threads take a second column past 67,584; a thread per
-    trajectory): the dt gradient (dt_vjp's warp and block sums, added in order) is the same bit for
-    bit on every run, and the C kernels' to 1e-12."""
-    spec = ts.KernelSpec(horizon=8, dof=3, dtype="float64", dt=dt)
+    trajectory; 522 coefficients, whose warp rows are in gc, not in shared memory): the dt gradient
+    (dt_vjp's warp and block sums, added in order) is the same bit for bit on every run, and the C
+    kernels' to 1e-12."""
+    spec = ts.KernelSpec(horizon=H, dof=3, dtype="float64", dt=dt)
     backend = HostCudaBackend(spec)
     host, cpu = Launcher(spec, backend), Launcher(spec, CpuBackend(spec))
     x = Inputs(spec, B, seed=5)
@@ -168,7 +170,9 @@ def test_dt_gradient_with_the_plans_blocks_is_deterministic_and_matches_c(B, dt)
     torch.testing.assert_close(first, cpu.dt_vjp(inputs, grads, dt), rtol=1e-12, atol=1e-12)
     launched = {(grid, block) for kernel, grid, block in backend.launched if kernel == "dt_vjp"}
     expect = {150: (15, 32), 3000: (141, 64), 25000: (264, 256), 700: (22, 32)}[B]
-    assert launched == {expect} and B * (1 if dt == "per_trajectory" else 3) > (expect[0] - 1) * expect[1]
+    shared_rows = "__shared__ double ts_warp_rows" in generate(spec, targets=("cuda",)).source("cuda")
+    assert shared_rows == (H == 8 and spec.dt != "per_trajectory")
+    assert launched == {expect} and B * (1 if spec.dt == "per_trajectory" else 3) > (expect[0] - 1) * expect[1]
 
 
 @pytest.mark.parametrize("args,message", [
