@@ -192,42 +192,62 @@ extern "C" __global__ void ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_coef
     CD(14) = (T)(d_k14);
 }
 
-/* dt_vjp's partial sums added in a fixed order (the same sums on every run): sums[r][q] is the sum
- * over k of gc[r * rows + k][q]; one row r, k the blocks of dt_vjp */
-extern "C" __global__ void ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_dt_vjp_sum(int64_t B, int64_t rows, const double* __restrict__ gc, double* __restrict__ sums)
-{
-    const int64_t i = (int64_t)blockIdx.x * (int64_t)blockDim.x + (int64_t)threadIdx.x;
-    if (i >= NC_) return;
-    const int64_t r = i / NC_, q = i % NC_;
-    double s = 0.0;
-    for (int64_t k = 0; k < rows; ++k) s += gc[(r * rows + k) * NC_ + q];
-    sums[i] = s;
-}
+/* dt_vjp's rows of partial sums: its blocks' rows are TS_ROW doubles apart in gc (dt_vjp_finish's stride) */
+enum { TS_WARPS = 8 };
+#define TS_ROW ((int64_t)NC_)
 
 /* dt_vjp's accumulator: begin */
 #undef ACC
-/* ACC(q) += v adds the block's sum of v to its row of partial sums, gc[block][q], in a fixed order:
- * a warp shuffle tree, then the warps' sums in turn (thread 0). Every thread of the block runs
- * every ACC statement (columns past the end add 0), so no per-thread array is kept. */
-struct ts_block_sum {
+/* ACC(q) += v: the warp's sum of v (a shuffle tree) added by its lane 0 to the warp's row of partial
+ * sums: no barrier, no shared slot per call. Every lane runs every ACC statement (columns past the
+ * end add 0); a warp's row has one writer, so its sums come in a fixed order. After its columns,
+ * the block adds its warps' rows in order into its row of gc (dt_vjp_finish adds the blocks'). */
+__shared__ double ts_warp_rows[TS_WARPS][NC_];
+#define TS_WARP_ROW(w) ts_warp_rows[(w)]
+/* one copy: a per-step stencil has thousands of these calls */
+__device__ __noinline__ void ts_warp_add(double* slot, double v)
+{
+    for (int off = 16; off > 0; off >>= 1) v += __shfl_down_sync(0xffffffffu, v, off);
+    if ((threadIdx.x & 31) == 0) *slot += v;
+}
+struct ts_warp_sum {
     double* slot;
-    double* warp_sums;
     bool active;
-    /* one copy: a per-step stencil has thousands of these, and nothing live across the call */
-    __device__ __noinline__ void operator+=(double v) const {
-        v = active ? v : 0.0;
-        for (int off = 16; off > 0; off >>= 1) v += __shfl_down_sync(0xffffffffu, v, off);
-        if ((threadIdx.x & 31) == 0) warp_sums[threadIdx.x >> 5] = v;
-        __syncthreads();
-        if (threadIdx.x == 0) {
-            double s = 0.0;
-            for (unsigned w = 0; w < (blockDim.x >> 5); ++w) s += warp_sums[w];
-            *slot += s;
-        }
-        __syncthreads();
-    }
+    __device__ __forceinline__ void operator+=(double v) const { ts_warp_add(slot, active ? v : 0.0); }
 };
-#define ACC(q) (ts_block_sum{gc + (int64_t)blockIdx.x * NC_ + (q), warp_sums, active})
+#define ACC(q) (ts_warp_sum{warp_row + (q), active})
+/* the calling thread's warp row, zeroed */
+__device__ __forceinline__ double* ts_rows_begin(double* gc)
+{
+    double* row = TS_WARP_ROW(threadIdx.x >> 5);
+    for (int q = threadIdx.x & 31; q < NC_; q += 32) row[q] = 0.0;
+    __syncwarp();
+    return row;
+}
+/* the block's row of gc: its warps' rows added in order */
+__device__ __forceinline__ void ts_rows_end(double* gc)
+{
+    __syncthreads();
+    for (int q = threadIdx.x; q < NC_; q += blockDim.x) {
+        double s = TS_WARP_ROW(0)[q];
+        for (unsigned w = 1; w < (blockDim.x >> 5); ++w) s += TS_WARP_ROW(w)[q];
+        gc[(int64_t)blockIdx.x * TS_ROW + q] = s;
+    }
+}
+/* dt_vjp_finish: sums[q] is the sum over dt_vjp's block rows k of gc[k * stride + q], a fixed tree: each warp
+ * takes a coefficient at a time, lane l adds rows l, l + 32, ... in turn, then a shuffle tree;
+ * the block's threads then see every sum */
+__device__ __forceinline__ void ts_sum_rows(const double* gc, int64_t rows, int64_t stride, double* sums)
+{
+    const int lane = threadIdx.x & 31;
+    for (int q = threadIdx.x >> 5; q < NC_; q += blockDim.x >> 5) {
+        double s = 0.0;
+        for (int64_t k = lane; k < rows; k += 32) s += gc[k * stride + q];
+        for (int off = 16; off > 0; off >>= 1) s += __shfl_down_sync(0xffffffffu, s, off);
+        if (lane == 0) sums[q] = s;
+    }
+    __syncthreads();
+}
 /* dt_vjp's accumulator: end */
 
 
@@ -317,16 +337,10 @@ extern "C" __global__ __launch_bounds__(256, 2) void ts_h32_d7_pos_bac_a111_hold
     }
 }
 
-extern "C" __global__ __launch_bounds__(256, 2) void ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_dt_vjp(int64_t B, const float* __restrict__ u, const float* __restrict__ p0, const float* __restrict__ v0, const float* __restrict__ a0, const float* __restrict__ j0, const int64_t* __restrict__ idx, const float* __restrict__ g0, const float* __restrict__ g1, const float* __restrict__ g2, const float* __restrict__ g3, const float* __restrict__ dt_in, double* __restrict__ gc, const float* __restrict__ coef_g)
+/* dt_vjp's work on one column (active: inside the batch, else adding 0), a function of its own:
+ * inlined into the loop over a thread's columns, ptxas kept values across iterations (spilling) */
+static __device__ __noinline__ void ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_dt_vjp_column(bool active, int64_t col, double* warp_row, int64_t B, const float* __restrict__ u, const float* __restrict__ p0, const float* __restrict__ v0, const float* __restrict__ a0, const float* __restrict__ j0, const int64_t* __restrict__ idx, const float* __restrict__ g0, const float* __restrict__ g1, const float* __restrict__ g2, const float* __restrict__ g3, const float* __restrict__ dt_in, double* __restrict__ gc)
 {
-    /* the step coefficients, copied from the table into shared memory */
-    __shared__ T coef[1 * NC_];
-    for (int i = threadIdx.x; i < 1 * NC_; i += blockDim.x) coef[i] = coef_g[i];
-    __syncthreads();
-    __shared__ double warp_sums[32];
-    const int64_t col0 = (int64_t)blockIdx.x * (int64_t)blockDim.x + (int64_t)threadIdx.x;
-    const bool active = col0 < B * D_;
-    const int64_t col = active ? col0 : B * D_ - 1; /* past the end: a real column, adding 0 */
     {
         const int64_t b = col / D_, d = col % D_;
         const int64_t srow = idx ? idx[b] : b;
@@ -384,10 +398,29 @@ extern "C" __global__ __launch_bounds__(256, 2) void ts_h32_d7_pos_bac_a111_hold
     }
 }
 
-extern "C" __global__ void ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_dt_vjp_finish(int64_t B, const float* __restrict__ dt_in, const double* __restrict__ gc, double* __restrict__ gdt)
+extern "C" __global__ __launch_bounds__(256, 2) void ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_dt_vjp(int64_t B, const float* __restrict__ u, const float* __restrict__ p0, const float* __restrict__ v0, const float* __restrict__ a0, const float* __restrict__ j0, const int64_t* __restrict__ idx, const float* __restrict__ g0, const float* __restrict__ g1, const float* __restrict__ g2, const float* __restrict__ g3, const float* __restrict__ dt_in, double* __restrict__ gc)
 {
-    /* one thread: the dt gradient from the coefficient gradients (dt_vjp_sum's totals) */
-    if (blockIdx.x != 0 || threadIdx.x != 0) return;
+    /* the block's threads stride over the columns, in step: past the end a thread takes a real
+     * column, adding 0 */
+    double* const warp_row = ts_rows_begin(gc);
+    const int64_t cols = B * D_, stride = (int64_t)gridDim.x * (int64_t)blockDim.x;
+    for (int64_t col0 = (int64_t)blockIdx.x * (int64_t)blockDim.x + (int64_t)threadIdx.x;
+         col0 - (int64_t)threadIdx.x < cols; col0 += stride) {
+        const bool active = col0 < cols;
+        ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_dt_vjp_column(active, active ? col0 : cols - 1, warp_row, B, u, p0, v0, a0, j0, idx, g0, g1, g2, g3, dt_in, gc);
+    }
+    ts_rows_end(gc);
+}
+
+extern "C" __global__ void ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_dt_vjp_finish(int64_t B, const float* __restrict__ dt_in, const double* __restrict__ gc, float* __restrict__ gdt, int64_t rows, int64_t stride, double* __restrict__ sums)
+{
+    /* the block adds dt_vjp's rows, then one thread: the dt gradient from the coefficient gradients */
+    if (blockIdx.x != 0) return;
+    ts_sum_rows(gc, rows, stride, sums);
+    if (threadIdx.x != 0) return;
+    const double* __restrict__ totals = sums;
+#undef GC
+#define GC(q) totals[(q)]
     const double dt = (double)DT(0);
     const double t0 = (1.0/dt);
     const double t1 = (1.0/(dt*dt));
@@ -486,4 +519,3 @@ extern "C" __global__ __launch_bounds__(256, 2) void ts_h32_d7_pos_bac_a111_hold
         TY3(3, ty3_3);
     }
 }
-
