@@ -7,9 +7,9 @@ found from the operator (each row's coefficients rewritten relative to the row m
 same), derived once as a template over a window of durations DT(r + o), and emitted as one
 loop over the rows r; the other rows (the boundaries) stay straight-line. So the programs,
 their derivatives and the compiler's work on them are linear in the horizon. A long
-straight-line part (wide boundaries, a B-spline's weights) runs as a tape (codegen/tape.py),
-data the compiler does not work on; with a dt per trajectory, C fills such a table from its
-monomials c·dt^p (codegen/monomials.py).
+straight-line part (wide boundaries) runs as a tape (codegen/tape.py), data the compiler does
+not work on. With one duration (uniform, or one per trajectory) every slot is a monomial c·dt^p
+and the programs are loops over the table's monomials (codegen/monomials.py) on every target.
 """
 from __future__ import annotations
 
@@ -294,8 +294,7 @@ class Coefficients:
 
     CHUNK = 48
 
-    def __init__(self, op: Operator, per_trajectory: bool = False):
-        self.per_trajectory = per_trajectory
+    def __init__(self, op: Operator):
         self._tapes: dict[str, tape.Tape] = {}
         self.dt_syms = op.dt_symbols
         self.base = list(op.program)
@@ -415,22 +414,28 @@ class Coefficients:
 
     @functools.cached_property
     def monomials(self) -> monomials.Monomials | None:
-        """With a dt per trajectory, a long table as data: every slot one monomial of that dt
-        (codegen/monomials.py; None where the programs stay code)."""
-        if not (self.per_trajectory and len(self.dt_syms) == 1 and self.long):
+        """With one duration (uniform, or one per trajectory), the table as data: every slot one
+        monomial of that dt (codegen/monomials.py; None with a duration per step, or where a slot
+        is not one)."""
+        if len(self.dt_syms) != 1:
             return None
         return monomials.of([expand_formulas(self.value(q)) for q in range(self.size)], self.dt_syms[0])
 
-    def _monomial(self, name: str, taped: bool) -> list[Statement] | None:
-        """The program as a loop over the monomial table, where there is one (C: not taped)."""
-        return None if taped or self.monomials is None else [RunTape(self.monomials.program(name))]
-
     @functools.cached_property
+    def form(self) -> str:
+        """The programs' form, 'monomials', 'tape' or 'code', as every target runs them
+        (codegen/targets.py ``coefficient_form``)."""
+        from .targets import coefficient_form  # (targets is import-light: it never imports this module)
+        return coefficient_form(self)
+
+    def _monomial(self, name: str) -> list[Statement] | None:
+        """The program as a loop over the monomial table, where that is the form."""
+        return [RunTape(self.monomials.program(name))] if self.form == "monomials" else None
+
+    @property
     def taped(self) -> bool:
-        """Whether the C programs are tapes: long ones, not with a dt per trajectory (each
-        trajectory would interpret its tape, slower per call than the code it replaces; there C
-        loops over the table's ``monomials``)."""
-        return self.long and not self.per_trajectory
+        """Whether the programs' straight-line parts are tapes (a duration per step, long)."""
+        return self.form == "tape"
 
     @functools.cached_property
     def _graph(self) -> Any:
@@ -462,11 +467,11 @@ class Coefficients:
         used = {str(a) for _, e in (self.lines if program is None else program) for a in e.free_symbols}
         return [s for s in lines if s.target.name.removeprefix("d_") in used]
 
-    def preamble(self, taped: bool | None = None) -> list[Statement]:
+    def preamble(self) -> list[Statement]:
         """Statements filling the coefficient table C(q) (type T); each value is stored as soon
         as it is computed, so no more than one CSE chunk is live at a time."""
-        taped = self.taped if taped is None else taped
-        if (program := self._monomial("value", taped)) is not None:
+        taped = self.taped
+        if (program := self._monomial("value")) is not None:
             return program
         straight = [RunTape(self.tape("value"))] if taped else self._straight_values(taped)
         loops = []
@@ -529,10 +534,10 @@ class Coefficients:
                 loops.append(For(first, first + j - i - 1, 1, (Store(Read("C", (Rel(0),)), value),), unroll=False))
         return singles, loops
 
-    def tangent_preamble(self, taped: bool | None = None) -> list[Statement]:
+    def tangent_preamble(self) -> list[Statement]:
         """The table C(q) and the dt-tangents CD(q) = Σ_m ∂C(q)/∂dt_m · ddt_m (forward mode)."""
-        taped = self.taped if taped is None else taped
-        if (program := self._monomial("tangent", taped)) is not None:
+        taped = self.taped
+        if (program := self._monomial("tangent")) is not None:
             return program
         singles, copy_loops = self._copy_program(taped)  # the blocks of copies and their tangents (span loops read them)
         if taped:
@@ -550,11 +555,11 @@ class Coefficients:
             lines.append(run.loop(body))
         return lines + [c for copy in copy_loops for c in (copy, _tangent_copy(copy))]
 
-    def reverse_program(self, taped: bool | None = None) -> list[Statement]:
+    def reverse_program(self) -> list[Statement]:
         """gdt from GC(q) = ∂L/∂c<q> by reverse accumulation over the program's lines: the
         straight-line part sets every GDT(i), each run's loop adds its rows' parts."""
-        taped = self.taped if taped is None else taped
-        if (program := self._monomial("reverse", taped)) is not None:
+        taped = self.taped
+        if (program := self._monomial("reverse")) is not None:
             return program
         lines = [RunTape(self.tape("reverse"))] if taped else self._straight_reverse()
         for run in self.runs:

@@ -189,11 +189,12 @@ def lowered(spec: Any) -> Any:
     return lower_stage(spec, operator_stage(spec))
 
 
-def metadata(spec: Any, n_coefficients: int, tapes: bool = False) -> dict[str, Any]:
-    """What a build of this spec needs at load time, without generating code again (``tapes``:
-    its CUDA coefficient programs are tapes, which the CUDA backend launches a block per run for)."""
+def metadata(spec: Any, n_coefficients: int, coefficients: str = "code") -> dict[str, Any]:
+    """What a build of this spec needs at load time, without generating code again
+    (``coefficients``: the form of its coefficient programs, codegen/targets.py
+    ``coefficient_form``, which the CUDA launch plan follows)."""
     return {"tool": "tensorstep", "version": __version__, "name": spec.name, "spec": spec.to_dict(),
-            "n_coefficients": n_coefficients, "tapes": tapes,
+            "n_coefficients": n_coefficients, "coefficients": coefficients,
             "entry_points": {k: abi.symbol(spec.name, k) for k in abi.KERNELS}}
 
 
@@ -210,7 +211,7 @@ def generate(spec: Any, targets: tuple[str, ...] = tuple(TARGETS), parts: tuple[
         args = table(spec)
         sources = types.MappingProxyType(render_stage(spec, program, args, chosen, parts))
     kernels = {k for p in parts for k in abi.PARTS[p]}
-    meta = metadata(spec, program.n_coefficients, program.coefs.long)
+    meta = metadata(spec, program.n_coefficients, program.coefs.form)
     stages = Stages(spec, args, program.op, program, tuple(k for k in abi.KERNELS if k in kernels), sources) if keep else None
     return Generated(
         spec=spec, table=args, sources=sources, stages=stages,

@@ -965,7 +965,7 @@ class LoweredOperator:
         self.op = op
         self.arguments = table
         self.refs = References(table)
-        self.coefs = Coefficients(op, table.dt.shape == ("B",))
+        self.coefs = Coefficients(op)
         self.n_dt = len(op.dt_symbols)
         # the span loops first: their blocks of copies are part of the table every kernel sizes
         self.only = _spans_only(op)
@@ -978,30 +978,11 @@ class LoweredOperator:
         self.spans = {"forward": forward, "adjoint": adjoint,
                       "dt": forward + _leftover_spans(op, self.coefs, _covered(forward) | interior)}
         self.n_coefficients = max(1, self.coefs.size)
-        self._cuda: dict[str, Any] = {}
 
     @functools.cached_property
     def table(self) -> list[str]:
         """Lines of the shared function that fills the coefficient table from dt."""
         return COLUMN.lines(self.coefs.preamble())
-
-    #: what holds a once-per-call program: the table's lines, dt_jvp's setup, dt_vjp_finish
-    CUDA_PROGRAMS = ("table", "dt_jvp", "dt_vjp_finish")
-
-    def cuda_program(self, name: str) -> Any:
-        """``table``, ``dt_jvp`` or ``dt_vjp_finish`` with CUDA's once-per-call program: where a
-        dt per trajectory makes C's programs code or monomial loops, CUDA's are still tapes (a block
-        per trajectory)."""
-        coefs = self.coefs
-        if coefs.taped == coefs.long:
-            return getattr(self, name)
-        if name not in self._cuda:
-            self._cuda[name] = {
-                "table": lambda: COLUMN.lines(coefs.preamble(taped=True)),
-                "dt_jvp": lambda: dataclasses.replace(self.dt_jvp, setup=coefs.tangent_preamble(taped=True)),
-                "dt_vjp_finish": lambda: KernelCode([], coefs.reverse_program(taped=True)),
-            }[name]()
-        return self._cuda[name]
 
     @functools.cached_property
     def forward(self) -> KernelCode:
@@ -1060,6 +1041,5 @@ class LoweredOperator:
 
 def lower(op: Operator, table: ArgumentTable) -> LoweredOperator:
     """Lower an operator over its spec's argument table; each kernel's statements are produced when
-    first asked for. A dt per trajectory (dt [B]) makes the C kernels run the coefficient program per
-    trajectory (a long one as a loop over its monomials: see Coefficients.monomials)."""
+    first asked for."""
     return LoweredOperator(op, table)

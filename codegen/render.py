@@ -14,7 +14,7 @@ from .arguments import ArgumentTable
 from .lower import LoweredOperator
 from .printer import lane_printer
 from .statements import Read, Shift, walk
-from .targets import CUDA_WARPS, TABLE_KERNELS, Target, cuda_warp_rows_shared
+from .targets import CUDA_BLOCK, CUDA_WARPS, TABLE_KERNELS, Target, cuda_warp_rows_shared
 
 CTYPES = {"float32": "float", "float64": "double"}
 ITEMSIZE = {"float32": 4, "float64": 8}
@@ -190,7 +190,8 @@ def render(spec: Any, code: LoweredOperator, table: ArgumentTable, target: Targe
     Called by the driver (codegen/driver.py), which validates target and part.
     """
     kernels = abi.PARTS[part]
-    taped = target.taped(code.coefs)
+    form = target.coefficient_form(code.coefs)
+    taped = form == "tape"
     tapes = _tapes(code, kernels, taped, target.table_fillers())
     target.check(spec, tapes)
     ctype = CTYPES[spec.dtype]
@@ -230,7 +231,7 @@ def render(spec: Any, code: LoweredOperator, table: ArgumentTable, target: Targe
         lanes=lane_form,
         lane_bodies={k: lines for k, (_, lines) in lane_bodies.items()},
         lane_actions=_lane_actions(lane_bodies, spec.n_actions),
-        table=target.table_program(code) if set(kernels) & set(TABLE_KERNELS) else None,
+        table=code.table if set(kernels) & set(TABLE_KERNELS) else None,
         programs=programs,
         guards=_unit_guards(kernels, programs, units) if target.unit_guards else {},
         signatures={k: target.signature(k, table, ctype) for k in target.entry_points(kernels)},
@@ -244,7 +245,10 @@ def render(spec: Any, code: LoweredOperator, table: ArgumentTable, target: Targe
         tapes=tapes,
         ops=tape.OPS,
         tape_math=any("powc" in t.ops for t in tapes),
-        monomials=code.coefs.monomials if target.monomials and not taped else None,
+        monomials=code.coefs.monomials if form == "monomials" else None,
+        inline_coefficients=form == "monomials" and table.dt.shape == ("B",),
+        coefficient_form=form,
+        once_block=CUDA_BLOCK,
         c_double=tape.c_double,
         shuffle_width=monomials.SHUFFLE_WIDTH,
         block_tapes=target.block_tapes,

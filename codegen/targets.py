@@ -62,6 +62,20 @@ def cuda_warp_rows_shared(n_coefficients: int) -> bool:
     return CUDA_WARPS * n_coefficients * 8 <= CUDA_WARP_ROWS_SHARED_BYTES
 
 
+#: the forms of a coefficient program (``coefficient_form``)
+FORMS = ("monomials", "tape", "code")
+
+
+def coefficient_form(coefs: Any) -> str:
+    """The form of a spec's coefficient programs (codegen/coefficients.py), the same on every
+    target: with one duration (uniform, or one per trajectory) every slot is a monomial c·dt^p,
+    and the programs are loops over the table of c and p ('monomials'; a 'tape' where a slot is
+    not one); with a duration per step, a long straight-line part is a 'tape', else 'code'."""
+    if len(coefs.dt_syms) == 1:
+        return "monomials" if coefs.monomials is not None else "tape"
+    return "tape" if coefs.long else "code"
+
+
 #: (kernel, B) pairs whose launches a CUDA plan keeps (B varies from call to call: the oldest goes)
 CUDA_LAUNCHES_KEPT = 256
 
@@ -123,15 +137,18 @@ class CudaLaunchPlan:
     dt_vjp_finish adds the block rows (a fixed tree: each warp a coefficient, its lanes rows
     lane, lane + 32, ... in turn, then a shuffle tree) and runs the reverse program, writing the
     gradient in the spec's dtype (no cast). A backward with a dt gradient is then the adjoint's
-    two launches and dt_vjp's one or two, and the finish. A coefficient program kept as a tape
-    (``tapes``) runs a block per run, whose threads share the tape's levels; otherwise one
-    thread per run."""
+    two launches and dt_vjp's one or two, and the finish. By the programs' ``form``
+    (codegen/targets.py ``coefficient_form``): monomials fill the table a thread per slot and
+    finish the dt gradient a block per run (a fixed-shape sum over the slots), and with a dt per
+    trajectory no table is kept at all: each thread of a per-element kernel (dt_vjp's thread per
+    trajectory too) computes its coefficients from the powers of its trajectory's dt; a tape runs
+    a block per run, whose threads share the tape's levels; code one thread per run."""
 
     table: ArgumentTable
     dof: int
     dtype: str
     n_coefficients: int
-    tapes: bool
+    form: str
     # worked out once per plan (every call asks; the plan never changes): not part of its value
     _parameters: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict, init=False, repr=False,
                                                                 compare=False)
@@ -149,6 +166,12 @@ class CudaLaunchPlan:
     @property
     def gradient_dtype(self) -> str:
         return self.dtype
+
+    @property
+    def inline(self) -> bool:
+        """Whether the per-element kernels compute their coefficients (monomials of a dt per
+        trajectory: a B×NC table would be read once, at a per-trajectory stride)."""
+        return self.per_trajectory and self.form == "monomials"
 
     def block(self, B: int) -> int:
         """Threads per block of the per-element kernels over a batch of B (one thread per column):
@@ -213,11 +236,12 @@ class CudaLaunchPlan:
 
     def _plan(self, kernel: str, B: int) -> Launches:
         """The launches of one entry point over a batch of B. A per-element kernel that reads the
-        coefficient table first has it filled (``abi.cuda_table``). The once-per-call kernels keep
+        coefficient table first has it filled (``abi.cuda_table``), unless its threads compute
+        their coefficients (``inline``). The once-per-call kernels keep
         CUDA_BLOCK threads (a tape's block shares its levels among them; dt_vjp_finish's threads
         first add dt_vjp's rows)."""
         block, runs = self.block(B), self.runs(B)
-        once = runs if self.tapes else _blocks(runs, CUDA_BLOCK)  # grid of a once-per-call kernel
+        once = _blocks(runs, CUDA_BLOCK) if self.form == "code" else runs  # grid of a once-per-call kernel
         dt = self.table.dt.c_name
         names = self.parameters(kernel)
         if kernel == "dt_vjp_finish":
@@ -234,9 +258,12 @@ class CudaLaunchPlan:
         fill = abi.cuda_table(kernel, self.table)
         if fill is None:
             return Launches((Launch(kernel, grid, block, 0, names),), (), names)
+        if self.inline:  # its threads compute their coefficients: no table (coef_g gets a null pointer)
+            return Launches((Launch(kernel, grid, block, 0, (*names, 0)),), (), names)
+        fill_grid = _blocks(runs * self.n_coefficients, CUDA_BLOCK) if self.form == "monomials" else once
         inputs = (dt, "ddt_in") if fill == "coefficients_jvp" else (dt,)
         coef = Temporary("coef", runs * len(inputs) * self.n_coefficients, self.dtype)
-        return Launches((Launch(fill, once, CUDA_BLOCK, 0, (*inputs, "coef")),
+        return Launches((Launch(fill, fill_grid, CUDA_BLOCK, 0, (*inputs, "coef")),
                          Launch(kernel, grid, block, 0, (*names, "coef"))), (coef,), names)
 
 
@@ -274,12 +301,10 @@ class Target:
     #: a tape runs level by level, a block's threads sharing each level (else a loop)
     block_tapes: bool = False
     #: the C template's forms (codegen/render.py): all-dof vector lanes, long once-per-call
-    #: programs split for the compiler, preprocessor guards per translation unit, tables filled
-    #: from monomials where the coefficient program is not a tape
+    #: programs split for the compiler, preprocessor guards per translation unit
     lanes: bool = False
     split_programs: bool = False
     unit_guards: bool = False
-    monomials: bool = False
     #: (most threads a block, fewest resident blocks an SM) of each per-element kernel, or None
     launch_bounds: Optional[tuple[int, int]] = None
 
@@ -291,18 +316,14 @@ class Target:
         """One entry point's parameter list (codegen/abi.py)."""
         return abi.signature(kernel, table, ctype, self.restrict)
 
-    def taped(self, coefs: Any) -> bool:
-        """Whether the coefficient programs are tapes (codegen/coefficients.py): C keeps a dt per
-        trajectory's long program as monomials, run inside its loop over the batch."""
-        return coefs.taped
+    def coefficient_form(self, coefs: Any) -> str:
+        """The form of the coefficient programs (codegen/coefficients.py) this target runs: one
+        choice for every target (``coefficient_form``)."""
+        return coefficient_form(coefs)
 
     def table_fillers(self) -> tuple[str, ...]:
         """The kernels that run the coefficient table's program (each library its own)."""
         return TABLE_KERNELS
-
-    def table_program(self, code: Any) -> list[str]:
-        """The coefficient table's program as the template runs it."""
-        return code.table
 
     def codes(self, code: Any, kernels: tuple[str, ...], itemsize: int) -> dict[str, Any]:
         """Each kernel's lowered variant: the adjoint's gathers each in one pass."""
@@ -332,23 +353,16 @@ class CudaTarget(Target):
     def signature(self, kernel: str, table: ArgumentTable, ctype: str) -> str:
         return abi.signature(kernel, table, ctype, self.restrict, cuda=True)
 
-    def taped(self, coefs: Any) -> bool:
-        """Every long program is a tape, a dt per trajectory's too (a block per trajectory runs it)."""
-        return coefs.long
-
     def table_fillers(self) -> tuple[str, ...]:
         """The core module's table kernel fills it; a dt module's dt_vjp reads it."""
         return ("forward", "adjoint")
-
-    def table_program(self, code: Any) -> list[str]:
-        return code.cuda_program("table")
 
     def codes(self, code: Any, kernels: tuple[str, ...], itemsize: int) -> dict[str, Any]:
         """An integrator's long adjoint rolled (``CUDA_ROLL_ABOVE_BYTES``); a stencil's adjoint
         reads each output gradient where it is used (held in locals, the boundary rows of a wide
         per-step stencil took 144 registers, order 4, H=64, float32); with a period above 1
         (B-splines) the forward and adjoint are span loops only, as in C (lower._spans_only)."""
-        codes = {k: code.cuda_program(k) if k in code.CUDA_PROGRAMS else getattr(code, k) for k in kernels}
+        codes = {k: getattr(code, k) for k in kernels}
         adjoint = codes.get("adjoint")
         if adjoint is not None and code.adjoint_reads is not None:
             codes["adjoint"] = code.adjoint_reads
@@ -369,10 +383,10 @@ class CudaTarget(Target):
 
     def launch_plan(self, spec: Any, metadata: Mapping[str, Any]) -> CudaLaunchPlan:
         return CudaLaunchPlan(argument_table(spec), spec.dof, spec.dtype, int(metadata["n_coefficients"]),
-                              bool(metadata.get("tapes")))
+                              str(metadata["coefficients"]))
 
 
-C = CTarget("c", "kernel.c.j2", "c", lanes=True, split_programs=True, unit_guards=True, monomials=True)
+C = CTarget("c", "kernel.c.j2", "c", lanes=True, split_programs=True, unit_guards=True)
 CUDA = CudaTarget("cuda", "kernel.cu.j2", "cu", restrict="__restrict__", device="__device__ ", block_tapes=True,
                   launch_bounds=(CUDA_BLOCK, CUDA_MIN_BLOCKS))
 HEADER = Target("header", "header.h.j2", "h")

@@ -4,8 +4,8 @@ Every CUDA kernel is compiled as C with the CUDA keywords defined away, and each
 runs every (block, thread) of its launch grid one after another. The calls go through the
 generated launch plan (codegen/targets.py, ``Generated.launch_plan``), its grids and blocks, bound
 to buffers as the CUDA backend binds them (runtime/cuda_backend.py ``bind``): the coefficient table is
-filled by its kernel, the per-element kernels read it, dt_vjp's partial sums are added by
-dt_vjp_sum and finished by dt_vjp_finish. The kernels' arithmetic and indexing can then be
+filled by its kernel, the per-element kernels read it, dt_vjp's partial sums are added and
+finished by dt_vjp_finish. The kernels' arithmetic and indexing can then be
 checked against the dense reference and by gradcheck. Shared memory is one static array per
 kernel; each thread copies the whole table into it (on the GPU the block's threads share the
 copy), so the first thread of a block, which runs first, finds it filled.
@@ -15,7 +15,10 @@ threads sharing each level, then thread 0 alone goes on (a block per trajectory 
 trajectory). Here thread 0 of each block runs every level's loop in full (the loops over
 threadIdx.x become serial loops, as for the table copy), in the levels' order, and the other
 threads of the once-per-call kernels are not run: on the GPU they only share the levels. That a level's instructions are independent, and registers are
-reused only from the level after their last read, is tests/kernels/test_tape.py's to check.
+reused only from the level after their last read, is tests/kernels/test_tape.py's to check. The same
+for the dt gradient of monomials (a block per run, each thread a stride of the slots, then a
+tree): thread 0 alone runs it here, with a block of one thread, so it adds every slot in turn
+(the GPU adds the same terms in another fixed order).
 
 dt_vjp's sums need a warp's lanes in lockstep (warp shuffles), which a sequential run cannot give:
 here each thread records the value of each of its ACC statements, in order, and after the block's
@@ -142,14 +145,14 @@ def _block_reduction(symbol: str) -> str:
 def _entry_point(spec: Any, kernel: str, reduce_blocks: bool, one_thread: bool) -> tuple[str, str]:
     """(C definition, cffi declaration) of one kernel's host entry point: its CUDA parameters after
     the launch's grid and block, every (block, thread) run in turn (``one_thread``: thread 0 only,
-    see the module docstring)."""
+    of a block of one thread, see the module docstring)."""
     args = table(spec)
     symbol = abi.symbol(spec.name, kernel)
     names = ", ".join(name for _, name in abi.cuda_arguments(kernel, args))
     signature = abi.signature(kernel, args, CTYPES[spec.dtype], "restrict", cuda=True)
     definition = (
         f"void {symbol}(long long grid, long long block, {signature})\n{{\n"
-        f"    blockDim.x = block; gridDim.x = grid;\n"
+        f"    blockDim.x = {'1' if one_thread else 'block'}; gridDim.x = grid;\n"
         f"    for (long long b = 0; b < grid; ++b) {{\n"
         f"        for (long long t = 0; t < {'1' if one_thread else 'block'}; ++t) {{\n"
         f"            blockIdx.x = b; threadIdx.x = t; {symbol}_thread({names});\n"
@@ -164,7 +167,8 @@ def host_source(spec: Any) -> tuple[str, str]:
     """(C source, cffi declarations): every CUDA kernel, each looped over its launch grid."""
     source = generate(spec, targets=("cuda",)).source("cuda").replace('extern "C" ', "")
     per_trajectory = getattr(spec, "dt", "") == "per_trajectory"  # a thread's own sums, no warp sums
-    taped = lowered(spec).coefs.long  # the once-per-call kernels: a block per run, its threads share a tape
+    form = lowered(spec).coefs.form  # tape: the once-per-call kernels are a block per run sharing its levels
+    shared_runs = {"tape": ONCE_PER_CALL, "monomials": ("dt_vjp_finish",)}.get(form, ())
     dt_vjp = abi.symbol(spec.name, "dt_vjp")
     if not per_trajectory:
         start, end = source.find(ACCUMULATOR[0]), source.find(ACCUMULATOR[1])
@@ -176,9 +180,11 @@ def host_source(spec: Any) -> tuple[str, str]:
     definitions, declarations = [], []
     for kernel in abi.cuda_kernels(abi.PARTS["all"]):
         symbol = abi.symbol(spec.name, kernel)
+        if f"void {symbol}(" not in source:  # no table kernels where each thread computes its coefficients
+            continue
         source = source.replace(f"void {symbol}(", f"void {symbol}_thread(")
         definition, declaration = _entry_point(spec, kernel, kernel == "dt_vjp" and not per_trajectory,
-                                               kernel in ONCE_PER_CALL and taped)
+                                               kernel in shared_runs)
         definitions.append(definition)
         declarations.append(declaration)
     return PRELUDE + source + "\n" + "\n\n".join(definitions) + "\n", "\n".join(declarations)

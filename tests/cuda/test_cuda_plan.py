@@ -69,18 +69,18 @@ def test_reported_launches_are_those_the_runtime_makes(options, fields):
 
 def test_temporaries_counted_buffer_by_buffer():
     """The bytes per call against a count of each buffer: a table of the coefficients per fill
-    (float32; a stencil's dt_vjp reads none), dt_vjp's float64 partial sums (a row per block of
-    dt_vjp, with its warps' rows where they do not fit in shared memory, or a row per trajectory
-    with a dt per trajectory), the float64 sums of the block rows, an integrator's forward outputs,
-    the dt gradient in dt's dtype (float32)."""
+    (float32; none with a dt per trajectory, whose threads compute their coefficients, and none for
+    a stencil's dt_vjp), dt_vjp's float64 partial sums (a row per block of dt_vjp, with its warps'
+    rows where they do not fit in shared memory, or a row per trajectory with a dt per trajectory),
+    the float64 sums of the block rows, an integrator's forward outputs, the dt gradient in dt's
+    dtype (float32)."""
     B = 1000
     for options, fields in SPECS[1:]:
         spec = ts.KernelSpec(**fields)
         nc = generate(spec, targets=("cuda",), parts=("core",)).n_coefficients
         (report,) = plan_json(options + ["--no-ptxas"], (B,))
         ops = report["batches"][0]["operations"]
-        runs = B if spec.dt == "per_trajectory" else 1
-        table_bytes = runs * nc * 4
+        table_bytes = 0 if spec.dt == "per_trajectory" else nc * 4
         assert ops["forward"]["temporary_bytes"] == table_bytes
         assert ops["backward"]["temporary_bytes"] == table_bytes
         dt_vjp = [l for l in ops["backward_dt"]["launches"] if l["kernel"] == "dt_vjp"]
@@ -97,7 +97,8 @@ def test_temporaries_counted_buffer_by_buffer():
 
 def test_backward_with_a_dt_gradient_is_at_most_four_launches():
     """Table and adjoint, dt_vjp (a stencil's alone: it reads no table), dt_vjp_finish (which adds
-    dt_vjp's rows: no dt_vjp_sum); an integrator adds its forward and dt_vjp's table. dt_vjp's grid
+    dt_vjp's rows: no dt_vjp_sum); an integrator adds its forward and dt_vjp's table; with a dt per
+    trajectory no launch fills a table (the threads compute their coefficients). dt_vjp's grid
     stops growing at 264 blocks (its rows of partial sums with it); with a dt per trajectory it
     runs a thread per trajectory, whose sums are B rows (not B x dof)."""
     B = 40000
@@ -108,6 +109,8 @@ def test_backward_with_a_dt_gradient_is_at_most_four_launches():
             integrator = fields.get("control") == "acceleration"
             expect = (["coefficients", "adjoint", "coefficients", "forward", "coefficients", "dt_vjp", "dt_vjp_finish"]
                       if integrator else ["coefficients", "adjoint", "dt_vjp", "dt_vjp_finish"])
+            if fields.get("dt") == "per_trajectory":  # its threads compute their coefficients: no table
+                expect = [k for k in expect if k != "coefficients"]
             assert launches == expect, fields
             (dt_vjp,) = [l for l in batch["operations"]["backward_dt"]["launches"] if l["kernel"] == "dt_vjp"]
             if fields.get("dt") == "per_trajectory":
@@ -131,7 +134,8 @@ def test_per_element_kernels_bound_the_plans_blocks(options, fields):
         assert 65536 // (threads * blocks) == 128
         for B in (1, 100, 400, 4000, 40000, 10 ** 6):
             assert all(0 < l.block <= threads for l in plan.launches(kernel, B).launches if l.kernel == kernel)
-    for kernel in ("coefficients", "coefficients_jvp", "dt_vjp_finish"):
+    tables = () if spec.dt == "per_trajectory" else ("coefficients", "coefficients_jvp")  # (threads compute them)
+    for kernel in (*tables, "dt_vjp_finish"):
         assert f'__global__ void {spec.name}_{kernel}(' in source, kernel
 
 

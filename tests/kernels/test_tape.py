@@ -27,11 +27,11 @@ from tensorstep.codegen.coefficients import TAPE_ABOVE_LINES
 from tensorstep.codegen.driver import generate, lowered
 from tensorstep.codegen.operator import expand_formulas
 
-#: per-step stencils of order 4 (central and backward), a B-spline with a goal at the end
+#: per-step stencils of order 4 (central and backward), one with a goal at the end (with one dt,
+#: programs are monomials: test_single_dt_programs_are_monomials_on_every_target)
 TAPED = [
     dict(difference="central", accuracy=4, dt="per_step", order=4, horizon=40),
     dict(difference="backward", accuracy=3, dt="per_step", horizon=40),
-    dict(control="bspline", degree=4, knots=4, steps=12, end="goal"),
     dict(difference="backward", accuracy=8, dt="per_step", horizon=16, end="goal"),
 ]
 STEP = 1e-30  # complex step: the derivative is the imaginary part over STEP, exact to rounding
@@ -147,7 +147,7 @@ def test_each_tape_extends_its_own_copy_of_the_program_graph():
     after the others is the one made alone from the statements."""
     from tensorstep.codegen import tape
 
-    coefs = lowered(spec_of(TAPED[3])).coefs
+    coefs = lowered(spec_of(TAPED[2])).coefs
     statements = coefs._straight_values(taped=True)
     graph, n_dt = tape.graph(statements), len(coefs.dt_syms)
     for name in ("reverse", "tangent", "value", "reverse"):
@@ -160,25 +160,41 @@ def test_short_programs_stay_code():
     assert len(short.lines) <= TAPE_ABOVE_LINES and not short.long and not short.taped
 
 
-def test_per_trajectory_programs_are_tapes_on_cuda_only():
-    """With a dt per trajectory, C runs each trajectory's program inside its loop over the batch:
-    as a tape it would be interpreted per trajectory, slower than the code
-    (docs/benchmarks-history.md, ninth session), so C
-    fills such a table from its monomials instead (codegen/monomials.py). On CUDA a block per
-    trajectory runs the tape (its threads share the levels): the coefficient kernels are
-    launched with a block of threads per trajectory, the build's metadata and launch plan saying so."""
-    spec = spec_of(dict(control="bspline", degree=4, knots=4, steps=12, dt="per_trajectory"))
-    coefs = lowered(spec).coefs
-    assert coefs.long and not coefs.taped
+@pytest.mark.parametrize("overrides", [dict(control="bspline", degree=4, knots=4, steps=12, end="goal"),
+                                       dict(control="bspline", degree=4, knots=4, steps=12, dt="per_trajectory"),
+                                       dict(difference="central", horizon=16),
+                                       dict(control="jerk", horizon=16, dt="per_trajectory")],
+                         ids=["bspline", "bspline-per-trajectory", "position", "jerk-per-trajectory"])
+def test_single_dt_programs_are_monomials_on_every_target(overrides):
+    """With one dt (uniform, or one per trajectory) every slot is c·dt^p, and C and CUDA run the
+    table's programs as loops over its monomials (codegen/monomials.py): no tape, no straight-line
+    program. Uniform: CUDA fills the table a thread per slot. Per trajectory: C fills each
+    trajectory's table in its loop over the batch; CUDA keeps no table, each thread of a per-element
+    kernel computing its coefficients from its trajectory's dt (no table kernel, no table); both
+    finish the dt gradient a block per run."""
+    spec = spec_of(overrides)
+    code = lowered(spec)
+    assert code.coefs.form == "monomials"
+    assert code.table == ["TS_MONOMIALS_VALUE();"]
+    assert code.dt_jvp.preamble == ["TS_MONOMIALS_TANGENT();"]
+    assert code.dt_vjp_finish.body == ["TS_MONOMIALS_REVERSE();"]
     generated = generate(spec, targets=("c", "cuda"))
-    assert "TS_TAPE_" not in generated.source("c") and "TS_TAPE_VALUE();" in generated.source("cuda")
-    assert "TS_MONOMIALS_VALUE();" in generated.source("c") and "TS_MONOMIALS" not in generated.source("cuda")
-    assert generated.metadata["tapes"] is True
-    assert "const int64_t b = (int64_t)blockIdx.x;\n    if (b >= B) return;" in generated.source("cuda")
+    c, cuda = generated.source("c"), generated.source("cuda")
+    assert "TS_TAPE_" not in c + cuda and generated.metadata["coefficients"] == "monomials"
+    assert "TS_MONOMIALS_VALUE();" in c and "TS_MONOMIALS_REVERSE();" in cuda
+    per_trajectory = spec.dt == "per_trajectory"
+    assert ("TS_MONOMIALS_VALUE();" in cuda) != per_trajectory
+    assert (f"void {spec.name}_coefficients(" in cuda) != per_trajectory
     B = 5
     plan = generated.launch_plan("cuda")
+    nc, runs = generated.n_coefficients, B if per_trajectory else 1
+    fills = [(l.kernel, l.grid, l.block) for l in plan.launches("forward", B).launches if l.kernel != "forward"]
+    assert fills == ([] if per_trajectory else [("coefficients", -(-nc // 256), 256)])
     launches = plan.launches("dt_vjp_finish", B).launches  # blocks of 256, whatever the batch
-    assert [(launch.kernel, launch.grid, launch.block) for launch in launches] == [("dt_vjp_finish", B, 256)]
+    assert [(launch.kernel, launch.grid, launch.block) for launch in launches] == [("dt_vjp_finish", runs, 256)]
+    # dt_vjp: a stencil's reads no table; an integrator's has its table filled, unless its threads compute it
+    dt_fills = [l.kernel for l in plan.launches("dt_vjp", B).launches if l.kernel != "dt_vjp"]
+    assert dt_fills == (["coefficients"] if generated.table.values and not per_trajectory else [])
 
 
 def test_tape_sources_name_each_tape_once():
@@ -226,27 +242,3 @@ def test_taped_per_step_stencil_matches_the_reference():
             dual = fwAD.make_dual(torch.tensor(dt), torch.tensor(direction))
             touts = [fwAD.unpack_dual(y).tangent for y in step(x.u, x.p0, x.v0, x.a0, dual, **x.kwargs())]
         scale_close(np.stack([to_bhd(t, spec) for t in touts]), tangent, 1e-6)
-
-
-def test_a_b_spline_program_is_its_tape_alone():
-    """With one dt a B-spline's coefficients have no repeating rows: the whole table program,
-    with its blocks of copies (2400 here; 125 copy loops as code before), and its tangent are
-    the tape, and nothing of them is compiled as code."""
-    code = lowered(spec_of(TAPED[2]))
-    assert len(code.coefs.copies) > 1000
-    assert code.table == ["TS_TAPE_VALUE();"]
-    assert code.dt_jvp.preamble == ["TS_TAPE_TANGENT();"]
-    assert code.dt_vjp_finish.body == ["TS_TAPE_REVERSE();"]
-
-
-def test_a_tape_too_large_for_shared_memory_is_refused(monkeypatch):
-    """A tape's registers live in a CUDA block's shared memory: a program needing more than a
-    block has is refused with the reason, before NVRTC would fail on the source (here the limit
-    is lowered; a B-spline of degree 5 with 200 rows per span needs 61 KB)."""
-    from tensorstep.codegen import targets
-
-    spec = spec_of(TAPED[2])
-    monkeypatch.setattr(targets, "CUDA_TAPE_SHARED_BYTES", 1024)
-    with pytest.raises(ValueError, match=r"needs \d+ KB of shared memory on CUDA, above the 1 KB a block has"):
-        generate(spec, targets=("cuda",))
-    generate(spec, targets=("c",))  # the CPU has no such limit
