@@ -25,10 +25,12 @@ from sympy.core.function import AppliedUndef
 from . import monomials, tape
 from .operator import Operator, expand_formulas, is_formula
 from .runs import NEXT, runs
-from .statements import (Add, Cast, Def, For, Literal, Mul, Paren, Read, Rel, RunTape, Statement, Store, Strided, Sym,
-                         Term, Var, transform)
+from .statements import (Add, Call, Cast, Def, For, Literal, Mul, Paren, Read, Rel, RunTape, Statement, Store, Strided,
+                         Sym, Term, Var, transform)
 
 ONE, MINUS_ONE = sp.Integer(1), sp.Integer(-1)
+#: after it, a CUDA block's threads see what the others stored (nothing in C)
+BARRIER = Call("TS_BARRIER")
 MIN_ROWS = 4  # shorter runs of repeating rows stay straight-line
 #: straight-line programs of more lines run as tapes (codegen/tape.py)
 TAPE_ABOVE_LINES = 200
@@ -139,7 +141,19 @@ class RowRun:
         return lines
 
     def loop(self, body: list[Statement]) -> For:
-        return For(self.first, self.last, 1, tuple(body))
+        """The rows, each independent of the others: a CUDA block's threads share them."""
+        return For(self.first, self.last, 1, tuple(body), shared=True)
+
+    def phases(self, body: list[Statement]) -> list[Statement]:
+        """The rows of a reverse program, which add to the gradients of their windows' durations:
+        in phases, rows ``span`` apart in each (the window's span), so no two rows of a phase add to
+        the same duration's and a block's threads share a phase's rows; a barrier after each."""
+        offsets = [o for o, _ in self.window]
+        span = max(offsets) - min(offsets) + 1 if offsets else 1
+        if span == 1:  # a row adds to its own duration's alone: one phase
+            return [self.loop(body), BARRIER]
+        rows = For(Var(f"{self.first} + ph"), self.last, span, tuple(body), shared=True)
+        return [For(0, span - 1, 1, (rows, BARRIER), unroll=False, var="ph")]
 
 
 class _Relative:
@@ -280,6 +294,11 @@ def _tangent_copy(copy: Statement) -> Statement:
             return Cast("T", Literal("0"))
         return None
     return transform(copy, fn)
+
+
+def _after_barrier(copies: list[Statement]) -> list[Statement]:
+    """Loops of copies, which read slots other threads of a CUDA block stored, shared by its threads."""
+    return [BARRIER, *(dataclasses.replace(c, shared=True) for c in copies)] if copies else []
 
 
 class Coefficients:
@@ -483,7 +502,7 @@ class Coefficients:
                 else:
                     body.append(_double(str(s), Sym(e)))
             loops.append(run.loop(body))
-        return straight + loops + self._copy_program(taped)[1]
+        return straight + loops + _after_barrier(self._copy_program(taped)[1])
 
     def _straight_values(self, taped: bool) -> list[Statement]:
         """The straight-line part of the table's program: its slots, and the copies of them and
@@ -553,7 +572,7 @@ class Coefficients:
                 body += [Store(Read(table, (run.slot(i),)), Cast("T", Paren(Var(f"{source}{i}"))))
                          for i in range(run.width)]
             lines.append(run.loop(body))
-        return lines + [c for copy in copy_loops for c in (copy, _tangent_copy(copy))]
+        return lines + _after_barrier([c for copy in copy_loops for c in (copy, _tangent_copy(copy))])
 
     def reverse_program(self) -> list[Statement]:
         """gdt from GC(q) = ∂L/∂c<q> by reverse accumulation over the program's lines: the
@@ -569,7 +588,7 @@ class Coefficients:
             body += adjoint
             body += [Store(Read("GDT", (Rel(o),)), Add(tuple(contributions[str(s)])), "+=")
                      for o, s in run.window if contributions.get(str(s))]
-            lines.append(run.loop(body))
+            lines += [BARRIER, *run.phases(body)]
         return lines
 
     def _straight_reverse(self) -> list[Statement]:

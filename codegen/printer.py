@@ -82,9 +82,13 @@ class Printer:
             if isinstance(s, For):
                 v, last = s.var, _index(s.last)
                 cond, advance = (f"{v} <= {last}", f"++{v}") if s.step > 0 else (f"{v} >= {last}", f"--{v}")
+                first = _index(s.first)
+                if s.shared:  # the block's threads share the iterations (each template defines TS_THREAD/S)
+                    stride = "" if s.step == 1 else f"{s.step} * "
+                    first, advance = f"{first} + {stride}TS_THREAD", f"{v} += {stride}TS_THREADS"
                 if not s.unroll:
                     out.append(f"{indent}TS_ROLLED")  # each template says what keeps a loop rolled
-                out.append(f"{indent}for (int64_t {v} = {_index(s.first)}; {cond}; {advance}) {{")
+                out.append(f"{indent}for (int64_t {v} = {first}; {cond}; {advance}) {{")
                 out += self.lines(s.body, indent + INDENT)
                 out.append(f"{indent}}}")
             else:

@@ -149,7 +149,7 @@ def _long_programs(code: LoweredOperator, kernels: tuple, per_trajectory: bool) 
         programs["dt_vjp_finish"] = code.dt_vjp_finish.body
     out = {}
     for name, lines in programs.items():
-        loop = ("for (", "TS_ROLLED")  # a loop's first line
+        loop = ("for (", "TS_ROLLED", "TS_BARRIER")  # a loop's first line, or the barrier before it
         first = next((i for i, line in enumerate(lines) if line.startswith(loop)), len(lines))
         assert all(line.startswith((*loop, " ", "}")) for line in lines[first:]), f"{name}: statements after its loops"
         out[name] = Program(lines[:first], lines[first:])

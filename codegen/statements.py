@@ -160,7 +160,10 @@ class Call:
 
 @dataclasses.dataclass(frozen=True)
 class For:
-    """A loop over rows ``r`` (or ``var``) from ``first`` to ``last`` inclusive, by ``step`` (+1 or -1)."""
+    """A loop over rows ``r`` (or ``var``) from ``first`` to ``last`` inclusive, by ``step`` (+1 or -1).
+    ``shared``: its iterations are independent, and the threads of a block share them (thread t of
+    n runs first + step·t, step·n apart: TS_THREAD and TS_THREADS, which each template defines; a
+    step above 1 then leaves rows between for other loops)."""
 
     first: Union[int, Shift]
     last: Union[int, Shift]
@@ -168,6 +171,7 @@ class For:
     body: tuple
     unroll: bool = True  # False: kept rolled (printed after ``TS_ROLLED``, which each template defines; nvcc unrolls short loops)
     var: str = "r"  # the loop variable (``kn``: a loop over knots around loops over rows)
+    shared: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

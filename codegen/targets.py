@@ -141,8 +141,10 @@ class CudaLaunchPlan:
     (codegen/targets.py ``coefficient_form``): monomials fill the table a thread per slot and
     finish the dt gradient a block per run (a fixed-shape sum over the slots), and with a dt per
     trajectory no table is kept at all: each thread of a per-element kernel (dt_vjp's thread per
-    trajectory too) computes its coefficients from the powers of its trajectory's dt; a tape runs
-    a block per run, whose threads share the tape's levels; code one thread per run."""
+    trajectory too) computes its coefficients from the powers of its trajectory's dt. Otherwise (a
+    dt per step) the program runs a block, whose threads share a tape's levels and the rows of its
+    loops (codegen/statements.py ``For.shared``), so its serial part does not grow with the
+    horizon."""
 
     table: ArgumentTable
     dof: int
@@ -241,7 +243,7 @@ class CudaLaunchPlan:
         CUDA_BLOCK threads (a tape's block shares its levels among them; dt_vjp_finish's threads
         first add dt_vjp's rows)."""
         block, runs = self.block(B), self.runs(B)
-        once = _blocks(runs, CUDA_BLOCK) if self.form == "code" else runs  # grid of a once-per-call kernel
+        once = runs  # grid of a once-per-call kernel: a block per run
         dt = self.table.dt.c_name
         names = self.parameters(kernel)
         if kernel == "dt_vjp_finish":

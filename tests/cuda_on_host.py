@@ -10,15 +10,15 @@ checked against the dense reference and by gradcheck. Shared memory is one stati
 kernel; each thread copies the whole table into it (on the GPU the block's threads share the
 copy), so the first thread of a block, which runs first, finds it filled.
 
-A long coefficient program kept as data (codegen/tape.py) runs level by level, the block's
-threads sharing each level, then thread 0 alone goes on (a block per trajectory with a dt per
-trajectory). Here thread 0 of each block runs every level's loop in full (the loops over
-threadIdx.x become serial loops, as for the table copy), in the levels' order, and the other
-threads of the once-per-call kernels are not run: on the GPU they only share the levels. That a level's instructions are independent, and registers are
-reused only from the level after their last read, is tests/kernels/test_tape.py's to check. The same
-for the dt gradient of monomials (a block per run, each thread a stride of the slots, then a
-tree): thread 0 alone runs it here, with a block of one thread, so it adds every slot in turn
-(the GPU adds the same terms in another fixed order).
+The once-per-call programs (the table, its tangent, the dt gradient's reverse) run a block per
+run whose threads share the work: a tape's levels (codegen/tape.py), the rows of its loops (each
+thread a stride of them, with barriers between phases that need them), the monomials' dt gradient
+(each thread a stride of the slots, then a tree). Here each block is one thread, thread 0, with
+a block size of one: every level, loop and sum runs in full, in order (the GPU adds a monomial
+gradient's terms in another fixed order). That a level's instructions are independent, and
+registers are reused only from the level after their last read, is tests/kernels/test_tape.py's to
+check, and that a phase's rows add to distinct durations.
+The monomial tables are filled a thread per slot, every thread run.
 
 dt_vjp's sums need a warp's lanes in lockstep (warp shuffles), which a sequential run cannot give:
 here each thread records the value of each of its ACC statements, in order, and after the block's
@@ -64,7 +64,7 @@ typedef struct {{ long long x; }} ts_dim3;
 static ts_dim3 blockIdx, threadIdx, blockDim, gridDim; /* set by each launch */
 #define TS_MAX_BLOCK {MAX_BLOCK}
 """
-#: kernels run once per call (or per trajectory); with tapes, a block's threads share a tape's levels
+#: kernels run once per call (or per trajectory), a block per run whose threads share the work
 ONCE_PER_CALL = ("coefficients", "coefficients_jvp", "dt_vjp_finish")
 ACCUMULATOR = ("/* dt_vjp's accumulator: begin */", "/* dt_vjp's accumulator: end */")
 #: per thread: the slot and value of each ACC statement it runs (a column past the end records 0);
@@ -167,8 +167,8 @@ def host_source(spec: Any) -> tuple[str, str]:
     """(C source, cffi declarations): every CUDA kernel, each looped over its launch grid."""
     source = generate(spec, targets=("cuda",)).source("cuda").replace('extern "C" ', "")
     per_trajectory = getattr(spec, "dt", "") == "per_trajectory"  # a thread's own sums, no warp sums
-    form = lowered(spec).coefs.form  # tape: the once-per-call kernels are a block per run sharing its levels
-    shared_runs = {"tape": ONCE_PER_CALL, "monomials": ("dt_vjp_finish",)}.get(form, ())
+    form = lowered(spec).coefs.form  # the once-per-call kernels: a block per run, its threads sharing the work
+    shared_runs = ("dt_vjp_finish",) if form == "monomials" else ONCE_PER_CALL
     dt_vjp = abi.symbol(spec.name, "dt_vjp")
     if not per_trajectory:
         start, end = source.find(ACCUMULATOR[0]), source.find(ACCUMULATOR[1])

@@ -242,3 +242,28 @@ def test_taped_per_step_stencil_matches_the_reference():
             dual = fwAD.make_dual(torch.tensor(dt), torch.tensor(direction))
             touts = [fwAD.unpack_dual(y).tangent for y in step(x.u, x.p0, x.v0, x.a0, dual, **x.kwargs())]
         scale_close(np.stack([to_bhd(t, spec) for t in touts]), tangent, 1e-6)
+
+
+@pytest.mark.parametrize("overrides", [TAPED[0], TAPED[1], dict(difference="central", dt="per_step", horizon=40)],
+                         ids=["central-order4", "backward-accuracy3", "central"])
+def test_rows_of_a_reverse_phase_add_to_distinct_durations(overrides):
+    """A per-step reverse program's rows run in phases (codegen/coefficients.py RowRun.phases), whose
+    rows a CUDA block's threads share: no two rows of a phase add to the same duration's gradient
+    (no race), and every row of a run is in exactly one phase; a barrier ends each phase."""
+    from tensorstep.codegen.statements import Call, For, Read, Var, walk
+
+    coefs = lowered(spec_of(overrides)).coefs
+    phases = [s for s in coefs.reverse_program() if isinstance(s, For) and s.var == "ph"]
+    assert len(phases) == len(coefs.runs) > 0
+    for run, outer in zip(coefs.runs, phases):
+        rows, barrier = outer.body
+        assert rows.shared and rows.first == Var(f"{run.first} + ph") and barrier == Call("TS_BARRIER")
+        offsets = [n.args[0].rel for n in walk(rows.body) if isinstance(n, Read) and n.macro == "GDT"]
+        assert len(offsets) > 1
+        covered = []
+        for ph in range(outer.first, outer.last + 1):
+            phase = range(run.first + ph, run.last + 1, rows.step)
+            durations = [r + o for r in phase for o in offsets]
+            assert len(durations) == len(set(durations)), ph
+            covered += phase
+        assert sorted(covered) == list(range(run.first, run.last + 1))
