@@ -15,6 +15,10 @@ typedef float T;
 #endif
 /* a loop the generator keeps rolled (CUDA needs a pragma for it; gcc decides for itself) */
 #define TS_ROLLED
+/* a loop whose iterations a CUDA block's threads share (codegen/statements.py For.shared): here one thread */
+#define TS_THREAD 0
+#define TS_THREADS 1
+#define TS_BARRIER()
 /* gcc's register allocation in its cheaper settings, for the long once-per-call loop bodies and
  * dt_vjp's serial body: most of their compile time was the allocator's (it made no measurable
  * difference to their run time: docs/benchmarks-history.md, seventeenth session, item 1) */
@@ -130,6 +134,97 @@ enum { H_ = 32, N_ = 31, D_ = 7, NDT_ = 1, NC_ = 15 };
     const int64_t bo = (b) * D_ + (d); \
     (void)uo; (void)yo; (void)bo;
 
+/* The step coefficients as data: slot q holds ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_mono_c[q] * dt^(ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_mono_e[q] - 3)
+ * (every slot is one power of the trajectory's dt). Compiled as straight-line code, so long a
+ * table cost the compiler time growing with its length. */
+static const double ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_mono_c[15] = {
+    -1.0,1.0,-1.0,0.5,-0.16666666666666666,1.0,-1.0,-0.5,
+    0.8333333333333334,1.0,-2.0,2.0,0.16666666666666666,-3.0,3.0,
+};
+static const unsigned char ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_mono_e[15] = {
+    2,2,1,3,4,1,0,2,3,0,1,0,3,0,0,
+};
+/* ts_pw[e] = x^p and ts_dpw[e] = p·x^(p-1) for p = e - 3 */
+#define TS_MONOMIAL_POWERS(x) \
+    double ts_pw[8] = {0}, ts_dpw[8] = {0}; \
+    do { \
+        const double ts_x = (x); \
+        double ts_p = 1.0; \
+        for (int ts_i = 0; ts_i < 3; ++ts_i) ts_p /= ts_x; \
+        for (int ts_i = 0; ts_i < 0; ++ts_i) ts_p *= ts_x; \
+        for (int ts_e = 0; ts_e < 5; ++ts_e, ts_p *= ts_x) { \
+            ts_pw[ts_e] = ts_p; \
+            ts_dpw[ts_e] = (double)(ts_e + -3) * ts_p / ts_x; \
+        } \
+    } while (0)
+#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 9
+/* four slots at a time: their powers picked from the eight in two registers by one permute
+ * (vectors of 256 bits: wider ones lower some processors' clock) */
+typedef double ts_v4d __attribute__((vector_size(32)));
+typedef long long ts_v4l __attribute__((vector_size(32)));
+typedef T ts_v4t __attribute__((vector_size(4 * sizeof(T))));
+static inline ts_v4d ts_load4d(const double* p) { ts_v4d v; __builtin_memcpy(&v, p, sizeof v); return v; }
+static inline void ts_store4(T* p, ts_v4d v) { const ts_v4t t = __builtin_convertvector(v, ts_v4t); __builtin_memcpy(p, &t, sizeof t); }
+/* table[e[i]] for four slots: byte i of their exponents, shifted down in lane i (the permute
+ * reads each lane's low bits) */
+static inline ts_v4d ts_pick4(const double* table, const unsigned char* e)
+{
+    unsigned int word;
+    __builtin_memcpy(&word, e, sizeof word);
+    const ts_v4l lanes = ((ts_v4l){0} + (long long)word) >> (ts_v4l){0, 8, 16, 24};
+    return __builtin_shuffle(ts_load4d(table), ts_load4d(table + 4), lanes);
+}
+#define TS_MONOMIAL_VALUE_CHUNKS(q) \
+    for (; (q) + 4 <= 15; (q) += 4) \
+        ts_store4(&C(q), ts_load4d(ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_mono_c + (q)) * ts_pick4(ts_pw, ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_mono_e + (q)))
+#define TS_MONOMIAL_TANGENT_CHUNKS(q) \
+    for (; (q) + 4 <= 15; (q) += 4) { \
+        const ts_v4d ts_c = ts_load4d(ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_mono_c + (q)); \
+        ts_store4(&C(q), ts_c * ts_pick4(ts_pw, ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_mono_e + (q))); \
+        ts_store4(&CD(q), ts_c * ts_pick4(ts_dpw, ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_mono_e + (q)) * ts_ddt); \
+    }
+#define TS_MONOMIAL_REVERSE_CHUNKS(q, g) do { \
+    ts_v4d ts_acc = {0}; \
+    for (; (q) + 4 <= 15; (q) += 4) \
+        ts_acc += ts_load4d(&GC(q)) * ts_load4d(ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_mono_c + (q)) * ts_pick4(ts_dpw, ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_mono_e + (q)); \
+    (g) += (ts_acc[0] + ts_acc[1]) + (ts_acc[2] + ts_acc[3]); \
+} while (0)
+#endif
+#ifndef TS_MONOMIAL_VALUE_CHUNKS
+#define TS_MONOMIAL_VALUE_CHUNKS(q)
+#define TS_MONOMIAL_TANGENT_CHUNKS(q)
+#define TS_MONOMIAL_REVERSE_CHUNKS(q, g)
+#endif
+/* the table C(q) */
+#define TS_MONOMIALS_VALUE() do { \
+    TS_MONOMIAL_POWERS((double)DT(0)); \
+    int ts_q = 0; \
+    TS_MONOMIAL_VALUE_CHUNKS(ts_q); \
+    for (; ts_q < 15; ++ts_q) \
+        C(ts_q) = (T)(ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_mono_c[ts_q] * ts_pw[ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_mono_e[ts_q]]); \
+} while (0)
+/* the table and its tangents CD(q) = c·p·dt^(p-1)·ddt */
+#define TS_MONOMIALS_TANGENT() do { \
+    TS_MONOMIAL_POWERS((double)DT(0)); \
+    const double ts_ddt = (double)DDT(0); \
+    int ts_q = 0; \
+    TS_MONOMIAL_TANGENT_CHUNKS(ts_q); \
+    for (; ts_q < 15; ++ts_q) { \
+        const int ts_e = ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_mono_e[ts_q]; \
+        C(ts_q) = (T)(ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_mono_c[ts_q] * ts_pw[ts_e]); \
+        CD(ts_q) = (T)(ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_mono_c[ts_q] * ts_dpw[ts_e] * ts_ddt); \
+    } \
+} while (0)
+/* the dt gradient from the slots' gradients GC(q) (double): the sum of GC(q)·c·p·dt^(p-1) */
+#define TS_MONOMIALS_REVERSE() do { \
+    TS_MONOMIAL_POWERS((double)DT(0)); \
+    double ts_g = 0.0; \
+    int ts_q = 0; \
+    TS_MONOMIAL_REVERSE_CHUNKS(ts_q, ts_g); \
+    for (; ts_q < 15; ++ts_q) \
+        ts_g += GC(ts_q) * (ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_mono_c[ts_q] * ts_dpw[ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_mono_e[ts_q]]); \
+    GDT(0) = ts_g; \
+} while (0)
 #if defined(__AVX512F__) && defined(__AVX512VL__) && !defined(TS_NO_LANES)
 /* Forward and adjoint columns as one masked 256-bit vector over the 7 dof of a row
  * (GCC's own vectoriser splits 7 lanes into a vector part plus scalar ones). */
@@ -227,26 +322,7 @@ int64_t ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_n_coefficients(void) { 
 #if !defined(TS_UNIT) || TS_UNIT == 1 || TS_UNIT == 2 || TS_UNIT == 3
 static void ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_coefficients(const T* restrict dt_in, T* restrict coef)
 {
-    const double dt = (double)DT(0);
-    const double t0 = (1.0/dt);
-    const double t1 = (1.0/(dt*dt));
-    const double t2 = (1.0/(dt*dt*dt));
-    const double t3 = 3*t2;
-    C(0) = (T)(-t0);
-    C(1) = (T)(t0);
-    C(2) = (T)(-t1);
-    C(3) = (T)(0.5);
-    C(4) = (T)(-1.0/6.0*dt);
-    C(5) = (T)(t1);
-    C(6) = (T)(-t2);
-    C(7) = (T)(-1.0/2.0*t0);
-    C(8) = (T)(0.83333333333333333);
-    C(9) = (T)(t2);
-    C(10) = (T)(-2*t1);
-    C(11) = (T)(2*t2);
-    C(12) = (T)(0.16666666666666667);
-    C(13) = (T)(-t3);
-    C(14) = (T)(t3);
+    TS_MONOMIALS_VALUE();
 }
 #endif
 
@@ -606,43 +682,7 @@ TS_SERIAL void ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_dt_vjp(int64_t B
 void ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_dt_vjp_finish(int64_t B, const float* restrict dt_in, const double* restrict gc, double* restrict gdt)
 {
     (void)B;
-    const double dt = (double)DT(0);
-    const double t0 = (1.0/dt);
-    const double t1 = (1.0/(dt*dt));
-    const double t2 = (1.0/(dt*dt*dt));
-    const double t3 = 3*t2;
-    const double k0 = -t0;
-    const double k1 = t0;
-    const double k2 = -t1;
-    const double k3 = 0.5;
-    const double k4 = -1.0/6.0*dt;
-    const double k5 = t1;
-    const double k6 = -t2;
-    const double k7 = -1.0/2.0*t0;
-    const double k8 = 0.83333333333333333;
-    const double k9 = t2;
-    const double k10 = -2*t1;
-    const double k11 = 2*t2;
-    const double k12 = 0.16666666666666667;
-    const double k13 = -t3;
-    const double k14 = t3;
-    const double b_k14 = GC(14);
-    const double b_k13 = GC(13);
-    const double b_k11 = GC(11);
-    const double b_k10 = GC(10);
-    const double b_k9 = GC(9);
-    const double b_k7 = GC(7);
-    const double b_k6 = GC(6);
-    const double b_k5 = GC(5);
-    const double b_k4 = GC(4);
-    const double b_k2 = GC(2);
-    const double b_k1 = GC(1);
-    const double b_k0 = GC(0);
-    const double b_t3 = (1)*b_k14 + (-1)*b_k13;
-    const double b_t2 = (2)*b_k11 + (1)*b_k9 + (-1)*b_k6 + (3)*b_t3;
-    const double b_t1 = (-2)*b_k10 + (1)*b_k5 + (-1)*b_k2;
-    const double b_t0 = (-0.5)*b_k7 + (1)*b_k1 + (-1)*b_k0;
-    GDT(0) = (-0.16666666666666667)*b_k4 + (-3/(dt*dt*dt*dt))*b_t2 + (-2/(dt*dt*dt))*b_t1 + (-1/(dt*dt))*b_t0;
+    TS_MONOMIALS_REVERSE();
 }
 #endif
 
@@ -766,76 +806,7 @@ static TS_BATCH_FUNCTION void ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_d
 void ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_dt_jvp(int64_t B, const float* restrict u, const float* restrict p0, const float* restrict v0, const float* restrict a0, const float* restrict j0, const int64_t* restrict idx, const float* restrict du, const float* restrict dp0, const float* restrict dv0, const float* restrict da0, const float* restrict dj0, const float* restrict dt_in, const float* restrict ddt_in, float* restrict ty0, float* restrict ty1, float* restrict ty2, float* restrict ty3)
 {
     T coef[NC_]; T coefd[NC_];
-    const double dt = (double)DT(0);
-    const double d_dt = (double)DDT(0);
-    const double t0 = (1.0/dt);
-    const double d_t0 = (-1/(dt*dt))*d_dt;
-    const double t1 = (1.0/(dt*dt));
-    const double d_t1 = (-2/(dt*dt*dt))*d_dt;
-    const double t2 = (1.0/(dt*dt*dt));
-    const double d_t2 = (-3/(dt*dt*dt*dt))*d_dt;
-    const double t3 = 3*t2;
-    const double d_t3 = (3)*d_t2;
-    const double k0 = -t0;
-    const double d_k0 = (-1)*d_t0;
-    const double k1 = t0;
-    const double d_k1 = (1)*d_t0;
-    const double k2 = -t1;
-    const double d_k2 = (-1)*d_t1;
-    const double k3 = 0.5;
-    const double d_k3 = 0.0;
-    const double k4 = -1.0/6.0*dt;
-    const double d_k4 = (-0.16666666666666667)*d_dt;
-    const double k5 = t1;
-    const double d_k5 = (1)*d_t1;
-    const double k6 = -t2;
-    const double d_k6 = (-1)*d_t2;
-    const double k7 = -1.0/2.0*t0;
-    const double d_k7 = (-0.5)*d_t0;
-    const double k8 = 0.83333333333333333;
-    const double d_k8 = 0.0;
-    const double k9 = t2;
-    const double d_k9 = (1)*d_t2;
-    const double k10 = -2*t1;
-    const double d_k10 = (-2)*d_t1;
-    const double k11 = 2*t2;
-    const double d_k11 = (2)*d_t2;
-    const double k12 = 0.16666666666666667;
-    const double d_k12 = 0.0;
-    const double k13 = -t3;
-    const double d_k13 = (-1)*d_t3;
-    const double k14 = t3;
-    const double d_k14 = (1)*d_t3;
-    C(0) = (T)(k0);
-    C(1) = (T)(k1);
-    C(2) = (T)(k2);
-    C(3) = (T)(k3);
-    C(4) = (T)(k4);
-    C(5) = (T)(k5);
-    C(6) = (T)(k6);
-    C(7) = (T)(k7);
-    C(8) = (T)(k8);
-    C(9) = (T)(k9);
-    C(10) = (T)(k10);
-    C(11) = (T)(k11);
-    C(12) = (T)(k12);
-    C(13) = (T)(k13);
-    C(14) = (T)(k14);
-    CD(0) = (T)(d_k0);
-    CD(1) = (T)(d_k1);
-    CD(2) = (T)(d_k2);
-    CD(3) = (T)(d_k3);
-    CD(4) = (T)(d_k4);
-    CD(5) = (T)(d_k5);
-    CD(6) = (T)(d_k6);
-    CD(7) = (T)(d_k7);
-    CD(8) = (T)(d_k8);
-    CD(9) = (T)(d_k9);
-    CD(10) = (T)(d_k10);
-    CD(11) = (T)(d_k11);
-    CD(12) = (T)(d_k12);
-    CD(13) = (T)(d_k13);
-    CD(14) = (T)(d_k14);
+    TS_MONOMIALS_TANGENT();
     TS_BATCH(ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_dt_jvp_batch, B, u, p0, v0, a0, j0, idx, du, dp0, dv0, da0, dj0, dt_in, ddt_in, ty0, ty1, ty2, ty3, coef, coefd);
 }
 #endif

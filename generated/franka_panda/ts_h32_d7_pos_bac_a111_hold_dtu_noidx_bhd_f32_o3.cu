@@ -12,6 +12,11 @@ typedef long long int64_t; /* NVRTC has no <stdint.h> */
 #endif
 /* a loop kept rolled: unrolled, nvcc holds every iteration's loads in registers */
 #define TS_ROLLED _Pragma("unroll 1")
+/* a loop whose iterations the block's threads share (codegen/statements.py For.shared), and the
+ * barrier after which each sees what the others stored */
+#define TS_THREAD ((int64_t)threadIdx.x)
+#define TS_THREADS ((int64_t)blockDim.x)
+#define TS_BARRIER() __syncthreads()
 enum { H_ = 32, N_ = 31, D_ = 7, NDT_ = 1, NC_ = 15 };
 /* strides in elements: action u[b, j, d], outputs y[b, h, d] (layout "bhd") */
 #define U_SB 217LL
@@ -82,114 +87,80 @@ enum { H_ = 32, N_ = 31, D_ = 7, NDT_ = 1, NC_ = 15 };
     const int64_t bo = (b) * D_ + (d); \
     (void)uo; (void)yo; (void)bo;
 
+/* The step coefficients as data: slot q holds ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_mono_c[q] * dt^(ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_mono_e[q] - 3)
+ * (every slot is one power of dt). */
+static __device__ const double ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_mono_c[15] = {
+    -1.0,1.0,-1.0,0.5,-0.16666666666666666,1.0,-1.0,-0.5,
+    0.8333333333333334,1.0,-2.0,2.0,0.16666666666666666,-3.0,3.0,
+};
+static __device__ const unsigned char ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_mono_e[15] = {
+    2,2,1,3,4,1,0,2,3,0,1,0,3,0,0,
+};
+/* x^p for p = e - 3, by the C template's operations in its order (the same rounding) */
+static __device__ __forceinline__ double ts_mono_power(const double x, const int e)
+{
+    double p = 1.0;
+    for (int i = 0; i < 3; ++i) p /= x;
+    for (int i = 0; i < 0; ++i) p *= x;
+    for (int i = 0; i < e; ++i) p *= x;
+    return p;
+}
+/* p·x^(p-1) from x^p */
+#define TS_MONO_DERIVATIVE(e, p, x) ((double)((e) + -3) * (p) / (x))
+/* the table C(q): a thread per slot */
+#define TS_MONOMIALS_VALUE() do { \
+    const int64_t ts_q = (int64_t)blockIdx.x * (int64_t)blockDim.x + (int64_t)threadIdx.x; \
+    if (ts_q >= 15) return; \
+    C(ts_q) = (T)(ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_mono_c[ts_q] * ts_mono_power((double)DT(0), ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_mono_e[ts_q])); \
+} while (0)
+/* the table and its tangents CD(q) = c·p·dt^(p-1)·ddt: a thread per slot */
+#define TS_MONOMIALS_TANGENT() do { \
+    const int64_t ts_q = (int64_t)blockIdx.x * (int64_t)blockDim.x + (int64_t)threadIdx.x; \
+    if (ts_q >= 15) return; \
+    const double ts_x = (double)DT(0); \
+    const int ts_e = ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_mono_e[ts_q]; \
+    const double ts_p = ts_mono_power(ts_x, ts_e); \
+    C(ts_q) = (T)(ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_mono_c[ts_q] * ts_p); \
+    CD(ts_q) = (T)(ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_mono_c[ts_q] * TS_MONO_DERIVATIVE(ts_e, ts_p, ts_x) * (double)DDT(0)); \
+} while (0)
+/* the dt gradient from the slots' gradients GC(q) (double), the sum of GC(q)·c·p·dt^(p-1): the
+ * block's threads each add a stride of the slots, then a fixed tree adds their sums (the same
+ * order on every run) */
+#define TS_MONOMIALS_REVERSE() do { \
+    __shared__ double ts_sum[256]; \
+    const double ts_x = (double)DT(0); \
+    double ts_g = 0.0; \
+    for (int ts_q = threadIdx.x; ts_q < 15; ts_q += blockDim.x) { \
+        const int ts_e = ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_mono_e[ts_q]; \
+        ts_g += GC(ts_q) * (ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_mono_c[ts_q] * TS_MONO_DERIVATIVE(ts_e, ts_mono_power(ts_x, ts_e), ts_x)); \
+    } \
+    ts_sum[threadIdx.x] = ts_g; \
+    __syncthreads(); \
+    for (int ts_s = blockDim.x / 2; ts_s > 0; ts_s /= 2) { \
+        if (threadIdx.x < ts_s) ts_sum[threadIdx.x] += ts_sum[threadIdx.x + ts_s]; \
+        __syncthreads(); \
+    } \
+    if (threadIdx.x == 0) GDT(0) = ts_sum[0]; \
+} while (0)
 
-/* the step coefficients from dt (double precision, stored as T): one thread */
+
+/* the step coefficients from dt (double precision, stored as T): a thread per slot */
 extern "C" __global__ void ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_coefficients(int64_t B, const float* __restrict__ dt_in, float* __restrict__ coef_g)
 {
-    const int64_t b = (int64_t)blockIdx.x * (int64_t)blockDim.x + (int64_t)threadIdx.x;
-    if (b >= 1) return;
+    const int64_t b = 0; (void)B;
     const int64_t dto = b * NDT_; (void)dto;
     T* __restrict__ coef = coef_g + b * 1 * NC_;
-    const double dt = (double)DT(0);
-    const double t0 = (1.0/dt);
-    const double t1 = (1.0/(dt*dt));
-    const double t2 = (1.0/(dt*dt*dt));
-    const double t3 = 3*t2;
-    C(0) = (T)(-t0);
-    C(1) = (T)(t0);
-    C(2) = (T)(-t1);
-    C(3) = (T)(0.5);
-    C(4) = (T)(-1.0/6.0*dt);
-    C(5) = (T)(t1);
-    C(6) = (T)(-t2);
-    C(7) = (T)(-1.0/2.0*t0);
-    C(8) = (T)(0.83333333333333333);
-    C(9) = (T)(t2);
-    C(10) = (T)(-2*t1);
-    C(11) = (T)(2*t2);
-    C(12) = (T)(0.16666666666666667);
-    C(13) = (T)(-t3);
-    C(14) = (T)(t3);
+    TS_MONOMIALS_VALUE();
 }
 
-/* the step coefficients from dt (double precision, stored as T): one thread */
+/* the step coefficients from dt (double precision, stored as T): a thread per slot */
 extern "C" __global__ void ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_coefficients_jvp(int64_t B, const float* __restrict__ dt_in, const float* __restrict__ ddt_in, float* __restrict__ coef_g)
 {
-    const int64_t b = (int64_t)blockIdx.x * (int64_t)blockDim.x + (int64_t)threadIdx.x;
-    if (b >= 1) return;
+    const int64_t b = 0; (void)B;
     const int64_t dto = b * NDT_; (void)dto;
     T* __restrict__ coef = coef_g + b * 2 * NC_;
     T* __restrict__ coefd = coef + NC_;
-    const double dt = (double)DT(0);
-    const double d_dt = (double)DDT(0);
-    const double t0 = (1.0/dt);
-    const double d_t0 = (-1/(dt*dt))*d_dt;
-    const double t1 = (1.0/(dt*dt));
-    const double d_t1 = (-2/(dt*dt*dt))*d_dt;
-    const double t2 = (1.0/(dt*dt*dt));
-    const double d_t2 = (-3/(dt*dt*dt*dt))*d_dt;
-    const double t3 = 3*t2;
-    const double d_t3 = (3)*d_t2;
-    const double k0 = -t0;
-    const double d_k0 = (-1)*d_t0;
-    const double k1 = t0;
-    const double d_k1 = (1)*d_t0;
-    const double k2 = -t1;
-    const double d_k2 = (-1)*d_t1;
-    const double k3 = 0.5;
-    const double d_k3 = 0.0;
-    const double k4 = -1.0/6.0*dt;
-    const double d_k4 = (-0.16666666666666667)*d_dt;
-    const double k5 = t1;
-    const double d_k5 = (1)*d_t1;
-    const double k6 = -t2;
-    const double d_k6 = (-1)*d_t2;
-    const double k7 = -1.0/2.0*t0;
-    const double d_k7 = (-0.5)*d_t0;
-    const double k8 = 0.83333333333333333;
-    const double d_k8 = 0.0;
-    const double k9 = t2;
-    const double d_k9 = (1)*d_t2;
-    const double k10 = -2*t1;
-    const double d_k10 = (-2)*d_t1;
-    const double k11 = 2*t2;
-    const double d_k11 = (2)*d_t2;
-    const double k12 = 0.16666666666666667;
-    const double d_k12 = 0.0;
-    const double k13 = -t3;
-    const double d_k13 = (-1)*d_t3;
-    const double k14 = t3;
-    const double d_k14 = (1)*d_t3;
-    C(0) = (T)(k0);
-    C(1) = (T)(k1);
-    C(2) = (T)(k2);
-    C(3) = (T)(k3);
-    C(4) = (T)(k4);
-    C(5) = (T)(k5);
-    C(6) = (T)(k6);
-    C(7) = (T)(k7);
-    C(8) = (T)(k8);
-    C(9) = (T)(k9);
-    C(10) = (T)(k10);
-    C(11) = (T)(k11);
-    C(12) = (T)(k12);
-    C(13) = (T)(k13);
-    C(14) = (T)(k14);
-    CD(0) = (T)(d_k0);
-    CD(1) = (T)(d_k1);
-    CD(2) = (T)(d_k2);
-    CD(3) = (T)(d_k3);
-    CD(4) = (T)(d_k4);
-    CD(5) = (T)(d_k5);
-    CD(6) = (T)(d_k6);
-    CD(7) = (T)(d_k7);
-    CD(8) = (T)(d_k8);
-    CD(9) = (T)(d_k9);
-    CD(10) = (T)(d_k10);
-    CD(11) = (T)(d_k11);
-    CD(12) = (T)(d_k12);
-    CD(13) = (T)(d_k13);
-    CD(14) = (T)(d_k14);
+    TS_MONOMIALS_TANGENT();
 }
 
 /* dt_vjp's rows of partial sums: its blocks' rows are TS_ROW doubles apart in gc (dt_vjp_finish's stride) */
@@ -414,50 +385,13 @@ extern "C" __global__ __launch_bounds__(256, 2) void ts_h32_d7_pos_bac_a111_hold
 
 extern "C" __global__ void ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_dt_vjp_finish(int64_t B, const float* __restrict__ dt_in, const double* __restrict__ gc, float* __restrict__ gdt, int64_t rows, int64_t stride, double* __restrict__ sums)
 {
-    /* the block adds dt_vjp's rows, then one thread: the dt gradient from the coefficient gradients */
+    /* the block adds dt_vjp's rows, then its threads share the work: the dt gradient from the coefficient gradients */
     if (blockIdx.x != 0) return;
     ts_sum_rows(gc, rows, stride, sums);
-    if (threadIdx.x != 0) return;
     const double* __restrict__ totals = sums;
 #undef GC
 #define GC(q) totals[(q)]
-    const double dt = (double)DT(0);
-    const double t0 = (1.0/dt);
-    const double t1 = (1.0/(dt*dt));
-    const double t2 = (1.0/(dt*dt*dt));
-    const double t3 = 3*t2;
-    const double k0 = -t0;
-    const double k1 = t0;
-    const double k2 = -t1;
-    const double k3 = 0.5;
-    const double k4 = -1.0/6.0*dt;
-    const double k5 = t1;
-    const double k6 = -t2;
-    const double k7 = -1.0/2.0*t0;
-    const double k8 = 0.83333333333333333;
-    const double k9 = t2;
-    const double k10 = -2*t1;
-    const double k11 = 2*t2;
-    const double k12 = 0.16666666666666667;
-    const double k13 = -t3;
-    const double k14 = t3;
-    const double b_k14 = GC(14);
-    const double b_k13 = GC(13);
-    const double b_k11 = GC(11);
-    const double b_k10 = GC(10);
-    const double b_k9 = GC(9);
-    const double b_k7 = GC(7);
-    const double b_k6 = GC(6);
-    const double b_k5 = GC(5);
-    const double b_k4 = GC(4);
-    const double b_k2 = GC(2);
-    const double b_k1 = GC(1);
-    const double b_k0 = GC(0);
-    const double b_t3 = (1)*b_k14 + (-1)*b_k13;
-    const double b_t2 = (2)*b_k11 + (1)*b_k9 + (-1)*b_k6 + (3)*b_t3;
-    const double b_t1 = (-2)*b_k10 + (1)*b_k5 + (-1)*b_k2;
-    const double b_t0 = (-0.5)*b_k7 + (1)*b_k1 + (-1)*b_k0;
-    GDT(0) = (-0.16666666666666667)*b_k4 + (-3/(dt*dt*dt*dt))*b_t2 + (-2/(dt*dt*dt))*b_t1 + (-1/(dt*dt))*b_t0;
+    TS_MONOMIALS_REVERSE();
 }
 
 extern "C" __global__ __launch_bounds__(256, 2) void ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_dt_jvp(int64_t B, const float* __restrict__ u, const float* __restrict__ p0, const float* __restrict__ v0, const float* __restrict__ a0, const float* __restrict__ j0, const int64_t* __restrict__ idx, const float* __restrict__ du, const float* __restrict__ dp0, const float* __restrict__ dv0, const float* __restrict__ da0, const float* __restrict__ dj0, const float* __restrict__ dt_in, const float* __restrict__ ddt_in, float* __restrict__ ty0, float* __restrict__ ty1, float* __restrict__ ty2, float* __restrict__ ty3, const float* __restrict__ coef_g)

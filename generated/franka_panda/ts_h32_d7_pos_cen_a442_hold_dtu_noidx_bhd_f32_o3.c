@@ -15,6 +15,10 @@ typedef float T;
 #endif
 /* a loop the generator keeps rolled (CUDA needs a pragma for it; gcc decides for itself) */
 #define TS_ROLLED
+/* a loop whose iterations a CUDA block's threads share (codegen/statements.py For.shared): here one thread */
+#define TS_THREAD 0
+#define TS_THREADS 1
+#define TS_BARRIER()
 /* gcc's register allocation in its cheaper settings, for the long once-per-call loop bodies and
  * dt_vjp's serial body: most of their compile time was the allocator's (it made no measurable
  * difference to their run time: docs/benchmarks-history.md, seventeenth session, item 1) */
@@ -130,6 +134,98 @@ enum { H_ = 32, N_ = 31, D_ = 7, NDT_ = 1, NC_ = 23 };
     const int64_t bo = (b) * D_ + (d); \
     (void)uo; (void)yo; (void)bo;
 
+/* The step coefficients as data: slot q holds ts_h32_d7_pos_cen_a442_hold_dtu_noidx_bhd_f32_o3_mono_c[q] * dt^(ts_h32_d7_pos_cen_a442_hold_dtu_noidx_bhd_f32_o3_mono_e[q] - 3)
+ * (every slot is one power of the trajectory's dt). Compiled as straight-line code, so long a
+ * table cost the compiler time growing with its length. */
+static const double ts_h32_d7_pos_cen_a442_hold_dtu_noidx_bhd_f32_o3_mono_c[23] = {
+    -0.5833333333333334,-0.08333333333333333,0.041666666666666664,-0.013888888888888888,0.6666666666666666,-0.08333333333333333,1.25,0.08333333333333333,
+    -0.041666666666666664,0.013888888888888888,-2.5,1.3333333333333333,-0.08333333333333333,0.5,0.5,-0.25,
+    0.08333333333333333,-1.0,-0.6666666666666666,-0.5,1.0,0.5833333333333334,-1.25,
+};
+static const unsigned char ts_h32_d7_pos_cen_a442_hold_dtu_noidx_bhd_f32_o3_mono_e[23] = {
+    2,3,4,5,2,2,1,2,3,4,1,1,1,0,1,2,3,0,2,0,0,2,1,
+};
+/* ts_pw[e] = x^p and ts_dpw[e] = p·x^(p-1) for p = e - 3 */
+#define TS_MONOMIAL_POWERS(x) \
+    double ts_pw[8] = {0}, ts_dpw[8] = {0}; \
+    do { \
+        const double ts_x = (x); \
+        double ts_p = 1.0; \
+        for (int ts_i = 0; ts_i < 3; ++ts_i) ts_p /= ts_x; \
+        for (int ts_i = 0; ts_i < 0; ++ts_i) ts_p *= ts_x; \
+        for (int ts_e = 0; ts_e < 6; ++ts_e, ts_p *= ts_x) { \
+            ts_pw[ts_e] = ts_p; \
+            ts_dpw[ts_e] = (double)(ts_e + -3) * ts_p / ts_x; \
+        } \
+    } while (0)
+#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 9
+/* four slots at a time: their powers picked from the eight in two registers by one permute
+ * (vectors of 256 bits: wider ones lower some processors' clock) */
+typedef double ts_v4d __attribute__((vector_size(32)));
+typedef long long ts_v4l __attribute__((vector_size(32)));
+typedef T ts_v4t __attribute__((vector_size(4 * sizeof(T))));
+static inline ts_v4d ts_load4d(const double* p) { ts_v4d v; __builtin_memcpy(&v, p, sizeof v); return v; }
+static inline void ts_store4(T* p, ts_v4d v) { const ts_v4t t = __builtin_convertvector(v, ts_v4t); __builtin_memcpy(p, &t, sizeof t); }
+/* table[e[i]] for four slots: byte i of their exponents, shifted down in lane i (the permute
+ * reads each lane's low bits) */
+static inline ts_v4d ts_pick4(const double* table, const unsigned char* e)
+{
+    unsigned int word;
+    __builtin_memcpy(&word, e, sizeof word);
+    const ts_v4l lanes = ((ts_v4l){0} + (long long)word) >> (ts_v4l){0, 8, 16, 24};
+    return __builtin_shuffle(ts_load4d(table), ts_load4d(table + 4), lanes);
+}
+#define TS_MONOMIAL_VALUE_CHUNKS(q) \
+    for (; (q) + 4 <= 23; (q) += 4) \
+        ts_store4(&C(q), ts_load4d(ts_h32_d7_pos_cen_a442_hold_dtu_noidx_bhd_f32_o3_mono_c + (q)) * ts_pick4(ts_pw, ts_h32_d7_pos_cen_a442_hold_dtu_noidx_bhd_f32_o3_mono_e + (q)))
+#define TS_MONOMIAL_TANGENT_CHUNKS(q) \
+    for (; (q) + 4 <= 23; (q) += 4) { \
+        const ts_v4d ts_c = ts_load4d(ts_h32_d7_pos_cen_a442_hold_dtu_noidx_bhd_f32_o3_mono_c + (q)); \
+        ts_store4(&C(q), ts_c * ts_pick4(ts_pw, ts_h32_d7_pos_cen_a442_hold_dtu_noidx_bhd_f32_o3_mono_e + (q))); \
+        ts_store4(&CD(q), ts_c * ts_pick4(ts_dpw, ts_h32_d7_pos_cen_a442_hold_dtu_noidx_bhd_f32_o3_mono_e + (q)) * ts_ddt); \
+    }
+#define TS_MONOMIAL_REVERSE_CHUNKS(q, g) do { \
+    ts_v4d ts_acc = {0}; \
+    for (; (q) + 4 <= 23; (q) += 4) \
+        ts_acc += ts_load4d(&GC(q)) * ts_load4d(ts_h32_d7_pos_cen_a442_hold_dtu_noidx_bhd_f32_o3_mono_c + (q)) * ts_pick4(ts_dpw, ts_h32_d7_pos_cen_a442_hold_dtu_noidx_bhd_f32_o3_mono_e + (q)); \
+    (g) += (ts_acc[0] + ts_acc[1]) + (ts_acc[2] + ts_acc[3]); \
+} while (0)
+#endif
+#ifndef TS_MONOMIAL_VALUE_CHUNKS
+#define TS_MONOMIAL_VALUE_CHUNKS(q)
+#define TS_MONOMIAL_TANGENT_CHUNKS(q)
+#define TS_MONOMIAL_REVERSE_CHUNKS(q, g)
+#endif
+/* the table C(q) */
+#define TS_MONOMIALS_VALUE() do { \
+    TS_MONOMIAL_POWERS((double)DT(0)); \
+    int ts_q = 0; \
+    TS_MONOMIAL_VALUE_CHUNKS(ts_q); \
+    for (; ts_q < 23; ++ts_q) \
+        C(ts_q) = (T)(ts_h32_d7_pos_cen_a442_hold_dtu_noidx_bhd_f32_o3_mono_c[ts_q] * ts_pw[ts_h32_d7_pos_cen_a442_hold_dtu_noidx_bhd_f32_o3_mono_e[ts_q]]); \
+} while (0)
+/* the table and its tangents CD(q) = c·p·dt^(p-1)·ddt */
+#define TS_MONOMIALS_TANGENT() do { \
+    TS_MONOMIAL_POWERS((double)DT(0)); \
+    const double ts_ddt = (double)DDT(0); \
+    int ts_q = 0; \
+    TS_MONOMIAL_TANGENT_CHUNKS(ts_q); \
+    for (; ts_q < 23; ++ts_q) { \
+        const int ts_e = ts_h32_d7_pos_cen_a442_hold_dtu_noidx_bhd_f32_o3_mono_e[ts_q]; \
+        C(ts_q) = (T)(ts_h32_d7_pos_cen_a442_hold_dtu_noidx_bhd_f32_o3_mono_c[ts_q] * ts_pw[ts_e]); \
+        CD(ts_q) = (T)(ts_h32_d7_pos_cen_a442_hold_dtu_noidx_bhd_f32_o3_mono_c[ts_q] * ts_dpw[ts_e] * ts_ddt); \
+    } \
+} while (0)
+/* the dt gradient from the slots' gradients GC(q) (double): the sum of GC(q)·c·p·dt^(p-1) */
+#define TS_MONOMIALS_REVERSE() do { \
+    TS_MONOMIAL_POWERS((double)DT(0)); \
+    double ts_g = 0.0; \
+    int ts_q = 0; \
+    TS_MONOMIAL_REVERSE_CHUNKS(ts_q, ts_g); \
+    for (; ts_q < 23; ++ts_q) \
+        ts_g += GC(ts_q) * (ts_h32_d7_pos_cen_a442_hold_dtu_noidx_bhd_f32_o3_mono_c[ts_q] * ts_dpw[ts_h32_d7_pos_cen_a442_hold_dtu_noidx_bhd_f32_o3_mono_e[ts_q]]); \
+    GDT(0) = ts_g; \
+} while (0)
 #if defined(__AVX512F__) && defined(__AVX512VL__) && !defined(TS_NO_LANES)
 /* Forward and adjoint columns as one masked 256-bit vector over the 7 dof of a row
  * (GCC's own vectoriser splits 7 lanes into a vector part plus scalar ones). */
@@ -227,39 +323,7 @@ int64_t ts_h32_d7_pos_cen_a442_hold_dtu_noidx_bhd_f32_o3_n_coefficients(void) { 
 #if !defined(TS_UNIT) || TS_UNIT == 1 || TS_UNIT == 2 || TS_UNIT == 3
 static void ts_h32_d7_pos_cen_a442_hold_dtu_noidx_bhd_f32_o3_coefficients(const T* restrict dt_in, T* restrict coef)
 {
-    const double dt = (double)DT(0);
-    const double t0 = (1.0/dt);
-    const double t1 = (7.0/12.0)*t0;
-    const double t2 = (dt*dt);
-    const double t3 = (2.0/3.0)*t0;
-    const double t4 = (1.0/12.0)*t0;
-    const double t5 = (1.0/t2);
-    const double t6 = (5.0/4.0)*t5;
-    const double t7 = (1.0/(dt*dt*dt));
-    const double t8 = (1.0/2.0)*t7;
-    C(0) = (T)(-t1);
-    C(1) = (T)(-0.083333333333333333);
-    C(2) = (T)((1.0/24.0)*dt);
-    C(3) = (T)(-1.0/72.0*t2);
-    C(4) = (T)(t3);
-    C(5) = (T)(-t4);
-    C(6) = (T)(t6);
-    C(7) = (T)(t4);
-    C(8) = (T)(-0.041666666666666667);
-    C(9) = (T)((1.0/72.0)*dt);
-    C(10) = (T)(-5.0/2.0*t5);
-    C(11) = (T)((4.0/3.0)*t5);
-    C(12) = (T)(-1.0/12.0*t5);
-    C(13) = (T)(t8);
-    C(14) = (T)((1.0/2.0)*t5);
-    C(15) = (T)(-1.0/4.0*t0);
-    C(16) = (T)(0.083333333333333333);
-    C(17) = (T)(-t7);
-    C(18) = (T)(-t3);
-    C(19) = (T)(-t8);
-    C(20) = (T)(t7);
-    C(21) = (T)(t1);
-    C(22) = (T)(-t6);
+    TS_MONOMIALS_VALUE();
 }
 #endif
 
@@ -711,69 +775,7 @@ TS_SERIAL void ts_h32_d7_pos_cen_a442_hold_dtu_noidx_bhd_f32_o3_dt_vjp(int64_t B
 void ts_h32_d7_pos_cen_a442_hold_dtu_noidx_bhd_f32_o3_dt_vjp_finish(int64_t B, const float* restrict dt_in, const double* restrict gc, double* restrict gdt)
 {
     (void)B;
-    const double dt = (double)DT(0);
-    const double t0 = (1.0/dt);
-    const double t1 = (7.0/12.0)*t0;
-    const double t2 = (dt*dt);
-    const double t3 = (2.0/3.0)*t0;
-    const double t4 = (1.0/12.0)*t0;
-    const double t5 = (1.0/t2);
-    const double t6 = (5.0/4.0)*t5;
-    const double t7 = (1.0/(dt*dt*dt));
-    const double t8 = (1.0/2.0)*t7;
-    const double k0 = -t1;
-    const double k1 = -0.083333333333333333;
-    const double k2 = (1.0/24.0)*dt;
-    const double k3 = -1.0/72.0*t2;
-    const double k4 = t3;
-    const double k5 = -t4;
-    const double k6 = t6;
-    const double k7 = t4;
-    const double k8 = -0.041666666666666667;
-    const double k9 = (1.0/72.0)*dt;
-    const double k10 = -5.0/2.0*t5;
-    const double k11 = (4.0/3.0)*t5;
-    const double k12 = -1.0/12.0*t5;
-    const double k13 = t8;
-    const double k14 = (1.0/2.0)*t5;
-    const double k15 = -1.0/4.0*t0;
-    const double k16 = 0.083333333333333333;
-    const double k17 = -t7;
-    const double k18 = -t3;
-    const double k19 = -t8;
-    const double k20 = t7;
-    const double k21 = t1;
-    const double k22 = -t6;
-    const double b_k22 = GC(22);
-    const double b_k21 = GC(21);
-    const double b_k20 = GC(20);
-    const double b_k19 = GC(19);
-    const double b_k18 = GC(18);
-    const double b_k17 = GC(17);
-    const double b_k15 = GC(15);
-    const double b_k14 = GC(14);
-    const double b_k13 = GC(13);
-    const double b_k12 = GC(12);
-    const double b_k11 = GC(11);
-    const double b_k10 = GC(10);
-    const double b_k9 = GC(9);
-    const double b_k7 = GC(7);
-    const double b_k6 = GC(6);
-    const double b_k5 = GC(5);
-    const double b_k4 = GC(4);
-    const double b_k3 = GC(3);
-    const double b_k2 = GC(2);
-    const double b_k0 = GC(0);
-    const double b_t8 = (-1)*b_k19 + (1)*b_k13;
-    const double b_t7 = (1)*b_k20 + (-1)*b_k17 + (0.5)*b_t8;
-    const double b_t6 = (-1)*b_k22 + (1)*b_k6;
-    const double b_t5 = (0.5)*b_k14 + (-0.083333333333333333)*b_k12 + (1.3333333333333333)*b_k11 + (-2.5)*b_k10 + (1.25)*b_t6;
-    const double b_t4 = (1)*b_k7 + (-1)*b_k5;
-    const double b_t3 = (-1)*b_k18 + (1)*b_k4;
-    const double b_t2 = (-0.013888888888888889)*b_k3 + (-1/(t2*t2))*b_t5;
-    const double b_t1 = (1)*b_k21 + (-1)*b_k0;
-    const double b_t0 = (-0.25)*b_k15 + (0.083333333333333333)*b_t4 + (0.66666666666666667)*b_t3 + (0.58333333333333333)*b_t1;
-    GDT(0) = (0.013888888888888889)*b_k9 + (0.041666666666666667)*b_k2 + (-3/(dt*dt*dt*dt))*b_t7 + (2*dt)*b_t2 + (-1/(dt*dt))*b_t0;
+    TS_MONOMIALS_REVERSE();
 }
 #endif
 
@@ -921,118 +923,7 @@ static TS_BATCH_FUNCTION void ts_h32_d7_pos_cen_a442_hold_dtu_noidx_bhd_f32_o3_d
 void ts_h32_d7_pos_cen_a442_hold_dtu_noidx_bhd_f32_o3_dt_jvp(int64_t B, const float* restrict u, const float* restrict p0, const float* restrict v0, const float* restrict a0, const float* restrict j0, const int64_t* restrict idx, const float* restrict du, const float* restrict dp0, const float* restrict dv0, const float* restrict da0, const float* restrict dj0, const float* restrict dt_in, const float* restrict ddt_in, float* restrict ty0, float* restrict ty1, float* restrict ty2, float* restrict ty3)
 {
     T coef[NC_]; T coefd[NC_];
-    const double dt = (double)DT(0);
-    const double d_dt = (double)DDT(0);
-    const double t0 = (1.0/dt);
-    const double d_t0 = (-1/(dt*dt))*d_dt;
-    const double t1 = (7.0/12.0)*t0;
-    const double d_t1 = (0.58333333333333333)*d_t0;
-    const double t2 = (dt*dt);
-    const double d_t2 = (2*dt)*d_dt;
-    const double t3 = (2.0/3.0)*t0;
-    const double d_t3 = (0.66666666666666667)*d_t0;
-    const double t4 = (1.0/12.0)*t0;
-    const double d_t4 = (0.083333333333333333)*d_t0;
-    const double t5 = (1.0/t2);
-    const double d_t5 = (-1/(t2*t2))*d_t2;
-    const double t6 = (5.0/4.0)*t5;
-    const double d_t6 = (1.25)*d_t5;
-    const double t7 = (1.0/(dt*dt*dt));
-    const double d_t7 = (-3/(dt*dt*dt*dt))*d_dt;
-    const double t8 = (1.0/2.0)*t7;
-    const double d_t8 = (0.5)*d_t7;
-    const double k0 = -t1;
-    const double d_k0 = (-1)*d_t1;
-    const double k1 = -0.083333333333333333;
-    const double d_k1 = 0.0;
-    const double k2 = (1.0/24.0)*dt;
-    const double d_k2 = (0.041666666666666667)*d_dt;
-    const double k3 = -1.0/72.0*t2;
-    const double d_k3 = (-0.013888888888888889)*d_t2;
-    const double k4 = t3;
-    const double d_k4 = (1)*d_t3;
-    const double k5 = -t4;
-    const double d_k5 = (-1)*d_t4;
-    const double k6 = t6;
-    const double d_k6 = (1)*d_t6;
-    const double k7 = t4;
-    const double d_k7 = (1)*d_t4;
-    const double k8 = -0.041666666666666667;
-    const double d_k8 = 0.0;
-    const double k9 = (1.0/72.0)*dt;
-    const double d_k9 = (0.013888888888888889)*d_dt;
-    const double k10 = -5.0/2.0*t5;
-    const double d_k10 = (-2.5)*d_t5;
-    const double k11 = (4.0/3.0)*t5;
-    const double d_k11 = (1.3333333333333333)*d_t5;
-    const double k12 = -1.0/12.0*t5;
-    const double d_k12 = (-0.083333333333333333)*d_t5;
-    const double k13 = t8;
-    const double d_k13 = (1)*d_t8;
-    const double k14 = (1.0/2.0)*t5;
-    const double d_k14 = (0.5)*d_t5;
-    const double k15 = -1.0/4.0*t0;
-    const double d_k15 = (-0.25)*d_t0;
-    const double k16 = 0.083333333333333333;
-    const double d_k16 = 0.0;
-    const double k17 = -t7;
-    const double d_k17 = (-1)*d_t7;
-    const double k18 = -t3;
-    const double d_k18 = (-1)*d_t3;
-    const double k19 = -t8;
-    const double d_k19 = (-1)*d_t8;
-    const double k20 = t7;
-    const double d_k20 = (1)*d_t7;
-    const double k21 = t1;
-    const double d_k21 = (1)*d_t1;
-    const double k22 = -t6;
-    const double d_k22 = (-1)*d_t6;
-    C(0) = (T)(k0);
-    C(1) = (T)(k1);
-    C(2) = (T)(k2);
-    C(3) = (T)(k3);
-    C(4) = (T)(k4);
-    C(5) = (T)(k5);
-    C(6) = (T)(k6);
-    C(7) = (T)(k7);
-    C(8) = (T)(k8);
-    C(9) = (T)(k9);
-    C(10) = (T)(k10);
-    C(11) = (T)(k11);
-    C(12) = (T)(k12);
-    C(13) = (T)(k13);
-    C(14) = (T)(k14);
-    C(15) = (T)(k15);
-    C(16) = (T)(k16);
-    C(17) = (T)(k17);
-    C(18) = (T)(k18);
-    C(19) = (T)(k19);
-    C(20) = (T)(k20);
-    C(21) = (T)(k21);
-    C(22) = (T)(k22);
-    CD(0) = (T)(d_k0);
-    CD(1) = (T)(d_k1);
-    CD(2) = (T)(d_k2);
-    CD(3) = (T)(d_k3);
-    CD(4) = (T)(d_k4);
-    CD(5) = (T)(d_k5);
-    CD(6) = (T)(d_k6);
-    CD(7) = (T)(d_k7);
-    CD(8) = (T)(d_k8);
-    CD(9) = (T)(d_k9);
-    CD(10) = (T)(d_k10);
-    CD(11) = (T)(d_k11);
-    CD(12) = (T)(d_k12);
-    CD(13) = (T)(d_k13);
-    CD(14) = (T)(d_k14);
-    CD(15) = (T)(d_k15);
-    CD(16) = (T)(d_k16);
-    CD(17) = (T)(d_k17);
-    CD(18) = (T)(d_k18);
-    CD(19) = (T)(d_k19);
-    CD(20) = (T)(d_k20);
-    CD(21) = (T)(d_k21);
-    CD(22) = (T)(d_k22);
+    TS_MONOMIALS_TANGENT();
     TS_BATCH(ts_h32_d7_pos_cen_a442_hold_dtu_noidx_bhd_f32_o3_dt_jvp_batch, B, u, p0, v0, a0, j0, idx, du, dp0, dv0, da0, dj0, dt_in, ddt_in, ty0, ty1, ty2, ty3, coef, coefd);
 }
 #endif

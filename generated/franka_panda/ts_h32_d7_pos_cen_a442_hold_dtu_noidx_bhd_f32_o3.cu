@@ -12,6 +12,11 @@ typedef long long int64_t; /* NVRTC has no <stdint.h> */
 #endif
 /* a loop kept rolled: unrolled, nvcc holds every iteration's loads in registers */
 #define TS_ROLLED _Pragma("unroll 1")
+/* a loop whose iterations the block's threads share (codegen/statements.py For.shared), and the
+ * barrier after which each sees what the others stored */
+#define TS_THREAD ((int64_t)threadIdx.x)
+#define TS_THREADS ((int64_t)blockDim.x)
+#define TS_BARRIER() __syncthreads()
 enum { H_ = 32, N_ = 31, D_ = 7, NDT_ = 1, NC_ = 23 };
 /* strides in elements: action u[b, j, d], outputs y[b, h, d] (layout "bhd") */
 #define U_SB 217LL
@@ -82,169 +87,81 @@ enum { H_ = 32, N_ = 31, D_ = 7, NDT_ = 1, NC_ = 23 };
     const int64_t bo = (b) * D_ + (d); \
     (void)uo; (void)yo; (void)bo;
 
+/* The step coefficients as data: slot q holds ts_h32_d7_pos_cen_a442_hold_dtu_noidx_bhd_f32_o3_mono_c[q] * dt^(ts_h32_d7_pos_cen_a442_hold_dtu_noidx_bhd_f32_o3_mono_e[q] - 3)
+ * (every slot is one power of dt). */
+static __device__ const double ts_h32_d7_pos_cen_a442_hold_dtu_noidx_bhd_f32_o3_mono_c[23] = {
+    -0.5833333333333334,-0.08333333333333333,0.041666666666666664,-0.013888888888888888,0.6666666666666666,-0.08333333333333333,1.25,0.08333333333333333,
+    -0.041666666666666664,0.013888888888888888,-2.5,1.3333333333333333,-0.08333333333333333,0.5,0.5,-0.25,
+    0.08333333333333333,-1.0,-0.6666666666666666,-0.5,1.0,0.5833333333333334,-1.25,
+};
+static __device__ const unsigned char ts_h32_d7_pos_cen_a442_hold_dtu_noidx_bhd_f32_o3_mono_e[23] = {
+    2,3,4,5,2,2,1,2,3,4,1,1,1,0,1,2,3,0,2,0,0,2,1,
+};
+/* x^p for p = e - 3, by the C template's operations in its order (the same rounding) */
+static __device__ __forceinline__ double ts_mono_power(const double x, const int e)
+{
+    double p = 1.0;
+    for (int i = 0; i < 3; ++i) p /= x;
+    for (int i = 0; i < 0; ++i) p *= x;
+    for (int i = 0; i < e; ++i) p *= x;
+    return p;
+}
+/* p·x^(p-1) from x^p */
+#define TS_MONO_DERIVATIVE(e, p, x) ((double)((e) + -3) * (p) / (x))
+/* the table C(q): a thread per slot */
+#define TS_MONOMIALS_VALUE() do { \
+    const int64_t ts_q = (int64_t)blockIdx.x * (int64_t)blockDim.x + (int64_t)threadIdx.x; \
+    if (ts_q >= 23) return; \
+    C(ts_q) = (T)(ts_h32_d7_pos_cen_a442_hold_dtu_noidx_bhd_f32_o3_mono_c[ts_q] * ts_mono_power((double)DT(0), ts_h32_d7_pos_cen_a442_hold_dtu_noidx_bhd_f32_o3_mono_e[ts_q])); \
+} while (0)
+/* the table and its tangents CD(q) = c·p·dt^(p-1)·ddt: a thread per slot */
+#define TS_MONOMIALS_TANGENT() do { \
+    const int64_t ts_q = (int64_t)blockIdx.x * (int64_t)blockDim.x + (int64_t)threadIdx.x; \
+    if (ts_q >= 23) return; \
+    const double ts_x = (double)DT(0); \
+    const int ts_e = ts_h32_d7_pos_cen_a442_hold_dtu_noidx_bhd_f32_o3_mono_e[ts_q]; \
+    const double ts_p = ts_mono_power(ts_x, ts_e); \
+    C(ts_q) = (T)(ts_h32_d7_pos_cen_a442_hold_dtu_noidx_bhd_f32_o3_mono_c[ts_q] * ts_p); \
+    CD(ts_q) = (T)(ts_h32_d7_pos_cen_a442_hold_dtu_noidx_bhd_f32_o3_mono_c[ts_q] * TS_MONO_DERIVATIVE(ts_e, ts_p, ts_x) * (double)DDT(0)); \
+} while (0)
+/* the dt gradient from the slots' gradients GC(q) (double), the sum of GC(q)·c·p·dt^(p-1): the
+ * block's threads each add a stride of the slots, then a fixed tree adds their sums (the same
+ * order on every run) */
+#define TS_MONOMIALS_REVERSE() do { \
+    __shared__ double ts_sum[256]; \
+    const double ts_x = (double)DT(0); \
+    double ts_g = 0.0; \
+    for (int ts_q = threadIdx.x; ts_q < 23; ts_q += blockDim.x) { \
+        const int ts_e = ts_h32_d7_pos_cen_a442_hold_dtu_noidx_bhd_f32_o3_mono_e[ts_q]; \
+        ts_g += GC(ts_q) * (ts_h32_d7_pos_cen_a442_hold_dtu_noidx_bhd_f32_o3_mono_c[ts_q] * TS_MONO_DERIVATIVE(ts_e, ts_mono_power(ts_x, ts_e), ts_x)); \
+    } \
+    ts_sum[threadIdx.x] = ts_g; \
+    __syncthreads(); \
+    for (int ts_s = blockDim.x / 2; ts_s > 0; ts_s /= 2) { \
+        if (threadIdx.x < ts_s) ts_sum[threadIdx.x] += ts_sum[threadIdx.x + ts_s]; \
+        __syncthreads(); \
+    } \
+    if (threadIdx.x == 0) GDT(0) = ts_sum[0]; \
+} while (0)
 
-/* the step coefficients from dt (double precision, stored as T): one thread */
+
+/* the step coefficients from dt (double precision, stored as T): a thread per slot */
 extern "C" __global__ void ts_h32_d7_pos_cen_a442_hold_dtu_noidx_bhd_f32_o3_coefficients(int64_t B, const float* __restrict__ dt_in, float* __restrict__ coef_g)
 {
-    const int64_t b = (int64_t)blockIdx.x * (int64_t)blockDim.x + (int64_t)threadIdx.x;
-    if (b >= 1) return;
+    const int64_t b = 0; (void)B;
     const int64_t dto = b * NDT_; (void)dto;
     T* __restrict__ coef = coef_g + b * 1 * NC_;
-    const double dt = (double)DT(0);
-    const double t0 = (1.0/dt);
-    const double t1 = (7.0/12.0)*t0;
-    const double t2 = (dt*dt);
-    const double t3 = (2.0/3.0)*t0;
-    const double t4 = (1.0/12.0)*t0;
-    const double t5 = (1.0/t2);
-    const double t6 = (5.0/4.0)*t5;
-    const double t7 = (1.0/(dt*dt*dt));
-    const double t8 = (1.0/2.0)*t7;
-    C(0) = (T)(-t1);
-    C(1) = (T)(-0.083333333333333333);
-    C(2) = (T)((1.0/24.0)*dt);
-    C(3) = (T)(-1.0/72.0*t2);
-    C(4) = (T)(t3);
-    C(5) = (T)(-t4);
-    C(6) = (T)(t6);
-    C(7) = (T)(t4);
-    C(8) = (T)(-0.041666666666666667);
-    C(9) = (T)((1.0/72.0)*dt);
-    C(10) = (T)(-5.0/2.0*t5);
-    C(11) = (T)((4.0/3.0)*t5);
-    C(12) = (T)(-1.0/12.0*t5);
-    C(13) = (T)(t8);
-    C(14) = (T)((1.0/2.0)*t5);
-    C(15) = (T)(-1.0/4.0*t0);
-    C(16) = (T)(0.083333333333333333);
-    C(17) = (T)(-t7);
-    C(18) = (T)(-t3);
-    C(19) = (T)(-t8);
-    C(20) = (T)(t7);
-    C(21) = (T)(t1);
-    C(22) = (T)(-t6);
+    TS_MONOMIALS_VALUE();
 }
 
-/* the step coefficients from dt (double precision, stored as T): one thread */
+/* the step coefficients from dt (double precision, stored as T): a thread per slot */
 extern "C" __global__ void ts_h32_d7_pos_cen_a442_hold_dtu_noidx_bhd_f32_o3_coefficients_jvp(int64_t B, const float* __restrict__ dt_in, const float* __restrict__ ddt_in, float* __restrict__ coef_g)
 {
-    const int64_t b = (int64_t)blockIdx.x * (int64_t)blockDim.x + (int64_t)threadIdx.x;
-    if (b >= 1) return;
+    const int64_t b = 0; (void)B;
     const int64_t dto = b * NDT_; (void)dto;
     T* __restrict__ coef = coef_g + b * 2 * NC_;
     T* __restrict__ coefd = coef + NC_;
-    const double dt = (double)DT(0);
-    const double d_dt = (double)DDT(0);
-    const double t0 = (1.0/dt);
-    const double d_t0 = (-1/(dt*dt))*d_dt;
-    const double t1 = (7.0/12.0)*t0;
-    const double d_t1 = (0.58333333333333333)*d_t0;
-    const double t2 = (dt*dt);
-    const double d_t2 = (2*dt)*d_dt;
-    const double t3 = (2.0/3.0)*t0;
-    const double d_t3 = (0.66666666666666667)*d_t0;
-    const double t4 = (1.0/12.0)*t0;
-    const double d_t4 = (0.083333333333333333)*d_t0;
-    const double t5 = (1.0/t2);
-    const double d_t5 = (-1/(t2*t2))*d_t2;
-    const double t6 = (5.0/4.0)*t5;
-    const double d_t6 = (1.25)*d_t5;
-    const double t7 = (1.0/(dt*dt*dt));
-    const double d_t7 = (-3/(dt*dt*dt*dt))*d_dt;
-    const double t8 = (1.0/2.0)*t7;
-    const double d_t8 = (0.5)*d_t7;
-    const double k0 = -t1;
-    const double d_k0 = (-1)*d_t1;
-    const double k1 = -0.083333333333333333;
-    const double d_k1 = 0.0;
-    const double k2 = (1.0/24.0)*dt;
-    const double d_k2 = (0.041666666666666667)*d_dt;
-    const double k3 = -1.0/72.0*t2;
-    const double d_k3 = (-0.013888888888888889)*d_t2;
-    const double k4 = t3;
-    const double d_k4 = (1)*d_t3;
-    const double k5 = -t4;
-    const double d_k5 = (-1)*d_t4;
-    const double k6 = t6;
-    const double d_k6 = (1)*d_t6;
-    const double k7 = t4;
-    const double d_k7 = (1)*d_t4;
-    const double k8 = -0.041666666666666667;
-    const double d_k8 = 0.0;
-    const double k9 = (1.0/72.0)*dt;
-    const double d_k9 = (0.013888888888888889)*d_dt;
-    const double k10 = -5.0/2.0*t5;
-    const double d_k10 = (-2.5)*d_t5;
-    const double k11 = (4.0/3.0)*t5;
-    const double d_k11 = (1.3333333333333333)*d_t5;
-    const double k12 = -1.0/12.0*t5;
-    const double d_k12 = (-0.083333333333333333)*d_t5;
-    const double k13 = t8;
-    const double d_k13 = (1)*d_t8;
-    const double k14 = (1.0/2.0)*t5;
-    const double d_k14 = (0.5)*d_t5;
-    const double k15 = -1.0/4.0*t0;
-    const double d_k15 = (-0.25)*d_t0;
-    const double k16 = 0.083333333333333333;
-    const double d_k16 = 0.0;
-    const double k17 = -t7;
-    const double d_k17 = (-1)*d_t7;
-    const double k18 = -t3;
-    const double d_k18 = (-1)*d_t3;
-    const double k19 = -t8;
-    const double d_k19 = (-1)*d_t8;
-    const double k20 = t7;
-    const double d_k20 = (1)*d_t7;
-    const double k21 = t1;
-    const double d_k21 = (1)*d_t1;
-    const double k22 = -t6;
-    const double d_k22 = (-1)*d_t6;
-    C(0) = (T)(k0);
-    C(1) = (T)(k1);
-    C(2) = (T)(k2);
-    C(3) = (T)(k3);
-    C(4) = (T)(k4);
-    C(5) = (T)(k5);
-    C(6) = (T)(k6);
-    C(7) = (T)(k7);
-    C(8) = (T)(k8);
-    C(9) = (T)(k9);
-    C(10) = (T)(k10);
-    C(11) = (T)(k11);
-    C(12) = (T)(k12);
-    C(13) = (T)(k13);
-    C(14) = (T)(k14);
-    C(15) = (T)(k15);
-    C(16) = (T)(k16);
-    C(17) = (T)(k17);
-    C(18) = (T)(k18);
-    C(19) = (T)(k19);
-    C(20) = (T)(k20);
-    C(21) = (T)(k21);
-    C(22) = (T)(k22);
-    CD(0) = (T)(d_k0);
-    CD(1) = (T)(d_k1);
-    CD(2) = (T)(d_k2);
-    CD(3) = (T)(d_k3);
-    CD(4) = (T)(d_k4);
-    CD(5) = (T)(d_k5);
-    CD(6) = (T)(d_k6);
-    CD(7) = (T)(d_k7);
-    CD(8) = (T)(d_k8);
-    CD(9) = (T)(d_k9);
-    CD(10) = (T)(d_k10);
-    CD(11) = (T)(d_k11);
-    CD(12) = (T)(d_k12);
-    CD(13) = (T)(d_k13);
-    CD(14) = (T)(d_k14);
-    CD(15) = (T)(d_k15);
-    CD(16) = (T)(d_k16);
-    CD(17) = (T)(d_k17);
-    CD(18) = (T)(d_k18);
-    CD(19) = (T)(d_k19);
-    CD(20) = (T)(d_k20);
-    CD(21) = (T)(d_k21);
-    CD(22) = (T)(d_k22);
+    TS_MONOMIALS_TANGENT();
 }
 
 /* dt_vjp's rows of partial sums: its blocks' rows are TS_ROW doubles apart in gc (dt_vjp_finish's stride) */
@@ -502,76 +419,13 @@ extern "C" __global__ __launch_bounds__(256, 2) void ts_h32_d7_pos_cen_a442_hold
 
 extern "C" __global__ void ts_h32_d7_pos_cen_a442_hold_dtu_noidx_bhd_f32_o3_dt_vjp_finish(int64_t B, const float* __restrict__ dt_in, const double* __restrict__ gc, float* __restrict__ gdt, int64_t rows, int64_t stride, double* __restrict__ sums)
 {
-    /* the block adds dt_vjp's rows, then one thread: the dt gradient from the coefficient gradients */
+    /* the block adds dt_vjp's rows, then its threads share the work: the dt gradient from the coefficient gradients */
     if (blockIdx.x != 0) return;
     ts_sum_rows(gc, rows, stride, sums);
-    if (threadIdx.x != 0) return;
     const double* __restrict__ totals = sums;
 #undef GC
 #define GC(q) totals[(q)]
-    const double dt = (double)DT(0);
-    const double t0 = (1.0/dt);
-    const double t1 = (7.0/12.0)*t0;
-    const double t2 = (dt*dt);
-    const double t3 = (2.0/3.0)*t0;
-    const double t4 = (1.0/12.0)*t0;
-    const double t5 = (1.0/t2);
-    const double t6 = (5.0/4.0)*t5;
-    const double t7 = (1.0/(dt*dt*dt));
-    const double t8 = (1.0/2.0)*t7;
-    const double k0 = -t1;
-    const double k1 = -0.083333333333333333;
-    const double k2 = (1.0/24.0)*dt;
-    const double k3 = -1.0/72.0*t2;
-    const double k4 = t3;
-    const double k5 = -t4;
-    const double k6 = t6;
-    const double k7 = t4;
-    const double k8 = -0.041666666666666667;
-    const double k9 = (1.0/72.0)*dt;
-    const double k10 = -5.0/2.0*t5;
-    const double k11 = (4.0/3.0)*t5;
-    const double k12 = -1.0/12.0*t5;
-    const double k13 = t8;
-    const double k14 = (1.0/2.0)*t5;
-    const double k15 = -1.0/4.0*t0;
-    const double k16 = 0.083333333333333333;
-    const double k17 = -t7;
-    const double k18 = -t3;
-    const double k19 = -t8;
-    const double k20 = t7;
-    const double k21 = t1;
-    const double k22 = -t6;
-    const double b_k22 = GC(22);
-    const double b_k21 = GC(21);
-    const double b_k20 = GC(20);
-    const double b_k19 = GC(19);
-    const double b_k18 = GC(18);
-    const double b_k17 = GC(17);
-    const double b_k15 = GC(15);
-    const double b_k14 = GC(14);
-    const double b_k13 = GC(13);
-    const double b_k12 = GC(12);
-    const double b_k11 = GC(11);
-    const double b_k10 = GC(10);
-    const double b_k9 = GC(9);
-    const double b_k7 = GC(7);
-    const double b_k6 = GC(6);
-    const double b_k5 = GC(5);
-    const double b_k4 = GC(4);
-    const double b_k3 = GC(3);
-    const double b_k2 = GC(2);
-    const double b_k0 = GC(0);
-    const double b_t8 = (-1)*b_k19 + (1)*b_k13;
-    const double b_t7 = (1)*b_k20 + (-1)*b_k17 + (0.5)*b_t8;
-    const double b_t6 = (-1)*b_k22 + (1)*b_k6;
-    const double b_t5 = (0.5)*b_k14 + (-0.083333333333333333)*b_k12 + (1.3333333333333333)*b_k11 + (-2.5)*b_k10 + (1.25)*b_t6;
-    const double b_t4 = (1)*b_k7 + (-1)*b_k5;
-    const double b_t3 = (-1)*b_k18 + (1)*b_k4;
-    const double b_t2 = (-0.013888888888888889)*b_k3 + (-1/(t2*t2))*b_t5;
-    const double b_t1 = (1)*b_k21 + (-1)*b_k0;
-    const double b_t0 = (-0.25)*b_k15 + (0.083333333333333333)*b_t4 + (0.66666666666666667)*b_t3 + (0.58333333333333333)*b_t1;
-    GDT(0) = (0.013888888888888889)*b_k9 + (0.041666666666666667)*b_k2 + (-3/(dt*dt*dt*dt))*b_t7 + (2*dt)*b_t2 + (-1/(dt*dt))*b_t0;
+    TS_MONOMIALS_REVERSE();
 }
 
 extern "C" __global__ __launch_bounds__(256, 2) void ts_h32_d7_pos_cen_a442_hold_dtu_noidx_bhd_f32_o3_dt_jvp(int64_t B, const float* __restrict__ u, const float* __restrict__ p0, const float* __restrict__ v0, const float* __restrict__ a0, const float* __restrict__ j0, const int64_t* __restrict__ idx, const float* __restrict__ du, const float* __restrict__ dp0, const float* __restrict__ dv0, const float* __restrict__ da0, const float* __restrict__ dj0, const float* __restrict__ dt_in, const float* __restrict__ ddt_in, float* __restrict__ ty0, float* __restrict__ ty1, float* __restrict__ ty2, float* __restrict__ ty3, const float* __restrict__ coef_g)

@@ -12,6 +12,11 @@ typedef long long int64_t; /* NVRTC has no <stdint.h> */
 #endif
 /* a loop kept rolled: unrolled, nvcc holds every iteration's loads in registers */
 #define TS_ROLLED _Pragma("unroll 1")
+/* a loop whose iterations the block's threads share (codegen/statements.py For.shared), and the
+ * barrier after which each sees what the others stored */
+#define TS_THREAD ((int64_t)threadIdx.x)
+#define TS_THREADS ((int64_t)blockDim.x)
+#define TS_BARRIER() __syncthreads()
 enum { H_ = 24, N_ = 23, D_ = 10, NDT_ = 1, NC_ = 32 };
 /* strides in elements: action u[b, j, d], outputs y[b, h, d] (layout "bdh") */
 #define U_SB 230LL
@@ -82,211 +87,82 @@ enum { H_ = 24, N_ = 23, D_ = 10, NDT_ = 1, NC_ = 32 };
     const int64_t bo = (b) * D_ + (d); \
     (void)uo; (void)yo; (void)bo;
 
+/* The step coefficients as data: slot q holds ts_h24_d10_pos_bac_a222_hold_dtu_noidx_bdh_f64_o3_mono_c[q] * dt^(ts_h24_d10_pos_bac_a222_hold_dtu_noidx_bdh_f64_o3_mono_e[q] - 3)
+ * (every slot is one power of dt). */
+static __device__ const double ts_h24_d10_pos_bac_a222_hold_dtu_noidx_bdh_f64_o3_mono_c[32] = {
+    -1.5,-0.5,0.25,-0.08333333333333333,1.5,-2.0,-2.0,0.6666666666666666,
+    2.0,-2.5,-2.5,-1.25,0.5833333333333334,2.5,0.5,3.0,
+    1.0,0.16666666666666666,-5.0,6.5,4.0,-0.5,-0.8333333333333334,-9.0,
+    -1.0,-5.5,-1.5,0.75,-0.25,12.0,1.5,-7.0,
+};
+static __device__ const unsigned char ts_h24_d10_pos_bac_a222_hold_dtu_noidx_bdh_f64_o3_mono_e[32] = {
+    2,3,4,5,2,1,2,4,1,0,1,2,3,0,2,1,2,4,1,0,1,2,3,0,1,0,1,2,3,0,0,0,
+};
+/* x^p for p = e - 3, by the C template's operations in its order (the same rounding) */
+static __device__ __forceinline__ double ts_mono_power(const double x, const int e)
+{
+    double p = 1.0;
+    for (int i = 0; i < 3; ++i) p /= x;
+    for (int i = 0; i < 0; ++i) p *= x;
+    for (int i = 0; i < e; ++i) p *= x;
+    return p;
+}
+/* p·x^(p-1) from x^p */
+#define TS_MONO_DERIVATIVE(e, p, x) ((double)((e) + -3) * (p) / (x))
+/* the table C(q): a thread per slot */
+#define TS_MONOMIALS_VALUE() do { \
+    const int64_t ts_q = (int64_t)blockIdx.x * (int64_t)blockDim.x + (int64_t)threadIdx.x; \
+    if (ts_q >= 32) return; \
+    C(ts_q) = (T)(ts_h24_d10_pos_bac_a222_hold_dtu_noidx_bdh_f64_o3_mono_c[ts_q] * ts_mono_power((double)DT(0), ts_h24_d10_pos_bac_a222_hold_dtu_noidx_bdh_f64_o3_mono_e[ts_q])); \
+} while (0)
+/* the table and its tangents CD(q) = c·p·dt^(p-1)·ddt: a thread per slot */
+#define TS_MONOMIALS_TANGENT() do { \
+    const int64_t ts_q = (int64_t)blockIdx.x * (int64_t)blockDim.x + (int64_t)threadIdx.x; \
+    if (ts_q >= 32) return; \
+    const double ts_x = (double)DT(0); \
+    const int ts_e = ts_h24_d10_pos_bac_a222_hold_dtu_noidx_bdh_f64_o3_mono_e[ts_q]; \
+    const double ts_p = ts_mono_power(ts_x, ts_e); \
+    C(ts_q) = (T)(ts_h24_d10_pos_bac_a222_hold_dtu_noidx_bdh_f64_o3_mono_c[ts_q] * ts_p); \
+    CD(ts_q) = (T)(ts_h24_d10_pos_bac_a222_hold_dtu_noidx_bdh_f64_o3_mono_c[ts_q] * TS_MONO_DERIVATIVE(ts_e, ts_p, ts_x) * (double)DDT(0)); \
+} while (0)
+/* the dt gradient from the slots' gradients GC(q) (double), the sum of GC(q)·c·p·dt^(p-1): the
+ * block's threads each add a stride of the slots, then a fixed tree adds their sums (the same
+ * order on every run) */
+#define TS_MONOMIALS_REVERSE() do { \
+    __shared__ double ts_sum[256]; \
+    const double ts_x = (double)DT(0); \
+    double ts_g = 0.0; \
+    for (int ts_q = threadIdx.x; ts_q < 32; ts_q += blockDim.x) { \
+        const int ts_e = ts_h24_d10_pos_bac_a222_hold_dtu_noidx_bdh_f64_o3_mono_e[ts_q]; \
+        ts_g += GC(ts_q) * (ts_h24_d10_pos_bac_a222_hold_dtu_noidx_bdh_f64_o3_mono_c[ts_q] * TS_MONO_DERIVATIVE(ts_e, ts_mono_power(ts_x, ts_e), ts_x)); \
+    } \
+    ts_sum[threadIdx.x] = ts_g; \
+    __syncthreads(); \
+    for (int ts_s = blockDim.x / 2; ts_s > 0; ts_s /= 2) { \
+        if (threadIdx.x < ts_s) ts_sum[threadIdx.x] += ts_sum[threadIdx.x + ts_s]; \
+        __syncthreads(); \
+    } \
+    if (threadIdx.x == 0) GDT(0) = ts_sum[0]; \
+} while (0)
 
-/* the step coefficients from dt (double precision, stored as T): one thread */
+
+/* the step coefficients from dt (double precision, stored as T): a thread per slot */
 extern "C" __global__ void ts_h24_d10_pos_bac_a222_hold_dtu_noidx_bdh_f64_o3_coefficients(int64_t B, const double* __restrict__ dt_in, double* __restrict__ coef_g)
 {
-    const int64_t b = (int64_t)blockIdx.x * (int64_t)blockDim.x + (int64_t)threadIdx.x;
-    if (b >= 1) return;
+    const int64_t b = 0; (void)B;
     const int64_t dto = b * NDT_; (void)dto;
     T* __restrict__ coef = coef_g + b * 1 * NC_;
-    const double dt = (double)DT(0);
-    const double t0 = (1.0/dt);
-    const double t1 = (3.0/2.0)*t0;
-    const double t2 = (dt*dt);
-    const double t3 = (1.0/t2);
-    const double t4 = 2*t3;
-    const double t5 = (1.0/(dt*dt*dt));
-    const double t6 = (5.0/2.0)*t5;
-    const double t7 = (1.0/2.0)*t0;
-    C(0) = (T)(-t1);
-    C(1) = (T)(-0.5);
-    C(2) = (T)((1.0/4.0)*dt);
-    C(3) = (T)(-1.0/12.0*t2);
-    C(4) = (T)(t1);
-    C(5) = (T)(-t4);
-    C(6) = (T)(-2*t0);
-    C(7) = (T)((2.0/3.0)*dt);
-    C(8) = (T)(t4);
-    C(9) = (T)(-t6);
-    C(10) = (T)(-5.0/2.0*t3);
-    C(11) = (T)(-5.0/4.0*t0);
-    C(12) = (T)(0.58333333333333333);
-    C(13) = (T)(t6);
-    C(14) = (T)(t7);
-    C(15) = (T)(3*t3);
-    C(16) = (T)(t0);
-    C(17) = (T)((1.0/6.0)*dt);
-    C(18) = (T)(-5*t3);
-    C(19) = (T)((13.0/2.0)*t5);
-    C(20) = (T)(4*t3);
-    C(21) = (T)(-t7);
-    C(22) = (T)(-0.83333333333333333);
-    C(23) = (T)(-9*t5);
-    C(24) = (T)(-t3);
-    C(25) = (T)(-11.0/2.0*t5);
-    C(26) = (T)(-3.0/2.0*t3);
-    C(27) = (T)((3.0/4.0)*t0);
-    C(28) = (T)(-0.25);
-    C(29) = (T)(12*t5);
-    C(30) = (T)((3.0/2.0)*t5);
-    C(31) = (T)(-7*t5);
+    TS_MONOMIALS_VALUE();
 }
 
-/* the step coefficients from dt (double precision, stored as T): one thread */
+/* the step coefficients from dt (double precision, stored as T): a thread per slot */
 extern "C" __global__ void ts_h24_d10_pos_bac_a222_hold_dtu_noidx_bdh_f64_o3_coefficients_jvp(int64_t B, const double* __restrict__ dt_in, const double* __restrict__ ddt_in, double* __restrict__ coef_g)
 {
-    const int64_t b = (int64_t)blockIdx.x * (int64_t)blockDim.x + (int64_t)threadIdx.x;
-    if (b >= 1) return;
+    const int64_t b = 0; (void)B;
     const int64_t dto = b * NDT_; (void)dto;
     T* __restrict__ coef = coef_g + b * 2 * NC_;
     T* __restrict__ coefd = coef + NC_;
-    const double dt = (double)DT(0);
-    const double d_dt = (double)DDT(0);
-    const double t0 = (1.0/dt);
-    const double d_t0 = (-1/(dt*dt))*d_dt;
-    const double t1 = (3.0/2.0)*t0;
-    const double d_t1 = (1.5)*d_t0;
-    const double t2 = (dt*dt);
-    const double d_t2 = (2*dt)*d_dt;
-    const double t3 = (1.0/t2);
-    const double d_t3 = (-1/(t2*t2))*d_t2;
-    const double t4 = 2*t3;
-    const double d_t4 = (2)*d_t3;
-    const double t5 = (1.0/(dt*dt*dt));
-    const double d_t5 = (-3/(dt*dt*dt*dt))*d_dt;
-    const double t6 = (5.0/2.0)*t5;
-    const double d_t6 = (2.5)*d_t5;
-    const double t7 = (1.0/2.0)*t0;
-    const double d_t7 = (0.5)*d_t0;
-    const double k0 = -t1;
-    const double d_k0 = (-1)*d_t1;
-    const double k1 = -0.5;
-    const double d_k1 = 0.0;
-    const double k2 = (1.0/4.0)*dt;
-    const double d_k2 = (0.25)*d_dt;
-    const double k3 = -1.0/12.0*t2;
-    const double d_k3 = (-0.083333333333333333)*d_t2;
-    const double k4 = t1;
-    const double d_k4 = (1)*d_t1;
-    const double k5 = -t4;
-    const double d_k5 = (-1)*d_t4;
-    const double k6 = -2*t0;
-    const double d_k6 = (-2)*d_t0;
-    const double k7 = (2.0/3.0)*dt;
-    const double d_k7 = (0.66666666666666667)*d_dt;
-    const double k8 = t4;
-    const double d_k8 = (1)*d_t4;
-    const double k9 = -t6;
-    const double d_k9 = (-1)*d_t6;
-    const double k10 = -5.0/2.0*t3;
-    const double d_k10 = (-2.5)*d_t3;
-    const double k11 = -5.0/4.0*t0;
-    const double d_k11 = (-1.25)*d_t0;
-    const double k12 = 0.58333333333333333;
-    const double d_k12 = 0.0;
-    const double k13 = t6;
-    const double d_k13 = (1)*d_t6;
-    const double k14 = t7;
-    const double d_k14 = (1)*d_t7;
-    const double k15 = 3*t3;
-    const double d_k15 = (3)*d_t3;
-    const double k16 = t0;
-    const double d_k16 = (1)*d_t0;
-    const double k17 = (1.0/6.0)*dt;
-    const double d_k17 = (0.16666666666666667)*d_dt;
-    const double k18 = -5*t3;
-    const double d_k18 = (-5)*d_t3;
-    const double k19 = (13.0/2.0)*t5;
-    const double d_k19 = (6.5)*d_t5;
-    const double k20 = 4*t3;
-    const double d_k20 = (4)*d_t3;
-    const double k21 = -t7;
-    const double d_k21 = (-1)*d_t7;
-    const double k22 = -0.83333333333333333;
-    const double d_k22 = 0.0;
-    const double k23 = -9*t5;
-    const double d_k23 = (-9)*d_t5;
-    const double k24 = -t3;
-    const double d_k24 = (-1)*d_t3;
-    const double k25 = -11.0/2.0*t5;
-    const double d_k25 = (-5.5)*d_t5;
-    const double k26 = -3.0/2.0*t3;
-    const double d_k26 = (-1.5)*d_t3;
-    const double k27 = (3.0/4.0)*t0;
-    const double d_k27 = (0.75)*d_t0;
-    const double k28 = -0.25;
-    const double d_k28 = 0.0;
-    const double k29 = 12*t5;
-    const double d_k29 = (12)*d_t5;
-    const double k30 = (3.0/2.0)*t5;
-    const double d_k30 = (1.5)*d_t5;
-    const double k31 = -7*t5;
-    const double d_k31 = (-7)*d_t5;
-    C(0) = (T)(k0);
-    C(1) = (T)(k1);
-    C(2) = (T)(k2);
-    C(3) = (T)(k3);
-    C(4) = (T)(k4);
-    C(5) = (T)(k5);
-    C(6) = (T)(k6);
-    C(7) = (T)(k7);
-    C(8) = (T)(k8);
-    C(9) = (T)(k9);
-    C(10) = (T)(k10);
-    C(11) = (T)(k11);
-    C(12) = (T)(k12);
-    C(13) = (T)(k13);
-    C(14) = (T)(k14);
-    C(15) = (T)(k15);
-    C(16) = (T)(k16);
-    C(17) = (T)(k17);
-    C(18) = (T)(k18);
-    C(19) = (T)(k19);
-    C(20) = (T)(k20);
-    C(21) = (T)(k21);
-    C(22) = (T)(k22);
-    C(23) = (T)(k23);
-    C(24) = (T)(k24);
-    C(25) = (T)(k25);
-    C(26) = (T)(k26);
-    C(27) = (T)(k27);
-    C(28) = (T)(k28);
-    C(29) = (T)(k29);
-    C(30) = (T)(k30);
-    C(31) = (T)(k31);
-    CD(0) = (T)(d_k0);
-    CD(1) = (T)(d_k1);
-    CD(2) = (T)(d_k2);
-    CD(3) = (T)(d_k3);
-    CD(4) = (T)(d_k4);
-    CD(5) = (T)(d_k5);
-    CD(6) = (T)(d_k6);
-    CD(7) = (T)(d_k7);
-    CD(8) = (T)(d_k8);
-    CD(9) = (T)(d_k9);
-    CD(10) = (T)(d_k10);
-    CD(11) = (T)(d_k11);
-    CD(12) = (T)(d_k12);
-    CD(13) = (T)(d_k13);
-    CD(14) = (T)(d_k14);
-    CD(15) = (T)(d_k15);
-    CD(16) = (T)(d_k16);
-    CD(17) = (T)(d_k17);
-    CD(18) = (T)(d_k18);
-    CD(19) = (T)(d_k19);
-    CD(20) = (T)(d_k20);
-    CD(21) = (T)(d_k21);
-    CD(22) = (T)(d_k22);
-    CD(23) = (T)(d_k23);
-    CD(24) = (T)(d_k24);
-    CD(25) = (T)(d_k25);
-    CD(26) = (T)(d_k26);
-    CD(27) = (T)(d_k27);
-    CD(28) = (T)(d_k28);
-    CD(29) = (T)(d_k29);
-    CD(30) = (T)(d_k30);
-    CD(31) = (T)(d_k31);
+    TS_MONOMIALS_TANGENT();
 }
 
 /* dt_vjp's rows of partial sums: its blocks' rows are TS_ROW doubles apart in gc (dt_vjp_finish's stride) */
@@ -548,91 +424,13 @@ extern "C" __global__ __launch_bounds__(256, 2) void ts_h24_d10_pos_bac_a222_hol
 
 extern "C" __global__ void ts_h24_d10_pos_bac_a222_hold_dtu_noidx_bdh_f64_o3_dt_vjp_finish(int64_t B, const double* __restrict__ dt_in, const double* __restrict__ gc, double* __restrict__ gdt, int64_t rows, int64_t stride, double* __restrict__ sums)
 {
-    /* the block adds dt_vjp's rows, then one thread: the dt gradient from the coefficient gradients */
+    /* the block adds dt_vjp's rows, then its threads share the work: the dt gradient from the coefficient gradients */
     if (blockIdx.x != 0) return;
     ts_sum_rows(gc, rows, stride, sums);
-    if (threadIdx.x != 0) return;
     const double* __restrict__ totals = sums;
 #undef GC
 #define GC(q) totals[(q)]
-    const double dt = (double)DT(0);
-    const double t0 = (1.0/dt);
-    const double t1 = (3.0/2.0)*t0;
-    const double t2 = (dt*dt);
-    const double t3 = (1.0/t2);
-    const double t4 = 2*t3;
-    const double t5 = (1.0/(dt*dt*dt));
-    const double t6 = (5.0/2.0)*t5;
-    const double t7 = (1.0/2.0)*t0;
-    const double k0 = -t1;
-    const double k1 = -0.5;
-    const double k2 = (1.0/4.0)*dt;
-    const double k3 = -1.0/12.0*t2;
-    const double k4 = t1;
-    const double k5 = -t4;
-    const double k6 = -2*t0;
-    const double k7 = (2.0/3.0)*dt;
-    const double k8 = t4;
-    const double k9 = -t6;
-    const double k10 = -5.0/2.0*t3;
-    const double k11 = -5.0/4.0*t0;
-    const double k12 = 0.58333333333333333;
-    const double k13 = t6;
-    const double k14 = t7;
-    const double k15 = 3*t3;
-    const double k16 = t0;
-    const double k17 = (1.0/6.0)*dt;
-    const double k18 = -5*t3;
-    const double k19 = (13.0/2.0)*t5;
-    const double k20 = 4*t3;
-    const double k21 = -t7;
-    const double k22 = -0.83333333333333333;
-    const double k23 = -9*t5;
-    const double k24 = -t3;
-    const double k25 = -11.0/2.0*t5;
-    const double k26 = -3.0/2.0*t3;
-    const double k27 = (3.0/4.0)*t0;
-    const double k28 = -0.25;
-    const double k29 = 12*t5;
-    const double k30 = (3.0/2.0)*t5;
-    const double k31 = -7*t5;
-    const double b_k31 = GC(31);
-    const double b_k30 = GC(30);
-    const double b_k29 = GC(29);
-    const double b_k27 = GC(27);
-    const double b_k26 = GC(26);
-    const double b_k25 = GC(25);
-    const double b_k24 = GC(24);
-    const double b_k23 = GC(23);
-    const double b_k21 = GC(21);
-    const double b_k20 = GC(20);
-    const double b_k19 = GC(19);
-    const double b_k18 = GC(18);
-    const double b_k17 = GC(17);
-    const double b_k16 = GC(16);
-    const double b_k15 = GC(15);
-    const double b_k14 = GC(14);
-    const double b_k13 = GC(13);
-    const double b_k11 = GC(11);
-    const double b_k10 = GC(10);
-    const double b_k9 = GC(9);
-    const double b_k8 = GC(8);
-    const double b_k7 = GC(7);
-    const double b_k6 = GC(6);
-    const double b_k5 = GC(5);
-    const double b_k4 = GC(4);
-    const double b_k3 = GC(3);
-    const double b_k2 = GC(2);
-    const double b_k0 = GC(0);
-    const double b_t7 = (-1)*b_k21 + (1)*b_k14;
-    const double b_t6 = (1)*b_k13 + (-1)*b_k9;
-    const double b_t5 = (-7)*b_k31 + (1.5)*b_k30 + (12)*b_k29 + (-5.5)*b_k25 + (-9)*b_k23 + (6.5)*b_k19 + (2.5)*b_t6;
-    const double b_t4 = (1)*b_k8 + (-1)*b_k5;
-    const double b_t3 = (-1.5)*b_k26 + (-1)*b_k24 + (4)*b_k20 + (-5)*b_k18 + (3)*b_k15 + (-2.5)*b_k10 + (2)*b_t4;
-    const double b_t2 = (-0.083333333333333333)*b_k3 + (-1/(t2*t2))*b_t3;
-    const double b_t1 = (1)*b_k4 + (-1)*b_k0;
-    const double b_t0 = (0.75)*b_k27 + (1)*b_k16 + (-1.25)*b_k11 + (-2)*b_k6 + (0.5)*b_t7 + (1.5)*b_t1;
-    GDT(0) = (0.16666666666666667)*b_k17 + (0.66666666666666667)*b_k7 + (0.25)*b_k2 + (-3/(dt*dt*dt*dt))*b_t5 + (2*dt)*b_t2 + (-1/(dt*dt))*b_t0;
+    TS_MONOMIALS_REVERSE();
 }
 
 extern "C" __global__ __launch_bounds__(256, 2) void ts_h24_d10_pos_bac_a222_hold_dtu_noidx_bdh_f64_o3_dt_jvp(int64_t B, const double* __restrict__ u, const double* __restrict__ p0, const double* __restrict__ v0, const double* __restrict__ a0, const double* __restrict__ j0, const int64_t* __restrict__ idx, const double* __restrict__ du, const double* __restrict__ dp0, const double* __restrict__ dv0, const double* __restrict__ da0, const double* __restrict__ dj0, const double* __restrict__ dt_in, const double* __restrict__ ddt_in, double* __restrict__ ty0, double* __restrict__ ty1, double* __restrict__ ty2, double* __restrict__ ty3, const double* __restrict__ coef_g)

@@ -15,6 +15,10 @@ typedef float T;
 #endif
 /* a loop the generator keeps rolled (CUDA needs a pragma for it; gcc decides for itself) */
 #define TS_ROLLED
+/* a loop whose iterations a CUDA block's threads share (codegen/statements.py For.shared): here one thread */
+#define TS_THREAD 0
+#define TS_THREADS 1
+#define TS_BARRIER()
 /* gcc's register allocation in its cheaper settings, for the long once-per-call loop bodies and
  * dt_vjp's serial body: most of their compile time was the allocator's (it made no measurable
  * difference to their run time: docs/benchmarks-history.md, seventeenth session, item 1) */
@@ -135,6 +139,96 @@ enum { H_ = 24, N_ = 23, D_ = 10, NDT_ = 1, NC_ = 3 };
     const int64_t bo = (b) * D_ + (d); \
     (void)uo; (void)yo; (void)bo;
 
+/* The step coefficients as data: slot q holds ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_mono_c[q] * dt^(ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_mono_e[q] - 1)
+ * (every slot is one power of the trajectory's dt). Compiled as straight-line code, so long a
+ * table cost the compiler time growing with its length. */
+static const double ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_mono_c[3] = {
+    1.0,1.0,-1.0,
+};
+static const unsigned char ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_mono_e[3] = {
+    2,0,0,
+};
+/* ts_pw[e] = x^p and ts_dpw[e] = p·x^(p-1) for p = e - 1 */
+#define TS_MONOMIAL_POWERS(x) \
+    double ts_pw[8] = {0}, ts_dpw[8] = {0}; \
+    do { \
+        const double ts_x = (x); \
+        double ts_p = 1.0; \
+        for (int ts_i = 0; ts_i < 1; ++ts_i) ts_p /= ts_x; \
+        for (int ts_i = 0; ts_i < 0; ++ts_i) ts_p *= ts_x; \
+        for (int ts_e = 0; ts_e < 3; ++ts_e, ts_p *= ts_x) { \
+            ts_pw[ts_e] = ts_p; \
+            ts_dpw[ts_e] = (double)(ts_e + -1) * ts_p / ts_x; \
+        } \
+    } while (0)
+#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 9
+/* four slots at a time: their powers picked from the eight in two registers by one permute
+ * (vectors of 256 bits: wider ones lower some processors' clock) */
+typedef double ts_v4d __attribute__((vector_size(32)));
+typedef long long ts_v4l __attribute__((vector_size(32)));
+typedef T ts_v4t __attribute__((vector_size(4 * sizeof(T))));
+static inline ts_v4d ts_load4d(const double* p) { ts_v4d v; __builtin_memcpy(&v, p, sizeof v); return v; }
+static inline void ts_store4(T* p, ts_v4d v) { const ts_v4t t = __builtin_convertvector(v, ts_v4t); __builtin_memcpy(p, &t, sizeof t); }
+/* table[e[i]] for four slots: byte i of their exponents, shifted down in lane i (the permute
+ * reads each lane's low bits) */
+static inline ts_v4d ts_pick4(const double* table, const unsigned char* e)
+{
+    unsigned int word;
+    __builtin_memcpy(&word, e, sizeof word);
+    const ts_v4l lanes = ((ts_v4l){0} + (long long)word) >> (ts_v4l){0, 8, 16, 24};
+    return __builtin_shuffle(ts_load4d(table), ts_load4d(table + 4), lanes);
+}
+#define TS_MONOMIAL_VALUE_CHUNKS(q) \
+    for (; (q) + 4 <= 3; (q) += 4) \
+        ts_store4(&C(q), ts_load4d(ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_mono_c + (q)) * ts_pick4(ts_pw, ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_mono_e + (q)))
+#define TS_MONOMIAL_TANGENT_CHUNKS(q) \
+    for (; (q) + 4 <= 3; (q) += 4) { \
+        const ts_v4d ts_c = ts_load4d(ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_mono_c + (q)); \
+        ts_store4(&C(q), ts_c * ts_pick4(ts_pw, ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_mono_e + (q))); \
+        ts_store4(&CD(q), ts_c * ts_pick4(ts_dpw, ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_mono_e + (q)) * ts_ddt); \
+    }
+#define TS_MONOMIAL_REVERSE_CHUNKS(q, g) do { \
+    ts_v4d ts_acc = {0}; \
+    for (; (q) + 4 <= 3; (q) += 4) \
+        ts_acc += ts_load4d(&GC(q)) * ts_load4d(ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_mono_c + (q)) * ts_pick4(ts_dpw, ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_mono_e + (q)); \
+    (g) += (ts_acc[0] + ts_acc[1]) + (ts_acc[2] + ts_acc[3]); \
+} while (0)
+#endif
+#ifndef TS_MONOMIAL_VALUE_CHUNKS
+#define TS_MONOMIAL_VALUE_CHUNKS(q)
+#define TS_MONOMIAL_TANGENT_CHUNKS(q)
+#define TS_MONOMIAL_REVERSE_CHUNKS(q, g)
+#endif
+/* the table C(q) */
+#define TS_MONOMIALS_VALUE() do { \
+    TS_MONOMIAL_POWERS((double)DT(0)); \
+    int ts_q = 0; \
+    TS_MONOMIAL_VALUE_CHUNKS(ts_q); \
+    for (; ts_q < 3; ++ts_q) \
+        C(ts_q) = (T)(ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_mono_c[ts_q] * ts_pw[ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_mono_e[ts_q]]); \
+} while (0)
+/* the table and its tangents CD(q) = c·p·dt^(p-1)·ddt */
+#define TS_MONOMIALS_TANGENT() do { \
+    TS_MONOMIAL_POWERS((double)DT(0)); \
+    const double ts_ddt = (double)DDT(0); \
+    int ts_q = 0; \
+    TS_MONOMIAL_TANGENT_CHUNKS(ts_q); \
+    for (; ts_q < 3; ++ts_q) { \
+        const int ts_e = ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_mono_e[ts_q]; \
+        C(ts_q) = (T)(ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_mono_c[ts_q] * ts_pw[ts_e]); \
+        CD(ts_q) = (T)(ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_mono_c[ts_q] * ts_dpw[ts_e] * ts_ddt); \
+    } \
+} while (0)
+/* the dt gradient from the slots' gradients GC(q) (double): the sum of GC(q)·c·p·dt^(p-1) */
+#define TS_MONOMIALS_REVERSE() do { \
+    TS_MONOMIAL_POWERS((double)DT(0)); \
+    double ts_g = 0.0; \
+    int ts_q = 0; \
+    TS_MONOMIAL_REVERSE_CHUNKS(ts_q, ts_g); \
+    for (; ts_q < 3; ++ts_q) \
+        ts_g += GC(ts_q) * (ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_mono_c[ts_q] * ts_dpw[ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_mono_e[ts_q]]); \
+    GDT(0) = ts_g; \
+} while (0)
 #if defined(__AVX512F__) && defined(__AVX512VL__) && !defined(TS_NO_LANES)
 /* Forward and adjoint columns as one masked 512-bit vector over the 10 dof of a row
  * (GCC's own vectoriser splits 10 lanes into a vector part plus scalar ones). */
@@ -222,11 +316,7 @@ int64_t ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_n_coefficients(void) { return NC_
 #if !defined(TS_UNIT) || TS_UNIT == 1 || TS_UNIT == 2 || TS_UNIT == 3
 static void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_coefficients(const T* restrict dt_in, T* restrict coef)
 {
-    const double dt = (double)DT(0);
-    const double t0 = (1.0/dt);
-    C(0) = (T)(dt);
-    C(1) = (T)(t0);
-    C(2) = (T)(-t0);
+    TS_MONOMIALS_VALUE();
 }
 #endif
 
@@ -1208,16 +1298,7 @@ TS_SERIAL void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_dt_vjp(int64_t B, const fl
 void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_dt_vjp_finish(int64_t B, const float* restrict dt_in, const double* restrict gc, double* restrict gdt)
 {
     (void)B;
-    const double dt = (double)DT(0);
-    const double t0 = (1.0/dt);
-    const double k0 = dt;
-    const double k1 = t0;
-    const double k2 = -t0;
-    const double b_k2 = GC(2);
-    const double b_k1 = GC(1);
-    const double b_k0 = GC(0);
-    const double b_t0 = (-1)*b_k2 + (1)*b_k1;
-    GDT(0) = (1)*b_k0 + (-1/(dt*dt))*b_t0;
+    TS_MONOMIALS_REVERSE();
 }
 #endif
 
@@ -1547,22 +1628,7 @@ static TS_BATCH_FUNCTION void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_dt_jvp_batc
 void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_dt_jvp(int64_t B, const float* restrict u, const float* restrict p0, const float* restrict v0, const float* restrict a0, const float* restrict j0, const int64_t* restrict idx, const float* restrict du, const float* restrict dp0, const float* restrict dv0, const float* restrict da0, const float* restrict dj0, const float* restrict dt_in, const float* restrict ddt_in, float* restrict ty0, float* restrict ty1, float* restrict ty2, float* restrict ty3)
 {
     T coef[NC_]; T coefd[NC_];
-    const double dt = (double)DT(0);
-    const double d_dt = (double)DDT(0);
-    const double t0 = (1.0/dt);
-    const double d_t0 = (-1/(dt*dt))*d_dt;
-    const double k0 = dt;
-    const double d_k0 = (1)*d_dt;
-    const double k1 = t0;
-    const double d_k1 = (1)*d_t0;
-    const double k2 = -t0;
-    const double d_k2 = (-1)*d_t0;
-    C(0) = (T)(k0);
-    C(1) = (T)(k1);
-    C(2) = (T)(k2);
-    CD(0) = (T)(d_k0);
-    CD(1) = (T)(d_k1);
-    CD(2) = (T)(d_k2);
+    TS_MONOMIALS_TANGENT();
     TS_BATCH(ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_dt_jvp_batch, B, u, p0, v0, a0, j0, idx, du, dp0, dv0, da0, dj0, dt_in, ddt_in, ty0, ty1, ty2, ty3, coef, coefd);
 }
 #endif

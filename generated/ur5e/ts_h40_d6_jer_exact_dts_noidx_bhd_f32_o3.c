@@ -15,6 +15,10 @@ typedef float T;
 #endif
 /* a loop the generator keeps rolled (CUDA needs a pragma for it; gcc decides for itself) */
 #define TS_ROLLED
+/* a loop whose iterations a CUDA block's threads share (codegen/statements.py For.shared): here one thread */
+#define TS_THREAD 0
+#define TS_THREADS 1
+#define TS_BARRIER()
 /* gcc's register allocation in its cheaper settings, for the long once-per-call loop bodies and
  * dt_vjp's serial body: most of their compile time was the allocator's (it made no measurable
  * difference to their run time: docs/benchmarks-history.md, seventeenth session, item 1) */
@@ -222,7 +226,7 @@ int64_t ts_h40_d6_jer_exact_dts_noidx_bhd_f32_o3_n_coefficients(void) { return N
 #if !defined(TS_UNIT) || TS_UNIT == 1 || TS_UNIT == 2 || TS_UNIT == 3
 static void ts_h40_d6_jer_exact_dts_noidx_bhd_f32_o3_coefficients(const T* restrict dt_in, T* restrict coef)
 {
-    for (int64_t r = 1; r <= 39; ++r) {
+    for (int64_t r = 1 + TS_THREAD; r <= 39; r += TS_THREADS) {
         const double dtr_0 = (double)DT(r);
         C(0 + 3 * (r - 1)) = (T)(dtr_0);
         C(1 + 3 * (r - 1)) = (T)((1.0/2.0)*(dtr_0*dtr_0));
@@ -1800,7 +1804,8 @@ void ts_h40_d6_jer_exact_dts_noidx_bhd_f32_o3_dt_vjp_finish(int64_t B, const flo
     GDT(37) = 0.0;
     GDT(38) = 0.0;
     GDT(39) = 0.0;
-    for (int64_t r = 1; r <= 39; ++r) {
+    TS_BARRIER();
+    for (int64_t r = 1 + TS_THREAD; r <= 39; r += TS_THREADS) {
         const double dtr_0 = (double)DT(r);
         const double kr0 = dtr_0;
         const double kr1 = (1.0/2.0)*(dtr_0*dtr_0);
@@ -1810,6 +1815,7 @@ void ts_h40_d6_jer_exact_dts_noidx_bhd_f32_o3_dt_vjp_finish(int64_t B, const flo
         const double b_kr0 = GC(0 + 3 * (r - 1));
         GDT(r) += ((1.0/2.0)*(dtr_0*dtr_0))*b_kr2 + (dtr_0)*b_kr1 + (1)*b_kr0;
     }
+    TS_BARRIER();
 }
 #endif
 
@@ -1907,7 +1913,7 @@ static TS_BATCH_FUNCTION void ts_h40_d6_jer_exact_dts_noidx_bhd_f32_o3_dt_jvp_ba
 void ts_h40_d6_jer_exact_dts_noidx_bhd_f32_o3_dt_jvp(int64_t B, const float* restrict u, const float* restrict p0, const float* restrict v0, const float* restrict a0, const float* restrict j0, const int64_t* restrict idx, const float* restrict du, const float* restrict dp0, const float* restrict dv0, const float* restrict da0, const float* restrict dj0, const float* restrict dt_in, const float* restrict ddt_in, float* restrict ty0, float* restrict ty1, float* restrict ty2, float* restrict ty3)
 {
     T coef[NC_]; T coefd[NC_];
-    for (int64_t r = 1; r <= 39; ++r) {
+    for (int64_t r = 1 + TS_THREAD; r <= 39; r += TS_THREADS) {
         const double dtr_0 = (double)DT(r);
         const double d_dtr_0 = (double)DDT(r);
         const double kr0 = dtr_0;

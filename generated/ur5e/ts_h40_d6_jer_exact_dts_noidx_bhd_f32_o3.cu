@@ -12,6 +12,11 @@ typedef long long int64_t; /* NVRTC has no <stdint.h> */
 #endif
 /* a loop kept rolled: unrolled, nvcc holds every iteration's loads in registers */
 #define TS_ROLLED _Pragma("unroll 1")
+/* a loop whose iterations the block's threads share (codegen/statements.py For.shared), and the
+ * barrier after which each sees what the others stored */
+#define TS_THREAD ((int64_t)threadIdx.x)
+#define TS_THREADS ((int64_t)blockDim.x)
+#define TS_BARRIER() __syncthreads()
 enum { H_ = 40, N_ = 39, D_ = 6, NDT_ = 40, NC_ = 117 };
 /* strides in elements: action u[b, j, d], outputs y[b, h, d] (layout "bhd") */
 #define U_SB 234LL
@@ -88,14 +93,15 @@ enum { H_ = 40, N_ = 39, D_ = 6, NDT_ = 40, NC_ = 117 };
     (void)uo; (void)yo; (void)bo;
 
 
-/* the step coefficients from dt (double precision, stored as T): one thread */
+
+/* the step coefficients from dt (double precision, stored as T): a block, whose threads share the loops' rows */
 extern "C" __global__ void ts_h40_d6_jer_exact_dts_noidx_bhd_f32_o3_coefficients(int64_t B, const float* __restrict__ dt_in, float* __restrict__ coef_g)
 {
-    const int64_t b = (int64_t)blockIdx.x * (int64_t)blockDim.x + (int64_t)threadIdx.x;
+    const int64_t b = (int64_t)blockIdx.x;
     if (b >= 1) return;
     const int64_t dto = b * NDT_; (void)dto;
     T* __restrict__ coef = coef_g + b * 1 * NC_;
-    for (int64_t r = 1; r <= 39; ++r) {
+    for (int64_t r = 1 + TS_THREAD; r <= 39; r += TS_THREADS) {
         const double dtr_0 = (double)DT(r);
         C(0 + 3 * (r - 1)) = (T)(dtr_0);
         C(1 + 3 * (r - 1)) = (T)((1.0/2.0)*(dtr_0*dtr_0));
@@ -103,15 +109,15 @@ extern "C" __global__ void ts_h40_d6_jer_exact_dts_noidx_bhd_f32_o3_coefficients
     }
 }
 
-/* the step coefficients from dt (double precision, stored as T): one thread */
+/* the step coefficients from dt (double precision, stored as T): a block, whose threads share the loops' rows */
 extern "C" __global__ void ts_h40_d6_jer_exact_dts_noidx_bhd_f32_o3_coefficients_jvp(int64_t B, const float* __restrict__ dt_in, const float* __restrict__ ddt_in, float* __restrict__ coef_g)
 {
-    const int64_t b = (int64_t)blockIdx.x * (int64_t)blockDim.x + (int64_t)threadIdx.x;
+    const int64_t b = (int64_t)blockIdx.x;
     if (b >= 1) return;
     const int64_t dto = b * NDT_; (void)dto;
     T* __restrict__ coef = coef_g + b * 2 * NC_;
     T* __restrict__ coefd = coef + NC_;
-    for (int64_t r = 1; r <= 39; ++r) {
+    for (int64_t r = 1 + TS_THREAD; r <= 39; r += TS_THREADS) {
         const double dtr_0 = (double)DT(r);
         const double d_dtr_0 = (double)DDT(r);
         const double kr0 = dtr_0;
@@ -648,10 +654,9 @@ extern "C" __global__ __launch_bounds__(256, 2) void ts_h40_d6_jer_exact_dts_noi
 
 extern "C" __global__ void ts_h40_d6_jer_exact_dts_noidx_bhd_f32_o3_dt_vjp_finish(int64_t B, const float* __restrict__ dt_in, const double* __restrict__ gc, float* __restrict__ gdt, int64_t rows, int64_t stride, double* __restrict__ sums)
 {
-    /* the block adds dt_vjp's rows, then one thread: the dt gradient from the coefficient gradients */
+    /* the block adds dt_vjp's rows, then its threads share the work: the dt gradient from the coefficient gradients */
     if (blockIdx.x != 0) return;
     ts_sum_rows(gc, rows, stride, sums);
-    if (threadIdx.x != 0) return;
     const double* __restrict__ totals = sums;
 #undef GC
 #define GC(q) totals[(q)]
@@ -695,7 +700,8 @@ extern "C" __global__ void ts_h40_d6_jer_exact_dts_noidx_bhd_f32_o3_dt_vjp_finis
     GDT(37) = 0.0;
     GDT(38) = 0.0;
     GDT(39) = 0.0;
-    for (int64_t r = 1; r <= 39; ++r) {
+    TS_BARRIER();
+    for (int64_t r = 1 + TS_THREAD; r <= 39; r += TS_THREADS) {
         const double dtr_0 = (double)DT(r);
         const double kr0 = dtr_0;
         const double kr1 = (1.0/2.0)*(dtr_0*dtr_0);
@@ -705,6 +711,7 @@ extern "C" __global__ void ts_h40_d6_jer_exact_dts_noidx_bhd_f32_o3_dt_vjp_finis
         const double b_kr0 = GC(0 + 3 * (r - 1));
         GDT(r) += ((1.0/2.0)*(dtr_0*dtr_0))*b_kr2 + (dtr_0)*b_kr1 + (1)*b_kr0;
     }
+    TS_BARRIER();
 }
 
 extern "C" __global__ __launch_bounds__(256, 2) void ts_h40_d6_jer_exact_dts_noidx_bhd_f32_o3_dt_jvp(int64_t B, const float* __restrict__ u, const float* __restrict__ p0, const float* __restrict__ v0, const float* __restrict__ a0, const float* __restrict__ j0, const int64_t* __restrict__ idx, const float* __restrict__ du, const float* __restrict__ dp0, const float* __restrict__ dv0, const float* __restrict__ da0, const float* __restrict__ dj0, const float* __restrict__ dt_in, const float* __restrict__ ddt_in, float* __restrict__ ty0, float* __restrict__ ty1, float* __restrict__ ty2, float* __restrict__ ty3, const float* __restrict__ coef_g)

@@ -12,6 +12,11 @@ typedef long long int64_t; /* NVRTC has no <stdint.h> */
 #endif
 /* a loop kept rolled: unrolled, nvcc holds every iteration's loads in registers */
 #define TS_ROLLED _Pragma("unroll 1")
+/* a loop whose iterations the block's threads share (codegen/statements.py For.shared), and the
+ * barrier after which each sees what the others stored */
+#define TS_THREAD ((int64_t)threadIdx.x)
+#define TS_THREADS ((int64_t)blockDim.x)
+#define TS_BARRIER() __syncthreads()
 enum { H_ = 40, N_ = 39, D_ = 6, NDT_ = 1, NC_ = 49 };
 /* strides in elements: action u[b, j, d], outputs y[b, h, d] (layout "bhd") */
 #define U_SB 234LL
@@ -82,308 +87,86 @@ enum { H_ = 40, N_ = 39, D_ = 6, NDT_ = 1, NC_ = 49 };
     const int64_t bo = (b) * D_ + (d); \
     (void)uo; (void)yo; (void)bo;
 
+/* The step coefficients as data: slot q holds ts_h40_d6_pos_cen_a442_onesided_dtu_noidx_bhd_f32_o3_mono_c[q] * dt^(ts_h40_d6_pos_cen_a442_onesided_dtu_noidx_bhd_f32_o3_mono_e[q] - 3)
+ * (every slot is one power of dt). */
+static __device__ const double ts_h40_d6_pos_cen_a442_onesided_dtu_noidx_bhd_f32_o3_mono_c[49] = {
+    -0.5833333333333334,-0.08333333333333333,0.041666666666666664,-0.013888888888888888,0.6666666666666666,-0.08333333333333333,1.25,0.08333333333333333,
+    -0.041666666666666664,0.013888888888888888,-2.5,1.3333333333333333,-0.08333333333333333,0.5,0.5,-0.25,
+    0.08333333333333333,-1.0,-0.6666666666666666,-0.5,1.0,0.5,-1.5,0.8333333333333334,
+    0.25,0.08333333333333333,-0.5,1.1666666666666667,-0.3333333333333333,-1.25,0.8333333333333334,-3.0,
+    6.0,-5.0,1.5,-1.3333333333333333,3.0,-4.0,2.0833333333333335,-0.8333333333333334,
+    5.083333333333333,-13.0,17.833333333333332,-12.833333333333334,3.75,-7.0,12.0,-9.0,
+    2.5,
+};
+static __device__ const unsigned char ts_h40_d6_pos_cen_a442_onesided_dtu_noidx_bhd_f32_o3_mono_e[49] = {
+    2,3,4,5,2,2,1,2,3,4,1,1,1,0,1,2,3,0,2,0,0,2,2,2,2,1,1,1,1,1,1,0,
+    0,0,0,2,2,2,2,1,1,1,1,1,1,0,0,0,0,
+};
+/* x^p for p = e - 3, by the C template's operations in its order (the same rounding) */
+static __device__ __forceinline__ double ts_mono_power(const double x, const int e)
+{
+    double p = 1.0;
+    for (int i = 0; i < 3; ++i) p /= x;
+    for (int i = 0; i < 0; ++i) p *= x;
+    for (int i = 0; i < e; ++i) p *= x;
+    return p;
+}
+/* p·x^(p-1) from x^p */
+#define TS_MONO_DERIVATIVE(e, p, x) ((double)((e) + -3) * (p) / (x))
+/* the table C(q): a thread per slot */
+#define TS_MONOMIALS_VALUE() do { \
+    const int64_t ts_q = (int64_t)blockIdx.x * (int64_t)blockDim.x + (int64_t)threadIdx.x; \
+    if (ts_q >= 49) return; \
+    C(ts_q) = (T)(ts_h40_d6_pos_cen_a442_onesided_dtu_noidx_bhd_f32_o3_mono_c[ts_q] * ts_mono_power((double)DT(0), ts_h40_d6_pos_cen_a442_onesided_dtu_noidx_bhd_f32_o3_mono_e[ts_q])); \
+} while (0)
+/* the table and its tangents CD(q) = c·p·dt^(p-1)·ddt: a thread per slot */
+#define TS_MONOMIALS_TANGENT() do { \
+    const int64_t ts_q = (int64_t)blockIdx.x * (int64_t)blockDim.x + (int64_t)threadIdx.x; \
+    if (ts_q >= 49) return; \
+    const double ts_x = (double)DT(0); \
+    const int ts_e = ts_h40_d6_pos_cen_a442_onesided_dtu_noidx_bhd_f32_o3_mono_e[ts_q]; \
+    const double ts_p = ts_mono_power(ts_x, ts_e); \
+    C(ts_q) = (T)(ts_h40_d6_pos_cen_a442_onesided_dtu_noidx_bhd_f32_o3_mono_c[ts_q] * ts_p); \
+    CD(ts_q) = (T)(ts_h40_d6_pos_cen_a442_onesided_dtu_noidx_bhd_f32_o3_mono_c[ts_q] * TS_MONO_DERIVATIVE(ts_e, ts_p, ts_x) * (double)DDT(0)); \
+} while (0)
+/* the dt gradient from the slots' gradients GC(q) (double), the sum of GC(q)·c·p·dt^(p-1): the
+ * block's threads each add a stride of the slots, then a fixed tree adds their sums (the same
+ * order on every run) */
+#define TS_MONOMIALS_REVERSE() do { \
+    __shared__ double ts_sum[256]; \
+    const double ts_x = (double)DT(0); \
+    double ts_g = 0.0; \
+    for (int ts_q = threadIdx.x; ts_q < 49; ts_q += blockDim.x) { \
+        const int ts_e = ts_h40_d6_pos_cen_a442_onesided_dtu_noidx_bhd_f32_o3_mono_e[ts_q]; \
+        ts_g += GC(ts_q) * (ts_h40_d6_pos_cen_a442_onesided_dtu_noidx_bhd_f32_o3_mono_c[ts_q] * TS_MONO_DERIVATIVE(ts_e, ts_mono_power(ts_x, ts_e), ts_x)); \
+    } \
+    ts_sum[threadIdx.x] = ts_g; \
+    __syncthreads(); \
+    for (int ts_s = blockDim.x / 2; ts_s > 0; ts_s /= 2) { \
+        if (threadIdx.x < ts_s) ts_sum[threadIdx.x] += ts_sum[threadIdx.x + ts_s]; \
+        __syncthreads(); \
+    } \
+    if (threadIdx.x == 0) GDT(0) = ts_sum[0]; \
+} while (0)
 
-/* the step coefficients from dt (double precision, stored as T): one thread */
+
+/* the step coefficients from dt (double precision, stored as T): a thread per slot */
 extern "C" __global__ void ts_h40_d6_pos_cen_a442_onesided_dtu_noidx_bhd_f32_o3_coefficients(int64_t B, const float* __restrict__ dt_in, float* __restrict__ coef_g)
 {
-    const int64_t b = (int64_t)blockIdx.x * (int64_t)blockDim.x + (int64_t)threadIdx.x;
-    if (b >= 1) return;
+    const int64_t b = 0; (void)B;
     const int64_t dto = b * NDT_; (void)dto;
     T* __restrict__ coef = coef_g + b * 1 * NC_;
-    const double dt = (double)DT(0);
-    const double t0 = (1.0/dt);
-    const double t1 = (dt*dt);
-    const double t2 = (2.0/3.0)*t0;
-    const double t3 = (1.0/12.0)*t0;
-    const double t4 = (1.0/t1);
-    const double t5 = (5.0/4.0)*t4;
-    const double t6 = (1.0/12.0)*t4;
-    const double t7 = (1.0/(dt*dt*dt));
-    const double t8 = (1.0/2.0)*t7;
-    const double t9 = (1.0/2.0)*t4;
-    const double t10 = (1.0/4.0)*t0;
-    const double t11 = (5.0/6.0)*t4;
-    C(0) = (T)(-7.0/12.0*t0);
-    C(1) = (T)(-0.083333333333333333);
-    C(2) = (T)((1.0/24.0)*dt);
-    C(3) = (T)(-1.0/72.0*t1);
-    C(4) = (T)(t2);
-    C(5) = (T)(-t3);
-    C(6) = (T)(t5);
-    C(7) = (T)(t3);
-    C(8) = (T)(-0.041666666666666667);
-    C(9) = (T)((1.0/72.0)*dt);
-    C(10) = (T)(-5.0/2.0*t4);
-    C(11) = (T)((4.0/3.0)*t4);
-    C(12) = (T)(-t6);
-    C(13) = (T)(t8);
-    C(14) = (T)(t9);
-    C(15) = (T)(-t10);
-    C(16) = (T)(0.083333333333333333);
-    C(17) = (T)(-t7);
-    C(18) = (T)(-t2);
-    C(19) = (T)(-t8);
-    C(20) = (T)(t7);
-    C(21) = (T)((1.0/2.0)*t0);
-    C(22) = (T)(-3.0/2.0*t0);
-    C(23) = (T)((5.0/6.0)*t0);
-    C(24) = (T)(t10);
-    C(25) = (T)(t6);
-    C(26) = (T)(-t9);
-    C(27) = (T)((7.0/6.0)*t4);
-    C(28) = (T)(-1.0/3.0*t4);
-    C(29) = (T)(-t5);
-    C(30) = (T)(t11);
-    C(31) = (T)(-3*t7);
-    C(32) = (T)(6*t7);
-    C(33) = (T)(-5*t7);
-    C(34) = (T)((3.0/2.0)*t7);
-    C(35) = (T)(-4.0/3.0*t0);
-    C(36) = (T)(3*t0);
-    C(37) = (T)(-4*t0);
-    C(38) = (T)((25.0/12.0)*t0);
-    C(39) = (T)(-t11);
-    C(40) = (T)((61.0/12.0)*t4);
-    C(41) = (T)(-13*t4);
-    C(42) = (T)((107.0/6.0)*t4);
-    C(43) = (T)(-77.0/6.0*t4);
-    C(44) = (T)((15.0/4.0)*t4);
-    C(45) = (T)(-7*t7);
-    C(46) = (T)(12*t7);
-    C(47) = (T)(-9*t7);
-    C(48) = (T)((5.0/2.0)/(dt*dt*dt));
+    TS_MONOMIALS_VALUE();
 }
 
-/* the step coefficients from dt (double precision, stored as T): one thread */
+/* the step coefficients from dt (double precision, stored as T): a thread per slot */
 extern "C" __global__ void ts_h40_d6_pos_cen_a442_onesided_dtu_noidx_bhd_f32_o3_coefficients_jvp(int64_t B, const float* __restrict__ dt_in, const float* __restrict__ ddt_in, float* __restrict__ coef_g)
 {
-    const int64_t b = (int64_t)blockIdx.x * (int64_t)blockDim.x + (int64_t)threadIdx.x;
-    if (b >= 1) return;
+    const int64_t b = 0; (void)B;
     const int64_t dto = b * NDT_; (void)dto;
     T* __restrict__ coef = coef_g + b * 2 * NC_;
     T* __restrict__ coefd = coef + NC_;
-    const double dt = (double)DT(0);
-    const double d_dt = (double)DDT(0);
-    const double t0 = (1.0/dt);
-    const double d_t0 = (-1/(dt*dt))*d_dt;
-    const double t1 = (dt*dt);
-    const double d_t1 = (2*dt)*d_dt;
-    const double t2 = (2.0/3.0)*t0;
-    const double d_t2 = (0.66666666666666667)*d_t0;
-    const double t3 = (1.0/12.0)*t0;
-    const double d_t3 = (0.083333333333333333)*d_t0;
-    const double t4 = (1.0/t1);
-    const double d_t4 = (-1/(t1*t1))*d_t1;
-    const double t5 = (5.0/4.0)*t4;
-    const double d_t5 = (1.25)*d_t4;
-    const double t6 = (1.0/12.0)*t4;
-    const double d_t6 = (0.083333333333333333)*d_t4;
-    const double t7 = (1.0/(dt*dt*dt));
-    const double d_t7 = (-3/(dt*dt*dt*dt))*d_dt;
-    const double t8 = (1.0/2.0)*t7;
-    const double d_t8 = (0.5)*d_t7;
-    const double t9 = (1.0/2.0)*t4;
-    const double d_t9 = (0.5)*d_t4;
-    const double t10 = (1.0/4.0)*t0;
-    const double d_t10 = (0.25)*d_t0;
-    const double t11 = (5.0/6.0)*t4;
-    const double d_t11 = (0.83333333333333333)*d_t4;
-    const double k0 = -7.0/12.0*t0;
-    const double d_k0 = (-0.58333333333333333)*d_t0;
-    const double k1 = -0.083333333333333333;
-    const double d_k1 = 0.0;
-    const double k2 = (1.0/24.0)*dt;
-    const double d_k2 = (0.041666666666666667)*d_dt;
-    const double k3 = -1.0/72.0*t1;
-    const double d_k3 = (-0.013888888888888889)*d_t1;
-    const double k4 = t2;
-    const double d_k4 = (1)*d_t2;
-    const double k5 = -t3;
-    const double d_k5 = (-1)*d_t3;
-    const double k6 = t5;
-    const double d_k6 = (1)*d_t5;
-    const double k7 = t3;
-    const double d_k7 = (1)*d_t3;
-    const double k8 = -0.041666666666666667;
-    const double d_k8 = 0.0;
-    const double k9 = (1.0/72.0)*dt;
-    const double d_k9 = (0.013888888888888889)*d_dt;
-    const double k10 = -5.0/2.0*t4;
-    const double d_k10 = (-2.5)*d_t4;
-    const double k11 = (4.0/3.0)*t4;
-    const double d_k11 = (1.3333333333333333)*d_t4;
-    const double k12 = -t6;
-    const double d_k12 = (-1)*d_t6;
-    const double k13 = t8;
-    const double d_k13 = (1)*d_t8;
-    const double k14 = t9;
-    const double d_k14 = (1)*d_t9;
-    const double k15 = -t10;
-    const double d_k15 = (-1)*d_t10;
-    const double k16 = 0.083333333333333333;
-    const double d_k16 = 0.0;
-    const double k17 = -t7;
-    const double d_k17 = (-1)*d_t7;
-    const double k18 = -t2;
-    const double d_k18 = (-1)*d_t2;
-    const double k19 = -t8;
-    const double d_k19 = (-1)*d_t8;
-    const double k20 = t7;
-    const double d_k20 = (1)*d_t7;
-    const double k21 = (1.0/2.0)*t0;
-    const double d_k21 = (0.5)*d_t0;
-    const double k22 = -3.0/2.0*t0;
-    const double d_k22 = (-1.5)*d_t0;
-    const double k23 = (5.0/6.0)*t0;
-    const double d_k23 = (0.83333333333333333)*d_t0;
-    const double k24 = t10;
-    const double d_k24 = (1)*d_t10;
-    const double k25 = t6;
-    const double d_k25 = (1)*d_t6;
-    const double k26 = -t9;
-    const double d_k26 = (-1)*d_t9;
-    const double k27 = (7.0/6.0)*t4;
-    const double d_k27 = (1.1666666666666667)*d_t4;
-    const double k28 = -1.0/3.0*t4;
-    const double d_k28 = (-0.33333333333333333)*d_t4;
-    const double k29 = -t5;
-    const double d_k29 = (-1)*d_t5;
-    const double k30 = t11;
-    const double d_k30 = (1)*d_t11;
-    const double k31 = -3*t7;
-    const double d_k31 = (-3)*d_t7;
-    const double k32 = 6*t7;
-    const double d_k32 = (6)*d_t7;
-    const double k33 = -5*t7;
-    const double d_k33 = (-5)*d_t7;
-    const double k34 = (3.0/2.0)*t7;
-    const double d_k34 = (1.5)*d_t7;
-    const double k35 = -4.0/3.0*t0;
-    const double d_k35 = (-1.3333333333333333)*d_t0;
-    const double k36 = 3*t0;
-    const double d_k36 = (3)*d_t0;
-    const double k37 = -4*t0;
-    const double d_k37 = (-4)*d_t0;
-    const double k38 = (25.0/12.0)*t0;
-    const double d_k38 = (2.0833333333333333)*d_t0;
-    const double k39 = -t11;
-    const double d_k39 = (-1)*d_t11;
-    const double k40 = (61.0/12.0)*t4;
-    const double d_k40 = (5.0833333333333333)*d_t4;
-    const double k41 = -13*t4;
-    const double d_k41 = (-13)*d_t4;
-    const double k42 = (107.0/6.0)*t4;
-    const double d_k42 = (17.833333333333333)*d_t4;
-    const double k43 = -77.0/6.0*t4;
-    const double d_k43 = (-12.833333333333333)*d_t4;
-    const double k44 = (15.0/4.0)*t4;
-    const double d_k44 = (3.75)*d_t4;
-    const double k45 = -7*t7;
-    const double d_k45 = (-7)*d_t7;
-    const double k46 = 12*t7;
-    const double d_k46 = (12)*d_t7;
-    const double k47 = -9*t7;
-    const double d_k47 = (-9)*d_t7;
-    const double k48 = (5.0/2.0)/(dt*dt*dt);
-    const double d_k48 = (-(15.0/2.0)/(dt*dt*dt*dt))*d_dt;
-    C(0) = (T)(k0);
-    C(1) = (T)(k1);
-    C(2) = (T)(k2);
-    C(3) = (T)(k3);
-    C(4) = (T)(k4);
-    C(5) = (T)(k5);
-    C(6) = (T)(k6);
-    C(7) = (T)(k7);
-    C(8) = (T)(k8);
-    C(9) = (T)(k9);
-    C(10) = (T)(k10);
-    C(11) = (T)(k11);
-    C(12) = (T)(k12);
-    C(13) = (T)(k13);
-    C(14) = (T)(k14);
-    C(15) = (T)(k15);
-    C(16) = (T)(k16);
-    C(17) = (T)(k17);
-    C(18) = (T)(k18);
-    C(19) = (T)(k19);
-    C(20) = (T)(k20);
-    C(21) = (T)(k21);
-    C(22) = (T)(k22);
-    C(23) = (T)(k23);
-    C(24) = (T)(k24);
-    C(25) = (T)(k25);
-    C(26) = (T)(k26);
-    C(27) = (T)(k27);
-    C(28) = (T)(k28);
-    C(29) = (T)(k29);
-    C(30) = (T)(k30);
-    C(31) = (T)(k31);
-    C(32) = (T)(k32);
-    C(33) = (T)(k33);
-    C(34) = (T)(k34);
-    C(35) = (T)(k35);
-    C(36) = (T)(k36);
-    C(37) = (T)(k37);
-    C(38) = (T)(k38);
-    C(39) = (T)(k39);
-    C(40) = (T)(k40);
-    C(41) = (T)(k41);
-    C(42) = (T)(k42);
-    C(43) = (T)(k43);
-    C(44) = (T)(k44);
-    C(45) = (T)(k45);
-    C(46) = (T)(k46);
-    C(47) = (T)(k47);
-    C(48) = (T)(k48);
-    CD(0) = (T)(d_k0);
-    CD(1) = (T)(d_k1);
-    CD(2) = (T)(d_k2);
-    CD(3) = (T)(d_k3);
-    CD(4) = (T)(d_k4);
-    CD(5) = (T)(d_k5);
-    CD(6) = (T)(d_k6);
-    CD(7) = (T)(d_k7);
-    CD(8) = (T)(d_k8);
-    CD(9) = (T)(d_k9);
-    CD(10) = (T)(d_k10);
-    CD(11) = (T)(d_k11);
-    CD(12) = (T)(d_k12);
-    CD(13) = (T)(d_k13);
-    CD(14) = (T)(d_k14);
-    CD(15) = (T)(d_k15);
-    CD(16) = (T)(d_k16);
-    CD(17) = (T)(d_k17);
-    CD(18) = (T)(d_k18);
-    CD(19) = (T)(d_k19);
-    CD(20) = (T)(d_k20);
-    CD(21) = (T)(d_k21);
-    CD(22) = (T)(d_k22);
-    CD(23) = (T)(d_k23);
-    CD(24) = (T)(d_k24);
-    CD(25) = (T)(d_k25);
-    CD(26) = (T)(d_k26);
-    CD(27) = (T)(d_k27);
-    CD(28) = (T)(d_k28);
-    CD(29) = (T)(d_k29);
-    CD(30) = (T)(d_k30);
-    CD(31) = (T)(d_k31);
-    CD(32) = (T)(d_k32);
-    CD(33) = (T)(d_k33);
-    CD(34) = (T)(d_k34);
-    CD(35) = (T)(d_k35);
-    CD(36) = (T)(d_k36);
-    CD(37) = (T)(d_k37);
-    CD(38) = (T)(d_k38);
-    CD(39) = (T)(d_k39);
-    CD(40) = (T)(d_k40);
-    CD(41) = (T)(d_k41);
-    CD(42) = (T)(d_k42);
-    CD(43) = (T)(d_k43);
-    CD(44) = (T)(d_k44);
-    CD(45) = (T)(d_k45);
-    CD(46) = (T)(d_k46);
-    CD(47) = (T)(d_k47);
-    CD(48) = (T)(d_k48);
+    TS_MONOMIALS_TANGENT();
 }
 
 /* dt_vjp's rows of partial sums: its blocks' rows are TS_ROW doubles apart in gc (dt_vjp_finish's stride) */
@@ -657,134 +440,13 @@ extern "C" __global__ __launch_bounds__(256, 2) void ts_h40_d6_pos_cen_a442_ones
 
 extern "C" __global__ void ts_h40_d6_pos_cen_a442_onesided_dtu_noidx_bhd_f32_o3_dt_vjp_finish(int64_t B, const float* __restrict__ dt_in, const double* __restrict__ gc, float* __restrict__ gdt, int64_t rows, int64_t stride, double* __restrict__ sums)
 {
-    /* the block adds dt_vjp's rows, then one thread: the dt gradient from the coefficient gradients */
+    /* the block adds dt_vjp's rows, then its threads share the work: the dt gradient from the coefficient gradients */
     if (blockIdx.x != 0) return;
     ts_sum_rows(gc, rows, stride, sums);
-    if (threadIdx.x != 0) return;
     const double* __restrict__ totals = sums;
 #undef GC
 #define GC(q) totals[(q)]
-    const double dt = (double)DT(0);
-    const double t0 = (1.0/dt);
-    const double t1 = (dt*dt);
-    const double t2 = (2.0/3.0)*t0;
-    const double t3 = (1.0/12.0)*t0;
-    const double t4 = (1.0/t1);
-    const double t5 = (5.0/4.0)*t4;
-    const double t6 = (1.0/12.0)*t4;
-    const double t7 = (1.0/(dt*dt*dt));
-    const double t8 = (1.0/2.0)*t7;
-    const double t9 = (1.0/2.0)*t4;
-    const double t10 = (1.0/4.0)*t0;
-    const double t11 = (5.0/6.0)*t4;
-    const double k0 = -7.0/12.0*t0;
-    const double k1 = -0.083333333333333333;
-    const double k2 = (1.0/24.0)*dt;
-    const double k3 = -1.0/72.0*t1;
-    const double k4 = t2;
-    const double k5 = -t3;
-    const double k6 = t5;
-    const double k7 = t3;
-    const double k8 = -0.041666666666666667;
-    const double k9 = (1.0/72.0)*dt;
-    const double k10 = -5.0/2.0*t4;
-    const double k11 = (4.0/3.0)*t4;
-    const double k12 = -t6;
-    const double k13 = t8;
-    const double k14 = t9;
-    const double k15 = -t10;
-    const double k16 = 0.083333333333333333;
-    const double k17 = -t7;
-    const double k18 = -t2;
-    const double k19 = -t8;
-    const double k20 = t7;
-    const double k21 = (1.0/2.0)*t0;
-    const double k22 = -3.0/2.0*t0;
-    const double k23 = (5.0/6.0)*t0;
-    const double k24 = t10;
-    const double k25 = t6;
-    const double k26 = -t9;
-    const double k27 = (7.0/6.0)*t4;
-    const double k28 = -1.0/3.0*t4;
-    const double k29 = -t5;
-    const double k30 = t11;
-    const double k31 = -3*t7;
-    const double k32 = 6*t7;
-    const double k33 = -5*t7;
-    const double k34 = (3.0/2.0)*t7;
-    const double k35 = -4.0/3.0*t0;
-    const double k36 = 3*t0;
-    const double k37 = -4*t0;
-    const double k38 = (25.0/12.0)*t0;
-    const double k39 = -t11;
-    const double k40 = (61.0/12.0)*t4;
-    const double k41 = -13*t4;
-    const double k42 = (107.0/6.0)*t4;
-    const double k43 = -77.0/6.0*t4;
-    const double k44 = (15.0/4.0)*t4;
-    const double k45 = -7*t7;
-    const double k46 = 12*t7;
-    const double k47 = -9*t7;
-    const double k48 = (5.0/2.0)/(dt*dt*dt);
-    const double b_k48 = GC(48);
-    const double b_k47 = GC(47);
-    const double b_k46 = GC(46);
-    const double b_k45 = GC(45);
-    const double b_k44 = GC(44);
-    const double b_k43 = GC(43);
-    const double b_k42 = GC(42);
-    const double b_k41 = GC(41);
-    const double b_k40 = GC(40);
-    const double b_k39 = GC(39);
-    const double b_k38 = GC(38);
-    const double b_k37 = GC(37);
-    const double b_k36 = GC(36);
-    const double b_k35 = GC(35);
-    const double b_k34 = GC(34);
-    const double b_k33 = GC(33);
-    const double b_k32 = GC(32);
-    const double b_k31 = GC(31);
-    const double b_k30 = GC(30);
-    const double b_k29 = GC(29);
-    const double b_k28 = GC(28);
-    const double b_k27 = GC(27);
-    const double b_k26 = GC(26);
-    const double b_k25 = GC(25);
-    const double b_k24 = GC(24);
-    const double b_k23 = GC(23);
-    const double b_k22 = GC(22);
-    const double b_k21 = GC(21);
-    const double b_k20 = GC(20);
-    const double b_k19 = GC(19);
-    const double b_k18 = GC(18);
-    const double b_k17 = GC(17);
-    const double b_k15 = GC(15);
-    const double b_k14 = GC(14);
-    const double b_k13 = GC(13);
-    const double b_k12 = GC(12);
-    const double b_k11 = GC(11);
-    const double b_k10 = GC(10);
-    const double b_k9 = GC(9);
-    const double b_k7 = GC(7);
-    const double b_k6 = GC(6);
-    const double b_k5 = GC(5);
-    const double b_k4 = GC(4);
-    const double b_k3 = GC(3);
-    const double b_k2 = GC(2);
-    const double b_k0 = GC(0);
-    const double b_t11 = (-1)*b_k39 + (1)*b_k30;
-    const double b_t10 = (1)*b_k24 + (-1)*b_k15;
-    const double b_t9 = (-1)*b_k26 + (1)*b_k14;
-    const double b_t8 = (-1)*b_k19 + (1)*b_k13;
-    const double b_t7 = (-9)*b_k47 + (12)*b_k46 + (-7)*b_k45 + (1.5)*b_k34 + (-5)*b_k33 + (6)*b_k32 + (-3)*b_k31 + (1)*b_k20 + (-1)*b_k17 + (0.5)*b_t8;
-    const double b_t6 = (1)*b_k25 + (-1)*b_k12;
-    const double b_t5 = (-1)*b_k29 + (1)*b_k6;
-    const double b_t4 = (3.75)*b_k44 + (-12.833333333333333)*b_k43 + (17.833333333333333)*b_k42 + (-13)*b_k41 + (5.0833333333333333)*b_k40 + (-0.33333333333333333)*b_k28 + (1.1666666666666667)*b_k27 + (1.3333333333333333)*b_k11 + (-2.5)*b_k10 + (0.83333333333333333)*b_t11 + (0.5)*b_t9 + (0.083333333333333333)*b_t6 + (1.25)*b_t5;
-    const double b_t3 = (1)*b_k7 + (-1)*b_k5;
-    const double b_t2 = (-1)*b_k18 + (1)*b_k4;
-    const double b_t1 = (-0.013888888888888889)*b_k3 + (-1/(t1*t1))*b_t4;
-    const double b_t0 = (2.0833333333333333)*b_k38 + (-4)*b_k37 + (3)*b_k36 + (-1.3333333333333333)*b_k35 + (0.83333333333333333)*b_k23 + (-1.5)*b_k22 + (0.5)*b_k21 + (-0.58333333333333333)*b_k0 + (0.25)*b_t10 + (0.083333333333333333)*b_t3 + (0.66666666666666667)*b_t2;
-    GDT(0) = (-(15.0/2.0)/(dt*dt*dt*dt))*b_k48 + (0.013888888888888889)*b_k9 + (0.041666666666666667)*b_k2 + (-3/(dt*dt*dt*dt))*b_t7 + (2*dt)*b_t1 + (-1/(dt*dt))*b_t0;
+    TS_MONOMIALS_REVERSE();
 }
 
 extern "C" __global__ __launch_bounds__(256, 2) void ts_h40_d6_pos_cen_a442_onesided_dtu_noidx_bhd_f32_o3_dt_jvp(int64_t B, const float* __restrict__ u, const float* __restrict__ p0, const float* __restrict__ v0, const float* __restrict__ a0, const float* __restrict__ j0, const int64_t* __restrict__ idx, const float* __restrict__ du, const float* __restrict__ dp0, const float* __restrict__ dv0, const float* __restrict__ da0, const float* __restrict__ dj0, const float* __restrict__ dt_in, const float* __restrict__ ddt_in, float* __restrict__ ty0, float* __restrict__ ty1, float* __restrict__ ty2, float* __restrict__ ty3, const float* __restrict__ coef_g)
