@@ -165,7 +165,7 @@ class For:
     n runs first + step·t, step·n apart: TS_THREAD and TS_THREADS, which each template defines; a
     step above 1 then leaves rows between for other loops)."""
 
-    first: Union[int, Shift]
+    first: Union[int, Shift, Var]  # a Var: an expression over outer loop variables, printed as is
     last: Union[int, Shift]
     step: int
     body: tuple

@@ -62,10 +62,6 @@ def cuda_warp_rows_shared(n_coefficients: int) -> bool:
     return CUDA_WARPS * n_coefficients * 8 <= CUDA_WARP_ROWS_SHARED_BYTES
 
 
-#: the forms of a coefficient program (``coefficient_form``)
-FORMS = ("monomials", "tape", "code")
-
-
 def coefficient_form(coefs: Any) -> str:
     """The form of a spec's coefficient programs (codegen/coefficients.py), the same on every
     target: with one duration (uniform, or one per trajectory) every slot is a monomial c·dt^p,
