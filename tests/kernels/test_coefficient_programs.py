@@ -198,8 +198,9 @@ def test_dt_vjp_boundary_rows_loop_over_their_actions(overrides):
                       r"ACC\((\d+) \+ 1 \* \(r - \1\)\) \+= \(double\)\(G\d\(\d+\)\*U\(r\)\);")
     for target in ("c", "cuda"):
         source = generated.source(target, "dt")
-        # the C body is in the batch function (over chunks of the batch), CUDA's in the kernel
-        body = f"{spec.name}_dt_vjp_batch(" if target == "c" else f"{spec.name}_dt_vjp("
+        # the C body is in the batch function (over chunks of the batch), CUDA's in the per-column
+        # function the kernel calls
+        body = f"{spec.name}_dt_vjp_batch(" if target == "c" else f"{spec.name}_dt_vjp_column("
         dt_vjp = source[source.index(body):]
         loops = loop.findall(dt_vjp)
         assert len(loops) >= 4 and all(int(last) - int(first) + 1 >= 3 for first, last, _ in loops), (target, loops)
