@@ -135,7 +135,7 @@ def lowered_text(code: Any, kernels: tuple[str, ...], name: str = "") -> str:
 
     out = [f"# lowered {name}: a {'stencil' if code.stencil else 'recurrence'}; coefficient table of "
            f"{code.n_coefficients} slots; step durations: {code.n_dt}"]
-    out += block("# coefficient table (once per call, double precision)", code.table)
+    out += block("# coefficient table (once per call, double precision)", code.coefficient_lines)
     for kernel in kernels:
         kc = getattr(code, kernel)
         out.append(f"# {kernel}")

@@ -509,7 +509,7 @@ def _sequence(coefs: Coefficients, values: list[sp.Expr], start: int | Shift) ->
 
 
 @dataclasses.dataclass
-class _Unit:
+class _SharedLoop:
     """Spans that share one loop: over their common rows, or (``nest`` ≥ 0) over the knots of a
     knot loop, around the loops of its first block's spans."""
 
@@ -574,10 +574,10 @@ def _span_loops(spans: list[Span], body: Callable[[Span], list[Statement]]) -> d
     stay rolled (CUDA: unrolled short loops hold every row's loads in registers)."""
     loops = {}
     for group in _groups(spans):
-        unit = _Unit(group)
-        loop = unit.loop(body)
+        shared = _SharedLoop(group)
+        loop = shared.loop(body)
         if loop is not None:
-            loops[unit.key] = loop
+            loops[shared.key] = loop
     return loops
 
 
@@ -597,10 +597,10 @@ def _span_adjoint(coefs: Coefficients, refs: References, spans: list[Span], want
     finishes its first action's and shifts the others down. The window starts from the
     accumulators before the loop and ``early(ref)``, the parts of its first actions that are
     not span rows (``_carried``: no row after the loop reads an action it finishes)."""
-    units = [_Unit(group) for group in _groups(spans)]
+    shared_loops = [_SharedLoop(group) for group in _groups(spans)]
     last: dict[Ref, int] = {}
-    for i, unit in enumerate(units):
-        for span in unit.spans:
+    for i, shared in enumerate(shared_loops):
+        for span in shared.spans:
             for ref, _, _ in span.terms:
                 if wanted(ref):
                     for kn in range(span.repeat + 1):
@@ -608,7 +608,7 @@ def _span_adjoint(coefs: Coefficients, refs: References, spans: list[Span], want
     sums: dict[Ref, Var] = {}  # the accumulator of each ref's partial sum, in order of first use
     lines: list[Statement] = []
     done: set[Ref] = set()
-    for i, unit in enumerate(units):
+    for i, shared in enumerate(shared_loops):
         new: list[Ref] = []
 
         def acc(ref: Ref) -> Var:
@@ -621,21 +621,21 @@ def _span_adjoint(coefs: Coefficients, refs: References, spans: list[Span], want
             return [Store(target(ref), Sum((_term(coefs, lit, slot, Read(f"G{span.k}", (Rel(0),))),)), "+=")
                     for ref, lit, slot in span.terms if wanted(ref)]
 
-        actions = sorted({ref[1].base for span in unit.spans for ref, _, _ in span.terms
-                          if isinstance(ref[1], Shift) and wanted(ref)}) if unit.nest >= 0 else []
+        actions = sorted({ref[1].base for span in shared.spans for ref, _, _ in span.terms
+                          if isinstance(ref[1], Shift) and wanted(ref)}) if shared.nest >= 0 else []
         if not actions:  # no loop over knots, or one that reads no action whose gradient is wanted
-            loop = unit.loop(gather)
+            loop = shared.loop(gather)
             lines += [Def(sums[ref], Sum(()), const=False) for ref in new]
         else:
-            lo, repeat = actions[0], unit.spans[0].repeat
-            window = [Var(f"a{unit.nest}k{m}") for m in range(actions[-1] - lo + 1)]
+            lo, repeat = actions[0], shared.spans[0].repeat
+            window = [Var(f"a{shared.nest}k{m}") for m in range(actions[-1] - lo + 1)]
             for m, var in enumerate(window):
                 ref = action(lo + m)
                 carried = (Term(None, sums.pop(ref)),) if ref in sums else ()
                 lines.append(Def(var, Sum(carried + tuple(early(ref))), const=False))
             tail = (finish(action(Shift(lo, 1)), window[0]), *[Store(a, b) for a, b in zip(window, window[1:])],
                     Store(window[-1], Sum(())))
-            loop = unit.loop(lambda span: gather(span, lambda ref: window[ref[1].base - lo]
+            loop = shared.loop(lambda span: gather(span, lambda ref: window[ref[1].base - lo]
                                                  if isinstance(ref[1], Shift) else acc(ref)), tail)
             lines += [Def(sums[ref], Sum(()), const=False) for ref in new]
             done |= {action(lo + kn) for kn in range(repeat + 1)}
@@ -980,7 +980,7 @@ class LoweredOperator:
         self.n_coefficients = max(1, self.coefs.size)
 
     @functools.cached_property
-    def table(self) -> list[str]:
+    def coefficient_lines(self) -> list[str]:
         """Lines of the shared function that fills the coefficient table from dt."""
         return COLUMN.lines(self.coefs.preamble())
 

@@ -59,14 +59,14 @@ class Monomials:
         SHUFFLE_WIDTH)."""
         return self.highest - self.lowest + 1
 
-    def program(self, name: str) -> "Program":
+    def program(self, name: str) -> "MonomialLoop":
         if name not in PROGRAMS:
             raise ValueError(f"program={name!r} is invalid: allowed {', '.join(PROGRAMS)}")
-        return Program(name)
+        return MonomialLoop(name)
 
 
 @dataclasses.dataclass(frozen=True)
-class Program:
+class MonomialLoop:
     """One of the loops over a Monomials table, run where its program was (RunTape prints it as
     ``macro``, which codegen/templates/_monomials.j2 defines)."""
 

@@ -131,18 +131,18 @@ LONG_PROGRAM_LINES = 200
 
 
 @dataclasses.dataclass(frozen=True)
-class Program:
+class SplitProgram:
     """A once-per-call program's lines: the straight-line part, then its loops (the rows it rolls)."""
 
     straight: list[str]
     loops: list[str]
 
 
-def _long_programs(code: LoweredOperator, kernels: tuple, per_trajectory: bool) -> dict[str, Program]:
+def _long_programs(code: LoweredOperator, kernels: tuple, per_trajectory: bool) -> dict[str, SplitProgram]:
     """The C template's long once-per-call programs by function (none with one dt or per trajectory)."""
-    if per_trajectory or (len(code.table) <= LONG_PROGRAM_LINES and not code.coefs.taped):
+    if per_trajectory or (len(code.coefficient_lines) <= LONG_PROGRAM_LINES and not code.coefs.taped):
         return {}
-    programs = {"coefficients": code.table}
+    programs = {"coefficients": code.coefficient_lines}
     if "dt_jvp" in kernels:
         programs["coefficients_jvp"] = code.dt_jvp.preamble
     if "dt_vjp_finish" in kernels:
@@ -152,7 +152,7 @@ def _long_programs(code: LoweredOperator, kernels: tuple, per_trajectory: bool) 
         loop = ("for (", "TS_ROLLED", "TS_BARRIER")  # a loop's first line, or the barrier before it
         first = next((i for i, line in enumerate(lines) if line.startswith(loop)), len(lines))
         assert all(line.startswith((*loop, " ", "}")) for line in lines[first:]), f"{name}: statements after its loops"
-        out[name] = Program(lines[:first], lines[first:])
+        out[name] = SplitProgram(lines[:first], lines[first:])
     return out
 
 
@@ -231,7 +231,7 @@ def render(spec: Any, code: LoweredOperator, table: ArgumentTable, target: Targe
         lanes=lane_form,
         lane_bodies={k: lines for k, (_, lines) in lane_bodies.items()},
         lane_actions=_lane_actions(lane_bodies, spec.n_actions),
-        table=code.table if set(kernels) & set(TABLE_KERNELS) else None,
+        coefficient_lines=code.coefficient_lines if set(kernels) & set(TABLE_KERNELS) else None,
         programs=programs,
         guards=_unit_guards(kernels, programs, units) if target.unit_guards else {},
         signatures={k: target.signature(k, table, ctype) for k in target.entry_points(kernels)},

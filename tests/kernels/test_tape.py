@@ -175,7 +175,7 @@ def test_single_dt_programs_are_monomials_on_every_target(overrides):
     spec = spec_of(overrides)
     code = lowered(spec)
     assert code.coefs.form == "monomials"
-    assert code.table == ["TS_MONOMIALS_VALUE();"]
+    assert code.coefficient_lines == ["TS_MONOMIALS_VALUE();"]
     assert code.dt_jvp.preamble == ["TS_MONOMIALS_TANGENT();"]
     assert code.dt_vjp_finish.body == ["TS_MONOMIALS_REVERSE();"]
     generated = generate(spec, targets=("c", "cuda"))
