@@ -105,7 +105,7 @@ static __device__ __forceinline__ double ts_mono_power(const double x, const int
     for (int i = 0; i < e; ++i) p *= x;
     return p;
 }
-/* p·x^(p-1) from x^p */
+/* p*x^(p-1) from x^p */
 #define TS_MONO_DERIVATIVE(e, p, x) ((double)((e) + -3) * (p) / (x))
 /* the table C(q): a thread per slot */
 #define TS_MONOMIALS_VALUE() do { \
@@ -113,7 +113,7 @@ static __device__ __forceinline__ double ts_mono_power(const double x, const int
     if (ts_q >= 15) return; \
     C(ts_q) = (T)(ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_mono_c[ts_q] * ts_mono_power((double)DT(0), ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_mono_e[ts_q])); \
 } while (0)
-/* the table and its tangents CD(q) = c·p·dt^(p-1)·ddt: a thread per slot */
+/* the table and its tangents CD(q) = c*p*dt^(p-1)*ddt: a thread per slot */
 #define TS_MONOMIALS_TANGENT() do { \
     const int64_t ts_q = (int64_t)blockIdx.x * (int64_t)blockDim.x + (int64_t)threadIdx.x; \
     if (ts_q >= 15) return; \
@@ -123,7 +123,7 @@ static __device__ __forceinline__ double ts_mono_power(const double x, const int
     C(ts_q) = (T)(ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_mono_c[ts_q] * ts_p); \
     CD(ts_q) = (T)(ts_h32_d7_pos_bac_a111_hold_dtu_noidx_bhd_f32_o3_mono_c[ts_q] * TS_MONO_DERIVATIVE(ts_e, ts_p, ts_x) * (double)DDT(0)); \
 } while (0)
-/* the dt gradient from the slots' gradients GC(q) (double), the sum of GC(q)·c·p·dt^(p-1): the
+/* the dt gradient from the slots' gradients GC(q) (double), the sum of GC(q)*c*p*dt^(p-1): the
  * block's threads each add a stride of the slots, then a fixed tree adds their sums (the same
  * order on every run) */
 #define TS_MONOMIALS_REVERSE() do { \

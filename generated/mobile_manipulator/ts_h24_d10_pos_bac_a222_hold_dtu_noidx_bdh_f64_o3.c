@@ -146,7 +146,7 @@ static const double ts_h24_d10_pos_bac_a222_hold_dtu_noidx_bdh_f64_o3_mono_c[32]
 static const unsigned char ts_h24_d10_pos_bac_a222_hold_dtu_noidx_bdh_f64_o3_mono_e[32] = {
     2,3,4,5,2,1,2,4,1,0,1,2,3,0,2,1,2,4,1,0,1,2,3,0,1,0,1,2,3,0,0,0,
 };
-/* ts_pw[e] = x^p and ts_dpw[e] = p·x^(p-1) for p = e - 3 */
+/* ts_pw[e] = x^p and ts_dpw[e] = p*x^(p-1) for p = e - 3 */
 #define TS_MONOMIAL_POWERS(x) \
     double ts_pw[8] = {0}, ts_dpw[8] = {0}; \
     do { \
@@ -205,7 +205,7 @@ static inline ts_v4d ts_pick4(const double* table, const unsigned char* e)
     for (; ts_q < 32; ++ts_q) \
         C(ts_q) = (T)(ts_h24_d10_pos_bac_a222_hold_dtu_noidx_bdh_f64_o3_mono_c[ts_q] * ts_pw[ts_h24_d10_pos_bac_a222_hold_dtu_noidx_bdh_f64_o3_mono_e[ts_q]]); \
 } while (0)
-/* the table and its tangents CD(q) = c·p·dt^(p-1)·ddt */
+/* the table and its tangents CD(q) = c*p*dt^(p-1)*ddt */
 #define TS_MONOMIALS_TANGENT() do { \
     TS_MONOMIAL_POWERS((double)DT(0)); \
     const double ts_ddt = (double)DDT(0); \
@@ -217,7 +217,7 @@ static inline ts_v4d ts_pick4(const double* table, const unsigned char* e)
         CD(ts_q) = (T)(ts_h24_d10_pos_bac_a222_hold_dtu_noidx_bdh_f64_o3_mono_c[ts_q] * ts_dpw[ts_e] * ts_ddt); \
     } \
 } while (0)
-/* the dt gradient from the slots' gradients GC(q) (double): the sum of GC(q)·c·p·dt^(p-1) */
+/* the dt gradient from the slots' gradients GC(q) (double): the sum of GC(q)*c*p*dt^(p-1) */
 #define TS_MONOMIALS_REVERSE() do { \
     TS_MONOMIAL_POWERS((double)DT(0)); \
     double ts_g = 0.0; \

@@ -134,8 +134,10 @@ def test_rolled_lane_columns_match_reference(overrides, monkeypatch):
     monkeypatch.setattr(render_module, "ROLL_ABOVE_LINES", 0)
     source = generate(spec, ("c",)).source("c")
     core = generate(spec, ("c",), ("core",)).source("c", "core")
-    # the adjoint's reverse scan and the forward loop (per-step dt adds the coefficient program's row loop)
-    assert core.count("--r) {") == 1 and core.count("++r) {") == (2 if spec.dt == "per_step" else 1)
+    # the adjoint's reverse scan and the forward loop (per-step dt adds the coefficient program's row
+    # loop, whose rows a CUDA block's threads share: r += TS_THREADS)
+    assert core.count("--r) {") == 1 and core.count("++r) {") == 1
+    assert core.count("r += TS_THREADS) {") == (1 if spec.dt == "per_step" else 0)
     launcher = Launcher(spec, CpuBackend(spec, source))
     x = Inputs(spec, batch=4)
     dt = dt_value(spec)
