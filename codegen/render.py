@@ -14,7 +14,7 @@ from .arguments import ArgumentTable
 from .lower import LoweredOperator
 from .printer import lane_printer
 from .statements import Read, Shift, walk
-from .targets import CUDA_BLOCK, CUDA_WARPS, TABLE_KERNELS, Target, cuda_warp_rows_shared
+from .targets import CUDA_BLOCK, CUDA_STAGED, CUDA_WARPS, TABLE_KERNELS, Target, cuda_stage_columns, cuda_warp_rows_shared
 
 CTYPES = {"float32": "float", "float64": "double"}
 ITEMSIZE = {"float32": 4, "float64": 8}
@@ -257,5 +257,8 @@ def render(spec: Any, code: LoweredOperator, table: ArgumentTable, target: Targe
         dt_vjp_table=abi.cuda_table("dt_vjp", table) is not None,  # CUDA: dt_vjp reads the table
         warps=CUDA_WARPS,  # CUDA: dt_vjp's rows of partial sums, per warp, in shared memory or in gc
         warp_rows_shared=cuda_warp_rows_shared(code.n_coefficients),
+        # CUDA, layout "bdh": a block's columns (at most this many) stage their stored rows
+        stage_columns=cuda_stage_columns(spec.layout, spec.horizon, spec.n_actions, spec.order, itemsize),
+        staged=CUDA_STAGED,
     )
     return _environment().get_template(target.template).render(**context)

@@ -57,6 +57,24 @@ TABLE_KERNELS = ("forward", "adjoint", "dt_vjp")
 CUDA_WARP_ROWS_SHARED_BYTES = 32 * 1024
 
 
+#: layout "bdh": a column's rows are contiguous and a warp's 32 columns 32 rows apart, so a warp's
+#: store of a row touches 32 sectors. The per-element kernels that store rows (CUDA_STAGED) stage
+#: their block's rows in this many bytes of shared memory, then the block stores them in order
+#: (contiguous addresses): a block then has at most ``cuda_stage_columns`` threads
+CUDA_STAGE_BYTES = 32 * 1024
+#: the per-element kernels that stage their stores with layout "bdh": the rows they store
+CUDA_STAGED = {"forward": "outputs", "adjoint": "actions", "dt_jvp": "outputs"}
+
+
+def cuda_stage_columns(layout: str, horizon: int, n_actions: int, order: int, itemsize: int) -> int:
+    """Columns (threads) of a block whose stored rows fit CUDA_STAGE_BYTES (a multiple of the warp,
+    at most CUDA_BLOCK): 0 where the layout is not "bdh" or a warp's rows do not fit (no staging)."""
+    if layout != "bdh":
+        return 0
+    per_column = max((order + 1) * horizon, n_actions) * itemsize
+    return min(CUDA_BLOCK, CUDA_STAGE_BYTES // per_column) // CUDA_WARP * CUDA_WARP
+
+
 def cuda_warp_rows_shared(n_coefficients: int) -> bool:
     """Whether dt_vjp's warps keep their rows of partial sums in shared memory (else in gc)."""
     return CUDA_WARPS * n_coefficients * 8 <= CUDA_WARP_ROWS_SHARED_BYTES
@@ -147,6 +165,8 @@ class CudaLaunchPlan:
     dtype: str
     n_coefficients: int
     form: str
+    #: layout "bdh": the most threads a block of a staging kernel (CUDA_STAGED) has; 0: no staging
+    stage_columns: int = 0
     # worked out once per plan (every call asks; the plan never changes): not part of its value
     _parameters: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict, init=False, repr=False,
                                                                 compare=False)
@@ -250,6 +270,8 @@ class CudaLaunchPlan:
                                     (*names, self.dt_vjp_rows(B), stride, "sums" if one_run else 0)),), sums, names)
         if kernel not in abi.CUDA_TABLES:
             raise ValueError(f"unknown kernel {kernel!r}; allowed: {', '.join(abi.KERNELS)}")
+        if kernel in CUDA_STAGED and self.stage_columns:
+            block = min(block, self.stage_columns)
         grid = _blocks(B * self.dof, block)
         if kernel == "dt_vjp":
             grid, block = self.dt_vjp_grid(B), self.dt_vjp_block(B)
@@ -380,8 +402,10 @@ class CudaTarget(Target):
                     "knot span or a shorter horizon, or device='cpu'")
 
     def launch_plan(self, spec: Any, metadata: Mapping[str, Any]) -> CudaLaunchPlan:
+        stage = cuda_stage_columns(spec.layout, spec.horizon, spec.n_actions, spec.order,
+                                   4 if spec.dtype == "float32" else 8)
         return CudaLaunchPlan(argument_table(spec), spec.dof, spec.dtype, int(metadata["n_coefficients"]),
-                              str(metadata["coefficients"]))
+                              str(metadata["coefficients"]), stage)
 
 
 C = CTarget("c", "kernel.c.j2", "c", lanes=True, split_programs=True, unit_guards=True)

@@ -27,6 +27,13 @@ step by shuffle step into its lane 0, which adds the sum to the warp's row; then
 rows added in order into its row of gc. dt_vjp_finish's sum of the block rows runs the same way
 (each coefficient's lanes, then the shuffle tree), by its thread 0 before the reverse program.
 The sums are the same, in the same order, as on the GPU.
+
+With layout "bdh" the per-element kernels stage their rows in shared memory, and after a barrier
+(TS_STAGE_BARRIER) the block's threads store the block's rows in order, each a stride of them. A
+block then runs in two passes: in the first every thread runs up to the barrier and returns (its
+rows staged), in the second every thread runs again in full, restaging the same rows (the work
+before the barrier only reads inputs and writes the thread's own stage) and then storing its
+stride of the whole block's stage, which every thread of the block has written.
 """
 from __future__ import annotations
 
@@ -63,6 +70,10 @@ PRELUDE = f"""/* CUDA keywords for a sequential run on the host */
 typedef struct {{ long long x; }} ts_dim3;
 static ts_dim3 blockIdx, threadIdx, blockDim, gridDim; /* set by each launch */
 #define TS_MAX_BLOCK {MAX_BLOCK}
+/* layout "bdh"'s barrier between staging rows and storing them: a block runs in two passes, the
+ * first each thread up to the barrier, the second each thread in full (see the module docstring) */
+static int ts_pass, ts_staged;
+#define TS_STAGE_BARRIER() do {{ if (ts_pass == 0) {{ ts_staged = 1; return; }} }} while (0)
 """
 #: kernels run once per call (or per trajectory), a block per run whose threads share the work
 ONCE_PER_CALL = ("coefficients", "coefficients_jvp", "dt_vjp_finish")
@@ -154,8 +165,11 @@ def _entry_point(spec: Any, kernel: str, reduce_blocks: bool, one_thread: bool) 
         f"void {symbol}(long long grid, long long block, {signature})\n{{\n"
         f"    blockDim.x = {'1' if one_thread else 'block'}; gridDim.x = grid;\n"
         f"    for (long long b = 0; b < grid; ++b) {{\n"
-        f"        for (long long t = 0; t < {'1' if one_thread else 'block'}; ++t) {{\n"
-        f"            blockIdx.x = b; threadIdx.x = t; {symbol}_thread({names});\n"
+        f"        ts_staged = 0;\n"
+        f"        for (ts_pass = 0; ts_pass == 0 || (ts_pass == 1 && ts_staged); ++ts_pass) {{\n"
+        f"            for (long long t = 0; t < {'1' if one_thread else 'block'}; ++t) {{\n"
+        f"                blockIdx.x = b; threadIdx.x = t; {symbol}_thread({names});\n"
+        f"            }}\n"
         f"        }}\n"
         + (f"        {symbol}_block(gc);\n" if reduce_blocks else "")
         + "    }\n}")

@@ -17,6 +17,14 @@ typedef long long int64_t; /* NVRTC has no <stdint.h> */
 #define TS_THREAD ((int64_t)threadIdx.x)
 #define TS_THREADS ((int64_t)blockDim.x)
 #define TS_BARRIER() __syncthreads()
+/* layout "bdh": the barrier between a block's staging of its rows and their stores (the host test
+ * double defines its own, tests/cuda_on_host.py) */
+#ifndef TS_STAGE_BARRIER
+#define TS_STAGE_BARRIER() __syncthreads()
+#endif
+/* a stage's element i in shared memory: a word of padding every 32, so that a warp's columns,
+ * a column's rows apart, fall in different banks */
+#define TS_STAGE_PAD(i) ((i) + ((i) >> 5))
 enum { H_ = 24, N_ = 23, D_ = 10, NDT_ = 1, NC_ = 32 };
 /* strides in elements: action u[b, j, d], outputs y[b, h, d] (layout "bdh") */
 #define U_SB 230LL
@@ -230,9 +238,31 @@ extern "C" __global__ __launch_bounds__(256, 2) void ts_h24_d10_pos_bac_a222_hol
     __shared__ T coef[1 * NC_];
     for (int i = threadIdx.x; i < 1 * NC_; i += blockDim.x) coef[i] = coef_g[i];
     __syncthreads();
-    const int64_t col = (int64_t)blockIdx.x * (int64_t)blockDim.x + (int64_t)threadIdx.x;
-    if (col >= B * D_) return;
-    {
+    /* layout "bdh": a column's rows are contiguous, a warp's columns H_ elements apart, so each
+     * thread stages its rows in shared memory and the block then stores its columns' rows in
+     * order, a warp at neighbouring addresses (a block has at most TS_STAGE_COLS threads) */
+    enum { TS_STAGE_COLS = 32 };
+    __shared__ T ts_stage[4 * TS_STAGE_COLS * H_ + (4 * TS_STAGE_COLS * H_ >> 5) + 1];
+#undef TS_STAGE_AT
+#define TS_STAGE_AT(k, i) ts_stage[TS_STAGE_PAD((int64_t)(k) * TS_STAGE_COLS * H_ + (int64_t)threadIdx.x * H_ + (i))]
+#undef Y0
+#define Y0(h, v) TS_STAGE_AT(0, (h)) = (v)
+#undef SY0
+#define SY0 TS_STAGE_AT(0, sy - yo)
+#undef Y1
+#define Y1(h, v) TS_STAGE_AT(1, (h)) = (v)
+#undef SY1
+#define SY1 TS_STAGE_AT(1, sy - yo)
+#undef Y2
+#define Y2(h, v) TS_STAGE_AT(2, (h)) = (v)
+#undef SY2
+#define SY2 TS_STAGE_AT(2, sy - yo)
+#undef Y3
+#define Y3(h, v) TS_STAGE_AT(3, (h)) = (v)
+#undef SY3
+#define SY3 TS_STAGE_AT(3, sy - yo)
+    const int64_t col0 = (int64_t)blockIdx.x * (int64_t)blockDim.x, col = col0 + (int64_t)threadIdx.x;
+    if (col < B * D_) {
         const int64_t b = col / D_, d = col % D_;
         const int64_t srow = idx ? idx[b] : b;
         COLUMN_BASES(b, d)
@@ -283,6 +313,16 @@ extern "C" __global__ __launch_bounds__(256, 2) void ts_h24_d10_pos_bac_a222_hol
         const T y3_4 = C(30)*s0+C(31)*U(0)+C(29)*U(1)+C(23)*U(2)+C(13)*U(3);
         Y3(4, y3_4);
     }
+    TS_STAGE_BARRIER();
+    /* the block's columns' rows, H_ a column, in order: element e of the block's stage is
+     * element e after the block's first column's first */
+    const int64_t staged = (B * D_ - col0 < (int64_t)blockDim.x ? B * D_ - col0 : (int64_t)blockDim.x) * H_;
+    for (int64_t e = threadIdx.x; e < staged; e += blockDim.x) {
+        y0[col0 * H_ + e] = ts_stage[TS_STAGE_PAD((int64_t)0 * TS_STAGE_COLS * H_ + e)];
+        y1[col0 * H_ + e] = ts_stage[TS_STAGE_PAD((int64_t)1 * TS_STAGE_COLS * H_ + e)];
+        y2[col0 * H_ + e] = ts_stage[TS_STAGE_PAD((int64_t)2 * TS_STAGE_COLS * H_ + e)];
+        y3[col0 * H_ + e] = ts_stage[TS_STAGE_PAD((int64_t)3 * TS_STAGE_COLS * H_ + e)];
+    }
 }
 
 extern "C" __global__ __launch_bounds__(256, 2) void ts_h24_d10_pos_bac_a222_hold_dtu_noidx_bdh_f64_o3_adjoint(int64_t B, const double* __restrict__ g0, const double* __restrict__ g1, const double* __restrict__ g2, const double* __restrict__ g3, const double* __restrict__ dt_in, double* __restrict__ gu, double* __restrict__ gp0, double* __restrict__ gv0, double* __restrict__ ga0, double* __restrict__ gj0, const double* __restrict__ coef_g)
@@ -292,9 +332,19 @@ extern "C" __global__ __launch_bounds__(256, 2) void ts_h24_d10_pos_bac_a222_hol
     __shared__ T coef[1 * NC_];
     for (int i = threadIdx.x; i < 1 * NC_; i += blockDim.x) coef[i] = coef_g[i];
     __syncthreads();
-    const int64_t col = (int64_t)blockIdx.x * (int64_t)blockDim.x + (int64_t)threadIdx.x;
-    if (col >= B * D_) return;
-    {
+    /* layout "bdh": a column's rows are contiguous, a warp's columns N_ elements apart, so each
+     * thread stages its rows in shared memory and the block then stores its columns' rows in
+     * order, a warp at neighbouring addresses (a block has at most TS_STAGE_COLS threads) */
+    enum { TS_STAGE_COLS = 32 };
+    __shared__ T ts_stage[1 * TS_STAGE_COLS * N_ + (1 * TS_STAGE_COLS * N_ >> 5) + 1];
+#undef TS_STAGE_AT
+#define TS_STAGE_AT(k, i) ts_stage[TS_STAGE_PAD((int64_t)(k) * TS_STAGE_COLS * N_ + (int64_t)threadIdx.x * N_ + (i))]
+#undef GU
+#define GU(j, v) TS_STAGE_AT(0, (j)) = (v)
+#undef SGU
+#define SGU TS_STAGE_AT(0, su - uo)
+    const int64_t col0 = (int64_t)blockIdx.x * (int64_t)blockDim.x, col = col0 + (int64_t)threadIdx.x;
+    if (col < B * D_) {
         const int64_t b = col / D_, d = col % D_;
         const int64_t srow = idx ? idx[b] : b;
         COLUMN_BASES(b, d)
@@ -314,6 +364,13 @@ extern "C" __global__ __launch_bounds__(256, 2) void ts_h24_d10_pos_bac_a222_hol
         GS1(C(26)*G3(3)+C(20)*G3(2)+C(16)*G2(2)+C(10)*G3(1)+C(6)*G2(1)+C(1)*G1(1)+G1(0));
         GS2(C(27)*G3(3)+C(21)*G3(2)+C(1)*G2(2)+C(11)*G3(1)+C(2)*G1(1)+G2(0));
         GS3(C(28)*G3(3)+C(22)*G3(2)+C(17)*G2(2)+C(12)*G3(1)+C(7)*G2(1)+C(3)*G1(1)+G3(0));
+    }
+    TS_STAGE_BARRIER();
+    /* the block's columns' rows, N_ a column, in order: element e of the block's stage is
+     * element e after the block's first column's first */
+    const int64_t staged = (B * D_ - col0 < (int64_t)blockDim.x ? B * D_ - col0 : (int64_t)blockDim.x) * N_;
+    for (int64_t e = threadIdx.x; e < staged; e += blockDim.x) {
+        gu[col0 * N_ + e] = ts_stage[TS_STAGE_PAD((int64_t)0 * TS_STAGE_COLS * N_ + e)];
     }
 }
 
@@ -439,9 +496,31 @@ extern "C" __global__ __launch_bounds__(256, 2) void ts_h24_d10_pos_bac_a222_hol
     __shared__ T coef[2 * NC_];
     for (int i = threadIdx.x; i < 2 * NC_; i += blockDim.x) coef[i] = coef_g[i];
     __syncthreads();
-    const int64_t col = (int64_t)blockIdx.x * (int64_t)blockDim.x + (int64_t)threadIdx.x;
-    if (col >= B * D_) return;
-    {
+    /* layout "bdh": a column's rows are contiguous, a warp's columns H_ elements apart, so each
+     * thread stages its rows in shared memory and the block then stores its columns' rows in
+     * order, a warp at neighbouring addresses (a block has at most TS_STAGE_COLS threads) */
+    enum { TS_STAGE_COLS = 32 };
+    __shared__ T ts_stage[4 * TS_STAGE_COLS * H_ + (4 * TS_STAGE_COLS * H_ >> 5) + 1];
+#undef TS_STAGE_AT
+#define TS_STAGE_AT(k, i) ts_stage[TS_STAGE_PAD((int64_t)(k) * TS_STAGE_COLS * H_ + (int64_t)threadIdx.x * H_ + (i))]
+#undef TY0
+#define TY0(h, v) TS_STAGE_AT(0, (h)) = (v)
+#undef STY0
+#define STY0 TS_STAGE_AT(0, sy - yo)
+#undef TY1
+#define TY1(h, v) TS_STAGE_AT(1, (h)) = (v)
+#undef STY1
+#define STY1 TS_STAGE_AT(1, sy - yo)
+#undef TY2
+#define TY2(h, v) TS_STAGE_AT(2, (h)) = (v)
+#undef STY2
+#define STY2 TS_STAGE_AT(2, sy - yo)
+#undef TY3
+#define TY3(h, v) TS_STAGE_AT(3, (h)) = (v)
+#undef STY3
+#define STY3 TS_STAGE_AT(3, sy - yo)
+    const int64_t col0 = (int64_t)blockIdx.x * (int64_t)blockDim.x, col = col0 + (int64_t)threadIdx.x;
+    if (col < B * D_) {
         const int64_t b = col / D_, d = col % D_;
         const int64_t srow = idx ? idx[b] : b;
         const T* coefd = coef + NC_;
@@ -496,5 +575,15 @@ extern "C" __global__ __launch_bounds__(256, 2) void ts_h24_d10_pos_bac_a222_hol
         TY3(3, ty3_3);
         const T ty3_4 = CD(30)*s0+C(30)*ts0+CD(31)*U(0)+C(31)*DU(0)+CD(29)*U(1)+C(29)*DU(1)+CD(23)*U(2)+C(23)*DU(2)+CD(13)*U(3)+C(13)*DU(3);
         TY3(4, ty3_4);
+    }
+    TS_STAGE_BARRIER();
+    /* the block's columns' rows, H_ a column, in order: element e of the block's stage is
+     * element e after the block's first column's first */
+    const int64_t staged = (B * D_ - col0 < (int64_t)blockDim.x ? B * D_ - col0 : (int64_t)blockDim.x) * H_;
+    for (int64_t e = threadIdx.x; e < staged; e += blockDim.x) {
+        ty0[col0 * H_ + e] = ts_stage[TS_STAGE_PAD((int64_t)0 * TS_STAGE_COLS * H_ + e)];
+        ty1[col0 * H_ + e] = ts_stage[TS_STAGE_PAD((int64_t)1 * TS_STAGE_COLS * H_ + e)];
+        ty2[col0 * H_ + e] = ts_stage[TS_STAGE_PAD((int64_t)2 * TS_STAGE_COLS * H_ + e)];
+        ty3[col0 * H_ + e] = ts_stage[TS_STAGE_PAD((int64_t)3 * TS_STAGE_COLS * H_ + e)];
     }
 }
