@@ -34,6 +34,9 @@ BSPLINE_DT = ("uniform", "per_trajectory")
 CONTROL_ORDER = {"position": 0, "velocity": 1, "acceleration": 2, "jerk": 3}
 DERIVATIVE_NAMES = ("position", "velocity", "acceleration", "jerk", "snap")
 DEFAULT_ACCURACY = {"backward": (1, 1, 1, 1), "central": (4, 4, 2, 2)}
+#: the outputs a step can write, in order (P V A J, S with order=4), and the cost kinds a term may have
+OUTPUT_NAMES = ("P", "V", "A", "J", "S")
+COST_KINDS = ("squared", "bound")
 
 
 def unknown_name(name: Any, allowed: Sequence[str]) -> str:
@@ -115,6 +118,8 @@ class KernelSpec:
     degree: Any = None  # B-spline degree D (control="bspline"; default 4)
     knots: Any = None  # B-spline free control points n (control="bspline")
     steps: Any = None  # B-spline output rows per span s (control="bspline")
+    costs: Any = ()  # cost terms (kind, state) computed inside the step, in the order of the cost output
+    outputs: Any = None  # the states written, a subset of P, V, A, J (S) in order; default all
 
     def __new__(cls, *args: Any, **kwargs: Any) -> "KernelSpec":
         # Python's own "unexpected keyword argument" names no field: say the closest and the allowed
@@ -158,6 +163,8 @@ class KernelSpec:
         if isinstance(self.order, bool) or self.order not in ORDERS:
             raise _fail("order", self.order, "allowed: 3 (up to jerk), 4 (up to snap)")
         object.__setattr__(self, "accuracy", self._normalise_accuracy(self.accuracy))
+        object.__setattr__(self, "costs", self._normalise_costs(self.costs))
+        object.__setattr__(self, "outputs", self._normalise_outputs(self.outputs))
         self._refuse_irrelevant()
 
     def _check_bspline(self) -> None:
@@ -225,6 +232,45 @@ class KernelSpec:
                 raise _fail("accuracy", accuracy, "central differences need even accuracies (2, 4, 6, 8)")
         return tuple(values)
 
+    def _normalise_costs(self, costs: Any) -> tuple[tuple[str, str], ...]:
+        """Cost terms as a tuple of (kind, state) pairs, each known and at most once."""
+        states = DERIVATIVE_NAMES[: self.order + 1]
+        if isinstance(costs, (str, bytes)) or not isinstance(costs, (tuple, list)):
+            raise _fail("costs", costs, "expected a tuple of (kind, state) pairs, e.g. (('bound', 'velocity'),)")
+        terms = []
+        for term in costs:
+            if not (isinstance(term, (tuple, list)) and len(term) == 2 and all(isinstance(x, str) for x in term)):
+                raise _fail("costs", costs, f"each term is a (kind, state) pair of strings, got {term!r}")
+            kind, state = term
+            if kind not in COST_KINDS:
+                raise _fail("costs", costs, f"unknown kind {kind!r} ({unknown_name(kind, COST_KINDS)})")
+            if state not in states:
+                hint = " (snap needs order=4)" if state == "snap" else ""
+                raise _fail("costs", costs, f"unknown state {state!r}{hint} ({unknown_name(state, states)})")
+            if (kind, state) in terms:
+                raise _fail("costs", costs, f"the term ({kind!r}, {state!r}) is listed twice")
+            terms.append((kind, state))
+        return tuple(terms)
+
+    def _normalise_outputs(self, outputs: Any) -> tuple[str, ...]:
+        """The written states, in output order (default: every state of the order)."""
+        allowed = OUTPUT_NAMES[: self.order + 1]
+        if outputs is None:
+            return allowed
+        if isinstance(outputs, str):
+            outputs = tuple(outputs)
+        if not isinstance(outputs, (tuple, list)) or not all(isinstance(o, str) for o in outputs):
+            raise _fail("outputs", outputs, f"expected a tuple of output names from {', '.join(allowed)}")
+        for o in outputs:
+            if o not in allowed:
+                hint = " (S needs order=4)" if o == "S" else ""
+                raise _fail("outputs", outputs, f"unknown output {o!r}{hint} ({unknown_name(o, allowed)})")
+        if len(set(outputs)) != len(outputs):
+            raise _fail("outputs", outputs, "each output at most once")
+        if not outputs and not self.costs:
+            raise _fail("outputs", outputs, "a step without costs must write at least one output")
+        return tuple(o for o in allowed if o in outputs)
+
     # ---- derived properties -------------------------------------------------------------
     @property
     def n_actions(self) -> int:
@@ -268,6 +314,10 @@ class KernelSpec:
         ]
         if self.goal_index:  # new options only add parts: existing names stay as they were
             parts.append("gidx")
+        if self.outputs != OUTPUT_NAMES[: self.order + 1]:
+            parts.append("out" + "".join(self.outputs).lower())
+        for kind, state in self.costs:
+            parts.append(f"{kind[0]}{state[0]}")
         return "_".join(parts)
 
     @property
@@ -284,6 +334,14 @@ class KernelSpec:
         for field in OPTIONAL_FIELDS:
             if d[field] is None:
                 del d[field]
+        if not self.costs:  # absent at their defaults, as goal_index
+            del d["costs"]
+        else:
+            d["costs"] = [list(t) for t in self.costs]
+        if self.outputs == OUTPUT_NAMES[: self.order + 1]:
+            del d["outputs"]
+        else:
+            d["outputs"] = list(self.outputs)
         return d
 
     @classmethod
@@ -295,6 +353,10 @@ class KernelSpec:
         kwargs = dict(data)
         if isinstance(kwargs.get("accuracy"), list):
             kwargs["accuracy"] = tuple(kwargs["accuracy"])
+        if isinstance(kwargs.get("costs"), list):
+            kwargs["costs"] = tuple(tuple(t) if isinstance(t, list) else t for t in kwargs["costs"])
+        if isinstance(kwargs.get("outputs"), list):
+            kwargs["outputs"] = tuple(kwargs["outputs"])
         return cls(**kwargs)
 
     def replace(self, **changes: Any) -> "KernelSpec":

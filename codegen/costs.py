@@ -1,0 +1,76 @@
+"""Joint-space cost kinds as data: a pointwise expression per kind, its parameters, and the
+derivatives SymPy takes of it.
+
+A cost term ``(kind, state)`` of a spec adds, over every output row h and dof d of the state's
+output y, ``expression(y, parameters)``; its weight is ``weight_d · row_weight_h``. The
+expression is all a kind is: the adjoint needs its derivative in y (``derivative``), a
+Hessian-vector product its second (``second_derivative``), and both are derived here.
+
+>>> KINDS["squared"].derivative
+2*w*(-target + y)
+>>> KINDS["bound"].derivative
+2*w*(-Max(0, lower + margin - y) + Max(0, margin - upper + y))
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import sympy as sp
+
+#: the symbols an expression may use: the state's value, the combined weight, and the kind's parameters
+Y, W = sp.Symbol("y", real=True), sp.Symbol("w", real=True)
+LOWER, UPPER, MARGIN, TARGET = (sp.Symbol(n, real=True) for n in ("lower", "upper", "margin", "target"))
+
+
+def _ramp(x: sp.Expr) -> sp.Expr:
+    """max(0, x)."""
+    return sp.Max(0, x)
+
+
+@dataclasses.dataclass(frozen=True)
+class CostKind:
+    """One kind of cost term: its pointwise expression and the parameters it reads.
+
+    ``parameters``: the per-dof parameters besides the weight (``limit`` is the pair lower, upper),
+    each with whether a term must be given it; ``target_states``: the states for which the
+    ``target`` parameter exists (elsewhere it is 0)."""
+
+    name: str
+    expression: sp.Expr
+    parameters: tuple[tuple[str, bool], ...] = ()
+    target_states: tuple[str, ...] = ()
+
+    @functools.cached_property
+    def derivative(self) -> sp.Expr:
+        """d expression / dy, with max(0, a)·step(a) written as max(0, a)."""
+        return _tidy(sp.diff(self.expression, Y))
+
+    @functools.cached_property
+    def second_derivative(self) -> sp.Expr:
+        """d² expression / dy² (a step function where a ramp is squared; 0 at the kink)."""
+        return _tidy(sp.diff(self.derivative, Y))
+
+
+def _tidy(e: sp.Expr) -> sp.Expr:
+    """SymPy's derivatives of max(0, a)² as the functions they are: Heaviside(a)·max(0, a) is max(0, a),
+    DiracDelta(a)·max(0, a) vanishes, and Heaviside(a) takes 0 at a = 0."""
+    def product(m: sp.Mul) -> sp.Expr:
+        factors = list(m.args)
+        ramps = {f.args[1] for f in factors if isinstance(f, sp.Max) and f.args[0] == 0}
+        if any(isinstance(f, sp.DiracDelta) and f.args[0] in ramps for f in factors):
+            return sp.Integer(0)
+        return sp.Mul(*[f for f in factors if not (isinstance(f, sp.Heaviside) and f.args[0] in ramps)])
+
+    e = sp.expand(e).replace(lambda x: x.is_Mul, product)
+    e = e.replace(lambda x: isinstance(x, sp.Heaviside) and len(x.args) == 1, lambda x: sp.Heaviside(x.args[0], 0))
+    return sp.factor_terms(e)
+
+
+KINDS: dict[str, CostKind] = {
+    kind.name: kind for kind in (
+        CostKind("squared", W * (Y - TARGET) ** 2, target_states=("position",)),
+        CostKind("bound", W * (_ramp(Y - (UPPER - MARGIN)) ** 2 + _ramp((LOWER + MARGIN) - Y) ** 2),
+                 parameters=(("limit", True), ("margin", False))),
+    )
+}

@@ -1,0 +1,63 @@
+"""Cost kinds (codegen/costs.py): each kind's SymPy expression is its definition, and the derivatives
+SymPy takes of it are the derivatives (against the NumPy reference and central differences). Codegen
+only: no PyTorch."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import sympy as sp
+
+import reference_costs
+from tensorstep.codegen.costs import KINDS, LOWER, MARGIN, TARGET, UPPER, W, Y
+from tensorstep.codegen.spec import KernelSpec
+
+RNG = np.random.default_rng(0)
+POINTS = RNG.uniform(-3, 3, 64)  # y, around and beyond the limits below
+PARAMS = {W: 0.7, LOWER: -1.0, UPPER: 1.5, MARGIN: 0.2, TARGET: 0.4}
+
+
+def _numeric(expr: sp.Expr):
+    return sp.lambdify([Y], expr.subs(PARAMS).replace(
+        lambda x: isinstance(x, sp.Heaviside), lambda x: sp.Piecewise((1, x.args[0] > 0), (0, True))), "numpy")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_expression_is_the_definition(kind):
+    y = POINTS.reshape(1, -1, 1)
+    ref = reference_costs.term(kind, y, np.array([PARAMS[W]]), limit=np.array([[PARAMS[LOWER]], [PARAMS[UPPER]]]),
+                               margin=np.array([PARAMS[MARGIN]]), target=np.array([[PARAMS[TARGET]]]))
+    got = np.sum(_numeric(KINDS[kind].expression)(POINTS))
+    np.testing.assert_allclose(got, ref[0], rtol=1e-14)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_derivatives_match_central_differences(kind):
+    """Away from the kinks (|y − limit ± margin| > 1e-3), where the second derivative is defined."""
+    f, df, d2f = (_numeric(e) for e in (KINDS[kind].expression, KINDS[kind].derivative, KINDS[kind].second_derivative))
+    kinks = np.array([PARAMS[LOWER] + PARAMS[MARGIN], PARAMS[UPPER] - PARAMS[MARGIN]])
+    y = POINTS[np.min(np.abs(POINTS[:, None] - kinks[None, :]), axis=1) > 1e-3]
+    h = 1e-6
+    np.testing.assert_allclose(df(y), (f(y + h) - f(y - h)) / (2 * h), rtol=1e-7, atol=1e-7)
+    np.testing.assert_allclose(d2f(y) * np.ones_like(y), (df(y + h) - df(y - h)) / (2 * h), rtol=1e-7, atol=1e-7)
+
+
+def test_spec_fields_round_trip_and_name_the_terms():
+    spec = KernelSpec(horizon=32, dof=7, costs=(("bound", "velocity"), ("squared", "jerk")), outputs=("P",))
+    assert KernelSpec.from_dict(spec.to_dict()) == spec
+    assert spec.name.endswith("_outp_bv_sj")
+    plain = KernelSpec(horizon=32, dof=7)
+    assert "costs" not in plain.to_dict() and "outputs" not in plain.to_dict() and plain.outputs == ("P", "V", "A", "J")
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(costs=(("bound", "snap"),)), "snap needs order=4"),
+    (dict(costs=(("sqared", "jerk"),)), "did you mean 'squared'"),
+    (dict(costs=(("bound", "jerk"), ("bound", "jerk"))), "listed twice"),
+    (dict(costs="bound"), "expected a tuple of (kind, state) pairs"),
+    (dict(outputs=("P", "X")), "unknown output 'X'"),
+    (dict(outputs=("S",)), "S needs order=4"),
+    (dict(outputs=()), "at least one output"),
+])
+def test_bad_costs_and_outputs_are_named(fields, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        KernelSpec(horizon=8, dof=2, **fields)
