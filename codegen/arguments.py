@@ -197,15 +197,48 @@ def step_table(spec: Any) -> ArgumentTable:
     goal = getattr(spec, "end", "") == "goal"
     if goal:
         inputs += _state(GOAL_NAMES, "goal", "goal_index", spec.goal_index, "G", "goal state", "gidx", ("E", "g"))
+    costs = tuple(getattr(spec, "costs", ()))
+    inputs += _cost_parameters(costs, bool(getattr(spec, "goal_index", False)))
     per_trajectory = getattr(spec, "dt", "") == "per_trajectory"
     inputs.append(Argument("dt", "dt_in", "dt", ("B",) if per_trajectory else ("NDT",), dtype=STEP,
                            meaning="step durations"))
+    written = getattr(spec, "outputs", OUTPUT_NAMES[: spec.order + 1])
     outputs = tuple(Argument(OUTPUT_NAMES[k], f"y{k}", "output", ("B", "H", "D"), layout=True,
-                             grad=f"g{k}", tangent=f"ty{k}") for k in range(spec.order + 1))
-    sizes = (("N", spec.n_actions), ("H", spec.horizon), ("D", spec.dof), ("NDT", spec.n_dt))
+                             grad=f"g{k}", tangent=f"ty{k}") for k in range(spec.order + 1) if OUTPUT_NAMES[k] in written)
+    if costs:
+        outputs += (Argument("cost", "cost", "cost", ("B", "T"), grad="gcost", tangent="tcost",
+                             meaning="cost terms"),)
+    sizes = (("N", spec.n_actions), ("H", spec.horizon), ("D", spec.dof), ("NDT", spec.n_dt), ("T", len(costs)))
     values = tuple(Argument(y.name, y.c_name, "value", y.shape, layout=True, differentiable=False,
                             meaning=f"the forward's {y.name}") for y in outputs) if getattr(spec, "integrates", False) else ()
     return ArgumentTable("step_goal" if goal else "step", tuple(inputs), outputs, sizes, spec.layout, values)
+
+
+def _cost_parameters(costs: tuple[tuple[str, str], ...], goal_index: bool) -> list[Argument]:
+    """The keyword tensors of cost terms (kind, state), term t's with macro stems numbered t: its
+    weight per dof ([B, D]; a [D] weight applies to every trajectory), an optional weight per row
+    ([H], default ones), a bound's limits ([2, D]: lower, upper) and optional margin ([D], default
+    0), and a squared position term's optional target ([B, D], or [G, D] picked by goal_index)."""
+    rows: list[Argument] = []
+    for t, (kind, state) in enumerate(costs):
+        prefix = f"{kind}_{state}"
+        rows.append(Argument(f"{prefix}_weight", f"cw{t}", "cost_weight", ("B", "D"), differentiable=False,
+                             meaning=f"the weight per dof of cost term {prefix}", stem=f"CW{t}"))
+        rows.append(Argument(f"{prefix}_row_weight", f"crw{t}", "cost_row_weight", ("H",), presence=OPTIONAL,
+                             nullable=True, differentiable=False, meaning=f"the weight per row of cost term {prefix}",
+                             stem=f"CRW{t}"))
+        if kind == "bound":
+            rows.append(Argument(f"bound_{state}_limit", f"clim{t}", "cost_limit", (2, "D"), differentiable=False,
+                                 meaning=f"the limits (lower, upper) of {state}", stem=f"CLIM{t}"))
+            rows.append(Argument(f"bound_{state}_margin", f"cmar{t}", "cost_margin", ("D",), presence=OPTIONAL,
+                                 nullable=True, differentiable=False, meaning=f"the margin inside the limits of {state}",
+                                 stem=f"CMAR{t}"))
+        if (kind, state) == ("squared", "position"):
+            rows.append(Argument("squared_position_target", "ctgt", "cost_target", ("G" if goal_index else "B", "D"),
+                                 presence=OPTIONAL, nullable=True, index="goal_index" if goal_index else "",
+                                 group="goal_index" if goal_index else "", meaning="the target position",
+                                 stem="CTGT"))
+    return rows
 
 
 #: kernel family → table builder (a spec names its family; native and legacy specs are steps)

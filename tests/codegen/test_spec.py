@@ -63,7 +63,7 @@ def test_from_dict_rejects_unknown_fields():
 
 
 ALLOWED_FIELDS = ("horizon, dof, control, difference, accuracy, integrator, end, dt, start_index, layout, dtype, "
-                  "order, goal_index, degree, knots, steps")
+                  "order, goal_index, degree, knots, steps, costs, outputs")
 
 
 @pytest.mark.parametrize("typo, closest", [("diference", "difference"), ("horizn", "horizon"),
