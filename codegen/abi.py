@@ -66,8 +66,9 @@ def arguments(kernel: str, table: ArgumentTable) -> list[Parameter]:
     grads = [("const T*", y.grad_name) for y in table.outputs]
     if kernel == "forward":
         return batch + _reads(table) + dt + [("T*", y.c_name) for y in table.outputs]
-    if kernel == "adjoint":
-        return batch + grads + dt + [("T*", a.grad_name) for a in table.differentiable]
+    if kernel == "adjoint":  # with cost terms it recomputes the rows: it reads the inputs too
+        return (batch + (_reads(table) if table.fused else []) + grads + dt
+                + [("T*", a.grad_name) for a in table.differentiable])
     if kernel == "dt_vjp":
         values = [("const T*", v.c_name) for v in table.values]  # an integrator's forward outputs
         return batch + _reads(table) + values + grads + dt + [("double*", "gc")]

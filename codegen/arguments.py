@@ -75,6 +75,8 @@ class Argument:
     stem: str = ""
     #: a [rows, D] input's index row: the index argument whose entry, when given, picks its row (else b)
     group: str = ""
+    #: what a kernel reads for an optional per-dof or per-row parameter that is not given
+    default: str = "0"
 
     @property
     def macro(self) -> str:
@@ -99,6 +101,9 @@ class ArgumentTable:
     sizes: tuple[tuple[str, int], ...]  # the symbols fixed by the spec (N, H, D, NDT)
     layout: str = "bhd"
     values: tuple[Argument, ...] = ()  # the forward's outputs that dt_vjp reads (integrators)
+    costs: tuple[tuple[str, str], ...] = ()  # the cost terms (kind, state): the cost output's columns
+    #: cost terms, or only some states written: the adjoint recomputes the rows, so it reads the inputs
+    fused: bool = False
 
     def __iter__(self) -> Iterator[Argument]:
         return iter(self.inputs)
@@ -129,7 +134,14 @@ class ArgumentTable:
     def columns(self) -> tuple[Argument, ...]:
         """The inputs of one row of D per trajectory (the start and goal states, ...): each read once per
         (batch, dof) column."""
-        return tuple(a for a in self.tensors if a.dtype == KERNEL and not a.layout)
+        return tuple(a for a in self.tensors if a.dtype == KERNEL and not a.layout and len(a.shape) == 2
+                     and isinstance(a.shape[0], str) and self.size(a.shape[0]) is None and a.shape[1] == "D")
+
+    @property
+    def parameters(self) -> tuple[Argument, ...]:
+        """The inputs shared by every trajectory: per dof ([D], or [R, D] for R values per dof) or per
+        output row ([H]) (a cost term's limits, margin and row weights)."""
+        return tuple(a for a in self.tensors if a.dtype == KERNEL and not a.layout and a not in self.columns)
 
     @property
     def indices(self) -> tuple[Argument, ...]:
@@ -210,8 +222,12 @@ def step_table(spec: Any) -> ArgumentTable:
                              meaning="cost terms"),)
     sizes = (("N", spec.n_actions), ("H", spec.horizon), ("D", spec.dof), ("NDT", spec.n_dt), ("T", len(costs)))
     values = tuple(Argument(y.name, y.c_name, "value", y.shape, layout=True, differentiable=False,
-                            meaning=f"the forward's {y.name}") for y in outputs) if getattr(spec, "integrates", False) else ()
-    return ArgumentTable("step_goal" if goal else "step", tuple(inputs), outputs, sizes, spec.layout, values)
+                            meaning=f"the forward's {y.name}") for y in outputs if y.role == "output") if getattr(spec, "integrates", False) else ()
+    family = "step_goal" if goal else "step"
+    fused = bool(costs) or len(written) < spec.order + 1
+    if fused:  # a schema of its own: the outputs written and the cost parameters
+        family += "_" + "".join(written).lower() + "".join(f"_{k[0]}{s[0]}" for k, s in costs)
+    return ArgumentTable(family, tuple(inputs), outputs, sizes, spec.layout, values, costs, fused)
 
 
 def _cost_parameters(costs: tuple[tuple[str, str], ...], goal_index: bool) -> list[Argument]:
@@ -222,19 +238,19 @@ def _cost_parameters(costs: tuple[tuple[str, str], ...], goal_index: bool) -> li
     rows: list[Argument] = []
     for t, (kind, state) in enumerate(costs):
         prefix = f"{kind}_{state}"
-        rows.append(Argument(f"{prefix}_weight", f"cw{t}", "cost_weight", ("B", "D"), differentiable=False,
+        rows.append(Argument(f"{prefix}_weight", f"w{t}", "cost_weight", ("B", "D"), differentiable=False,
                              meaning=f"the weight per dof of cost term {prefix}", stem=f"CW{t}"))
-        rows.append(Argument(f"{prefix}_row_weight", f"crw{t}", "cost_row_weight", ("H",), presence=OPTIONAL,
+        rows.append(Argument(f"{prefix}_row_weight", f"rw{t}", "cost_row_weight", ("H",), presence=OPTIONAL,
                              nullable=True, differentiable=False, meaning=f"the weight per row of cost term {prefix}",
-                             stem=f"CRW{t}"))
+                             stem=f"CRW{t}", default="1"))
         if kind == "bound":
-            rows.append(Argument(f"bound_{state}_limit", f"clim{t}", "cost_limit", (2, "D"), differentiable=False,
+            rows.append(Argument(f"bound_{state}_limit", f"lim{t}", "cost_limit", (2, "D"), differentiable=False,
                                  meaning=f"the limits (lower, upper) of {state}", stem=f"CLIM{t}"))
-            rows.append(Argument(f"bound_{state}_margin", f"cmar{t}", "cost_margin", ("D",), presence=OPTIONAL,
+            rows.append(Argument(f"bound_{state}_margin", f"m{t}", "cost_margin", ("D",), presence=OPTIONAL,
                                  nullable=True, differentiable=False, meaning=f"the margin inside the limits of {state}",
                                  stem=f"CMAR{t}"))
         if (kind, state) == ("squared", "position"):
-            rows.append(Argument("squared_position_target", "ctgt", "cost_target", ("G" if goal_index else "B", "D"),
+            rows.append(Argument("squared_position_target", "tgt", "cost_target", ("G" if goal_index else "B", "D"),
                                  presence=OPTIONAL, nullable=True, index="goal_index" if goal_index else "",
                                  group="goal_index" if goal_index else "", meaning="the target position",
                                  stem="CTGT"))

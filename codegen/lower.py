@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterable
 
 import sympy as sp
 
-from . import roll
+from . import fused, roll
 from .coefficients import MINUS_ONE, ONE, Coefficients, table_term
 from .arguments import ArgumentTable
 from .operator import Operator, Ref, action, is_action, is_row
@@ -967,9 +967,13 @@ class LoweredOperator:
         self.refs = References(table)
         self.coefs = Coefficients(op)
         self.n_dt = len(op.dt_symbols)
+        #: cost terms, or only some outputs written: the forward and adjoint of codegen/fused.py
+        self.fused = table.fused
         # the span loops first: their blocks of copies are part of the table every kernel sizes
-        self.only = _spans_only(op)
-        if self.only:  # every kernel, C and CUDA: span loops, the interior spans one loop over the knots
+        self.only = _spans_only(op) and not self.fused
+        if self.fused:  # straight-line columns
+            interior, forward, adjoint = set(), [], []
+        elif self.only:  # every kernel, C and CUDA: span loops, the interior spans one loop over the knots
             interior: set = set()
             forward = adjoint = _spans(op, self.coefs, interior, knots=True)
         else:  # interior loops; the forward's span loops over the rows they leave
@@ -986,10 +990,14 @@ class LoweredOperator:
 
     @functools.cached_property
     def forward(self) -> KernelCode:
+        if self.fused:
+            return KernelCode(TABLE_CALL, fused.forward(self.op, self.coefs, self.refs, self.arguments))
         return _forward(self.op, self.coefs, self.refs, self.spans["forward"], self.only)
 
     @functools.cached_property
     def adjoint(self) -> KernelCode:
+        if self.fused:
+            return KernelCode(TABLE_CALL, fused.adjoint(self.op, self.coefs, self.refs, self.arguments))
         return _adjoint(self.op, self.coefs, self.refs, self.spans["adjoint"], self.only)
 
     @functools.cached_property
@@ -1009,7 +1017,7 @@ class LoweredOperator:
     def adjoint_reads(self) -> KernelCode | None:
         """A stencil's adjoint reading each output gradient where it is used (None for integrators),
         for CUDA: span loops only where the period is above 1 (see _spans_only)."""
-        if not _is_stencil(self.op):
+        if not _is_stencil(self.op) or self.fused:
             return None
         return _adjoint(self.op, self.coefs, self.refs, self.spans["adjoint"], self.only, reads=True)
 
@@ -1019,12 +1027,13 @@ class LoweredOperator:
     # dof; with an inner loop over rows it no longer does.
     @functools.cached_property
     def forward_rolled(self) -> list[Statement] | None:
-        return None if _is_stencil(self.op) else self.refs.loads(self.op.columns) + roll.render(
+        return None if _is_stencil(self.op) or self.fused else self.refs.loads(self.op.columns) + roll.render(
             roll.forward_groups(self.op, self.refs, self.coefs.term))
 
     @functools.cached_property
     def adjoint_rolled(self) -> list[Statement] | None:
-        return None if _is_stencil(self.op) else roll.render(*roll.adjoint_groups(self.op, self.refs, self.coefs.term))
+        return None if _is_stencil(self.op) or self.fused else roll.render(
+            *roll.adjoint_groups(self.op, self.refs, self.coefs.term))
 
     @functools.cached_property
     def dt_vjp(self) -> KernelCode:

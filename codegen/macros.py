@@ -35,9 +35,26 @@ def column(table: ArgumentTable) -> list[str]:
     lines = [f"#define {a.macro} {_read(a, table.base(a))}" for a in table.columns]
     for a in table.columns:
         at = table.base(a)
-        lines.append(f"#define D{a.macro} ({a.tangent_name} ? {a.tangent_name}[{at}] : (T)0)")
         if a.differentiable:
+            lines.append(f"#define D{a.macro} ({a.tangent_name} ? {a.tangent_name}[{at}] : (T)0)")
             lines.append(f"#define G{a.macro}(v) do {{ if ({a.grad_name}) {a.grad_name}[bo] = (v); }} while (0)")
+    return lines
+
+
+def parameters(table: ArgumentTable) -> list[str]:
+    """Macros of the inputs every trajectory shares: a per-dof value ``<stem>`` ([D]), the i-th of R
+    values per dof ``<stem>(i)`` ([R, D]), a per-row value ``<stem>(h)`` ([H]); an optional one
+    missing reads its row's default."""
+    lines = []
+    for a in table.parameters:
+        if a.shape == ("D",):
+            lines.append(f"#define {a.macro} {_read(a, 'd', f'(T){a.default}')}")
+        elif len(a.shape) == 2 and a.shape[1] == "D":
+            lines.append(f"#define {a.macro}(i) {_read(a, '(i) * D_ + d', f'(T){a.default}')}")
+        elif a.shape == ("H",):
+            lines.append(f"#define {a.macro}(h) {_read(a, '(h)', f'(T){a.default}')}")
+        else:
+            raise ValueError(f"{a.name}: no kernel macro for an input of shape {a.shape}")
     return lines
 
 

@@ -19,7 +19,7 @@ import numpy as np
 import sympy as sp
 from sympy.core.function import AppliedUndef
 
-from .arguments import GOAL_NAMES, KERNEL, START_NAMES, ArgumentTable
+from .arguments import GOAL_NAMES, START_NAMES, ArgumentTable
 
 Ref = tuple  # (argument, row) | ("y", k, h)
 RowTerm = tuple  # (coefficient: sp.Expr, ref: Ref): one term of a row (statements.Term is a lowered one)
@@ -56,7 +56,9 @@ def is_action(ref: Ref) -> bool:
 def reads(table: ArgumentTable) -> tuple[tuple[str, int], ...]:
     """The inputs an operator over this table may read, with their rows per trajectory, in table
     order: the actions (N rows), then every [rows, D] input (one row each)."""
-    return tuple((a.name, table.size(a.shape[1]) if a.layout else 1) for a in table.tensors if a.dtype == KERNEL)
+    columns = table.columns
+    return tuple((a.name, table.size(a.shape[1]) if a.layout else 1) for a in table.tensors
+                 if a.layout or a in columns)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -32,6 +32,19 @@ class _SymPrinter(C99CodePrinter):
         return super()._print_Pow(expr)
 
 
+    def _print_Max(self, expr: sp.Max) -> str:
+        """max(a, b) as the templates' TS_MAX (no <math.h>: parsing it costs the compiler time)."""
+        first, *rest = expr.args
+        out = self._print(first)
+        for arg in rest:
+            out = f"TS_MAX({out}, {self._print(arg)})"
+        return out
+
+    def _print_Heaviside(self, expr: sp.Heaviside) -> str:
+        """The unit step, 0 at 0 (a cost's second derivative at a limit): TS_STEP(x) = x > 0."""
+        return f"TS_STEP({self._print(expr.args[0])})"
+
+
 _SYM_PRINTER = _SymPrinter()
 
 

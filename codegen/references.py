@@ -39,6 +39,11 @@ class References:
     def __init__(self, table: ArgumentTable):
         self.action = table.action
         self.columns: dict[str, Argument] = {a.name: a for a in table.columns}
+        c_names = {a.c_name for a in table.inputs} | {a.grad_name for a in table.inputs}
+        for a in self.columns.values():
+            if a.macro.lower() in c_names or "t" + a.macro.lower() in c_names:
+                raise ValueError(f"{a.name}: its macro stem {a.macro!r} names a local ({a.macro.lower()}) that is "
+                                 "also a C parameter; give the row a stem whose lower case is no parameter's name")
 
     def _column(self, ref: Ref) -> Argument:
         try:

@@ -198,7 +198,7 @@ def render(spec: Any, code: LoweredOperator, table: ArgumentTable, target: Targe
     itemsize = ITEMSIZE[spec.dtype]
     u = strides(spec.layout, spec.n_actions, spec.dof)
     y = strides(spec.layout, spec.horizon, spec.dof)
-    lane_form = lanes(spec) if target.lanes else None
+    lane_form = lanes(spec) if target.lanes and not code.fused else None
     lane_bodies = _lane_bodies(code, kernels, table) if lane_form else {}
     programs = _long_programs(code, kernels, table.dt.shape == ("B",)) if target.split_programs else {}
     units = abi.units(part)
@@ -214,6 +214,10 @@ def render(spec: Any, code: LoweredOperator, table: ArgumentTable, target: Targe
         H=spec.horizon, N=spec.n_actions, D=spec.dof, n_dt=code.n_dt, n_coef=code.n_coefficients,
         order=spec.order,
         column_macros=macros.column(table),
+        parameter_macros=macros.parameters(table),
+        costs=len(table.costs),
+        fused=code.fused,
+        written=[int(a.c_name[1:]) for a in table.outputs if a.role == "output"],
         lane_macros=macros.lanes(table),
         zero_tangent_macros=macros.zero_tangents(table),
         lane_zero_tangent_macros=macros.lane_zero_tangents(table),

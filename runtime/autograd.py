@@ -64,9 +64,9 @@ class StepFunction(_FastApply):
         B = inputs[0].shape[0]
 
         def adjoint(needed):
-            if torch.is_grad_enabled():  # create_graph: keep the adjoint differentiable
+            if torch.is_grad_enabled() and not launcher.table.fused:  # create_graph: keep the adjoint differentiable
                 return AdjointFunction.apply(launcher, dt, B, *grads)
-            return launcher.adjoint(grads, dt, B, needed)
+            return launcher.adjoint(grads, dt, B, needed, inputs)
 
         def dt_vjp() -> Tensor:
             return DtVjpFunction.apply(launcher, dt, *inputs, *grads).to(dt.dtype)

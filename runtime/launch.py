@@ -104,8 +104,9 @@ class Launcher:
         return inputs
 
     def _empty_outputs(self, like: Tensor, B: int) -> list[Tensor]:
-        shape = self.output_shape(B)
-        return [torch.empty(shape, dtype=self.dtype, device=like.device) for _ in range(self.K)]
+        """New outputs, each in its table row's shape (the states [B, H, D]; a cost [B, T])."""
+        return [torch.empty(self.table.physical(y, {"B": B}), dtype=self.dtype, device=like.device)
+                for y in self.table.outputs]
 
     def forward(self, inputs: Sequence[OptTensor], dt: Tensor, out: Optional[Sequence[Tensor]] = None) -> list[Tensor]:
         """Outputs (P, V, A, J[, S]): new tensors, or ``out`` (validated by the caller) written in place."""
@@ -116,15 +117,18 @@ class Launcher:
             self.backend.call("forward", B, [*map(ptr, inputs), ptr(dt), *map(ptr, ys)])
         return ys
 
-    def adjoint(self, grads: Sequence[OptTensor], dt: Tensor, B: int, needed: Sequence[bool]) -> list[OptTensor]:
+    def adjoint(self, grads: Sequence[OptTensor], dt: Tensor, B: int, needed: Sequence[bool],
+                inputs: Sequence[OptTensor] = ()) -> list[OptTensor]:
         """Per-trajectory gradients of the differentiable inputs (None where not needed; the
-        first, the actions', is always written)."""
+        first, the actions', is always written). A fused step's adjoint (cost terms, or some
+        states not written) recomputes the rows: it reads the ``inputs`` too."""
         grads = [contiguous(g) for g in grads]
         like = next(g for g in grads if g is not None)
         outs = [torch.empty(shape, dtype=self.dtype, device=like.device) if (need or i == 0)
                 else None for i, (shape, need) in enumerate(zip(self.adjoint_shapes(B), needed))]
+        reads = [*map(ptr, inputs)] if self.table.fused else []
         if B:
-            self.backend.call("adjoint", B, [*map(ptr, grads), ptr(dt), *map(ptr, outs)])
+            self.backend.call("adjoint", B, [*reads, *map(ptr, grads), ptr(dt), *map(ptr, outs)])
         return outs
 
     def dt_vjp(self, inputs: Sequence[OptTensor], grads: Sequence[OptTensor], dt: Tensor) -> Tensor:

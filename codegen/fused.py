@@ -1,0 +1,122 @@
+"""Cost terms lowered into the step (a spec's ``costs``): the forward that also sums each term
+over rows and dof, and the backward that takes the cost's gradient to the inputs.
+
+A term (kind, state) adds, at every row h of the state's output y and every dof, its kind's
+pointwise expression (codegen/costs.py) with the weight ``weight_d · row_weight_h``. Per column
+the forward accumulates each term in double precision and hands the column's sum to ``CPART(t,
+value)``; the template adds the columns of a trajectory in dof order (deterministic sums). The
+backward recomputes the rows (it reads the inputs), then runs the operator's reverse
+accumulation with each row's gradient ``G<k>(h)`` (where the output is written) plus
+``Σ_t GCOST(t) · ∂cost_t/∂y``; the target of a squared position term gets ``∂cost/∂target``.
+Only the states the spec writes are stored or read as gradients.
+"""
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+
+import sympy as sp
+
+from . import costs as kinds
+from .arguments import ArgumentTable
+from .coefficients import Coefficients
+from .operator import Operator
+from .references import References
+from .statements import Call, Cast, Def, Literal, Paren, Read, Statement, Store, Sum, Sym, Term, Val, Var
+
+STATES = ("position", "velocity", "acceleration", "jerk", "snap")
+TARGET_REF = ("squared_position_target", 0)
+
+
+class CostTerms:
+    """A table's cost terms with the symbols their expressions are printed with per column."""
+
+    def __init__(self, table: ArgumentTable):
+        self.table = table
+        self.terms = [(t, kind, STATES.index(state)) for t, (kind, state) in enumerate(table.costs)]
+        self.written = {int(a.c_name[1:]) for a in table.outputs if a.role == "output"}
+
+    def on(self, k: int) -> list[tuple[int, str]]:
+        """The terms (t, kind) on output k."""
+        return [(t, kind) for t, kind, kk in self.terms if kk == k]
+
+    def loads(self) -> list[Statement]:
+        """Each bound term's limits and margin at this column's dof (its weight is a column input)."""
+        lines: list[Statement] = []
+        for t, kind, _ in self.terms:
+            if kind == "bound":
+                lines += [Def(Var(f"clo{t}"), Read(f"CLIM{t}", (0,))), Def(Var(f"chi{t}"), Read(f"CLIM{t}", (1,))),
+                          Def(Var(f"cmar{t}"), Read(f"CMAR{t}"))]
+        return lines
+
+    def _subs(self, t: int, kind: str, k: int, h: int) -> dict:
+        target = sp.Symbol("ctgt") if (kind, STATES[k]) == ("squared", "position") and self.has_target else 0
+        return {kinds.Y: sp.Symbol(f"y{k}_{h}"), kinds.W: sp.Symbol(f"cw{t}") * sp.Symbol(f"CRW{t}({h})"),
+                kinds.LOWER: sp.Symbol(f"clo{t}"), kinds.UPPER: sp.Symbol(f"chi{t}"),
+                kinds.MARGIN: sp.Symbol(f"cmar{t}"), kinds.TARGET: target}
+
+    @property
+    def has_target(self) -> bool:
+        return any(a.name == TARGET_REF[0] for a in self.table.columns)
+
+    def value(self, t: int, kind: str, k: int, h: int) -> Sym:
+        return Sym(kinds.KINDS[kind].expression.xreplace(self._subs(t, kind, k, h)))
+
+    def slope(self, t: int, kind: str, k: int, h: int, wrt: sp.Symbol = kinds.Y) -> Sym:
+        """GCOST(t) · ∂(term at row h)/∂wrt."""
+        expr = kinds.KINDS[kind].derivative if wrt is kinds.Y else sp.diff(kinds.KINDS[kind].expression, wrt)
+        return Sym(sp.Symbol(f"GCOST({t})") * expr.xreplace(self._subs(t, kind, k, h)))
+
+
+def _sym_reads(body: list[Statement]) -> set:
+    """The values and variables the terms' expressions read (printed names in SymPy symbols), for
+    the dead-code pass, which sees statement nodes only."""
+    from .statements import walk
+
+    names = {str(x) for n in walk(tuple(body)) if isinstance(n, Sym) for x in n.expr.free_symbols}
+    out: set = set()
+    for name in names:
+        m = re.fullmatch(r"y(\d+)_(\d+)", name)
+        out.add(Val("y", int(m.group(1)), int(m.group(2))) if m else Var(name))
+    return out
+
+
+def forward(op: Operator, coefs: Coefficients, refs: References, table: ArgumentTable) -> list[Statement]:
+    """The column: each row's value, its store where the state is written, each term's sum."""
+    from .lower import _forward_lines, _live
+
+    terms = CostTerms(table)
+    body = refs.loads(op.columns) + terms.loads()
+    body += [Def(Var(f"cacc{t}"), Literal("0.0"), ctype="double", const=False) for t, _, _ in terms.terms]
+    for line, row in zip(_forward_lines(op, coefs, refs), op.rows):
+        body.append(line)
+        if row.k in terms.written:
+            body.append(Call(f"Y{row.k}", (row.h,), Val("y", row.k, row.h)))
+        for t, kind in terms.on(row.k):
+            body.append(Store(Var(f"cacc{t}"), Cast("double", Paren(terms.value(t, kind, row.k, row.h))), "+="))
+    body += [Call("CPART", (t,), Var(f"cacc{t}")) for t, _, _ in terms.terms]
+    return _live(body, _sym_reads(body))
+
+
+def adjoint(op: Operator, coefs: Coefficients, refs: References, table: ArgumentTable) -> list[Statement]:
+    """The column's gradients: the rows recomputed, each row's gradient from its output and the
+    cost terms on it, reverse accumulation, then every differentiable input's store."""
+    from .lower import _forward_lines, _live
+
+    terms = CostTerms(table)
+    body = refs.loads(op.columns) + terms.loads() + _forward_lines(op, coefs, refs)
+    contributions: dict = defaultdict(list)
+    for row in op.rows:
+        parts = [Term(None, Read(f"G{row.k}", (row.h,)))] if row.k in terms.written else []
+        parts += [Term(None, terms.slope(t, kind, row.k, row.h)) for t, kind in terms.on(row.k)]
+        body.append(Def(Val("g", row.k, row.h), Sum(tuple(parts))))
+        for t, kind in terms.on(row.k):
+            if kind == "squared" and row.k == 0 and terms.has_target:
+                contributions[TARGET_REF].append(Term(None, terms.slope(t, kind, row.k, row.h, kinds.TARGET)))
+    for row in reversed(op.rows):
+        own = ("y", row.k, row.h)
+        body.append(Def(Val("yb", row.k, row.h), Sum((Term(None, Val("g", row.k, row.h)), *contributions.pop(own, [])))))
+        for c, ref in row.terms:
+            contributions[ref].append(coefs.term(c, Val("yb", row.k, row.h)))
+    body += [refs.gradient(ref, tuple(contributions.get(ref, []))) for ref in refs.differentiable(op.n_actions, op.columns)]
+    return _live(body, _sym_reads(body))
