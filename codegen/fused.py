@@ -86,7 +86,7 @@ def forward(op: Operator, coefs: Coefficients, refs: References, table: Argument
     from .lower import _forward_lines, _live
 
     terms = CostTerms(table)
-    body = refs.loads(op.columns) + terms.loads()
+    body = refs.loads(a.name for a in table.columns) + terms.loads()
     body += [Def(Var(f"cacc{t}"), Literal("0.0"), ctype="double", const=False) for t, _, _ in terms.terms]
     for line, row in zip(_forward_lines(op, coefs, refs), op.rows):
         body.append(line)
@@ -104,7 +104,7 @@ def adjoint(op: Operator, coefs: Coefficients, refs: References, table: Argument
     from .lower import _forward_lines, _live
 
     terms = CostTerms(table)
-    body = refs.loads(op.columns) + terms.loads() + _forward_lines(op, coefs, refs)
+    body = refs.loads(a.name for a in table.columns) + terms.loads() + _forward_lines(op, coefs, refs)
     contributions: dict = defaultdict(list)
     for row in op.rows:
         parts = [Term(None, Read(f"G{row.k}", (row.h,)))] if row.k in terms.written else []
@@ -118,5 +118,6 @@ def adjoint(op: Operator, coefs: Coefficients, refs: References, table: Argument
         body.append(Def(Val("yb", row.k, row.h), Sum((Term(None, Val("g", row.k, row.h)), *contributions.pop(own, [])))))
         for c, ref in row.terms:
             contributions[ref].append(coefs.term(c, Val("yb", row.k, row.h)))
-    body += [refs.gradient(ref, tuple(contributions.get(ref, []))) for ref in refs.differentiable(op.n_actions, op.columns)]
+    columns = [a.name for a in table.columns]
+    body += [refs.gradient(ref, tuple(contributions.get(ref, []))) for ref in refs.differentiable(op.n_actions, columns)]
     return _live(body, _sym_reads(body))

@@ -25,7 +25,7 @@ def build_operator(spec: KernelSpec) -> Operator:
         rows = position_rows(spec, syms, points)
         return Operator(spec.horizon, spec.order, spec.n_actions, syms, rows, points.program, reads(table(spec)))
     rows = integration_rows(spec, syms)
-    return Operator(spec.horizon, spec.order, spec.n_actions, syms, rows)
+    return Operator(spec.horizon, spec.order, spec.n_actions, syms, rows, inputs=reads(table(spec)))
 
 
 # ---- position control: finite differences over points q_j ------------------------------------

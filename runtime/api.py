@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Mapping, Optional, Sequence, Union
 
 import torch
@@ -42,9 +43,12 @@ class Step(torch.nn.Module):
         self._dt_cache: dict[float, Tensor] = {}
         self.native: Optional[int] = None  # handle of the native autograd node (CPU), once built
         self._native_step = self._native_step_out = None
-        self._native_pending = device.type == "cpu"
+        # a fused step (cost terms, or some states not written) takes the Python path (runtime/costs.py)
+        self._native_pending = device.type == "cpu" and not self.table.fused
         if self._native_pending:
             self._take_native()
+        if self.table.fused:
+            launcher.composite = self._composite
 
     def _take_native(self) -> None:
         """Use the native node once built. While it builds (in the background), calls take the
@@ -164,8 +168,17 @@ class Step(torch.nn.Module):
                 elif (type(out) in (tuple, list) and all(type(y) is Tensor for y in out)
                       and self._native_step_out(self.native, [*values, dt_k], out)):
                     return tuple(out)
+        if self.table.fused:
+            values = self._cost_arguments(values)
         inputs, dims = validate.check_inputs(self.table, values, self.dtype, self.device)
         dt_k = self._dt_tensor(dt, dims["B"])
+        if self.table.fused:
+            from . import costs
+
+            costs.check_parameters(self.table, {a.name: x for a, x in zip(self.table.tensors, inputs)})
+            if (out is None and (dt_k.requires_grad or _transformed() or _forward_mode_active()
+                                 or torch.compiler.is_compiling())):
+                return self._composite(inputs, dt_k)
         if out is not None:
             return self._into(out, inputs, dt_k)
         if torch.compiler.is_compiling():
@@ -179,6 +192,27 @@ class Step(torch.nn.Module):
         if self.native is not None and not dt_k.requires_grad and not _transformed():
             return tuple(self._native_step(self.native, [*inputs, dt_k]))
         return StepFunction.apply(self.launcher, *inputs, dt_k)
+
+    @functools.cached_property
+    def plain(self) -> "Step":
+        """The step of the same spec that writes every state and computes no cost (a fused step's
+        composite path: runtime/costs.py)."""
+        return load(self.spec.replace(costs=(), outputs=None), self.device)
+
+    def _composite(self, inputs: list, dt: Tensor) -> tuple[Tensor, ...]:
+        from . import costs
+
+        return costs.composite(self.plain, self.table, inputs, dt)
+
+    def _cost_arguments(self, values: list) -> list:
+        """A [D] cost weight applies to every trajectory: given as [B, D] to the kernels."""
+        u = values[0]
+        out = []
+        for a, x in zip(self.table.tensors, values):
+            if a.role == "cost_weight" and isinstance(x, Tensor) and x.dim() == 1 and isinstance(u, Tensor) and u.dim() == 3:
+                x = x.expand(u.shape[0], x.shape[0])
+            out.append(x)
+        return out
 
     def _into(self, out: Any, inputs: list, dt_k: Tensor) -> tuple[Tensor, ...]:
         """The forward written into caller-owned outputs (rollouts: no allocation, no page faults)."""

@@ -62,6 +62,8 @@ class StepFunction(_FastApply):
         launcher: Launcher = ctx.launcher
         *inputs, dt = ctx.saved_tensors
         B = inputs[0].shape[0]
+        if launcher.table.fused and (torch.is_grad_enabled() or ctx.needs_input_grad[-1]):
+            return (None, *_recomputed(launcher, inputs, dt, grads, ctx.needs_input_grad[1:]))
 
         def adjoint(needed):
             if torch.is_grad_enabled() and not launcher.table.fused:  # create_graph: keep the adjoint differentiable
@@ -89,6 +91,22 @@ class StepFunction(_FastApply):
     def vmap(info, in_dims, launcher, *args):
         return rules.vmap(launcher.table, info.batch_size, in_dims[1:], args[:-1], args[-1],
                           lambda *a: StepFunction.apply(launcher, *a))
+
+
+def _recomputed(launcher: Launcher, inputs: list, dt: Tensor, grads: tuple, needed: tuple) -> list:
+    """A fused step's gradients through its composite form (runtime/costs.py): with a gradient
+    with respect to dt, and for double backward (create_graph), where the graph it builds is what
+    the next derivative differentiates."""
+    create = torch.is_grad_enabled()
+    with torch.enable_grad():
+        xs = [x if x is None or create else x.detach().requires_grad_(need and x.is_floating_point())
+              for x, need in zip([*inputs, dt], needed)]
+        outs = launcher.composite(xs[:-1], xs[-1])
+        wanted = [x for x, need in zip(xs, needed) if need and x is not None]
+        pairs = [(y, g) for y, g in zip(outs, grads) if g is not None]
+        got = iter(torch.autograd.grad([y for y, _ in pairs], wanted, [g for _, g in pairs],
+                                       create_graph=create, allow_unused=True))
+    return [next(got) if need and x is not None else None for x, need in zip(xs, needed)]
 
 
 class AdjointFunction(_FastApply):

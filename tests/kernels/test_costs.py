@@ -1,0 +1,187 @@
+"""Fused joint-space costs (KernelSpec.costs, .outputs): the step computes cost terms on its rows
+and writes only the states asked for.
+
+Checked against independent references: the states from tests/reference.py (NumPy), the terms
+from their definitions (tests/reference_costs.py, NumPy), and the gradients against the plain
+step plus the same costs written in PyTorch here (autograd through the plain step's kernels);
+gradcheck and gradgradcheck with forward AD in float64.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import reference
+import reference_costs
+import tensorstep as ts
+from helpers import gradcheck64, gradgradcheck64
+
+STATES = ("position", "velocity", "acceleration", "jerk", "snap")
+TERMS = (("bound", "velocity"), ("squared", "position"), ("squared", "jerk"), ("bound", "acceleration"))
+CASES = {
+    "central": dict(horizon=9, dof=3),
+    "backward": dict(horizon=9, dof=3, difference="backward", accuracy=2),
+    "goal": dict(horizon=9, dof=3, end="goal"),
+    "acceleration": dict(horizon=9, dof=3, control="acceleration"),
+    "jerk_exact": dict(horizon=9, dof=3, control="jerk", integrator="exact"),
+    "per_step": dict(horizon=9, dof=3, dt="per_step"),
+    "indexed_bdh": dict(horizon=9, dof=3, start_index=True, layout="bdh"),
+    "snap": dict(horizon=9, dof=3, order=4, accuracy=(2, 2, 2, 2)),
+}
+
+
+def _spec(case: str, outputs=("P",), terms=TERMS):
+    return ts.KernelSpec(dtype="float64", costs=terms, outputs=outputs, **CASES[case])
+
+
+def _data(spec, B: int = 3, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)
+    D = spec.dof
+    S = B + 2 if spec.start_index else B
+    x = dict(u=r(B, spec.n_actions, D), p0=r(S, D), v0=r(S, D), a0=r(S, D), j0=r(S, D))
+    if spec.start_index:
+        x["start_index"] = torch.tensor([3, 0, 4][:B])
+    if spec.end == "goal":
+        x["goal"] = tuple(r(B, D) for _ in range(4))
+    params = {}
+    for kind, state in spec.costs:
+        params[f"{kind}_{state}_weight"] = r(B, D).abs() + 0.1
+        params[f"{kind}_{state}_row_weight"] = r(spec.horizon).abs()
+        if kind == "bound":
+            lo = -0.3 - r(D).abs()
+            params[f"bound_{state}_limit"] = torch.stack([lo, lo + 0.5 + r(D).abs()])
+            params[f"bound_{state}_margin"] = 0.05 * r(D).abs()
+        if (kind, state) == ("squared", "position"):
+            params["squared_position_target"] = r(B, D)
+    dt = 0.05 + 0.05 * torch.rand(spec.n_dt, generator=gen, dtype=torch.float64) if spec.dt == "per_step" else 0.1
+    return x, params, dt
+
+
+def _call(step, spec, x, params, dt):
+    u = x["u"].transpose(1, 2) if spec.layout == "bdh" else x["u"]
+    extra = {k: x[k] for k in ("start_index", "goal") if k in x}
+    return step(u, x["p0"], x["v0"], x["a0"], dt, j0=x["j0"], **extra, **params)
+
+
+def _reference(spec, x, params, dt):
+    """States [K, B, H, D] (NumPy reference, bhd) and the cost [B, T] from the definitions."""
+    B = x["u"].shape[0]
+    rows = x["start_index"].numpy() if spec.start_index else np.arange(B)
+    start = np.stack([x[n].numpy()[rows] for n in ("p0", "v0", "a0", "j0")], axis=1)
+    goal = np.stack([g.numpy() for g in x["goal"]], axis=1) if "goal" in x else None
+    dts = dt.numpy() if isinstance(dt, torch.Tensor) else dt
+    K = spec.order + 1
+    Y = np.zeros((K, B, spec.horizon, spec.dof))
+    for b in range(B):
+        for d in range(spec.dof):
+            Y[:, b, :, d] = reference.column(spec.replace(costs=(), outputs=None), x["u"].numpy()[b, :, d],
+                                             start[b, :, d], dts, None if goal is None else goal[b, :, d])
+    cost = reference_costs.costs(spec.costs, {STATES[k]: Y[k] for k in range(K)},
+                                 {k: v.numpy() for k, v in params.items()})
+    return Y, cost
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_values_match_the_definitions(case):
+    spec = _spec(case, outputs=("P", "A"))
+    x, params, dt = _data(spec)
+    P, A, cost = _call(ts.load(spec), spec, x, params, dt)
+    Y, expected = _reference(spec, x, params, dt)
+    bhd = (lambda t: t.transpose(1, 2)) if spec.layout == "bdh" else (lambda t: t)
+    np.testing.assert_allclose(bhd(P).numpy(), Y[0], rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(bhd(A).numpy(), Y[2], rtol=1e-12, atol=1e-12)
+    assert cost.shape == (3, len(TERMS))
+    np.testing.assert_allclose(cost.numpy(), expected, rtol=1e-12, atol=1e-12 * np.abs(expected).max())
+
+
+def _torch_costs(spec, states, params, x):
+    """The terms from their definitions in PyTorch (bhd states [B, H, D])."""
+    out = []
+    for kind, state in spec.costs:
+        y = states[STATES.index(state)]
+        y = y.transpose(1, 2) if spec.layout == "bdh" else y
+        w = params[f"{kind}_{state}_weight"][:, None, :] * params[f"{kind}_{state}_row_weight"][None, :, None]
+        if kind == "squared":
+            t = params.get("squared_position_target") if state == "position" else None
+            out.append((w * (y - (0 if t is None else t[:, None, :])) ** 2).sum((1, 2)))
+        else:
+            lo, hi = params[f"bound_{state}_limit"]
+            m = params[f"bound_{state}_margin"]
+            out.append((w * (torch.relu(y - (hi - m)) ** 2 + torch.relu((lo + m) - y) ** 2)).sum((1, 2)))
+    return torch.stack(out, 1)
+
+
+@pytest.mark.parametrize("dt_grad", [False, True], ids=["kernels", "with_dt"])
+@pytest.mark.parametrize("case", CASES)
+def test_gradients_match_the_plain_step_plus_costs(case, dt_grad):
+    """Without a dt gradient the fused backward kernel runs; with one, the composite form."""
+    spec = _spec(case, outputs=("P",))
+    x, params, dt = _data(spec)
+    gen = torch.Generator().manual_seed(5)
+    wcost = torch.randn(3, len(TERMS), generator=gen, dtype=torch.float64)
+    wP = torch.randn(3, spec.horizon, spec.dof, generator=gen, dtype=torch.float64)
+    wP = wP.transpose(1, 2) if spec.layout == "bdh" else wP
+    dt_t = torch.as_tensor(dt, dtype=torch.float64).reshape(-1).clone()
+    grads = []
+    for fused in (True, False):
+        leaves = dict(u=x["u"].clone().requires_grad_(), p0=x["p0"].clone().requires_grad_())
+        target = params["squared_position_target"].clone().requires_grad_()
+        dt_leaf = dt_t.clone().requires_grad_(dt_grad)
+        xx = {**x, **leaves}
+        pp = {**params, "squared_position_target": target}
+        if fused:
+            P, cost = _call(ts.load(spec), spec, xx, pp, dt_leaf)
+        else:
+            plain = spec.replace(costs=(), outputs=None)
+            states = _call(ts.load(plain), plain, xx, {}, dt_leaf)
+            P, cost = states[0], _torch_costs(spec, states, pp, xx)
+        ((P * wP).sum() + (cost * wcost).sum()).backward()
+        grads.append([leaves["u"].grad, leaves["p0"].grad, target.grad, dt_leaf.grad])
+    for got, expected, name in zip(*grads, ("u", "p0", "target", "dt")):
+        if not dt_grad and name == "dt":
+            assert got is None and expected is None
+            continue
+        scale = expected.abs().max()
+        torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-10 * float(scale), msg=name)
+
+
+@pytest.mark.parametrize("case", ["central", "acceleration", "goal"])
+def test_gradcheck_and_gradgradcheck(case):
+    spec = _spec(case, outputs=("P",), terms=(("bound", "velocity"), ("squared", "position")))
+    x, params, dt = _data(spec, B=2)
+    step = ts.load(spec)
+
+    def f(u, p0, target):
+        return _call(step, spec, {**x, "u": u, "p0": p0}, {**params, "squared_position_target": target}, dt)
+
+    inputs = [x["u"].clone().requires_grad_(), x["p0"].clone().requires_grad_(),
+              params["squared_position_target"].clone().requires_grad_()]
+    assert gradcheck64(f, inputs, check_forward_ad=True)
+    assert gradgradcheck64(f, inputs)
+
+
+@pytest.mark.parametrize("bad, message", [
+    (lambda p: p.update(bound_velocity_weight=p["bound_velocity_weight"].clone().requires_grad_()), "take no gradient"),
+    (lambda p: p.update(bound_velocity_margin=-p["bound_velocity_margin"] - 1), "expected values >= 0"),
+    (lambda p: p.update(bound_velocity_limit=p["bound_velocity_limit"].flip(0) + torch.tensor([[1.0], [-1.0]], dtype=torch.float64)), "lower > upper"),
+    (lambda p: p.update(bound_velocity_limit=p["bound_velocity_limit"] * float("inf")), "finite"),
+    (lambda p: p.pop("bound_velocity_limit"), "bound_velocity_limit"),
+    (lambda p: p.update(squared_jerk_weight=p["squared_jerk_weight"][:, :2]), "squared_jerk_weight"),
+])
+def test_bad_parameters_are_named(bad, message):
+    spec = _spec("central")
+    x, params, dt = _data(spec)
+    bad(params)
+    with pytest.raises((ValueError, TypeError), match=message):
+        _call(ts.load(spec), spec, x, params, dt)
+
+
+def test_a_weight_per_dof_applies_to_every_trajectory():
+    spec = _spec("central")
+    x, params, dt = _data(spec)
+    shared = params["squared_jerk_weight"][0]
+    _, got = _call(ts.load(spec), spec, x, {**params, "squared_jerk_weight": shared}, dt)
+    _, expected = _call(ts.load(spec), spec, x, {**params, "squared_jerk_weight": shared.expand(3, -1).clone()}, dt)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
