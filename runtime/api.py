@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any, Mapping, Optional, Sequence, Union
 
 import torch
@@ -47,7 +46,14 @@ class Step(torch.nn.Module):
         self._native_pending = device.type == "cpu" and not self.table.fused
         if self._native_pending:
             self._take_native()
+        #: a fused step's plain twin (every state, no cost) for its composite form (runtime/costs.py),
+        #: loaded with it: torch.compile traces that form and cannot load kernels while tracing
+        self.plain: Optional[Step] = None
         if self.table.fused:
+            from . import costs
+
+            self.plain = load(spec.replace(costs=(), outputs=None), device)
+            self._cost_kinds = costs.functions(self.table)
             launcher.composite = self._composite
 
     def _take_native(self) -> None:
@@ -193,16 +199,10 @@ class Step(torch.nn.Module):
             return tuple(self._native_step(self.native, [*inputs, dt_k]))
         return StepFunction.apply(self.launcher, *inputs, dt_k)
 
-    @functools.cached_property
-    def plain(self) -> "Step":
-        """The step of the same spec that writes every state and computes no cost (a fused step's
-        composite path: runtime/costs.py)."""
-        return load(self.spec.replace(costs=(), outputs=None), self.device)
-
     def _composite(self, inputs: list, dt: Tensor) -> tuple[Tensor, ...]:
         from . import costs
 
-        return costs.composite(self.plain, self.table, inputs, dt)
+        return costs.composite(self.plain, self.table, inputs, dt, self._cost_kinds)
 
     def _cost_arguments(self, values: list) -> list:
         """A [D] cost weight applies to every trajectory: given as [B, D] to the kernels."""
@@ -218,8 +218,8 @@ class Step(torch.nn.Module):
         """The forward written into caller-owned outputs (rollouts: no allocation, no page faults)."""
         named = {a.name: t for a, t in zip(self.table.tensors, inputs)}
         named["dt"] = dt_k
-        shape = self.launcher.output_shape(inputs[0].shape[0])
-        out = validate.check_out(out, self.table, shape, self.dtype, self.device, named)
+        shapes = self.launcher.output_shapes(inputs[0].shape[0])
+        out = validate.check_out(out, self.table, shapes, self.dtype, self.device, named)
         if torch.compiler.is_compiling():
             for y, value in zip(out, _compiled_step(self.op_key, self.table.family, inputs, dt_k)):
                 y.copy_(value)

@@ -40,9 +40,17 @@ def _bhd(y: Tensor, layout: str) -> Tensor:
     return y if layout == "bhd" else y.transpose(1, 2)
 
 
-def term_values(table: ArgumentTable, states: Sequence[Tensor], named: dict[str, Optional[Tensor]]) -> Tensor:
+def functions(table: ArgumentTable) -> dict[str, Callable[..., Tensor]]:
+    """The PyTorch function of each kind a table's terms use (made before any tracing: torch.compile
+    traces the functions, not SymPy's making of them)."""
+    return {kind: pointwise(kind) for kind, _ in table.costs}
+
+
+def term_values(table: ArgumentTable, states: Sequence[Tensor], named: dict[str, Optional[Tensor]],
+                kinds: Optional[dict[str, Callable[..., Tensor]]] = None) -> Tensor:
     """The cost output [B, T] from every state (P, V, A, J[, S], in the table's layout) and the
-    keyword parameters by name."""
+    keyword parameters by name (``kinds``: ``functions(table)``, made here when not given)."""
+    kinds = functions(table) if kinds is None else kinds
     out = []
     for kind, state in table.costs:
         k = STATES.index(state)
@@ -60,7 +68,7 @@ def term_values(table: ArgumentTable, states: Sequence[Tensor], named: dict[str,
             margin = p("margin").reshape(1, 1, D) if p("margin") is not None else zero
         if (kind, state) == ("squared", "position") and named.get("squared_position_target") is not None:
             target = _picked(named["squared_position_target"], named.get("goal_index")).reshape(B, 1, D)
-        out.append(pointwise(kind)(y, w, lower, upper, margin, target).sum(dim=(1, 2)))
+        out.append(kinds[kind](y, w, lower, upper, margin, target).sum(dim=(1, 2)))
     return torch.stack(out, dim=1)
 
 
@@ -79,6 +87,8 @@ def check_parameters(table: ArgumentTable, named: dict[str, Optional[Tensor]]) -
         if t.requires_grad:
             raise ValueError(f"{arg.name}: cost parameters take no gradient (weights, limits and margins are "
                              "data); pass a tensor that does not require grad (.detach())")
+        if torch.compiler.is_compiling():  # values are data-dependent: checked by eager calls only
+            continue
         if arg.role in ("cost_weight", "cost_row_weight", "cost_margin") and bool((t < 0).any()):
             raise ValueError(f"{arg.name}: expected values >= 0, got a minimum of {float(t.min())}")
         if arg.role == "cost_limit":
@@ -89,7 +99,8 @@ def check_parameters(table: ArgumentTable, named: dict[str, Optional[Tensor]]) -
                 raise ValueError(f"{arg.name}: lower > upper at dof {d} ({float(t[0, d])} > {float(t[1, d])})")
 
 
-def composite(plain: Any, table: ArgumentTable, inputs: Sequence[Optional[Tensor]], dt: Tensor) -> tuple[Tensor, ...]:
+def composite(plain: Any, table: ArgumentTable, inputs: Sequence[Optional[Tensor]], dt: Tensor,
+              kinds: Optional[dict[str, Callable[..., Tensor]]] = None) -> tuple[Tensor, ...]:
     """The fused step's outputs composed from the plain step and PyTorch operations: the written
     states, then the cost [B, T] (every operation differentiable, to any order)."""
     named = {a.name: x for a, x in zip(table.tensors, inputs)}
@@ -98,4 +109,4 @@ def composite(plain: Any, table: ArgumentTable, inputs: Sequence[Optional[Tensor
                    start_index=named.get("start_index"),
                    **({"goal": goal, "goal_index": named.get("goal_index")} if goal else {}))
     written = [y for y, a in zip(states, plain.table.outputs) if any(o.name == a.name for o in table.outputs)]
-    return (*written, term_values(table, states, named)) if table.costs else tuple(written)
+    return (*written, term_values(table, states, named, kinds)) if table.costs else tuple(written)

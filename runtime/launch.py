@@ -62,8 +62,12 @@ class Launcher:
                 self.backend.load_part(library)
 
     def output_shape(self, B: int) -> tuple[int, ...]:
-        """Shape of each output (P, V, A, J[, S]) for a batch of B."""
+        """Shape of each state output (P, V, A, J[, S]) for a batch of B."""
         return self.table.physical(self.table.outputs[0], {"B": B})
+
+    def output_shapes(self, B: int) -> list[tuple[int, ...]]:
+        """Shape of every output in order (the states, then a fused step's cost [B, T])."""
+        return [self.table.physical(y, {"B": B}) for y in self.table.outputs]
 
     def action_shape(self, B: int) -> tuple[int, ...]:
         """Shape of the actions u (and of their gradient) for a batch of B."""

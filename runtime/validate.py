@@ -185,7 +185,7 @@ def _byte_range(t: Tensor) -> tuple[int, int]:
     return storage.data_ptr(), storage.data_ptr() + storage.nbytes()
 
 
-def check_out(out: Any, table: ArgumentTable, shape: tuple, dtype: torch.dtype, device: torch.device,
+def check_out(out: Any, table: ArgumentTable, shapes: Sequence[tuple], dtype: torch.dtype, device: torch.device,
               inputs: dict[str, Any]) -> tuple[Tensor, ...]:
     """out=: one distinct dense output per table output, aliasing no input, and nothing to
     differentiate (as for torch's own out= functions, the result is not differentiable)."""
@@ -194,7 +194,7 @@ def check_out(out: Any, table: ArgumentTable, shape: tuple, dtype: torch.dtype, 
     if not isinstance(out, (tuple, list)) or len(out) != count:
         got = f"{type(out).__name__} of length {len(out)}" if isinstance(out, (tuple, list)) else type(out).__name__
         raise TypeError(f"out: expected a tuple of {count} tensors ({names}), got {got}")
-    for k, t in enumerate(out):
+    for k, (t, shape) in enumerate(zip(out, shapes)):
         _check_output(f"out[{k}]", t, shape, dtype, device)
     grad = torch.is_grad_enabled()
     for name, t in inputs.items():

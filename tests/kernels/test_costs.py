@@ -185,3 +185,41 @@ def test_a_weight_per_dof_applies_to_every_trajectory():
     _, got = _call(ts.load(spec), spec, x, {**params, "squared_jerk_weight": shared}, dt)
     _, expected = _call(ts.load(spec), spec, x, {**params, "squared_jerk_weight": shared.expand(3, -1).clone()}, dt)
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+def test_compile_vmap_export_and_out():
+    """torch.compile(fullgraph=True), vmap and torch.export give the eager values and gradients;
+    out= (rollouts, no gradients) writes the states and the cost into the caller's tensors."""
+    spec = _spec("central")
+    x, params, dt = _data(spec)
+    step = ts.load(spec)
+
+    def loss(u):
+        P, cost = _call(step, spec, {**x, "u": u}, params, dt)
+        return P.square().sum() + cost.sum()
+
+    u = x["u"].clone().requires_grad_()
+    eager = loss(u)
+    (g_eager,) = torch.autograd.grad(eager, u)
+    compiled = torch.compile(loss, fullgraph=True)(u)
+    (g_compiled,) = torch.autograd.grad(compiled, u)
+    torch.testing.assert_close(compiled, eager, rtol=1e-12, atol=0)
+    torch.testing.assert_close(g_compiled, g_eager, rtol=1e-12, atol=1e-12 * float(g_eager.abs().max()))
+
+    cost_of = lambda uu: _call(step, spec, {**x, "u": uu}, params, dt)[1]
+    stacked = torch.stack([x["u"], 2 * x["u"]])
+    torch.testing.assert_close(torch.func.vmap(cost_of)(stacked), torch.stack([cost_of(x["u"]), cost_of(2 * x["u"])]),
+                               rtol=1e-12, atol=0)
+
+    class Loss(torch.nn.Module):
+        def forward(self, uu):
+            return loss(uu)
+
+    exported = torch.export.export(Loss(), (x["u"],))
+    torch.testing.assert_close(exported.module()(x["u"]), loss(x["u"]), rtol=1e-12, atol=0)
+
+    with torch.no_grad():
+        P, C = torch.empty(3, spec.horizon, spec.dof, dtype=torch.float64), torch.empty(3, len(TERMS), dtype=torch.float64)
+        step(x["u"], x["p0"], x["v0"], x["a0"], dt, j0=x["j0"], out=(P, C), **params)
+        expected = _call(step, spec, x, params, dt)
+    assert torch.equal(P, expected[0]) and torch.equal(C, expected[1])
