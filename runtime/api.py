@@ -54,6 +54,7 @@ class Step(torch.nn.Module):
 
             self.plain = load(spec.replace(costs=(), outputs=None), device)
             self._cost_kinds = costs.functions(self.table)
+            self._checked: dict = {}  # the cost parameters last checked (runtime/costs.py check_parameters)
             launcher.composite = self._composite
 
     def _take_native(self) -> None:
@@ -181,7 +182,8 @@ class Step(torch.nn.Module):
         if self.table.fused:
             from . import costs
 
-            costs.check_parameters(self.table, {a.name: x for a, x in zip(self.table.tensors, inputs)})
+            costs.check_parameters(self.table, {a.name: x for a, x in zip(self.table.tensors, inputs)},
+                                   None if torch.compiler.is_compiling() else self._checked)
             if (out is None and (dt_k.requires_grad or _transformed() or _forward_mode_active()
                                  or torch.compiler.is_compiling())):
                 return self._composite(inputs, dt_k)

@@ -223,3 +223,14 @@ def test_compile_vmap_export_and_out():
         step(x["u"], x["p0"], x["v0"], x["a0"], dt, j0=x["j0"], out=(P, C), **params)
         expected = _call(step, spec, x, params, dt)
     assert torch.equal(P, expected[0]) and torch.equal(C, expected[1])
+
+
+def test_a_parameter_changed_in_place_is_checked_again():
+    """Checks are skipped for a parameter tensor seen unchanged; writing into it makes it new."""
+    spec = _spec("central")
+    x, params, dt = _data(spec)
+    step = ts.load(spec)
+    _call(step, spec, x, params, dt)
+    params["bound_velocity_margin"].sub_(10.0)  # now negative, same storage
+    with pytest.raises(ValueError, match="bound_velocity_margin: expected values >= 0"):
+        _call(step, spec, x, params, dt)
