@@ -23,7 +23,16 @@ PARTS = {**LIBRARIES, "dt": ("dt_vjp", "dt_vjp_finish", "dt_jvp"), "all": KERNEL
          "forward": ("forward",), "adjoint": ("adjoint",), "backward": ("adjoint",)}
 
 
-def units(part: str) -> tuple[str, ...]:
+def part_kernels(part: str, table: ArgumentTable | None = None) -> tuple[str, ...]:
+    """The kernels of a part (``PARTS``) a spec has: a fused step (cost terms, or some states not
+    written) has no dt kernels of its own (its dt derivatives run its plain twin's: runtime/costs.py)."""
+    kernels = PARTS[part]
+    if table is not None and table.fused:
+        kernels = tuple(k for k in kernels if k in LIBRARIES["core"])
+    return kernels
+
+
+def units(part: str, table: ArgumentTable | None = None) -> tuple[str, ...]:
     """What each C translation unit of a part compiles (``-DTS_UNIT=i`` is the i-th, from 1): an
     entry point each, and dt_jvp's once-per-call tangent program one of its own (with a duration
     per step its interior rows are a loop as long to compile as the kernel; elsewhere that unit is
@@ -32,7 +41,7 @@ def units(part: str) -> tuple[str, ...]:
     >>> units("core"), units("dt_jvp")
     (('forward', 'adjoint'), ('dt_jvp', 'coefficients_jvp'))
     """
-    kernels = PARTS[part]
+    kernels = part_kernels(part, table)
     return kernels + (("coefficients_jvp",) if "dt_jvp" in kernels else ())
 
 
@@ -98,12 +107,15 @@ def cuda_table(kernel: str, table: ArgumentTable) -> str | None:
     return CUDA_TABLES.get(kernel)
 
 
-def cuda_kernels(kernels: tuple[str, ...]) -> tuple[str, ...]:
+def cuda_kernels(kernels: tuple[str, ...], table: ArgumentTable | None = None) -> tuple[str, ...]:
     """The CUDA entry points of a library with these kernels: the once-per-call kernels they need,
-    then the kernels. dt_vjp reads the table the core library's kernel fills (always loaded)."""
+    then the kernels. dt_vjp reads the table the core library's kernel fills (always loaded). A
+    step with cost terms adds each trajectory's dof columns of its terms after the forward
+    (``cost_sum``)."""
     extra = [k for k, needed in (("coefficients", {"forward", "adjoint"} & set(kernels)),
                                  ("coefficients_jvp", "dt_jvp" in kernels)) if needed]
-    return (*extra, *kernels)
+    after = ("cost_sum",) if table is not None and table.costs and "forward" in kernels else ()
+    return (*extra, *kernels, *after)
 
 
 def cuda_arguments(kernel: str, table: ArgumentTable) -> list[Parameter]:
@@ -120,7 +132,10 @@ def cuda_arguments(kernel: str, table: ArgumentTable) -> list[Parameter]:
     if kernel == "dt_vjp_finish":
         return batch + dt + [("const double*", "gc"), ("T*", "gdt"), ("int64_t", "rows"), ("int64_t", "stride"),
                                                    ("double*", "sums")]
-    return arguments(kernel, table) + ([("const T*", "coef_g")] if cuda_table(kernel, table) else [])
+    if kernel == "cost_sum":
+        return batch + [("const double*", "cpart"), ("T*", "cost")]
+    partials = [("double*", "cpart")] if kernel == "forward" and table.costs else []
+    return arguments(kernel, table) + ([("const T*", "coef_g")] if cuda_table(kernel, table) else []) + partials
 
 
 def signature(kernel: str, table: ArgumentTable, ctype: str, restrict: str = "", cuda: bool = False) -> str:

@@ -210,7 +210,7 @@ def generate(spec: Any, targets: tuple[str, ...] = tuple(TARGETS), parts: tuple[
         program = lowered(spec)  # operator_stage, then lower_stage
         args = table(spec)
         sources = types.MappingProxyType(render_stage(spec, program, args, chosen, parts))
-    kernels = {k for p in parts for k in abi.PARTS[p]}
+    kernels = {k for p in parts for k in abi.part_kernels(p, args)}
     meta = metadata(spec, program.n_coefficients, program.coefs.form)
     stages = Stages(spec, args, program.op, program, tuple(k for k in abi.KERNELS if k in kernels), sources) if keep else None
     return Generated(

@@ -189,7 +189,7 @@ def render(spec: Any, code: LoweredOperator, table: ArgumentTable, target: Targe
     ``part`` selects the kernels: 'core' (forward, adjoint), 'dt' (dt derivatives) or 'all'.
     Called by the driver (codegen/driver.py), which validates target and part.
     """
-    kernels = abi.PARTS[part]
+    kernels = abi.part_kernels(part, table)
     form = target.coefficient_form(code.coefs)
     taped = form == "tape"
     tapes = _tapes(code, kernels, taped, target.table_fillers())
@@ -201,7 +201,7 @@ def render(spec: Any, code: LoweredOperator, table: ArgumentTable, target: Targe
     lane_form = lanes(spec) if target.lanes and not code.fused else None
     lane_bodies = _lane_bodies(code, kernels, table) if lane_form else {}
     programs = _long_programs(code, kernels, table.dt.shape == ("B",)) if target.split_programs else {}
-    units = abi.units(part)
+    units = abi.units(part, table)
     if bool(table.values) == code.stencil:
         raise ValueError(f"{spec.name}: the argument table {'gives' if table.values else 'lacks'} the forward's values "
                          f"for dt_vjp, but the operator is {'a stencil' if code.stencil else 'a recurrence'}: "
@@ -238,7 +238,7 @@ def render(spec: Any, code: LoweredOperator, table: ArgumentTable, target: Targe
         coefficient_lines=code.coefficient_lines if set(kernels) & set(TABLE_KERNELS) else None,
         programs=programs,
         guards=_unit_guards(kernels, programs, units) if target.unit_guards else {},
-        signatures={k: target.signature(k, table, ctype) for k in target.entry_points(kernels)},
+        signatures={k: target.signature(k, table, ctype) for k in target.entry_points(kernels, table)},
         argument_names={k: ", ".join(n for _, n in abi.arguments(k, table)) for k in kernels},
         itemsize=itemsize,
         shared_coef_bytes=CUDA_SHARED_COEF_BYTES,

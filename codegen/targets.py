@@ -278,13 +278,20 @@ class CudaLaunchPlan:
         fill = abi.cuda_table(kernel, self.table)
         if fill is None:
             return Launches((Launch(kernel, grid, block, 0, names),), (), names)
+        partials: tuple = ()  # a fused forward's: each column's term sums, then each trajectory's (cost_sum)
+        if kernel == "forward" and self.table.costs:
+            terms = len(self.table.costs)
+            partials = (Temporary("cpart", B * self.dof * terms, "float64"),
+                        Launch("cost_sum", _blocks(B * terms, CUDA_BLOCK), CUDA_BLOCK, 0, ("cpart", "cost")))
+        extra = ("cpart",) if partials else ()
         if self.inline:  # its threads compute their coefficients: no table (coef_g gets a null pointer)
-            return Launches((Launch(kernel, grid, block, 0, (*names, 0)),), (), names)
+            return Launches((Launch(kernel, grid, block, 0, (*names, 0, *extra)), *partials[1:]), partials[:1], names)
         fill_grid = _blocks(runs * self.n_coefficients, CUDA_BLOCK) if self.form == "monomials" else once
         inputs = (dt, "ddt_in") if fill == "coefficients_jvp" else (dt,)
         coef = Temporary("coef", runs * len(inputs) * self.n_coefficients, self.dtype)
         return Launches((Launch(fill, fill_grid, CUDA_BLOCK, 0, (*inputs, "coef")),
-                         Launch(kernel, grid, block, 0, (*names, "coef"))), (coef,), names)
+                         Launch(kernel, grid, block, 0, (*names, "coef", *extra)), *partials[1:]),
+                        (coef, *partials[:1]), names)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -328,7 +335,7 @@ class Target:
     #: (most threads a block, fewest resident blocks an SM) of each per-element kernel, or None
     launch_bounds: Optional[tuple[int, int]] = None
 
-    def entry_points(self, kernels: tuple[str, ...]) -> tuple[str, ...]:
+    def entry_points(self, kernels: tuple[str, ...], table: ArgumentTable) -> tuple[str, ...]:
         """The entry points a source with these kernels defines."""
         return kernels
 
@@ -367,8 +374,8 @@ class CTarget(Target):
 class CudaTarget(Target):
     """CUDA: a thread per (batch, dof) column, the coefficient programs in kernels of their own."""
 
-    def entry_points(self, kernels: tuple[str, ...]) -> tuple[str, ...]:
-        return abi.cuda_kernels(kernels)
+    def entry_points(self, kernels: tuple[str, ...], table: ArgumentTable) -> tuple[str, ...]:
+        return abi.cuda_kernels(kernels, table)
 
     def signature(self, kernel: str, table: ArgumentTable, ctype: str) -> str:
         return abi.signature(kernel, table, ctype, self.restrict, cuda=True)

@@ -103,10 +103,10 @@ def _compile(src: Path, out: Path, units: int = 1) -> None:
         _run([compiler(), *c_flags(), *objects, "-o", str(out)], src)
 
 
-def library_build(part: str) -> Callable[[Path, Path], None]:
-    """How a library of ``part``'s kernels (abi.PARTS) is compiled from its source: in the units
-    abi.units names (``_compile``)."""
-    return functools.partial(_compile, units=len(abi.units(part)))
+def library_build(part: str, spec: Any = None) -> Callable[[Path, Path], None]:
+    """How a library of ``part``'s kernels (abi.PARTS, those the spec has) is compiled from its
+    source: in the units abi.units names (``_compile``)."""
+    return functools.partial(_compile, units=len(abi.units(part, None if spec is None else table(spec))))
 
 
 def _run(cmd: list[str], src: Path) -> None:
@@ -125,7 +125,7 @@ def cdef(spec: Any, part: str) -> str:
     """cffi declarations of one library's entry points; pointers are passed as integers."""
     args = table(spec)
     lines = []
-    for kernel in abi.PARTS[part]:
+    for kernel in abi.part_kernels(part, args):
         params = ", ".join(("intptr_t" if "*" in t else t) + f" {n}" for t, n in abi.arguments(kernel, args))
         lines.append(f"void {abi.symbol(spec.name, kernel)}({params});")
     return "\n".join(lines)
@@ -166,7 +166,7 @@ def _load_library(spec: Any, part: str, cache: BuildCache) -> tuple[Any, dict]:
 
     try:
         content_hash, path, metadata = cache.artefact_for(f"{spec.key}-{part}", environment_key(), "so", generate,
-                                                          library_build(part))
+                                                          library_build(part, spec))
     finally:
         for notice in notices:
             notice.cancel()
@@ -178,7 +178,7 @@ def load_source(spec: Any, source: str, metadata: dict, cache: BuildCache | None
     with the metadata its manifest recorded."""
     cache = cache or BuildCache()
     content_hash = digest(source, environment_key())
-    return _open(content_hash, cache.build(content_hash, "so", source, library_build("all"), metadata), spec,
+    return _open(content_hash, cache.build(content_hash, "so", source, library_build("all", spec), metadata), spec,
                  "all"), metadata
 
 

@@ -139,13 +139,13 @@ class CudaBackend:
         source, metadata = cuda_source(self.spec, part)
         with cp.cuda.Device(self.device.index):
             module = cp.RawModule(code=source, options=NVRTC_OPTIONS)
-            for kernel in abi.cuda_kernels(abi.PARTS[part]):
+            for kernel in abi.cuda_kernels(abi.part_kernels(part, self.table), self.table):
                 self.functions[kernel] = module.get_function(abi.symbol(self.spec.name, kernel))
         return metadata
 
     def load_part(self, part: str) -> None:
         """Load a library's kernels unless they are loaded."""
-        if not all(k in self.functions for k in abi.cuda_kernels(abi.PARTS[part])):
+        if not all(k in self.functions for k in abi.cuda_kernels(abi.part_kernels(part, self.table), self.table)):
             self._bind(part)
 
     def empty(self, size: int, dtype: torch.dtype) -> torch.Tensor:

@@ -183,7 +183,8 @@ class CpuBackend:
 
     def _bind(self, part: str) -> tuple[Any, dict]:
         lib, metadata = self._load(self.spec, part)
-        self.functions.update({k: getattr(lib, abi.symbol(self.spec.name, k)) for k in abi.PARTS[part]})
+        self.functions.update({k: getattr(lib, abi.symbol(self.spec.name, k))
+                               for k in abi.part_kernels(part, table(self.spec))})
         return lib, metadata
 
     def address(self, kernel: str) -> int:
@@ -194,7 +195,7 @@ class CpuBackend:
 
     def load_part(self, part: str) -> None:
         """Load a library's kernels unless they are loaded."""
-        if not all(k in self.functions for k in abi.PARTS[part]):
+        if not all(k in self.functions for k in abi.part_kernels(part, table(self.spec))):
             self._bind(part)
 
     def call(self, kernel: str, B: int, args: list[int]) -> None:

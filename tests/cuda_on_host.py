@@ -184,7 +184,7 @@ def host_source(spec: Any) -> tuple[str, str]:
     form = lowered(spec).coefs.form  # the once-per-call kernels: a block per run, its threads sharing the work
     shared_runs = ("dt_vjp_finish",) if form == "monomials" else ONCE_PER_CALL
     dt_vjp = abi.symbol(spec.name, "dt_vjp")
-    if not per_trajectory:
+    if not per_trajectory and "dt_vjp" in abi.part_kernels("all", table(spec)):  # (a fused step has none)
         start, end = source.find(ACCUMULATOR[0]), source.find(ACCUMULATOR[1])
         assert 0 <= start < end, "the CUDA template's dt_vjp accumulator changed: update this test double"
         source = source[:start] + HOST_ACCUMULATOR + source[end + len(ACCUMULATOR[1]):]
@@ -192,7 +192,7 @@ def host_source(spec: Any) -> tuple[str, str]:
     # the table copy into shared memory: every thread copies all of it (see the module docstring)
     source = source.replace("int i = threadIdx.x; i < ", "int i = 0; i < ").replace("; i += blockDim.x)", "; ++i)")
     definitions, declarations = [], []
-    for kernel in abi.cuda_kernels(abi.PARTS["all"]):
+    for kernel in abi.cuda_kernels(abi.part_kernels("all", table(spec)), table(spec)):
         symbol = abi.symbol(spec.name, kernel)
         if f"void {symbol}(" not in source:  # no table kernels where each thread computes its coefficients
             continue
