@@ -29,10 +29,16 @@ CASES = {
     "indexed_bdh": dict(horizon=9, dof=3, start_index=True, layout="bdh"),
     "snap": dict(horizon=9, dof=3, order=4, accuracy=(2, 2, 2, 2)),
 }
+#: B-splines (their states' reference is the plain step, itself checked against SciPy elsewhere)
+BSPLINES = {
+    "bspline": dict(control="bspline", degree=4, knots=5, steps=2, dof=3),
+    "bspline_goal_per_trajectory": dict(control="bspline", degree=3, knots=4, steps=3, dof=2, end="goal",
+                                        dt="per_trajectory"),
+}
 
 
 def _spec(case: str, outputs=("P",), terms=TERMS):
-    return ts.KernelSpec(dtype="float64", costs=terms, outputs=outputs, **CASES[case])
+    return ts.KernelSpec(dtype="float64", costs=terms, outputs=outputs, **{**CASES, **BSPLINES}[case])
 
 
 def _data(spec, B: int = 3, seed: int = 0):
@@ -55,7 +61,8 @@ def _data(spec, B: int = 3, seed: int = 0):
             params[f"bound_{state}_margin"] = 0.05 * r(D).abs()
         if (kind, state) == ("squared", "position"):
             params["squared_position_target"] = r(B, D)
-    dt = 0.05 + 0.05 * torch.rand(spec.n_dt, generator=gen, dtype=torch.float64) if spec.dt == "per_step" else 0.1
+    dt = (0.05 + 0.05 * torch.rand(spec.n_dt if spec.dt == "per_step" else B, generator=gen, dtype=torch.float64)
+          if spec.dt != "uniform" else 0.1)
     return x, params, dt
 
 
@@ -114,7 +121,7 @@ def _torch_costs(spec, states, params, x):
 
 
 @pytest.mark.parametrize("dt_grad", [False, True], ids=["kernels", "with_dt"])
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", [*CASES, *BSPLINES])
 def test_gradients_match_the_plain_step_plus_costs(case, dt_grad):
     """Without a dt gradient the fused backward kernel runs; with one, the composite form."""
     spec = _spec(case, outputs=("P",))
@@ -124,6 +131,8 @@ def test_gradients_match_the_plain_step_plus_costs(case, dt_grad):
     wP = torch.randn(3, spec.horizon, spec.dof, generator=gen, dtype=torch.float64)
     wP = wP.transpose(1, 2) if spec.layout == "bdh" else wP
     dt_t = torch.as_tensor(dt, dtype=torch.float64).reshape(-1).clone()
+    if spec.dt == "per_trajectory":
+        dt_t = dt_t.reshape(-1)
     grads = []
     for fused in (True, False):
         leaves = dict(u=x["u"].clone().requires_grad_(), p0=x["p0"].clone().requires_grad_())
@@ -138,8 +147,8 @@ def test_gradients_match_the_plain_step_plus_costs(case, dt_grad):
             states = _call(ts.load(plain), plain, xx, {}, dt_leaf)
             P, cost = states[0], _torch_costs(spec, states, pp, xx)
         ((P * wP).sum() + (cost * wcost).sum()).backward()
-        grads.append([leaves["u"].grad, leaves["p0"].grad, target.grad, dt_leaf.grad])
-    for got, expected, name in zip(*grads, ("u", "p0", "target", "dt")):
+        grads.append([P.detach(), cost.detach(), leaves["u"].grad, leaves["p0"].grad, target.grad, dt_leaf.grad])
+    for got, expected, name in zip(*grads, ("P", "cost", "u", "p0", "target", "dt")):
         if not dt_grad and name == "dt":
             assert got is None and expected is None
             continue
@@ -234,3 +243,22 @@ def test_a_parameter_changed_in_place_is_checked_again():
     params["bound_velocity_margin"].sub_(10.0)  # now negative, same storage
     with pytest.raises(ValueError, match="bound_velocity_margin: expected values >= 0"):
         _call(step, spec, x, params, dt)
+
+
+@pytest.mark.parametrize("case", ["central", "acceleration", "goal", "indexed_bdh", "bspline_goal_per_trajectory"])
+def test_cuda_kernels_run_on_the_host_match_c(case):
+    """The CUDA source (run on the host, tests/cuda_on_host.py) gives the C kernels' states, cost
+    and gradients: each column's term sums, then cost_sum's dof order."""
+    from cuda_on_host import host_step
+
+    spec = _spec(case, outputs=("P", "A"))
+    x, params, dt = _data(spec)
+    results = []
+    for step in (ts.load(spec), host_step(spec)):
+        u = x["u"].clone().requires_grad_()
+        target = params["squared_position_target"].clone().requires_grad_()
+        ys = _call(step, spec, {**x, "u": u}, {**params, "squared_position_target": target}, dt)
+        sum(y.square().sum() for y in ys).backward()
+        results.append([*(y.detach() for y in ys), u.grad, target.grad])
+    for c, cuda in zip(*results):
+        torch.testing.assert_close(cuda, c, rtol=1e-13, atol=1e-13 * float(c.abs().max()))
