@@ -221,10 +221,13 @@ def step_table(spec: Any) -> ArgumentTable:
         outputs += (Argument("cost", "cost", "cost", ("B", "T"), grad="gcost", tangent="tcost",
                              meaning="cost terms"),)
     sizes = (("N", spec.n_actions), ("H", spec.horizon), ("D", spec.dof), ("NDT", spec.n_dt), ("T", len(costs)))
-    values = tuple(Argument(y.name, y.c_name, "value", y.shape, layout=True, differentiable=False,
-                            meaning=f"the forward's {y.name}") for y in outputs if y.role == "output") if getattr(spec, "integrates", False) else ()
-    family = "step_goal" if goal else "step"
+    # a fused step (cost terms, or some states not written) has no dt kernels of its own
+    # (abi.part_kernels): nothing for a dt_vjp to read
     fused = bool(costs) or len(written) < spec.order + 1
+    values = tuple(Argument(y.name, y.c_name, "value", y.shape, layout=True, differentiable=False,
+                            meaning=f"the forward's {y.name}") for y in outputs) \
+        if getattr(spec, "integrates", False) and not fused else ()
+    family = "step_goal" if goal else "step"
     if fused:  # a schema of its own: the outputs written and the cost parameters
         family += "_" + "".join(written).lower() + "".join(f"_{k[0]}{s[0]}" for k, s in costs)
     return ArgumentTable(family, tuple(inputs), outputs, sizes, spec.layout, values, costs, fused)

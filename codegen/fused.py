@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
+from typing import Callable
 
 import sympy as sp
 
@@ -81,30 +82,29 @@ def _sym_reads(body: list[Statement]) -> set:
     return out
 
 
-def forward(op: Operator, coefs: Coefficients, refs: References, table: ArgumentTable) -> list[Statement]:
-    """The column: each row's value, its store where the state is written, each term's sum."""
-    from .lower import _forward_lines, _live
-
+def forward(op: Operator, coefs: Coefficients, refs: References, table: ArgumentTable, rows: Callable,
+            live: Callable) -> list[Statement]:
+    """The column: each row's value, its store where the state is written, each term's sum
+    (``rows``: the operator's rows as definitions, ``live``: the dead-code pass, codegen/lower.py's)."""
     terms = CostTerms(table)
     body = refs.loads(a.name for a in table.columns) + terms.loads()
     body += [Def(Var(f"cacc{t}"), Literal("0.0"), ctype="double", const=False) for t, _, _ in terms.terms]
-    for line, row in zip(_forward_lines(op, coefs, refs), op.rows):
+    for line, row in zip(rows(op, coefs, refs), op.rows):
         body.append(line)
         if row.k in terms.written:
             body.append(Call(f"Y{row.k}", (row.h,), Val("y", row.k, row.h)))
         for t, kind in terms.on(row.k):
             body.append(Store(Var(f"cacc{t}"), Cast("double", Paren(terms.value(t, kind, row.k, row.h))), "+="))
     body += [Call("CPART", (t,), Var(f"cacc{t}")) for t, _, _ in terms.terms]
-    return _live(body, _sym_reads(body))
+    return live(body, _sym_reads(body))
 
 
-def adjoint(op: Operator, coefs: Coefficients, refs: References, table: ArgumentTable) -> list[Statement]:
+def adjoint(op: Operator, coefs: Coefficients, refs: References, table: ArgumentTable, rows: Callable,
+            live: Callable) -> list[Statement]:
     """The column's gradients: the rows recomputed, each row's gradient from its output and the
     cost terms on it, reverse accumulation, then every differentiable input's store."""
-    from .lower import _forward_lines, _live
-
     terms = CostTerms(table)
-    body = refs.loads(a.name for a in table.columns) + terms.loads() + _forward_lines(op, coefs, refs)
+    body = refs.loads(a.name for a in table.columns) + terms.loads() + rows(op, coefs, refs)
     contributions: dict = defaultdict(list)
     for row in op.rows:
         parts = [Term(None, Read(f"G{row.k}", (row.h,)))] if row.k in terms.written else []
@@ -120,4 +120,4 @@ def adjoint(op: Operator, coefs: Coefficients, refs: References, table: Argument
             contributions[ref].append(coefs.term(c, Val("yb", row.k, row.h)))
     columns = [a.name for a in table.columns]
     body += [refs.gradient(ref, tuple(contributions.get(ref, []))) for ref in refs.differentiable(op.n_actions, columns)]
-    return _live(body, _sym_reads(body))
+    return live(body, _sym_reads(body))

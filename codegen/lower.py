@@ -991,13 +991,15 @@ class LoweredOperator:
     @functools.cached_property
     def forward(self) -> KernelCode:
         if self.fused:
-            return KernelCode(TABLE_CALL, fused.forward(self.op, self.coefs, self.refs, self.arguments))
+            return KernelCode(TABLE_CALL, fused.forward(self.op, self.coefs, self.refs, self.arguments,
+                                                        _forward_lines, _live))
         return _forward(self.op, self.coefs, self.refs, self.spans["forward"], self.only)
 
     @functools.cached_property
     def adjoint(self) -> KernelCode:
         if self.fused:
-            return KernelCode(TABLE_CALL, fused.adjoint(self.op, self.coefs, self.refs, self.arguments))
+            return KernelCode(TABLE_CALL, fused.adjoint(self.op, self.coefs, self.refs, self.arguments,
+                                                        _forward_lines, _live))
         return _adjoint(self.op, self.coefs, self.refs, self.spans["adjoint"], self.only)
 
     @functools.cached_property

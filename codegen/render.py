@@ -202,7 +202,7 @@ def render(spec: Any, code: LoweredOperator, table: ArgumentTable, target: Targe
     lane_bodies = _lane_bodies(code, kernels, table) if lane_form else {}
     programs = _long_programs(code, kernels, table.dt.shape == ("B",)) if target.split_programs else {}
     units = abi.units(part, table)
-    if bool(table.values) == code.stencil:
+    if not table.fused and bool(table.values) == code.stencil:
         raise ValueError(f"{spec.name}: the argument table {'gives' if table.values else 'lacks'} the forward's values "
                          f"for dt_vjp, but the operator is {'a stencil' if code.stencil else 'a recurrence'}: "
                          "the spec's 'integrates' must say whether its rows read earlier rows")

@@ -262,3 +262,13 @@ def test_cuda_kernels_run_on_the_host_match_c(case):
         results.append([*(y.detach() for y in ys), u.grad, target.grad])
     for c, cuda in zip(*results):
         torch.testing.assert_close(cuda, c, rtol=1e-13, atol=1e-13 * float(c.abs().max()))
+
+
+def test_only_the_cost_can_be_written():
+    """outputs=() with cost terms: the step returns the cost alone (an integrator too)."""
+    spec = ts.KernelSpec(horizon=7, dof=2, dtype="float64", control="acceleration", costs=(("squared", "jerk"),),
+                         outputs=())
+    x, params, dt = _data(spec)
+    (cost,) = _call(ts.load(spec), spec, x, params, dt)
+    _, expected = _reference(spec, x, params, dt)
+    np.testing.assert_allclose(cost.numpy(), expected, rtol=1e-12)
