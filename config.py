@@ -10,6 +10,12 @@ Native form::
       - {control: position, difference: central}
       - {control: acceleration}
       - {control: bspline, degree: 4, knots: 8, steps: 4}   # horizon derived (T·steps + 1)
+    limits:                        # per joint (optional): a number or a list of one per joint
+      position: {lower: [-2.9, ...], upper: [2.9, ...]}
+      velocity: 2.1                # a bound b alone means lower -b, upper b
+    costs:                         # cost terms every kernel computes (optional; docs/costs.md)
+      - {kind: bound, state: velocity, weight: 100, margin: 0.1}   # its limits from limits:
+      - {kind: squared, state: jerk, weight: 1.0e-6}
 
 cuRobo form: a robot file with ``kinematics.cspace.joint_names`` (less the joints in
 ``kinematics.lock_joints``, which are not optimised), under ``robot_cfg:`` or at the top level
@@ -19,7 +25,9 @@ kernels of ``tensorstep.compat.curobo_v2``; v0.7's task files put them under ``m
 (``horizon``, ``dt_traj_params``, ``control_space``, ``state_finite_difference_mode``) and map to
 tensorstep's own kernels, unless they name a B-spline control space (v2 only) or carry
 ``curobo_version: 2``. Keys tensorstep does not use (``state_filter_cfg``, ``teleport_mode``,
-``vel_scale``, ...) are ignored.
+``vel_scale``, ...) are ignored. Of a robot file's limits tensorstep reads those it carries,
+``cspace.max_acceleration`` and ``cspace.max_jerk`` (symmetric: a bound b is the limits −b, b);
+position and velocity limits live in the URDF, which tensorstep does not read.
 
 A bare name that is not a file (``franka_panda``) names a bundled example config.
 """
@@ -33,7 +41,7 @@ from typing import Any, Optional
 
 import yaml
 
-from .codegen.spec import RELEVANT, KernelSpec, unknown_name
+from .codegen.spec import COST_KINDS, DERIVATIVE_NAMES, RELEVANT, KernelSpec, unknown_name
 
 MAX_CONFIG_BYTES = 1 << 20
 
@@ -47,6 +55,16 @@ class ConfigError(ValueError):
 
 
 @dataclasses.dataclass(frozen=True)
+class CostTerm:
+    """A cost term of a config's ``costs:``: the spec's (kind, state) and its parameters per joint."""
+
+    kind: str
+    state: str
+    weight: tuple[float, ...]
+    margin: Optional[tuple[float, ...]] = None  # bound terms only
+
+
+@dataclasses.dataclass(frozen=True)
 class RobotConfig:
     robot: str
     dof: int
@@ -54,9 +72,30 @@ class RobotConfig:
     dt: float
     specs: tuple[Any, ...]  # KernelSpecs; a cuRobo v2 task file gives the compat kernel it selects
     source: str  # the file(s) it came from
+    #: state → (lower, upper), one value per joint each (``limits:``; a cuRobo robot file's limits)
+    limits: tuple[tuple[str, tuple[tuple[float, ...], tuple[float, ...]]], ...] = ()
+    costs: tuple[CostTerm, ...] = ()  # ``costs:``: the parameters of every kernel's cost terms
 
     def to_dict(self) -> dict[str, Any]:
         return {"robot": self.robot, "dof": self.dof, "joints": list(self.joints), "dt": self.dt}
+
+    def limit(self, state: str) -> Optional[tuple[tuple[float, ...], tuple[float, ...]]]:
+        """(lower, upper) of a state, one value per joint each, or None where none is given."""
+        return dict(self.limits).get(state)
+
+    def cost_keywords(self, spec: Any) -> dict[str, list]:
+        """The keyword arguments (as nested lists) a kernel with cost terms takes, by name:
+        ``<kind>_<state>_weight`` [D], ``bound_<state>_limit`` [2, D], ``bound_<state>_margin`` [D]."""
+        terms = {(t.kind, t.state): t for t in self.costs}
+        keywords: dict[str, list] = {}
+        for kind, state in getattr(spec, "costs", ()):
+            term = terms[(kind, state)]  # load_native checked every spec's terms have parameters
+            keywords[f"{kind}_{state}_weight"] = list(term.weight)
+            if kind == "bound":
+                keywords[f"bound_{state}_limit"] = [list(side) for side in self.limit(state)]
+                if term.margin is not None:
+                    keywords[f"bound_{state}_margin"] = list(term.margin)
+        return keywords
 
 
 def _read_yaml(path: Path) -> Any:
@@ -119,7 +158,9 @@ def _spec(path: Path, key: str, fields: Any, dof: int) -> KernelSpec:
         raise ConfigError(path, key, str(err)) from None
 
 
-NATIVE_KEYS = ("robot", "joints", "dof", "dt", "defaults", "kernels")
+NATIVE_KEYS = ("robot", "joints", "dof", "dt", "defaults", "kernels", "limits", "costs")
+LIMIT_SIDES = ("lower", "upper")
+COST_KEYS = ("kind", "state", "weight", "margin")
 SPEC_KEYS = tuple(f.name for f in dataclasses.fields(KernelSpec)) + ("name",)
 
 
@@ -137,6 +178,93 @@ def _mapping(path: Path, key: str, value: Any, allowed: Any, expected: str) -> d
         raise ConfigError(path, key, expected)
     _check_keys(path, key, value, allowed)
     return value
+
+
+def _per_joint(path: Path, key: str, value: Any, joints: tuple[str, ...], least: Optional[float] = None
+               ) -> tuple[float, ...]:
+    """A number for every joint, or a list of one finite number per joint (each >= ``least``)."""
+    if isinstance(value, list):
+        if len(value) != len(joints):
+            raise ConfigError(path, key, f"expected one value per joint ({len(joints)}), got {len(value)}")
+        values = value
+    else:
+        values = [value] * len(joints)
+    for joint, v in zip(joints, values):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise ConfigError(path, key, f"expected finite numbers (one, or a list of one per joint), got {value!r}")
+        if least is not None and v < least:
+            where = f" (joint {joint})" if isinstance(value, list) else ""
+            raise ConfigError(path, key, f"expected values >= {least:g}, got {v!r}{where}")
+    return tuple(float(v) for v in values)
+
+
+def _limits(path: Path, key: str, value: Any, joints: tuple[str, ...]
+            ) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """One state's limits: ``{lower: .., upper: ..}``, or a bound b (lower −b, upper b); each side a
+    number for every joint or a list of one per joint, with lower <= upper."""
+    if isinstance(value, dict):
+        _check_keys(path, key, value, LIMIT_SIDES)
+        for side in LIMIT_SIDES:
+            if side not in value:
+                raise ConfigError(path, f"{key}.{side}", "missing key (give lower and upper, or one bound b "
+                                  "for the limits -b, b)")
+        lower, upper = (_per_joint(path, f"{key}.{side}", value[side], joints) for side in LIMIT_SIDES)
+    else:
+        upper = _per_joint(path, key, value, joints, least=0.0)
+        lower = tuple(-b for b in upper)
+    for joint, lo, hi in zip(joints, lower, upper):
+        if lo > hi:
+            raise ConfigError(path, key, f"lower > upper for joint {joint} ({lo:g} > {hi:g})")
+    return lower, upper
+
+
+def _read_limits(path: Path, value: Any, joints: tuple[str, ...]) -> tuple:
+    states = DERIVATIVE_NAMES
+    _mapping(path, "limits", value, states, f"expected a mapping of state ({', '.join(states)}) to limits")
+    return tuple((state, _limits(path, f"limits.{state}", value[state], joints)) for state in states if state in value)
+
+
+def _read_costs(path: Path, value: Any, joints: tuple[str, ...], limits: tuple) -> tuple[CostTerm, ...]:
+    """``costs:``: a list of terms {kind, state, weight[, margin]}, each (kind, state) once; a bound
+    term's limits come from ``limits:``."""
+    if not isinstance(value, list):
+        raise ConfigError(path, "costs", "expected a list of cost terms, e.g. [{kind: bound, state: velocity, "
+                          "weight: 100}]")
+    terms: list[CostTerm] = []
+    for i, entry in enumerate(value):
+        key = f"costs[{i}]"
+        _mapping(path, key, entry, COST_KEYS, "expected a mapping with kind, state, weight (and margin for bounds)")
+        for name in ("kind", "state", "weight"):
+            if name not in entry:
+                raise ConfigError(path, f"{key}.{name}", "missing key")
+        kind, state = entry["kind"], entry["state"]
+        if kind not in COST_KINDS:
+            raise ConfigError(path, f"{key}.kind", f"unknown kind {kind!r} ({unknown_name(kind, COST_KINDS)})")
+        if state not in DERIVATIVE_NAMES:
+            raise ConfigError(path, f"{key}.state", f"unknown state {state!r} ({unknown_name(state, DERIVATIVE_NAMES)})")
+        if any((t.kind, t.state) == (kind, state) for t in terms):
+            raise ConfigError(path, key, f"the term ({kind}, {state}) is listed twice")
+        weight = _per_joint(path, f"{key}.weight", entry["weight"], joints, least=0.0)
+        margin = None
+        if kind == "bound":
+            if state not in dict(limits):
+                raise ConfigError(path, key, f"a bound on {state} needs its limits: add limits.{state}")
+            if "margin" in entry:
+                margin = _per_joint(path, f"{key}.margin", entry["margin"], joints, least=0.0)
+        elif "margin" in entry:
+            raise ConfigError(path, f"{key}.margin", "only bound terms take a margin")
+        terms.append(CostTerm(kind, state, weight, margin))
+    return tuple(terms)
+
+
+def _check_terms(path: Path, specs: tuple, costs: tuple[CostTerm, ...]) -> None:
+    """Every term a kernel computes has its parameters in ``costs:``."""
+    given = {(t.kind, t.state) for t in costs}
+    for i, spec in enumerate(specs):
+        for kind, state in getattr(spec, "costs", ()):
+            if (kind, state) not in given:
+                raise ConfigError(path, f"kernels[{i}].costs", f"the term ({kind}, {state}) has no weight: add "
+                                  f"{{kind: {kind}, state: {state}, weight: ...}} to costs:")
 
 
 def load_native(path: Path, data: Any) -> RobotConfig:
@@ -161,8 +289,13 @@ def load_native(path: Path, data: Any) -> RobotConfig:
     kernels = data.get("kernels")
     if not isinstance(kernels, list) or not kernels:
         raise ConfigError(path, "kernels", "expected a non-empty list of kernel specs")
+    limits = _read_limits(path, data["limits"], joints) if "limits" in data else ()
+    costs = _read_costs(path, data["costs"], joints, limits) if "costs" in data else ()
+    if costs:  # every kernel computes the terms, unless its own costs field (or defaults') says otherwise
+        defaults = {"costs": [[t.kind, t.state] for t in costs], **defaults}
     specs = tuple(_spec(path, f"kernels[{i}]", _with_defaults(defaults, k), dof) for i, k in enumerate(kernels))
-    return RobotConfig(robot, dof, joints, dt, specs, str(path))
+    _check_terms(path, specs, costs)
+    return RobotConfig(robot, dof, joints, dt, specs, str(path), limits, costs)
 
 
 def _with_defaults(defaults: dict, kernel: Any) -> Any:
@@ -210,6 +343,27 @@ def _unlocked_joints(path: Path, robot: dict) -> tuple[str, ...]:
     if not free:
         raise ConfigError(path, f"{root}.lock_joints", "locks every joint: nothing left to optimise")
     return free
+
+
+#: the limits a cuRobo robot file carries under cspace: a bound per joint (or one for every joint)
+CUROBO_LIMITS = (("acceleration", "max_acceleration"), ("jerk", "max_jerk"))
+
+
+def _curobo_limits(path: Path, robot: dict, free: tuple[str, ...]) -> tuple:
+    """``cspace.max_acceleration`` and ``cspace.max_jerk`` as limits (−b, b) of the optimised joints:
+    a number for every joint, or a list over ``cspace.joint_names`` (locked joints dropped)."""
+    root = "robot_cfg.kinematics" if "robot_cfg" in robot else "kinematics"
+    names = _get(robot, path, f"{root}.cspace.joint_names")
+    limits = []
+    for state, name in CUROBO_LIMITS:
+        key = f"{root}.cspace.{name}"
+        value = _get(robot, path, key, required=False)
+        if value is None:
+            continue
+        bounds = dict(zip(names, _per_joint(path, key, value, tuple(names), least=0.0)))
+        upper = tuple(bounds[j] for j in free)
+        limits.append((state, (tuple(-b for b in upper), upper)))
+    return tuple(limits)
 
 
 def _count(path: Path, key: str, value: Any, least: int) -> int:
@@ -313,6 +467,7 @@ def curobo_v2_spec(task: _Task, dof: int) -> Any:
 
 def load_curobo(robot_path: Path, robot: dict, task_path: Path) -> RobotConfig:
     joints = _unlocked_joints(robot_path, robot)
+    limits = _curobo_limits(robot_path, robot, joints)
     task = _read_task(task_path)
     name = Path(robot_path).stem
     if _is_curobo_v2(task):
@@ -321,7 +476,7 @@ def load_curobo(robot_path: Path, robot: dict, task_path: Path) -> RobotConfig:
             raise ConfigError(task_path, task.key("dt_traj_params"), "expected a mapping with base_dt")
         base_dt = _positive_float(task_path, task.key("dt_traj_params.base_dt"), dt_params.get("base_dt", 0.02))
         spec = curobo_v2_spec(task, len(joints))
-        return RobotConfig(name, len(joints), joints, base_dt, (spec,), f"{robot_path} + {task_path}")
+        return RobotConfig(name, len(joints), joints, base_dt, (spec,), f"{robot_path} + {task_path}", limits)
     control = task.settings["control_space"]
     horizon = _horizon(task, 2)
     dt_params = task.get("dt_traj_params")
@@ -341,7 +496,7 @@ def load_curobo(robot_path: Path, robot: dict, task_path: Path) -> RobotConfig:
     if ratio != 1.0:
         fields["dt"] = "per_step"
     spec = _spec(task_path, "model", fields, len(joints))
-    return RobotConfig(name, len(joints), joints, base_dt, (spec,), f"{robot_path} + {task_path}")
+    return RobotConfig(name, len(joints), joints, base_dt, (spec,), f"{robot_path} + {task_path}", limits)
 
 
 def bundled_examples() -> dict[str, Path]:
