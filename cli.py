@@ -235,7 +235,8 @@ def show(config: Optional[str], task: Optional[str], target: str, kernel: str, s
 @friendly
 def plot(config: Optional[str], task: Optional[str], output: str, step_dt: Optional[float], **options: Any) -> None:
     """Draw P, V, A, J of a sample trajectory through each kernel of a CONFIG (or the spec the options
-    give) into a picture. Needs matplotlib: pip install 'tensorstep[plot]'."""
+    give) into a picture, with the config's limits dashed and its cost terms' values on the sample.
+    Needs matplotlib: pip install 'tensorstep[plot]'."""
     from . import plot as pictures
 
     specs = specs_from(config, task, options, "drawn")
@@ -251,8 +252,15 @@ def plot(config: Optional[str], task: Optional[str], output: str, step_dt: Optio
     dt = step_dt if step_dt is not None else cfg.dt if cfg else 0.02
     if not dt > 0:
         raise UserError(f"--step-dt={dt}: expected a positive step duration in seconds")
-    pictures.trajectories(specs, dt, output, joints=cfg.joints if cfg else None)
-    click.echo(f"{output}: {len(specs)} kernel(s), dt={dt} s")
+    limits = dict(cfg.limits) if cfg else None
+    pictures.trajectories(specs, dt, output, joints=cfg.joints if cfg else None, limits=limits,
+                          keywords=cfg.cost_keywords if cfg else None)
+    click.echo(f"{output}: {len(specs)} kernel(s), dt={dt} s"
+               + (f"; limits drawn on {', '.join(state for state, _ in cfg.limits)}" if cfg and cfg.limits else ""))
+    for spec in specs:
+        if getattr(spec, "costs", ()):
+            click.echo(f"  {spec.name}: cost terms {', '.join(f'{k}_{s}' for k, s in spec.costs)} (their values on "
+                       "the sample in its title)")
 
 
 @main.command(name="list")
@@ -283,7 +291,8 @@ def list_(directory: str) -> None:
 @click.option("--task", type=click.Path(dir_okay=False), help=TASK_HELP)
 @friendly
 def check(target: str, task: Optional[str]) -> None:
-    """Compile a generated DIR (or a CONFIG) and verify it against the dense reference."""
+    """Compile a generated DIR (or a CONFIG) and verify it against the dense reference (and a
+    kernel's cost terms against their definitions)."""
     specs = None if Path(target).is_dir() else load_config(target, task).specs
     from .runtime import verify
 
@@ -295,6 +304,9 @@ def check(target: str, task: Optional[str]) -> None:
     click.echo(f"{'kernel':<60} {'device':<6} {'forward err':>12} {'adjoint err':>12}  result")
     for r in rows:
         click.echo(f"{r['name']:<60} {r['device']:<6} {r['forward']:>12.2e} {r['adjoint']:>12.2e}  {'PASS' if r['ok'] else 'FAIL'}")
+        if "cost" in r:  # a fused step: its cost against the terms' definitions (float64)
+            terms = ", ".join(f"{kind}_{state}" for kind, state in r["costs"])
+            click.echo(f"  cost terms {terms}: cost err {r['cost']:.2e}")
     click.echo("all passed" if ok else "FAILED")
     if not ok:
         sys.exit(1)
@@ -330,7 +342,8 @@ def stencil(difference: str, accuracy: int, derivative: tuple[int, ...]) -> None
 @click.option("--device", default="cpu", show_default=True, help=DEVICE_HELP)
 @friendly
 def run(config: str, task: Optional[str], output: str, batch: int, device: str) -> None:
-    """Generate a CONFIG's kernels, run forward+backward on each, say where the source is."""
+    """Generate a CONFIG's kernels, run forward+backward on each (with the config's limits and cost
+    weights where a kernel has cost terms: the cost per term after the run), say where the source is."""
     check_device(device)
     import torch
 
@@ -365,8 +378,11 @@ def run(config: str, task: Optional[str], output: str, batch: int, device: str) 
                 kw["goal_index"] = torch.arange(batch, device=step.device)
         n_dt = {"uniform": 0, "per_step": spec.horizon, "per_trajectory": batch}[spec.dt]
         dt: Any = torch.full((n_dt,), cfg.dt, dtype=dtype, device=step.device) if n_dt else cfg.dt
+        kw.update(_cost_tensors(cfg, spec, step.dtype, step.device))
         outs = step(u, *start, dt, **kw)
         grads = [torch.randn_like(o) for o in outs]  # stand-in for a cost's output gradients
+        if getattr(spec, "costs", ()):
+            grads[-1] = torch.ones_like(outs[-1])  # the loss adds the cost terms up
         torch.autograd.backward(outs, grads)
         reps = 20
         t0 = time.perf_counter()
@@ -382,8 +398,23 @@ def run(config: str, task: Optional[str], output: str, batch: int, device: str) 
             path += f", {threads} thread{'s' if threads > 1 else ''}"
         click.echo(f"  {spec.name}\n    outputs {shapes}; load {load_s * 1e3:.0f} ms; "
                    f"forward+backward {per_call:.0f} us/call ({path}); grad u {tuple(u.grad.shape)}")
+        if getattr(spec, "costs", ()):
+            click.echo(f"    cost per term, mean over the {batch} trajectories: " + _cost_terms(spec.costs, outs[-1]))
         click.echo(f"    source: {Path(output) / (spec.name + '.c')} and {Path(output) / (spec.name + '.cu')}")
     click.echo(f"manifest: {Path(output) / emit.MANIFEST}")
+
+
+def _cost_tensors(cfg: Any, spec: Any, dtype: Any, device: Any) -> dict[str, Any]:
+    """A config's cost parameters for a kernel's terms (``limits:``, ``costs:``) as keyword tensors."""
+    import torch
+
+    return {k: torch.tensor(v, dtype=dtype, device=device) for k, v in cfg.cost_keywords(spec).items()}
+
+
+def _cost_terms(terms: Iterable[tuple[str, str]], cost: Any) -> str:
+    """`kind_state value, ...` for a cost [B, T] (its mean over trajectories)."""
+    means = cost.detach().double().mean(dim=0).tolist()
+    return ", ".join(f"{kind}_{state} {value:.4g}" for (kind, state), value in zip(terms, means))
 
 
 @main.command()

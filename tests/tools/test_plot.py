@@ -158,3 +158,41 @@ def test_plot_refuses_curobo_kernels_in_one_line(tmp_path):
     assert result.exit_code != 0
     assert result.output.startswith("error: plot draws tensorstep's own kernels") and "compat" in result.output
     assert not (tmp_path / "x.png").exists()
+
+
+def test_draw_state_draws_the_limits_of_each_dof():
+    """The dashed lines sit at the given limits, one pair per dof, in the dof's colour."""
+    plt = pictures.pyplot()
+    fig, ax = plt.subplots()
+    y = np.zeros((2, 5, 3))  # a batch of 2 trajectories, 5 rows, 3 dof
+    limits = {"velocity": ((-1.0, -2.0, -3.0), (1.5, 2.5, 3.5))}
+    pictures.draw_state(ax, y, 0.1, 1, limits)
+    dashed = [(line.get_color(), line.get_ydata()[0]) for line in ax.lines if line.get_linestyle() == "--"]
+    assert sorted(dashed) == sorted([("C0", -1.0), ("C0", 1.5), ("C1", -2.0), ("C1", 2.5), ("C2", -3.0), ("C2", 3.5)])
+    assert len(ax.lines) == 6 + 6 and ax.get_title() == "velocity (limits dashed)"
+    plt.close(fig)
+
+
+def test_plot_draws_a_configs_limits_and_names_its_cost_terms(tmp_path):
+    out = tmp_path / "costs.png"
+    result = invoke("plot", "franka_panda_costs", "-o", str(out))
+    assert result.exit_code == 0, result.output
+    assert "2 kernel(s), dt=0.02 s; limits drawn on position, velocity, acceleration, jerk" in result.output
+    assert result.output.count("cost terms bound_position, bound_velocity, bound_acceleration, bound_jerk, "
+                               "squared_acceleration, squared_jerk") == 2
+    assert png_size(out)[0] > 1000
+
+
+def test_run_sample_cost_matches_the_definitions_on_its_states():
+    """The cost plot puts in a fused kernel's title: the terms' definitions on the sample's states."""
+    import reference_costs
+
+    spec = ts.KernelSpec(horizon=9, dof=2, dtype="float64", outputs=("P",),
+                         costs=(("bound", "velocity"), ("squared", "jerk")))
+    keywords = {"bound_velocity_weight": [1.0, 2.0], "bound_velocity_limit": [[-0.1, -0.2], [0.1, 0.2]],
+                "bound_velocity_margin": [0.01, 0.0], "squared_jerk_weight": [1e-3, 1e-3]}
+    *states, cost = pictures.run_sample(spec, 0.1, keywords)
+    ys = {name: y[None] for name, y in zip(("position", "velocity", "acceleration", "jerk"), states)}
+    expected = reference_costs.costs(spec.costs, ys, {k: np.array(v) for k, v in keywords.items()})[0]
+    np.testing.assert_allclose(cost, expected, rtol=1e-12)
+    assert len(states) == 4 and expected[0] > 0  # every state drawn, the velocity bound active
