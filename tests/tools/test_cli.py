@@ -330,9 +330,7 @@ def test_run_prints_the_cost_per_term_from_the_configs_limits_and_weights(tmp_pa
         assert float(printed[f"{kind}_{state}"]) == pytest.approx(value, rel=1e-3)
 
 
-@pytest.mark.parametrize("source", ["config", pytest.param("folder", marks=pytest.mark.xfail(
-    strict=True, reason="a fused spec's generated dt_vjp kernel reads the gradients of states it does not "
-    "write (g1 undeclared): `generate` emits it, `load` does not build it"))])
+@pytest.mark.parametrize("source", ["config", "folder"])
 def test_check_verifies_the_cost_terms_of_a_config_and_a_generated_folder(tmp_path, source):
     config = tmp_path / "costs.yml"
     config.write_text(COSTS_CONFIG)
