@@ -21,7 +21,7 @@ import sympy as sp
 from . import costs as kinds
 from .arguments import ArgumentTable
 from .coefficients import Coefficients
-from .operator import Operator
+from .operator import Operator, is_row
 from .references import References
 from .statements import Call, Cast, Def, Literal, Paren, Read, Statement, Store, Sum, Sym, Term, Val, Var
 
@@ -102,22 +102,42 @@ def forward(op: Operator, coefs: Coefficients, refs: References, table: Argument
 def adjoint(op: Operator, coefs: Coefficients, refs: References, table: ArgumentTable, rows: Callable,
             live: Callable) -> list[Statement]:
     """The column's gradients: the rows recomputed, each row's gradient from its output and the
-    cost terms on it, reverse accumulation, then every differentiable input's store."""
+    cost terms on it, then every differentiable input's store. No row of a stencil reads another,
+    so each row's gradient goes into its inputs' accumulators at once (few values live: CUDA's
+    registers); a recurrence's rows are accumulated in reverse."""
     terms = CostTerms(table)
-    body = refs.loads(a.name for a in table.columns) + terms.loads() + rows(op, coefs, refs)
-    contributions: dict = defaultdict(list)
-    for row in op.rows:
+    columns = [a.name for a in table.columns]
+    inputs = refs.differentiable(op.n_actions, columns)
+    body = refs.loads(columns) + terms.loads()
+
+    def gradient(row) -> Def:
         parts = [Term(None, Read(f"G{row.k}", (row.h,)))] if row.k in terms.written else []
         parts += [Term(None, terms.slope(t, kind, row.k, row.h)) for t, kind in terms.on(row.k)]
-        body.append(Def(Val("g", row.k, row.h), Sum(tuple(parts))))
-        for t, kind in terms.on(row.k):
-            if kind == "squared" and row.k == 0 and terms.has_target:
-                contributions[TARGET_REF].append(Term(None, terms.slope(t, kind, row.k, row.h, kinds.TARGET)))
+        return Def(Val("g", row.k, row.h), Sum(tuple(parts)))
+
+    def target_slopes(row) -> list[Term]:
+        return [Term(None, terms.slope(t, kind, row.k, row.h, kinds.TARGET)) for t, kind in terms.on(row.k)
+                if kind == "squared" and row.k == 0 and terms.has_target]
+
+    if all(not is_row(ref) for row in op.rows for _, ref in row.terms):
+        acc = {ref: Var(f"a{refs.local(ref)}") for ref in inputs}
+        body += [Def(v, Sum(()), const=False) for v in acc.values()]
+        for line, row in zip(rows(op, coefs, refs), op.rows):
+            body += [line, gradient(row)]
+            g = Val("g", row.k, row.h)
+            body += [Store(acc[ref], Sum((coefs.term(c, g),)), "+=") for c, ref in row.terms if ref in acc]
+            body += [Store(acc[TARGET_REF], Sum((t,)), "+=") for t in target_slopes(row) if TARGET_REF in acc]
+        body += [refs.gradient(ref, (Term(None, v),)) for ref, v in acc.items()]
+        return live(body, _sym_reads(body))
+    body += rows(op, coefs, refs)
+    contributions: dict = defaultdict(list)
+    for row in op.rows:
+        body.append(gradient(row))
+        contributions[TARGET_REF] += target_slopes(row)
     for row in reversed(op.rows):
         own = ("y", row.k, row.h)
         body.append(Def(Val("yb", row.k, row.h), Sum((Term(None, Val("g", row.k, row.h)), *contributions.pop(own, [])))))
         for c, ref in row.terms:
             contributions[ref].append(coefs.term(c, Val("yb", row.k, row.h)))
-    columns = [a.name for a in table.columns]
-    body += [refs.gradient(ref, tuple(contributions.get(ref, []))) for ref in refs.differentiable(op.n_actions, columns)]
+    body += [refs.gradient(ref, tuple(contributions.get(ref, []))) for ref in inputs]
     return live(body, _sym_reads(body))
