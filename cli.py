@@ -420,8 +420,10 @@ def _cost_terms(terms: Iterable[tuple[str, str]], cost: Any) -> str:
 @main.command()
 @click.option("--device", default="cpu", show_default=True, help="cpu or cuda")
 @click.option("--quick", is_flag=True, help="fewer sizes (B up to 4000)")
-@click.option("--scheme", type=click.Choice(["central", "backward", "accel", "bspline"]), multiple=True,
-              help="bspline: degree 4, 8 knots, 4 rows per span, 7 dof (B=4000 unless --batch)")
+@click.option("--scheme", type=click.Choice(["central", "backward", "accel", "bspline", "costs"]), multiple=True,
+              help="bspline: degree 4, 8 knots, 4 rows per span, 7 dof (B=4000 unless --batch); costs: a step "
+                   "with fused joint-space costs against the unfused step plus the same costs (B=400 and 40000 "
+                   "unless --batch)")
 @click.option("--batch", type=int, multiple=True, callback=positive, help="batch sizes (default: the standard set)")
 @click.option("--horizon", type=int, multiple=True, help="horizons (default: 32, plus 8/128/256 at B=400)")
 @click.option("--dtype", type=click.Choice(["float32", "float64"]), multiple=True)
@@ -490,18 +492,24 @@ def bench(device: str, quick: bool, scheme: tuple, batch: tuple, horizon: tuple,
             raise UserError(str(err)) from None
 
     click.echo(allocator.keep_freed_memory() if steady_malloc else allocator.leave_as_is())
-    others = tuple(s for s in scheme if s != "bspline")
+    own_tables = {"bspline", "costs"}  # schemes with a table of their own
+    others = tuple(s for s in scheme if s not in own_tables)
     filtered = bool(scheme or batch or horizon or dtype)
-    if others or (filtered and "bspline" not in scheme):
+    if others or (filtered and not own_tables & set(scheme)):
         cases = [harness.Case(s, h, b, d, device) for s in (others or ("central",)) for h in (horizon or (32,))
                  for b in (batch or (1, 400, 4000, 40000)) for d in (dtype or ("float32",))]
-    else:  # the standard set, or none with --scheme bspline alone
+    else:  # the standard set, or none with --scheme bspline or costs alone
         cases = [] if filtered else harness.default_cases(device, quick)
     splines = [bspline.BSplineCase(batch=b, dtype=d, device=device) for b in (batch or (4000,))
                for d in (dtype or ("float32",))] if "bspline" in scheme or not filtered else []
     rows = harness.run_cases(cases, click.echo, budget, inductor) if cases else []
     if splines:
         bspline.run_cases(splines, click.echo, budget, inductor)
+    if "costs" in scheme:
+        from .bench import costs
+
+        costs.run_cases([costs.CostCase(b, d, h, device) for h in (horizon or (32,)) for b in (batch or (400, 40000))
+                         for d in (dtype or ("float32",))], click.echo, budget, inductor)
     if plot_path:
         pictures.bench_times(rows, plot_path, harness.machine())
         click.echo(f"\nplot: {plot_path}")

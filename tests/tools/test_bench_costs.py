@@ -1,0 +1,109 @@
+"""`tensorstep bench --scheme costs` (bench/costs.py): it runs end to end on a tiny case, its PyTorch
+costs are the definitions, and what it prints is consistent (agreement, ratios, the breakdown).
+Speed is not asserted: a tiny budget checks the command, not the timings."""
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+
+import reference
+import reference_costs
+import tensorstep as ts
+from tensorstep.bench import costs
+from tensorstep.cli import main
+
+UNITS = {"µs": 1e-6, "ms": 1e-3}
+
+
+def seconds(cell: str) -> float:
+    value, unit = cell.split()
+    return float(value) * UNITS[unit]
+
+
+def rounding(cell: str) -> float:
+    """Half a unit of the printed cell's last digit, in seconds (the time it stands for is within it)."""
+    value, unit = cell.split()
+    return 0.5 * 10.0 ** -len(value.split(".")[1]) * UNITS[unit]
+
+
+def table_rows(output: str, header_start: str) -> list[list[str]]:
+    """The cells of each data row of the table whose header line starts with ``header_start``."""
+    lines = output.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith(header_start))
+    rows = []
+    for line in lines[at + 2:]:
+        if not line.startswith("|"):
+            break
+        rows.append([c.strip() for c in line.strip("|").split("|")])
+    return rows
+
+
+@pytest.fixture(scope="module")
+def printed() -> str:
+    result = CliRunner().invoke(main, ["bench", "--scheme", "costs", "--batch", "3", "--horizon", "8",
+                                       "--dtype", "float64", "--budget", "0.01", "--no-codegen"])
+    assert result.exit_code == 0, result.output
+    assert "Traceback" not in result.output
+    return result.output
+
+
+def test_fused_and_compiled_agree_with_the_unfused_step_plus_costs(printed):
+    found = re.findall(r"B=3 float64 (fused|compiled) against unfused \+ eager costs, largest relative difference: "
+                       r"P (\S+), cost (\S+), grad u (\S+)", printed)
+    assert sorted(name for name, *_ in found) == ["compiled", "fused"]
+    for _, *errors in found:
+        assert max(float(e) for e in errors) < 1e-12
+
+
+def test_the_table_and_its_ratios(printed):
+    (row,) = table_rows(printed, "| H | B | dtype | (a) fused")
+    assert row[:3] == ["8", "3", "float64"] and len(row) == 12
+    times = dict(zip("abcde", row[3:8]))
+    ratios = [float(cell.rstrip("×")) for cell in row[8:]]
+    # each ratio from the unrounded times: within what the printed times' rounding allows
+    for ratio, (num, den) in zip(ratios, ["ba", "ca", "ad", "ae"]):
+        n, dn = seconds(times[num]), rounding(times[num])
+        d, dd = seconds(times[den]), rounding(times[den])
+        assert (n - dn) / (d + dd) - 0.005 <= ratio <= (n + dn) / (d - dd) + 0.005, (ratio, times[num], times[den])
+
+
+def test_the_breakdown_adds_up(printed):
+    (row,) = table_rows(printed, "| H | B | dtype | fused call (a)")
+    assert row[:3] == ["8", "3", "float64"] and len(row) == 10
+    total, table, params, forward, adjoint, _no_grad, rest = (seconds(cell) for cell in row[3:])
+    assert rest == pytest.approx(total - table - params - forward - adjoint, abs=sum(map(rounding, row[3:])))
+    (main_row,) = table_rows(printed, "| H | B | dtype | (a) fused")
+    assert row[3] == main_row[3]  # the same timing of the fused call
+
+
+def test_eager_costs_are_the_definitions():
+    """bench/costs.py's PyTorch terms against tests/reference_costs.py (NumPy float64), on states
+    from tests/reference.py, with limits crossed on some rows."""
+    case = costs.CostCase(batch=4, dtype="float64", horizon=8)
+    gen, u, starts = costs._inputs(case)
+    params = costs.parameters(case, gen)
+    spec = case.plain
+    K = spec.order + 1
+    Y = np.zeros((K, case.batch, case.horizon, case.dof))
+    start = torch.stack([*starts, torch.zeros_like(starts[0])], 1).numpy()
+    for b in range(case.batch):
+        for d in range(case.dof):
+            Y[:, b, :, d] = reference.column(spec, u.numpy()[b, :, d], start[b, :, d], costs.DT)
+    expected = reference_costs.costs(costs.TERMS, dict(zip(costs.STATES, Y)),
+                                     {k: v.numpy() for k, v in params.items()})
+    got = costs.eager_costs(tuple(torch.from_numpy(y) for y in Y), params).numpy()
+    np.testing.assert_allclose(got, expected, rtol=1e-13)
+    crossed = [float((np.abs(Y[k]) > params[f"bound_{s}_limit"][1].numpy()).mean()) for k, s in enumerate(costs.STATES)]
+    assert all(0 < c < 1 for c in crossed[1:]), crossed  # bounds crossed on some rows, not on all
+
+
+def test_the_copy_bound_counts_what_the_fused_op_moves():
+    case = costs.CostCase(batch=5, dtype="float64", horizon=8)
+    step = ts.load(case.fused)
+    gen, u, starts = costs._inputs(case)
+    P, cost = step(u, *starts, costs.DT, **costs.parameters(case, gen))
+    assert costs.copy_elements(case) == u.numel() + P.numel() + cost.numel()
