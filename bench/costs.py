@@ -28,6 +28,7 @@ import tensorstep as ts
 from tensorstep.runtime import costs as runtime_costs
 from tensorstep.runtime import native
 from tensorstep.runtime import validate
+from tensorstep.runtime.launch import DTYPES
 
 from .baselines import slicing_step
 from .harness import COMPILE_BACKEND, DT, format_time, machine, time_interleaved
@@ -51,7 +52,7 @@ class CostCase:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return torch.float32 if self.dtype == "float32" else torch.float64
+        return DTYPES[self.dtype]
 
     @property
     def plain(self) -> ts.KernelSpec:
