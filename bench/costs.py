@@ -15,7 +15,8 @@ ones for the cost) are handed to ``torch.autograd.backward``, as the main table 
 * copy bound: a clone of as many elements as the fused op moves each way (u, P and the cost).
 
 Where the fused call's time goes is timed in the same run: its argument checks in Python, its
-forward and adjoint kernels launched directly, and a forward under no_grad.
+forward and adjoint kernels launched directly, a forward under no_grad, and the plain step's
+two kernels (what (d) launches) for comparison.
 """
 from __future__ import annotations
 
@@ -163,6 +164,15 @@ def case_callables(case: CostCase, inductor: bool = True,
     src = torch.empty(copy_elements(case), dtype=case.torch_dtype, device=dev)
     methods["copy"] = lambda: src.clone()
     methods.update(_pieces(fused, u, starts, params, W, ones))
+    plain_launcher = plain.launcher
+    dt = plain._dt_tensor(DT)
+    no_grads = (None,) * case.plain.order  # V, A, J take no gradient, as in (d)
+
+    def plain_kernels() -> None:  # (d)'s two kernels launched directly: the fused kernels' counterpart
+        plain_launcher.forward([u.detach(), *starts, None, None], dt)
+        plain_launcher.adjoint((W, *no_grads), dt, case.batch, (False,) * len(plain.table.differentiable))
+
+    methods["plain_kernels"] = plain_kernels
     return methods
 
 
@@ -231,7 +241,13 @@ def _pieces(fused, u, starts, params, W, ones) -> dict[str, Callable[[], None]]:
 HEADER = ("| H | B | dtype | (a) fused | (b) unfused + eager costs | (c) slicing + costs, torch.compile "
           "| (d) step alone, grad on P | (e) copy bound | (b) / (a) | (c) / (a) | (a) / (d) | (a) / (e) |")
 BREAKDOWN = ("| H | B | dtype | fused call (a) | argument table checks | cost parameter checks | forward kernel "
-             "| adjoint kernel | forward, no_grad | rest: autograd and Python (a − checks − kernels) |")
+             "| adjoint kernel | forward, no_grad | rest: autograd and Python (a − checks − kernels) "
+             "| (d)'s kernels (forward + adjoint) |")
+
+
+def _signed_time(seconds: float) -> str:
+    """A difference of medians, which noise can make negative."""
+    return format_time(seconds) if seconds >= 0 else "−" + format_time(-seconds)
 
 
 def _ratio(t: dict[str, float], num: str, den: str) -> str:
@@ -272,5 +288,5 @@ def run_cases(cases: Iterable[CostCase], echo: Callable[[str], None], budget_s: 
         echo(f"| {case.horizon} | {case.batch} | {case.dtype} | {format_time(t['fused'])} | "
              f"{format_time(t['table_checks'])} | {format_time(t['parameter_checks'])} | "
              f"{format_time(t['kernel_forward'])} | {format_time(t['kernel_adjoint'])} | "
-             f"{format_time(t['forward_no_grad'])} | {format_time(rest)} |")
+             f"{format_time(t['forward_no_grad'])} | {_signed_time(rest)} | {format_time(t['plain_kernels'])} |")
     return rows
