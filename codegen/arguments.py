@@ -77,6 +77,9 @@ class Argument:
     group: str = ""
     #: what a kernel reads for an optional per-dof or per-row parameter that is not given
     default: str = "0"
+    #: the runtime passes a tensor of ``default`` where the caller gives None, so the kernels read it
+    #: without a test (a test per load kept gcc from vectorising the dof loop)
+    filled: bool = False
 
     @property
     def macro(self) -> str:
@@ -245,13 +248,13 @@ def _cost_parameters(costs: tuple[tuple[str, str], ...], goal_index: bool) -> li
                              meaning=f"the weight per dof of cost term {prefix}", stem=f"CW{t}"))
         rows.append(Argument(f"{prefix}_row_weight", f"rw{t}", "cost_row_weight", ("H",), presence=OPTIONAL,
                              nullable=True, differentiable=False, meaning=f"the weight per row of cost term {prefix}",
-                             stem=f"CRW{t}", default="1"))
+                             stem=f"CRW{t}", default="1", filled=True))
         if kind == "bound":
             rows.append(Argument(f"bound_{state}_limit", f"lim{t}", "cost_limit", (2, "D"), differentiable=False,
                                  meaning=f"the limits (lower, upper) of {state}", stem=f"CLIM{t}"))
             rows.append(Argument(f"bound_{state}_margin", f"m{t}", "cost_margin", ("D",), presence=OPTIONAL,
                                  nullable=True, differentiable=False, meaning=f"the margin inside the limits of {state}",
-                                 stem=f"CMAR{t}"))
+                                 stem=f"CMAR{t}", filled=True))
         if (kind, state) == ("squared", "position"):
             rows.append(Argument("squared_position_target", "tgt", "cost_target", ("G" if goal_index else "B", "D"),
                                  presence=OPTIONAL, nullable=True, index="goal_index" if goal_index else "",

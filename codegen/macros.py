@@ -26,7 +26,7 @@ def _row(index: Argument) -> str:
 
 def _read(a: Argument, at: str, zero: str = "(T)0", load: str = "{p}[{at}]") -> str:
     value = load.format(p=a.c_name, at=at)
-    return f"({a.c_name} ? {value} : {zero})" if a.nullable else value
+    return f"({a.c_name} ? {value} : {zero})" if a.nullable and not a.filled else value
 
 
 def column(table: ArgumentTable) -> list[str]:

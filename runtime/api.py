@@ -55,6 +55,7 @@ class Step(torch.nn.Module):
             self.plain = load(spec.replace(costs=(), outputs=None), device)
             self._cost_kinds = costs.functions(self.table)
             self._checked: dict = {}  # the cost parameters last checked (runtime/costs.py check_parameters)
+            self._filled: dict = {}  # each filled parameter's default tensor (_cost_arguments)
             launcher.composite = self._composite
 
     def _take_native(self) -> None:
@@ -207,10 +208,16 @@ class Step(torch.nn.Module):
         return costs.composite(self.plain, self.table, inputs, dt, self._cost_kinds)
 
     def _cost_arguments(self, values: list) -> list:
-        """A [D] cost weight applies to every trajectory: given as [B, D] to the kernels."""
+        """A [D] cost weight applies to every trajectory: given as [B, D] to the kernels. A missing
+        row weight or margin is given as its default (ones, zeros: the kernels read it untested)."""
         u = values[0]
         out = []
         for a, x in zip(self.table.tensors, values):
+            if x is None and a.filled:
+                x = self._filled.get(a.name)
+                if x is None:
+                    x = self._filled[a.name] = torch.full(self.table.physical(a, {}), float(a.default),
+                                                          dtype=self.dtype, device=self.device)
             if a.role == "cost_weight" and isinstance(x, Tensor) and x.dim() == 1 and isinstance(u, Tensor) and u.dim() == 3:
                 x = x.expand(u.shape[0], x.shape[0])
             out.append(x)

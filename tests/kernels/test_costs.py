@@ -272,3 +272,21 @@ def test_only_the_cost_can_be_written():
     (cost,) = _call(ts.load(spec), spec, x, params, dt)
     _, expected = _reference(spec, x, params, dt)
     np.testing.assert_allclose(cost.numpy(), expected, rtol=1e-12)
+
+
+def test_missing_row_weights_and_margins_read_as_ones_and_zeros():
+    """Row weights and margins are optional: missing, they are ones and zeros (the runtime passes
+    those tensors, so the kernels read them without a test)."""
+    spec = _spec("central")
+    x, params, dt = _data(spec)
+    step = ts.load(spec)
+    bare = {k: v for k, v in params.items() if not k.endswith(("_row_weight", "_margin"))}
+    explicit = dict(bare)
+    for kind, state in spec.costs:
+        explicit[f"{kind}_{state}_row_weight"] = torch.ones(spec.horizon, dtype=torch.float64)
+        if kind == "bound":
+            explicit[f"bound_{state}_margin"] = torch.zeros(spec.dof, dtype=torch.float64)
+    for a, b in zip(_call(step, spec, x, bare, dt), _call(step, spec, x, explicit, dt)):
+        assert torch.equal(a, b)
+    _, expected = _reference(spec, x, bare, dt)
+    np.testing.assert_allclose(_call(step, spec, x, bare, dt)[-1].numpy(), expected, rtol=1e-12)
