@@ -150,6 +150,11 @@ class ArgumentTable:
     def indices(self) -> tuple[Argument, ...]:
         return tuple(a for a in self.tensors if a.dtype == INDEX)
 
+    @property
+    def written(self) -> tuple[int, ...]:
+        """The states the outputs write, by derivative (0 for P, 1 for V, ...), in output order."""
+        return tuple(OUTPUT_NAMES.index(a.name) for a in self.outputs if a.role == "output")
+
     def base(self, arg: Argument) -> str:
         """The C name of a column input's element offset: its index row's (``so``, ``go``), or ``bo``
         (row b) for an input no index picks."""

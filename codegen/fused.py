@@ -35,7 +35,7 @@ class CostTerms:
     def __init__(self, table: ArgumentTable):
         self.table = table
         self.terms = [(t, kind, STATES.index(state)) for t, (kind, state) in enumerate(table.costs)]
-        self.written = {int(a.c_name[1:]) for a in table.outputs if a.role == "output"}
+        self.written = set(table.written)
 
     def on(self, k: int) -> list[tuple[int, str]]:
         """The terms (t, kind) on output k."""

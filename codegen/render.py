@@ -217,7 +217,7 @@ def render(spec: Any, code: LoweredOperator, table: ArgumentTable, target: Targe
         parameter_macros=macros.parameters(table),
         costs=len(table.costs),
         fused=code.fused,
-        written=[int(a.c_name[1:]) for a in table.outputs if a.role == "output"],
+        written=list(table.written),
         lane_macros=macros.lanes(table),
         zero_tangent_macros=macros.zero_tangents(table),
         lane_zero_tangent_macros=macros.lane_zero_tangents(table),
