@@ -91,11 +91,6 @@ class Operator:
             self.inputs = ((ACTION, self.n_actions),) + tuple((name, 1) for name in START_NAMES)
 
     @property
-    def n_goal(self) -> int:
-        """Entries of the goal state the operator reads (N_GOAL with end="goal", else 0)."""
-        return sum(1 for name, _ in self.inputs if name in GOAL_NAMES)
-
-    @property
     def columns(self) -> tuple[str, ...]:
         """The inputs of one row per trajectory (read once per column), in table order."""
         return tuple(name for name, _ in self.inputs if name != ACTION)
@@ -142,7 +137,7 @@ class Operator:
         return {name: out[:, :, offsets[name]:offsets[name] + rows] for name, rows in self.inputs}
 
     def dense(self, dt_values: Sequence[float]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The step's dense matrices (M_u [K, H, N], M_s [K, H, 4], M_g [K, H, n_goal]) at numeric
+        """The step's dense matrices (M_u [K, H, N], M_s [K, H, 4], M_g [K, H, 4 or 0]) at numeric
         step durations: Y_k = M_u[k] @ u + M_s[k] @ s + M_g[k] @ g for one column,
         s = (p0, v0, a0, j0), g = (gp, gv, ga, gj) (M_g has no columns without a goal)."""
         return step_matrices(self.dense_inputs(dt_values))
