@@ -22,12 +22,13 @@ from tensorstep.codegen.stencils import stencil_offsets, uniform_weights
 Step = Callable[..., tuple]
 
 
-def dense_step(spec: ts.KernelSpec, dt: float, dtype: torch.dtype) -> Step:
-    """Y_k = M_u[k] @ u + M_s[k] @ s as batched matmuls (autograd does the transposes)."""
+def dense_step(spec: ts.KernelSpec, dt: float, dtype: torch.dtype, device: torch.device | str = "cpu") -> Step:
+    """Y_k = M_u[k] @ u + M_s[k] @ s as batched matmuls (autograd does the transposes), the
+    matrices on the inputs' device."""
     M = ts.operator_matrices(spec, dt)
     K, H, N = M["u"].shape
-    M_u = torch.as_tensor(M["u"], dtype=dtype).reshape(K * H, N)
-    M_s = torch.as_tensor(M["start"][:, :, :3], dtype=dtype).reshape(K * H, 3)
+    M_u = torch.as_tensor(M["u"], dtype=dtype, device=device).reshape(K * H, N)
+    M_s = torch.as_tensor(M["start"][:, :, :3], dtype=dtype, device=device).reshape(K * H, 3)
 
     def step(u, p0, v0, a0):
         s = torch.stack((p0, v0, a0), 1)  # [B, 3, D]

@@ -111,7 +111,7 @@ def case_callables(case: Case, inductor: bool = True) -> dict[str, Callable[[], 
     methods = {
         "tensorstep": _fwd_bwd(lambda u, *s: step(u, *s, DT), u, starts, grads),
         "kernels": kernels,
-        "dense": _fwd_bwd(dense_step(spec, DT, dtype), u, starts, grads),
+        "dense": _fwd_bwd(dense_step(spec, DT, dtype, dev), u, starts, grads),
     }
     if step.native is not None:  # the same kernels behind the Python autograd.Function
         python_step = ts.load(spec, dev)

@@ -107,13 +107,19 @@ def cuda_table(kernel: str, table: ArgumentTable) -> str | None:
     return CUDA_TABLES.get(kernel)
 
 
-def cuda_kernels(kernels: tuple[str, ...], table: ArgumentTable | None = None) -> tuple[str, ...]:
+def cuda_kernels(kernels: tuple[str, ...], table: ArgumentTable | None = None,
+                 inline: bool = False) -> tuple[str, ...]:
     """The CUDA entry points of a library with these kernels: the once-per-call kernels they need,
-    then the kernels. dt_vjp reads the table the core library's kernel fills (always loaded). A
+    then the kernels. dt_vjp reads the table the core library's kernel fills (always loaded);
+    ``inline`` kernels compute their coefficients in each thread, and no table kernel exists. A
     step with cost terms adds each trajectory's dof columns of its terms after the forward
-    (``cost_sum``)."""
+    (``cost_sum``).
+
+    >>> cuda_kernels(("forward", "adjoint")), cuda_kernels(("forward", "adjoint"), inline=True)
+    (('coefficients', 'forward', 'adjoint'), ('forward', 'adjoint'))
+    """
     extra = [k for k, needed in (("coefficients", {"forward", "adjoint"} & set(kernels)),
-                                 ("coefficients_jvp", "dt_jvp" in kernels)) if needed]
+                                 ("coefficients_jvp", "dt_jvp" in kernels)) if needed and not inline]
     after = ("cost_sum",) if table is not None and table.costs and "forward" in kernels else ()
     return (*extra, *kernels, *after)
 

@@ -14,7 +14,8 @@ from .arguments import ArgumentTable
 from .lower import LoweredOperator
 from .printer import lane_printer
 from .statements import Read, Shift, walk
-from .targets import CUDA_BLOCK, CUDA_STAGED, CUDA_WARPS, TABLE_KERNELS, Target, cuda_stage_columns, cuda_warp_rows_shared
+from .targets import (CUDA_BLOCK, CUDA_STAGED, CUDA_WARPS, TABLE_KERNELS, Target, cuda_stage_columns,
+                      cuda_warp_rows_shared, inline_coefficients)
 
 CTYPES = {"float32": "float", "float64": "double"}
 ITEMSIZE = {"float32": 4, "float64": 8}
@@ -238,7 +239,7 @@ def render(spec: Any, code: LoweredOperator, table: ArgumentTable, target: Targe
         coefficient_lines=code.coefficient_lines if set(kernels) & set(TABLE_KERNELS) else None,
         programs=programs,
         guards=_unit_guards(kernels, programs, units) if target.unit_guards else {},
-        signatures={k: target.signature(k, table, ctype) for k in target.entry_points(kernels, table)},
+        signatures={k: target.signature(k, table, ctype) for k in target.entry_points(kernels, table, form)},
         argument_names={k: ", ".join(n for _, n in abi.arguments(k, table)) for k in kernels},
         itemsize=itemsize,
         shared_coef_bytes=CUDA_SHARED_COEF_BYTES,
@@ -250,7 +251,7 @@ def render(spec: Any, code: LoweredOperator, table: ArgumentTable, target: Targe
         ops=tape.OPS,
         tape_math=any("powc" in t.ops for t in tapes),
         monomials=code.coefs.monomials if form == "monomials" else None,
-        inline_coefficients=form == "monomials" and table.dt.shape == ("B",),
+        inline_coefficients=inline_coefficients(table, form),
         coefficient_form=form,
         once_block=CUDA_BLOCK,
         c_double=tape.c_double,

@@ -80,6 +80,12 @@ def cuda_warp_rows_shared(n_coefficients: int) -> bool:
     return CUDA_WARPS * n_coefficients * 8 <= CUDA_WARP_ROWS_SHARED_BYTES
 
 
+def inline_coefficients(table: ArgumentTable, form: str) -> bool:
+    """Whether CUDA's per-element kernels compute their coefficients, with no table kernel:
+    monomials of a dt per trajectory (a B×NC table would be read once, at a per-trajectory stride)."""
+    return form == "monomials" and table.dt.shape == ("B",)
+
+
 def coefficient_form(coefs: Any) -> str:
     """The form of a spec's coefficient programs (codegen/coefficients.py), the same on every
     target: with one duration (uniform, or one per trajectory) every slot is a monomial c·dt^p,
@@ -187,9 +193,8 @@ class CudaLaunchPlan:
 
     @property
     def inline(self) -> bool:
-        """Whether the per-element kernels compute their coefficients (monomials of a dt per
-        trajectory: a B×NC table would be read once, at a per-trajectory stride)."""
-        return self.per_trajectory and self.form == "monomials"
+        """Whether the per-element kernels compute their coefficients (``inline_coefficients``)."""
+        return inline_coefficients(self.table, self.form)
 
     def block(self, B: int) -> int:
         """Threads per block of the per-element kernels over a batch of B (one thread per column):
@@ -335,8 +340,9 @@ class Target:
     #: (most threads a block, fewest resident blocks an SM) of each per-element kernel, or None
     launch_bounds: Optional[tuple[int, int]] = None
 
-    def entry_points(self, kernels: tuple[str, ...], table: ArgumentTable) -> tuple[str, ...]:
-        """The entry points a source with these kernels defines."""
+    def entry_points(self, kernels: tuple[str, ...], table: ArgumentTable, form: str) -> tuple[str, ...]:
+        """The entry points a source with these kernels defines, its coefficient programs of this
+        ``form`` (``coefficient_form``)."""
         return kernels
 
     def signature(self, kernel: str, table: ArgumentTable, ctype: str) -> str:
@@ -374,8 +380,8 @@ class CTarget(Target):
 class CudaTarget(Target):
     """CUDA: a thread per (batch, dof) column, the coefficient programs in kernels of their own."""
 
-    def entry_points(self, kernels: tuple[str, ...], table: ArgumentTable) -> tuple[str, ...]:
-        return abi.cuda_kernels(kernels, table)
+    def entry_points(self, kernels: tuple[str, ...], table: ArgumentTable, form: str) -> tuple[str, ...]:
+        return abi.cuda_kernels(kernels, table, inline_coefficients(table, form))
 
     def signature(self, kernel: str, table: ArgumentTable, ctype: str) -> str:
         return abi.signature(kernel, table, ctype, self.restrict, cuda=True)

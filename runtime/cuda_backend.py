@@ -25,7 +25,7 @@ from typing import Any, Callable
 import torch
 
 from ..codegen import abi
-from ..codegen.arguments import table
+from ..codegen.arguments import ArgumentTable, table
 from ..codegen.targets import CUDA, Launches
 from .cache import ABI_VERSION, BuildCache, digest
 from .fingerprint import generator_fingerprint
@@ -117,6 +117,12 @@ def cuda_source(spec: Any, part: str) -> tuple[str, dict]:
     return path.read_text(), metadata
 
 
+def entry_points(args: ArgumentTable, part: str, metadata: dict) -> tuple[str, ...]:
+    """The kernels a library's source defines, which the backend binds by name (the coefficient
+    form the source was generated with is in its metadata)."""
+    return CUDA.entry_points(abi.part_kernels(part, args), args, str(metadata["coefficients"]))
+
+
 class CudaBackend:
     """The kernels of a spec on one CUDA device."""
 
@@ -139,13 +145,13 @@ class CudaBackend:
         source, metadata = cuda_source(self.spec, part)
         with cp.cuda.Device(self.device.index):
             module = cp.RawModule(code=source, options=NVRTC_OPTIONS)
-            for kernel in abi.cuda_kernels(abi.part_kernels(part, self.table), self.table):
+            for kernel in entry_points(self.table, part, metadata):
                 self.functions[kernel] = module.get_function(abi.symbol(self.spec.name, kernel))
         return metadata
 
     def load_part(self, part: str) -> None:
         """Load a library's kernels unless they are loaded."""
-        if not all(k in self.functions for k in abi.cuda_kernels(abi.part_kernels(part, self.table), self.table)):
+        if not all(k in self.functions for k in entry_points(self.table, part, self.metadata)):
             self._bind(part)
 
     def empty(self, size: int, dtype: torch.dtype) -> torch.Tensor:

@@ -27,7 +27,11 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
+#if __has_include(<torch/csrc/autograd/node.h>)
 #include <torch/csrc/autograd/node.h>
+#else  // older PyTorch releases declare the Node in function.h
+#include <torch/csrc/autograd/function.h>
+#endif
 #include <torch/csrc/autograd/saved_variable.h>
 #include <torch/csrc/autograd/variable.h>
 #include <torch/library.h>

@@ -48,6 +48,7 @@ from tensorstep.codegen import abi
 from tensorstep.codegen.arguments import table
 from tensorstep.codegen.driver import generate, lowered
 from tensorstep.codegen.render import CTYPES
+from tensorstep.codegen.targets import CUDA
 from tensorstep.runtime import cbackend
 from tensorstep.runtime.api import Step
 from tensorstep.runtime.cache import BuildCache, digest
@@ -192,10 +193,11 @@ def host_source(spec: Any) -> tuple[str, str]:
     # the table copy into shared memory: every thread copies all of it (see the module docstring)
     source = source.replace("int i = threadIdx.x; i < ", "int i = 0; i < ").replace("; i += blockDim.x)", "; ++i)")
     definitions, declarations = [], []
-    for kernel in abi.cuda_kernels(abi.part_kernels("all", table(spec)), table(spec)):
+    # the entry points the CUDA backend binds by name (a missing one is the driver's "named symbol
+    # not found" on a GPU; here, this assertion)
+    for kernel in CUDA.entry_points(abi.part_kernels("all", table(spec)), table(spec), form):
         symbol = abi.symbol(spec.name, kernel)
-        if f"void {symbol}(" not in source:  # no table kernels where each thread computes its coefficients
-            continue
+        assert f"void {symbol}(" in source, f"{spec.name}: the CUDA source does not define the entry point {symbol}"
         source = source.replace(f"void {symbol}(", f"void {symbol}_thread(")
         definition, declaration = _entry_point(spec, kernel, kernel == "dt_vjp" and not per_trajectory,
                                                kernel in shared_runs)

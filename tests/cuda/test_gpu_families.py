@@ -10,14 +10,19 @@ file's own logic where CI has no GPU.
 """
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
 import tensorstep as ts
 from cuda_on_host import HostCudaBackend
 from helpers import make_spec, scale_close
-from tensorstep.codegen.arguments import ABSENT, INDEX
+from tensorstep.codegen import abi
+from tensorstep.codegen.arguments import ABSENT, INDEX, table
+from tensorstep.codegen.curobo_v2_spec import CuroboV2Spec
 from tensorstep.codegen.legacy_spec import LegacySpec
+from tensorstep.runtime.cuda_backend import cuda_source, entry_points
 from tensorstep.runtime.launch import Launcher
 
 try:
@@ -105,3 +110,26 @@ def test_the_comparison_itself_on_the_host(name):
     shapes and gradients are right for tables with indices, a goal and B-spline control."""
     spec = FAMILIES[name]
     _matches_cpu(spec, Launcher(spec, HostCudaBackend(spec)), torch.device("cpu"), B=40)
+
+
+ENTRY_POINT_SPECS = {
+    **FAMILIES,
+    "costs-per-trajectory": make_spec(dict(dt="per_trajectory", costs=(("squared", "velocity"),), outputs=("P",)),
+                                      horizon=8, dof=3),
+    "curobo-v2-clique": CuroboV2Spec("clique", 12, 2, "float64"),
+}
+
+
+@pytest.mark.parametrize("name", ENTRY_POINT_SPECS)
+def test_the_backend_binds_the_kernels_each_library_defines(name):
+    """The entry points the CUDA backend binds by name are exactly the kernels each library's
+    source defines (a missing one fails on a GPU as "named symbol not found"; a dt per
+    trajectory computes its coefficients in each thread and has no table kernel)."""
+    spec = ENTRY_POINT_SPECS[name]
+    args = table(spec)
+    for part in ("core", "dt_jvp", "dt_vjp"):
+        if not abi.part_kernels(part, args):
+            continue
+        source, metadata = cuda_source(spec, part)
+        defined = set(re.findall(r'extern "C" __global__ (?:__launch_bounds__\([^)]*\) )?void (\w+)\(', source))
+        assert {abi.symbol(spec.name, k) for k in entry_points(args, part, metadata)} == defined, part
