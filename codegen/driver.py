@@ -48,7 +48,6 @@ class Generated:
     entry_points: Mapping[str, str]  # kernel → exported symbol
     n_coefficients: int  # entries of the dt_vjp coefficient accumulator
     metadata: Mapping[str, Any]
-    launch_plans: Mapping[str, Any]  # target → its launch plan (None for the header)
     stages: Stages | None = None  # each stage's output, with generate(..., keep=True)
 
     def source(self, target: str, part: str = "all") -> str:
@@ -59,11 +58,12 @@ class Generated:
             raise KeyError(f"({target!r}, {part!r}) was not generated (generated: {made})") from None
 
     def launch_plan(self, target: str) -> Any:
-        """A generated target's launch plan (codegen/targets.py): its launches for a batch size."""
-        try:
-            return self.launch_plans[target]
-        except KeyError:
-            raise KeyError(f"{target!r} was not generated (generated: {', '.join(self.launch_plans)})") from None
+        """A generated target's launch plan (codegen/targets.py): its launches for a batch size,
+        worked out when asked for (a backend builds its own once, from its libraries' metadata)."""
+        generated = dict.fromkeys(t for t, _ in self.sources)
+        if target not in generated:
+            raise KeyError(f"{target!r} was not generated (generated: {', '.join(generated)})")
+        return target_of(target).launch_plan(self.spec, self.metadata)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,5 +218,4 @@ def generate(spec: Any, targets: tuple[str, ...] = tuple(TARGETS), parts: tuple[
         entry_points=types.MappingProxyType({k: abi.symbol(spec.name, k) for k in abi.KERNELS if k in kernels}),
         n_coefficients=program.n_coefficients,
         metadata=types.MappingProxyType(meta),
-        launch_plans=types.MappingProxyType({name: t.launch_plan(spec, meta) for name, t in chosen.items()}),
     )
