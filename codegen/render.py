@@ -14,11 +14,10 @@ from .arguments import ArgumentTable
 from .lower import LoweredOperator
 from .printer import lane_printer
 from .statements import Read, Shift, walk
-from .targets import (CUDA_BLOCK, CUDA_STAGED, CUDA_WARPS, TABLE_KERNELS, Target, cuda_stage_columns,
-                      cuda_warp_rows_shared, inline_coefficients)
+from .targets import (CUDA_BLOCK, CUDA_STAGED, CUDA_WARPS, ITEMSIZE, TABLE_KERNELS, Target, cuda_coefficients,
+                      cuda_stage_columns, cuda_warp_rows_shared, inline_coefficients)
 
 CTYPES = {"float32": "float", "float64": "double"}
-ITEMSIZE = {"float32": 4, "float64": 8}
 
 
 @functools.lru_cache(maxsize=1)
@@ -111,10 +110,6 @@ def _lane_bodies(code: LoweredOperator, kernels: tuple, table: ArgumentTable) ->
     return bodies
 
 
-#: CUDA kernels copy the step coefficients (filled once per call by the table kernel) into
-#: shared memory up to this size; larger tables (long per-step horizons) are read from global
-#: memory, where every thread reads the same address.
-CUDA_SHARED_COEF_BYTES = 16384
 
 
 #: C kernels with at most this many step coefficients (one dt per call) give each thread its own
@@ -242,7 +237,8 @@ def render(spec: Any, code: LoweredOperator, table: ArgumentTable, target: Targe
         signatures={k: target.signature(k, table, ctype) for k in target.entry_points(kernels, table, form)},
         argument_names={k: ", ".join(n for _, n in abi.arguments(k, table)) for k in kernels},
         itemsize=itemsize,
-        shared_coef_bytes=CUDA_SHARED_COEF_BYTES,
+        # CUDA: where each per-element kernel gets its step coefficients (a table, its block, its threads)
+        coefficients_in={k: cuda_coefficients(k, table, form, code.n_coefficients, itemsize) for k in kernels},
         dt_chunk=abi.C_DT_VJP_CHUNK,
         stencil=code.stencil,
         values=bool(table.values) and "dt_vjp" in kernels,  # the YV<k> macros of dt_vjp

@@ -80,20 +80,56 @@ def cuda_warp_rows_shared(n_coefficients: int) -> bool:
     return CUDA_WARPS * n_coefficients * 8 <= CUDA_WARP_ROWS_SHARED_BYTES
 
 
+#: bytes of an element of each dtype
+ITEMSIZE = {"float32": 4, "float64": 8}
+
+#: a CUDA per-element kernel keeps its step coefficients in shared memory up to this many bytes
+#: (its table, or its two with a dt tangent); larger tables (long per-step horizons) are read from
+#: global memory, where every thread reads the same address, or computed in each thread (monomials)
+CUDA_SHARED_COEF_BYTES = 16384
+
+
 def inline_coefficients(table: ArgumentTable, form: str) -> bool:
-    """Whether CUDA's per-element kernels compute their coefficients, with no table kernel:
-    monomials of a dt per trajectory (a B×NC table would be read once, at a per-trajectory stride)."""
+    """Whether CUDA's per-element kernels compute their coefficients in each thread, with no table
+    kernel: monomials of a dt per trajectory (a B×NC table would be read once, at a per-trajectory
+    stride)."""
     return form == "monomials" and table.dt.shape == ("B",)
+
+
+def cuda_coefficients(kernel: str, table: ArgumentTable, form: str, n_coefficients: int, itemsize: int) -> str:
+    """Where a CUDA per-element kernel gets its step coefficients:
+
+    - "none": it reads none (a stencil's dt_vjp: ``abi.cuda_table``);
+    - "block": its block runs the table's program into shared memory, its threads sharing the
+      slots or rows, before its columns (no table launch): monomials of a uniform dt, and a
+      per-step program of row loops only ('rows': a few lines a row), where they fit;
+    - "thread": each thread computes them from its powers of its trajectory's dt (monomials with
+      a dt per trajectory: ``inline_coefficients``);
+    - "shared" / "global": a table kernel fills the table, which the block copies into shared
+      memory where it fits (a per-step program with boundary rows), else reads from global memory."""
+    if abi.cuda_table(kernel, table) is None:
+        return "none"
+    tables = 2 if kernel == "dt_jvp" else 1
+    fits = n_coefficients * itemsize * tables <= CUDA_SHARED_COEF_BYTES
+    per_trajectory = table.dt.shape == ("B",)
+    if inline_coefficients(table, form):
+        return "thread"
+    if form in ("monomials", "rows") and fits:
+        return "block"
+    return "shared" if fits and not per_trajectory else "global"
 
 
 def coefficient_form(coefs: Any) -> str:
     """The form of a spec's coefficient programs (codegen/coefficients.py), the same on every
     target: with one duration (uniform, or one per trajectory) every slot is a monomial c·dt^p,
     and the programs are loops over the table of c and p ('monomials'; a 'tape' where a slot is
-    not one); with a duration per step, a long straight-line part is a 'tape', else 'code'."""
+    not one); with a duration per step, a long straight-line part is a 'tape', a program of row
+    loops only (integrators: a few lines a row, no boundary slots) 'rows', else 'code'."""
     if len(coefs.dt_syms) == 1:
         return "monomials" if coefs.monomials is not None else "tape"
-    return "tape" if coefs.long else "code"
+    if coefs.long:
+        return "tape"
+    return "rows" if not coefs.straight and not coefs.copies else "code"
 
 
 #: (kernel, B) pairs whose launches a CUDA plan keeps (B varies from call to call: the oldest goes)
@@ -191,10 +227,9 @@ class CudaLaunchPlan:
     def gradient_dtype(self) -> str:
         return self.dtype
 
-    @property
-    def inline(self) -> bool:
-        """Whether the per-element kernels compute their coefficients (``inline_coefficients``)."""
-        return inline_coefficients(self.table, self.form)
+    def coefficients(self, kernel: str) -> str:
+        """Where a per-element kernel gets its step coefficients (``cuda_coefficients``)."""
+        return cuda_coefficients(kernel, self.table, self.form, self.n_coefficients, ITEMSIZE[self.dtype])
 
     def block(self, B: int) -> int:
         """Threads per block of the per-element kernels over a batch of B (one thread per column):
@@ -259,8 +294,8 @@ class CudaLaunchPlan:
 
     def _plan(self, kernel: str, B: int) -> Launches:
         """The launches of one entry point over a batch of B. A per-element kernel that reads the
-        coefficient table first has it filled (``abi.cuda_table``), unless its threads compute
-        their coefficients (``inline``). The once-per-call kernels keep
+        coefficient table first has it filled (``abi.cuda_table``), unless its block or its threads
+        compute their coefficients (``coefficients``). The once-per-call kernels keep
         CUDA_BLOCK threads (a tape's block shares its levels among them; dt_vjp_finish's threads
         first add dt_vjp's rows)."""
         block, runs = self.block(B), self.runs(B)
@@ -289,9 +324,9 @@ class CudaLaunchPlan:
             partials = (Temporary("cpart", B * self.dof * terms, "float64"),
                         Launch("cost_sum", _blocks(B * terms, CUDA_BLOCK), CUDA_BLOCK, 0, ("cpart", "cost")))
         extra = ("cpart",) if partials else ()
-        if self.inline:  # its threads compute their coefficients: no table (coef_g gets a null pointer)
+        if self.coefficients(kernel) in ("block", "thread"):  # it computes them: no table (coef_g gets null)
             return Launches((Launch(kernel, grid, block, 0, (*names, 0, *extra)), *partials[1:]), partials[:1], names)
-        fill_grid = _blocks(runs * self.n_coefficients, CUDA_BLOCK) if self.form == "monomials" else once
+        fill_grid = once
         inputs = (dt, "ddt_in") if fill == "coefficients_jvp" else (dt,)
         coef = Temporary("coef", runs * len(inputs) * self.n_coefficients, self.dtype)
         return Launches((Launch(fill, fill_grid, CUDA_BLOCK, 0, (*inputs, "coef")),

@@ -19,6 +19,7 @@ from cuda_on_host import HostCudaBackend, host_source, host_step
 from tensorstep.codegen import abi, render, targets
 from tensorstep.codegen.arguments import table
 from tensorstep.codegen.driver import lowered
+from tensorstep.runtime import cbackend
 from tensorstep.runtime.api import Step
 from tensorstep.runtime.launch import CpuBackend, Launcher
 from tensorstep.runtime.verify import verify_launcher
@@ -52,10 +53,10 @@ def _dt_of(spec, B: int, seed: int = 0) -> torch.Tensor:
                                                  ("float64", "global")])
 def test_every_variant_compiles_to_ptx(tmp_path, dtype, coefficients, monkeypatch):
     """All variants of the grid, both dtypes, all kernels, in one translation unit per dtype;
-    the step coefficients copied to shared memory, and read from global memory (tables too
-    large to share)."""
+    the step coefficients in shared memory (copied from the table, or computed by the block), and
+    read from global memory or computed by each thread (tables too large to share)."""
     if coefficients == "global":
-        monkeypatch.setattr(render, "CUDA_SHARED_COEF_BYTES", 0)
+        monkeypatch.setattr(targets, "CUDA_SHARED_COEF_BYTES", 0)
     sources = [ts.source(make_spec(g, dtype=dtype), "cuda") for g in GRID]
     assert all(("__shared__ T coef" in src) == (coefficients == "shared") for src in sources)
     unit = tmp_path / f"grid_{dtype}.cu"
@@ -213,13 +214,55 @@ def test_cuda_source_run_on_the_host_matches_reference(overrides, form, monkeypa
             pytest.skip("stencil adjoints are never rolled")
         monkeypatch.setattr(targets, "CUDA_ROLL_ABOVE_BYTES", 0)
     if form == "global-coefficients":
-        monkeypatch.setattr(render, "CUDA_SHARED_COEF_BYTES", 0)
+        monkeypatch.setattr(targets, "CUDA_SHARED_COEF_BYTES", 0)
     spec = make_spec(overrides)
     source, _ = host_source(spec)
     assert ("; --r)" in _kernel_text(source, f"{spec.name}_adjoint_thread")) == (form == "rolled")  # dt_vjp always rolls
     assert ("__shared__ T coef" in source) == (form != "global-coefficients")
     row = verify_launcher(spec, Launcher(spec, HostCudaBackend(spec)), torch.device("cpu"), B=150)  # 2 blocks
     assert row["forward"] <= 1e-12 and row["adjoint"] <= 1e-12, row
+
+
+BLOCK_TABLES = [dict(control="acceleration", dt="per_step"), dict(control="jerk", integrator="exact", dt="per_step", order=4),
+                dict(control="velocity"), dict(difference="central", accuracy=(2, 4, 2))]
+
+
+@pytest.mark.parametrize("overrides", BLOCK_TABLES, ids=[grid_id(g) for g in BLOCK_TABLES])
+def test_a_blocks_own_table_is_the_table_kernels_to_the_last_bit(overrides, monkeypatch):
+    """Where each block of a per-element kernel computes its coefficients in shared memory (an
+    integrator's per-step rows, monomials of a uniform dt: no table kernel, no launch), the
+    forward, the adjoint, dt_vjp and dt_jvp give what they give with tables too large to share
+    (the table kernel's table, read from global memory), bit for bit: the same values, rounded the same way (float32; compiled
+    without fused multiply-adds, which a compiler may choose differently for either source)."""
+    spec = make_spec(overrides, dtype="float32", horizon=12, dof=3)
+    B = 70  # 210 columns: 7 blocks of 32, the last one partial
+    x = Inputs(spec, B, seed=4)
+    gen = torch.Generator().manual_seed(5)
+    inputs = [getattr(x, a.c_name) for a in table(spec).tensors]
+    dt = (0.05 + 0.1 * torch.rand(spec.n_dt, generator=gen)).to(torch.float32)
+    ddt = torch.rand(spec.n_dt, generator=gen).to(torch.float32)
+    tangents = [None if getattr(x, a.c_name) is None else torch.randn(getattr(x, a.c_name).shape, generator=gen)
+                for a in table(spec).differentiable]
+    runs, launched = [], []
+    try:
+        with monkeypatch.context() as m:  # the host compiler fusing no multiply-add: the source's arithmetic
+            m.setenv("TENSORSTEP_CFLAGS", "-ffp-contract=off")
+            cbackend.c_flags.cache_clear()
+            for limit in (targets.CUDA_SHARED_COEF_BYTES, 0):
+                m.setattr(targets, "CUDA_SHARED_COEF_BYTES", limit)
+                backend = HostCudaBackend(spec)
+                launcher = Launcher(spec, backend)
+                ys = launcher.forward(inputs, dt)
+                grads = [torch.randn(y.shape, generator=torch.Generator().manual_seed(6 + k)) for k, y in enumerate(ys)]
+                gs = launcher.adjoint(grads, dt, B, [True] * len(table(spec).differentiable))
+                runs.append([*ys, *[g for g in gs if g is not None], launcher.dt_vjp(inputs, grads, dt),
+                             *launcher.dt_jvp(inputs, tangents, dt, ddt)])
+                launched.append({kernel for kernel, _, _ in backend.launched})
+    finally:
+        cbackend.c_flags.cache_clear()
+    assert not launched[0] & {"coefficients", "coefficients_jvp"}
+    assert launched[1] >= {"coefficients", "coefficients_jvp"}
+    assert len(runs[0]) == len(runs[1]) and all(torch.equal(a, b) for a, b in zip(*runs))
 
 
 @pytest.mark.parametrize("overrides", GRID, ids=[grid_id(g) for g in GRID])
@@ -457,9 +500,8 @@ def test_capture_never_builds_or_loads_a_cuda_module(capture, monkeypatch):
     backend.call("dt_vjp", 2, args("dt_vjp"))
     backend.call("dt_vjp_finish", 2, args("dt_vjp_finish"))
     assert len(backend.cupy.built) == 3
-    dt_vjp_table = ("coefficients",) if table(spec).values else ()  # a stencil's dt_vjp reads no table
-    assert backend.cupy.launched == [f"{spec.name}_{k}" for k in ("coefficients", "forward", *dt_vjp_table, "dt_vjp",
-                                                                  "dt_vjp_finish")]
+    # a uniform dt's monomials: each block computes its coefficients (no table kernel)
+    assert backend.cupy.launched == [f"{spec.name}_{k}" for k in ("forward", "dt_vjp", "dt_vjp_finish")]
 
 
 
@@ -477,9 +519,9 @@ def small_blocks(plan):
 def test_cuda_backend_launches_what_the_plan_says(monkeypatch):
     """CudaBackend launches each kernel with its plan's grid, block and shared memory: the build's
     plan (a grid over the B·D columns, of 256 threads a block where that gives at least 132
-    blocks, else smaller blocks down to a warp; the table's one thread a grid of one block of 256),
-    and a plan with other blocks just as it says."""
-    spec = make_spec(GRID[0])
+    blocks, else smaller blocks down to a warp; a per-step table's kernel a grid of one block of
+    256), and a plan with other blocks just as it says."""
+    spec = make_spec(GRID[1])
     backend = fake_cuda_backend(spec, monkeypatch)
     D = spec.dof
     args = [0] * (len(abi.arguments("forward", table(spec))) - 1)
@@ -645,7 +687,7 @@ def test_cuda_large_coefficient_table_matches_cpu():
     """Per-step H=256 float64: 3822 coefficients, too many for shared memory (read from the table in
     global memory); forward, adjoint and dt gradients against the CPU kernels."""
     spec = make_spec(dict(difference="central", dt="per_step"), horizon=256, dof=7)
-    assert lowered(spec).n_coefficients * 8 > render.CUDA_SHARED_COEF_BYTES
+    assert lowered(spec).n_coefficients * 8 > targets.CUDA_SHARED_COEF_BYTES
     _gpu_matches_cpu(spec, B=90, rtol=1e-11)
 
 

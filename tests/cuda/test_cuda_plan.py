@@ -23,10 +23,19 @@ SPECS = [  # (CLI options, the KernelSpec they give)
     (["--horizon", "8", "--dof", "3", "--dtype", "float64"], dict(horizon=8, dof=3, dtype="float64")),
     (["--horizon", "8", "--dof", "3", "--dt", "per_step"], dict(horizon=8, dof=3, dt="per_step")),
     (["--horizon", "6", "--dof", "2", "--control", "acceleration"], dict(horizon=6, dof=2, control="acceleration")),
+    (["--horizon", "6", "--dof", "2", "--control", "acceleration", "--dt", "per_step"],
+     dict(horizon=6, dof=2, control="acceleration", dt="per_step")),
     (["--dof", "2", "--control", "bspline", "--degree", "3", "--knots", "5", "--steps", "2", "--dt", "per_trajectory"],
      dict(dof=2, control="bspline", degree=3, knots=5, steps=2, dt="per_trajectory")),
 ]
-IDS = ["uniform", "per_step", "accel", "bspline_per_trajectory"]
+IDS = ["uniform", "per_step", "accel", "accel_per_step", "bspline_per_trajectory"]
+
+
+def table_kernel(fields: dict) -> bool:
+    """Whether a kernel fills a coefficient table in global memory: only a stencil with a dt per
+    step (its boundary rows are a straight-line program, run once per call). Monomials of one dt
+    and an integrator's per-step rows are computed by each per-element kernel's block (or thread)."""
+    return fields.get("dt") == "per_step" and fields.get("control", "position") == "position"
 
 
 def plan_json(options: list[str], batches: tuple[int, ...], *extra: str) -> list[dict]:
@@ -69,8 +78,7 @@ def test_reported_launches_are_those_the_runtime_makes(options, fields):
 
 def test_temporaries_counted_buffer_by_buffer():
     """The bytes per call against a count of each buffer: a table of the coefficients per fill
-    (float32; none with a dt per trajectory, whose threads compute their coefficients, and none for
-    a stencil's dt_vjp), dt_vjp's float64 partial sums (a row per block of dt_vjp, with its warps'
+    (float32; only a per-step stencil's: ``table_kernel``, and none for a stencil's dt_vjp), dt_vjp's float64 partial sums (a row per block of dt_vjp, with its warps'
     rows where they do not fit in shared memory, or a row per trajectory with a dt per trajectory),
     the float64 sums of the block rows, an integrator's forward outputs, the dt gradient in dt's
     dtype (float32)."""
@@ -80,7 +88,7 @@ def test_temporaries_counted_buffer_by_buffer():
         nc = generate(spec, targets=("cuda",), parts=("core",)).n_coefficients
         (report,) = plan_json(options + ["--no-ptxas"], (B,))
         ops = report["batches"][0]["operations"]
-        table_bytes = 0 if spec.dt == "per_trajectory" else nc * 4
+        table_bytes = nc * 4 if table_kernel(fields) else 0
         assert ops["forward"]["temporary_bytes"] == table_bytes
         assert ops["backward"]["temporary_bytes"] == table_bytes
         dt_vjp = [l for l in ops["backward_dt"]["launches"] if l["kernel"] == "dt_vjp"]
@@ -88,7 +96,7 @@ def test_temporaries_counted_buffer_by_buffer():
         gc = B * nc if spec.dt == "per_trajectory" else dt_vjp[0]["grid"] * warp_rows * nc
         integrator = spec.control == "acceleration"
         values = 4 * B * spec.horizon * spec.dof * 4 if integrator else 0  # P, V, A, J
-        fills = 3 if integrator else 1  # adjoint, (forward, dt_vjp)
+        fills = 1  # the adjoint's (a stencil's dt_vjp reads none)
         sums = 0 if spec.dt == "per_trajectory" else nc * 8
         n_dt = {"uniform": 1, "per_step": spec.horizon, "per_trajectory": B}[spec.dt]
         expect = fills * table_bytes + gc * 8 + sums + values + n_dt * 4
@@ -96,9 +104,10 @@ def test_temporaries_counted_buffer_by_buffer():
 
 
 def test_backward_with_a_dt_gradient_is_at_most_four_launches():
-    """Table and adjoint, dt_vjp (a stencil's alone: it reads no table), dt_vjp_finish (which adds
-    dt_vjp's rows: no dt_vjp_sum); an integrator adds its forward and dt_vjp's table; with a dt per
-    trajectory no launch fills a table (the threads compute their coefficients). dt_vjp's grid
+    """The adjoint, dt_vjp (a stencil's reads no table), dt_vjp_finish (which adds dt_vjp's rows:
+    no dt_vjp_sum); an integrator adds the forward whose values dt_vjp reads; only a per-step
+    stencil fills a table, once (``table_kernel``): elsewhere each per-element kernel's block or
+    thread computes its coefficients. dt_vjp's grid
     stops growing at 264 blocks (its rows of partial sums with it); with a dt per trajectory it
     runs a thread per trajectory, whose sums are B rows (not B x dof)."""
     B = 40000
@@ -107,11 +116,13 @@ def test_backward_with_a_dt_gradient_is_at_most_four_launches():
         for batch in report["batches"]:
             launches = [l["kernel"] for l in batch["operations"]["backward_dt"]["launches"]]
             integrator = fields.get("control") == "acceleration"
-            expect = (["coefficients", "adjoint", "coefficients", "forward", "coefficients", "dt_vjp", "dt_vjp_finish"]
-                      if integrator else ["coefficients", "adjoint", "dt_vjp", "dt_vjp_finish"])
-            if fields.get("dt") == "per_trajectory":  # its threads compute their coefficients: no table
-                expect = [k for k in expect if k != "coefficients"]
-            assert launches == expect, fields
+            expect = (["adjoint", "forward", "dt_vjp", "dt_vjp_finish"] if integrator
+                      else ["coefficients", "adjoint", "dt_vjp", "dt_vjp_finish"] if table_kernel(fields)
+                      else ["adjoint", "dt_vjp", "dt_vjp_finish"])
+            assert launches == expect and len(launches) <= 4, fields
+            for name in ("forward", "backward"):
+                kernels = [l["kernel"] for l in batch["operations"][name]["launches"]]
+                assert kernels == ["coefficients"] * table_kernel(fields) + [name.replace("backward", "adjoint")]
             (dt_vjp,) = [l for l in batch["operations"]["backward_dt"]["launches"] if l["kernel"] == "dt_vjp"]
             if fields.get("dt") == "per_trajectory":
                 assert dt_vjp["grid"] * dt_vjp["block"] >= batch["batch"] > (dt_vjp["grid"] - 1) * dt_vjp["block"]
@@ -134,7 +145,8 @@ def test_per_element_kernels_bound_the_plans_blocks(options, fields):
         assert 65536 // (threads * blocks) == 128
         for B in (1, 100, 400, 4000, 40000, 10 ** 6):
             assert all(0 < l.block <= threads for l in plan.launches(kernel, B).launches if l.kernel == kernel)
-    tables = () if spec.dt == "per_trajectory" else ("coefficients", "coefficients_jvp")  # (threads compute them)
+    # table kernels (defined, and run where a table is too large to share); none with a dt per trajectory
+    tables = () if spec.dt == "per_trajectory" else ("coefficients", "coefficients_jvp")
     for kernel in (*tables, "dt_vjp_finish"):
         assert f'__global__ void {spec.name}_{kernel}(' in source, kernel
 
@@ -142,7 +154,7 @@ def test_per_element_kernels_bound_the_plans_blocks(options, fields):
 def test_block_size_follows_the_batch():
     """Blocks of 256 threads where that gives a grid of at least 132 blocks (an H100's SMs), else
     halved down to a warp; the once-per-call kernels keep 256."""
-    plan = generate(ts.KernelSpec(horizon=32, dof=7), targets=("cuda",), parts=("core",)).launch_plan("cuda")
+    plan = generate(ts.KernelSpec(horizon=32, dof=7, dt="per_step"), targets=("cuda",), parts=("core",)).launch_plan("cuda")
     expect = {1: 32, 400: 32, 1000: 32, 1300: 64, 2000: 64, 2700: 128, 4000: 128, 4800: 256, 40000: 256, 10 ** 6: 256}
     assert {B: plan.block(B) for B in expect} == expect
     for B in expect:
