@@ -2,8 +2,10 @@
  * spec: {"accuracy": [4, 4, 2], "control": "position", "difference": "central", "dof": 7, "dt": "uniform", "dtype": "float32", "end": "hold", "horizon": 32, "integrator": "semi_implicit_euler", "layout": "bhd", "order": 3, "start_index": false}
  * One thread per (batch, dof) column: at every row, neighbouring threads touch
  * neighbouring addresses (layout "bhd"). 64-bit indexing throughout.
- * The step coefficients are computed once per call by a kernel of their own (ts_h32_d7_pos_cen_a442_hold_dtu_noidx_bhd_f32_o3_coefficients)
- * into a table in global memory (coef_g), which the per-element kernels read. */
+ * The step coefficients are computed by each per-element kernel's block into shared
+ * memory (monomials of dt, a thread per slot), or where the table is too large
+ * to share, once per call by a kernel of their own (ts_h32_d7_pos_cen_a442_hold_dtu_noidx_bhd_f32_o3_coefficients) into a table in global memory
+ * (coef_g). */
 typedef float T;
 #if defined(__CUDACC_RTC__)
 typedef long long int64_t; /* NVRTC has no <stdint.h> */
@@ -17,6 +19,12 @@ typedef long long int64_t; /* NVRTC has no <stdint.h> */
 #define TS_THREAD ((int64_t)threadIdx.x)
 #define TS_THREADS ((int64_t)blockDim.x)
 #define TS_BARRIER() __syncthreads()
+/* a per-element kernel's block running the table's program: its threads share the slots or rows
+ * (the host test double, tests/cuda_on_host.py, runs each thread in full) */
+#ifndef TS_TABLE_THREAD
+#define TS_TABLE_THREAD ((int64_t)threadIdx.x)
+#define TS_TABLE_THREADS ((int64_t)blockDim.x)
+#endif
 enum { H_ = 32, N_ = 31, D_ = 7, NDT_ = 1, NC_ = 23 };
 /* strides in elements: action u[b, j, d], outputs y[b, h, d] (layout "bhd") */
 #define U_SB 217LL
@@ -108,21 +116,21 @@ static __device__ __forceinline__ double ts_mono_power(const double x, const int
 }
 /* p*x^(p-1) from x^p */
 #define TS_MONO_DERIVATIVE(e, p, x) ((double)((e) + -3) * (p) / (x))
-/* the table C(q): a thread per slot */
+/* the table C(q): a block's threads share the slots (a per-element kernel's block, or the table kernel's) */
 #define TS_MONOMIALS_VALUE() do { \
-    const int64_t ts_q = (int64_t)blockIdx.x * (int64_t)blockDim.x + (int64_t)threadIdx.x; \
-    if (ts_q >= 23) return; \
-    C(ts_q) = (T)(ts_h32_d7_pos_cen_a442_hold_dtu_noidx_bhd_f32_o3_mono_c[ts_q] * ts_mono_power((double)DT(0), ts_h32_d7_pos_cen_a442_hold_dtu_noidx_bhd_f32_o3_mono_e[ts_q])); \
-} while (0)
-/* the table and its tangents CD(q) = c*p*dt^(p-1)*ddt: a thread per slot */
-#define TS_MONOMIALS_TANGENT() do { \
-    const int64_t ts_q = (int64_t)blockIdx.x * (int64_t)blockDim.x + (int64_t)threadIdx.x; \
-    if (ts_q >= 23) return; \
     const double ts_x = (double)DT(0); \
-    const int ts_e = ts_h32_d7_pos_cen_a442_hold_dtu_noidx_bhd_f32_o3_mono_e[ts_q]; \
-    const double ts_p = ts_mono_power(ts_x, ts_e); \
-    C(ts_q) = (T)(ts_h32_d7_pos_cen_a442_hold_dtu_noidx_bhd_f32_o3_mono_c[ts_q] * ts_p); \
-    CD(ts_q) = (T)(ts_h32_d7_pos_cen_a442_hold_dtu_noidx_bhd_f32_o3_mono_c[ts_q] * TS_MONO_DERIVATIVE(ts_e, ts_p, ts_x) * (double)DDT(0)); \
+    for (int64_t ts_q = TS_THREAD; ts_q < 23; ts_q += TS_THREADS) \
+        C(ts_q) = (T)(ts_h32_d7_pos_cen_a442_hold_dtu_noidx_bhd_f32_o3_mono_c[ts_q] * ts_mono_power(ts_x, ts_h32_d7_pos_cen_a442_hold_dtu_noidx_bhd_f32_o3_mono_e[ts_q])); \
+} while (0)
+/* the table and its tangents CD(q) = c*p*dt^(p-1)*ddt: a block's threads share the slots */
+#define TS_MONOMIALS_TANGENT() do { \
+    const double ts_x = (double)DT(0), ts_dx = (double)DDT(0); \
+    for (int64_t ts_q = TS_THREAD; ts_q < 23; ts_q += TS_THREADS) { \
+        const int ts_e = ts_h32_d7_pos_cen_a442_hold_dtu_noidx_bhd_f32_o3_mono_e[ts_q]; \
+        const double ts_p = ts_mono_power(ts_x, ts_e); \
+        C(ts_q) = (T)(ts_h32_d7_pos_cen_a442_hold_dtu_noidx_bhd_f32_o3_mono_c[ts_q] * ts_p); \
+        CD(ts_q) = (T)(ts_h32_d7_pos_cen_a442_hold_dtu_noidx_bhd_f32_o3_mono_c[ts_q] * TS_MONO_DERIVATIVE(ts_e, ts_p, ts_x) * ts_dx); \
+    } \
 } while (0)
 /* the dt gradient from the slots' gradients GC(q) (double), the sum of GC(q)*c*p*dt^(p-1): the
  * block's threads each add a stride of the slots, then a fixed tree adds their sums (the same
@@ -145,19 +153,21 @@ static __device__ __forceinline__ double ts_mono_power(const double x, const int
 } while (0)
 
 
-/* the step coefficients from dt (double precision, stored as T): a thread per slot */
+/* the step coefficients from dt (double precision, stored as T): a block, whose threads share the slots (where a per-element kernel's block does not compute them: a table too large to share) */
 extern "C" __global__ void ts_h32_d7_pos_cen_a442_hold_dtu_noidx_bhd_f32_o3_coefficients(int64_t B, const float* __restrict__ dt_in, float* __restrict__ coef_g)
 {
-    const int64_t b = 0; (void)B;
+    const int64_t b = (int64_t)blockIdx.x;
+    if (b >= 1) return;
     const int64_t dto = b * NDT_; (void)dto;
     T* __restrict__ coef = coef_g + b * 1 * NC_;
     TS_MONOMIALS_VALUE();
 }
 
-/* the step coefficients from dt (double precision, stored as T): a thread per slot */
+/* the step coefficients from dt (double precision, stored as T): a block, whose threads share the slots (where a per-element kernel's block does not compute them: a table too large to share) */
 extern "C" __global__ void ts_h32_d7_pos_cen_a442_hold_dtu_noidx_bhd_f32_o3_coefficients_jvp(int64_t B, const float* __restrict__ dt_in, const float* __restrict__ ddt_in, float* __restrict__ coef_g)
 {
-    const int64_t b = 0; (void)B;
+    const int64_t b = (int64_t)blockIdx.x;
+    if (b >= 1) return;
     const int64_t dto = b * NDT_; (void)dto;
     T* __restrict__ coef = coef_g + b * 2 * NC_;
     T* __restrict__ coefd = coef + NC_;
@@ -225,9 +235,21 @@ __device__ __forceinline__ void ts_sum_rows(const double* gc, int64_t rows, int6
 
 extern "C" __global__ __launch_bounds__(256, 2) void ts_h32_d7_pos_cen_a442_hold_dtu_noidx_bhd_f32_o3_forward(int64_t B, const float* __restrict__ u, const float* __restrict__ p0, const float* __restrict__ v0, const float* __restrict__ a0, const float* __restrict__ j0, const int64_t* __restrict__ idx, const float* __restrict__ dt_in, float* __restrict__ y0, float* __restrict__ y1, float* __restrict__ y2, float* __restrict__ y3, const float* __restrict__ coef_g)
 {
-    /* the step coefficients, copied from the table into shared memory */
+    /* the step coefficients: the block runs the table's program into shared
+     * memory, its threads sharing the slots (no table launch) */
     __shared__ T coef[1 * NC_];
-    for (int i = threadIdx.x; i < 1 * NC_; i += blockDim.x) coef[i] = coef_g[i];
+    {
+        (void)coef_g;
+#undef TS_THREAD
+#undef TS_THREADS
+#define TS_THREAD TS_TABLE_THREAD
+#define TS_THREADS TS_TABLE_THREADS
+        TS_MONOMIALS_VALUE();
+#undef TS_THREAD
+#undef TS_THREADS
+#define TS_THREAD ((int64_t)threadIdx.x)
+#define TS_THREADS ((int64_t)blockDim.x)
+    }
     __syncthreads();
     const int64_t col = (int64_t)blockIdx.x * (int64_t)blockDim.x + (int64_t)threadIdx.x;
     if (col >= B * D_) return;
@@ -287,9 +309,21 @@ extern "C" __global__ __launch_bounds__(256, 2) void ts_h32_d7_pos_cen_a442_hold
 extern "C" __global__ __launch_bounds__(256, 2) void ts_h32_d7_pos_cen_a442_hold_dtu_noidx_bhd_f32_o3_adjoint(int64_t B, const float* __restrict__ g0, const float* __restrict__ g1, const float* __restrict__ g2, const float* __restrict__ g3, const float* __restrict__ dt_in, float* __restrict__ gu, float* __restrict__ gp0, float* __restrict__ gv0, float* __restrict__ ga0, float* __restrict__ gj0, const float* __restrict__ coef_g)
 {
     const int64_t* idx = 0;
-    /* the step coefficients, copied from the table into shared memory */
+    /* the step coefficients: the block runs the table's program into shared
+     * memory, its threads sharing the slots (no table launch) */
     __shared__ T coef[1 * NC_];
-    for (int i = threadIdx.x; i < 1 * NC_; i += blockDim.x) coef[i] = coef_g[i];
+    {
+        (void)coef_g;
+#undef TS_THREAD
+#undef TS_THREADS
+#define TS_THREAD TS_TABLE_THREAD
+#define TS_THREADS TS_TABLE_THREADS
+        TS_MONOMIALS_VALUE();
+#undef TS_THREAD
+#undef TS_THREADS
+#define TS_THREAD ((int64_t)threadIdx.x)
+#define TS_THREADS ((int64_t)blockDim.x)
+    }
     __syncthreads();
     const int64_t col = (int64_t)blockIdx.x * (int64_t)blockDim.x + (int64_t)threadIdx.x;
     if (col >= B * D_) return;
@@ -430,9 +464,22 @@ extern "C" __global__ void ts_h32_d7_pos_cen_a442_hold_dtu_noidx_bhd_f32_o3_dt_v
 
 extern "C" __global__ __launch_bounds__(256, 2) void ts_h32_d7_pos_cen_a442_hold_dtu_noidx_bhd_f32_o3_dt_jvp(int64_t B, const float* __restrict__ u, const float* __restrict__ p0, const float* __restrict__ v0, const float* __restrict__ a0, const float* __restrict__ j0, const int64_t* __restrict__ idx, const float* __restrict__ du, const float* __restrict__ dp0, const float* __restrict__ dv0, const float* __restrict__ da0, const float* __restrict__ dj0, const float* __restrict__ dt_in, const float* __restrict__ ddt_in, float* __restrict__ ty0, float* __restrict__ ty1, float* __restrict__ ty2, float* __restrict__ ty3, const float* __restrict__ coef_g)
 {
-    /* the step coefficients, copied from the table into shared memory */
+    /* the step coefficients and their dt tangents: the block runs the table's program into shared
+     * memory, its threads sharing the slots (no table launch) */
     __shared__ T coef[2 * NC_];
-    for (int i = threadIdx.x; i < 2 * NC_; i += blockDim.x) coef[i] = coef_g[i];
+    {
+        (void)coef_g;
+        T* const coefd = coef + NC_;
+#undef TS_THREAD
+#undef TS_THREADS
+#define TS_THREAD TS_TABLE_THREAD
+#define TS_THREADS TS_TABLE_THREADS
+        TS_MONOMIALS_TANGENT();
+#undef TS_THREAD
+#undef TS_THREADS
+#define TS_THREAD ((int64_t)threadIdx.x)
+#define TS_THREADS ((int64_t)blockDim.x)
+    }
     __syncthreads();
     const int64_t col = (int64_t)blockIdx.x * (int64_t)blockDim.x + (int64_t)threadIdx.x;
     if (col >= B * D_) return;

@@ -2,8 +2,10 @@
  * spec: {"accuracy": [4, 4, 2], "control": "jerk", "difference": "central", "dof": 6, "dt": "per_step", "dtype": "float32", "end": "hold", "horizon": 40, "integrator": "exact", "layout": "bhd", "order": 3, "start_index": false}
  * One thread per (batch, dof) column: at every row, neighbouring threads touch
  * neighbouring addresses (layout "bhd"). 64-bit indexing throughout.
- * The step coefficients are computed once per call by a kernel of their own (ts_h40_d6_jer_exact_dts_noidx_bhd_f32_o3_coefficients)
- * into a table in global memory (coef_g), which the per-element kernels read. */
+ * The step coefficients are computed by each per-element kernel's block into shared
+ * memory (a program of row loops, a thread per row), or where the table is too large
+ * to share, once per call by a kernel of their own (ts_h40_d6_jer_exact_dts_noidx_bhd_f32_o3_coefficients) into a table in global memory
+ * (coef_g). */
 typedef float T;
 #if defined(__CUDACC_RTC__)
 typedef long long int64_t; /* NVRTC has no <stdint.h> */
@@ -17,6 +19,12 @@ typedef long long int64_t; /* NVRTC has no <stdint.h> */
 #define TS_THREAD ((int64_t)threadIdx.x)
 #define TS_THREADS ((int64_t)blockDim.x)
 #define TS_BARRIER() __syncthreads()
+/* a per-element kernel's block running the table's program: its threads share the slots or rows
+ * (the host test double, tests/cuda_on_host.py, runs each thread in full) */
+#ifndef TS_TABLE_THREAD
+#define TS_TABLE_THREAD ((int64_t)threadIdx.x)
+#define TS_TABLE_THREADS ((int64_t)blockDim.x)
+#endif
 enum { H_ = 40, N_ = 39, D_ = 6, NDT_ = 40, NC_ = 117 };
 /* strides in elements: action u[b, j, d], outputs y[b, h, d] (layout "bhd") */
 #define U_SB 234LL
@@ -94,7 +102,7 @@ enum { H_ = 40, N_ = 39, D_ = 6, NDT_ = 40, NC_ = 117 };
 
 
 
-/* the step coefficients from dt (double precision, stored as T): a block, whose threads share the loops' rows */
+/* the step coefficients from dt (double precision, stored as T): a block, whose threads share the loops' rows (where a per-element kernel's block does not compute them: a table too large to share) */
 extern "C" __global__ void ts_h40_d6_jer_exact_dts_noidx_bhd_f32_o3_coefficients(int64_t B, const float* __restrict__ dt_in, float* __restrict__ coef_g)
 {
     const int64_t b = (int64_t)blockIdx.x;
@@ -109,7 +117,7 @@ extern "C" __global__ void ts_h40_d6_jer_exact_dts_noidx_bhd_f32_o3_coefficients
     }
 }
 
-/* the step coefficients from dt (double precision, stored as T): a block, whose threads share the loops' rows */
+/* the step coefficients from dt (double precision, stored as T): a block, whose threads share the loops' rows (where a per-element kernel's block does not compute them: a table too large to share) */
 extern "C" __global__ void ts_h40_d6_jer_exact_dts_noidx_bhd_f32_o3_coefficients_jvp(int64_t B, const float* __restrict__ dt_in, const float* __restrict__ ddt_in, float* __restrict__ coef_g)
 {
     const int64_t b = (int64_t)blockIdx.x;
@@ -196,9 +204,26 @@ __device__ __forceinline__ void ts_sum_rows(const double* gc, int64_t rows, int6
 
 extern "C" __global__ __launch_bounds__(256, 2) void ts_h40_d6_jer_exact_dts_noidx_bhd_f32_o3_forward(int64_t B, const float* __restrict__ u, const float* __restrict__ p0, const float* __restrict__ v0, const float* __restrict__ a0, const float* __restrict__ j0, const int64_t* __restrict__ idx, const float* __restrict__ dt_in, float* __restrict__ y0, float* __restrict__ y1, float* __restrict__ y2, float* __restrict__ y3, const float* __restrict__ coef_g)
 {
-    /* the step coefficients, copied from the table into shared memory */
+    /* the step coefficients: the block runs the table's program into shared
+     * memory, its threads sharing the rows (no table launch) */
     __shared__ T coef[1 * NC_];
-    for (int i = threadIdx.x; i < 1 * NC_; i += blockDim.x) coef[i] = coef_g[i];
+    {
+        (void)coef_g;
+#undef TS_THREAD
+#undef TS_THREADS
+#define TS_THREAD TS_TABLE_THREAD
+#define TS_THREADS TS_TABLE_THREADS
+        for (int64_t r = 1 + TS_THREAD; r <= 39; r += TS_THREADS) {
+            const double dtr_0 = (double)DT(r);
+            C(0 + 3 * (r - 1)) = (T)(dtr_0);
+            C(1 + 3 * (r - 1)) = (T)((1.0/2.0)*(dtr_0*dtr_0));
+            C(2 + 3 * (r - 1)) = (T)((1.0/6.0)*(dtr_0*dtr_0*dtr_0));
+        }
+#undef TS_THREAD
+#undef TS_THREADS
+#define TS_THREAD ((int64_t)threadIdx.x)
+#define TS_THREADS ((int64_t)blockDim.x)
+    }
     __syncthreads();
     const int64_t col = (int64_t)blockIdx.x * (int64_t)blockDim.x + (int64_t)threadIdx.x;
     if (col >= B * D_) return;
@@ -536,9 +561,26 @@ extern "C" __global__ __launch_bounds__(256, 2) void ts_h40_d6_jer_exact_dts_noi
 extern "C" __global__ __launch_bounds__(256, 2) void ts_h40_d6_jer_exact_dts_noidx_bhd_f32_o3_adjoint(int64_t B, const float* __restrict__ g0, const float* __restrict__ g1, const float* __restrict__ g2, const float* __restrict__ g3, const float* __restrict__ dt_in, float* __restrict__ gu, float* __restrict__ gp0, float* __restrict__ gv0, float* __restrict__ ga0, float* __restrict__ gj0, const float* __restrict__ coef_g)
 {
     const int64_t* idx = 0;
-    /* the step coefficients, copied from the table into shared memory */
+    /* the step coefficients: the block runs the table's program into shared
+     * memory, its threads sharing the rows (no table launch) */
     __shared__ T coef[1 * NC_];
-    for (int i = threadIdx.x; i < 1 * NC_; i += blockDim.x) coef[i] = coef_g[i];
+    {
+        (void)coef_g;
+#undef TS_THREAD
+#undef TS_THREADS
+#define TS_THREAD TS_TABLE_THREAD
+#define TS_THREADS TS_TABLE_THREADS
+        for (int64_t r = 1 + TS_THREAD; r <= 39; r += TS_THREADS) {
+            const double dtr_0 = (double)DT(r);
+            C(0 + 3 * (r - 1)) = (T)(dtr_0);
+            C(1 + 3 * (r - 1)) = (T)((1.0/2.0)*(dtr_0*dtr_0));
+            C(2 + 3 * (r - 1)) = (T)((1.0/6.0)*(dtr_0*dtr_0*dtr_0));
+        }
+#undef TS_THREAD
+#undef TS_THREADS
+#define TS_THREAD ((int64_t)threadIdx.x)
+#define TS_THREADS ((int64_t)blockDim.x)
+    }
     __syncthreads();
     const int64_t col = (int64_t)blockIdx.x * (int64_t)blockDim.x + (int64_t)threadIdx.x;
     if (col >= B * D_) return;
@@ -636,9 +678,26 @@ static __device__ __noinline__ void ts_h40_d6_jer_exact_dts_noidx_bhd_f32_o3_dt_
 
 extern "C" __global__ __launch_bounds__(256, 2) void ts_h40_d6_jer_exact_dts_noidx_bhd_f32_o3_dt_vjp(int64_t B, const float* __restrict__ u, const float* __restrict__ p0, const float* __restrict__ v0, const float* __restrict__ a0, const float* __restrict__ j0, const int64_t* __restrict__ idx, const float* __restrict__ y0, const float* __restrict__ y1, const float* __restrict__ y2, const float* __restrict__ y3, const float* __restrict__ g0, const float* __restrict__ g1, const float* __restrict__ g2, const float* __restrict__ g3, const float* __restrict__ dt_in, double* __restrict__ gc, const float* __restrict__ coef_g)
 {
-    /* the step coefficients, copied from the table into shared memory */
+    /* the step coefficients: the block runs the table's program into shared
+     * memory, its threads sharing the rows (no table launch) */
     __shared__ T coef[1 * NC_];
-    for (int i = threadIdx.x; i < 1 * NC_; i += blockDim.x) coef[i] = coef_g[i];
+    {
+        (void)coef_g;
+#undef TS_THREAD
+#undef TS_THREADS
+#define TS_THREAD TS_TABLE_THREAD
+#define TS_THREADS TS_TABLE_THREADS
+        for (int64_t r = 1 + TS_THREAD; r <= 39; r += TS_THREADS) {
+            const double dtr_0 = (double)DT(r);
+            C(0 + 3 * (r - 1)) = (T)(dtr_0);
+            C(1 + 3 * (r - 1)) = (T)((1.0/2.0)*(dtr_0*dtr_0));
+            C(2 + 3 * (r - 1)) = (T)((1.0/6.0)*(dtr_0*dtr_0*dtr_0));
+        }
+#undef TS_THREAD
+#undef TS_THREADS
+#define TS_THREAD ((int64_t)threadIdx.x)
+#define TS_THREADS ((int64_t)blockDim.x)
+    }
     __syncthreads();
     /* the block's threads stride over the columns, in step: past the end a thread takes a real
      * column, adding 0 */
@@ -716,9 +775,37 @@ extern "C" __global__ void ts_h40_d6_jer_exact_dts_noidx_bhd_f32_o3_dt_vjp_finis
 
 extern "C" __global__ __launch_bounds__(256, 2) void ts_h40_d6_jer_exact_dts_noidx_bhd_f32_o3_dt_jvp(int64_t B, const float* __restrict__ u, const float* __restrict__ p0, const float* __restrict__ v0, const float* __restrict__ a0, const float* __restrict__ j0, const int64_t* __restrict__ idx, const float* __restrict__ du, const float* __restrict__ dp0, const float* __restrict__ dv0, const float* __restrict__ da0, const float* __restrict__ dj0, const float* __restrict__ dt_in, const float* __restrict__ ddt_in, float* __restrict__ ty0, float* __restrict__ ty1, float* __restrict__ ty2, float* __restrict__ ty3, const float* __restrict__ coef_g)
 {
-    /* the step coefficients, copied from the table into shared memory */
+    /* the step coefficients and their dt tangents: the block runs the table's program into shared
+     * memory, its threads sharing the rows (no table launch) */
     __shared__ T coef[2 * NC_];
-    for (int i = threadIdx.x; i < 2 * NC_; i += blockDim.x) coef[i] = coef_g[i];
+    {
+        (void)coef_g;
+        T* const coefd = coef + NC_;
+#undef TS_THREAD
+#undef TS_THREADS
+#define TS_THREAD TS_TABLE_THREAD
+#define TS_THREADS TS_TABLE_THREADS
+        for (int64_t r = 1 + TS_THREAD; r <= 39; r += TS_THREADS) {
+            const double dtr_0 = (double)DT(r);
+            const double d_dtr_0 = (double)DDT(r);
+            const double kr0 = dtr_0;
+            const double d_kr0 = (1)*d_dtr_0;
+            const double kr1 = (1.0/2.0)*(dtr_0*dtr_0);
+            const double d_kr1 = (dtr_0)*d_dtr_0;
+            const double kr2 = (1.0/6.0)*(dtr_0*dtr_0*dtr_0);
+            const double d_kr2 = ((1.0/2.0)*(dtr_0*dtr_0))*d_dtr_0;
+            C(0 + 3 * (r - 1)) = (T)(kr0);
+            C(1 + 3 * (r - 1)) = (T)(kr1);
+            C(2 + 3 * (r - 1)) = (T)(kr2);
+            CD(0 + 3 * (r - 1)) = (T)(d_kr0);
+            CD(1 + 3 * (r - 1)) = (T)(d_kr1);
+            CD(2 + 3 * (r - 1)) = (T)(d_kr2);
+        }
+#undef TS_THREAD
+#undef TS_THREADS
+#define TS_THREAD ((int64_t)threadIdx.x)
+#define TS_THREADS ((int64_t)blockDim.x)
+    }
     __syncthreads();
     const int64_t col = (int64_t)blockIdx.x * (int64_t)blockDim.x + (int64_t)threadIdx.x;
     if (col >= B * D_) return;
