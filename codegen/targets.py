@@ -255,8 +255,9 @@ class CudaLaunchPlan:
         return min(_blocks(B * self.dof, self.dt_vjp_block(B)), CUDA_FILL_BLOCKS * CUDA_MIN_BLOCKS)
 
     def dt_vjp_rows(self, B: int) -> int:
-        """Rows of dt_vjp's partial sums: one per trajectory with its own dt, else one per block of
-        dt_vjp (none for an empty batch, where dt_vjp is not launched)."""
+        """Rows of dt_vjp's partial sums: one per trajectory with its own dt (a row of one double,
+        the dt gradient, where its threads compute their coefficients: ``inline_coefficients``),
+        else one per block of dt_vjp (none for an empty batch, where dt_vjp is not launched)."""
         return B if self.per_trajectory else (self.dt_vjp_grid(B) if B else 0)
 
     def dt_vjp_stride(self, B: int) -> int:
@@ -268,9 +269,10 @@ class CudaLaunchPlan:
 
     def dt_vjp_size(self, B: int) -> int:
         """Doubles of dt_vjp's partial sums (gc), which dt_vjp writes before it adds to them: a
-        coefficient-major row per trajectory, or ``dt_vjp_stride`` per block."""
+        coefficient-major row per trajectory (one double, its dt gradient, where each thread adds
+        its terms times their coefficients' dt derivatives), or ``dt_vjp_stride`` per block."""
         if self.per_trajectory:
-            return B * self.n_coefficients
+            return B * (1 if inline_coefficients(self.table, self.form) else self.n_coefficients)
         return self.dt_vjp_rows(B) * self.dt_vjp_stride(B)
 
     def parameters(self, kernel: str) -> tuple[str, ...]:
@@ -303,6 +305,8 @@ class CudaLaunchPlan:
         dt = self.table.dt.c_name
         names = self.parameters(kernel)
         if kernel == "dt_vjp_finish":
+            if inline_coefficients(self.table, self.form):  # a thread per trajectory casts its gradient
+                return Launches((Launch(kernel, _blocks(B, CUDA_BLOCK), CUDA_BLOCK, 0, (*names, B, 0, 0)),), (), names)
             one_run = not self.per_trajectory
             sums = (Temporary("sums", self.n_coefficients, "float64"),) if one_run else ()
             stride = 0 if self.per_trajectory else self.dt_vjp_stride(B)

@@ -48,7 +48,7 @@ from tensorstep.codegen import abi
 from tensorstep.codegen.arguments import table
 from tensorstep.codegen.driver import generate, lowered
 from tensorstep.codegen.render import CTYPES
-from tensorstep.codegen.targets import CUDA
+from tensorstep.codegen.targets import CUDA, inline_coefficients
 from tensorstep.runtime import cbackend
 from tensorstep.runtime.api import Step
 from tensorstep.runtime.cache import BuildCache, digest
@@ -187,6 +187,8 @@ def host_source(spec: Any) -> tuple[str, str]:
     per_trajectory = getattr(spec, "dt", "") == "per_trajectory"  # a thread's own sums, no warp sums
     form = lowered(spec).coefs.form  # the once-per-call kernels: a block per run, its threads sharing the work
     shared_runs = ("dt_vjp_finish",) if form == "monomials" else ONCE_PER_CALL
+    if inline_coefficients(table(spec), form):  # dt_vjp_finish: a thread per trajectory
+        shared_runs = ()
     dt_vjp = abi.symbol(spec.name, "dt_vjp")
     if not per_trajectory and "dt_vjp" in abi.part_kernels("all", table(spec)):  # (a fused step has none)
         start, end = source.find(ACCUMULATOR[0]), source.find(ACCUMULATOR[1])

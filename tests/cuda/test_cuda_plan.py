@@ -79,8 +79,8 @@ def test_reported_launches_are_those_the_runtime_makes(options, fields):
 def test_temporaries_counted_buffer_by_buffer():
     """The bytes per call against a count of each buffer: a table of the coefficients per fill
     (float32; only a per-step stencil's: ``table_kernel``, and none for a stencil's dt_vjp), dt_vjp's float64 partial sums (a row per block of dt_vjp, with its warps'
-    rows where they do not fit in shared memory, or a row per trajectory with a dt per trajectory),
-    the float64 sums of the block rows, an integrator's forward outputs, the dt gradient in dt's
+    rows where they do not fit in shared memory, or with a dt per trajectory one double per
+    trajectory: each thread adds up its trajectory's dt gradient), the float64 sums of the block rows, an integrator's forward outputs, the dt gradient in dt's
     dtype (float32)."""
     B = 1000
     for options, fields in SPECS[1:]:
@@ -93,7 +93,7 @@ def test_temporaries_counted_buffer_by_buffer():
         assert ops["backward"]["temporary_bytes"] == table_bytes
         dt_vjp = [l for l in ops["backward_dt"]["launches"] if l["kernel"] == "dt_vjp"]
         warp_rows = 1 if 8 * nc * 8 <= 32 * 1024 else dt_vjp[0]["block"] // 32  # in shared memory, else in gc
-        gc = B * nc if spec.dt == "per_trajectory" else dt_vjp[0]["grid"] * warp_rows * nc
+        gc = B if spec.dt == "per_trajectory" else dt_vjp[0]["grid"] * warp_rows * nc  # (a thread's own dt gradient)
         integrator = spec.control == "acceleration"
         values = 4 * B * spec.horizon * spec.dof * 4 if integrator else 0  # P, V, A, J
         fills = 1  # the adjoint's (a stencil's dt_vjp reads none)
@@ -164,6 +164,23 @@ def test_block_size_follows_the_batch():
         assert forward.grid >= 132 or forward.block == 32
 
 
+def _host_dt_gradient_matches_c(spec, B: int, spread: float) -> HostCudaBackend:
+    """The host-run CUDA dt gradient (durations in [0.02, 0.02 + spread)) the same bit for bit twice,
+    and the C kernels' to 1e-12; the host backend, for its launches."""
+    backend = HostCudaBackend(spec)
+    host, cpu = Launcher(spec, backend), Launcher(spec, CpuBackend(spec))
+    x = Inputs(spec, B, seed=5)
+    n_dt = B if spec.dt == "per_trajectory" else spec.n_dt
+    dt = 0.02 + spread * torch.rand(n_dt, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    inputs = [getattr(x, a.c_name) for a in table(spec).tensors]
+    grads = [torch.randn(y.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
+             for y in cpu.forward(inputs, dt)]
+    first = host.dt_vjp(inputs, grads, dt)
+    assert torch.equal(first, host.dt_vjp(inputs, grads, dt))
+    torch.testing.assert_close(first, cpu.dt_vjp(inputs, grads, dt), rtol=1e-12, atol=1e-12)
+    return backend
+
+
 @pytest.mark.parametrize("B,dt,H", [(150, "per_step", 8), (3000, "per_step", 8), (25000, "uniform", 8),
                                     (700, "per_trajectory", 8), (3000, "per_step", 36)])
 def test_dt_gradient_with_the_plans_blocks_is_deterministic_and_matches_c(B, dt, H):
@@ -173,22 +190,29 @@ def test_dt_gradient_with_the_plans_blocks_is_deterministic_and_matches_c(B, dt,
     (dt_vjp's warp and block sums, added in order) is the same bit for bit on every run, and the C
     kernels' to 1e-12."""
     spec = ts.KernelSpec(horizon=H, dof=3, dtype="float64", dt=dt)
-    backend = HostCudaBackend(spec)
-    host, cpu = Launcher(spec, backend), Launcher(spec, CpuBackend(spec))
-    x = Inputs(spec, B, seed=5)
-    n_dt = B if dt == "per_trajectory" else spec.n_dt
-    dt = 0.02 + 0.02 * torch.rand(n_dt, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
-    inputs = [getattr(x, a.c_name) for a in table(spec).tensors]
-    grads = [torch.randn(y.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
-             for y in cpu.forward(inputs, dt)]
-    first = host.dt_vjp(inputs, grads, dt)
-    assert torch.equal(first, host.dt_vjp(inputs, grads, dt))
-    torch.testing.assert_close(first, cpu.dt_vjp(inputs, grads, dt), rtol=1e-12, atol=1e-12)
+    backend = _host_dt_gradient_matches_c(spec, B, 0.02)
     launched = {(grid, block) for kernel, grid, block in backend.launched if kernel == "dt_vjp"}
     expect = {150: (15, 32), 3000: (141, 64), 25000: (264, 256), 700: (22, 32)}[B]
     shared_rows = "__shared__ double ts_warp_rows" in generate(spec, targets=("cuda",)).source("cuda")
     assert shared_rows == (H == 8 and spec.dt != "per_trajectory")
     assert launched == {expect} and B * (1 if spec.dt == "per_trajectory" else 3) > (expect[0] - 1) * expect[1]
+
+
+@pytest.mark.parametrize("fields", [dict(control="bspline", degree=5, knots=6, steps=2),
+                                    dict(horizon=8, control="acceleration", integrator="exact"),
+                                    dict(horizon=8, difference="central")],
+                         ids=["bspline", "acceleration-exact", "central"])
+def test_a_dt_per_trajectory_is_added_up_in_each_thread_and_matches_c(fields):
+    """With a dt per trajectory each thread of dt_vjp adds its terms times their coefficients' dt
+    derivatives into its trajectory's dt gradient: one double per trajectory (not one per
+    coefficient), cast by dt_vjp_finish, a thread per trajectory. The host-run CUDA kernels' dt
+    gradient is the C kernels' to 1e-12 (float64; B = 300 trajectories, two blocks of 256 in the
+    finish) and the same bit for bit twice."""
+    spec = ts.KernelSpec(dof=3, dtype="float64", dt="per_trajectory", **fields)
+    B = 300
+    backend = _host_dt_gradient_matches_c(spec, B, 0.05)
+    assert backend.plan.dt_vjp_size(B) == B
+    assert [(k, grid, block) for k, grid, block in backend.launched if k == "dt_vjp_finish"] == [("dt_vjp_finish", 2, 256)] * 2
 
 
 @pytest.mark.parametrize("args,message", [

@@ -172,8 +172,10 @@ def test_single_dt_programs_are_monomials_on_every_target(overrides):
     its threads sharing the slots, with no launch to fill a table (the table kernel, one such
     block, fills one for tables too large to share). Per trajectory: C fills each
     trajectory's table in its loop over the batch; CUDA keeps no table, each thread of a per-element
-    kernel computing its coefficients from its trajectory's dt (no table kernel, no table); both
-    finish the dt gradient a block per run."""
+    kernel computing its coefficients from its trajectory's dt (no table kernel, no table). The dt
+    gradient: C finishes it a run at a time, CUDA with one dt a block (the reverse program); with a
+    dt per trajectory each thread of CUDA's dt_vjp adds its terms times their coefficients' dt
+    derivatives (no sums per coefficient, no reverse program), which a thread per trajectory casts."""
     spec = spec_of(overrides)
     code = lowered(spec)
     assert code.coefs.form == "monomials"
@@ -183,18 +185,20 @@ def test_single_dt_programs_are_monomials_on_every_target(overrides):
     generated = generate(spec, targets=("c", "cuda"))
     c, cuda = generated.source("c"), generated.source("cuda")
     assert "TS_TAPE_" not in c + cuda and generated.metadata["coefficients"] == "monomials"
-    assert "TS_MONOMIALS_VALUE();" in c and "TS_MONOMIALS_REVERSE();" in cuda
+    assert "TS_MONOMIALS_VALUE();" in c and "TS_MONOMIALS_REVERSE();" in c
     per_trajectory = spec.dt == "per_trajectory"
+    assert ("TS_MONOMIALS_REVERSE();" in cuda) != per_trajectory
     assert ("TS_MONOMIALS_VALUE();" in cuda) != per_trajectory
     assert (f"void {spec.name}_coefficients(" in cuda) != per_trajectory
     B = 5
     plan = generated.launch_plan("cuda")
-    nc, runs = generated.n_coefficients, B if per_trajectory else 1
+    nc = generated.n_coefficients
     fills = [(l.kernel, l.grid, l.block) for l in plan.launches("forward", B).launches if l.kernel != "forward"]
     shared = nc * (4 if spec.dtype == "float32" else 8) <= 16384  # small enough for a block's shared memory
     assert fills == ([] if per_trajectory or shared else [("coefficients", 1, 256)])
-    launches = plan.launches("dt_vjp_finish", B).launches  # blocks of 256, whatever the batch
-    assert [(launch.kernel, launch.grid, launch.block) for launch in launches] == [("dt_vjp_finish", runs, 256)]
+    launches = plan.launches("dt_vjp_finish", B).launches  # blocks of 256, whatever the batch: one run, or 5 threads
+    assert [(launch.kernel, launch.grid, launch.block) for launch in launches] == [("dt_vjp_finish", 1, 256)]
+    assert plan.dt_vjp_size(B) == (B if per_trajectory else plan.dt_vjp_rows(B) * plan.dt_vjp_stride(B))
     # dt_vjp: a stencil's reads no table; an integrator's block or threads compute theirs where it fits
     dt_fills = [l.kernel for l in plan.launches("dt_vjp", B).launches if l.kernel != "dt_vjp"]
     assert dt_fills == (["coefficients"] if generated.table.values and not (per_trajectory or shared) else [])
