@@ -9,7 +9,7 @@ finished by dt_vjp_finish. The kernels' arithmetic and indexing can then be
 checked against the dense reference and by gradcheck. Shared memory is one static array per
 kernel; each thread copies the whole table into it, or runs the whole of the table's program
 where the block computes its table (on the GPU the block's threads share the copy or the
-program: TS_TABLE_THREAD), so the first thread of a block, which runs first, finds it filled.
+program: TS_THREAD), so the first thread of a block, which runs first, finds it filled.
 
 The once-per-call programs (the table, its tangent, the dt gradient's reverse) run a block per
 run whose threads share the work: a tape's levels (codegen/tape.py), the rows of its loops (each
@@ -71,9 +71,9 @@ PRELUDE = f"""/* CUDA keywords for a sequential run on the host */
 typedef struct {{ long long x; }} ts_dim3;
 static ts_dim3 blockIdx, threadIdx, blockDim, gridDim; /* set by each launch */
 #define TS_MAX_BLOCK {MAX_BLOCK}
-/* a per-element kernel's block computing its table: each thread runs all of it (see the module docstring) */
-#define TS_TABLE_THREAD 0LL
-#define TS_TABLE_THREADS 1LL
+/* a loop whose iterations a block's threads share: each thread runs all of them (see the module docstring) */
+#define TS_THREAD 0LL
+#define TS_THREADS 1LL
 /* layout "bdh"'s barrier between staging rows and storing them: a block runs in two passes, the
  * first each thread up to the barrier, the second each thread in full (see the module docstring) */
 static int ts_pass, ts_staged;

@@ -15,16 +15,13 @@ typedef long long int64_t; /* NVRTC has no <stdint.h> */
 /* a loop kept rolled: unrolled, nvcc holds every iteration's loads in registers */
 #define TS_ROLLED _Pragma("unroll 1")
 /* a loop whose iterations the block's threads share (codegen/statements.py For.shared), and the
- * barrier after which each sees what the others stored */
+ * barrier after which each sees what the others stored (the host test double, which runs each
+ * thread in turn, gives every thread all the iterations: tests/cuda_on_host.py) */
+#ifndef TS_THREAD
 #define TS_THREAD ((int64_t)threadIdx.x)
 #define TS_THREADS ((int64_t)blockDim.x)
-#define TS_BARRIER() __syncthreads()
-/* a per-element kernel's block running the table's program: its threads share the slots or rows
- * (the host test double, tests/cuda_on_host.py, runs each thread in full) */
-#ifndef TS_TABLE_THREAD
-#define TS_TABLE_THREAD ((int64_t)threadIdx.x)
-#define TS_TABLE_THREADS ((int64_t)blockDim.x)
 #endif
+#define TS_BARRIER() __syncthreads()
 /* layout "bdh": the barrier between a block's staging of its rows and their stores (the host test
  * double defines its own, tests/cuda_on_host.py) */
 #ifndef TS_STAGE_BARRIER
@@ -246,19 +243,8 @@ extern "C" __global__ __launch_bounds__(256, 2) void ts_h24_d10_pos_bac_a222_hol
 {
     /* the step coefficients: the block runs the table's program into shared
      * memory, its threads sharing the slots (no table launch) */
-    __shared__ T coef[1 * NC_];
-    {
-        (void)coef_g;
-#undef TS_THREAD
-#undef TS_THREADS
-#define TS_THREAD TS_TABLE_THREAD
-#define TS_THREADS TS_TABLE_THREADS
-        TS_MONOMIALS_VALUE();
-#undef TS_THREAD
-#undef TS_THREADS
-#define TS_THREAD ((int64_t)threadIdx.x)
-#define TS_THREADS ((int64_t)blockDim.x)
-    }
+    __shared__ T coef[1 * NC_]; (void)coef_g;
+    TS_MONOMIALS_VALUE();
     __syncthreads();
     /* layout "bdh": a column's rows are contiguous, a warp's columns H_ elements apart, so each
      * thread stages its rows in shared memory and the block then stores its columns' rows in
@@ -352,19 +338,8 @@ extern "C" __global__ __launch_bounds__(256, 2) void ts_h24_d10_pos_bac_a222_hol
     const int64_t* idx = 0;
     /* the step coefficients: the block runs the table's program into shared
      * memory, its threads sharing the slots (no table launch) */
-    __shared__ T coef[1 * NC_];
-    {
-        (void)coef_g;
-#undef TS_THREAD
-#undef TS_THREADS
-#define TS_THREAD TS_TABLE_THREAD
-#define TS_THREADS TS_TABLE_THREADS
-        TS_MONOMIALS_VALUE();
-#undef TS_THREAD
-#undef TS_THREADS
-#define TS_THREAD ((int64_t)threadIdx.x)
-#define TS_THREADS ((int64_t)blockDim.x)
-    }
+    __shared__ T coef[1 * NC_]; (void)coef_g;
+    TS_MONOMIALS_VALUE();
     __syncthreads();
     /* layout "bdh": a column's rows are contiguous, a warp's columns N_ elements apart, so each
      * thread stages its rows in shared memory and the block then stores its columns' rows in
@@ -528,20 +503,8 @@ extern "C" __global__ __launch_bounds__(256, 2) void ts_h24_d10_pos_bac_a222_hol
 {
     /* the step coefficients and their dt tangents: the block runs the table's program into shared
      * memory, its threads sharing the slots (no table launch) */
-    __shared__ T coef[2 * NC_];
-    {
-        (void)coef_g;
-        T* const coefd = coef + NC_;
-#undef TS_THREAD
-#undef TS_THREADS
-#define TS_THREAD TS_TABLE_THREAD
-#define TS_THREADS TS_TABLE_THREADS
-        TS_MONOMIALS_TANGENT();
-#undef TS_THREAD
-#undef TS_THREADS
-#define TS_THREAD ((int64_t)threadIdx.x)
-#define TS_THREADS ((int64_t)blockDim.x)
-    }
+    __shared__ T coef[2 * NC_]; T* const coefd = coef + NC_; (void)coef_g;
+    TS_MONOMIALS_TANGENT();
     __syncthreads();
     /* layout "bdh": a column's rows are contiguous, a warp's columns H_ elements apart, so each
      * thread stages its rows in shared memory and the block then stores its columns' rows in

@@ -15,16 +15,13 @@ typedef long long int64_t; /* NVRTC has no <stdint.h> */
 /* a loop kept rolled: unrolled, nvcc holds every iteration's loads in registers */
 #define TS_ROLLED _Pragma("unroll 1")
 /* a loop whose iterations the block's threads share (codegen/statements.py For.shared), and the
- * barrier after which each sees what the others stored */
+ * barrier after which each sees what the others stored (the host test double, which runs each
+ * thread in turn, gives every thread all the iterations: tests/cuda_on_host.py) */
+#ifndef TS_THREAD
 #define TS_THREAD ((int64_t)threadIdx.x)
 #define TS_THREADS ((int64_t)blockDim.x)
-#define TS_BARRIER() __syncthreads()
-/* a per-element kernel's block running the table's program: its threads share the slots or rows
- * (the host test double, tests/cuda_on_host.py, runs each thread in full) */
-#ifndef TS_TABLE_THREAD
-#define TS_TABLE_THREAD ((int64_t)threadIdx.x)
-#define TS_TABLE_THREADS ((int64_t)blockDim.x)
 #endif
+#define TS_BARRIER() __syncthreads()
 enum { H_ = 40, N_ = 39, D_ = 6, NDT_ = 40, NC_ = 117 };
 /* strides in elements: action u[b, j, d], outputs y[b, h, d] (layout "bhd") */
 #define U_SB 234LL
@@ -206,23 +203,12 @@ extern "C" __global__ __launch_bounds__(256, 2) void ts_h40_d6_jer_exact_dts_noi
 {
     /* the step coefficients: the block runs the table's program into shared
      * memory, its threads sharing the rows (no table launch) */
-    __shared__ T coef[1 * NC_];
-    {
-        (void)coef_g;
-#undef TS_THREAD
-#undef TS_THREADS
-#define TS_THREAD TS_TABLE_THREAD
-#define TS_THREADS TS_TABLE_THREADS
-        for (int64_t r = 1 + TS_THREAD; r <= 39; r += TS_THREADS) {
-            const double dtr_0 = (double)DT(r);
-            C(0 + 3 * (r - 1)) = (T)(dtr_0);
-            C(1 + 3 * (r - 1)) = (T)((1.0/2.0)*(dtr_0*dtr_0));
-            C(2 + 3 * (r - 1)) = (T)((1.0/6.0)*(dtr_0*dtr_0*dtr_0));
-        }
-#undef TS_THREAD
-#undef TS_THREADS
-#define TS_THREAD ((int64_t)threadIdx.x)
-#define TS_THREADS ((int64_t)blockDim.x)
+    __shared__ T coef[1 * NC_]; (void)coef_g;
+    for (int64_t r = 1 + TS_THREAD; r <= 39; r += TS_THREADS) {
+        const double dtr_0 = (double)DT(r);
+        C(0 + 3 * (r - 1)) = (T)(dtr_0);
+        C(1 + 3 * (r - 1)) = (T)((1.0/2.0)*(dtr_0*dtr_0));
+        C(2 + 3 * (r - 1)) = (T)((1.0/6.0)*(dtr_0*dtr_0*dtr_0));
     }
     __syncthreads();
     const int64_t col = (int64_t)blockIdx.x * (int64_t)blockDim.x + (int64_t)threadIdx.x;
@@ -563,23 +549,12 @@ extern "C" __global__ __launch_bounds__(256, 2) void ts_h40_d6_jer_exact_dts_noi
     const int64_t* idx = 0;
     /* the step coefficients: the block runs the table's program into shared
      * memory, its threads sharing the rows (no table launch) */
-    __shared__ T coef[1 * NC_];
-    {
-        (void)coef_g;
-#undef TS_THREAD
-#undef TS_THREADS
-#define TS_THREAD TS_TABLE_THREAD
-#define TS_THREADS TS_TABLE_THREADS
-        for (int64_t r = 1 + TS_THREAD; r <= 39; r += TS_THREADS) {
-            const double dtr_0 = (double)DT(r);
-            C(0 + 3 * (r - 1)) = (T)(dtr_0);
-            C(1 + 3 * (r - 1)) = (T)((1.0/2.0)*(dtr_0*dtr_0));
-            C(2 + 3 * (r - 1)) = (T)((1.0/6.0)*(dtr_0*dtr_0*dtr_0));
-        }
-#undef TS_THREAD
-#undef TS_THREADS
-#define TS_THREAD ((int64_t)threadIdx.x)
-#define TS_THREADS ((int64_t)blockDim.x)
+    __shared__ T coef[1 * NC_]; (void)coef_g;
+    for (int64_t r = 1 + TS_THREAD; r <= 39; r += TS_THREADS) {
+        const double dtr_0 = (double)DT(r);
+        C(0 + 3 * (r - 1)) = (T)(dtr_0);
+        C(1 + 3 * (r - 1)) = (T)((1.0/2.0)*(dtr_0*dtr_0));
+        C(2 + 3 * (r - 1)) = (T)((1.0/6.0)*(dtr_0*dtr_0*dtr_0));
     }
     __syncthreads();
     const int64_t col = (int64_t)blockIdx.x * (int64_t)blockDim.x + (int64_t)threadIdx.x;
@@ -680,23 +655,12 @@ extern "C" __global__ __launch_bounds__(256, 2) void ts_h40_d6_jer_exact_dts_noi
 {
     /* the step coefficients: the block runs the table's program into shared
      * memory, its threads sharing the rows (no table launch) */
-    __shared__ T coef[1 * NC_];
-    {
-        (void)coef_g;
-#undef TS_THREAD
-#undef TS_THREADS
-#define TS_THREAD TS_TABLE_THREAD
-#define TS_THREADS TS_TABLE_THREADS
-        for (int64_t r = 1 + TS_THREAD; r <= 39; r += TS_THREADS) {
-            const double dtr_0 = (double)DT(r);
-            C(0 + 3 * (r - 1)) = (T)(dtr_0);
-            C(1 + 3 * (r - 1)) = (T)((1.0/2.0)*(dtr_0*dtr_0));
-            C(2 + 3 * (r - 1)) = (T)((1.0/6.0)*(dtr_0*dtr_0*dtr_0));
-        }
-#undef TS_THREAD
-#undef TS_THREADS
-#define TS_THREAD ((int64_t)threadIdx.x)
-#define TS_THREADS ((int64_t)blockDim.x)
+    __shared__ T coef[1 * NC_]; (void)coef_g;
+    for (int64_t r = 1 + TS_THREAD; r <= 39; r += TS_THREADS) {
+        const double dtr_0 = (double)DT(r);
+        C(0 + 3 * (r - 1)) = (T)(dtr_0);
+        C(1 + 3 * (r - 1)) = (T)((1.0/2.0)*(dtr_0*dtr_0));
+        C(2 + 3 * (r - 1)) = (T)((1.0/6.0)*(dtr_0*dtr_0*dtr_0));
     }
     __syncthreads();
     /* the block's threads stride over the columns, in step: past the end a thread takes a real
@@ -777,34 +741,22 @@ extern "C" __global__ __launch_bounds__(256, 2) void ts_h40_d6_jer_exact_dts_noi
 {
     /* the step coefficients and their dt tangents: the block runs the table's program into shared
      * memory, its threads sharing the rows (no table launch) */
-    __shared__ T coef[2 * NC_];
-    {
-        (void)coef_g;
-        T* const coefd = coef + NC_;
-#undef TS_THREAD
-#undef TS_THREADS
-#define TS_THREAD TS_TABLE_THREAD
-#define TS_THREADS TS_TABLE_THREADS
-        for (int64_t r = 1 + TS_THREAD; r <= 39; r += TS_THREADS) {
-            const double dtr_0 = (double)DT(r);
-            const double d_dtr_0 = (double)DDT(r);
-            const double kr0 = dtr_0;
-            const double d_kr0 = (1)*d_dtr_0;
-            const double kr1 = (1.0/2.0)*(dtr_0*dtr_0);
-            const double d_kr1 = (dtr_0)*d_dtr_0;
-            const double kr2 = (1.0/6.0)*(dtr_0*dtr_0*dtr_0);
-            const double d_kr2 = ((1.0/2.0)*(dtr_0*dtr_0))*d_dtr_0;
-            C(0 + 3 * (r - 1)) = (T)(kr0);
-            C(1 + 3 * (r - 1)) = (T)(kr1);
-            C(2 + 3 * (r - 1)) = (T)(kr2);
-            CD(0 + 3 * (r - 1)) = (T)(d_kr0);
-            CD(1 + 3 * (r - 1)) = (T)(d_kr1);
-            CD(2 + 3 * (r - 1)) = (T)(d_kr2);
-        }
-#undef TS_THREAD
-#undef TS_THREADS
-#define TS_THREAD ((int64_t)threadIdx.x)
-#define TS_THREADS ((int64_t)blockDim.x)
+    __shared__ T coef[2 * NC_]; T* const coefd = coef + NC_; (void)coef_g;
+    for (int64_t r = 1 + TS_THREAD; r <= 39; r += TS_THREADS) {
+        const double dtr_0 = (double)DT(r);
+        const double d_dtr_0 = (double)DDT(r);
+        const double kr0 = dtr_0;
+        const double d_kr0 = (1)*d_dtr_0;
+        const double kr1 = (1.0/2.0)*(dtr_0*dtr_0);
+        const double d_kr1 = (dtr_0)*d_dtr_0;
+        const double kr2 = (1.0/6.0)*(dtr_0*dtr_0*dtr_0);
+        const double d_kr2 = ((1.0/2.0)*(dtr_0*dtr_0))*d_dtr_0;
+        C(0 + 3 * (r - 1)) = (T)(kr0);
+        C(1 + 3 * (r - 1)) = (T)(kr1);
+        C(2 + 3 * (r - 1)) = (T)(kr2);
+        CD(0 + 3 * (r - 1)) = (T)(d_kr0);
+        CD(1 + 3 * (r - 1)) = (T)(d_kr1);
+        CD(2 + 3 * (r - 1)) = (T)(d_kr2);
     }
     __syncthreads();
     const int64_t col = (int64_t)blockIdx.x * (int64_t)blockDim.x + (int64_t)threadIdx.x;
