@@ -54,6 +54,7 @@ class Launcher:
         #: dt="per_trajectory": dt is [B], one step duration per trajectory
         self.per_trajectory = self.table.dt.shape == ("B",)
         self._adjoint_shapes: dict[int, list[tuple[int, ...]]] = {}
+        self._output_shapes: dict[int, list[tuple[int, ...]]] = {}
 
     def prepare(self, dt_grad: bool) -> None:
         """Load now what later calls would load lazily (the dt kernels: gradients and tangents)."""
@@ -66,8 +67,17 @@ class Launcher:
         return self.table.physical(self.table.outputs[0], {"B": B})
 
     def output_shapes(self, B: int) -> list[tuple[int, ...]]:
-        """Shape of every output in order (the states, then a fused step's cost [B, T])."""
-        return [self.table.physical(y, {"B": B}) for y in self.table.outputs]
+        """Shape of every output in order (the states, then a fused step's cost [B, T]), kept for
+        a few batch sizes as ``adjoint_shapes`` are (not while Dynamo traces, where a dict it sees
+        change would fail its guards, nor for a symbolic B, which is no dict key)."""
+        if torch.compiler.is_compiling() or not isinstance(B, int):
+            return [self.table.physical(y, {"B": B}) for y in self.table.outputs]
+        shapes = self._output_shapes.get(B)
+        if shapes is None:
+            shapes = [self.table.physical(y, {"B": B}) for y in self.table.outputs]
+            if len(self._output_shapes) < 64:
+                self._output_shapes[B] = shapes
+        return shapes
 
     def action_shape(self, B: int) -> tuple[int, ...]:
         """Shape of the actions u (and of their gradient) for a batch of B."""
@@ -109,8 +119,7 @@ class Launcher:
 
     def _empty_outputs(self, like: Tensor, B: int) -> list[Tensor]:
         """New outputs, each in its table row's shape (the states [B, H, D]; a cost [B, T])."""
-        return [torch.empty(self.table.physical(y, {"B": B}), dtype=self.dtype, device=like.device)
-                for y in self.table.outputs]
+        return [torch.empty(shape, dtype=self.dtype, device=like.device) for shape in self.output_shapes(B)]
 
     def forward(self, inputs: Sequence[OptTensor], dt: Tensor, out: Optional[Sequence[Tensor]] = None) -> list[Tensor]:
         """Outputs (P, V, A, J[, S]): new tensors, or ``out`` (validated by the caller) written in place."""
