@@ -23,7 +23,7 @@ from .arguments import ArgumentTable
 from .coefficients import Coefficients
 from .operator import Operator, is_row
 from .references import References
-from .statements import Call, Cast, Def, Literal, Paren, Read, Statement, Store, Sum, Sym, Term, Val, Var
+from .statements import Call, Cast, Def, Paren, Read, Statement, Store, Sum, Sym, Term, Val, Var
 
 STATES = ("position", "velocity", "acceleration", "jerk", "snap")
 TARGET_REF = ("squared_position_target", 0)
@@ -88,7 +88,7 @@ def forward(op: Operator, coefs: Coefficients, refs: References, table: Argument
     (``rows``: the operator's rows as definitions, ``live``: the dead-code pass, codegen/lower.py's)."""
     terms = CostTerms(table)
     body = refs.loads(a.name for a in table.columns) + terms.loads()
-    body += [Def(Var(f"cacc{t}"), Literal("0.0"), ctype="double", const=False) for t, _, _ in terms.terms]
+    body += [Def(Var(f"cacc{t}"), Sum(()), ctype="double", const=False) for t, _, _ in terms.terms]
     for line, row in zip(rows(op, coefs, refs), op.rows):
         body.append(line)
         if row.k in terms.written:

@@ -66,6 +66,23 @@ def lanes(table: ArgumentTable) -> list[str]:
     return lines
 
 
+def lane_parameters(table: ArgumentTable) -> list[str]:
+    """The per-dof parameters (``parameters``' [D] and [R, D]) in the C lane form: a row of D at once
+    (a per-row one stays a scalar, which the vector operations broadcast)."""
+    lines = []
+    for a in _per_dof(table):
+        default = f"VZERO + (T){a.default}"
+        if a.shape == ("D",):
+            lines.append(f"#define V{a.macro} {_read(a, '', default, 'VLOAD({p})')}")
+        else:
+            lines.append(f"#define V{a.macro}(i) {_read(a, '(i) * D_', default, 'VLOAD({p} + {at})')}")
+    return lines
+
+
+def _per_dof(table: ArgumentTable) -> list[Argument]:
+    return [a for a in table.parameters if a.shape[-1] == "D"]
+
+
 def zero_tangents(table: ArgumentTable) -> list[str]:
     """C dt_jvp: each input tangent read from a per-batch-element base (``tangent_bases``) that points
     at zeros when the tangent is missing, so the loads stay unconditional and vectorise."""
@@ -121,8 +138,10 @@ def _used(table: ArgumentTable) -> list[Argument]:
 
 
 def lane_names(table: ArgumentTable) -> frozenset[str]:
-    """The column macros that have a lane form (``V`` + name): the action's and the per-column inputs'."""
+    """The column macros that have a lane form (``V`` + name): the action's, the per-column inputs', the
+    per-dof parameters' and, with cost terms, the store of a term's sums per dof (``CPART``)."""
     names = {table.action.macro, "D" + table.action.macro, "G" + table.action.macro}
     for a in table.columns:
         names |= {a.macro, "D" + a.macro, "G" + a.macro}
-    return frozenset(names)
+    names |= {a.macro for a in _per_dof(table)}
+    return frozenset(names | ({"CPART"} if table.costs else set()))

@@ -22,6 +22,8 @@ INDENT = "    "
 class _SymPrinter(C99CodePrinter):
     """C99 printer that writes small integer powers as products (no pow() in kernels)."""
 
+    MAX, STEP = "TS_MAX", "TS_STEP"  # the templates' macros
+
     def _print_Pow(self, expr: sp.Pow) -> str:
         base, exp = expr.as_base_exp()
         if exp.is_Integer and 0 < abs(int(exp)) <= 8:
@@ -37,21 +39,35 @@ class _SymPrinter(C99CodePrinter):
         first, *rest = expr.args
         out = self._print(first)
         for arg in rest:
-            out = f"TS_MAX({out}, {self._print(arg)})"
+            out = f"{self.MAX}({out}, {self._print(arg)})"
         return out
 
     def _print_Heaviside(self, expr: sp.Heaviside) -> str:
         """The unit step, 0 at 0 (a cost's second derivative at a limit): TS_STEP(x) = x > 0."""
-        return f"TS_STEP({self._print(expr.args[0])})"
+        return f"{self.STEP}({self._print(expr.args[0])})"
+
+
+class _LaneSymPrinter(_SymPrinter):
+    """The same over all dof lanes: max and the unit step as the lane form's VMAX and VSTEP
+    (GCC's vector extensions have no ?: in C)."""
+
+    MAX, STEP = "VMAX", "VSTEP"
 
 
 _SYM_PRINTER = _SymPrinter()
+_LANE_SYM_PRINTER = _LaneSymPrinter()
 
 
 @functools.lru_cache(maxsize=1 << 16)  # a coefficient program's derivatives recur in its tangent and its reverse
 def c_expr(expr: sp.Expr) -> str:
     """A SymPy expression as C (non-integer numbers with 17 significant digits)."""
     return _SYM_PRINTER.doprint(sp.Float(expr, 17) if expr.is_Number and not expr.is_Integer else expr)
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def lane_expr(expr: sp.Expr) -> str:
+    """``c_expr`` in the lane vocabulary (a cost term's expression over a row's dof lanes)."""
+    return _LANE_SYM_PRINTER.doprint(sp.Float(expr, 17) if expr.is_Number and not expr.is_Integer else expr)
 
 
 def _index(i: Any) -> str:
@@ -77,17 +93,20 @@ def lane_printer(names: frozenset[str]) -> "Printer":
         lane = name in names or (name.rstrip("0123456789") in ("Y", "G", "TY") and name[-1:].isdigit())
         return "V" + name if lane else name
 
-    return _lane_printers.setdefault(names, Printer(lane_macro, "VT", "VZERO"))
+    return _lane_printers.setdefault(names, Printer(lane_macro, "VT", "VZERO", vector=True))
 
 
 _lane_printers: dict[frozenset[str], "Printer"] = {}
 
 
 class Printer:
-    """Prints statements with one vocabulary: ``macro`` renames macros, ``ctype`` the element type T."""
+    """Prints statements with one vocabulary: ``macro`` renames macros, ``ctype`` the element type T;
+    ``vector``: the lane form, where double precision is the vector VD (a cost's sums per dof) and a
+    cast converts every lane."""
 
-    def __init__(self, macro: Callable[[str], str] = str, ctype: str = "T", zero: str = "ZERO"):
-        self.macro, self.element, self.zero = macro, ctype, zero
+    def __init__(self, macro: Callable[[str], str] = str, ctype: str = "T", zero: str = "ZERO", vector: bool = False):
+        self.macro, self.element, self.zero, self.vector = macro, ctype, zero, vector
+        self.sym = lane_expr if vector else c_expr
 
     def lines(self, statements: Iterable[Statement], indent: str = "") -> list[str]:
         out: list[str] = []
@@ -111,7 +130,9 @@ class Printer:
     def statement(self, s: Statement) -> str:
         if isinstance(s, Def):
             const = "const " if s.const else ""
-            return f"{const}{self._type(s.ctype)} {self.expr(s.target)} = {self.expr(s.value)};"
+            # an empty sum in double precision (a cost's sums) is that type's zero
+            value = self._double_zero() if s.value == Sum(()) and s.ctype == "double" else self.expr(s.value)
+            return f"{const}{self._type(s.ctype)} {self.expr(s.target)} = {value};"
         if isinstance(s, Store):
             return f"{self.expr(s.target)} {s.op} {self.expr(s.value)};"
         if isinstance(s, Call):
@@ -124,7 +145,10 @@ class Printer:
         raise TypeError(f"not a statement: {s!r}")
 
     def _type(self, ctype: str) -> str:
-        return self.element if ctype == "T" else ctype
+        return self.element if ctype == "T" else "VD" if self.vector and ctype == "double" else ctype
+
+    def _double_zero(self) -> str:
+        return "VDZERO" if self.vector else "0.0"
 
     def expr(self, e: Any) -> str:
         if isinstance(e, Var):
@@ -144,11 +168,13 @@ class Printer:
         if isinstance(e, Paren):
             return f"({self.expr(e.x)})"
         if isinstance(e, Cast):
+            if self.vector:
+                return f"__builtin_convertvector({self.expr(e.x)}, {self._type(e.ctype)})"
             return f"({self._type(e.ctype)}){self.expr(e.x)}"
         if isinstance(e, Literal):
             return e.text
         if isinstance(e, Sym):
-            return c_expr(e.expr)
+            return self.sym(e.expr)
         raise TypeError(f"not an expression: {e!r}")
 
     def _term(self, t: Term) -> str:

@@ -194,7 +194,7 @@ def render(spec: Any, code: LoweredOperator, table: ArgumentTable, target: Targe
     itemsize = ITEMSIZE[spec.dtype]
     u = strides(spec.layout, spec.n_actions, spec.dof)
     y = strides(spec.layout, spec.horizon, spec.dof)
-    lane_form = lanes(spec) if target.lanes and not code.fused else None
+    lane_form = lanes(spec) if target.lanes else None
     lane_bodies = _lane_bodies(code, kernels, table) if lane_form else {}
     programs = _long_programs(code, kernels, table.dt.shape == ("B",)) if target.split_programs else {}
     units = abi.units(part, table)
@@ -214,7 +214,7 @@ def render(spec: Any, code: LoweredOperator, table: ArgumentTable, target: Targe
         costs=len(table.costs),
         fused=code.fused,
         written=list(table.written),
-        lane_macros=macros.lanes(table),
+        lane_macros=macros.lanes(table) + macros.lane_parameters(table),
         zero_tangent_macros=macros.zero_tangents(table),
         lane_zero_tangent_macros=macros.lane_zero_tangents(table),
         tangent_bases=macros.tangent_bases(table, target.restrict),

@@ -290,3 +290,62 @@ def test_missing_row_weights_and_margins_read_as_ones_and_zeros():
         assert torch.equal(a, b)
     _, expected = _reference(spec, x, bare, dt)
     np.testing.assert_allclose(_call(step, spec, x, bare, dt)[-1].numpy(), expected, rtol=1e-12)
+
+
+FORM_RUN = """
+import sys, torch, tensorstep as ts
+spec, data = ts.KernelSpec.from_dict(eval(sys.argv[1])), torch.load(sys.argv[2])
+x, params = data["x"], data["params"]
+u = x["u"].clone().requires_grad_()
+target = params["squared_position_target"].clone().requires_grad_()
+outs = ts.load(spec)(u, x["p0"], x["v0"], x["a0"], 0.1, j0=x["j0"], **{**params, "squared_position_target": target})
+torch.autograd.backward(outs, data["g"])
+torch.save([*(y.detach() for y in outs), u.grad, target.grad], sys.argv[3])
+"""
+
+
+@pytest.mark.parametrize("form", [None, "-DTS_LANE_INTRINSICS", "-DTS_NO_LANES"],
+                         ids=["vector-lanes", "vector-lanes-immintrin", "per-dof-loop"])
+@pytest.mark.parametrize("dtype, dof", [("float32", 7), ("float64", 7), ("float32", 12)])
+def test_column_forms_match_the_plain_step_plus_costs(dtype, dof, form, tmp_path):
+    """The C kernels' column forms (all dof in one masked vector, AVX-512; the per-dof loop): states,
+    cost and gradients against the plain step (float64) plus the terms from their definitions.
+    Every kind, on P (with a target), V and J; in float32 the vector of the sums per dof is wider
+    than the rows' (8 doubles), at D=12 two 512-bit vectors."""
+    import os
+    import subprocess
+    import sys
+
+    from helpers import require_avx512
+
+    if form != "-DTS_NO_LANES":
+        require_avx512()
+    terms = (("bound", "position"), ("squared", "position"), ("bound", "velocity"), ("squared", "jerk"))
+    spec = ts.KernelSpec(horizon=9, dof=dof, dtype=dtype, costs=terms, outputs=("P", "V"))
+    x, params, _ = _data(spec)
+    gen = torch.Generator().manual_seed(3)
+    g = (torch.randn(3, 9, dof, generator=gen, dtype=torch.float64), torch.randn(3, 9, dof, generator=gen, dtype=torch.float64),
+         torch.randn(3, len(terms), generator=gen, dtype=torch.float64))
+    cast = (lambda t: t.float().double()) if dtype == "float32" else (lambda t: t)  # values the kernel sees exactly
+    x, params, g = ({k: cast(v) for k, v in x.items()}, {k: cast(v) for k, v in params.items()}, tuple(cast(t) for t in g))
+    to = (lambda t: t.float()) if dtype == "float32" else (lambda t: t)
+    torch.save(dict(x={k: to(v) for k, v in x.items()}, params={k: to(v) for k, v in params.items()},
+                    g=tuple(to(t) for t in g)), tmp_path / "in.pt")
+    env = dict(os.environ)
+    env["TENSORSTEP_CFLAGS"] = " ".join(f for f in (env.get("TENSORSTEP_CFLAGS", ""), form) if f)
+    run = subprocess.run([sys.executable, "-c", FORM_RUN, repr(spec.to_dict()), str(tmp_path / "in.pt"),
+                          str(tmp_path / "out.pt")], env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    got = torch.load(tmp_path / "out.pt")
+
+    plain = ts.KernelSpec(horizon=9, dof=dof, dtype="float64")
+    u = x["u"].clone().requires_grad_()
+    target = params["squared_position_target"].clone().requires_grad_()
+    states = ts.load(plain)(u, x["p0"], x["v0"], x["a0"], 0.1, j0=x["j0"])
+    cost = _torch_costs(spec, states, {**params, "squared_position_target": target}, x)
+    torch.autograd.backward((states[0], states[1], cost), g)
+    tol = 1e-5 if dtype == "float32" else 1e-12
+    pairs = [(got[0], states[0], "P"), (got[1], states[1], "V"), (got[3], u.grad, "u"), (got[4], target.grad, "target")]
+    pairs += [(got[2][:, t], cost[:, t], f"cost {kind} {state}") for t, (kind, state) in enumerate(terms)]  # each term's scale
+    for a, b, name in pairs:
+        torch.testing.assert_close(a.double(), b.detach(), rtol=tol, atol=tol * float(b.detach().abs().max()), msg=name)
