@@ -21,6 +21,7 @@ Import-light (no SymPy, no PyTorch): the runtime reads the table on the cached-l
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Iterator, Mapping
 
 #: dtype rules: the kernel's floating type, an integer index, the kernel's type for dt
@@ -114,7 +115,7 @@ class ArgumentTable:
     def input(self, name: str) -> Argument:
         return next(a for a in self.inputs if a.name == name)
 
-    @property
+    @functools.cached_property  # read several times by every call's checks
     def tensors(self) -> tuple[Argument, ...]:
         """The inputs other than dt (what the kernels read besides the step durations)."""
         return tuple(a for a in self.inputs if a.role != "dt")

@@ -56,6 +56,8 @@ class Step(torch.nn.Module):
             self._cost_kinds = costs.functions(self.table)
             self._checked: dict = {}  # the cost parameters last checked (runtime/costs.py check_parameters)
             self._filled: dict = {}  # each filled parameter's default tensor (_cost_arguments)
+            self._expanded: dict = {}  # each [D] weight's [B, D] rows, while unchanged (_per_trajectory)
+            self._seen: dict = {}  # the cost parameters that passed the argument checks (validate.check_inputs)
             launcher.composite = self._composite
 
     def _take_native(self) -> None:
@@ -178,7 +180,8 @@ class Step(torch.nn.Module):
                     return tuple(out)
         if self.table.fused:
             values = self._cost_arguments(values)
-        inputs, dims = validate.check_inputs(self.table, values, self.dtype, self.device)
+        seen = self._seen if self.table.fused and not torch.compiler.is_compiling() and not _transformed() else None
+        inputs, dims = validate.check_inputs(self.table, values, self.dtype, self.device, seen)
         dt_k = self._dt_tensor(dt, dims["B"])
         if self.table.fused:
             from . import costs
@@ -219,9 +222,26 @@ class Step(torch.nn.Module):
                     x = self._filled[a.name] = torch.full(self.table.physical(a, {}), float(a.default),
                                                           dtype=self.dtype, device=self.device)
             if a.role == "cost_weight" and isinstance(x, Tensor) and x.dim() == 1 and isinstance(u, Tensor) and u.dim() == 3:
-                x = x.expand(u.shape[0], x.shape[0])
+                x = self._per_trajectory(a.name, x, u.shape[0])
             out.append(x)
         return out
+
+    def _per_trajectory(self, name: str, weight: Tensor, B: int) -> Tensor:
+        """A [D] weight as the [B, D] rows the kernels read: made once and kept while the caller
+        passes the same tensor unchanged (an optimiser's loop), so that no call copies it and the
+        parameter checks' "seen unchanged" stamps hold. Kept with the tensor itself (its address
+        cannot be reused meanwhile); traced, transformed or gradient-requiring tensors are expanded
+        afresh (their checks say what is wrong)."""
+        expanded = weight.expand(B, weight.shape[0])
+        if (type(weight) is not Tensor or weight.requires_grad or torch.compiler.is_compiling() or _transformed()
+                or weight.device != self.device):
+            return expanded
+        kept = self._expanded.get(name)
+        if kept is not None and kept[0] is weight and kept[1] == (weight._version, weight.stride(), B):
+            return kept[2]
+        rows = expanded.contiguous()
+        self._expanded[name] = (weight, (weight._version, weight.stride(), B), rows)
+        return rows
 
     def _into(self, out: Any, inputs: list, dt_k: Tensor) -> tuple[Tensor, ...]:
         """The forward written into caller-owned outputs (rollouts: no allocation, no page faults)."""

@@ -80,13 +80,15 @@ def check_parameters(table: ArgumentTable, named: dict[str, Optional[Tensor]], s
     """The checks on a fused step's cost parameters that the argument table cannot express:
     none takes a gradient, weights and margins are not negative, limits are finite with
     lower <= upper. ``seen``: each argument's last tensor that passed (its storage, version and
-    shape), not looked at again while unchanged (an optimiser passes the same weights every call)."""
+    shape), not looked at again while unchanged (an optimiser passes the same weights every call).
+    The tensor is kept with its stamp: while kept, its address cannot be another tensor's."""
     for arg in table.tensors:
         t = named.get(arg.name)
         if t is None or not arg.role.startswith("cost_") or arg.role == "cost_target":
             continue
-        stamp = (t.data_ptr(), t._version, t.shape, t.stride(), t.requires_grad) if seen is not None else None
-        if stamp is not None and seen.get(arg.name) == stamp:
+        stamp = (t._version, t.shape, t.stride(), t.requires_grad) if seen is not None else None
+        last = seen.get(arg.name) if seen is not None else None
+        if last is not None and last[0] is t and last[1] == stamp:
             continue
         if t.requires_grad:
             raise ValueError(f"{arg.name}: cost parameters take no gradient (weights, limits and margins are "
@@ -102,7 +104,7 @@ def check_parameters(table: ArgumentTable, named: dict[str, Optional[Tensor]], s
                 d = int((t[0] > t[1]).nonzero()[0, 0])
                 raise ValueError(f"{arg.name}: lower > upper at dof {d} ({float(t[0, d])} > {float(t[1, d])})")
         if stamp is not None:
-            seen[arg.name] = stamp
+            seen[arg.name] = (t, stamp)
 
 
 def composite(plain: Any, table: ArgumentTable, inputs: Sequence[Optional[Tensor]], dt: Tensor,

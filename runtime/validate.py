@@ -99,11 +99,26 @@ def _values(t: Tensor) -> Tensor:
 
 
 def check_inputs(table: ArgumentTable, values: Sequence[Any], dtype: torch.dtype,
-                 device: torch.device) -> tuple[list[Optional[Tensor]], dict[str, int]]:
+                 device: torch.device, seen: Optional[dict] = None) -> tuple[list[Optional[Tensor]], dict[str, int]]:
     """The tensor inputs (all but dt, in table order), checked and contiguous, and the sizes of
-    the free symbols (B, S) they fix."""
+    the free symbols (B, S) they fix. ``seen``: the cost parameters (weights, limits, margins) that
+    last passed as they were, each kept with its stamp (version, shape, strides, dtype, device and
+    the batch size); one passed again unchanged is not checked again (an optimiser passes the same
+    weights every call; kept, its address cannot be another tensor's)."""
     dims: dict[str, int] = {}
-    checked = [check_argument(table, arg, v, dims, dtype, device) for arg, v in zip(table.tensors, values)]
+    checked = []
+    for arg, v in zip(table.tensors, values):
+        if seen is None or type(v) is not Tensor or not arg.role.startswith("cost_") or arg.role == "cost_target":
+            checked.append(check_argument(table, arg, v, dims, dtype, device))
+            continue
+        stamp = (v._version, v.shape, v.stride(), v.dtype, v.device, dims.get("B"))
+        last = seen.get(arg.name)
+        if last is None or last[0] is not v or last[1] != stamp:
+            t = check_argument(table, arg, v, dims, dtype, device)
+            if t is v:
+                seen[arg.name] = (v, stamp)
+            v = t
+        checked.append(v)
     check_indices(table, checked)
     return checked, dims
 

@@ -245,6 +245,29 @@ def test_a_parameter_changed_in_place_is_checked_again():
         _call(step, spec, x, params, dt)
 
 
+def test_a_weight_per_dof_changed_in_place_is_read_and_checked_again():
+    """A [D] weight's rows for the kernels are kept while the caller passes the same tensor
+    unchanged: written into (or a new batch size), the kernels read the new values, and a
+    negative one is refused."""
+    spec = _spec("central")
+    x, params, dt = _data(spec)
+    step = ts.load(spec)
+    shared = params["squared_jerk_weight"][0].clone()
+    t = spec.costs.index(("squared", "jerk"))
+    first = _call(step, spec, x, {**params, "squared_jerk_weight": shared}, dt)[-1]
+    shared.mul_(3.0)
+    again = _call(step, spec, x, {**params, "squared_jerk_weight": shared}, dt)[-1]
+    torch.testing.assert_close(again[:, t], 3.0 * first[:, t], rtol=1e-12, atol=0)
+    torch.testing.assert_close(again[:, :t], first[:, :t], rtol=0, atol=0)
+    two = {k: v[:2] for k, v in x.items()}
+    per_trajectory = {k: v[:2] for k, v in params.items() if v.dim() == 2 and not k.endswith("_limit")}  # [B, D]
+    smaller = _call(step, spec, two, {**params, **per_trajectory, "squared_jerk_weight": shared}, dt)[-1]
+    torch.testing.assert_close(smaller, again[:2], rtol=1e-12, atol=0)
+    shared.neg_()
+    with pytest.raises(ValueError, match="squared_jerk_weight: expected values >= 0"):
+        _call(step, spec, x, {**params, "squared_jerk_weight": shared}, dt)
+
+
 @pytest.mark.parametrize("case", ["central", "acceleration", "goal", "indexed_bdh", "bspline_goal_per_trajectory"])
 def test_cuda_kernels_run_on_the_host_match_c(case):
     """The CUDA source (run on the host, tests/cuda_on_host.py) gives the C kernels' states, cost
