@@ -47,6 +47,12 @@ class CostKind:
         return _tidy(sp.diff(self.expression, Y))
 
     @functools.cached_property
+    def weighted(self) -> bool:
+        """The expression is its weight times a function of the rest (w·f): a column can sum f over
+        its rows and multiply by the per-dof weight once."""
+        return sp.expand(self.expression.xreplace({W: 2 * W}) - 2 * self.expression) == 0
+
+    @functools.cached_property
     def second_derivative(self) -> sp.Expr:
         """d² expression / dy² (a step function where a ramp is squared; 0 at the kink)."""
         return _tidy(sp.diff(self.derivative, Y))

@@ -23,7 +23,7 @@ from .arguments import ArgumentTable
 from .coefficients import Coefficients
 from .operator import Operator, is_row
 from .references import References
-from .statements import Call, Cast, Def, Paren, Read, Statement, Store, Sum, Sym, Term, Val, Var
+from .statements import Call, Cast, Def, Mul, Paren, Read, Statement, Store, Sum, Sym, Term, Val, Var
 
 STATES = ("position", "velocity", "acceleration", "jerk", "snap")
 TARGET_REF = ("squared_position_target", 0)
@@ -50,9 +50,11 @@ class CostTerms:
                           Def(Var(f"cmar{t}"), Read(f"CMAR{t}"))]
         return lines
 
-    def _subs(self, t: int, kind: str, k: int, h: int) -> dict:
+    def _subs(self, t: int, kind: str, k: int, h: int, per_dof: bool = True) -> dict:
+        """``per_dof``: the weight with its per-dof factor (else the row weight alone: ``value``)."""
         target = sp.Symbol("ctgt") if (kind, STATES[k]) == ("squared", "position") and self.has_target else 0
-        return {kinds.Y: sp.Symbol(f"y{k}_{h}"), kinds.W: sp.Symbol(f"cw{t}") * sp.Symbol(f"CRW{t}({h})"),
+        weight = sp.Symbol(f"cw{t}") if per_dof else 1
+        return {kinds.Y: sp.Symbol(f"y{k}_{h}"), kinds.W: weight * sp.Symbol(f"CRW{t}({h})"),
                 kinds.LOWER: sp.Symbol(f"clo{t}"), kinds.UPPER: sp.Symbol(f"chi{t}"),
                 kinds.MARGIN: sp.Symbol(f"cmar{t}"), kinds.TARGET: target}
 
@@ -61,7 +63,15 @@ class CostTerms:
         return any(a.name == TARGET_REF[0] for a in self.table.columns)
 
     def value(self, t: int, kind: str, k: int, h: int) -> Sym:
-        return Sym(kinds.KINDS[kind].expression.xreplace(self._subs(t, kind, k, h)))
+        """The term at row h; without its per-dof weight where the kind is w·f (``total`` applies it)."""
+        kind_ = kinds.KINDS[kind]
+        return Sym(kind_.expression.xreplace(self._subs(t, kind, k, h, per_dof=not kind_.weighted)))
+
+    def total(self, t: int, kind: str) -> Statement:
+        """A column's sum of term t: its rows' sum, times the per-dof weight where ``value`` left it out
+        (once per column instead of once per row)."""
+        acc = Var(f"cacc{t}")
+        return Call("CPART", (t,), Mul(acc, Cast("double", Var(f"cw{t}"))) if kinds.KINDS[kind].weighted else acc)
 
     def slope(self, t: int, kind: str, k: int, h: int, wrt: sp.Symbol = kinds.Y) -> Sym:
         """GCOST(t) · ∂(term at row h)/∂wrt."""
@@ -95,7 +105,7 @@ def forward(op: Operator, coefs: Coefficients, refs: References, table: Argument
             body.append(Call(f"Y{row.k}", (row.h,), Val("y", row.k, row.h)))
         for t, kind in terms.on(row.k):
             body.append(Store(Var(f"cacc{t}"), Cast("double", Paren(terms.value(t, kind, row.k, row.h))), "+="))
-    body += [Call("CPART", (t,), Var(f"cacc{t}")) for t, _, _ in terms.terms]
+    body += [terms.total(t, kind) for t, kind, _ in terms.terms]
     return live(body, _sym_reads(body))
 
 
