@@ -102,7 +102,7 @@ _lane_printers: dict[frozenset[str], "Printer"] = {}
 class Printer:
     """Prints statements with one vocabulary: ``macro`` renames macros, ``ctype`` the element type T;
     ``vector``: the lane form, where double precision is the vector VD (a cost's sums per dof) and a
-    cast converts every lane."""
+    cast to it converts every lane (VDOUBLE)."""
 
     def __init__(self, macro: Callable[[str], str] = str, ctype: str = "T", zero: str = "ZERO", vector: bool = False):
         self.macro, self.element, self.zero, self.vector = macro, ctype, zero, vector
@@ -168,8 +168,9 @@ class Printer:
         if isinstance(e, Paren):
             return f"({self.expr(e.x)})"
         if isinstance(e, Cast):
-            if self.vector:
-                return f"__builtin_convertvector({self.expr(e.x)}, {self._type(e.ctype)})"
+            if self.vector:  # the lane form converts to double (a cost's sums per dof) only
+                assert e.ctype == "double", f"no lane form of a cast to {e.ctype}"
+                return f"VDOUBLE({self.expr(e.x)})"
             return f"({self._type(e.ctype)}){self.expr(e.x)}"
         if isinstance(e, Literal):
             return e.text
