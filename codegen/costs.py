@@ -53,6 +53,12 @@ class CostKind:
         return sp.expand(self.expression.xreplace({W: 2 * W}) - 2 * self.expression) == 0
 
     @functools.cached_property
+    def slope_factor(self) -> sp.Expr:
+        """A weighted kind's derivative is w times this number times the rest: the adjoint folds the
+        number and the weight into one value per column."""
+        return self.derivative.as_coeff_Mul()[0]  # (of w·(...): a number times an Add would be distributed)
+
+    @functools.cached_property
     def second_derivative(self) -> sp.Expr:
         """d² expression / dy² (a step function where a ramp is squared; 0 at the kink)."""
         return _tidy(sp.diff(self.derivative, Y))

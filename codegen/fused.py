@@ -74,9 +74,22 @@ class CostTerms:
         return Call("CPART", (t,), Mul(acc, Cast("double", Var(f"cw{t}"))) if kinds.KINDS[kind].weighted else acc)
 
     def slope(self, t: int, kind: str, k: int, h: int, wrt: sp.Symbol = kinds.Y) -> Sym:
-        """GCOST(t) · ∂(term at row h)/∂wrt."""
-        expr = kinds.KINDS[kind].derivative if wrt is kinds.Y else sp.diff(kinds.KINDS[kind].expression, wrt)
-        return Sym(sp.Symbol(f"GCOST({t})") * expr.xreplace(self._subs(t, kind, k, h)))
+        """GCOST(t) · ∂(term at row h)/∂wrt; for a weighted kind, row weight × ``scales``' cgw<t> × the
+        rest (no product of per-column factors repeated on every row)."""
+        kind_ = kinds.KINDS[kind]
+        expr = kind_.derivative if wrt is kinds.Y else sp.diff(kind_.expression, wrt)
+        if not kind_.weighted:
+            return Sym(sp.Symbol(f"GCOST({t})") * expr.xreplace(self._subs(t, kind, k, h)))
+        rest = expr / (kinds.W * kind_.slope_factor)
+        rest = sp.simplify(rest) if rest.has(kinds.W) else rest
+        assert not rest.has(kinds.W), f"{kind}: a weighted kind's derivative is w times a function of the rest"
+        return Sym(sp.Symbol(f"CRW{t}({h})") * sp.Symbol(f"cgw{t}") * rest.xreplace(self._subs(t, kind, k, h)))
+
+    def scales(self) -> list[Statement]:
+        """The adjoint's per-column factor of each weighted term: GCOST(t) × its derivative's number ×
+        the per-dof weight."""
+        return [Def(Var(f"cgw{t}"), Sym(kinds.KINDS[kind].slope_factor * sp.Symbol(f"GCOST({t})") * sp.Symbol(f"cw{t}")))
+                for t, kind, _ in self.terms if kinds.KINDS[kind].weighted]
 
 
 def _sym_reads(body: list[Statement]) -> set:
@@ -118,7 +131,7 @@ def adjoint(op: Operator, coefs: Coefficients, refs: References, table: Argument
     terms = CostTerms(table)
     columns = [a.name for a in table.columns]
     inputs = refs.differentiable(op.n_actions, columns)
-    body = refs.loads(columns) + terms.loads()
+    body = refs.loads(columns) + terms.loads() + terms.scales()
 
     def gradient(row) -> Def:
         parts = [Term(None, Read(f"G{row.k}", (row.h,)))] if row.k in terms.written else []
