@@ -232,15 +232,16 @@ class Step(torch.nn.Module):
         parameter checks' "seen unchanged" stamps hold. Kept with the tensor itself (its address
         cannot be reused meanwhile); traced, transformed or gradient-requiring tensors are expanded
         afresh (their checks say what is wrong)."""
-        expanded = weight.expand(B, weight.shape[0])
-        if (type(weight) is not Tensor or weight.requires_grad or torch.compiler.is_compiling() or _transformed()
-                or weight.device != self.device):
-            return expanded
+        if torch.compiler.is_compiling():
+            return weight.expand(B, weight.shape[0])
         kept = self._expanded.get(name)
-        if kept is not None and kept[0] is weight and kept[1] == (weight._version, weight.stride(), B):
-            return kept[2]
+        if kept is not None and kept[0] is weight and kept[1] == (weight._version, weight.stride(), B, weight.requires_grad):
+            return kept[2]  # (a kept tensor passed every test below)
+        expanded = weight.expand(B, weight.shape[0])
+        if type(weight) is not Tensor or weight.requires_grad or _transformed() or weight.device != self.device:
+            return expanded
         rows = expanded.contiguous()
-        self._expanded[name] = (weight, (weight._version, weight.stride(), B), rows)
+        self._expanded[name] = (weight, (weight._version, weight.stride(), B, False), rows)
         return rows
 
     def _into(self, out: Any, inputs: list, dt_k: Tensor) -> tuple[Tensor, ...]:
