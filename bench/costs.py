@@ -205,8 +205,8 @@ def _check_agreement(case: CostCase, methods: dict[str, Callable], u: torch.Tens
 
 def _pieces(fused, u, starts, params, W, ones) -> dict[str, Callable[[], None]]:
     """The fused call's parts, each callable alone: its checks (what Step.forward does in Python
-    before the kernel: [D] weights broadcast, the argument table's checks and the dt tensor; then
-    the cost parameters' checks, which skip tensors seen unchanged), its forward and adjoint
+    before the kernel: [D] weights' kept [B, D] rows, the argument table's checks and the dt tensor;
+    then the cost parameters' checks; both skip parameters seen unchanged), its forward and adjoint
     kernels launched directly, and the forward under no_grad (checks + kernel + Function.apply)."""
     table = fused.table
     named = {"u": u, "p0": starts[0], "v0": starts[1], "a0": starts[2], **params}
@@ -214,7 +214,7 @@ def _pieces(fused, u, starts, params, W, ones) -> dict[str, Callable[[], None]]:
     B = u.shape[0]
 
     def table_checks() -> list:
-        inputs, _ = validate.check_inputs(table, fused._cost_arguments(values), fused.dtype, fused.device)
+        inputs, _ = validate.check_inputs(table, fused._cost_arguments(values), fused.dtype, fused.device, fused._seen)
         fused._dt_tensor(DT, B)
         return inputs
 
