@@ -42,8 +42,7 @@ class Step(torch.nn.Module):
         self._dt_cache: dict[float, Tensor] = {}
         self.native: Optional[int] = None  # handle of the native autograd node (CPU), once built
         self._native_step = self._native_step_out = None
-        # a fused step (cost terms, or some states not written) takes the Python path (runtime/costs.py)
-        self._native_pending = device.type == "cpu" and not self.table.fused
+        self._native_pending = device.type == "cpu"
         if self._native_pending:
             self._take_native()
         #: a fused step's plain twin (every state, no cost) for its composite form (runtime/costs.py),
@@ -164,13 +163,18 @@ class Step(torch.nn.Module):
             if more:  # the kernel family's other arguments, by their names in the argument table
                 named.update(_more_arguments(self.table, more))
             values = [named.get(a.name) for a in self.table.tensors]
+        if self.table.fused:
+            values = self._cost_arguments(values)
         if self.native is not None and not torch.compiler.is_compiling() and not _transformed():
             # the common call: the native op checks the tensors against the table itself (with the
             # same messages); a float dt comes as the tensor cached for it. An empty or false result
-            # means a value is off (dt, index entries), and the checks below say which.
+            # means a value is off (dt, index entries), and the checks below say which. A fused step's
+            # cost parameters must have passed the Python checks unchanged (runtime/costs.py: their
+            # values are checked there), else this call takes the Python path, which checks them.
             dt_k = dt if type(dt) is Tensor else self._dt_cache.get(dt) if type(dt) is float else None
             if (dt_k is not None and _tensors_or_none(values)
-                    and not (dt_k.requires_grad and torch.is_grad_enabled())):
+                    and not (dt_k.requires_grad and torch.is_grad_enabled())
+                    and (not self.table.fused or self._parameters_unchanged(values))):
                 if out is None:
                     outs = self._native_step(self.native, [*values, dt_k])
                     if outs:
@@ -178,8 +182,6 @@ class Step(torch.nn.Module):
                 elif (type(out) in (tuple, list) and all(type(y) is Tensor for y in out)
                       and self._native_step_out(self.native, [*values, dt_k], out)):
                     return tuple(out)
-        if self.table.fused:
-            values = self._cost_arguments(values)
         seen = self._seen if self.table.fused and not torch.compiler.is_compiling() and not _transformed() else None
         inputs, dims = validate.check_inputs(self.table, values, self.dtype, self.device, seen)
         dt_k = self._dt_tensor(dt, dims["B"])
@@ -225,6 +227,24 @@ class Step(torch.nn.Module):
                 x = self._per_trajectory(a.name, x, u.shape[0])
             out.append(x)
         return out
+
+    def _parameters_unchanged(self, values: list) -> bool:
+        """Every cost parameter given is the tensor that last passed both Python checks, unchanged
+        (``_seen`` and ``_checked``): the native op may take the call."""
+        u = values[0]
+        if type(u) is not Tensor or u.dim() == 0:
+            return False
+        for a, x in zip(self.table.tensors, values):
+            if x is None or not a.role.startswith("cost_") or a.role == "cost_target":
+                continue
+            seen, checked = self._seen.get(a.name), self._checked.get(a.name)
+            if seen is None or checked is None or seen[0] is not x or checked[0] is not x:
+                return False
+            if seen[1] != (x._version, x.shape, x.stride(), x.dtype, x.device, u.shape[0]):
+                return False
+            if checked[1] != (x._version, x.shape, x.stride(), x.requires_grad):
+                return False
+        return True
 
     def _per_trajectory(self, name: str, weight: Tensor, B: int) -> Tensor:
         """A [D] weight as the [B, D] rows the kernels read: made once and kept while the caller

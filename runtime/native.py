@@ -279,14 +279,23 @@ def _register_python_parts() -> None:
     """The op the node calls back into Python for a create_graph adjoint: AdjointFunction, which is
     differentiable (backward, jvp, vmap). The node's CPU kernels for torch.compile's ops call back
     into runtime/ops.py, which registers those implementations itself (``ops._serve_node``)."""
-    from .autograd import AdjointFunction
+    from .autograd import AdjointFunction, _recomputed
 
     def adjoint_graph(handle: int, grads: list, dt: torch.Tensor, batch: int) -> list[torch.Tensor]:
         return list(AdjointFunction.apply(_LAUNCHERS[handle], dt, batch, *grads))
 
+    def adjoint_graph_fused(handle: int, inputs: list, grads: list, dt: torch.Tensor) -> list[torch.Tensor]:
+        """A fused step's create_graph backward (its composite form): each differentiable input's
+        gradient, in table order (an empty tensor where there is none)."""
+        rows = [a.differentiable and a.dtype == KERNEL for a in _LAUNCHERS[handle].table.tensors]
+        needed = tuple(row and x is not None and x.requires_grad for row, x in zip(rows, inputs)) + (False,)
+        got = _recomputed(_LAUNCHERS[handle], inputs, dt, tuple(grads), needed)
+        return [g if g is not None else dt.new_empty(0) for g, row in zip(got, rows) if row]
+
     global _PYTHON_IMPL
     _PYTHON_IMPL = torch.library.Library("tensorstep_native", "IMPL")  # kept alive: it holds the registration
     _PYTHON_IMPL.impl("adjoint_graph", adjoint_graph, "CompositeImplicitAutograd")
+    _PYTHON_IMPL.impl("adjoint_graph_fused", adjoint_graph_fused, "CompositeImplicitAutograd")
 
 
 def handle(launcher: Any) -> Optional[int]:
@@ -335,8 +344,9 @@ def table_rows(table: ArgumentTable) -> dict[str, Any]:
         rules=[RULES[a.dtype] for a in table.inputs], presences=[PRESENCES[a.presence] for a in table.inputs],
         indices=[position[a.index] if a.index else -1 for a in table.inputs],
         differentiable=[int(a.differentiable) for a in table.inputs],
-        output_shape=_codes(table.symbolic(table.outputs[0])), outputs=len(table.outputs),
-        symbols=list(SYMBOLS), messages=[MESSAGES[k] for k in MESSAGE_KEYS])
+        output_shapes=[c for y in table.outputs for c in _codes(table.symbolic(y))],
+        output_ranks=[len(table.symbolic(y)) for y in table.outputs],
+        symbols=list(SYMBOLS), messages=[MESSAGES[k] for k in MESSAGE_KEYS], fused=table.fused)
 
 
 def _handle(launcher: Any) -> int:

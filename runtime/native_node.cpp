@@ -9,12 +9,15 @@
 // gradients onto indexed rows — follows those rows. Built once per PyTorch install
 // (runtime/native.py), never per variant.
 //
-// Scope: CPU, gradients to the tensor inputs. The Python side routes everything else (dt
-// gradients, forward mode, functorch transforms) to the Python Functions. Under torch.compile,
-// the graph's ops (runtime/ops.py) take this node's checks and kernels on CPU as well (their
-// CPU and autograd kernels, below), so that a compiled call does not enter Python for a step.
+// Scope: CPU, gradients to the tensor inputs, plain and fused steps (a fused step's adjoint reads
+// the inputs; its cost parameters' values are checked in Python first). The Python side routes
+// everything else (dt gradients, forward mode, functorch transforms) to the Python Functions.
+// Under torch.compile, the graph's ops (runtime/ops.py) take this node's checks and kernels on
+// CPU as well (their CPU and autograd kernels, below), so that a compiled call does not enter
+// Python for a step (a fused step's compiled calls run its composite form).
 // Double backward (create_graph) calls the op tensorstep_native::adjoint_graph, implemented
-// in Python by the differentiable AdjointFunction, so higher derivatives stay exact.
+// in Python by the differentiable AdjointFunction, so higher derivatives stay exact (a fused
+// step's, adjoint_graph_fused: its composite form).
 //
 // Built once per PyTorch install, most of its compile time is parsing PyTorch's headers, so it
 // includes only what it uses: the autograd Node (not function.h and functions/utils.h, which
@@ -75,8 +78,9 @@ constexpr std::array<Caller, sizeof...(N)> callers(std::index_sequence<N...>) {
   return {&call_n<N>...};
 }
 
-// (an argument table has at most 12 inputs and 4 outputs: 16 pointers, the adjoint's fewer)
-constexpr auto CALLERS = callers(std::make_index_sequence<32>{});
+// (a plain table has at most 12 inputs and 4 outputs: 16 pointers; a fused one adds a few per cost
+// term, and its adjoint reads the inputs too)
+constexpr auto CALLERS = callers(std::make_index_sequence<64>{});
 
 void call(int64_t address, int64_t B, std::vector<void*>& args) {
   TORCH_CHECK(args.size() < CALLERS.size(), "tensorstep: a kernel with ", args.size(), " parameters");
@@ -99,10 +103,14 @@ struct Row {
 struct Kernels {
   int64_t forward, adjoint;
   std::vector<Row> rows;  // inputs in table order, dt last
-  std::vector<int64_t> output_shape;
+  std::vector<int64_t> output_shape;  // the first output's
   int64_t outputs;
   std::vector<std::string> symbols, messages;
   at::ScalarType dtype;
+  std::vector<std::vector<int64_t>> output_shapes;  // each output's
+  // cost terms, or some states not written (runtime/costs.py): the adjoint reads the inputs and is
+  // not linear; a create_graph backward goes through the composite form
+  bool fused = false;
 };
 
 std::mutex registry_mutex;
@@ -117,10 +125,17 @@ const Kernels& kernels(int64_t handle) {
 int64_t register_kernels(int64_t forward, int64_t adjoint, std::vector<std::string> names,
                          std::vector<std::string> meanings, std::vector<int64_t> ranks, std::vector<int64_t> shapes,
                          std::vector<int64_t> rules, std::vector<int64_t> presences, std::vector<int64_t> indices,
-                         std::vector<int64_t> differentiable, std::vector<int64_t> output_shape, int64_t outputs,
-                         std::vector<std::string> symbols, std::vector<std::string> messages, at::ScalarType dtype) {
+                         std::vector<int64_t> differentiable, std::vector<int64_t> output_shapes,
+                         std::vector<int64_t> output_ranks, std::vector<std::string> symbols,
+                         std::vector<std::string> messages, at::ScalarType dtype, bool fused) {
   TORCH_CHECK(messages.size() == N_MESSAGES, "tensorstep: expected ", N_MESSAGES, " message templates");
-  Kernels k{forward, adjoint, {}, std::move(output_shape), outputs, std::move(symbols), std::move(messages), dtype};
+  Kernels k{forward, adjoint, {}, {}, static_cast<int64_t>(output_ranks.size()), std::move(symbols),
+            std::move(messages), dtype};
+  for (size_t i = 0, at = 0; i < output_ranks.size(); at += output_ranks[i++]) {
+    k.output_shapes.emplace_back(output_shapes.begin() + at, output_shapes.begin() + at + output_ranks[i]);
+  }
+  if (!k.output_shapes.empty()) k.output_shape = k.output_shapes[0];
+  k.fused = fused;
   size_t at = 0;
   for (size_t i = 0; i < names.size(); ++i) {
     std::vector<int64_t> shape(shapes.begin() + at, shapes.begin() + at + ranks[i]);
@@ -324,9 +339,10 @@ bool batch_invariant(const Kernels& k) {
 // gradients of the outputs (undefined: zero).
 template <typename Needs>
 variable_list run_adjoint(const Kernels& k, const variable_list& grads, const Tensor& dt, int64_t B,
-                          const Needs& needs) {
+                          const Needs& needs, const std::vector<Tensor>& reads = {}) {
   std::vector<void*> args;
-  args.reserve(grads.size() + 1 + k.rows.size());
+  args.reserve(reads.size() + grads.size() + 1 + k.rows.size());
+  for (const auto& t : reads) args.push_back(ptr(t));  // a fused adjoint's inputs (all but dt)
   Tensor like;
   for (const auto& g : grads) {
     if (g.defined()) like = g;
@@ -372,6 +388,27 @@ struct NativeStepBackward : public torch::autograd::Node {
 
   std::string name() const override { return "NativeStepBackward"; }
 
+  // A fused step's create_graph backward: its composite form, in Python (runtime/native.py
+  // adjoint_graph_fused), which gives each differentiable input's gradient as a whole (an indexed
+  // input's rows already summed).
+  template <typename Needs>
+  variable_list fused_graph(const Kernels& k, const std::vector<Tensor>& saved, const variable_list& grads,
+                            const Needs& needs, const std::vector<int64_t>& edge, variable_list out) {
+    static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("tensorstep_native::adjoint_graph_fused", "");
+    c10::List<std::optional<Tensor>> xs, gl;
+    for (size_t i = 0; i + 1 < saved.size(); ++i) xs.push_back(saved[i].defined() ? std::optional<Tensor>(saved[i]) : std::nullopt);
+    for (const auto& g : grads) gl.push_back(g.defined() ? std::optional<Tensor>(g) : std::nullopt);
+    torch::jit::Stack stack{c10::IValue(handle), c10::IValue(xs), c10::IValue(gl), c10::IValue(saved.back())};
+    op.callBoxed(stack);
+    const auto got = stack[0].toTensorVector();  // one per differentiable input, table order (empty: none)
+    for (size_t i = 0, d = 0; i < k.rows.size(); ++i) {
+      if (!k.rows[i].differentiable || k.rows[i].rule != KERNEL_DTYPE) continue;
+      const Tensor& g = got[d++];
+      if (needs(i) && g.numel()) out[edge[i]] = g;
+    }
+    return out;
+  }
+
   void release_variables() override {
     for (auto& v : kept) v.reset_data();
   }
@@ -393,6 +430,8 @@ struct NativeStepBackward : public torch::autograd::Node {
     for (size_t s = 0; s < kept_at.size(); ++s) saved[kept_at[s]] = kept[s].unpack();
     const Tensor& dt = saved[n - 1];
     const int64_t B = rows[0];
+    if (k.fused && at::GradMode::is_enabled()) return fused_graph(k, saved, grads, needs, edge, std::move(out));
+    const std::vector<Tensor> reads = k.fused ? std::vector<Tensor>(saved.begin(), saved.end() - 1) : std::vector<Tensor>();
 
     variable_list per_batch;  // per-trajectory gradients of the differentiable inputs, in table order
     if (at::GradMode::is_enabled()) {
@@ -407,7 +446,7 @@ struct NativeStepBackward : public torch::autograd::Node {
       // A gradient with stride 0 along the batch (what .sum() and .mean() losses give) is the same
       // for every trajectory, and so is its adjoint when dt is shared: it is run for one
       // trajectory and broadcast, instead of copying the gradient B times (the adjoint is linear).
-      const bool shared = B > 1 && batch_invariant(k);
+      const bool shared = B > 1 && !k.fused && batch_invariant(k);
       variable_list full(grads.size()), once(grads.size());
       bool any_full = false, any_once = false;
       for (size_t j = 0; j < grads.size(); ++j) {
@@ -421,7 +460,7 @@ struct NativeStepBackward : public torch::autograd::Node {
           any_full = true;
         }
       }
-      if (any_full) per_batch = run_adjoint(k, full, dt, B, needs);
+      if (any_full) per_batch = run_adjoint(k, full, dt, B, needs, reads);
       if (any_once) {
         const variable_list one = run_adjoint(k, once, dt, 1, needs);
         if (!any_full) per_batch.assign(one.size(), Tensor());
@@ -472,10 +511,9 @@ std::vector<Tensor> run_node(const Kernels& k, int64_t handle, const std::vector
     }
   }
   const int64_t B = inputs[0].size(0);
-  const auto shape = resolve(k.output_shape, {B});
   std::vector<Tensor> ys;
   ys.reserve(k.outputs);
-  for (int64_t i = 0; i < k.outputs; ++i) ys.push_back(at::empty(shape, inputs[0].options()));
+  for (const auto& shape : k.output_shapes) ys.push_back(at::empty(resolve(shape, {B}), inputs[0].options()));
   run_forward(k, inputs, ys);
   if (!record || !requires_grad || !at::GradMode::is_enabled()) return ys;
 
@@ -489,7 +527,7 @@ std::vector<Tensor> run_node(const Kernels& k, int64_t handle, const std::vector
   step->rows = std::move(rows);
   step->positions = std::move(positions);
   for (size_t i = 0; i < k.rows.size(); ++i) {
-    if (k.rows[i].rule != KERNEL_DTYPE && inputs[i].defined()) {
+    if ((k.fused || k.rows[i].rule != KERNEL_DTYPE) && inputs[i].defined()) {  // a fused adjoint reads them all
       step->kept.emplace_back(inputs[i], /*is_output=*/false);
       step->kept_at.push_back(static_cast<int64_t>(i));
     }
@@ -527,9 +565,9 @@ bool step_out(int64_t handle, const Given& given, const std::vector<Tensor>& out
   for (const auto& x : c.inputs) {
     if (grad && x.defined() && x.requires_grad()) return false;
   }
-  const auto shape = resolve(k.output_shape, c.sizes);
   for (size_t i = 0; i < out.size(); ++i) {
     const Tensor& y = out[i];
+    const auto shape = resolve(k.output_shapes[i], c.sizes);
     if (!y.defined() || y.layout() != at::kStrided || !y.device().is_cpu() || y.scalar_type() != k.dtype ||
         !y.is_contiguous() || y.sizes() != at::IntArrayRef(shape) || (grad && y.requires_grad()) || y.is_inference()) {
       return false;
@@ -559,12 +597,12 @@ std::vector<std::string> strings(const c10::IValue& v) {
 }
 
 void register_kernels_boxed(const c10::OperatorHandle&, Stack* stack) {
-  constexpr size_t n = 15;
+  constexpr size_t n = 16;
   const auto a = torch::jit::last(*stack, n);
   const int64_t h = register_kernels(a[0].toInt(), a[1].toInt(), strings(a[2]), strings(a[3]), a[4].toIntVector(),
                                      a[5].toIntVector(), a[6].toIntVector(), a[7].toIntVector(), a[8].toIntVector(),
-                                     a[9].toIntVector(), a[10].toIntVector(), a[11].toInt(), strings(a[12]),
-                                     strings(a[13]), a[14].toScalarType());
+                                     a[9].toIntVector(), a[10].toIntVector(), a[11].toIntVector(), strings(a[12]),
+                                     strings(a[13]), a[14].toScalarType(), a[15].toBool());
   torch::jit::drop(*stack, n);
   stack->emplace_back(h);
 }
@@ -775,14 +813,15 @@ void bind_boxed(const c10::OperatorHandle&, Stack* stack) {
 
 TORCH_LIBRARY(tensorstep_native, m) {
   m.def("register_kernels(int forward, int adjoint, str[] names, str[] meanings, int[] ranks, int[] shapes, "
-        "int[] rules, int[] presences, int[] indices, int[] differentiable, int[] output_shape, int outputs, "
-        "str[] symbols, str[] messages, ScalarType dtype) -> int",
+        "int[] rules, int[] presences, int[] indices, int[] differentiable, int[] output_shapes, "
+        "int[] output_ranks, str[] symbols, str[] messages, ScalarType dtype, bool fused) -> int",
         torch::CppFunction::makeFromBoxedFunction<&register_kernels_boxed>());
   m.def("step(int handle, Tensor?[] inputs) -> Tensor[]");
   m.def("step_out(int handle, Tensor?[] inputs, Tensor(a!)[] out) -> bool");
   m.def("bind(str key, int handle, str family) -> ()", torch::CppFunction::makeFromBoxedFunction<&bind_boxed>());
   // implemented in Python (runtime/native.py): the create_graph adjoint, and the ops' Python path
   m.def("adjoint_graph(int handle, Tensor?[] grads, Tensor dt, int batch) -> Tensor[]");
+  m.def("adjoint_graph_fused(int handle, Tensor?[] inputs, Tensor?[] grads, Tensor dt) -> Tensor[]");
   m.def("forward_py(str key, Tensor?[] inputs) -> Tensor[]");
   m.def("adjoint_py(str key, int batch, Tensor?[] grads, Tensor dt, bool[]? needed) -> Tensor[]");
   m.def("forward_autograd_py(str key, Tensor?[] inputs) -> Tensor[]");

@@ -91,7 +91,7 @@ def _kernel(key: str) -> tuple[Any, Optional[int], tuple[int, ...]]:
 
         launcher = _launcher(key)
         required = tuple(i for i, a in enumerate(launcher.table.inputs) if a.presence == REQUIRED)
-        if isinstance(launcher.backend, CpuBackend):
+        if isinstance(launcher.backend, CpuBackend) and not launcher.table.fused:  # (compiled fused calls: composite)
             settled = native.ready()  # asked first: a build that ends in between is taken next time
             handle = native.handle(launcher)
             if handle is not None:  # the key's later calls run in the node, without Python

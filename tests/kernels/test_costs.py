@@ -268,6 +268,40 @@ def test_a_weight_per_dof_changed_in_place_is_read_and_checked_again():
         _call(step, spec, x, {**params, "squared_jerk_weight": shared}, dt)
 
 
+@pytest.mark.parametrize("case", ["central", "indexed_bdh", "jerk_exact"])
+def test_calls_with_parameters_checked_before_take_the_native_node(case, monkeypatch):
+    """A call whose cost parameters passed the Python checks unchanged goes straight to the native
+    node (no Python check runs), with the values and gradients of the Python autograd path (an
+    indexed start's rows summed); a parameter written into is checked again."""
+    from tensorstep.runtime import validate
+
+    spec = _spec(case, outputs=("P", "A"))
+    step = ts.load(spec)
+    if step.native is None:
+        pytest.skip("the native autograd node is unavailable here (no C++ compiler?)")
+    x, params, dt = _data(spec)
+    dt = torch.as_tensor(dt, dtype=torch.float64)
+    checks = []
+    check_inputs = validate.check_inputs
+    monkeypatch.setattr(validate, "check_inputs", lambda *a: checks.append(1) or check_inputs(*a))
+    results = []
+    for native in (None, step.native, step.native):
+        step.native = native  # None: the Python autograd path
+        u, p0 = x["u"].clone().requires_grad_(), x["p0"].clone().requires_grad_()
+        target = params["squared_position_target"].clone().requires_grad_()
+        ys = _call(step, spec, {**x, "u": u, "p0": p0}, {**params, "squared_position_target": target}, dt)
+        weights = [1 + torch.arange(y.numel(), dtype=y.dtype).reshape(y.shape) % 3 for y in ys]
+        torch.autograd.backward(ys, weights)
+        results.append((ys[0].grad_fn.name(), len(checks), [*(y.detach() for y in ys), u.grad, p0.grad, target.grad]))
+    assert "NativeStep" not in results[0][0] and "NativeStep" in results[2][0]
+    assert results[2][1] == results[1][1]  # the third call ran no Python check
+    for got, expected in zip(results[2][2], results[0][2]):
+        torch.testing.assert_close(got, expected, rtol=1e-13, atol=1e-13 * float(expected.abs().max()))
+    params["bound_velocity_limit"][0].fill_(5.0)  # lower > upper now, same tensor
+    with pytest.raises(ValueError, match="bound_velocity_limit: lower > upper"):
+        _call(step, spec, x, params, dt)
+
+
 @pytest.mark.parametrize("case", ["central", "acceleration", "goal", "indexed_bdh", "bspline_goal_per_trajectory"])
 def test_cuda_kernels_run_on_the_host_match_c(case):
     """The CUDA source (run on the host, tests/cuda_on_host.py) gives the C kernels' states, cost
