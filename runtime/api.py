@@ -57,6 +57,11 @@ class Step(torch.nn.Module):
             self._filled: dict = {}  # each filled parameter's default tensor (_cost_arguments)
             self._expanded: dict = {}  # each [D] weight's [B, D] rows, while unchanged (_per_trajectory)
             self._seen: dict = {}  # the cost parameters that passed the argument checks (validate.check_inputs)
+            #: the positions of the cost parameters in the table, and the batch size and parameters (each
+            #: with its version, strides, requires_grad) of the last call that passed both checks
+            self._parameter_positions = [i for i, a in enumerate(self.table.tensors)
+                                         if a.role.startswith("cost_") and a.role != "cost_target"]
+            self._passed: Optional[tuple] = None
             launcher.composite = self._composite
 
     def _take_native(self) -> None:
@@ -190,6 +195,8 @@ class Step(torch.nn.Module):
 
             costs.check_parameters(self.table, {a.name: x for a, x in zip(self.table.tensors, inputs)},
                                    None if torch.compiler.is_compiling() else self._checked)
+            if seen is not None:
+                self._passed = (dims["B"], [_stamp(inputs[i]) for i in self._parameter_positions])
             if (out is None and (dt_k.requires_grad or _transformed() or _forward_mode_active()
                                  or torch.compiler.is_compiling())):
                 return self._composite(inputs, dt_k)
@@ -229,20 +236,17 @@ class Step(torch.nn.Module):
         return out
 
     def _parameters_unchanged(self, values: list) -> bool:
-        """Every cost parameter given is the tensor that last passed both Python checks, unchanged
-        (``_seen`` and ``_checked``): the native op may take the call."""
-        u = values[0]
-        if type(u) is not Tensor or u.dim() == 0:
+        """Every cost parameter is the tensor (or None) of the last call whose checks it passed, with
+        the same batch size, unchanged: the native op may take the call (it checks the rest)."""
+        u, passed = values[0], self._passed
+        if passed is None or type(u) is not Tensor or u.dim() == 0 or u.shape[0] != passed[0]:
             return False
-        for a, x in zip(self.table.tensors, values):
-            if x is None or not a.role.startswith("cost_") or a.role == "cost_target":
-                continue
-            seen, checked = self._seen.get(a.name), self._checked.get(a.name)
-            if seen is None or checked is None or seen[0] is not x or checked[0] is not x:
-                return False
-            if seen[1] != (x._version, x.shape, x.stride(), x.dtype, x.device, u.shape[0]):
-                return False
-            if checked[1] != (x._version, x.shape, x.stride(), x.requires_grad):
+        for i, last in zip(self._parameter_positions, passed[1]):
+            x = values[i]
+            if last is None or x is None:
+                if last is not x:
+                    return False
+            elif x is not last[0] or x._version != last[1] or x.stride() != last[2] or x.requires_grad != last[3]:
                 return False
         return True
 
@@ -278,6 +282,12 @@ class Step(torch.nn.Module):
         for y in out:  # the kernel wrote through raw pointers: tell autograd the tensors changed
             torch.autograd.graph.increment_version(y)
         return out
+
+
+def _stamp(x: Optional[Tensor]) -> Optional[tuple]:
+    """A tensor with what an in-place change alters: version, strides, requires_grad (the tensor
+    itself is compared by identity: kept, its address cannot be another tensor's)."""
+    return None if x is None else (x, x._version, x.stride(), x.requires_grad)
 
 
 def _tensors_or_none(values: list) -> bool:

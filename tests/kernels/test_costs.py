@@ -300,6 +300,11 @@ def test_calls_with_parameters_checked_before_take_the_native_node(case, monkeyp
     params["bound_velocity_limit"][0].fill_(5.0)  # lower > upper now, same tensor
     with pytest.raises(ValueError, match="bound_velocity_limit: lower > upper"):
         _call(step, spec, x, params, dt)
+    params["bound_velocity_limit"][0].fill_(-5.0)
+    _call(step, spec, x, params, dt)
+    params["squared_jerk_weight"].requires_grad_()  # no new version: the flag is looked at too
+    with pytest.raises(ValueError, match="squared_jerk_weight: cost parameters take no gradient"):
+        _call(step, spec, x, params, dt)
 
 
 @pytest.mark.parametrize("case", ["central", "acceleration", "goal", "indexed_bdh", "bspline_goal_per_trajectory"])
