@@ -75,7 +75,7 @@ def test_the_breakdown_adds_up(printed):
     (row,) = table_rows(printed, "| H | B | dtype | fused call (a)")
     assert row[:3] == ["8", "3", "float64"] and len(row) == 11
     total, table, params, forward, adjoint, _no_grad, rest, _plain = (seconds(cell) for cell in row[3:])
-    assert rest == pytest.approx(total - table - params - forward - adjoint, abs=sum(map(rounding, row[3:10])))
+    assert rest == pytest.approx(total - forward - adjoint, abs=sum(map(rounding, row[3:10])))
     (main_row,) = table_rows(printed, "| H | B | dtype | (a) fused")
     assert row[3] == main_row[3]  # the same timing of the fused call
 
