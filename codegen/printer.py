@@ -49,9 +49,20 @@ class _SymPrinter(C99CodePrinter):
 
 class _LaneSymPrinter(_SymPrinter):
     """The same over all dof lanes: max and the unit step as the lane form's VMAX and VSTEP
-    (GCC's vector extensions have no ?: in C)."""
+    (GCC's vector extensions have no ?: in C), whose arguments are vectors: a number is broadcast
+    (VZERO + n, folded by the compiler; adding VZERO to a vector is an instruction, as x + 0 is
+    not x for x = -0)."""
 
     MAX, STEP = "VMAX", "VSTEP"
+
+    def _print_Max(self, expr: sp.Max) -> str:
+        first, *rest = (self._vector(a) for a in expr.args)
+        for arg in rest:
+            first = f"{self.MAX}({first}, {arg})"
+        return first
+
+    def _vector(self, expr: sp.Expr) -> str:
+        return f"(VZERO + {self._print(expr)})" if expr.is_Number else self._print(expr)
 
 
 _SYM_PRINTER = _SymPrinter()
