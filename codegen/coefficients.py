@@ -34,6 +34,10 @@ BARRIER = Call("TS_BARRIER")
 MIN_ROWS = 4  # shorter runs of repeating rows stay straight-line
 #: straight-line programs of more lines run as tapes (codegen/tape.py)
 TAPE_ABOVE_LINES = 200
+#: a run's rows of longer value programs (a stencil's Lagrange weights; an integrator's are a few
+#: lines) run their reverse program as a row tape (codegen/tape.py ``Tape.row``): as code, a row's
+#: forward values stay live until their adjoints read them (CUDA: hundreds of registers, spills)
+ROW_TAPE_ABOVE_LINES = 16
 #: value-tape instructions per line of CSE'd program, for a per-step stencil's boundary weights
 #: (2.3–2.7 over the per-step stencils up to H=64: the tape splits sums and products in two)
 TAPE_INSTRUCTIONS_PER_LINE = 2.25
@@ -140,6 +144,22 @@ class RowRun:
             lines += [_double(f"d_{s}", Cast("double", Read("DDT", (Rel(o),)))) for o, s in self.window]
         return lines
 
+    def statements(self) -> list[Statement]:
+        """The row's value program as statements relative to the row (its window's DT(r + o), its
+        slots C(i)): what its row tape is built from."""
+        lines: list[Statement] = [_double(str(s), Cast("double", Read("DT", (Rel(o),)))) for o, s in self.window]
+        for s, e in self.lines:
+            if s.name.startswith("kr"):
+                lines.append(Store(Read("C", (int(s.name[2:]),)), Cast("T", Paren(Sym(e)))))
+            else:
+                lines.append(_double(str(s), Sym(e)))
+        return lines
+
+    def tape(self, program: str, name: str) -> tape.Tape:
+        """The row's ``program`` ("value", "tangent", "reverse") as a row tape (codegen/tape.py
+        ``Tape.row``), which runs every row of the run."""
+        return tape.build(name, self.statements(), program, row=(self.lo, self.width, self.first))
+
     def loop(self, body: list[Statement]) -> For:
         """The rows, each independent of the others: a CUDA block's threads share them."""
         return For(self.first, self.last, 1, tuple(body), shared=True)
@@ -148,12 +168,25 @@ class RowRun:
         """The rows of a reverse program, which add to the gradients of their windows' durations:
         in phases, rows ``span`` apart in each (the window's span), so no two rows of a phase add to
         the same duration's and a block's threads share a phase's rows; a barrier after each."""
-        offsets = [o for o, _ in self.window]
-        span = max(offsets) - min(offsets) + 1 if offsets else 1
+        span = self.span
         if span == 1:  # a row adds to its own duration's alone: one phase
             return [self.loop(body), BARRIER]
         rows = For(Var(f"{self.first} + ph"), self.last, span, tuple(body), shared=True)
         return [For(0, span - 1, 1, (rows, BARRIER), unroll=False, var="ph")]
+
+    @property
+    def span(self) -> int:
+        """Rows this far apart add to no duration's gradient in common (``phases``)."""
+        offsets = [o for o, _ in self.window]
+        return max(offsets) - min(offsets) + 1 if offsets else 1
+
+    def tape_phases(self, row_tape: tape.Tape) -> list[Statement]:
+        """``phases`` with each phase's rows run by the row tape (its macro shares them among a
+        block's warps, each running a row's levels with its lanes)."""
+        if self.span == 1:
+            return [RunTape(row_tape, (self.first, self.last, 1)), BARRIER]
+        rows = RunTape(row_tape, (Var(f"{self.first} + ph"), self.last, self.span))
+        return [For(0, self.span - 1, 1, (rows, BARRIER), unroll=False, var="ph")]
 
 
 class _Relative:
@@ -315,6 +348,7 @@ class Coefficients:
 
     def __init__(self, op: Operator):
         self._tapes: dict[str, tape.Tape] = {}
+        self._row_tapes: dict[str, dict[int, tape.Tape]] = {}
         self.dt_syms = op.dt_symbols
         self.base = list(op.program)
         self._varying = set(self.dt_syms) | {s for s, _ in self.base}
@@ -493,8 +527,12 @@ class Coefficients:
         if (program := self._monomial("value")) is not None:
             return program
         straight = [RunTape(self.tape("value"))] if taped else self._straight_values(taped)
-        loops = []
-        for run in self.runs:
+        loops: list[Statement] = []
+        row_tapes = self.row_tapes("value")
+        for k, run in enumerate(self.runs):
+            if k in row_tapes:  # (a block's warps share the rows)
+                loops.append(RunTape(row_tapes[k], (run.first, run.last, 1)))
+                continue
             body = run.inputs()
             for s, e in run.lines:
                 if s.name.startswith("kr"):
@@ -566,7 +604,11 @@ class Coefficients:
             for table, source in (("C", "k"), ("CD", "d_k")):
                 lines += [Store(Read(table, (q,)), Cast("T", Paren(Var(f"{source}{q}")))) for q in self.straight]
             lines += [c for copies in singles.values() for copy in copies for c in (copy, _tangent_copy(copy))]
-        for run in self.runs:
+        row_tapes = self.row_tapes("tangent")
+        for k, run in enumerate(self.runs):
+            if k in row_tapes:
+                lines.append(RunTape(row_tapes[k], (run.first, run.last, 1)))
+                continue
             body = run.inputs(tangent=True) + _tangent(run.lines)
             for table, source in (("C", "kr"), ("CD", "d_kr")):
                 body += [Store(Read(table, (run.slot(i),)), Cast("T", Paren(Var(f"{source}{i}"))))
@@ -581,7 +623,11 @@ class Coefficients:
         if (program := self._monomial("reverse")) is not None:
             return program
         lines = [RunTape(self.tape("reverse"))] if taped else self._straight_reverse()
-        for run in self.runs:
+        row_tapes = self.row_tapes("reverse")
+        for k, run in enumerate(self.runs):
+            if k in row_tapes:
+                lines += [BARRIER, *run.tape_phases(row_tapes[k])]
+                continue
             body = run.inputs() + [_double(str(s), Sym(e)) for s, e in run.lines]
             adjoint, contributions = _reverse(run.lines, {f"kr{i}": [Read("GC", (run.slot(i),))]
                                                           for i in range(run.width)})
@@ -590,6 +636,15 @@ class Coefficients:
                      for o, s in run.window if contributions.get(str(s))]
             lines += [BARRIER, *run.phases(body)]
         return lines
+
+    def row_tapes(self, program: str) -> dict[int, tape.Tape]:
+        """The row tapes of ``program`` ("value", "tangent", "reverse") by run (its position in
+        ``runs``): the runs of long rows (``ROW_TAPE_ABOVE_LINES``); the others run as code. None
+        in the form "rows", whose table a CUDA per-element kernel's block computes (a few lines a row)."""
+        if program not in self._row_tapes:
+            long = [k for k, run in enumerate(self.runs) if len(run.lines) > ROW_TAPE_ABOVE_LINES and self.form != "rows"]
+            self._row_tapes[program] = {k: self.runs[k].tape(program, f"{program}_rows{i}") for i, k in enumerate(long)}
+        return self._row_tapes[program]
 
     def _straight_reverse(self) -> list[Statement]:
         """GDT(i) for every duration from the straight-line slots' gradients GC(q), and those of

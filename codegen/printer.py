@@ -152,7 +152,7 @@ class Printer:
                 args.append(self.expr(s.value))
             return f"{self.macro(s.macro)}({', '.join(args)});"
         if isinstance(s, RunTape):
-            return f"{s.tape.macro}();"
+            return f"{s.tape.macro}({', '.join(_index(a) for a in s.args)});"
         raise TypeError(f"not a statement: {s!r}")
 
     def _type(self, ctype: str) -> str:

@@ -15,7 +15,7 @@ from .lower import LoweredOperator
 from .printer import lane_printer
 from .statements import Read, Shift, walk
 from .targets import (CUDA_BLOCK, CUDA_STAGED, CUDA_WARPS, ITEMSIZE, TABLE_KERNELS, Target, cuda_coefficients,
-                      cuda_stage_columns, cuda_warp_rows_shared, inline_coefficients)
+                      cuda_stage_columns, cuda_warp_rows_shared, inline_coefficients, tape_files)
 
 CTYPES = {"float32": "float", "float64": "double"}
 
@@ -138,14 +138,16 @@ def _long_programs(code: LoweredOperator, kernels: tuple, per_trajectory: bool) 
     """The C template's long once-per-call programs by function (none with one dt or per trajectory)."""
     if per_trajectory or (len(code.coefficient_lines) <= LONG_PROGRAM_LINES and not code.coefs.taped):
         return {}
+    rows = [t for p in ("value", "tangent", "reverse") for t in code.coefs.row_tapes(p).values()]
     programs = {"coefficients": code.coefficient_lines}
     if "dt_jvp" in kernels:
         programs["coefficients_jvp"] = code.dt_jvp.preamble
     if "dt_vjp_finish" in kernels:
         programs["dt_vjp_finish"] = code.dt_vjp_finish.body
+    # a loop's first line, the barrier before it, or a row tape's run (its rows)
+    loop = ("for (", "TS_ROLLED", "TS_BARRIER", *(f"{t.macro}(" for t in rows))
     out = {}
     for name, lines in programs.items():
-        loop = ("for (", "TS_ROLLED", "TS_BARRIER")  # a loop's first line, or the barrier before it
         first = next((i for i, line in enumerate(lines) if line.startswith(loop)), len(lines))
         assert all(line.startswith((*loop, " ", "}")) for line in lines[first:]), f"{name}: statements after its loops"
         out[name] = SplitProgram(lines[:first], lines[first:])
@@ -155,12 +157,11 @@ def _long_programs(code: LoweredOperator, kernels: tuple, per_trajectory: bool) 
 def _tapes(code: LoweredOperator, kernels: tuple, taped: bool, fillers: tuple[str, ...]) -> list[tape.Tape]:
     """The tapes the kernels run (see codegen/tape.py): the table's where a kernel fills it (in C
     each library's kernels fill their own; a CUDA dt module's dt_vjp reads the table the core
-    module's kernel fills), dt_jvp's tangent program, dt_vjp_finish's reverse program."""
-    if not taped:
-        return []
-    names = (["value"] if set(kernels) & set(fillers) else []) + \
+    module's kernel fills), dt_jvp's tangent program, dt_vjp_finish's reverse program: their
+    straight-line parts where long, and their long rows' row tapes."""
+    programs = (["value"] if set(kernels) & set(fillers) else []) + \
         (["tangent"] if "dt_jvp" in kernels else []) + (["reverse"] if "dt_vjp_finish" in kernels else [])
-    return [code.coefs.tape(n) for n in names]
+    return [t for p in programs for t in [*([code.coefs.tape(p)] if taped else []), *code.coefs.row_tapes(p).values()]]
 
 
 def _unit_guards(kernels: tuple, programs: dict, units: tuple[str, ...]) -> dict[str, tuple[str, str]]:
@@ -246,6 +247,7 @@ def render(spec: Any, code: LoweredOperator, table: ArgumentTable, target: Targe
         tapes=tapes,
         ops=tape.OPS,
         tape_math=any("powc" in t.ops for t in tapes),
+        tape_files=tape_files(tapes) if target.block_tapes else {},
         monomials=code.coefs.monomials if form == "monomials" else None,
         inline_coefficients=inline_coefficients(table, form),
         coefficient_form=form,

@@ -177,9 +177,11 @@ class For:
 @dataclasses.dataclass(frozen=True)
 class RunTape:
     """Runs a program kept as data (a codegen/tape.py Tape, or a loop over a codegen/monomials.py
-    table): printed as the macro each template defines for it."""
+    table): printed as the macro each template defines for it, called with ``args`` (a row
+    tape's rows: first, last, step)."""
 
     tape: Any
+    args: tuple = ()
 
     def __hash__(self) -> int:
         return hash(self.tape.name)

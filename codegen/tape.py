@@ -28,7 +28,7 @@ from typing import Any, NamedTuple, Sequence
 import sympy as sp
 
 from .operator import is_formula
-from .statements import Add, Cast, Def, Literal, Mul, Paren, Read, Statement, Store, Sym, Var
+from .statements import Add, Cast, Def, Literal, Mul, Paren, Read, Rel, Statement, Store, Sym, Var
 
 #: operation → (code, the C statement that runs it over the register file ts_r and the instruction o)
 OPS: dict[str, tuple[int, str]] = {
@@ -50,8 +50,22 @@ OPS: dict[str, tuple[int, str]] = {
     "CD": (15, "CD(o.a) = (T)(ts_r[o.b] * o.c);"),
     "GDT": (16, "GDT(o.a) = ts_r[o.b] * o.c;"),
 }
+#: a row tape's loads and stores, relative to its row ts_row and its first slot ts_slot: dt and its
+#: tangent from the row's window of durations, the row's slots and their gradients, and the dt
+#: gradient added to (the rows of a run add to the same durations')
+ROW_OPS: dict[str, tuple[int, str]] = {
+    **OPS,
+    "dt": (0, "ts_r[o.dst] = (double)DT(ts_row + o.a);"),
+    "ddt": (1, "ts_r[o.dst] = (double)DDT(ts_row + o.a);"),
+    "gc": (2, "ts_r[o.dst] = GC(ts_slot + o.a);"),
+    "C": (14, "C(ts_slot + o.a) = (T)(ts_r[o.b] * o.c);"),
+    "CD": (15, "CD(ts_slot + o.a) = (T)(ts_r[o.b] * o.c);"),
+    "GDT": (16, "GDT(ts_row + o.a) += ts_r[o.b] * o.c;"),
+}
 #: instructions per level at most (see _levels)
 LEVEL_WIDTH = 1024
+#: a row tape's: a warp's lanes run a level (narrower levels hold fewer registers)
+ROW_LEVEL_WIDTH = 32
 LOADS = {"DT": "dt", "DDT": "ddt", "GC": "gc"}
 STORES = ("C", "CD", "GDT")
 
@@ -81,6 +95,20 @@ class Tape:
     instructions: tuple[Instruction, ...]
     levels: tuple[int, ...]
     registers: int
+    #: a row tape's (lo, width, first): it runs once per row r of a run of rows (codegen/coefficients.py
+    #: RowRun), its loads DT(r + a), DDT(r + a) and GC(s + a), its stores C(s + a), CD(s + a) and
+    #: GDT(r + a) += (s = lo + width·(r - first), the row's first slot)
+    row: tuple[int, int, int] | None = None
+
+    @property
+    def program(self) -> str:
+        """The program the tape is part of: "value", "tangent" or "reverse" (a row tape's too)."""
+        return self.name.split("_", 1)[0]
+
+    @property
+    def statements(self) -> dict[str, tuple[int, str]]:
+        """Each operation's code and C statement (relative to the row for a row tape)."""
+        return ROW_OPS if self.row else OPS
 
     @property
     def ops(self) -> list[str]:
@@ -291,8 +319,9 @@ class _Builder:
             return self.signed_sum([(self.expr(p), False) for p in x.parts])
         if isinstance(x, Mul):
             return self.mul(self.expr(x.a), self.expr(x.b))
-        if isinstance(x, Read) and x.macro in LOADS:
-            return self.node(LOADS[x.macro], index=int(x.args[0]))
+        if isinstance(x, Read) and x.macro in LOADS:  # (a row tape's loads: relative to its row)
+            index = x.args[0].rel if isinstance(x.args[0], Rel) else int(x.args[0])
+            return self.node(LOADS[x.macro], index=index)
         if isinstance(x, Read) and x.macro in STORES:  # a slot the program stored before (a copy)
             return self.memory[(x.macro, int(x.args[0]))]
         raise NotImplementedError(f"tape: the expression {x!r}")
@@ -352,19 +381,25 @@ def graph(statements: Sequence[Statement]) -> _Builder:
     return b
 
 
-def build(name: str, program: Sequence[Statement] | _Builder, mode: str = "value", n_dt: int = 0) -> Tape:
+def build(name: str, program: Sequence[Statement] | _Builder, mode: str = "value", n_dt: int = 0,
+          row: tuple[int, int, int] | None = None) -> Tape:
     """The tape of a straight-line program, given as statements or as their ``graph`` (which is
     left as it is, for the program's other tapes). ``mode`` "tangent" also stores each C slot's
     dt tangent CD (forward mode over the program's graph); "reverse" stores, instead of the
     table, GDT(i) for every i < ``n_dt`` from the table's gradient GC (reverse mode). The
-    derivatives are taken here, node by node, so a long program is differentiated without SymPy."""
+    derivatives are taken here, node by node, so a long program is differentiated without SymPy.
+
+    ``row`` (lo, width, first): the program of one row of a run of rows (``Tape.row``), over its
+    window of durations DT(Rel(o)) and its slots C(i); "reverse" then adds to GDT(o) for each
+    duration o of the window that has a gradient, and levels are a warp's width."""
     if mode not in ("value", "tangent", "reverse"):
         raise ValueError(f"mode={mode!r} is invalid: allowed 'value', 'tangent', 'reverse'")
     b = program.copy() if isinstance(program, _Builder) else graph(program)
     if mode == "tangent":
         _tangent(b)
     elif mode == "reverse":
-        _reverse(b, n_dt)
+        indices = sorted({n.index for n in b.nodes if n.op == "dt"}) if row else range(n_dt)
+        _reverse(b, indices, accumulate=row is not None)
     nodes = b.nodes
     roots = _fuse_scaled_stores(nodes, sorted(b.stores.values()))
     live = _reached(nodes, roots)
@@ -372,8 +407,8 @@ def build(name: str, program: Sequence[Statement] | _Builder, mode: str = "value
     for n in live:
         for a in nodes[n].args:
             users[a].append(n)
-    level = _levels(nodes, live, users, b.rank)
-    return _allocate(name, nodes, live, level, users)
+    level = _levels(nodes, live, users, b.rank, ROW_LEVEL_WIDTH if row else LEVEL_WIDTH)
+    return dataclasses.replace(_allocate(name, nodes, live, level, users), row=row)
 
 
 def _sum(b: _Builder, x: int | None, y: int | None, negative: bool = False) -> int | None:
@@ -435,9 +470,10 @@ def _tangent(b: _Builder) -> None:
             b.stores[("CD", q)] = b.node("CD", (t.get(b.nodes[s].args[0], zero),), index=q, c=1.0)
 
 
-def _reverse(b: _Builder, n_dt: int) -> None:
+def _reverse(b: _Builder, indices: Sequence[int], accumulate: bool = False) -> None:
     """Reverse mode: the adjoint of every value node from its users', seeded by GC(q) at each
-    store C(q); the stores become GDT(i) = the adjoint of the load of DT(i), for every i < n_dt."""
+    store C(q); the stores become GDT(i) = the adjoint of the load of DT(i), for every i of
+    ``indices`` (``accumulate``: only those with a gradient, which the stores add)."""
     n_value = len(b.nodes)
     adjoint: dict[int, list[tuple[int, bool]]] = defaultdict(list)  # node → signed parts
     for (table, q), s in b.stores.items():
@@ -475,7 +511,8 @@ def _reverse(b: _Builder, n_dt: int) -> None:
         elif op == "powc":
             adjoint[args[0]].append((b.mul(g, _power_derivative(b, node)), False))
     zero = b.const(0.0)
-    b.stores = {("GDT", i): b.node("GDT", (gdt.get(i, zero),), index=i, c=1.0) for i in range(n_dt)}
+    b.stores = {("GDT", i): b.node("GDT", (gdt.get(i, zero),), index=i, c=1.0)
+                for i in indices if not accumulate or i in gdt}
 
 
 def _fuse_scaled_stores(nodes: list[_Node], stores: list[int]) -> list[int]:
@@ -516,8 +553,8 @@ def _reached(nodes: list[_Node], roots: list[int]) -> list[int]:
 
 
 def _levels(nodes: list[_Node], live: list[int], users: dict[int, list[int]],
-            rank: dict[int, float]) -> dict[int, int]:
-    """Each node's level, after all its operands': at most LEVEL_WIDTH instructions per level
+            rank: dict[int, float], width: int = LEVEL_WIDTH) -> dict[int, int]:
+    """Each node's level, after all its operands': at most ``width`` instructions per level
     (a wider level would only hold more registers: a block runs it a few hundred at a time), in
     the program's order (``rank`` where a node has one); loads and constants one level before
     their first user (their registers are not held from the start)."""
@@ -531,7 +568,7 @@ def _levels(nodes: list[_Node], live: list[int], users: dict[int, list[int]],
     current = 0
     while ready:
         current += 1
-        placed = [heapq.heappop(ready)[1] for _ in range(min(LEVEL_WIDTH, len(ready)))]
+        placed = [heapq.heappop(ready)[1] for _ in range(min(width, len(ready)))]
         for n in placed:
             level[n] = current
         for n in placed:

@@ -47,6 +47,8 @@ CUDA_ROLL_ABOVE_BYTES = 800
 
 #: a CUDA block's static shared memory, where a tape's registers live
 CUDA_TAPE_SHARED_BYTES = 48 * 1024
+#: the kernel that runs each program's tapes (codegen/tape.py ``Tape.program``) on CUDA
+CUDA_TAPE_KERNELS = {"value": "coefficients", "tangent": "coefficients_jvp", "reverse": "dt_vjp_finish"}
 
 #: the kernels that run the coefficient table's program in C, each library's its own (on CUDA the
 #: table kernel of a spec's core module fills it; a dt module's dt_vjp reads it)
@@ -117,6 +119,17 @@ def cuda_coefficients(kernel: str, table: ArgumentTable, form: str, n_coefficien
     if form in ("monomials", "rows") and fits:
         return "block"
     return "shared" if fits and not per_trajectory else "global"
+
+
+def tape_files(tapes: list) -> dict[str, int]:
+    """The doubles of shared memory each CUDA kernel that runs tapes declares for their registers,
+    by kernel (``CUDA_TAPE_KERNELS``): its tapes run one after another, so they share one file, a
+    row tape's a part per warp of the block (each warp runs a row)."""
+    files: dict[str, int] = {}
+    for t in tapes:
+        kernel = CUDA_TAPE_KERNELS[t.program]
+        files[kernel] = max(files.get(kernel, 0), t.registers * (CUDA_WARPS if t.row else 1))
+    return files
 
 
 def coefficient_form(coefs: Any) -> str:
@@ -445,11 +458,11 @@ class CudaTarget(Target):
         return codes
 
     def check(self, spec: Any, tapes: list) -> None:
-        """A tape's registers must fit in a block's shared memory (else NVRTC fails on the source)."""
-        for t in tapes:
-            if t.registers * 8 > CUDA_TAPE_SHARED_BYTES:
+        """A kernel's tape registers must fit in a block's shared memory (else NVRTC fails on the source)."""
+        for kernel, doubles in tape_files(tapes).items():
+            if doubles * 8 > CUDA_TAPE_SHARED_BYTES:
                 raise ValueError(
-                    f"{spec.name}: its coefficient program ({t.name}) needs {t.registers * 8 // 1024} KB of shared "
+                    f"{spec.name}: its coefficient program ({kernel}) needs {doubles * 8 // 1024} KB of shared "
                     f"memory on CUDA, above the {CUDA_TAPE_SHARED_BYTES // 1024} KB a block has: use fewer rows per "
                     "knot span or a shorter horizon, or device='cpu'")
 

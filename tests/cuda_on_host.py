@@ -18,7 +18,8 @@ thread a stride of them, with barriers between phases that need them), the monom
 a block size of one: every level, loop and sum runs in full, in order (the GPU adds a monomial
 gradient's terms in another fixed order). That a level's instructions are independent, and
 registers are reused only from the level after their last read, is tests/kernels/test_tape.py's to
-check, and that a phase's rows add to distinct durations.
+check, and that a phase's rows add to distinct durations. A row tape (a warp per row, its lanes
+sharing a level) runs here as one warp of one lane: every row, every instruction, in order.
 
 dt_vjp's sums need a warp's lanes in lockstep (warp shuffles), which a sequential run cannot give:
 here each thread records the value of each of its ACC statements, in order, and after the block's
@@ -74,6 +75,12 @@ static ts_dim3 blockIdx, threadIdx, blockDim, gridDim; /* set by each launch */
 /* a loop whose iterations a block's threads share: each thread runs all of them (see the module docstring) */
 #define TS_THREAD 0LL
 #define TS_THREADS 1LL
+/* a row tape's rows and a level's instructions: the one thread runs them all (one warp of one lane) */
+#define TS_BLOCK_WARP 0LL
+#define TS_BLOCK_WARPS 1LL
+#define TS_LANE 0
+#define TS_LANES 1
+#define __syncwarp()
 /* layout "bdh"'s barrier between staging rows and storing them: a block runs in two passes, the
  * first each thread up to the barrier, the second each thread in full (see the module docstring) */
 static int ts_pass, ts_staged;

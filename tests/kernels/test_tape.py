@@ -142,6 +142,74 @@ def test_tapes_store_the_coefficients_and_their_derivatives(overrides):
     np.testing.assert_allclose([gdt[i].real for i in range(n)], expected, rtol=1e-12, atol=1e-12 * abs(expected).max())
 
 
+class _Row:
+    """A row tape's view of an array: index a is the array's ``base + a``."""
+
+    def __init__(self, values: np.ndarray, base: int):
+        self.values, self.base = values, base
+
+    def __getitem__(self, a: int) -> complex:
+        return self.values[self.base + a]
+
+
+#: per-step stencils whose rows' reverse programs are row tapes: with a straight-line part as a
+#: tape, and as code
+ROW_TAPED = [TAPED[0], dict(difference="central", dt="per_step", horizon=24)]
+
+
+@pytest.mark.parametrize("overrides", ROW_TAPED, ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))
+def test_row_tapes_store_each_rows_coefficients_and_their_derivatives(overrides):
+    """A run of long rows runs its programs as row tapes (a warp per row on CUDA, its lanes sharing
+    a level): every row of the run, run level by level, stores its slots' values (the value tape),
+    with their dt tangents (the tangent tape), and adds to the dt gradient what the run's slots'
+    gradients give (the reverse tape), against the operator's coefficients evaluated by SymPy (a
+    complex step for the derivatives)."""
+    from tensorstep.codegen.coefficients import ROW_TAPE_ABOVE_LINES
+
+    spec = spec_of(overrides)
+    program = Program(spec)
+    coefs = program.coefs
+    n = len(program.dt_symbols)
+    rng = np.random.default_rng(1)
+    dt = 0.05 + 0.1 * rng.random(n)
+    direction = rng.standard_normal(n)
+    gc = rng.standard_normal(coefs.size)
+    tapes = {p: coefs.row_tapes(p) for p in ("value", "tangent", "reverse")}
+    assert tapes["value"] and all(len(coefs.runs[k].lines) > ROW_TAPE_ABOVE_LINES for k in tapes["value"])
+    for k, run in enumerate(coefs.runs):
+        if k not in tapes["value"]:
+            continue
+        assert all(tapes[p][k].row == (run.lo, run.width, run.first) for p in tapes)
+        value, tangent, gdt = {}, {}, np.zeros(n)
+        for r in range(run.first, run.last + 1):
+            slot = run.lo + run.width * (r - run.first)
+            stored = run_by_levels(tapes["value"][k], {"dt": _Row(dt, r)})
+            assert sorted(stored["C"]) == list(range(run.width)) and not stored["CD"] and not stored["GDT"]
+            value.update({slot + i: v for i, v in stored["C"].items()})
+            stored = run_by_levels(tapes["tangent"][k], {"dt": _Row(dt, r), "ddt": _Row(direction, r)})
+            assert sorted(stored["CD"]) == list(range(run.width))
+            tangent.update({slot + i: v for i, v in stored["CD"].items()})
+            stored = run_by_levels(tapes["reverse"][k], {"dt": _Row(dt, r), "gc": _Row(gc, slot)})
+            assert not stored["C"] and not stored["CD"]
+            for a, v in stored["GDT"].items():
+                gdt[r + a] += v.real
+        slots = list(range(run.lo, run.lo + run.width * (run.last - run.first + 1)))
+        assert sorted(value) == sorted(tangent) == slots
+        expected = program.values(slots, dt).real
+        np.testing.assert_allclose([value[q].real for q in slots], expected, rtol=1e-13, atol=1e-13 * abs(expected).max())
+        stepped = program.values(slots, dt + 1j * STEP * direction).imag / STEP
+        np.testing.assert_allclose([tangent[q].real for q in slots], stepped, rtol=1e-12, atol=1e-12 * abs(stepped).max())
+        expected = np.array([gc[slots] @ (program.values(slots, dt + 1j * STEP * np.eye(n)[i]).imag / STEP)
+                             for i in range(n)])
+        np.testing.assert_allclose(gdt, expected, rtol=1e-12, atol=1e-12 * abs(expected).max())
+
+
+def test_short_rows_stay_code():
+    """An integrator's rows (a few lines each) keep their programs as code: no row tape."""
+    coefs = lowered(spec_of(dict(control="jerk", integrator="exact", dt="per_step", horizon=24))).coefs
+    assert coefs.runs and not any(coefs.row_tapes(p) for p in ("value", "tangent", "reverse"))
+
+
 def test_each_tape_extends_its_own_copy_of_the_program_graph():
     """The value program is read once (tape.graph) and each tape extends a copy of it: a tape made
     after the others is the one made alone from the statements."""
@@ -210,12 +278,14 @@ def test_tape_sources_name_each_tape_once():
     spec = spec_of(TAPED[0])
     for target in ("c", "cuda"):
         core, dt = (generate(spec, targets=(target,), parts=(p,)).source(target, p) for p in ("core", "dt"))
-        assert re.findall(r"const ts_instr \w+_tape_(\w+)\[", core) == ["value"]
+        assert re.findall(r"const ts_instr \w+_tape_(\w+)\[", core) == ["value", "value_rows0"]
         assert "TS_TAPE_TANGENT" not in core and "TS_TAPE_REVERSE" not in core
-        own_table = ["value"] if target == "c" else []
-        assert re.findall(r"const ts_instr \w+_tape_(\w+)\[", dt) == [*own_table, "tangent", "reverse"]
+        own_table = ["value", "value_rows0"] if target == "c" else []
+        assert re.findall(r"const ts_instr \w+_tape_(\w+)\[", dt) == [*own_table, "tangent", "tangent_rows0",
+                                                                       "reverse", "reverse_rows0"]
         for name in ("tangent", "reverse"):
             assert dt.count(f"TS_TAPE_{name.upper()}();") == 1
+            assert dt.count(f"TS_TAPE_{name.upper()}_ROWS0(") == 2  # its macro, and where its program's rows were
 
 
 def _reference(spec, dt: np.ndarray, x: Inputs) -> np.ndarray:
@@ -256,20 +326,28 @@ def test_taped_per_step_stencil_matches_the_reference():
 def test_rows_of_a_reverse_phase_add_to_distinct_durations(overrides):
     """A per-step reverse program's rows run in phases (codegen/coefficients.py RowRun.phases), whose
     rows a CUDA block's threads share: no two rows of a phase add to the same duration's gradient
-    (no race), and every row of a run is in exactly one phase; a barrier ends each phase."""
-    from tensorstep.codegen.statements import Call, For, Read, Var, walk
+    (no race), and every row of a run is in exactly one phase; a barrier ends each phase. A row
+    tape's phase is its macro's call over the phase's rows, its stores the durations it adds to."""
+    from tensorstep.codegen.statements import Call, For, Read, RunTape, Var, walk
 
     coefs = lowered(spec_of(overrides)).coefs
     phases = [s for s in coefs.reverse_program() if isinstance(s, For) and s.var == "ph"]
     assert len(phases) == len(coefs.runs) > 0
     for run, outer in zip(coefs.runs, phases):
         rows, barrier = outer.body
-        assert rows.shared and rows.first == Var(f"{run.first} + ph") and barrier == Call("TS_BARRIER")
-        offsets = [n.args[0].rel for n in walk(rows.body) if isinstance(n, Read) and n.macro == "GDT"]
+        if isinstance(rows, RunTape):
+            first, last, step = rows.args
+            assert last == run.last and rows.tape.row == (run.lo, run.width, run.first)
+            offsets = [i.a for i in rows.tape.instructions if i.op == "GDT"]
+        else:
+            first, step = rows.first, rows.step
+            assert rows.shared
+            offsets = [n.args[0].rel for n in walk(rows.body) if isinstance(n, Read) and n.macro == "GDT"]
+        assert first == Var(f"{run.first} + ph") and barrier == Call("TS_BARRIER")
         assert len(offsets) > 1
         covered = []
         for ph in range(outer.first, outer.last + 1):
-            phase = range(run.first + ph, run.last + 1, rows.step)
+            phase = range(run.first + ph, run.last + 1, step)
             durations = [r + o for r in phase for o in offsets]
             assert len(durations) == len(set(durations)), ph
             covered += phase
