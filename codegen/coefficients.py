@@ -34,9 +34,10 @@ BARRIER = Call("TS_BARRIER")
 MIN_ROWS = 4  # shorter runs of repeating rows stay straight-line
 #: straight-line programs of more lines run as tapes (codegen/tape.py)
 TAPE_ABOVE_LINES = 200
-#: a run's rows of longer value programs (a stencil's Lagrange weights; an integrator's are a few
-#: lines) run their reverse program as a row tape (codegen/tape.py ``Tape.row``): as code, a row's
-#: forward values stay live until their adjoints read them (CUDA: hundreds of registers, spills)
+#: on CUDA a run's rows of longer value programs (a stencil's Lagrange weights; an integrator's are
+#: a few lines) run their programs as row tapes (codegen/tape.py ``Tape.row``): as code, a row's
+#: values stay live until their tangents or adjoints read them (hundreds of registers, spills);
+#: C runs them as code (compiled, several times faster than a tape)
 ROW_TAPE_ABOVE_LINES = 16
 #: value-tape instructions per line of CSE'd program, for a per-step stencil's boundary weights
 #: (2.3–2.7 over the per-step stencils up to H=64: the tape splits sums and products in two)
@@ -520,18 +521,19 @@ class Coefficients:
         used = {str(a) for _, e in (self.lines if program is None else program) for a in e.free_symbols}
         return [s for s in lines if s.target.name.removeprefix("d_") in used]
 
-    def preamble(self) -> list[Statement]:
+    def preamble(self, row_tapes: bool = False) -> list[Statement]:
         """Statements filling the coefficient table C(q) (type T); each value is stored as soon
-        as it is computed, so no more than one CSE chunk is live at a time."""
+        as it is computed, so no more than one CSE chunk is live at a time. ``row_tapes``: long
+        rows run as row tapes (``row_tapes``; CUDA's choice)."""
         taped = self.taped
         if (program := self._monomial("value")) is not None:
             return program
         straight = [RunTape(self.tape("value"))] if taped else self._straight_values(taped)
         loops: list[Statement] = []
-        row_tapes = self.row_tapes("value")
+        tapes = self.row_tapes("value") if row_tapes else {}
         for k, run in enumerate(self.runs):
-            if k in row_tapes:  # (a block's warps share the rows)
-                loops.append(RunTape(row_tapes[k], (run.first, run.last, 1)))
+            if k in tapes:  # (a block's warps share the rows)
+                loops.append(RunTape(tapes[k], (run.first, run.last, 1)))
                 continue
             body = run.inputs()
             for s, e in run.lines:
@@ -591,8 +593,9 @@ class Coefficients:
                 loops.append(For(first, first + j - i - 1, 1, (Store(Read("C", (Rel(0),)), value),), unroll=False))
         return singles, loops
 
-    def tangent_preamble(self) -> list[Statement]:
-        """The table C(q) and the dt-tangents CD(q) = Σ_m ∂C(q)/∂dt_m · ddt_m (forward mode)."""
+    def tangent_preamble(self, row_tapes: bool = False) -> list[Statement]:
+        """The table C(q) and the dt-tangents CD(q) = Σ_m ∂C(q)/∂dt_m · ddt_m (forward mode);
+        ``row_tapes`` as in ``preamble``."""
         taped = self.taped
         if (program := self._monomial("tangent")) is not None:
             return program
@@ -604,10 +607,10 @@ class Coefficients:
             for table, source in (("C", "k"), ("CD", "d_k")):
                 lines += [Store(Read(table, (q,)), Cast("T", Paren(Var(f"{source}{q}")))) for q in self.straight]
             lines += [c for copies in singles.values() for copy in copies for c in (copy, _tangent_copy(copy))]
-        row_tapes = self.row_tapes("tangent")
+        tapes = self.row_tapes("tangent") if row_tapes else {}
         for k, run in enumerate(self.runs):
-            if k in row_tapes:
-                lines.append(RunTape(row_tapes[k], (run.first, run.last, 1)))
+            if k in tapes:
+                lines.append(RunTape(tapes[k], (run.first, run.last, 1)))
                 continue
             body = run.inputs(tangent=True) + _tangent(run.lines)
             for table, source in (("C", "kr"), ("CD", "d_kr")):
@@ -616,17 +619,18 @@ class Coefficients:
             lines.append(run.loop(body))
         return lines + _after_barrier([c for copy in copy_loops for c in (copy, _tangent_copy(copy))])
 
-    def reverse_program(self) -> list[Statement]:
+    def reverse_program(self, row_tapes: bool = False) -> list[Statement]:
         """gdt from GC(q) = ∂L/∂c<q> by reverse accumulation over the program's lines: the
-        straight-line part sets every GDT(i), each run's loop adds its rows' parts."""
+        straight-line part sets every GDT(i), each run's loop adds its rows' parts (``row_tapes``
+        as in ``preamble``)."""
         taped = self.taped
         if (program := self._monomial("reverse")) is not None:
             return program
         lines = [RunTape(self.tape("reverse"))] if taped else self._straight_reverse()
-        row_tapes = self.row_tapes("reverse")
+        tapes = self.row_tapes("reverse") if row_tapes else {}
         for k, run in enumerate(self.runs):
-            if k in row_tapes:
-                lines += [BARRIER, *run.tape_phases(row_tapes[k])]
+            if k in tapes:
+                lines += [BARRIER, *run.tape_phases(tapes[k])]
                 continue
             body = run.inputs() + [_double(str(s), Sym(e)) for s, e in run.lines]
             adjoint, contributions = _reverse(run.lines, {f"kr{i}": [Read("GC", (run.slot(i),))]

@@ -958,6 +958,33 @@ def _dt_jvp(op: Operator, coefs: Coefficients, refs: References, spans: list[Spa
     return KernelCode(coefs.tangent_preamble(), _live(body) if _is_stencil(op) else body, loops)
 
 
+class RowTaped:
+    """What runs the coefficient programs, with a run's long rows as row tapes (codegen/coefficients.py
+    ``ROW_TAPE_ABOVE_LINES``; CUDA's): the table's lines, dt_jvp (its preamble the tangent program),
+    dt_vjp_finish (the reverse program); each the operator's own where it has no such rows."""
+
+    def __init__(self, code: "LoweredOperator"):
+        self.code = code
+
+    @functools.cached_property
+    def coefficient_lines(self) -> list[str]:
+        if not self.code.coefs.row_tapes("value"):
+            return self.code.coefficient_lines
+        return COLUMN.lines(self.code.coefs.preamble(row_tapes=True))
+
+    @functools.cached_property
+    def dt_jvp(self) -> KernelCode:
+        if not self.code.coefs.row_tapes("tangent"):
+            return self.code.dt_jvp
+        return dataclasses.replace(self.code.dt_jvp, setup=self.code.coefs.tangent_preamble(row_tapes=True))
+
+    @functools.cached_property
+    def dt_vjp_finish(self) -> KernelCode:
+        if not self.code.coefs.row_tapes("reverse"):
+            return self.code.dt_vjp_finish
+        return KernelCode([], self.code.coefs.reverse_program(row_tapes=True))
+
+
 class LoweredOperator:
     """The statements of an operator's kernels, each lowered on first use."""
 
@@ -987,6 +1014,11 @@ class LoweredOperator:
     def coefficient_lines(self) -> list[str]:
         """Lines of the shared function that fills the coefficient table from dt."""
         return COLUMN.lines(self.coefs.preamble())
+
+    @functools.cached_property
+    def row_taped(self) -> RowTaped:
+        """The once-per-call programs with long rows as row tapes (CUDA's)."""
+        return RowTaped(self)
 
     @functools.cached_property
     def forward(self) -> KernelCode:

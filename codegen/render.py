@@ -138,30 +138,29 @@ def _long_programs(code: LoweredOperator, kernels: tuple, per_trajectory: bool) 
     """The C template's long once-per-call programs by function (none with one dt or per trajectory)."""
     if per_trajectory or (len(code.coefficient_lines) <= LONG_PROGRAM_LINES and not code.coefs.taped):
         return {}
-    rows = [t for p in ("value", "tangent", "reverse") for t in code.coefs.row_tapes(p).values()]
     programs = {"coefficients": code.coefficient_lines}
     if "dt_jvp" in kernels:
         programs["coefficients_jvp"] = code.dt_jvp.preamble
     if "dt_vjp_finish" in kernels:
         programs["dt_vjp_finish"] = code.dt_vjp_finish.body
-    # a loop's first line, the barrier before it, or a row tape's run (its rows)
-    loop = ("for (", "TS_ROLLED", "TS_BARRIER", *(f"{t.macro}(" for t in rows))
     out = {}
     for name, lines in programs.items():
+        loop = ("for (", "TS_ROLLED", "TS_BARRIER")  # a loop's first line, or the barrier before it
         first = next((i for i, line in enumerate(lines) if line.startswith(loop)), len(lines))
         assert all(line.startswith((*loop, " ", "}")) for line in lines[first:]), f"{name}: statements after its loops"
         out[name] = SplitProgram(lines[:first], lines[first:])
     return out
 
 
-def _tapes(code: LoweredOperator, kernels: tuple, taped: bool, fillers: tuple[str, ...]) -> list[tape.Tape]:
+def _tapes(code: LoweredOperator, kernels: tuple, taped: bool, target: Target) -> list[tape.Tape]:
     """The tapes the kernels run (see codegen/tape.py): the table's where a kernel fills it (in C
     each library's kernels fill their own; a CUDA dt module's dt_vjp reads the table the core
     module's kernel fills), dt_jvp's tangent program, dt_vjp_finish's reverse program: their
-    straight-line parts where long, and their long rows' row tapes."""
-    programs = (["value"] if set(kernels) & set(fillers) else []) + \
+    straight-line parts where long, and on CUDA their long rows' row tapes."""
+    programs = (["value"] if set(kernels) & set(target.table_fillers()) else []) + \
         (["tangent"] if "dt_jvp" in kernels else []) + (["reverse"] if "dt_vjp_finish" in kernels else [])
-    return [t for p in programs for t in [*([code.coefs.tape(p)] if taped else []), *code.coefs.row_tapes(p).values()]]
+    return [t for p in programs for t in [*([code.coefs.tape(p)] if taped else []),
+                                           *(code.coefs.row_tapes(p).values() if target.row_tapes else ())]]
 
 
 def _unit_guards(kernels: tuple, programs: dict, units: tuple[str, ...]) -> dict[str, tuple[str, str]]:
@@ -189,7 +188,7 @@ def render(spec: Any, code: LoweredOperator, table: ArgumentTable, target: Targe
     kernels = abi.part_kernels(part, table)
     form = target.coefficient_form(code.coefs)
     taped = form == "tape"
-    tapes = _tapes(code, kernels, taped, target.table_fillers())
+    tapes = _tapes(code, kernels, taped, target)
     target.check(spec, tapes)
     ctype = CTYPES[spec.dtype]
     itemsize = ITEMSIZE[spec.dtype]
@@ -232,7 +231,8 @@ def render(spec: Any, code: LoweredOperator, table: ArgumentTable, target: Targe
         lanes=lane_form,
         lane_bodies={k: lines for k, (_, lines) in lane_bodies.items()},
         lane_actions=_lane_actions(lane_bodies, spec.n_actions),
-        coefficient_lines=code.coefficient_lines if set(kernels) & set(TABLE_KERNELS) else None,
+        coefficient_lines=((code.row_taped if target.row_tapes else code).coefficient_lines
+                           if set(kernels) & set(TABLE_KERNELS) else None),
         programs=programs,
         guards=_unit_guards(kernels, programs, units) if target.unit_guards else {},
         signatures={k: target.signature(k, table, ctype) for k in target.entry_points(kernels, table, form)},
@@ -245,7 +245,6 @@ def render(spec: Any, code: LoweredOperator, table: ArgumentTable, target: Targe
         values=bool(table.values) and "dt_vjp" in kernels,  # the YV<k> macros of dt_vjp
         taped=taped,
         tapes=tapes,
-        ops=tape.OPS,
         tape_math=any("powc" in t.ops for t in tapes),
         tape_files=tape_files(tapes) if target.block_tapes else {},
         monomials=code.coefs.monomials if form == "monomials" else None,
