@@ -50,18 +50,13 @@ OPS: dict[str, tuple[int, str]] = {
     "CD": (15, "CD(o.a) = (T)(ts_r[o.b] * o.c);"),
     "GDT": (16, "GDT(o.a) = ts_r[o.b] * o.c;"),
 }
-#: a row tape's loads and stores, relative to its row ts_row and its first slot ts_slot: dt and its
-#: tangent from the row's window of durations, the row's slots and their gradients, and the dt
-#: gradient added to (the rows of a run add to the same durations')
+#: a row tape's loads and stores, relative to its row ts_row (dt, its tangent, the dt gradient) or
+#: the row's first slot ts_slot (the coefficients, their tangents and gradients); the dt gradient
+#: is added to (the rows of a run add to the same durations')
+ROW_INDEX = {"dt": "ts_row", "ddt": "ts_row", "gc": "ts_slot", "C": "ts_slot", "CD": "ts_slot", "GDT": "ts_row"}
 ROW_OPS: dict[str, tuple[int, str]] = {
-    **OPS,
-    "dt": (0, "ts_r[o.dst] = (double)DT(ts_row + o.a);"),
-    "ddt": (1, "ts_r[o.dst] = (double)DDT(ts_row + o.a);"),
-    "gc": (2, "ts_r[o.dst] = GC(ts_slot + o.a);"),
-    "C": (14, "C(ts_slot + o.a) = (T)(ts_r[o.b] * o.c);"),
-    "CD": (15, "CD(ts_slot + o.a) = (T)(ts_r[o.b] * o.c);"),
-    "GDT": (16, "GDT(ts_row + o.a) += ts_r[o.b] * o.c;"),
-}
+    op: (code, statement.replace("(o.a)", f"({ROW_INDEX[op]} + o.a)").replace(") = ts_r", ") += ts_r")
+         if op in ROW_INDEX else statement) for op, (code, statement) in OPS.items()}
 #: instructions per level at most (see _levels)
 LEVEL_WIDTH = 1024
 #: a row tape's: a warp's lanes run a level (narrower levels hold fewer registers)
