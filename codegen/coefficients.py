@@ -532,8 +532,8 @@ class Coefficients:
         loops: list[Statement] = []
         tapes = self.row_tapes("value") if row_tapes else {}
         for k, run in enumerate(self.runs):
-            if k in tapes:  # (a block's warps share the rows)
-                loops.append(RunTape(tapes[k], (run.first, run.last, 1)))
+            if k in tapes:  # a block's warps share the rows; the next row tape reuses their registers
+                loops += [RunTape(tapes[k], (run.first, run.last, 1)), BARRIER]
                 continue
             body = run.inputs()
             for s, e in run.lines:
@@ -610,7 +610,7 @@ class Coefficients:
         tapes = self.row_tapes("tangent") if row_tapes else {}
         for k, run in enumerate(self.runs):
             if k in tapes:
-                lines.append(RunTape(tapes[k], (run.first, run.last, 1)))
+                lines += [RunTape(tapes[k], (run.first, run.last, 1)), BARRIER]
                 continue
             body = run.inputs(tangent=True) + _tangent(run.lines)
             for table, source in (("C", "kr"), ("CD", "d_kr")):

@@ -164,7 +164,8 @@ def test_row_tapes_store_each_rows_coefficients_and_their_derivatives(overrides)
     with their dt tangents (the tangent tape), and adds to the dt gradient what the run's slots'
     gradients give (the reverse tape), against the operator's coefficients evaluated by SymPy (a
     complex step for the derivatives)."""
-    from tensorstep.codegen.coefficients import ROW_TAPE_ABOVE_LINES
+    from tensorstep.codegen.coefficients import BARRIER, ROW_TAPE_ABOVE_LINES
+    from tensorstep.codegen.statements import RunTape
 
     spec = spec_of(overrides)
     program = Program(spec)
@@ -176,6 +177,10 @@ def test_row_tapes_store_each_rows_coefficients_and_their_derivatives(overrides)
     gc = rng.standard_normal(coefs.size)
     tapes = {p: coefs.row_tapes(p) for p in ("value", "tangent", "reverse")}
     assert tapes["value"] and all(len(coefs.runs[k].lines) > ROW_TAPE_ABOVE_LINES for k in tapes["value"])
+    # a barrier after each row tape's rows: the next one's warps reuse the kernel's registers
+    for statements in (coefs.preamble(row_tapes=True), coefs.tangent_preamble(row_tapes=True)):
+        runs = [i for i, st in enumerate(statements) if isinstance(st, RunTape) and st.tape.row]
+        assert runs and all(statements[i + 1] == BARRIER for i in runs)
     for k, run in enumerate(coefs.runs):
         if k not in tapes["value"]:
             continue
