@@ -521,16 +521,16 @@ class Coefficients:
         used = {str(a) for _, e in (self.lines if program is None else program) for a in e.free_symbols}
         return [s for s in lines if s.target.name.removeprefix("d_") in used]
 
-    def preamble(self, row_tapes: bool = False) -> list[Statement]:
+    def preamble(self, as_tapes: bool = False) -> list[Statement]:
         """Statements filling the coefficient table C(q) (type T); each value is stored as soon
-        as it is computed, so no more than one CSE chunk is live at a time. ``row_tapes``: long
-        rows run as row tapes (``row_tapes``; CUDA's choice)."""
-        taped = self.taped
+        as it is computed, so no more than one CSE chunk is live at a time. ``as_tapes`` (CUDA's
+        choice): the straight-line part and long rows as tapes (``taped_for``, ``row_tapes``)."""
+        taped = self.taped_for(as_tapes)
         if (program := self._monomial("value")) is not None:
             return program
         straight = [RunTape(self.tape("value"))] if taped else self._straight_values(taped)
         loops: list[Statement] = []
-        tapes = self.row_tapes("value") if row_tapes else {}
+        tapes = self.row_tapes("value") if as_tapes else {}
         for k, run in enumerate(self.runs):
             if k in tapes:  # a block's warps share the rows; the next row tape reuses their registers
                 loops += [RunTape(tapes[k], (run.first, run.last, 1)), BARRIER]
@@ -593,10 +593,10 @@ class Coefficients:
                 loops.append(For(first, first + j - i - 1, 1, (Store(Read("C", (Rel(0),)), value),), unroll=False))
         return singles, loops
 
-    def tangent_preamble(self, row_tapes: bool = False) -> list[Statement]:
+    def tangent_preamble(self, as_tapes: bool = False) -> list[Statement]:
         """The table C(q) and the dt-tangents CD(q) = Σ_m ∂C(q)/∂dt_m · ddt_m (forward mode);
-        ``row_tapes`` as in ``preamble``."""
-        taped = self.taped
+        ``as_tapes`` as in ``preamble``."""
+        taped = self.taped_for(as_tapes)
         if (program := self._monomial("tangent")) is not None:
             return program
         singles, copy_loops = self._copy_program(taped)  # the blocks of copies and their tangents (span loops read them)
@@ -607,7 +607,7 @@ class Coefficients:
             for table, source in (("C", "k"), ("CD", "d_k")):
                 lines += [Store(Read(table, (q,)), Cast("T", Paren(Var(f"{source}{q}")))) for q in self.straight]
             lines += [c for copies in singles.values() for copy in copies for c in (copy, _tangent_copy(copy))]
-        tapes = self.row_tapes("tangent") if row_tapes else {}
+        tapes = self.row_tapes("tangent") if as_tapes else {}
         for k, run in enumerate(self.runs):
             if k in tapes:
                 lines += [RunTape(tapes[k], (run.first, run.last, 1)), BARRIER]
@@ -619,15 +619,15 @@ class Coefficients:
             lines.append(run.loop(body))
         return lines + _after_barrier([c for copy in copy_loops for c in (copy, _tangent_copy(copy))])
 
-    def reverse_program(self, row_tapes: bool = False) -> list[Statement]:
+    def reverse_program(self, as_tapes: bool = False) -> list[Statement]:
         """gdt from GC(q) = ∂L/∂c<q> by reverse accumulation over the program's lines: the
-        straight-line part sets every GDT(i), each run's loop adds its rows' parts (``row_tapes``
+        straight-line part sets every GDT(i), each run's loop adds its rows' parts (``as_tapes``
         as in ``preamble``)."""
-        taped = self.taped
+        taped = self.taped_for(as_tapes)
         if (program := self._monomial("reverse")) is not None:
             return program
         lines = [RunTape(self.tape("reverse"))] if taped else self._straight_reverse()
-        tapes = self.row_tapes("reverse") if row_tapes else {}
+        tapes = self.row_tapes("reverse") if as_tapes else {}
         for k, run in enumerate(self.runs):
             if k in tapes:
                 lines += [BARRIER, *run.tape_phases(tapes[k])]
@@ -640,6 +640,12 @@ class Coefficients:
                      for o, s in run.window if contributions.get(str(s))]
             lines += [BARRIER, *run.phases(body)]
         return lines
+
+    def taped_for(self, as_tapes: bool) -> bool:
+        """Whether the straight-line parts run as tapes: where long (``taped``), and with
+        ``as_tapes`` (CUDA's choice) wherever a dt per step has them: as code, the thread that runs
+        them holds their values (a stencil's boundary weights: 255 registers, spills)."""
+        return self.taped or (as_tapes and self.form == "code" and bool(self.straight))
 
     def row_tapes(self, program: str) -> dict[int, tape.Tape]:
         """The row tapes of ``program`` ("value", "tangent", "reverse") by run (its position in

@@ -958,31 +958,30 @@ def _dt_jvp(op: Operator, coefs: Coefficients, refs: References, spans: list[Spa
     return KernelCode(coefs.tangent_preamble(), _live(body) if _is_stencil(op) else body, loops)
 
 
-class RowTaped:
-    """What runs the coefficient programs, with a run's long rows as row tapes (codegen/coefficients.py
-    ``ROW_TAPE_ABOVE_LINES``; CUDA's): the table's lines, dt_jvp (its preamble the tangent program),
-    dt_vjp_finish (the reverse program); each the operator's own where it has no such rows."""
+class AsTapes:
+    """What runs the coefficient programs, their straight-line parts and runs of long rows as tapes
+    (codegen/coefficients.py ``Coefficients.taped_for``, ``row_tapes``; CUDA's): the table's lines,
+    dt_jvp (its preamble the tangent program), dt_vjp_finish (the reverse program); each the
+    operator's own where it has nothing more to run as a tape."""
 
     def __init__(self, code: "LoweredOperator"):
         self.code = code
+        coefs = code.coefs
+        self.same = coefs.taped_for(True) == coefs.taped and not coefs.row_tapes("value")
 
     @functools.cached_property
     def coefficient_lines(self) -> list[str]:
-        if not self.code.coefs.row_tapes("value"):
-            return self.code.coefficient_lines
-        return COLUMN.lines(self.code.coefs.preamble(row_tapes=True))
+        return self.code.coefficient_lines if self.same else COLUMN.lines(self.code.coefs.preamble(as_tapes=True))
 
     @functools.cached_property
     def dt_jvp(self) -> KernelCode:
-        if not self.code.coefs.row_tapes("tangent"):
+        if self.same:
             return self.code.dt_jvp
-        return dataclasses.replace(self.code.dt_jvp, setup=self.code.coefs.tangent_preamble(row_tapes=True))
+        return dataclasses.replace(self.code.dt_jvp, setup=self.code.coefs.tangent_preamble(as_tapes=True))
 
     @functools.cached_property
     def dt_vjp_finish(self) -> KernelCode:
-        if not self.code.coefs.row_tapes("reverse"):
-            return self.code.dt_vjp_finish
-        return KernelCode([], self.code.coefs.reverse_program(row_tapes=True))
+        return self.code.dt_vjp_finish if self.same else KernelCode([], self.code.coefs.reverse_program(as_tapes=True))
 
 
 class LoweredOperator:
@@ -1016,9 +1015,9 @@ class LoweredOperator:
         return COLUMN.lines(self.coefs.preamble())
 
     @functools.cached_property
-    def row_taped(self) -> RowTaped:
-        """The once-per-call programs with long rows as row tapes (CUDA's)."""
-        return RowTaped(self)
+    def as_tapes(self) -> AsTapes:
+        """The once-per-call programs with their straight-line parts and long rows as tapes (CUDA's)."""
+        return AsTapes(self)
 
     @functools.cached_property
     def forward(self) -> KernelCode:

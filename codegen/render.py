@@ -156,11 +156,12 @@ def _tapes(code: LoweredOperator, kernels: tuple, taped: bool, target: Target) -
     """The tapes the kernels run (see codegen/tape.py): the table's where a kernel fills it (in C
     each library's kernels fill their own; a CUDA dt module's dt_vjp reads the table the core
     module's kernel fills), dt_jvp's tangent program, dt_vjp_finish's reverse program: their
-    straight-line parts where long, and on CUDA their long rows' row tapes."""
+    straight-line parts where long (on CUDA wherever a dt per step has them), and on CUDA their
+    long rows' row tapes."""
     programs = (["value"] if set(kernels) & set(target.table_fillers()) else []) + \
         (["tangent"] if "dt_jvp" in kernels else []) + (["reverse"] if "dt_vjp_finish" in kernels else [])
     return [t for p in programs for t in [*([code.coefs.tape(p)] if taped else []),
-                                           *(code.coefs.row_tapes(p).values() if target.row_tapes else ())]]
+                                           *(code.coefs.row_tapes(p).values() if target.tape_programs else ())]]
 
 
 def _unit_guards(kernels: tuple, programs: dict, units: tuple[str, ...]) -> dict[str, tuple[str, str]]:
@@ -187,7 +188,7 @@ def render(spec: Any, code: LoweredOperator, table: ArgumentTable, target: Targe
     """
     kernels = abi.part_kernels(part, table)
     form = target.coefficient_form(code.coefs)
-    taped = form == "tape"
+    taped = code.coefs.taped_for(target.tape_programs)  # (form "tape", or CUDA's choice)
     tapes = _tapes(code, kernels, taped, target)
     target.check(spec, tapes)
     ctype = CTYPES[spec.dtype]
@@ -231,7 +232,7 @@ def render(spec: Any, code: LoweredOperator, table: ArgumentTable, target: Targe
         lanes=lane_form,
         lane_bodies={k: lines for k, (_, lines) in lane_bodies.items()},
         lane_actions=_lane_actions(lane_bodies, spec.n_actions),
-        coefficient_lines=((code.row_taped if target.row_tapes else code).coefficient_lines
+        coefficient_lines=((code.as_tapes if target.tape_programs else code).coefficient_lines
                            if set(kernels) & set(TABLE_KERNELS) else None),
         programs=programs,
         guards=_unit_guards(kernels, programs, units) if target.unit_guards else {},

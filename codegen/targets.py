@@ -384,9 +384,10 @@ class Target:
     device: str = ""  # qualifier of the tapes' constant arrays
     #: a tape runs level by level, a block's threads sharing each level (else a loop)
     block_tapes: bool = False
-    #: a run's long rows run their coefficient programs as row tapes (codegen/coefficients.py
-    #: ``ROW_TAPE_ABOVE_LINES``: a block's warps a row each), else as code
-    row_tapes: bool = False
+    #: the coefficient programs' straight-line parts and runs of long rows run as tapes, whatever
+    #: their length (codegen/coefficients.py ``taped_for``, ``row_tapes``: a block's threads share
+    #: a level, its warps the rows), else as code where short
+    tape_programs: bool = False
     #: the C template's forms (codegen/render.py): all-dof vector lanes, long once-per-call
     #: programs split for the compiler, preprocessor guards per translation unit
     lanes: bool = False
@@ -450,8 +451,8 @@ class CudaTarget(Target):
         reads each output gradient where it is used (held in locals, the boundary rows of a wide
         per-step stencil took 144 registers, order 4, H=64, float32); with a period above 1
         (B-splines) the forward and adjoint are span loops only, as in C (lower._spans_only); the
-        tangent and reverse programs with their long rows as row tapes (``row_tapes``)."""
-        codes = {k: getattr(code.row_taped, k) if k in ("dt_jvp", "dt_vjp_finish") else getattr(code, k)
+        tangent and reverse programs as tapes (``tape_programs``)."""
+        codes = {k: getattr(code.as_tapes, k) if k in ("dt_jvp", "dt_vjp_finish") else getattr(code, k)
                  for k in kernels}
         adjoint = codes.get("adjoint")
         if adjoint is not None and code.adjoint_reads is not None:
@@ -480,7 +481,7 @@ class CudaTarget(Target):
 
 C = CTarget("c", "kernel.c.j2", "c", lanes=True, split_programs=True, unit_guards=True)
 CUDA = CudaTarget("cuda", "kernel.cu.j2", "cu", restrict="__restrict__", device="__device__ ", block_tapes=True,
-                  row_tapes=True, launch_bounds=(CUDA_BLOCK, CUDA_MIN_BLOCKS))
+                  tape_programs=True, launch_bounds=(CUDA_BLOCK, CUDA_MIN_BLOCKS))
 HEADER = Target("header", "header.h.j2", "h")
 #: every target by the name the CLI and the API use
 TARGETS: Mapping[str, Target] = {t.name: t for t in (C, CUDA, HEADER)}

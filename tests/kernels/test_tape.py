@@ -178,7 +178,7 @@ def test_row_tapes_store_each_rows_coefficients_and_their_derivatives(overrides)
     tapes = {p: coefs.row_tapes(p) for p in ("value", "tangent", "reverse")}
     assert tapes["value"] and all(len(coefs.runs[k].lines) > ROW_TAPE_ABOVE_LINES for k in tapes["value"])
     # a barrier after each row tape's rows: the next one's warps reuse the kernel's registers
-    for statements in (coefs.preamble(row_tapes=True), coefs.tangent_preamble(row_tapes=True)):
+    for statements in (coefs.preamble(as_tapes=True), coefs.tangent_preamble(as_tapes=True)):
         runs = [i for i, st in enumerate(statements) if isinstance(st, RunTape) and st.tape.row]
         assert runs and all(statements[i + 1] == BARRIER for i in runs)
     for k, run in enumerate(coefs.runs):
@@ -339,7 +339,7 @@ def test_rows_of_a_reverse_phase_add_to_distinct_durations(overrides):
 
     coefs = lowered(spec_of(overrides)).coefs
     phases = [s for row_tapes in (False, True)  # C's program, and CUDA's (its long rows row tapes)
-              for s in coefs.reverse_program(row_tapes) if isinstance(s, For) and s.var == "ph"]
+              for s in coefs.reverse_program(as_tapes=row_tapes) if isinstance(s, For) and s.var == "ph"]
     assert len(phases) == 2 * len(coefs.runs) > 0
     n = len(coefs.runs)
     assert [isinstance(o.body[0], RunTape) for o in phases] == [False] * n + [k in coefs.row_tapes("reverse")
