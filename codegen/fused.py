@@ -107,6 +107,17 @@ def _sym_reads(body: list[Statement]) -> set:
     return out
 
 
+def _last_rows(op: Operator, acc: dict, targets: list[bool]) -> dict:
+    """The index of the last row that adds to each accumulated input (``targets``: the rows that add
+    to the target's); inputs no row adds to are absent."""
+    last = {}
+    for i, row in enumerate(op.rows):
+        last.update({ref: i for _, ref in row.terms if ref in acc})
+        if targets[i] and TARGET_REF in acc:
+            last[TARGET_REF] = i
+    return last
+
+
 def forward(op: Operator, coefs: Coefficients, refs: References, table: ArgumentTable, rows: Callable,
             live: Callable) -> list[Statement]:
     """The column: each row's value, its store where the state is written, each term's sum
@@ -147,12 +158,16 @@ def adjoint(op: Operator, coefs: Coefficients, refs: References, table: Argument
     if all(not is_row(ref) for row in op.rows for _, ref in row.terms):
         acc = {ref: Var(f"a{refs.local(ref)}") for ref in inputs}
         body += [Def(v, Sum(()), const=False) for v in acc.values()]
-        for line, row in zip(rows(op, coefs, refs), op.rows):
+        last = _last_rows(op, acc, [bool(target_slopes(row)) for row in op.rows])
+        for i, (line, row) in enumerate(zip(rows(op, coefs, refs), op.rows)):
             body += [line, gradient(row)]
             g = Val("g", row.k, row.h)
             body += [Store(acc[ref], Sum((coefs.term(c, g),)), "+=") for c, ref in row.terms if ref in acc]
             body += [Store(acc[TARGET_REF], Sum((t,)), "+=") for t in target_slopes(row) if TARGET_REF in acc]
-        body += [refs.gradient(ref, (Term(None, v),)) for ref, v in acc.items()]
+            # an input's gradient is stored after the last row that adds to it: a stencil's
+            # accumulators are then live over a few rows each, not the whole column (CUDA's registers)
+            body += [refs.gradient(ref, (Term(None, acc[ref]),)) for ref in acc if last.get(ref) == i]
+        body += [refs.gradient(ref, (Term(None, v),)) for ref, v in acc.items() if ref not in last]
         return live(body, _sym_reads(body))
     body += rows(op, coefs, refs)
     contributions: dict = defaultdict(list)
