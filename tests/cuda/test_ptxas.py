@@ -34,6 +34,10 @@ ONCE_PER_CALL = ("coefficients", "coefficients_jvp", "dt_vjp_finish")
 pytestmark = pytest.mark.skipif(NVCC is None, reason="nvcc not found on PATH (the CUDA toolkit is not "
                                                       "installed): CUDA resource use cannot be measured")
 
+#: the cost terms of fused specs below (bench/costs.py's)
+COSTS = tuple(("bound", s) for s in ("position", "velocity", "acceleration", "jerk")) + tuple(
+    ("squared", s) for s in ("velocity", "acceleration", "jerk"))
+
 #: (KernelSpec overrides, horizon, dtype, {part: reason it is not yet within the limits}):
 #: position central and backward with per-step dt, order 4, start_index; acceleration and jerk,
 #: exact and semi-implicit; float32 and float64; the longest straight-line integrator adjoints
@@ -59,11 +63,22 @@ GRID = [
       "dt_jvp": "24 bytes of spill stores at the cap of 128 (56 registers, no spills, without a cap)"}),
     (dict(difference="central", accuracy=8, dt="per_step", order=4), 64, "float32",
      {"core": "the adjoint needs 255 registers: 272 bytes of spill stores at the cap of 128"}),
+    # fused cost terms (bench/costs.py's seven: a bound on P, V, A, J, a squared V, A, J; P written),
+    # one straight-line column each way; a squared position term adds the target's gradient
+    (dict(costs=COSTS, outputs=("P",)), 32, "float32", {}),
+    (dict(costs=COSTS, outputs=("P",)), 32, "float64", {}),
+    (dict(costs=COSTS + (("squared", "position"),), outputs=("P",)), 64, "float64", {}),
+    (dict(control="jerk", integrator="exact", costs=COSTS, outputs=("P",)), 32, "float64",
+     {"core": "the recurrence's adjoint keeps every row's gradient for its reverse pass: "
+              "684 bytes of spill stores at the cap of 128"}),
+    (dict(control="bspline", degree=3, knots=8, steps=4, costs=COSTS, outputs=("P",)), None, "float32",
+     {"core": "forward 108, adjoint 200 bytes of spill stores at the cap of 128"}),
 ]
 DOF = 7
 
 
-def spec_of(overrides: dict, horizon: int, dtype: str):
+def spec_of(overrides: dict, horizon: int | None, dtype: str):
+    """``horizon`` None: the one a B-spline's knots and steps give."""
     import tensorstep as ts
 
     return ts.KernelSpec(horizon=horizon, dof=DOF, dtype=dtype, **overrides)
@@ -71,11 +86,15 @@ def spec_of(overrides: dict, horizon: int, dtype: str):
 
 def cases() -> list[tuple[str, dict, int, str, str, str]]:
     """(label, overrides, horizon, dtype, part, reason not yet within the limits or '') for every
-    module of the grid: each library, as the runtime builds them."""
+    module of the grid: each library the spec has kernels in, as the runtime builds them (a fused
+    spec has no dt libraries of its own)."""
     from tensorstep.codegen import abi
+    from tensorstep.codegen.arguments import table
 
-    return [(f"{spec_of(overrides, horizon, dtype).name}-{part}", overrides, horizon, dtype, part, not_yet.get(part, ""))
-            for overrides, horizon, dtype, not_yet in GRID for part in abi.LIBRARIES]
+    return [(f"{spec.name}-{part}", overrides, horizon, dtype, part, not_yet.get(part, ""))
+            for overrides, horizon, dtype, not_yet in GRID
+            for spec in [spec_of(overrides, horizon, dtype)]
+            for part in abi.LIBRARIES if abi.part_kernels(part, table(spec))]
 
 
 def source_of(overrides: dict, horizon: int, dtype: str, part: str) -> str:
