@@ -6,7 +6,7 @@ backend-neutral.
 """
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -41,6 +41,24 @@ def contiguous(t: OptTensor) -> OptTensor:
     return None if t is None else t.contiguous()
 
 
+#: batch sizes whose shapes a launcher keeps
+KEPT_BATCH_SIZES = 64
+
+
+def _kept(kept: dict, B: Any, shapes: Callable[[], list]) -> list:
+    """Shapes for a batch of B, worked out on its first call and kept for up to KEPT_BATCH_SIZES
+    sizes: a small call would spend more on working them out than on its kernel. Not kept while
+    Dynamo traces (a dict it sees change fails its guards) or for a symbolic B (no dict key)."""
+    if torch.compiler.is_compiling() or not isinstance(B, int):
+        return shapes()
+    found = kept.get(B)
+    if found is None:
+        found = shapes()
+        if len(kept) < KEPT_BATCH_SIZES:
+            kept[B] = found
+    return found
+
+
 class Launcher:
     """The entry points of one spec on one device, with shapes and pointer lists from its
     argument table. Tensor inputs come in table order (``table.tensors``), dt separately."""
@@ -68,16 +86,8 @@ class Launcher:
 
     def output_shapes(self, B: int) -> list[tuple[int, ...]]:
         """Shape of every output in order (the states, then a fused step's cost [B, T]), kept for
-        a few batch sizes as ``adjoint_shapes`` are (not while Dynamo traces, where a dict it sees
-        change would fail its guards, nor for a symbolic B, which is no dict key)."""
-        if torch.compiler.is_compiling() or not isinstance(B, int):
-            return [self.table.physical(y, {"B": B}) for y in self.table.outputs]
-        shapes = self._output_shapes.get(B)
-        if shapes is None:
-            shapes = [self.table.physical(y, {"B": B}) for y in self.table.outputs]
-            if len(self._output_shapes) < 64:
-                self._output_shapes[B] = shapes
-        return shapes
+        a few batch sizes (``_kept``)."""
+        return _kept(self._output_shapes, B, lambda: [self.table.physical(y, {"B": B}) for y in self.table.outputs])
 
     def action_shape(self, B: int) -> tuple[int, ...]:
         """Shape of the actions u (and of their gradient) for a batch of B."""
@@ -91,13 +101,8 @@ class Launcher:
 
     def adjoint_shapes(self, B: int) -> list[tuple[int, ...]]:
         """The adjoint's gradient shapes (``per_batch_shape`` of each differentiable input), kept
-        for a few batch sizes: a small call would spend more on working them out than on its kernel."""
-        shapes = self._adjoint_shapes.get(B)
-        if shapes is None:
-            shapes = [self.per_batch_shape(a, B) for a in self.table.differentiable]
-            if len(self._adjoint_shapes) < 64:
-                self._adjoint_shapes[B] = shapes
-        return shapes
+        for a few batch sizes (``_kept``)."""
+        return _kept(self._adjoint_shapes, B, lambda: [self.per_batch_shape(a, B) for a in self.table.differentiable])
 
     def forward_inputs(self, B: int, grads: Sequence[OptTensor]) -> Optional[list[OptTensor]]:
         """Tensor inputs for running the forward on adjoint-shaped tensors (double backward):
