@@ -246,7 +246,7 @@ class Step(torch.nn.Module):
             if last is None or x is None:
                 if last is not x:
                     return False
-            elif x is not last[0] or x._version != last[1] or x.stride() != last[2] or x.requires_grad != last[3]:
+            elif x is not last[0] or validate.stamp(x) != last[1]:
                 return False
         return True
 
@@ -259,13 +259,13 @@ class Step(torch.nn.Module):
         if torch.compiler.is_compiling():
             return weight.expand(B, weight.shape[0])
         kept = self._expanded.get(name)
-        if kept is not None and kept[0] is weight and kept[1] == (weight._version, weight.stride(), B, weight.requires_grad):
+        if kept is not None and kept[0] is weight and kept[1] == validate.stamp(weight, B):
             return kept[2]  # (a kept tensor passed every test below)
         expanded = weight.expand(B, weight.shape[0])
         if type(weight) is not Tensor or weight.requires_grad or _transformed() or weight.device != self.device:
             return expanded
         rows = expanded.contiguous()
-        self._expanded[name] = (weight, (weight._version, weight.stride(), B, False), rows)
+        self._expanded[name] = (weight, validate.stamp(weight, B), rows)
         return rows
 
     def _into(self, out: Any, inputs: list, dt_k: Tensor) -> tuple[Tensor, ...]:
@@ -285,9 +285,8 @@ class Step(torch.nn.Module):
 
 
 def _stamp(x: Optional[Tensor]) -> Optional[tuple]:
-    """A tensor with what an in-place change alters: version, strides, requires_grad (the tensor
-    itself is compared by identity: kept, its address cannot be another tensor's)."""
-    return None if x is None else (x, x._version, x.stride(), x.requires_grad)
+    """A tensor kept with its ``validate.stamp``, or None."""
+    return None if x is None else (x, validate.stamp(x))
 
 
 def _tensors_or_none(values: list) -> bool:

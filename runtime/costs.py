@@ -18,6 +18,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from ..codegen.arguments import ArgumentTable
+from . import validate
 
 Tensor = torch.Tensor
 STATES = ("position", "velocity", "acceleration", "jerk", "snap")
@@ -86,9 +87,9 @@ def check_parameters(table: ArgumentTable, named: dict[str, Optional[Tensor]], s
         t = named.get(arg.name)
         if t is None or not arg.role.startswith("cost_") or arg.role == "cost_target":
             continue
-        stamp = (t._version, t.shape, t.stride(), t.requires_grad) if seen is not None else None
+        now = validate.stamp(t) if seen is not None else None
         last = seen.get(arg.name) if seen is not None else None
-        if last is not None and last[0] is t and last[1] == stamp:
+        if last is not None and last[0] is t and last[1] == now:
             continue
         if t.requires_grad:
             raise ValueError(f"{arg.name}: cost parameters take no gradient (weights, limits and margins are "
@@ -103,8 +104,8 @@ def check_parameters(table: ArgumentTable, named: dict[str, Optional[Tensor]], s
             if bool((t[0] > t[1]).any()):
                 d = int((t[0] > t[1]).nonzero()[0, 0])
                 raise ValueError(f"{arg.name}: lower > upper at dof {d} ({float(t[0, d])} > {float(t[1, d])})")
-        if stamp is not None:
-            seen[arg.name] = (t, stamp)
+        if now is not None:
+            seen[arg.name] = (t, now)
 
 
 def composite(plain: Any, table: ArgumentTable, inputs: Sequence[Optional[Tensor]], dt: Tensor,

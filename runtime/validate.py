@@ -98,25 +98,31 @@ def _values(t: Tensor) -> Tensor:
     return t
 
 
+def stamp(t: Tensor, *more: Any) -> tuple:
+    """What a tensor passed again can have changed since it was checked: its version (in-place
+    writes), shape, strides, dtype, device and requires_grad, and ``more`` (a batch size). Kept
+    with the tensor itself, compared by identity: while kept, its address cannot be another's."""
+    return (t._version, t.shape, t.stride(), t.dtype, t.device, t.requires_grad, *more)
+
+
 def check_inputs(table: ArgumentTable, values: Sequence[Any], dtype: torch.dtype,
                  device: torch.device, seen: Optional[dict] = None) -> tuple[list[Optional[Tensor]], dict[str, int]]:
     """The tensor inputs (all but dt, in table order), checked and contiguous, and the sizes of
     the free symbols (B, S) they fix. ``seen``: the cost parameters (weights, limits, margins) that
-    last passed as they were, each kept with its stamp (version, shape, strides, dtype, device and
-    the batch size); one passed again unchanged is not checked again (an optimiser passes the same
-    weights every call; kept, its address cannot be another tensor's)."""
+    last passed as they were, each kept with its ``stamp`` (and the batch size); one passed again
+    unchanged is not checked again (an optimiser passes the same weights every call)."""
     dims: dict[str, int] = {}
     checked = []
     for arg, v in zip(table.tensors, values):
         if seen is None or type(v) is not Tensor or not arg.role.startswith("cost_") or arg.role == "cost_target":
             checked.append(check_argument(table, arg, v, dims, dtype, device))
             continue
-        stamp = (v._version, v.shape, v.stride(), v.dtype, v.device, dims.get("B"))
+        now = stamp(v, dims.get("B"))
         last = seen.get(arg.name)
-        if last is None or last[0] is not v or last[1] != stamp:
+        if last is None or last[0] is not v or last[1] != now:
             t = check_argument(table, arg, v, dims, dtype, device)
             if t is v:
-                seen[arg.name] = (v, stamp)
+                seen[arg.name] = (v, now)
             v = t
         checked.append(v)
     check_indices(table, checked)
