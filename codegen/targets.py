@@ -77,6 +77,32 @@ def cuda_stage_columns(layout: str, horizon: int, n_actions: int, order: int, it
     return min(CUDA_BLOCK, CUDA_STAGE_BYTES // per_column) // CUDA_WARP * CUDA_WARP
 
 
+#: a sector, the unit of a global memory transaction: where a warp's whole rows do not fit the
+#: stage, each warp stages row tiles, for each array it stores its 32 columns' rows of one window of
+#: a sector's worth of rows (8 float32, 4 float64), and stores a window when a store leaves it: a
+#: warp's store is then 32 / rows columns of a sector each (4 sectors in float32, 8 in float64 where
+#: the horizon is a multiple of the window, else up to twice that)
+CUDA_SECTOR = 32
+
+
+def cuda_tile_rows(layout: str, horizon: int, n_actions: int, order: int, itemsize: int) -> int:
+    """Rows of a warp's row tile (a sector of a column) where layout "bdh" stages row tiles: where
+    not even a warp's whole rows fit CUDA_STAGE_BYTES (``cuda_stage_columns`` is 0); else 0."""
+    if layout != "bdh" or cuda_stage_columns(layout, horizon, n_actions, order, itemsize):
+        return 0
+    return CUDA_SECTOR // itemsize
+
+
+def cuda_staged_columns(layout: str, horizon: int, n_actions: int, order: int, itemsize: int) -> int:
+    """The most threads a block of a staging kernel (CUDA_STAGED) has with layout "bdh": its
+    whole rows' columns (``cuda_stage_columns``), or with row tiles as many warps as have a tile
+    per output array (order + 1, a sector per column each) in CUDA_STAGE_BYTES; 0: no staging."""
+    if not cuda_tile_rows(layout, horizon, n_actions, order, itemsize):
+        return cuda_stage_columns(layout, horizon, n_actions, order, itemsize)
+    warp_bytes = (order + 1) * CUDA_WARP * CUDA_SECTOR
+    return min(CUDA_BLOCK, CUDA_STAGE_BYTES // warp_bytes * CUDA_WARP)
+
+
 def cuda_warp_rows_shared(n_coefficients: int) -> bool:
     """Whether dt_vjp's warps keep their rows of partial sums in shared memory (else in gc)."""
     return CUDA_WARPS * n_coefficients * 8 <= CUDA_WARP_ROWS_SHARED_BYTES
@@ -222,6 +248,8 @@ class CudaLaunchPlan:
     form: str
     #: layout "bdh": the most threads a block of a staging kernel (CUDA_STAGED) has; 0: no staging
     stage_columns: int = 0
+    #: layout "bdh" with row tiles (``cuda_tile_rows``): a tile's rows; 0: whole rows or no staging
+    tile_rows: int = 0
     # worked out once per plan (every call asks; the plan never changes): not part of its value
     _parameters: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict, init=False, repr=False,
                                                                 compare=False)
@@ -473,10 +501,9 @@ class CudaTarget(Target):
                     "knot span or a shorter horizon, or device='cpu'")
 
     def launch_plan(self, spec: Any, metadata: Mapping[str, Any]) -> CudaLaunchPlan:
-        stage = cuda_stage_columns(spec.layout, spec.horizon, spec.n_actions, spec.order,
-                                   4 if spec.dtype == "float32" else 8)
+        shape = (spec.layout, spec.horizon, spec.n_actions, spec.order, 4 if spec.dtype == "float32" else 8)
         return CudaLaunchPlan(argument_table(spec), spec.dof, spec.dtype, int(metadata["n_coefficients"]),
-                              str(metadata["coefficients"]), stage)
+                              str(metadata["coefficients"]), cuda_staged_columns(*shape), cuda_tile_rows(*shape))
 
 
 C = CTarget("c", "kernel.c.j2", "c", lanes=True, split_programs=True, unit_guards=True)

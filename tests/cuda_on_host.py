@@ -35,6 +35,14 @@ block then runs in two passes: in the first every thread runs up to the barrier 
 rows staged), in the second every thread runs again in full, restaging the same rows (the work
 before the barrier only reads inputs and writes the thread's own stage) and then storing its
 stride of the whole block's stage, which every thread of the block has written.
+
+Where a warp's whole rows do not fit, each warp stages row tiles (a window of rows per array) and
+stores a tile between two syncs of its lanes (TS_TILE_SYNC) whenever a store leaves the window:
+the regions between syncs alternate between the threads writing their tile elements and storing
+the warp's tile (each thread a stride of its elements), the same regions for every thread of a
+warp. A block then runs in a pass per region: in pass p every thread runs in full, but only its
+region p writes its tile (elsewhere, a spare element) or stores, so a store reads the tile that
+every thread of the warp wrote in the pass before, and no thread has yet overwritten.
 """
 from __future__ import annotations
 
@@ -85,6 +93,12 @@ static ts_dim3 blockIdx, threadIdx, blockDim, gridDim; /* set by each launch */
  * first each thread up to the barrier, the second each thread in full (see the module docstring) */
 static int ts_pass, ts_staged;
 #define TS_STAGE_BARRIER() do {{ if (ts_pass == 0) {{ ts_staged = 1; return; }} }} while (0)
+/* layout "bdh"'s row tiles: a block runs in a pass per region between a warp's syncs, pass p each
+ * thread's region p only writing its tile and storing (see the module docstring) */
+static int ts_region, ts_regions;
+#define TS_TILE_SYNC(lanes) ((void)(lanes), ++ts_region)
+#define TS_TILE_LIVE (ts_region == ts_pass)
+#define TS_TILE_ELEMENT(t, i) (TS_TILE_LIVE ? &(t)->tile[(i)] : &(t)->spare)
 """
 #: kernels run once per call (or per trajectory), a block per run whose threads share the work
 ONCE_PER_CALL = ("coefficients", "coefficients_jvp", "dt_vjp_finish")
@@ -176,10 +190,11 @@ def _entry_point(spec: Any, kernel: str, reduce_blocks: bool, one_thread: bool) 
         f"void {symbol}(long long grid, long long block, {signature})\n{{\n"
         f"    blockDim.x = {'1' if one_thread else 'block'}; gridDim.x = grid;\n"
         f"    for (long long b = 0; b < grid; ++b) {{\n"
-        f"        ts_staged = 0;\n"
-        f"        for (ts_pass = 0; ts_pass == 0 || (ts_pass == 1 && ts_staged); ++ts_pass) {{\n"
+        f"        ts_staged = 0; ts_regions = 0;\n"
+        f"        for (ts_pass = 0; ts_pass == 0 || (ts_pass == 1 && ts_staged) || ts_pass <= ts_regions; ++ts_pass) {{\n"
         f"            for (long long t = 0; t < {'1' if one_thread else 'block'}; ++t) {{\n"
-        f"                blockIdx.x = b; threadIdx.x = t; {symbol}_thread({names});\n"
+        f"                blockIdx.x = b; threadIdx.x = t; ts_region = 0; {symbol}_thread({names});\n"
+        f"                if (ts_region > ts_regions) ts_regions = ts_region;\n"
         f"            }}\n"
         f"        }}\n"
         + (f"        {symbol}_block(gc);\n" if reduce_blocks else "")
