@@ -15,8 +15,7 @@ from .lower import LoweredOperator
 from .printer import lane_printer
 from .statements import Read, Shift, walk
 from .targets import (CUDA_BLOCK, CUDA_STAGED, CUDA_WARPS, ITEMSIZE, TABLE_KERNELS, Target, cuda_coefficients,
-                      cuda_stage_columns, cuda_staged_columns, cuda_tile_rows, cuda_warp_rows_shared, inline_coefficients,
-                      tape_files)
+                      cuda_stage_columns, cuda_tiles, cuda_warp_rows_shared, inline_coefficients, tape_files)
 
 CTYPES = {"float32": "float", "float64": "double"}
 
@@ -264,8 +263,8 @@ def render(spec: Any, code: LoweredOperator, table: ArgumentTable, target: Targe
         # CUDA, layout "bdh": a block's columns (at most this many) stage their stored rows
         stage_columns=cuda_stage_columns(spec.layout, spec.horizon, spec.n_actions, spec.order, itemsize),
         staged=CUDA_STAGED,
-        # CUDA, layout "bdh" where a warp's whole rows do not fit: each warp stages row tiles of this many rows
-        tile_rows=cuda_tile_rows(spec.layout, spec.horizon, spec.n_actions, spec.order, itemsize),
-        tile_columns=cuda_staged_columns(spec.layout, spec.horizon, spec.n_actions, spec.order, itemsize),
+        # CUDA, layout "bdh" where a warp's whole rows do not fit: each warp stages row tiles, per kernel
+        # (rows of a tile, most threads a block has)
+        tiles=cuda_tiles(spec.layout, spec.horizon, spec.n_actions, spec.order, itemsize),
     )
     return _environment().get_template(target.template).render(**context)

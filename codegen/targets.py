@@ -77,30 +77,31 @@ def cuda_stage_columns(layout: str, horizon: int, n_actions: int, order: int, it
     return min(CUDA_BLOCK, CUDA_STAGE_BYTES // per_column) // CUDA_WARP * CUDA_WARP
 
 
-#: a sector, the unit of a global memory transaction: where a warp's whole rows do not fit the
-#: stage, each warp stages row tiles, for each array it stores its 32 columns' rows of one window of
-#: a sector's worth of rows (8 float32, 4 float64), and stores a window when a store leaves it: a
-#: warp's store is then 32 / rows columns of a sector each (4 sectors in float32, 8 in float64 where
-#: the horizon is a multiple of the window, else up to twice that)
+#: a sector, the unit of a global memory transaction (bytes)
 CUDA_SECTOR = 32
 
 
-def cuda_tile_rows(layout: str, horizon: int, n_actions: int, order: int, itemsize: int) -> int:
-    """Rows of a warp's row tile (a sector of a column) where layout "bdh" stages row tiles: where
-    not even a warp's whole rows fit CUDA_STAGE_BYTES (``cuda_stage_columns`` is 0); else 0."""
+def cuda_tiles(layout: str, horizon: int, n_actions: int, order: int, itemsize: int) -> dict[str, tuple[int, int]]:
+    """Layout "bdh" where not even a warp's whole rows fit CUDA_STAGE_BYTES (``cuda_stage_columns``
+    is 0): each staging kernel's (CUDA_STAGED) row tiles, (rows of a tile, most threads a block has).
+    Each warp stages, for each array it stores, a window of its columns' rows, and stores it when a
+    store leaves the window. Where a column's rows are whole sectors, a window is a sector of a
+    column (8 float32 rows, 4 float64): a warp's store is 32 / rows columns of a sector each, and a
+    block keeps CUDA_BLOCK threads (order + 1 arrays of a KB a warp, up to order 3); else a window
+    is 32 rows, a warp's store one column's 32 neighbouring elements (the ideal sectors, one more
+    where unaligned), in smaller blocks (16 rows where not even a warp's 32 fit)."""
     if layout != "bdh" or cuda_stage_columns(layout, horizon, n_actions, order, itemsize):
-        return 0
-    return CUDA_SECTOR // itemsize
-
-
-def cuda_staged_columns(layout: str, horizon: int, n_actions: int, order: int, itemsize: int) -> int:
-    """The most threads a block of a staging kernel (CUDA_STAGED) has with layout "bdh": its
-    whole rows' columns (``cuda_stage_columns``), or with row tiles as many warps as have a tile
-    per output array (order + 1, a sector per column each) in CUDA_STAGE_BYTES; 0: no staging."""
-    if not cuda_tile_rows(layout, horizon, n_actions, order, itemsize):
-        return cuda_stage_columns(layout, horizon, n_actions, order, itemsize)
-    warp_bytes = (order + 1) * CUDA_WARP * CUDA_SECTOR
-    return min(CUDA_BLOCK, CUDA_STAGE_BYTES // warp_bytes * CUDA_WARP)
+        return {}
+    sector_rows = CUDA_SECTOR // itemsize
+    found = {}
+    for kernel, stored in CUDA_STAGED.items():
+        rows, arrays = (horizon, order + 1) if stored == "outputs" else (n_actions, 1)
+        tile = sector_rows if rows % sector_rows == 0 else CUDA_WARP
+        while tile > sector_rows and arrays * CUDA_WARP * tile * itemsize > CUDA_STAGE_BYTES:
+            tile //= 2
+        warps = CUDA_STAGE_BYTES // (arrays * CUDA_WARP * tile * itemsize)
+        found[kernel] = (tile, min(CUDA_BLOCK, warps * CUDA_WARP))
+    return found
 
 
 def cuda_warp_rows_shared(n_coefficients: int) -> bool:
@@ -248,8 +249,8 @@ class CudaLaunchPlan:
     form: str
     #: layout "bdh": the most threads a block of a staging kernel (CUDA_STAGED) has; 0: no staging
     stage_columns: int = 0
-    #: layout "bdh" with row tiles (``cuda_tile_rows``): a tile's rows; 0: whole rows or no staging
-    tile_rows: int = 0
+    #: layout "bdh" with row tiles (``cuda_tiles``): (kernel, rows of a tile, most threads a block has)
+    tiles: tuple[tuple[str, int, int], ...] = ()
     # worked out once per plan (every call asks; the plan never changes): not part of its value
     _parameters: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict, init=False, repr=False,
                                                                 compare=False)
@@ -357,6 +358,9 @@ class CudaLaunchPlan:
             raise ValueError(f"unknown kernel {kernel!r}; allowed: {', '.join(abi.KERNELS)}")
         if kernel in CUDA_STAGED and self.stage_columns:
             block = min(block, self.stage_columns)
+        for tiled, _, columns in self.tiles:
+            if kernel == tiled:
+                block = min(block, columns)
         grid = _blocks(B * self.dof, block)
         if kernel == "dt_vjp":
             grid, block = self.dt_vjp_grid(B), self.dt_vjp_block(B)
@@ -502,8 +506,9 @@ class CudaTarget(Target):
 
     def launch_plan(self, spec: Any, metadata: Mapping[str, Any]) -> CudaLaunchPlan:
         shape = (spec.layout, spec.horizon, spec.n_actions, spec.order, 4 if spec.dtype == "float32" else 8)
+        tiles = tuple((kernel, rows, columns) for kernel, (rows, columns) in cuda_tiles(*shape).items())
         return CudaLaunchPlan(argument_table(spec), spec.dof, spec.dtype, int(metadata["n_coefficients"]),
-                              str(metadata["coefficients"]), cuda_staged_columns(*shape), cuda_tile_rows(*shape))
+                              str(metadata["coefficients"]), cuda_stage_columns(*shape), tiles)
 
 
 C = CTarget("c", "kernel.c.j2", "c", lanes=True, split_programs=True, unit_guards=True)
