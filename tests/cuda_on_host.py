@@ -68,6 +68,8 @@ from tensorstep.runtime.launch import Launcher
 MAX_BLOCK = 1024
 PRELUDE = f"""/* CUDA keywords for a sequential run on the host */
 #include <stdbool.h>
+#include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #define __global__
 #define __device__
@@ -99,7 +101,34 @@ static int ts_region, ts_regions;
 #define TS_TILE_SYNC(lanes) ((void)(lanes), ++ts_region)
 #define TS_TILE_LIVE (ts_region == ts_pass)
 #define TS_TILE_ELEMENT(t, i) (TS_TILE_LIVE ? &(t)->tile[(i)] : &(t)->spare)
+/* each store of a tile, where ts_stores_kept: (block, thread, region, the warp's k-th store, address, bytes) */
+typedef struct {{ long long block, thread, region, k, address, bytes; }} ts_store;
+static ts_store* ts_stores;
+static long long ts_stores_n, ts_stores_cap;
+static int ts_stores_kept;
+static void ts_keep(const void* p, long long bytes, long long k)
+{{
+    if (!ts_stores_kept) return;
+    if (ts_stores_n == ts_stores_cap) {{
+        ts_stores_cap = ts_stores_cap ? 2 * ts_stores_cap : 4096;
+        ts_stores = realloc(ts_stores, ts_stores_cap * sizeof *ts_stores);
+    }}
+    ts_stores[ts_stores_n++] = (ts_store){{blockIdx.x, threadIdx.x, ts_region, k, (long long)(intptr_t)p, bytes}};
+}}
+#define TS_TILE_PUT(p, v, k) (ts_keep((p), sizeof *(p), (k)), *(p) = (v))
+/* the stores kept since the last call (at most cap of them), which starts keeping them afresh */
+long long ts_take_stores(int keep, ts_store* out, long long cap)
+{{
+    long long n = ts_stores_n < cap ? ts_stores_n : cap;
+    if (out) memcpy(out, ts_stores, n * sizeof *out);
+    ts_stores_n = 0;
+    ts_stores_kept = keep;
+    return n;
+}}
 """
+#: the host double's record of tile stores (layout "bdh" row tiles), for cffi
+STORES_DECLARATION = """typedef struct { long long block, thread, region, k, address, bytes; } ts_store;
+long long ts_take_stores(int keep, ts_store* out, long long cap);"""
 #: kernels run once per call (or per trajectory), a block per run whose threads share the work
 ONCE_PER_CALL = ("coefficients", "coefficients_jvp", "dt_vjp_finish")
 ACCUMULATOR = ("/* dt_vjp's accumulator: begin */", "/* dt_vjp's accumulator: end */")
@@ -230,16 +259,17 @@ def host_source(spec: Any) -> tuple[str, str]:
                                                kernel in shared_runs)
         definitions.append(definition)
         declarations.append(declaration)
-    return PRELUDE + source + "\n" + "\n\n".join(definitions) + "\n", "\n".join(declarations)
+    return PRELUDE + source + "\n" + "\n\n".join(definitions) + "\n", "\n".join([STORES_DECLARATION, *declarations])
 
 
 @functools.lru_cache(maxsize=None)
-def _library(source: str, declarations: str) -> Any:
-    """The host source built by the C backend's compiler (cached by content), loaded through cffi."""
+def _library(source: str, declarations: str) -> tuple[Any, Any]:
+    """(cffi.FFI, library): the host source built by the C backend's compiler (cached by content),
+    loaded through cffi."""
     path = BuildCache().build(digest(source, cbackend.environment_key()), "so", source, cbackend._compile, {})
     ffi = cffi.FFI()
     ffi.cdef(declarations)
-    return ffi.dlopen(str(path))
+    return ffi, ffi.dlopen(str(path))
 
 
 class HostCudaBackend:
@@ -252,7 +282,7 @@ class HostCudaBackend:
         generated = generate(spec, targets=("cuda",))
         self.metadata = dict(generated.metadata)
         self.plan = plan or generated.launch_plan("cuda")
-        self.lib = _library(*host_source(spec))
+        self.ffi, self.lib = _library(*host_source(spec))
         self.launched: list[tuple[str, int, int]] = []  # (kernel, grid, block)
 
     def load_part(self, part: str) -> None:

@@ -25,7 +25,7 @@ from tensorstep.runtime.launch import CpuBackend, Launcher
 from tensorstep.runtime.verify import verify_launcher
 from helpers import (GRID, Inputs, ReferenceCase, as_bhd, check_dt_derivatives, dt_value, gradcheck64, gradgradcheck64,
                      grid_id, make_spec, to_bhd)
-from helpers import scale_close
+from helpers import H, scale_close
 
 NVCC = shutil.which("nvcc")
 HAS_GPU = torch.cuda.is_available()
@@ -295,13 +295,19 @@ INDEXED = [
     dict(control="bspline", degree=3, knots=5, steps=3, start_index=True),
     dict(control="bspline", degree=4, knots=3, steps=2, end="goal", goal_index=True, start_index=True,
          dt="per_trajectory", layout="bdh"),
+    # layout "bdh" above a warp's whole rows (float64 H > 32 at order 3, H > 25 at order 4): row tiles
+    dict(difference="central", start_index=True, layout="bdh", horizon=40),
+    dict(end="goal", goal_index=True, start_index=True, layout="bdh", dt="per_step", order=4, horizon=37),
+    dict(control="jerk", integrator="exact", dt="per_trajectory", start_index=True, layout="bdh", horizon=45),
+    dict(control="bspline", degree=4, knots=5, steps=8, end="goal", goal_index=True, start_index=True, layout="bdh"),
 ]
 
 
 def _indexed_spec(overrides: dict) -> ts.KernelSpec:
     if overrides.get("control") == "bspline":  # the horizon follows from knots and steps
         return ts.KernelSpec(dof=2, dtype="float64", **overrides)
-    return make_spec(overrides)
+    fields = dict(overrides)
+    return make_spec(fields, horizon=fields.pop("horizon", H))
 
 
 def _reference_jacobians(case: ReferenceCase) -> list[tuple]:
