@@ -1,7 +1,8 @@
 """CUDA resource use without a GPU: every module of a grid of variants up to H=256 is compiled
 with ``nvcc -cubin -arch=sm_90 --ptxas-options=-v``, and ptxas's report is checked for every
 per-element kernel (one thread per column) and every once-per-call kernel (the coefficient
-programs, a block per call): at most 128 registers, no spill stores, a stack frame of at most 1 KB. The driver reserves a kernel's stack frame for every thread the GPU can hold, so
+programs, a block per call): at most 128 registers, no spill stores, a stack frame of at most 1 KB,
+at most 48 KB of static shared memory. The driver reserves a kernel's stack frame for every thread the GPU can hold, so
 a large frame costs gigabytes at the first launch. How long a module takes to compile is a
 benchmark figure, not a limit: ``python tests/cuda/test_ptxas.py`` prints the table (kernel, registers,
 spills, stack, seconds).
@@ -23,6 +24,8 @@ from tensorstep.bench.ptxas import Kernel, Module, compile_module, nvcc, parse
 NVCC = nvcc()
 MAX_REGISTERS = 128
 MAX_STACK = 1024
+#: static shared memory a block may have
+MAX_SHARED = 48 * 1024
 #: a guard against a hung nvcc only (compile time is measured, never asserted)
 KILL_AFTER = float(os.environ.get("PTXAS_KILL_AFTER", 600))
 #: one thread per (batch, dof) column, and the once-per-call programs (the table, its tangent, the
@@ -73,6 +76,13 @@ GRID = [
               "684 bytes of spill stores at the cap of 128"}),
     (dict(control="bspline", degree=3, knots=8, steps=4, costs=COSTS, outputs=("P",)), None, "float32",
      {"core": "forward 108, adjoint 200 bytes of spill stores at the cap of 128"}),
+    # layout "bdh" above a warp's whole rows: row tiles of a sector's rows, 32 rows (the adjoint's
+    # N = H - 1, an unaligned horizon) and 16 (float64 order 4, unaligned); straight-line and loops
+    (dict(difference="central", layout="bdh"), 128, "float32", {}),
+    (dict(difference="backward", accuracy=2, layout="bdh"), 64, "float64", {}),
+    (dict(control="acceleration", layout="bdh"), 70, "float32", {}),
+    (dict(control="jerk", integrator="exact", dt="per_step", order=4, layout="bdh"), 70, "float64", {}),
+    (dict(control="bspline", degree=4, knots=16, steps=8, layout="bdh"), None, "float32", {}),
 ]
 DOF = 7
 
@@ -156,6 +166,7 @@ def test_module_stays_within_cuda_limits(compiled, case):
         assert k.registers <= MAX_REGISTERS, f"{k.name}: {k.registers} registers > {MAX_REGISTERS}"
         assert k.spill_stores == 0, f"{k.name}: {k.spill_stores} bytes of spill stores"
         assert k.stack <= MAX_STACK, f"{k.name}: {k.stack} bytes stack frame > {MAX_STACK}"
+        assert k.shared <= MAX_SHARED, f"{k.name}: {k.shared} bytes of static shared memory > {MAX_SHARED}"
 
 
 def test_parse_reads_a_ptxas_report():
