@@ -36,9 +36,12 @@ BSPLINES = {
                                         dt="per_trajectory"),
 }
 
+#: layout "bdh" above a warp's whole rows (float64 H > 32): the CUDA kernels stage row tiles
+ROW_TILES = {"bdh_row_tiles": dict(horizon=40, dof=3, start_index=True, layout="bdh")}
+
 
 def _spec(case: str, outputs=("P",), terms=TERMS):
-    return ts.KernelSpec(dtype="float64", costs=terms, outputs=outputs, **{**CASES, **BSPLINES}[case])
+    return ts.KernelSpec(dtype="float64", costs=terms, outputs=outputs, **{**CASES, **BSPLINES, **ROW_TILES}[case])
 
 
 def _data(spec, B: int = 3, seed: int = 0):
@@ -307,7 +310,8 @@ def test_calls_with_parameters_checked_before_take_the_native_node(case, monkeyp
         _call(step, spec, x, params, dt)
 
 
-@pytest.mark.parametrize("case", ["central", "acceleration", "goal", "indexed_bdh", "bspline_goal_per_trajectory"])
+@pytest.mark.parametrize("case", ["central", "acceleration", "goal", "indexed_bdh", "bspline_goal_per_trajectory",
+                                  "bdh_row_tiles"])
 def test_cuda_kernels_run_on_the_host_match_c(case):
     """The CUDA source (run on the host, tests/cuda_on_host.py) gives the C kernels' states, cost
     and gradients: each column's term sums, then cost_sum's dof order."""
