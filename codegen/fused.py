@@ -14,6 +14,7 @@ directions (``total``, ``scales``), not on every row.
 """
 from __future__ import annotations
 
+import itertools
 import re
 from collections import defaultdict
 from typing import Callable
@@ -25,7 +26,7 @@ from .arguments import ArgumentTable
 from .coefficients import Coefficients
 from .operator import Operator, is_row
 from .references import References
-from .statements import Call, Cast, Def, Mul, Paren, Read, Statement, Store, Sum, Sym, Term, Val, Var
+from .statements import Call, Cast, Def, Mul, Paren, Read, Statement, Store, Sum, Sym, Term, Val, Var, transform
 
 STATES = ("position", "velocity", "acceleration", "jerk", "snap")
 TARGET_REF = ("squared_position_target", 0)
@@ -52,11 +53,12 @@ class CostTerms:
                           Def(Var(f"cmar{t}"), Read(f"CMAR{t}"))]
         return lines
 
-    def _subs(self, t: int, kind: str, k: int, h: int, per_dof: bool = True) -> dict:
-        """``per_dof``: the weight with its per-dof factor (else the row weight alone: ``value``)."""
+    def _subs(self, t: int, kind: str, k: int, h: int, per_dof: bool = True, value: str = "y") -> dict:
+        """``per_dof``: the weight with its per-dof factor (else the row weight alone: ``value``);
+        ``value``: the prefix of the row's value (a recomputed row's, ``yr``)."""
         target = sp.Symbol("ctgt") if (kind, STATES[k]) == ("squared", "position") and self.has_target else 0
         weight = sp.Symbol(f"cw{t}") if per_dof else 1
-        return {kinds.Y: sp.Symbol(f"y{k}_{h}"), kinds.W: weight * sp.Symbol(f"CRW{t}({h})"),
+        return {kinds.Y: sp.Symbol(f"{value}{k}_{h}"), kinds.W: weight * sp.Symbol(f"CRW{t}({h})"),
                 kinds.LOWER: sp.Symbol(f"clo{t}"), kinds.UPPER: sp.Symbol(f"chi{t}"),
                 kinds.MARGIN: sp.Symbol(f"cmar{t}"), kinds.TARGET: target}
 
@@ -75,17 +77,18 @@ class CostTerms:
         acc = Var(f"cacc{t}")
         return Call("CPART", (t,), Mul(acc, Cast("double", Var(f"cw{t}"))) if kinds.KINDS[kind].weighted else acc)
 
-    def slope(self, t: int, kind: str, k: int, h: int, wrt: sp.Symbol = kinds.Y) -> Sym:
+    def slope(self, t: int, kind: str, k: int, h: int, wrt: sp.Symbol = kinds.Y, value: str = "y") -> Sym:
         """GCOST(t) · ∂(term at row h)/∂wrt; for a weighted kind, row weight × ``scales``' cgw<t> × the
-        rest (no product of per-column factors repeated on every row)."""
+        rest (no product of per-column factors repeated on every row). ``value``: as ``_subs``."""
         kind_ = kinds.KINDS[kind]
         expr = kind_.derivative if wrt is kinds.Y else sp.diff(kind_.expression, wrt)
+        subs = self._subs(t, kind, k, h, value=value)
         if not kind_.weighted:
-            return Sym(sp.Symbol(f"GCOST({t})") * expr.xreplace(self._subs(t, kind, k, h)))
+            return Sym(sp.Symbol(f"GCOST({t})") * expr.xreplace(subs))
         rest = expr / (kinds.W * kind_.slope_factor)
         rest = sp.simplify(rest) if rest.has(kinds.W) else rest
         assert not rest.has(kinds.W), f"{kind}: a weighted kind's derivative is w times a function of the rest"
-        return Sym(sp.Symbol(f"CRW{t}({h})") * sp.Symbol(f"cgw{t}") * rest.xreplace(self._subs(t, kind, k, h)))
+        return Sym(sp.Symbol(f"CRW{t}({h})") * sp.Symbol(f"cgw{t}") * rest.xreplace(subs))
 
     def scales(self) -> list[Statement]:
         """The adjoint's per-column factor of each weighted term: GCOST(t) × its derivative's number ×
@@ -102,8 +105,8 @@ def _sym_reads(body: list[Statement]) -> set:
     names = {str(x) for n in walk(tuple(body)) if isinstance(n, Sym) for x in n.expr.free_symbols}
     out: set = set()
     for name in names:
-        m = re.fullmatch(r"y(\d+)_(\d+)", name)
-        out.add(Val("y", int(m.group(1)), int(m.group(2))) if m else Var(name))
+        m = re.fullmatch(r"(yr?)(\d+)_(\d+)", name)
+        out.add(Val(m.group(1), int(m.group(2)), int(m.group(3))) if m else Var(name))
     return out
 
 
@@ -136,19 +139,20 @@ def forward(op: Operator, coefs: Coefficients, refs: References, table: Argument
 
 
 def adjoint(op: Operator, coefs: Coefficients, refs: References, table: ArgumentTable, rows: Callable,
-            live: Callable) -> list[Statement]:
+            live: Callable, checkpoints: bool = False) -> list[Statement]:
     """The column's gradients: the rows recomputed, each row's gradient from its output and the
     cost terms on it, then every differentiable input's store. No row of a stencil reads another,
     so each row's gradient goes into its inputs' accumulators at once (few values live: CUDA's
-    registers); a recurrence's rows are accumulated in reverse."""
+    registers); a recurrence's rows are accumulated in reverse, with ``checkpoints`` segment by
+    segment (``_recurrence``)."""
     terms = CostTerms(table)
     columns = [a.name for a in table.columns]
     inputs = refs.differentiable(op.n_actions, columns)
     body = refs.loads(columns) + terms.loads() + terms.scales()
 
-    def gradient(row) -> Def:
+    def gradient(row, value: str = "y") -> Def:
         parts = [Term(None, Read(f"G{row.k}", (row.h,)))] if row.k in terms.written else []
-        parts += [Term(None, terms.slope(t, kind, row.k, row.h)) for t, kind in terms.on(row.k)]
+        parts += [Term(None, terms.slope(t, kind, row.k, row.h, value=value)) for t, kind in terms.on(row.k)]
         return Def(Val("g", row.k, row.h), Sum(tuple(parts)))
 
     def target_slopes(row) -> list[Term]:
@@ -169,15 +173,75 @@ def adjoint(op: Operator, coefs: Coefficients, refs: References, table: Argument
             body += [refs.gradient(ref, (Term(None, acc[ref]),)) for ref in acc if last.get(ref) == i]
         body += [refs.gradient(ref, (Term(None, v),)) for ref, v in acc.items() if ref not in last]
         return live(body, _sym_reads(body))
-    body += rows(op, coefs, refs)
-    contributions: dict = defaultdict(list)
-    for row in op.rows:
-        body.append(gradient(row))
-        contributions[TARGET_REF] += target_slopes(row)
-    for row in reversed(op.rows):
-        own = ("y", row.k, row.h)
-        body.append(Def(Val("yb", row.k, row.h), Sum((Term(None, Val("g", row.k, row.h)), *contributions.pop(own, [])))))
-        for c, ref in row.terms:
-            contributions[ref].append(coefs.term(c, Val("yb", row.k, row.h)))
-    body += [refs.gradient(ref, tuple(contributions.get(ref, []))) for ref in inputs]
+    segments = _segments(op) if checkpoints else [range(len(op.rows))]
+    body += _recurrence(op, coefs, refs, inputs, rows(op, coefs, refs), segments, gradient, target_slopes)
     return live(body, _sym_reads(body))
+
+
+def _segments(op: Operator) -> list[range]:
+    """The recurrence's rows in consecutive segments of one length, the one with which the fewest
+    values are live at once in ``_recurrence``: one segment's rows, plus the first pass's values of
+    earlier rows that a segment not yet reversed reads (checkpoints: each is live from the first
+    pass to the reverse of the first later segment that reads it). Of equal counts the longest
+    segments (the fewest rows recomputed)."""
+    index = {(row.k, row.h): i for i, row in enumerate(op.rows)}
+    readers: list[list[int]] = [[] for _ in op.rows]  # the rows that read each row
+    for i, row in enumerate(op.rows):
+        for _, ref in row.terms:
+            if is_row(ref):
+                readers[index[ref[1:]]].append(i)
+
+    def peak(size: int) -> int:
+        n = -(-len(op.rows) // size)
+        since = [0] * n  # checkpoints live from segment s's reverse on (the reverse runs s = n-1 .. 0)
+        for r, rows in enumerate(readers):
+            later = [i // size for i in rows if i // size > r // size]
+            if later:
+                since[min(later)] += 1
+        live = itertools.accumulate(since)
+        return max(c + len(range(s * size, min((s + 1) * size, len(op.rows)))) for s, c in enumerate(live))
+
+    size = min(range(len(op.rows), 0, -1), key=peak)
+    return [range(i, min(i + size, len(op.rows))) for i in range(0, len(op.rows), size)]
+
+
+def _recurrence(op: Operator, coefs: Coefficients, refs: References, inputs: list, lines: list[Statement],
+                segments: list[range], gradient: Callable, target_slopes: Callable) -> list[Statement]:
+    """A recurrence's column gradients: every row forward (the target's gradient from them), then
+    segment by segment from the last, each earlier segment's rows again from the values before it
+    (``yr<k>_<h>``, its actions read again: ``R<U>(j)`` after ``TS_REREAD``), and their reverse
+    accumulation, each row's gradient taken just before its own total. Only the rows that later
+    segments read (the checkpoints) and one segment's rows are then live at once, not every row's
+    gradient at the turn (CUDA's registers); with one segment nothing is recomputed. Each sum has
+    the same terms in the same order whatever the segments."""
+    body = list(lines)
+    if TARGET_REF in inputs:
+        body.append(refs.gradient(TARGET_REF, tuple(t for row in op.rows for t in target_slopes(row))))
+    first = {}  # each input's first reading row: the last to add to its gradient in reverse
+    for i, row in enumerate(op.rows):
+        first.update({ref: i for _, ref in row.terms if ref not in first and ref in inputs})
+    contributions: dict = defaultdict(list)
+    action = refs.action.macro
+    for n, segment in reversed(list(enumerate(segments))):
+        value = "y" if n == len(segments) - 1 else "yr"
+        if value == "yr":
+            own = {(op.rows[i].k, op.rows[i].h) for i in segment}
+
+            def again(x):
+                if isinstance(x, Val) and x.prefix == "y" and (x.k, x.h) in own:
+                    return Val("yr", x.k, x.h)
+                return Read("R" + action, x.args) if isinstance(x, Read) and x.macro == action else None
+
+            body += [Call("TS_REREAD")] + [transform(lines[i], again) for i in segment]
+        for i in reversed(segment):
+            row = op.rows[i]
+            body.append(gradient(row, value))
+            yb = Val("yb", row.k, row.h)
+            body.append(Def(yb, Sum((Term(None, Val("g", row.k, row.h)),
+                                     *contributions.pop(("y", row.k, row.h), [])))))
+            for c, ref in row.terms:
+                contributions[ref].append(coefs.term(c, yb))
+            # an input's gradient is stored once its last term is in: its terms are then not live to the end
+            body += [refs.gradient(ref, tuple(contributions.pop(ref))) for ref in inputs
+                     if first.get(ref) == i]
+    return body + [refs.gradient(ref, ()) for ref in inputs if ref not in first and ref != TARGET_REF]

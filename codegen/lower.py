@@ -1034,6 +1034,15 @@ class LoweredOperator:
         return _adjoint(self.op, self.coefs, self.refs, self.spans["adjoint"], self.only)
 
     @functools.cached_property
+    def adjoint_checkpointed(self) -> KernelCode | None:
+        """A fused recurrence's adjoint recomputing its rows segment by segment from checkpoints
+        (codegen/fused.py ``_recurrence``), for CUDA's registers; None for stencils and unfused steps."""
+        if not self.fused or _is_stencil(self.op):
+            return None
+        return KernelCode(TABLE_CALL, fused.adjoint(self.op, self.coefs, self.refs, self.arguments,
+                                                    _forward_lines, _live, checkpoints=True))
+
+    @functools.cached_property
     def gathered_adjoint(self) -> KernelCode:
         """The adjoint with each run of actions gathered in one pass over the output gradients
         (``fused_gathers``), for C; the adjoint itself where nothing fuses (an integrator's), so

@@ -479,7 +479,8 @@ class CudaTarget(Target):
         return ("forward", "adjoint")
 
     def codes(self, code: Any, kernels: tuple[str, ...], itemsize: int) -> dict[str, Any]:
-        """An integrator's long adjoint rolled (``CUDA_ROLL_ABOVE_BYTES``); a stencil's adjoint
+        """An integrator's long adjoint rolled (``CUDA_ROLL_ABOVE_BYTES``), a fused one's recomputed
+        in segments from checkpoints (``adjoint_checkpointed``); a stencil's adjoint
         reads each output gradient where it is used (held in locals, the boundary rows of a wide
         per-step stencil took 144 registers, order 4, H=64, float32); with a period above 1
         (B-splines) the forward and adjoint are span loops only, as in C (lower._spans_only); the
@@ -489,6 +490,8 @@ class CudaTarget(Target):
         adjoint = codes.get("adjoint")
         if adjoint is not None and code.adjoint_reads is not None:
             codes["adjoint"] = code.adjoint_reads
+        elif adjoint is not None and code.adjoint_checkpointed is not None:
+            codes["adjoint"] = code.adjoint_checkpointed
         elif adjoint is not None and len(adjoint.body) * itemsize > CUDA_ROLL_ABOVE_BYTES:
             rolled = code.adjoint_rolled  # None for stencils, whose columns hold few values
             if rolled:

@@ -310,11 +310,12 @@ def test_calls_with_parameters_checked_before_take_the_native_node(case, monkeyp
         _call(step, spec, x, params, dt)
 
 
-@pytest.mark.parametrize("case", ["central", "acceleration", "goal", "indexed_bdh", "bspline_goal_per_trajectory",
-                                  "bdh_row_tiles"])
+@pytest.mark.parametrize("case", ["central", "acceleration", "jerk_exact", "goal", "indexed_bdh",
+                                  "bspline_goal_per_trajectory", "bdh_row_tiles"])
 def test_cuda_kernels_run_on_the_host_match_c(case):
     """The CUDA source (run on the host, tests/cuda_on_host.py) gives the C kernels' states, cost
-    and gradients: each column's term sums, then cost_sum's dof order."""
+    and gradients: each column's term sums, then cost_sum's dof order. An integrator's CUDA adjoint
+    recomputes its rows in segments (codegen/fused.py ``_recurrence``), C's in one pass."""
     from cuda_on_host import host_step
 
     spec = _spec(case, outputs=("P", "A"))
