@@ -155,8 +155,8 @@ def adjoint(op: Operator, coefs: Coefficients, refs: References, table: Argument
         parts += [Term(None, terms.slope(t, kind, row.k, row.h, value=value)) for t, kind in terms.on(row.k)]
         return Def(Val("g", row.k, row.h), Sum(tuple(parts)))
 
-    def target_slopes(row) -> list[Term]:
-        return [Term(None, terms.slope(t, kind, row.k, row.h, kinds.TARGET)) for t, kind in terms.on(row.k)
+    def target_slopes(row, value: str = "y") -> list[Term]:
+        return [Term(None, terms.slope(t, kind, row.k, row.h, kinds.TARGET, value)) for t, kind in terms.on(row.k)
                 if kind == "squared" and row.k == 0 and terms.has_target]
 
     if all(not is_row(ref) for row in op.rows for _, ref in row.terms):
@@ -207,23 +207,22 @@ def _segments(op: Operator) -> list[range]:
 
 def _recurrence(op: Operator, coefs: Coefficients, refs: References, inputs: list, lines: list[Statement],
                 segments: list[range], gradient: Callable, target_slopes: Callable) -> list[Statement]:
-    """A recurrence's column gradients: every row forward (the target's gradient from them), then
-    segment by segment from the last, each earlier segment's rows again from the values before it
-    (``yr<k>_<h>``, its actions read again: ``R<U>(j)`` after ``TS_REREAD``), and their reverse
-    accumulation, each row's gradient taken just before its own total. Only the rows that later
-    segments read (the checkpoints) and one segment's rows are then live at once, not every row's
-    gradient at the turn (CUDA's registers); with one segment nothing is recomputed. Each sum has
-    the same terms in the same order whatever the segments."""
+    """A recurrence's column gradients: every row forward, then segment by segment from the last, each
+    earlier segment's rows again from the values before it (``yr<k>_<h>``, its actions read again:
+    ``R<U>(j)`` after ``TS_REREAD``), and their reverse accumulation, each row's gradient (and its
+    term of the target's, summed from the last row) taken just before its own total. Only the rows
+    that later segments read (the checkpoints) and one segment's rows are then live at once, not
+    every row's gradient at the turn (CUDA's registers); with one segment nothing is recomputed.
+    Each sum has the same terms in the same order whatever the segments."""
     body = list(lines)
-    if TARGET_REF in inputs:
-        body.append(refs.gradient(TARGET_REF, tuple(t for row in op.rows for t in target_slopes(row))))
+    target, started = Var(f"a{refs.local(TARGET_REF)}") if TARGET_REF in inputs else None, False
     first = {}  # each input's first reading row: the last to add to its gradient in reverse
     for i, row in enumerate(op.rows):
         first.update({ref: i for _, ref in row.terms if ref not in first and ref in inputs})
     contributions: dict = defaultdict(list)
     action = refs.action.macro
     for n, segment in reversed(list(enumerate(segments))):
-        value = "y" if n == len(segments) - 1 else "yr"
+        value = "y" if n == len(segments) - 1 else "yr"  # the last segment's rows are at hand
         if value == "yr":
             own = {(op.rows[i].k, op.rows[i].h) for i in segment}
 
@@ -236,12 +235,17 @@ def _recurrence(op: Operator, coefs: Coefficients, refs: References, inputs: lis
         for i in reversed(segment):
             row = op.rows[i]
             body.append(gradient(row, value))
+            # the target's gradient added up with the rows' own (the same values and row weights)
+            for t in target_slopes(row, value) if target else ():
+                body.append(Store(target, Sum((t,)), "+=") if started else Def(target, Sum((t,)), const=False))
+                started = True
             yb = Val("yb", row.k, row.h)
             body.append(Def(yb, Sum((Term(None, Val("g", row.k, row.h)),
                                      *contributions.pop(("y", row.k, row.h), [])))))
             for c, ref in row.terms:
                 contributions[ref].append(coefs.term(c, yb))
             # an input's gradient is stored once its last term is in: its terms are then not live to the end
-            body += [refs.gradient(ref, tuple(contributions.pop(ref))) for ref in inputs
-                     if first.get(ref) == i]
+            body += [refs.gradient(ref, tuple(contributions.pop(ref))) for ref in inputs if first.get(ref) == i]
+    if target:
+        body.append(refs.gradient(TARGET_REF, (Term(None, target),) if started else ()))
     return body + [refs.gradient(ref, ()) for ref in inputs if ref not in first and ref != TARGET_REF]
