@@ -8,6 +8,8 @@ value)``; the template adds the columns of a trajectory in dof order (determinis
 backward recomputes the rows (it reads the inputs), then runs the operator's reverse
 accumulation with each row's gradient ``G<k>(h)`` (where the output is written) plus
 ``Σ_t GCOST(t) · ∂cost_t/∂y``; the target of a squared position term gets ``∂cost/∂target``.
+A recurrence's CUDA adjoint recomputes its rows in segments from checkpoints (``_recurrence``):
+few values live at once, within a GPU thread's registers.
 Only the states the spec writes are stored or read as gradients. A kind that is its weight
 times the rest (``CostKind.weighted``) takes its per-dof weight once per column in both
 directions (``total``, ``scales``), not on every row.

@@ -7,7 +7,8 @@ each template:
 ``U(j)`` action j, ``S<m>`` start entry m, ``E<m>`` goal entry m (end="goal"), ``Y<k>(h, value)`` output store, ``G<k>(h)``
 incoming gradient (0 when absent), ``DU(j)``/``DS<m>``/``DE<m>`` input tangents, ``TY<k>(h, value)``
 output tangent store, ``GU(j, value)``/``GS<m>(value)``/``GE<m>(value)`` adjoint stores, ``ZERO``, ``ACC(m)``
-the dt-gradient accumulator, ``TS_ROLLED`` before a loop that must stay rolled. The C template's all-dof vector form prints the forward and
+the dt-gradient accumulator, ``TS_ROLLED`` before a loop that must stay rolled; a fused recurrence's CUDA
+adjoint reads its actions again through ``RU(j)`` after ``TS_REREAD()`` (codegen/fused.py). The C template's all-dof vector form prints the forward and
 adjoint columns with the lane vocabulary (``printer.lane_printer``); for integrators it gets the
 column with its repeating rows rolled into a loop (codegen/roll.py).
 """

@@ -67,15 +67,18 @@ GRID = [
     (dict(difference="central", accuracy=8, dt="per_step", order=4), 64, "float32",
      {"core": "the adjoint needs 255 registers: 272 bytes of spill stores at the cap of 128"}),
     # fused cost terms (bench/costs.py's seven: a bound on P, V, A, J, a squared V, A, J; P written),
-    # one straight-line column each way; a squared position term adds the target's gradient
+    # one straight-line column each way; a squared position term adds the target's gradient; an
+    # integrator's adjoint recomputes its rows in segments from checkpoints
     (dict(costs=COSTS, outputs=("P",)), 32, "float32", {}),
     (dict(costs=COSTS, outputs=("P",)), 32, "float64", {}),
     (dict(costs=COSTS + (("squared", "position"),), outputs=("P",)), 64, "float64", {}),
-    (dict(control="jerk", integrator="exact", costs=COSTS, outputs=("P",)), 32, "float64",
-     {"core": "the recurrence's adjoint keeps every row's gradient for its reverse pass: "
-              "684 bytes of spill stores at the cap of 128"}),
-    (dict(control="bspline", degree=3, knots=8, steps=4, costs=COSTS, outputs=("P",)), None, "float32",
-     {"core": "forward 108, adjoint 200 bytes of spill stores at the cap of 128"}),
+    (dict(control="jerk", integrator="exact", costs=COSTS, outputs=("P",)), 32, "float64", {}),
+    (dict(control="jerk", integrator="exact", costs=COSTS, outputs=("P",)), 64, "float32", {}),
+    (dict(control="jerk", integrator="exact", costs=COSTS + (("squared", "position"),), outputs=("P",)), 32,
+     "float64", {"core": "the adjoint: 20 bytes of spill stores at the cap of 128"}),
+    (dict(control="bspline", degree=3, knots=8, steps=4, costs=COSTS, outputs=("P",)), None, "float32", {}),
+    (dict(control="bspline", degree=3, knots=8, steps=4, costs=COSTS + (("squared", "position"),),
+          outputs=("P",)), None, "float64", {}),
     # layout "bdh" above a warp's whole rows: row tiles of a sector's rows, 32 rows (the adjoint's
     # N = H - 1, an unaligned horizon) and 16 (float64 order 4, unaligned); straight-line and loops
     (dict(difference="central", layout="bdh"), 128, "float32", {}),
