@@ -55,12 +55,12 @@ class CostTerms:
                           Def(Var(f"cmar{t}"), Read(f"CMAR{t}"))]
         return lines
 
-    def _subs(self, t: int, kind: str, k: int, h: int, per_dof: bool = True, value: str = "y") -> dict:
+    def _subs(self, t: int, kind: str, k: int, h: int, per_dof: bool = True, prefix: str = "y") -> dict:
         """``per_dof``: the weight with its per-dof factor (else the row weight alone: ``value``);
-        ``value``: the prefix of the row's value (a recomputed row's, ``yr``)."""
+        ``prefix``: the row value's (a recomputed row's: ``yr``)."""
         target = sp.Symbol("ctgt") if (kind, STATES[k]) == ("squared", "position") and self.has_target else 0
         weight = sp.Symbol(f"cw{t}") if per_dof else 1
-        return {kinds.Y: sp.Symbol(f"{value}{k}_{h}"), kinds.W: weight * sp.Symbol(f"CRW{t}({h})"),
+        return {kinds.Y: sp.Symbol(f"{prefix}{k}_{h}"), kinds.W: weight * sp.Symbol(f"CRW{t}({h})"),
                 kinds.LOWER: sp.Symbol(f"clo{t}"), kinds.UPPER: sp.Symbol(f"chi{t}"),
                 kinds.MARGIN: sp.Symbol(f"cmar{t}"), kinds.TARGET: target}
 
@@ -79,12 +79,12 @@ class CostTerms:
         acc = Var(f"cacc{t}")
         return Call("CPART", (t,), Mul(acc, Cast("double", Var(f"cw{t}"))) if kinds.KINDS[kind].weighted else acc)
 
-    def slope(self, t: int, kind: str, k: int, h: int, wrt: sp.Symbol = kinds.Y, value: str = "y") -> Sym:
+    def slope(self, t: int, kind: str, k: int, h: int, wrt: sp.Symbol = kinds.Y, prefix: str = "y") -> Sym:
         """GCOST(t) · ∂(term at row h)/∂wrt; for a weighted kind, row weight × ``scales``' cgw<t> × the
-        rest (no product of per-column factors repeated on every row). ``value``: as ``_subs``."""
+        rest (no product of per-column factors repeated on every row). ``prefix``: as ``_subs``."""
         kind_ = kinds.KINDS[kind]
         expr = kind_.derivative if wrt is kinds.Y else sp.diff(kind_.expression, wrt)
-        subs = self._subs(t, kind, k, h, value=value)
+        subs = self._subs(t, kind, k, h, prefix=prefix)
         if not kind_.weighted:
             return Sym(sp.Symbol(f"GCOST({t})") * expr.xreplace(subs))
         rest = expr / (kinds.W * kind_.slope_factor)
@@ -152,13 +152,13 @@ def adjoint(op: Operator, coefs: Coefficients, refs: References, table: Argument
     inputs = refs.differentiable(op.n_actions, columns)
     body = refs.loads(columns) + terms.loads() + terms.scales()
 
-    def gradient(row, value: str = "y") -> Def:
+    def gradient(row, prefix: str = "y") -> Def:
         parts = [Term(None, Read(f"G{row.k}", (row.h,)))] if row.k in terms.written else []
-        parts += [Term(None, terms.slope(t, kind, row.k, row.h, value=value)) for t, kind in terms.on(row.k)]
+        parts += [Term(None, terms.slope(t, kind, row.k, row.h, prefix=prefix)) for t, kind in terms.on(row.k)]
         return Def(Val("g", row.k, row.h), Sum(tuple(parts)))
 
-    def target_slopes(row, value: str = "y") -> list[Term]:
-        return [Term(None, terms.slope(t, kind, row.k, row.h, kinds.TARGET, value)) for t, kind in terms.on(row.k)
+    def target_slopes(row, prefix: str = "y") -> list[Term]:
+        return [Term(None, terms.slope(t, kind, row.k, row.h, kinds.TARGET, prefix)) for t, kind in terms.on(row.k)
                 if kind == "squared" and row.k == 0 and terms.has_target]
 
     if all(not is_row(ref) for row in op.rows for _, ref in row.terms):
@@ -224,8 +224,8 @@ def _recurrence(op: Operator, coefs: Coefficients, refs: References, inputs: lis
     contributions: dict = defaultdict(list)
     action = refs.action.macro
     for n, segment in reversed(list(enumerate(segments))):
-        value = "y" if n == len(segments) - 1 else "yr"  # the last segment's rows are at hand
-        if value == "yr":
+        prefix = "y" if n == len(segments) - 1 else "yr"  # the last segment's rows are at hand
+        if prefix == "yr":
             own = {(op.rows[i].k, op.rows[i].h) for i in segment}
 
             def again(x):
@@ -236,9 +236,9 @@ def _recurrence(op: Operator, coefs: Coefficients, refs: References, inputs: lis
             body += [Call("TS_REREAD")] + [transform(lines[i], again) for i in segment]
         for i in reversed(segment):
             row = op.rows[i]
-            body.append(gradient(row, value))
+            body.append(gradient(row, prefix))
             # the target's gradient added up with the rows' own (the same values and row weights)
-            for t in target_slopes(row, value) if target else ():
+            for t in target_slopes(row, prefix) if target else ():
                 body.append(Store(target, Sum((t,)), "+=") if started else Def(target, Sum((t,)), const=False))
                 started = True
             yb = Val("yb", row.k, row.h)
