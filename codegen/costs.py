@@ -59,6 +59,12 @@ class CostKind:
         return self.derivative.as_coeff_Mul()[0]  # (of w·(...): a number times an Add would be distributed)
 
     @functools.cached_property
+    def nonnegative(self) -> bool:
+        """The expression is ≥ 0 for every y and parameters with w ≥ 0 (the argument checks refuse
+        negative weights): sums of its rows cannot cancel (codegen/fused.py ``run_rows``)."""
+        return bool(self.expression.xreplace({W: sp.Symbol("w", nonnegative=True)}).is_nonnegative)
+
+    @functools.cached_property
     def second_derivative(self) -> sp.Expr:
         """d² expression / dy² (a step function where a ramp is squared; 0 at the kink)."""
         return _tidy(sp.diff(self.derivative, Y))

@@ -3,9 +3,10 @@ over rows and dof, and the backward that takes the cost's gradient to the inputs
 
 A term (kind, state) adds, at every row h of the state's output y and every dof, its kind's
 pointwise expression (codegen/costs.py) with the weight ``weight_d · row_weight_h``. Per column
-the forward accumulates each term in double precision and hands the column's sum to ``CPART(t,
-value)``; the template adds the columns of a trajectory in dof order (deterministic sums). The
-backward recomputes the rows (it reads the inputs), then runs the operator's reverse
+the forward accumulates each term in double precision (C float32 kernels: a nonnegative term's
+rows in runs of ``FLOAT_RUN_ROWS`` in float first, ``run_rows``) and hands the column's sum to
+``CPART(t, value)``; the template adds the columns of a trajectory in dof order (deterministic
+sums). The backward recomputes the rows (it reads the inputs), then runs the operator's reverse
 accumulation with each row's gradient ``G<k>(h)`` (where the output is written) plus
 ``Σ_t GCOST(t) · ∂cost_t/∂y``; the target of a squared position term gets ``∂cost/∂target``.
 A recurrence's CUDA adjoint recomputes its rows in segments from checkpoints (``_recurrence``):
@@ -123,11 +124,52 @@ def _last_rows(op: Operator, acc: dict, targets: list[bool]) -> dict:
     return last
 
 
+#: float32 kernels (itemsize 4): a nonnegative term adds runs of this many rows in float before each
+#: run's sum goes into its double accumulator (``forward``'s ``run``)
+FLOAT_RUN_ROWS = 8
+
+
+def run_rows(itemsize: int) -> int:
+    """The rows of a cost term's run for a kernel type of this many bytes: one in double (its sums are
+    in double already), ``FLOAT_RUN_ROWS`` in float, where the conversion and the double add per row
+    were most of a term's arithmetic."""
+    return FLOAT_RUN_ROWS if itemsize < 8 else 1
+
+
+def _term_rows(terms: CostTerms, op: Operator, run: int) -> Callable:
+    """``add(t, kind, row value)`` → the statements that add one row of term t to its sums: straight into
+    its double accumulator ``cacc<t>``, or, where the kind is nonnegative and ``run`` > 1, into a
+    partial sum ``crun<t>`` in the kernel's type, added to ``cacc<t>`` once per run of ``run`` rows
+    (and at the term's last row). The rows of a run are added left to right: the same bits on every
+    call and thread count. Terms ≥ 0 do not cancel, so a run's sum is within (run − 1)·ε of
+    its exact value (ε = 2⁻²⁴ in float32), before it is converted."""
+    n = {t: sum(row.k == k for row in op.rows) for t, _, k in terms.terms}
+    seen: dict[int, int] = defaultdict(int)
+
+    def add(t: int, kind: str, value: Sym) -> list[Statement]:
+        i = seen[t]
+        seen[t] += 1
+        length = run if kinds.KINDS[kind].nonnegative else 1
+        first, last = i % length == 0, i % length == length - 1 or i == n[t] - 1
+        acc, partial = Var(f"cacc{t}"), Var(f"crun{t}")
+        if first and last:
+            return [Store(acc, Cast("double", Paren(value)), "+=")]
+        if last:
+            return [Store(acc, Cast("double", Paren(Sum((Term(None, partial), Term(None, value))))), "+=")]
+        if not first:
+            return [Store(partial, value, "+=")]
+        return [Def(partial, value, const=False) if i == 0 else Store(partial, value, "=")]
+
+    return add
+
+
 def forward(op: Operator, coefs: Coefficients, refs: References, table: ArgumentTable, rows: Callable,
-            live: Callable) -> list[Statement]:
+            live: Callable, run: int = 1) -> list[Statement]:
     """The column: each row's value, its store where the state is written, each term's sum
-    (``rows``: the operator's rows as definitions, ``live``: the dead-code pass, codegen/lower.py's)."""
+    (``rows``: the operator's rows as definitions, ``live``: the dead-code pass, codegen/lower.py's;
+    ``run``: rows a nonnegative term adds in the kernel's type before its double sum, ``_term_rows``)."""
     terms = CostTerms(table)
+    add = _term_rows(terms, op, run)
     body = refs.loads(a.name for a in table.columns) + terms.loads()
     body += [Def(Var(f"cacc{t}"), Sum(()), ctype="double", const=False) for t, _, _ in terms.terms]
     for line, row in zip(rows(op, coefs, refs), op.rows):
@@ -135,7 +177,7 @@ def forward(op: Operator, coefs: Coefficients, refs: References, table: Argument
         if row.k in terms.written:
             body.append(Call(f"Y{row.k}", (row.h,), Val("y", row.k, row.h)))
         for t, kind in terms.on(row.k):
-            body.append(Store(Var(f"cacc{t}"), Cast("double", Paren(terms.value(t, kind, row.k, row.h))), "+="))
+            body += add(t, kind, terms.value(t, kind, row.k, row.h))
     body += [terms.total(t, kind) for t, kind, _ in terms.terms]
     return live(body, _sym_reads(body))
 

@@ -1028,6 +1028,15 @@ class LoweredOperator:
         return _forward(self.op, self.coefs, self.refs, self.spans["forward"], self.only)
 
     @functools.cached_property
+    def forward_in_runs(self) -> KernelCode:
+        """A fused float32 forward for C: each nonnegative cost term's rows added in runs in float
+        before its double sum (codegen/fused.py ``run_rows``); the forward itself where not fused."""
+        if not self.fused:
+            return self.forward
+        return KernelCode(TABLE_CALL, fused.forward(self.op, self.coefs, self.refs, self.arguments,
+                                                    _forward_lines, _live, fused.run_rows(4)))
+
+    @functools.cached_property
     def adjoint(self) -> KernelCode:
         if self.fused:
             return KernelCode(TABLE_CALL, fused.adjoint(self.op, self.coefs, self.refs, self.arguments,

@@ -90,7 +90,8 @@ def _lane_actions(bodies: dict[str, tuple[Any, list[str]]], n_actions: int) -> t
     return tuple(k for k, (statements, _) in bodies.items() if _rereads_actions(statements, n_actions))
 
 
-def _lane_bodies(code: LoweredOperator, kernels: tuple, table: ArgumentTable) -> dict[str, tuple[Any, list[str]]]:
+def _lane_bodies(code: LoweredOperator, codes: dict, kernels: tuple, table: ArgumentTable
+                 ) -> dict[str, tuple[Any, list[str]]]:
     """The forward and adjoint columns in the lane form: straight-line where that is short
     enough, else (an integrator's long horizon) rolled into a loop over the rows. Straight-line
     is preferred: all of a column's loads are known up front, which keeps more memory traffic
@@ -101,8 +102,8 @@ def _lane_bodies(code: LoweredOperator, kernels: tuple, table: ArgumentTable) ->
     bodies = {}
     for k in ("forward", "adjoint", "dt_jvp"):
         if k in kernels and (k != "dt_jvp" or code.stencil):
-            statements = getattr(code, k).statements
-            if len(getattr(code, k).body) > ROLL_ABOVE_LINES and k != "dt_jvp":
+            statements = codes[k].statements  # the target's variant (codegen/targets.py ``codes``)
+            if len(codes[k].body) > ROLL_ABOVE_LINES and k != "dt_jvp":
                 statements = getattr(code, f"{k}_rolled") or statements  # built on demand
             lines = lane_printer(macros.lane_names(table)).lines(statements)
             if len(lines) <= LANE_MAX_LINES:
@@ -196,7 +197,8 @@ def render(spec: Any, code: LoweredOperator, table: ArgumentTable, target: Targe
     u = strides(spec.layout, spec.n_actions, spec.dof)
     y = strides(spec.layout, spec.horizon, spec.dof)
     lane_form = lanes(spec) if target.lanes else None
-    lane_bodies = _lane_bodies(code, kernels, table) if lane_form else {}
+    codes = target.codes(code, kernels, itemsize)
+    lane_bodies = _lane_bodies(code, codes, kernels, table) if lane_form else {}
     programs = _long_programs(code, kernels, table.dt.shape == ("B",)) if target.split_programs else {}
     units = abi.units(part, table)
     if not table.fused and bool(table.values) == code.stencil:
@@ -227,7 +229,7 @@ def render(spec: Any, code: LoweredOperator, table: ArgumentTable, target: Targe
         u_sb=u[0], u_sh=u[1], u_sd=u[2], y_sb=y[0], y_sh=y[1], y_sd=y[2],
         kernels=kernels,
         units=units,
-        codes=target.codes(code, kernels, itemsize),
+        codes=codes,
         private_coefficients=table.dt.shape != ("B",) and code.n_coefficients <= C_PRIVATE_COEFFICIENTS,
         lanes=lane_form,
         lane_bodies={k: lines for k, (_, lines) in lane_bodies.items()},

@@ -447,8 +447,10 @@ class Target:
         return TABLE_KERNELS
 
     def codes(self, code: Any, kernels: tuple[str, ...], itemsize: int) -> dict[str, Any]:
-        """Each kernel's lowered variant: the adjoint's gathers each in one pass."""
-        return {k: code.gathered_adjoint if k == "adjoint" else getattr(code, k) for k in kernels}
+        """Each kernel's lowered variant: the adjoint's gathers each in one pass; a float32 fused
+        forward adds its cost terms' rows in runs in float (``LoweredOperator.forward_in_runs``)."""
+        variant = {"adjoint": "gathered_adjoint", "forward": "forward_in_runs" if itemsize == 4 else "forward"}
+        return {k: getattr(code, variant.get(k, k)) for k in kernels}
 
     def check(self, spec: Any, tapes: list) -> None:
         """Raise where the target cannot run the spec's programs."""

@@ -8,7 +8,7 @@ import pytest
 import sympy as sp
 
 import reference_costs
-from tensorstep.codegen.costs import KINDS, LOWER, MARGIN, TARGET, UPPER, W, Y
+from tensorstep.codegen.costs import KINDS, LOWER, MARGIN, TARGET, UPPER, W, Y, CostKind
 from tensorstep.codegen.spec import KernelSpec
 
 RNG = np.random.default_rng(0)
@@ -39,6 +39,40 @@ def test_derivatives_match_central_differences(kind):
     h = 1e-6
     np.testing.assert_allclose(df(y), (f(y + h) - f(y - h)) / (2 * h), rtol=1e-7, atol=1e-7)
     np.testing.assert_allclose(d2f(y) * np.ones_like(y), (df(y + h) - df(y - h)) / (2 * h), rtol=1e-7, atol=1e-7)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_nonnegative_kinds_are_nonnegative(kind):
+    """What ``nonnegative`` claims (float32 forwards then add runs of rows in float, which only terms
+    that cannot cancel allow), checked on samples: y and every parameter drawn, margins and
+    weights ≥ 0, lower > upper too; and a signed kind is not claimed."""
+    assert KINDS[kind].nonnegative
+    rng = np.random.default_rng(1)
+    samples = {Y: rng.uniform(-5, 5, 4096), W: rng.uniform(0, 3, 4096), LOWER: rng.uniform(-3, 3, 4096),
+               UPPER: rng.uniform(-3, 3, 4096), MARGIN: rng.uniform(0, 2, 4096), TARGET: rng.uniform(-3, 3, 4096)}
+    values = sp.lambdify(list(samples), KINDS[kind].expression, "numpy")(*samples.values())
+    assert np.all(values >= 0)
+    assert not CostKind("linear", W * (Y - TARGET)).nonnegative
+    assert not CostKind("unknown sign", W * Y ** 3).nonnegative
+
+
+def test_float32_forward_adds_runs_of_rows_float64_every_row():
+    """The C float32 forward of a fused step adds a term's rows in runs in float before its double
+    sum (codegen/fused.py ``run_rows``); the float64 one adds each row to its double sum, as before;
+    the CUDA source keeps every row too."""
+    from tensorstep.codegen.driver import generate
+    from tensorstep.codegen.fused import FLOAT_RUN_ROWS
+
+    costs = (("bound", "velocity"), ("squared", "jerk"))
+    for dtype, runs in (("float32", True), ("float64", False)):
+        spec = KernelSpec(horizon=20, dof=3, dtype=dtype, costs=costs, outputs=("P",))
+        generated = generate(spec, targets=("c", "cuda"), parts=("core",))
+        c, cuda = generated.source("c", "core"), generated.source("cuda", "core")
+        assert ("crun0" in c) == runs and "crun" not in cuda
+        if runs:  # the column form: one double add per run of rows, and one for the last, shorter run
+            column = c[c.index("for (int64_t d = 0; d < D_; ++d)", c.index("_forward_batch(")):]
+            adds = column[:column.index("CPART(0")].count("cacc0 +=")
+            assert adds == -(-20 // FLOAT_RUN_ROWS)
 
 
 def test_spec_fields_round_trip_and_name_the_terms():
