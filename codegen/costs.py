@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Optional
 
 import sympy as sp
 
@@ -26,6 +27,20 @@ LOWER, UPPER, MARGIN, TARGET = (sp.Symbol(n, real=True) for n in ("lower", "uppe
 def _ramp(x: sp.Expr) -> sp.Expr:
     """max(0, x)."""
     return sp.Max(0, x)
+
+
+class DeadZone(sp.Function):
+    """y − min(max(y, a), b) for a ≤ b: how far y is outside [a, b], signed (0 inside). Its square is
+    max(0, y − b)² + max(0, a − y)² in three operations instead of six, and its slope is 1 wherever
+    it is not 0, so d(w·z²)/dy = 2w·z (``_tidy``)."""
+
+    nargs = 3
+    is_real = True
+
+    def fdiff(self, argindex: int = 1) -> sp.Expr:
+        y, a, b = self.args
+        above, below = sp.Heaviside(y - b, 0), sp.Heaviside(a - y, 0)
+        return {1: above + below, 2: -below, 3: -above}[argindex]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +55,11 @@ class CostKind:
     expression: sp.Expr
     parameters: tuple[tuple[str, bool], ...] = ()
     target_states: tuple[str, ...] = ()
+    #: the same function in fewer operations where a condition on the parameters holds: (condition,
+    #: the kind as that expression); a C call whose parameters meet it on every dof runs this form
+    #: (codegen/fused.py ``narrow_check``). Equal values there, bit for bit, is the kind's to show
+    #: (tests/codegen/test_cost_kinds.py, tests/kernels/test_costs.py).
+    narrow: Optional[tuple[sp.Rel, "CostKind"]] = None
 
     @functools.cached_property
     def derivative(self) -> sp.Expr:
@@ -80,6 +100,12 @@ def _tidy(e: sp.Expr) -> sp.Expr:
             return sp.Integer(0)
         return sp.Mul(*[f for f in factors if not (isinstance(f, sp.Heaviside) and f.args[0] in ramps)])
 
+    def slope_one(m: sp.Mul) -> sp.Expr:  # a dead zone times its own slope (1 where it is not 0) is itself
+        slopes = {z.fdiff(1) for z in m.args if isinstance(z, DeadZone)}
+        split = [sp.factor_terms(f).as_coeff_Mul() for f in m.args]
+        return sp.Mul(*[c if rest in slopes else c * rest for c, rest in split])
+
+    e = e.replace(lambda x: x.is_Mul, slope_one)
     e = sp.expand(e).replace(lambda x: x.is_Mul, product)
     e = e.replace(lambda x: isinstance(x, sp.Heaviside) and len(x.args) == 1, lambda x: sp.Heaviside(x.args[0], 0))
     return sp.factor_terms(e)
@@ -89,6 +115,9 @@ KINDS: dict[str, CostKind] = {
     kind.name: kind for kind in (
         CostKind("squared", W * (Y - TARGET) ** 2, target_states=("position",)),
         CostKind("bound", W * (_ramp(Y - (UPPER - MARGIN)) ** 2 + _ramp((LOWER + MARGIN) - Y) ** 2),
-                 parameters=(("limit", True), ("margin", False))),
+                 parameters=(("limit", True), ("margin", False)),
+                 # where the margins leave lower' ≤ upper', y is beyond at most one of them
+                 narrow=(sp.Le(LOWER + MARGIN, UPPER - MARGIN),
+                         CostKind("bound", W * DeadZone(Y, LOWER + MARGIN, UPPER - MARGIN) ** 2))),
     )
 }

@@ -13,7 +13,9 @@ A recurrence's CUDA adjoint recomputes its rows in segments from checkpoints (``
 few values live at once, within a GPU thread's registers.
 Only the states the spec writes are stored or read as gradients. A kind that is its weight
 times the rest (``CostKind.weighted``) takes its per-dof weight once per column in both
-directions (``total``, ``scales``), not on every row.
+directions (``total``, ``scales``), not on every row. A kind with a narrow form
+(``CostKind.narrow``) has a second forward and adjoint in C, which a call runs where every dof's
+parameters allow it (``narrow_check``).
 """
 from __future__ import annotations
 
@@ -36,10 +38,12 @@ TARGET_REF = ("squared_position_target", 0)
 
 
 class CostTerms:
-    """A table's cost terms with the symbols their expressions are printed with per column."""
+    """A table's cost terms with the symbols their expressions are printed with per column
+    (``narrow``: each kind in its narrow form where it has one, codegen/costs.py ``CostKind.narrow``)."""
 
-    def __init__(self, table: ArgumentTable):
+    def __init__(self, table: ArgumentTable, narrow: bool = False):
         self.table = table
+        self.narrow = narrow
         self.terms = [(t, kind, STATES.index(state)) for t, (kind, state) in enumerate(table.costs)]
         self.written = set(table.written)
 
@@ -56,6 +60,16 @@ class CostTerms:
                           Def(Var(f"cmar{t}"), Read(f"CMAR{t}"))]
         return lines
 
+    def kind(self, kind: str) -> kinds.CostKind:
+        """The form of a kind these terms print."""
+        general = kinds.KINDS[kind]
+        return general.narrow[1] if self.narrow and general.narrow else general
+
+    def conditions(self) -> list[Sym]:
+        """What the narrow forms need, at one dof."""
+        return [Sym(kinds.KINDS[kind].narrow[0].xreplace(self._subs(t, kind, k, 0)))
+                for t, kind, k in self.terms if kinds.KINDS[kind].narrow]
+
     def _subs(self, t: int, kind: str, k: int, h: int, per_dof: bool = True, prefix: str = "y") -> dict:
         """``per_dof``: the weight with its per-dof factor (else the row weight alone: ``value``);
         ``prefix``: the row value's (a recomputed row's: ``yr``)."""
@@ -71,19 +85,19 @@ class CostTerms:
 
     def value(self, t: int, kind: str, k: int, h: int) -> Sym:
         """The term at row h; without its per-dof weight where the kind is w·f (``total`` applies it)."""
-        kind_ = kinds.KINDS[kind]
+        kind_ = self.kind(kind)
         return Sym(kind_.expression.xreplace(self._subs(t, kind, k, h, per_dof=not kind_.weighted)))
 
     def total(self, t: int, kind: str) -> Statement:
         """A column's sum of term t: its rows' sum, times the per-dof weight where ``value`` left it out
         (once per column instead of once per row)."""
         acc = Var(f"cacc{t}")
-        return Call("CPART", (t,), Mul(acc, Cast("double", Var(f"cw{t}"))) if kinds.KINDS[kind].weighted else acc)
+        return Call("CPART", (t,), Mul(acc, Cast("double", Var(f"cw{t}"))) if self.kind(kind).weighted else acc)
 
     def slope(self, t: int, kind: str, k: int, h: int, wrt: sp.Symbol = kinds.Y, prefix: str = "y") -> Sym:
         """GCOST(t) · ∂(term at row h)/∂wrt; for a weighted kind, row weight × ``scales``' cgw<t> × the
         rest (no product of per-column factors repeated on every row). ``prefix``: as ``_subs``."""
-        kind_ = kinds.KINDS[kind]
+        kind_ = self.kind(kind)
         expr = kind_.derivative if wrt is kinds.Y else sp.diff(kind_.expression, wrt)
         subs = self._subs(t, kind, k, h, prefix=prefix)
         if not kind_.weighted:
@@ -96,8 +110,8 @@ class CostTerms:
     def scales(self) -> list[Statement]:
         """The adjoint's per-column factor of each weighted term: GCOST(t) × its derivative's number ×
         the per-dof weight."""
-        return [Def(Var(f"cgw{t}"), Sym(kinds.KINDS[kind].slope_factor * sp.Symbol(f"GCOST({t})") * sp.Symbol(f"cw{t}")))
-                for t, kind, _ in self.terms if kinds.KINDS[kind].weighted]
+        return [Def(Var(f"cgw{t}"), Sym(self.kind(kind).slope_factor * sp.Symbol(f"GCOST({t})") * sp.Symbol(f"cw{t}")))
+                for t, kind, _ in self.terms if self.kind(kind).weighted]
 
 
 def _sym_reads(body: list[Statement]) -> set:
@@ -149,7 +163,7 @@ def _term_rows(terms: CostTerms, op: Operator, run: int) -> Callable:
     def add(t: int, kind: str, value: Sym) -> list[Statement]:
         i = seen[t]
         seen[t] += 1
-        length = run if kinds.KINDS[kind].nonnegative else 1
+        length = run if terms.kind(kind).nonnegative else 1
         first, last = i % length == 0, i % length == length - 1 or i == n[t] - 1
         acc, partial = Var(f"cacc{t}"), Var(f"crun{t}")
         if first and last:
@@ -164,11 +178,12 @@ def _term_rows(terms: CostTerms, op: Operator, run: int) -> Callable:
 
 
 def forward(op: Operator, coefs: Coefficients, refs: References, table: ArgumentTable, rows: Callable,
-            live: Callable, run: int = 1) -> list[Statement]:
+            live: Callable, run: int = 1, narrow: bool = False) -> list[Statement]:
     """The column: each row's value, its store where the state is written, each term's sum
     (``rows``: the operator's rows as definitions, ``live``: the dead-code pass, codegen/lower.py's;
-    ``run``: rows a nonnegative term adds in the kernel's type before its double sum, ``_term_rows``)."""
-    terms = CostTerms(table)
+    ``run``: rows a nonnegative term adds in the kernel's type before its double sum, ``_term_rows``;
+    ``narrow``: each kind in its narrow form where it has one, valid where ``narrow_check`` holds)."""
+    terms = CostTerms(table, narrow)
     add = _term_rows(terms, op, run)
     body = refs.loads(a.name for a in table.columns) + terms.loads()
     body += [Def(Var(f"cacc{t}"), Sum(()), ctype="double", const=False) for t, _, _ in terms.terms]
@@ -182,14 +197,25 @@ def forward(op: Operator, coefs: Coefficients, refs: References, table: Argument
     return live(body, _sym_reads(body))
 
 
+def narrow_check(table: ArgumentTable) -> tuple[list[Statement], list[Sym]]:
+    """What a call's narrow forms need, for one dof: the loads of the parameters (limits and margins,
+    which every trajectory shares) and the conditions; none where no kind has a narrow form."""
+    terms = CostTerms(table)
+    conditions = terms.conditions()
+    loads = terms.loads()
+    shared = {a.macro for a in table.parameters}
+    assert all(d.value.macro in shared for d in loads), "a narrow form's condition reads per-call parameters only"
+    return (loads, conditions) if conditions else ([], [])
+
+
 def adjoint(op: Operator, coefs: Coefficients, refs: References, table: ArgumentTable, rows: Callable,
-            live: Callable, checkpoints: bool = False) -> list[Statement]:
+            live: Callable, checkpoints: bool = False, narrow: bool = False) -> list[Statement]:
     """The column's gradients: the rows recomputed, each row's gradient from its output and the
     cost terms on it, then every differentiable input's store. No row of a stencil reads another,
     so each row's gradient goes into its inputs' accumulators at once (few values live: CUDA's
     registers); a recurrence's rows are accumulated in reverse, with ``checkpoints`` segment by
-    segment (``_recurrence``)."""
-    terms = CostTerms(table)
+    segment (``_recurrence``). ``narrow``: as ``forward``'s."""
+    terms = CostTerms(table, narrow)
     columns = [a.name for a in table.columns]
     inputs = refs.differentiable(op.n_actions, columns)
     body = refs.loads(columns) + terms.loads() + terms.scales()

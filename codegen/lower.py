@@ -1009,6 +1009,7 @@ class LoweredOperator:
         self.spans = {"forward": forward, "adjoint": adjoint,
                       "dt": forward + _leftover_spans(op, self.coefs, _covered(forward) | interior)}
         self.n_coefficients = max(1, self.coefs.size)
+        self._c_fused: dict[tuple[str, int, bool], KernelCode] = {}
 
     @functools.cached_property
     def coefficient_lines(self) -> list[str]:
@@ -1027,14 +1028,17 @@ class LoweredOperator:
                                                         _forward_lines, _live))
         return _forward(self.op, self.coefs, self.refs, self.spans["forward"], self.only)
 
-    @functools.cached_property
-    def forward_in_runs(self) -> KernelCode:
-        """A fused float32 forward for C: each nonnegative cost term's rows added in runs in float
-        before its double sum (codegen/fused.py ``run_rows``); the forward itself where not fused."""
-        if not self.fused:
-            return self.forward
-        return KernelCode(TABLE_CALL, fused.forward(self.op, self.coefs, self.refs, self.arguments,
-                                                    _forward_lines, _live, fused.run_rows(4)))
+    def c_fused(self, kernel: str, itemsize: int, narrow: bool = False) -> KernelCode:
+        """C's form of a fused forward or adjoint: a float32 forward's cost rows added in runs in float;
+        ``narrow``: each kind in its narrow form (codegen/fused.py ``run_rows``, ``narrow_check``)."""
+        run = fused.run_rows(itemsize) if kernel == "forward" else 1
+        key = (kernel, run, narrow)
+        if key not in self._c_fused:
+            extra = {"run": run} if kernel == "forward" else {}
+            build = fused.forward if kernel == "forward" else fused.adjoint
+            self._c_fused[key] = KernelCode(TABLE_CALL, build(self.op, self.coefs, self.refs, self.arguments,
+                                                              _forward_lines, _live, narrow=narrow, **extra))
+        return self._c_fused[key]
 
     @functools.cached_property
     def adjoint(self) -> KernelCode:

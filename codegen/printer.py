@@ -22,7 +22,7 @@ INDENT = "    "
 class _SymPrinter(C99CodePrinter):
     """C99 printer that writes small integer powers as products (no pow() in kernels)."""
 
-    MAX, STEP = "TS_MAX", "TS_STEP"  # the templates' macros
+    MAX, MIN, STEP = "TS_MAX", "TS_MIN", "TS_STEP"  # the templates' macros
 
     def _print_Pow(self, expr: sp.Pow) -> str:
         base, exp = expr.as_base_exp()
@@ -42,18 +42,26 @@ class _SymPrinter(C99CodePrinter):
             out = f"{self.MAX}({out}, {self._print(arg)})"
         return out
 
+    def _print_DeadZone(self, expr: sp.Expr) -> str:
+        """y − min(max(y, a), b) (codegen/costs.py DeadZone)."""
+        y, a, b = (self._vector(x) for x in expr.args)
+        return f"({y} - {self.MIN}({self.MAX}({y}, {a}), {b}))"
+
+    def _vector(self, expr: sp.Expr) -> str:
+        return self._print(expr)
+
     def _print_Heaviside(self, expr: sp.Heaviside) -> str:
         """The unit step, 0 at 0 (a cost's second derivative at a limit): TS_STEP(x) = x > 0."""
         return f"{self.STEP}({self._print(expr.args[0])})"
 
 
 class _LaneSymPrinter(_SymPrinter):
-    """The same over all dof lanes: max and the unit step as the lane form's VMAX and VSTEP
+    """The same over all dof lanes: max, min and the unit step as the lane form's VMAX, VMIN and VSTEP
     (GCC's vector extensions have no ?: in C), whose arguments are vectors: a number is broadcast
     (VZERO + n, folded by the compiler; adding VZERO to a vector is an instruction, as x + 0 is
     not x for x = -0)."""
 
-    MAX, STEP = "VMAX", "VSTEP"
+    MAX, MIN, STEP = "VMAX", "VMIN", "VSTEP"
 
     def _print_Max(self, expr: sp.Max) -> str:
         first, *rest = (self._vector(a) for a in expr.args)

@@ -9,10 +9,10 @@ from typing import Any
 import jinja2
 
 from ..version import __version__
-from . import abi, macros, monomials, tape
+from . import abi, fused, macros, monomials, tape
 from .arguments import ArgumentTable
 from .lower import LoweredOperator
-from .printer import lane_printer
+from .printer import COLUMN, lane_printer
 from .statements import Read, Shift, walk
 from .targets import (CUDA_BLOCK, CUDA_STAGED, CUDA_WARPS, ITEMSIZE, TABLE_KERNELS, Target, cuda_coefficients,
                       cuda_stage_columns, cuda_tiles, cuda_warp_rows_shared, inline_coefficients, tape_files)
@@ -113,6 +113,15 @@ def _lane_bodies(code: LoweredOperator, codes: dict, kernels: tuple, table: Argu
 
 
 
+def _narrow_check(table: ArgumentTable) -> list[str]:
+    """C lines that set ``narrow`` where every dof's parameters allow the cost kinds' narrow forms."""
+    loads, conditions = fused.narrow_check(table)
+    test = " && ".join(f"({COLUMN.expr(c)})" for c in conditions)
+    return ["int narrow = 1; /* every dof allows the cost kinds' narrow forms */",
+            "for (int64_t d = 0; d < D_; ++d) {", *(f"    {line}" for line in COLUMN.lines(loads)),
+            f"    narrow &= {test};", "}"]
+
+
 #: C kernels with at most this many step coefficients (one dt per call) give each thread its own
 #: copy of the table (an array in the batch function: a few KB per call), so gcc keeps a loop's
 #: coefficients in registers; longer tables (per-step durations) are read where used, each row
@@ -198,7 +207,10 @@ def render(spec: Any, code: LoweredOperator, table: ArgumentTable, target: Targe
     y = strides(spec.layout, spec.horizon, spec.dof)
     lane_form = lanes(spec) if target.lanes else None
     codes = target.codes(code, kernels, itemsize)
+    narrow = target.narrow_codes(code, kernels, itemsize)
     lane_bodies = _lane_bodies(code, codes, kernels, table) if lane_form else {}
+    if lane_form and narrow:
+        lane_bodies.update({f"{k}_narrow": v for k, v in _lane_bodies(code, narrow, tuple(narrow), table).items()})
     programs = _long_programs(code, kernels, table.dt.shape == ("B",)) if target.split_programs else {}
     units = abi.units(part, table)
     if not table.fused and bool(table.values) == code.stencil:
@@ -230,6 +242,8 @@ def render(spec: Any, code: LoweredOperator, table: ArgumentTable, target: Targe
         kernels=kernels,
         units=units,
         codes=codes,
+        narrow_codes=narrow,
+        narrow_check=_narrow_check(table) if narrow else [],
         private_coefficients=table.dt.shape != ("B",) and code.n_coefficients <= C_PRIVATE_COEFFICIENTS,
         lanes=lane_form,
         lane_bodies={k: lines for k, (_, lines) in lane_bodies.items()},

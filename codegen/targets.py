@@ -447,10 +447,16 @@ class Target:
         return TABLE_KERNELS
 
     def codes(self, code: Any, kernels: tuple[str, ...], itemsize: int) -> dict[str, Any]:
-        """Each kernel's lowered variant: the adjoint's gathers each in one pass; a float32 fused
-        forward adds its cost terms' rows in runs in float (``LoweredOperator.forward_in_runs``)."""
-        variant = {"adjoint": "gathered_adjoint", "forward": "forward_in_runs" if itemsize == 4 else "forward"}
-        return {k: getattr(code, variant.get(k, k)) for k in kernels}
+        """Each kernel's lowered variant: the adjoint's gathers each in one pass; a fused forward and
+        adjoint in C's form (``LoweredOperator.c_fused``)."""
+        if code.fused:
+            return {k: code.c_fused(k, itemsize) if k in ("forward", "adjoint") else getattr(code, k) for k in kernels}
+        return {k: code.gathered_adjoint if k == "adjoint" else getattr(code, k) for k in kernels}
+
+    def narrow_codes(self, code: Any, kernels: tuple[str, ...], itemsize: int) -> dict[str, Any]:
+        """A fused forward and adjoint with each cost kind in its narrow form, which the entry point
+        runs where every dof's parameters allow it (codegen/fused.py ``narrow_check``): C's only."""
+        return {}
 
     def check(self, spec: Any, tapes: list) -> None:
         """Raise where the target cannot run the spec's programs."""
@@ -462,6 +468,13 @@ class Target:
 
 class CTarget(Target):
     """C: entry points looping over the batch, compiled by the C backend."""
+
+    def narrow_codes(self, code: Any, kernels: tuple[str, ...], itemsize: int) -> dict[str, Any]:
+        from .fused import narrow_check
+
+        if not code.fused or not narrow_check(code.arguments)[1]:
+            return {}
+        return {k: code.c_fused(k, itemsize, narrow=True) for k in ("forward", "adjoint") if k in kernels}
 
     def launch_plan(self, spec: Any, metadata: Mapping[str, Any]) -> CLaunchPlan:
         return CLaunchPlan(argument_table(spec).dt.shape == ("B",), int(metadata.get("n_coefficients", 0)))

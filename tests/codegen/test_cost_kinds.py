@@ -41,6 +41,30 @@ def test_derivatives_match_central_differences(kind):
     np.testing.assert_allclose(d2f(y) * np.ones_like(y), (df(y + h) - df(y - h)) / (2 * h), rtol=1e-7, atol=1e-7)
 
 
+@pytest.mark.parametrize("kind", [k for k in KINDS if KINDS[k].narrow])
+def test_narrow_forms_are_the_kind_where_their_condition_holds(kind):
+    """Values and first derivatives equal on samples where the condition holds (y on both sides of
+    and between the limits, margins up to the condition's edge); some differ where it does not."""
+    condition, narrow = KINDS[kind].narrow
+    rng = np.random.default_rng(2)
+    n = 4096
+    lower, upper = rng.uniform(-2, 0, n), rng.uniform(0, 2, n)
+    samples = {Y: rng.uniform(-4, 4, n), W: rng.uniform(0, 3, n), LOWER: lower, UPPER: upper,
+               MARGIN: rng.uniform(0, 1, n) * (upper - lower) / 2, TARGET: rng.uniform(-3, 3, n)}
+    args = list(samples)
+    numeric = lambda e: sp.lambdify(args, e.replace(
+        lambda x: isinstance(x, sp.Heaviside), lambda x: sp.Piecewise((1, x.args[0] > 0), (0, True))),
+        [{"DeadZone": lambda y, a, b: y - np.minimum(np.maximum(y, a), b)}, "numpy"])
+    holds = numeric(condition)(*samples.values())
+    assert holds.all()
+    for general, fast in ((KINDS[kind].expression, narrow.expression), (KINDS[kind].derivative, narrow.derivative)):
+        np.testing.assert_allclose(numeric(fast)(*samples.values()), numeric(general)(*samples.values()),
+                                   rtol=1e-14, atol=1e-14)
+    samples[MARGIN] = (upper - lower) * rng.uniform(0.6, 1.5, n)  # lower + margin > upper − margin
+    assert not numeric(condition)(*samples.values()).any()
+    assert not np.allclose(numeric(narrow.expression)(*samples.values()), numeric(KINDS[kind].expression)(*samples.values()))
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_nonnegative_kinds_are_nonnegative(kind):
     """What ``nonnegative`` claims (float32 forwards then add runs of rows in float, which only terms
@@ -59,7 +83,7 @@ def test_nonnegative_kinds_are_nonnegative(kind):
 def test_float32_forward_adds_runs_of_rows_float64_every_row():
     """The C float32 forward of a fused step adds a term's rows in runs in float before its double
     sum (codegen/fused.py ``run_rows``); the float64 one adds each row to its double sum, as before;
-    the CUDA source keeps every row too."""
+    the CUDA source keeps every row too. C's entry points choose a bound's narrow form per call."""
     from tensorstep.codegen.driver import generate
     from tensorstep.codegen.fused import FLOAT_RUN_ROWS
 
@@ -69,6 +93,9 @@ def test_float32_forward_adds_runs_of_rows_float64_every_row():
         generated = generate(spec, targets=("c", "cuda"), parts=("core",))
         c, cuda = generated.source("c", "core"), generated.source("cuda", "core")
         assert ("crun0" in c) == runs and "crun" not in cuda
+        # a bound's narrow form (C only): a batch function of its own, run where every dof allows it
+        assert c.count("narrow &= (clo0 + cmar0 <= chi0 - cmar0);") == 2 and "narrow" not in cuda
+        assert "_forward_narrow_batch(int64_t" in c and "_adjoint_narrow_batch(int64_t" in c
         if runs:  # the column form: one double add per run of rows, and one for the last, shorter run
             column = c[c.index("for (int64_t d = 0; d < D_; ++d)", c.index("_forward_batch(")):]
             adds = column[:column.index("CPART(0")].count("cacc0 +=")

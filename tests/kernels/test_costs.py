@@ -129,6 +129,50 @@ def test_gradients_match_the_plain_step_plus_costs(case, dt_grad):
     """Without a dt gradient the fused backward kernel runs; with one, the composite form."""
     spec = _spec(case, outputs=("P",))
     x, params, dt = _data(spec)
+    _fused_against_composite(spec, x, params, dt, dt_grad)
+
+
+@pytest.mark.parametrize("case", ["central", "jerk_exact", "bspline"])
+def test_margins_that_overlap_take_the_general_form(case):
+    """Margins that leave lower + margin > upper − margin on a dof (y is then beyond one of them on
+    every row, or both): the C kernels take each bound's general form (not its narrow form,
+    codegen/costs.py ``CostKind.narrow``), values and gradients still the definitions'."""
+    spec = _spec(case, outputs=("P",))
+    x, params, dt = _data(spec)
+    for kind, state in TERMS:
+        if kind == "bound":
+            lo, hi = params[f"bound_{state}_limit"]
+            params[f"bound_{state}_margin"][0] = 0.75 * (hi[0] - lo[0])
+    _fused_against_composite(spec, x, params, dt, False)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_narrow_and_general_forms_give_the_same_bits(dtype):
+    """A bound's narrow form gives its general form's bits: the same data run with every dof's margins
+    allowing the narrow form, then with one dof's velocity margins overlapping (the call then takes
+    the general form), that dof's velocity bound weighted 0 in both runs; states, cost and gradients
+    equal."""
+    spec = ts.KernelSpec(horizon=9, dof=3, dtype=dtype, costs=TERMS, outputs=("P", "A"))
+    x, params, _ = _data(spec)
+    to = (lambda t: t.float()) if dtype == "float32" else (lambda t: t)
+    x, params = {k: to(v) for k, v in x.items()}, {k: to(v) for k, v in params.items()}
+    params["bound_velocity_weight"][:, 0] = 0
+    lo, hi = params["bound_velocity_limit"]
+    overlapping = {**params, "bound_velocity_margin": params["bound_velocity_margin"].clone()}
+    overlapping["bound_velocity_margin"][0] = hi[0] - lo[0]
+    step, runs = ts.load(spec), []
+    for pp in (params, overlapping):
+        u = x["u"].clone().requires_grad_()
+        target = pp["squared_position_target"].clone().requires_grad_()
+        outs = _call(step, spec, {**x, "u": u}, {**pp, "squared_position_target": target}, 0.1)
+        sum(y.square().sum() for y in outs).backward()
+        runs.append([*(y.detach() for y in outs), u.grad, target.grad])
+    for narrow, general, name in zip(*runs, ("P", "A", "cost", "u", "target")):
+        assert torch.equal(narrow, general), name
+
+
+def _fused_against_composite(spec, x, params, dt, dt_grad):
+    """The fused step's P, cost and gradients against the plain step plus the terms in PyTorch."""
     gen = torch.Generator().manual_seed(5)
     wcost = torch.randn(3, len(TERMS), generator=gen, dtype=torch.float64)
     wP = torch.randn(3, spec.horizon, spec.dof, generator=gen, dtype=torch.float64)
