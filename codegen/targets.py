@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping, Optional, Union
 
-from . import abi
+from . import abi, reads
 from .arguments import ArgumentTable, table as argument_table
 
 #: CUDA threads per block: a multiple of the warp size (dt_vjp's sums are over whole warps); the
@@ -497,20 +497,24 @@ class CudaTarget(Target):
         """An integrator's long adjoint rolled (``CUDA_ROLL_ABOVE_BYTES``), a fused one's recomputed
         in segments from checkpoints (``adjoint_checkpointed``); a stencil's adjoint
         reads each output gradient where it is used (held in locals, the boundary rows of a wide
-        per-step stencil took 144 registers, order 4, H=64, float32); with a period above 1
+        per-step stencil took 144 registers, order 4, H=64, float32), its straight-line stores
+        as accumulations that read each gradient once (codegen/reads.py); with a period above 1
         (B-splines) the forward and adjoint are span loops only, as in C (lower._spans_only); the
-        tangent and reverse programs as tapes (``tape_programs``)."""
+        tangent and reverse programs as tapes (``tape_programs``), dt_jvp's inputs read once."""
         codes = {k: getattr(code.as_tapes, k) if k in ("dt_jvp", "dt_vjp_finish") else getattr(code, k)
                  for k in kernels}
         adjoint = codes.get("adjoint")
         if adjoint is not None and code.adjoint_reads is not None:
-            codes["adjoint"] = code.adjoint_reads
+            codes["adjoint"] = dataclasses.replace(code.adjoint_reads,
+                                                   statements=reads.in_read_order(code.adjoint_reads.statements))
         elif adjoint is not None and code.adjoint_checkpointed is not None:
             codes["adjoint"] = code.adjoint_checkpointed
         elif adjoint is not None and len(adjoint.body) * itemsize > CUDA_ROLL_ABOVE_BYTES:
             rolled = code.adjoint_rolled  # None for stencils, whose columns hold few values
             if rolled:
                 codes["adjoint"] = dataclasses.replace(adjoint, statements=rolled)
+        if "dt_jvp" in codes:
+            codes["dt_jvp"] = dataclasses.replace(codes["dt_jvp"], statements=reads.loaded_once(codes["dt_jvp"].statements))
         return codes
 
     def check(self, spec: Any, tapes: list) -> None:
