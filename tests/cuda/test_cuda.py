@@ -223,6 +223,24 @@ def test_cuda_source_run_on_the_host_matches_reference(overrides, form, monkeypa
     assert row["forward"] <= 1e-12 and row["adjoint"] <= 1e-12, row
 
 
+# wide per-step stencils of order 4, whose CUDA adjoint stores are accumulations in read order and
+# whose tangent loads each input once (codegen/reads.py): the horizons of tests/cuda/test_ptxas.py
+WIDE = [(dict(difference="backward", accuracy=3, dt="per_step", order=4), 32),
+        (dict(difference="central", accuracy=8, dt="per_step", order=4), 64),
+        (dict(difference="central", accuracy=4, dt="per_step", order=4), 32)]
+
+
+@pytest.mark.parametrize("overrides, horizon", WIDE, ids=[grid_id(o) for o, _ in WIDE])
+def test_wide_stencils_run_on_the_host_match_reference(overrides, horizon):
+    """The CUDA kernels of wide stencils run on the host: forward against the dense float64
+    operator and adjoint by the dot test at 1e-12, dt's gradient and tangent against differences
+    of the reference in dt."""
+    spec = make_spec(overrides, horizon=horizon, dof=2)
+    row = verify_launcher(spec, Launcher(spec, HostCudaBackend(spec)), torch.device("cpu"), B=150)  # 2 blocks
+    assert row["forward"] <= 1e-12 and row["adjoint"] <= 1e-12, row
+    check_dt_derivatives(ReferenceCase(spec, B=3, seed=4), [("cuda-on-host", host_step(spec))])
+
+
 BLOCK_TABLES = [dict(control="acceleration", dt="per_step"), dict(control="jerk", integrator="exact", dt="per_step", order=4),
                 dict(control="velocity"), dict(difference="central", accuracy=(2, 4, 2))]
 
