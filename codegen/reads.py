@@ -5,7 +5,7 @@ statement reads them again (``G4(7)`` in five gradient stores, ``DU(1)`` in eigh
 either keeps a value from its first statement to its last, or, for a read under a null check
 (``(du ? du[...] : 0)``), loads it again for every statement and hoists those loads; either way
 the column needed more registers than the per-element limit and spilled at the cap (order 4,
-per-step dt: adjoints 130-255 registers, a tangent 24 bytes of spills). Here:
+per-step dt: adjoints 130-255 registers, tangents 24-32 bytes of spills). Here:
 
 - ``in_read_order``: a run of gradient stores, each a sum of output-gradient reads (times table
   coefficients), becomes one accumulator per sum (per parenthesised partial sum of a long one)
@@ -15,8 +15,9 @@ per-step dt: adjoints 130-255 registers, a tangent 24 bytes of spills). Here:
 - ``loaded_once``: an input several statements read as a term's operand is loaded into a local
   right before the first of them.
 
-Each sum adds the same terms in the same order, so results are bit for bit those of the
-statements as written.
+Each sum adds the same terms in the same order: results are bit for bit those of the statements
+as written where the compiler fuses no multiply-add (gcc on the host, contracting, picks its
+fused multiply-adds differently for the two texts).
 """
 from __future__ import annotations
 
