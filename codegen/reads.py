@@ -77,9 +77,10 @@ def _topological(after: dict[Key, list[Key]], before: dict[Key, int]) -> list[Ke
 
 def _order(sums: list[tuple[Term, ...]]) -> Optional[list[Key]]:
     """Every read once, each sum's reads in its order; None where two sums order some reads
-    differently or a sum reads a value twice. Of the reads that may come next: the one that
-    starts the fewest sums less those it completes, then the one that most reads must follow,
-    then the one used first (few sums under way at once)."""
+    differently or a sum reads a value twice. The sums that share reads (a group: the stores of
+    one boundary) one group after another, in the order of their first stores; of a group's reads
+    that may come next, the one that starts the fewest sums less those it completes, then the one
+    that most reads must follow, then the one used first (few sums under way at once)."""
     after: dict[Key, list[Key]] = {}
     before: dict[Key, int] = {}
     users: dict[Key, list[int]] = {}
@@ -102,12 +103,13 @@ def _order(sums: list[tuple[Term, ...]]) -> Optional[list[Key]]:
     for key in reversed(some):
         height[key] = max((height[n] + 1 for n in after[key]), default=0)
     first = {key: i for i, key in enumerate(users)}
+    group = _groups(sums, users)
     left = [len(terms) for terms in sums]
 
-    def cost(key: Key) -> tuple[int, int, int]:
+    def cost(key: Key) -> tuple[int, int, int, int]:
         starts = sum(1 for n in users[key] if left[n] == len(sums[n]))
         ends = sum(1 for n in users[key] if left[n] == 1)
-        return starts - ends, -height[key], first[key]
+        return group[users[key][0]], starts - ends, -height[key], first[key]
 
     ready = [key for key, n in before.items() if n == 0]
     order: list[Key] = []
@@ -122,6 +124,22 @@ def _order(sums: list[tuple[Term, ...]]) -> Optional[list[Key]]:
             if before[nxt] == 0:
                 ready.append(nxt)
     return order
+
+
+def _groups(sums: list[tuple[Term, ...]], users: dict[Key, list[int]]) -> list[int]:
+    """Each sum's group: the first sum of those it is connected to by shared reads."""
+    group = list(range(len(sums)))
+
+    def root(n: int) -> int:
+        while group[n] != n:
+            n = group[n]
+        return n
+
+    for ns in users.values():
+        for n in ns[1:]:
+            a, b = sorted((root(ns[0]), root(n)))
+            group[b] = a
+    return [root(n) for n in range(len(sums))]
 
 
 def _accumulated(stores: list[Call], loaded: set[Key], fresh: Iterator[Var]) -> Optional[list[Statement]]:

@@ -307,8 +307,6 @@ extern "C" __global__ __launch_bounds__(256, 2) void ts_h32_d7_pos_bac_a111_hold
             if (g2) SGU += C(5)*SG2(1)+C(10)*SG2(2)+C(5)*SG2(3);
             if (g3) SGU += C(9)*SG3(1)+C(13)*SG3(2)+C(14)*SG3(3)+C(6)*SG3(4);
         }
-        const T g3_3 = G3(3);
-        T gsum3 = C(6)*g3_3;
         const T g3_31 = G3(31);
         T gsum0 = C(14)*g3_31;
         T gsum1 = C(13)*g3_31;
@@ -344,6 +342,8 @@ extern "C" __global__ __launch_bounds__(256, 2) void ts_h32_d7_pos_bac_a111_hold
         const T g0_29 = G0(29);
         gsum0 += g0_29;
         GU(28, gsum0);
+        const T g3_3 = G3(3);
+        T gsum3 = C(6)*g3_3;
         const T g3_2 = G3(2);
         gsum3 += C(11)*g3_2;
         T gsum4 = C(5)*g3_2;
