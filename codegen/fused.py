@@ -9,8 +9,8 @@ rows in runs of ``FLOAT_RUN_ROWS`` in float first, ``run_rows``) and hands the c
 sums). The backward recomputes the rows (it reads the inputs), then runs the operator's reverse
 accumulation with each row's gradient ``G<k>(h)`` (where the output is written) plus
 ``Σ_t GCOST(t) · ∂cost_t/∂y``; the target of a squared position term gets ``∂cost/∂target``.
-A recurrence's CUDA adjoint recomputes its rows in segments from checkpoints (``_recurrence``):
-few values live at once, within a GPU thread's registers.
+A recurrence's CUDA adjoint recomputes its rows in segments from checkpoints kept in a local array
+(``_recurrence``): few values live at once, within a GPU thread's registers, at any horizon.
 Only the states the spec writes are stored or read as gradients. A kind that is its weight
 times the rest (``CostKind.weighted``) takes its per-dof weight once per column in both
 directions (``total``, ``scales``), not on every row. A kind with a narrow form
@@ -19,7 +19,6 @@ parameters allow it (``narrow_check``).
 """
 from __future__ import annotations
 
-import itertools
 import re
 from collections import defaultdict
 from typing import Callable
@@ -209,12 +208,12 @@ def narrow_check(table: ArgumentTable) -> tuple[list[Statement], list[Sym]]:
 
 
 def adjoint(op: Operator, coefs: Coefficients, refs: References, table: ArgumentTable, rows: Callable,
-            live: Callable, checkpoints: bool = False, narrow: bool = False) -> list[Statement]:
+            live: Callable, checkpoints: int = 0, narrow: bool = False) -> list[Statement]:
     """The column's gradients: the rows recomputed, each row's gradient from its output and the
     cost terms on it, then every differentiable input's store. No row of a stencil reads another,
     so each row's gradient goes into its inputs' accumulators at once (few values live: CUDA's
-    registers); a recurrence's rows are accumulated in reverse, with ``checkpoints`` segment by
-    segment (``_recurrence``). ``narrow``: as ``forward``'s."""
+    registers); a recurrence's rows are accumulated in reverse, with ``checkpoints`` (the value's
+    itemsize) segment by segment (``_recurrence``). ``narrow``: as ``forward``'s."""
     terms = CostTerms(table, narrow)
     columns = [a.name for a in table.columns]
     inputs = refs.differentiable(op.n_actions, columns)
@@ -243,36 +242,35 @@ def adjoint(op: Operator, coefs: Coefficients, refs: References, table: Argument
             body += [refs.gradient(ref, (Term(None, acc[ref]),)) for ref in acc if last.get(ref) == i]
         body += [refs.gradient(ref, (Term(None, v),)) for ref, v in acc.items() if ref not in last]
         return live(body, _sym_reads(body))
-    segments = _segments(op) if checkpoints else [range(len(op.rows))]
+    segments = _segments(op, checkpoints) if checkpoints else [range(len(op.rows))]
     body += _recurrence(op, coefs, refs, inputs, rows(op, coefs, refs), segments, gradient, target_slopes)
     return live(body, _sym_reads(body))
 
 
-def _segments(op: Operator) -> list[range]:
-    """The recurrence's rows in consecutive segments of one length, the one with which the fewest
-    values are live at once in ``_recurrence``: one segment's rows, plus the first pass's values of
-    earlier rows that a segment not yet reversed reads (checkpoints: each is live from the first
-    pass to the reverse of the first later segment that reads it). Of equal counts the longest
-    segments (the fewest rows recomputed)."""
-    index = {(row.k, row.h): i for i, row in enumerate(op.rows)}
-    readers: list[list[int]] = [[] for _ in op.rows]  # the rows that read each row
-    for i, row in enumerate(op.rows):
-        for _, ref in row.terms:
-            if is_row(ref):
-                readers[index[ref[1:]]].append(i)
+#: the registers one segment's recomputed rows take (``_segments``): with the checkpoints in the
+#: thread's local array, the rest of the 128 go to the cost parameters, addresses and the reverse's
+#: values (ptxas at the cap: 24 kept float64 jerk, acceleration and jerk-with-target columns to H=64
+#: without spills, where 16 to 20 left 4 to 12 bytes on some)
+SEGMENT_REGISTERS = 24
 
-    def peak(size: int) -> int:
-        n = -(-len(op.rows) // size)
-        since = [0] * n  # checkpoints live from segment s's reverse on (the reverse runs s = n-1 .. 0)
-        for r, rows in enumerate(readers):
-            later = [i // size for i in rows if i // size > r // size]
-            if later:
-                since[min(later)] += 1
-        live = itertools.accumulate(since)
-        return max(c + len(range(s * size, min((s + 1) * size, len(op.rows)))) for s, c in enumerate(live))
 
-    size = min(range(len(op.rows), 0, -1), key=peak)
+def _segments(op: Operator, itemsize: int) -> list[range]:
+    """The recurrence's rows in consecutive segments of ``SEGMENT_REGISTERS`` registers' worth of
+    rows (``itemsize`` bytes a value, 4 a register). The rows a later segment reads from an earlier
+    one are checkpoints in memory (``_checkpoints``), so one segment's rows are what the recomputation
+    keeps live, whatever the horizon; every row is recomputed once but the last segment's."""
+    size = max(1, SEGMENT_REGISTERS * 4 // itemsize)
     return [range(i, min(i + size, len(op.rows))) for i in range(0, len(op.rows), size)]
+
+
+def _checkpoints(op: Operator, segments: list[range]) -> dict[int, int]:
+    """The rows that a recomputed segment (every one but the last) reads from an earlier segment,
+    each with its slot in the column's checkpoint array (``TS_CK``), in row order."""
+    index = {(row.k, row.h): i for i, row in enumerate(op.rows)}
+    segment_of = {i: n for n, segment in enumerate(segments) for i in segment}
+    read = {index[ref[1:]] for n, segment in enumerate(segments[:-1]) for i in segment
+            for _, ref in op.rows[i].terms if is_row(ref) and segment_of[index[ref[1:]]] < n}
+    return {i: slot for slot, i in enumerate(sorted(read))}
 
 
 def _recurrence(op: Operator, coefs: Coefficients, refs: References, inputs: list, lines: list[Statement],
@@ -280,11 +278,18 @@ def _recurrence(op: Operator, coefs: Coefficients, refs: References, inputs: lis
     """A recurrence's column gradients: every row forward, then segment by segment from the last, each
     earlier segment's rows again from the values before it (``yr<k>_<h>``, its actions read again:
     ``R<U>(j)`` after ``TS_REREAD``), and their reverse accumulation, each row's gradient (and its
-    term of the target's, summed from the last row) taken just before its own total. Only the rows
-    that later segments read (the checkpoints) and one segment's rows are then live at once, not
-    every row's gradient at the turn (CUDA's registers); with one segment nothing is recomputed.
+    term of the target's, summed from the last row) taken just before its own total. The rows that
+    later segments read (the checkpoints) are stored in the first pass to the column's local array
+    (``TS_CK``) and read from it there, so one segment's rows are live at once, not every row's
+    gradient at the turn (CUDA's registers); with one segment nothing is recomputed or stored.
     Each sum has the same terms in the same order whatever the segments."""
-    body = list(lines)
+    slots = _checkpoints(op, segments)
+    body = [Call("TS_CHECKPOINTS", (len(slots),))] if slots else []
+    for i, line in enumerate(lines):
+        body.append(line)
+        if i in slots:  # stored as soon as computed: not live in a register until its segment's turn
+            body.append(Store(Read("TS_CK", (slots[i],)), Val("y", op.rows[i].k, op.rows[i].h)))
+    checkpoint = {(op.rows[i].k, op.rows[i].h): slot for i, slot in slots.items()}
     target, started = Var(f"a{refs.local(TARGET_REF)}") if TARGET_REF in inputs else None, False
     first = {}  # each input's first reading row: the last to add to its gradient in reverse
     for i, row in enumerate(op.rows):
@@ -299,6 +304,8 @@ def _recurrence(op: Operator, coefs: Coefficients, refs: References, inputs: lis
             def again(x):
                 if isinstance(x, Val) and x.prefix == "y" and (x.k, x.h) in own:
                     return Val("yr", x.k, x.h)
+                if isinstance(x, Val) and x.prefix == "y" and (x.k, x.h) in checkpoint:
+                    return Read("TS_CK", (checkpoint[x.k, x.h],))
                 return Read("R" + action, x.args) if isinstance(x, Read) and x.macro == action else None
 
             body += [Call("TS_REREAD")] + [transform(lines[i], again) for i in segment]

@@ -1047,14 +1047,17 @@ class LoweredOperator:
                                                         _forward_lines, _live))
         return _adjoint(self.op, self.coefs, self.refs, self.spans["adjoint"], self.only)
 
-    @functools.cached_property
-    def adjoint_checkpointed(self) -> KernelCode | None:
+    def adjoint_checkpointed(self, itemsize: int) -> KernelCode | None:
         """A fused recurrence's adjoint recomputing its rows segment by segment from checkpoints
-        (codegen/fused.py ``_recurrence``), for CUDA's registers; None for stencils and unfused steps."""
+        (codegen/fused.py ``_recurrence``; ``itemsize`` sizes its segments), for CUDA's registers;
+        None for stencils and unfused steps."""
         if not self.fused or _is_stencil(self.op):
             return None
-        return KernelCode(TABLE_CALL, fused.adjoint(self.op, self.coefs, self.refs, self.arguments,
-                                                    _forward_lines, _live, checkpoints=True))
+        cache = self.__dict__.setdefault("_checkpointed", {})
+        if itemsize not in cache:
+            cache[itemsize] = KernelCode(TABLE_CALL, fused.adjoint(self.op, self.coefs, self.refs, self.arguments,
+                                                                   _forward_lines, _live, checkpoints=itemsize))
+        return cache[itemsize]
 
     @functools.cached_property
     def gathered_adjoint(self) -> KernelCode:

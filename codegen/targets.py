@@ -507,8 +507,8 @@ class CudaTarget(Target):
         if adjoint is not None and code.adjoint_reads is not None:
             codes["adjoint"] = dataclasses.replace(code.adjoint_reads,
                                                    statements=reads.in_read_order(code.adjoint_reads.statements))
-        elif adjoint is not None and code.adjoint_checkpointed is not None:
-            codes["adjoint"] = code.adjoint_checkpointed
+        elif adjoint is not None and code.adjoint_checkpointed(itemsize) is not None:
+            codes["adjoint"] = code.adjoint_checkpointed(itemsize)
         elif adjoint is not None and len(adjoint.body) * itemsize > CUDA_ROLL_ABOVE_BYTES:
             rolled = code.adjoint_rolled  # None for stencils, whose columns hold few values
             if rolled:

@@ -66,14 +66,17 @@ GRID = [
     (dict(difference="central", accuracy=4, dt="per_step", order=4), 32, "float32", {}),
     # fused cost terms (bench/costs.py's seven: a bound on P, V, A, J, a squared V, A, J; P written),
     # one straight-line column each way; a squared position term adds the target's gradient; an
-    # integrator's adjoint recomputes its rows in segments from checkpoints
+    # integrator's adjoint recomputes its rows in segments from checkpoints kept in a local array
     (dict(costs=COSTS, outputs=("P",)), 32, "float32", {}),
     (dict(costs=COSTS, outputs=("P",)), 32, "float64", {}),
     (dict(costs=COSTS + (("squared", "position"),), outputs=("P",)), 64, "float64", {}),
     (dict(control="jerk", integrator="exact", costs=COSTS, outputs=("P",)), 32, "float64", {}),
     (dict(control="jerk", integrator="exact", costs=COSTS, outputs=("P",)), 64, "float32", {}),
     (dict(control="jerk", integrator="exact", costs=COSTS + (("squared", "position"),), outputs=("P",)), 32,
-     "float64", {"core": "the adjoint: 20 bytes of spill stores at the cap of 128"}),
+     "float64", {}),
+    # past H=32 in float64: the checkpoints in the thread's local array (the stack frame)
+    (dict(control="jerk", integrator="exact", costs=COSTS, outputs=("P",)), 64, "float64", {}),
+    (dict(control="acceleration", costs=COSTS, outputs=("P",)), 64, "float64", {}),
     (dict(control="bspline", degree=3, knots=8, steps=4, costs=COSTS, outputs=("P",)), None, "float32", {}),
     (dict(control="bspline", degree=3, knots=8, steps=4, costs=COSTS + (("squared", "position"),),
           outputs=("P",)), None, "float64", {}),
