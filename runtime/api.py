@@ -37,11 +37,17 @@ class Step(torch.nn.Module):
         self.launcher = launcher
         self.table = launcher.table
         self.dtype = DTYPES[spec.dtype]
-        self._plain = tuple(a.name for a in self.table.tensors) == PLAIN_ARGUMENTS
+        self._names = tuple(a.name for a in self.table.tensors)
+        self._known = frozenset(self._names)
+        self._plain = self._names == PLAIN_ARGUMENTS
         self.op_key = registry.register(launcher, device)
         self._dt_cache: dict[float, Tensor] = {}
         self.native: Optional[int] = None  # handle of the native autograd node (CPU), once built
         self._native_step = self._native_step_out = None
+        #: where the native node keeps a fused step's cost parameters that passed the Python checks
+        #: (runtime/native.py Slot; -1: none)
+        self._slot: Any = None
+        self._slot_id = -1
         self._native_pending = device.type == "cpu"
         if self._native_pending:
             self._take_native()
@@ -57,11 +63,6 @@ class Step(torch.nn.Module):
             self._filled: dict = {}  # each filled parameter's default tensor (_cost_arguments)
             self._expanded: dict = {}  # each [D] weight's [B, D] rows, while unchanged (_per_trajectory)
             self._seen: dict = {}  # the cost parameters that passed the argument checks (validate.check_inputs)
-            #: the positions of the cost parameters in the table, and the batch size and parameters (each
-            #: with its version, strides, requires_grad) of the last call that passed both checks
-            self._parameter_positions = [i for i, a in enumerate(self.table.tensors)
-                                         if a.role.startswith("cost_") and a.role != "cost_target"]
-            self._passed: Optional[tuple] = None
             launcher.composite = self._composite
 
     def _take_native(self) -> None:
@@ -74,6 +75,9 @@ class Step(torch.nn.Module):
         if handle is not None:
             self._native_step = torch.ops.tensorstep_native.step.default
             self._native_step_out = torch.ops.tensorstep_native.step_out.default
+            if self.table.fused:
+                self._slot = native.Slot()
+                self._slot_id = self._slot.id
         self.native = handle
         self._native_pending = handle is None and not settled
 
@@ -166,27 +170,30 @@ class Step(torch.nn.Module):
             if goal is not None:
                 named.update(_goal_arguments(self.table, goal))
             if more:  # the kernel family's other arguments, by their names in the argument table
-                named.update(_more_arguments(self.table, more))
-            values = [named.get(a.name) for a in self.table.tensors]
-        if self.table.fused:
-            values = self._cost_arguments(values)
+                if not self._known.issuperset(more):
+                    _more_arguments(self.table, more)  # raises, naming the first unknown one
+                named.update(more)
+            values = list(map(named.get, self._names))
         if self.native is not None and not torch.compiler.is_compiling() and not _transformed():
             # the common call: the native op checks the tensors against the table itself (with the
             # same messages); a float dt comes as the tensor cached for it. An empty or false result
             # means a value is off (dt, index entries), and the checks below say which. A fused step's
-            # cost parameters must have passed the Python checks unchanged (runtime/costs.py: their
-            # values are checked there), else this call takes the Python path, which checks them.
+            # cost parameters must be those kept in its slot, unchanged, since they passed the Python
+            # checks (runtime/costs.py: their values are checked there); else the node gives no
+            # result, and this call takes the Python path, which checks them and keeps them.
             dt_k = dt if type(dt) is Tensor else self._dt_cache.get(dt) if type(dt) is float else None
             if (dt_k is not None and _tensors_or_none(values)
-                    and not (dt_k.requires_grad and torch.is_grad_enabled())
-                    and (not self.table.fused or self._parameters_unchanged(values))):
+                    and not (dt_k.requires_grad and torch.is_grad_enabled())):
                 if out is None:
-                    outs = self._native_step(self.native, [*values, dt_k])
+                    outs = self._native_step(self.native, [*values, dt_k], self._slot_id)
                     if outs:
                         return tuple(outs)
                 elif (type(out) in (tuple, list) and all(type(y) is Tensor for y in out)
-                      and self._native_step_out(self.native, [*values, dt_k], out)):
+                      and self._native_step_out(self.native, [*values, dt_k], out, self._slot_id)):
                     return tuple(out)
+        given = values
+        if self.table.fused:
+            values = self._cost_arguments(values)
         seen = self._seen if self.table.fused and not torch.compiler.is_compiling() and not _transformed() else None
         inputs, dims = validate.check_inputs(self.table, values, self.dtype, self.device, seen)
         dt_k = self._dt_tensor(dt, dims["B"])
@@ -195,8 +202,8 @@ class Step(torch.nn.Module):
 
             costs.check_parameters(self.table, {a.name: x for a, x in zip(self.table.tensors, inputs)},
                                    None if torch.compiler.is_compiling() else self._checked)
-            if seen is not None:
-                self._passed = (dims["B"], [_stamp(inputs[i]) for i in self._parameter_positions])
+            if seen is not None and self._slot is not None and self.native is not None and _tensors_or_none(given):
+                self._slot.keep(self.native, [*given, dt_k], [*inputs, dt_k])
             if (out is None and (dt_k.requires_grad or _transformed() or _forward_mode_active()
                                  or torch.compiler.is_compiling())):
                 return self._composite(inputs, dt_k)
@@ -235,21 +242,6 @@ class Step(torch.nn.Module):
             out.append(x)
         return out
 
-    def _parameters_unchanged(self, values: list) -> bool:
-        """Every cost parameter is the tensor (or None) of the last call whose checks it passed, with
-        the same batch size, unchanged: the native op may take the call (it checks the rest)."""
-        u, passed = values[0], self._passed
-        if passed is None or type(u) is not Tensor or u.dim() == 0 or u.shape[0] != passed[0]:
-            return False
-        for i, last in zip(self._parameter_positions, passed[1]):
-            x = values[i]
-            if last is None or x is None:
-                if last is not x:
-                    return False
-            elif x is not last[0] or validate.stamp(x) != last[1]:
-                return False
-        return True
-
     def _per_trajectory(self, name: str, weight: Tensor, B: int) -> Tensor:
         """A [D] weight as the [B, D] rows the kernels read: made once and kept while the caller
         passes the same tensor unchanged (an optimiser's loop), so that no call copies it and the
@@ -282,11 +274,6 @@ class Step(torch.nn.Module):
         for y in out:  # the kernel wrote through raw pointers: tell autograd the tensors changed
             torch.autograd.graph.increment_version(y)
         return out
-
-
-def _stamp(x: Optional[Tensor]) -> Optional[tuple]:
-    """A tensor kept with its ``validate.stamp``, or None."""
-    return None if x is None else (x, validate.stamp(x))
 
 
 def _tensors_or_none(values: list) -> bool:

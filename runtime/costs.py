@@ -85,7 +85,7 @@ def check_parameters(table: ArgumentTable, named: dict[str, Optional[Tensor]], s
     The tensor is kept with its stamp: while kept, its address cannot be another tensor's."""
     for arg in table.tensors:
         t = named.get(arg.name)
-        if t is None or not arg.role.startswith("cost_") or arg.role == "cost_target":
+        if t is None or not validate.cost_parameter(arg):
             continue
         now = validate.stamp(t) if seen is not None else None
         last = seen.get(arg.name) if seen is not None else None

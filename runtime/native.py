@@ -43,6 +43,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from ..codegen.arguments import ABSENT, INDEX, KERNEL, MESSAGES, OPTIONAL, REQUIRED, STEP, ArgumentTable
+from . import validate
 from .cache import ABI_VERSION, BuildCache, cache_root, digest
 
 SOURCE = Path(__file__).with_name("native_node.cpp")
@@ -346,7 +347,8 @@ def table_rows(table: ArgumentTable) -> dict[str, Any]:
         differentiable=[int(a.differentiable) for a in table.inputs],
         output_shapes=[c for y in table.outputs for c in _codes(table.symbolic(y))],
         output_ranks=[len(table.symbolic(y)) for y in table.outputs],
-        symbols=list(SYMBOLS), messages=[MESSAGES[k] for k in MESSAGE_KEYS], fused=table.fused)
+        symbols=list(SYMBOLS), messages=[MESSAGES[k] for k in MESSAGE_KEYS], fused=table.fused,
+        kept=[int(validate.cost_parameter(a)) for a in table.inputs])
 
 
 def _handle(launcher: Any) -> int:
@@ -357,3 +359,24 @@ def _handle(launcher: Any) -> int:
         _LAUNCHERS[h] = launcher
         _HANDLES[addresses] = h
     return _HANDLES[addresses]
+
+
+class Slot:
+    """A step's place in the node for the cost parameters that passed its checks (native_node.cpp
+    ``keep``): while a call passes the same tensors unchanged, the node takes it without asking
+    Python. Released with the step."""
+
+    def __init__(self) -> None:
+        self.id = int(torch.ops.tensorstep_native.new_slot())
+        self._release = torch.ops.tensorstep_native.release_slot.default
+
+    def keep(self, handle: int, given: list, inputs: list) -> None:
+        """``given``'s cost parameters (the call's arguments, dt last) passed every check; ``inputs``:
+        what the kernels read for them (a [D] weight's [B, D] rows, defaults for missing ones)."""
+        torch.ops.tensorstep_native.keep.default(handle, self.id, given, inputs)
+
+    def __del__(self) -> None:
+        try:
+            self._release(self.id)
+        except Exception:  # at interpreter exit the op may already be gone, and the process with it
+            pass

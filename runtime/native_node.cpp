@@ -39,6 +39,7 @@
 #include <torch/csrc/autograd/variable.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <deque>
@@ -111,6 +112,9 @@ struct Kernels {
   // cost terms, or some states not written (runtime/costs.py): the adjoint reads the inputs and is
   // not linear; a create_graph backward goes through the composite form
   bool fused = false;
+  // the rows a step may keep between calls (a fused step's cost parameters, see Slot below), and
+  // the free symbols their shapes use
+  std::vector<int64_t> kept_rows, kept_symbols;
 };
 
 std::mutex registry_mutex;
@@ -127,7 +131,8 @@ int64_t register_kernels(int64_t forward, int64_t adjoint, std::vector<std::stri
                          std::vector<int64_t> rules, std::vector<int64_t> presences, std::vector<int64_t> indices,
                          std::vector<int64_t> differentiable, std::vector<int64_t> output_shapes,
                          std::vector<int64_t> output_ranks, std::vector<std::string> symbols,
-                         std::vector<std::string> messages, at::ScalarType dtype, bool fused) {
+                         std::vector<std::string> messages, at::ScalarType dtype, bool fused,
+                         std::vector<int64_t> kept) {
   TORCH_CHECK(messages.size() == N_MESSAGES, "tensorstep: expected ", N_MESSAGES, " message templates");
   Kernels k{forward, adjoint, {}, {}, static_cast<int64_t>(output_ranks.size()), std::move(symbols),
             std::move(messages), dtype};
@@ -140,6 +145,14 @@ int64_t register_kernels(int64_t forward, int64_t adjoint, std::vector<std::stri
   for (size_t i = 0; i < names.size(); ++i) {
     std::vector<int64_t> shape(shapes.begin() + at, shapes.begin() + at + ranks[i]);
     at += ranks[i];
+    if (kept[i]) {
+      k.kept_rows.push_back(static_cast<int64_t>(i));
+      for (auto s : shape) {
+        if (s < 0 && std::find(k.kept_symbols.begin(), k.kept_symbols.end(), -1 - s) == k.kept_symbols.end()) {
+          k.kept_symbols.push_back(-1 - s);
+        }
+      }
+    }
     k.rows.push_back(Row{names[i], meanings[i], std::move(shape), rules[i], presences[i], indices[i],
                          differentiable[i] != 0});
   }
@@ -298,15 +311,116 @@ bool indices_in_range(const Kernels& k, const std::vector<Tensor>& inputs) {
 
 using Given = c10::List<std::optional<Tensor>>;
 
-bool check(const Kernels& k, const Given& given, Checked& c) {
+// ---- parameters kept between calls: a fused step's cost parameters --------------------------------
+// Their values are checked in Python (runtime/costs.py), and an optimiser passes the same tensors on
+// every call. Once a call's parameters passed every check, Python keeps them in the step's slot
+// (``keep``): each with what can have changed since (runtime/validate.py's stamp: the tensor itself,
+// kept alive here so that its address cannot be another's, its version, shape, strides and
+// requires_grad, and here also its data pointer) and the tensor the kernels read (a [D] weight's
+// [B, D] rows, a missing row weight's default). A later call whose kept rows are all these tensors,
+// unchanged, with the same sizes of the symbols their shapes use, checks its other rows only; any
+// other call gets no result, and the Python path checks it (and keeps its parameters).
+struct KeptRow {
+  Tensor given;   // undefined: None was given
+  Tensor kernel;  // what the kernels read
+  int64_t version = 0;
+  const void* data = nullptr;
+  Sizes sizes, strides;
+  bool requires_grad = false;
+};
+
+struct Slot {
+  int64_t handle = -1;
+  std::vector<int64_t> sizes;  // of the free symbols, in the call that kept them
+  std::vector<KeptRow> rows;   // one per kept row (Kernels::kept_rows)
+};
+
+std::mutex slots_mutex;
+std::unordered_map<int64_t, Slot> slots;  // a step's slot, from new_slot to release_slot
+int64_t next_slot = 0;
+
+bool unchanged(const KeptRow& kept, const Tensor& t) {
+  if (!t.defined() || !kept.given.defined()) return t.defined() == kept.given.defined();
+  return t.unsafeGetTensorImpl() == kept.given.unsafeGetTensorImpl() && t._version() == kept.version &&
+         t.const_data_ptr() == kept.data && t.sizes() == at::IntArrayRef(kept.sizes) &&
+         t.strides() == at::IntArrayRef(kept.strides) && t.requires_grad() == kept.requires_grad;
+}
+
+// The kept rows of a call: true when every one is its slot's tensor unchanged (c.inputs then hold
+// what the kernels read), with the other rows' sizes of the symbols they use.
+bool take_kept(const Kernels& k, int64_t handle, int64_t slot, const Given& given, Checked& c) {
+  std::lock_guard<std::mutex> guard(slots_mutex);
+  const auto found = slots.find(slot);
+  if (found == slots.end() || found->second.handle != handle) return false;
+  const Slot& s = found->second;
+  for (const auto symbol : k.kept_symbols) {
+    if (s.sizes[symbol] < 0) continue;  // no kept tensor has it (every row with it was None)
+    if (c.sizes[symbol] < 0) {
+      c.sizes[symbol] = s.sizes[symbol];
+    } else if (c.sizes[symbol] != s.sizes[symbol]) {
+      return false;
+    }
+  }
+  for (size_t r = 0; r < k.kept_rows.size(); ++r) {
+    const int64_t i = k.kept_rows[r];
+    const std::optional<Tensor> t = given.get(i);
+    if (!unchanged(s.rows[r], t.value_or(Tensor()))) return false;
+    c.inputs[i] = s.rows[r].kernel;
+  }
+  return true;
+}
+
+// The checks of a call, row by row; with a slot (>= 0), the kept rows are taken from it instead.
+bool check(const Kernels& k, const Given& given, Checked& c, int64_t handle = -1, int64_t slot = -1) {
   TORCH_CHECK(given.size() == k.rows.size(), "tensorstep: expected ", k.rows.size(), " arguments, got ", given.size());
   c.sizes.assign(k.symbols.size(), -1);
   c.inputs.assign(k.rows.size(), Tensor());
-  for (size_t i = 0; i < k.rows.size(); ++i) {
+  const bool kept = slot >= 0 && !k.kept_rows.empty();
+  for (size_t i = 0, r = 0; i < k.rows.size(); ++i) {
+    if (kept && r < k.kept_rows.size() && k.kept_rows[r] == static_cast<int64_t>(i)) {
+      ++r;
+      continue;
+    }
     const std::optional<Tensor> t = given.get(i);
     if (!check_row(k, k.rows[i], t.value_or(Tensor()), c.sizes, c.inputs[i])) return false;
   }
+  if (kept && !take_kept(k, handle, slot, given, c)) return false;
   return indices_in_range(k, c.inputs);
+}
+
+// keep(handle, slot, given, inputs): a call's cost parameters passed every check (in Python): the
+// slot keeps each kept row's given tensor and what the kernels read (``inputs``, checked again here
+// for their sizes). An inference tensor has no version to compare: nothing is kept then.
+void keep(int64_t handle, int64_t slot, const Given& given, const Given& inputs) {
+  const Kernels& k = kernels(handle);
+  Checked c;
+  Slot s{handle, {}, {}};
+  bool ok = given.size() == k.rows.size() && check(k, inputs, c);
+  for (size_t r = 0; ok && r < k.kept_rows.size(); ++r) {
+    const Tensor t = given.get(k.kept_rows[r]).value_or(Tensor());
+    if (t.defined() && t.is_inference()) {
+      ok = false;
+      break;
+    }
+    KeptRow row{t, c.inputs[k.kept_rows[r]]};
+    if (t.defined()) {
+      row.version = t._version();
+      row.data = t.const_data_ptr();
+      row.sizes = Sizes(t.sizes().begin(), t.sizes().end());
+      row.strides = Sizes(t.strides().begin(), t.strides().end());
+      row.requires_grad = t.requires_grad();
+    }
+    s.rows.push_back(std::move(row));
+  }
+  s.sizes = c.sizes;
+  std::lock_guard<std::mutex> guard(slots_mutex);
+  const auto found = slots.find(slot);
+  if (found == slots.end()) return;  // released
+  if (ok) {
+    found->second = std::move(s);
+  } else {
+    found->second = Slot{};
+  }
 }
 
 Sizes resolve(const std::vector<int64_t>& shape, at::IntArrayRef sizes) {
@@ -541,10 +655,10 @@ std::vector<Tensor> run_node(const Kernels& k, int64_t handle, const std::vector
 
 // A call checked here rather than in Python (whose checks cost several microseconds per call).
 // An empty result means a value is off: the caller's Python checks say which.
-std::vector<Tensor> step(int64_t handle, const Given& given, bool record = true) {
+std::vector<Tensor> step(int64_t handle, const Given& given, bool record = true, int64_t slot = -1) {
   const Kernels& k = kernels(handle);
   Checked c;
-  if (!check(k, given, c)) return {};
+  if (!check(k, given, c, handle, slot)) return {};
   return run_node(k, handle, c.inputs, record);
 }
 
@@ -557,10 +671,10 @@ bool overlap(const Tensor& a, const Tensor& b) {  // both contiguous CPU tensors
 // out=: a plain call written into caller-owned outputs, with the rules of runtime/validate.py's
 // check_out (nothing to differentiate, outputs disjoint from each other and from the inputs).
 // False when anything is off: the caller then runs the Python checks, which name the problem.
-bool step_out(int64_t handle, const Given& given, const std::vector<Tensor>& out) {
+bool step_out(int64_t handle, const Given& given, const std::vector<Tensor>& out, int64_t slot = -1) {
   const Kernels& k = kernels(handle);
   Checked c;
-  if (!check(k, given, c) || static_cast<int64_t>(out.size()) != k.outputs) return false;
+  if (!check(k, given, c, handle, slot) || static_cast<int64_t>(out.size()) != k.outputs) return false;
   const bool grad = at::GradMode::is_enabled();
   for (const auto& x : c.inputs) {
     if (grad && x.defined() && x.requires_grad()) return false;
@@ -597,28 +711,51 @@ std::vector<std::string> strings(const c10::IValue& v) {
 }
 
 void register_kernels_boxed(const c10::OperatorHandle&, Stack* stack) {
-  constexpr size_t n = 16;
+  constexpr size_t n = 17;
   const auto a = torch::jit::last(*stack, n);
   const int64_t h = register_kernels(a[0].toInt(), a[1].toInt(), strings(a[2]), strings(a[3]), a[4].toIntVector(),
                                      a[5].toIntVector(), a[6].toIntVector(), a[7].toIntVector(), a[8].toIntVector(),
                                      a[9].toIntVector(), a[10].toIntVector(), a[11].toIntVector(), strings(a[12]),
-                                     strings(a[13]), a[14].toScalarType(), a[15].toBool());
+                                     strings(a[13]), a[14].toScalarType(), a[15].toBool(), a[16].toIntVector());
   torch::jit::drop(*stack, n);
   stack->emplace_back(h);
 }
 
 void step_boxed(const c10::OperatorHandle&, Stack* stack) {
-  const auto a = torch::jit::last(*stack, 2);
-  std::vector<Tensor> ys = step(a[0].toInt(), a[1].toOptionalTensorList());
-  torch::jit::drop(*stack, 2);
+  const auto a = torch::jit::last(*stack, 3);
+  std::vector<Tensor> ys = step(a[0].toInt(), a[1].toOptionalTensorList(), true, a[2].toInt());
+  torch::jit::drop(*stack, 3);
   stack->emplace_back(std::move(ys));
 }
 
 void step_out_boxed(const c10::OperatorHandle&, Stack* stack) {
-  const auto a = torch::jit::last(*stack, 3);
-  const bool done = step_out(a[0].toInt(), a[1].toOptionalTensorList(), a[2].toTensorVector());
-  torch::jit::drop(*stack, 3);
+  const auto a = torch::jit::last(*stack, 4);
+  const bool done = step_out(a[0].toInt(), a[1].toOptionalTensorList(), a[2].toTensorVector(), a[3].toInt());
+  torch::jit::drop(*stack, 4);
   stack->emplace_back(done);
+}
+
+void keep_boxed(const c10::OperatorHandle&, Stack* stack) {
+  const auto a = torch::jit::last(*stack, 4);
+  keep(a[0].toInt(), a[1].toInt(), a[2].toOptionalTensorList(), a[3].toOptionalTensorList());
+  torch::jit::drop(*stack, 4);
+}
+
+void new_slot_boxed(const c10::OperatorHandle&, Stack* stack) {
+  std::lock_guard<std::mutex> guard(slots_mutex);
+  slots.emplace(next_slot, Slot{});
+  stack->emplace_back(next_slot++);
+}
+
+void release_slot_boxed(const c10::OperatorHandle&, Stack* stack) {
+  const int64_t slot = torch::jit::pop(*stack).toInt();
+  Slot released;  // its tensors are freed after the lock is given back
+  std::lock_guard<std::mutex> guard(slots_mutex);
+  const auto found = slots.find(slot);
+  if (found != slots.end()) {
+    released = std::move(found->second);
+    slots.erase(found);
+  }
 }
 
 // ---- the CPU kernels of torch.compile's ops (tensorstep::<family>, runtime/ops.py) --------------
@@ -814,10 +951,14 @@ void bind_boxed(const c10::OperatorHandle&, Stack* stack) {
 TORCH_LIBRARY(tensorstep_native, m) {
   m.def("register_kernels(int forward, int adjoint, str[] names, str[] meanings, int[] ranks, int[] shapes, "
         "int[] rules, int[] presences, int[] indices, int[] differentiable, int[] output_shapes, "
-        "int[] output_ranks, str[] symbols, str[] messages, ScalarType dtype, bool fused) -> int",
+        "int[] output_ranks, str[] symbols, str[] messages, ScalarType dtype, bool fused, int[] kept) -> int",
         torch::CppFunction::makeFromBoxedFunction<&register_kernels_boxed>());
-  m.def("step(int handle, Tensor?[] inputs) -> Tensor[]");
-  m.def("step_out(int handle, Tensor?[] inputs, Tensor(a!)[] out) -> bool");
+  m.def("step(int handle, Tensor?[] inputs, int slot=-1) -> Tensor[]");
+  m.def("step_out(int handle, Tensor?[] inputs, Tensor(a!)[] out, int slot=-1) -> bool");
+  m.def("keep(int handle, int slot, Tensor?[] given, Tensor?[] inputs) -> ()",
+        torch::CppFunction::makeFromBoxedFunction<&keep_boxed>());
+  m.def("new_slot() -> int", torch::CppFunction::makeFromBoxedFunction<&new_slot_boxed>());
+  m.def("release_slot(int slot) -> ()", torch::CppFunction::makeFromBoxedFunction<&release_slot_boxed>());
   m.def("bind(str key, int handle, str family) -> ()", torch::CppFunction::makeFromBoxedFunction<&bind_boxed>());
   // implemented in Python (runtime/native.py): the create_graph adjoint, and the ops' Python path
   m.def("adjoint_graph(int handle, Tensor?[] grads, Tensor dt, int batch) -> Tensor[]");

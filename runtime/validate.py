@@ -98,11 +98,20 @@ def _values(t: Tensor) -> Tensor:
     return t
 
 
+def cost_parameter(arg: Argument) -> bool:
+    """A fused step's weight, limit or margin: data whose values are checked once per tensor (not
+    the target, which is differentiable)."""
+    return arg.role.startswith("cost_") and arg.role != "cost_target"
+
+
 def stamp(t: Tensor, *more: Any) -> tuple:
     """What a tensor passed again can have changed since it was checked: its version (in-place
-    writes), shape, strides, dtype, device and requires_grad, and ``more`` (a batch size). Kept
-    with the tensor itself, compared by identity: while kept, its address cannot be another's."""
-    return (t._version, t.shape, t.stride(), t.dtype, t.device, t.requires_grad, *more)
+    writes), data pointer (``t.data = other`` keeps the version), shape, strides, dtype, device and
+    requires_grad, and ``more`` (a batch size). Kept with the tensor itself, compared by identity:
+    while kept, its address cannot be another's. An inference tensor has no version: its stamp
+    equals no other (it is checked on every call)."""
+    version = object() if t.is_inference() else t._version
+    return (version, t.data_ptr(), t.shape, t.stride(), t.dtype, t.device, t.requires_grad, *more)
 
 
 def check_inputs(table: ArgumentTable, values: Sequence[Any], dtype: torch.dtype,
@@ -114,7 +123,7 @@ def check_inputs(table: ArgumentTable, values: Sequence[Any], dtype: torch.dtype
     dims: dict[str, int] = {}
     checked = []
     for arg, v in zip(table.tensors, values):
-        if seen is None or type(v) is not Tensor or not arg.role.startswith("cost_") or arg.role == "cost_target":
+        if seen is None or type(v) is not Tensor or not cost_parameter(arg):
             checked.append(check_argument(table, arg, v, dims, dtype, device))
             continue
         now = stamp(v, dims.get("B"))

@@ -354,6 +354,49 @@ def test_calls_with_parameters_checked_before_take_the_native_node(case, monkeyp
         _call(step, spec, x, params, dt)
 
 
+def test_a_parameter_given_new_data_or_strides_is_read_and_checked_again():
+    """Checked parameters are kept (by the native node, or the Python path's stamps) while each is
+    the same tensor unchanged: new data under the same tensor (``.data =``, which keeps its
+    version) or new strides in place make the call check it again, and the kernels read the new
+    values."""
+    spec = _spec("central")
+    x, params, dt = _data(spec)
+    step = ts.load(spec)
+    t = spec.costs.index(("squared", "jerk"))
+    weight = params["squared_jerk_weight"]
+    first = _call(step, spec, x, params, dt)[-1]
+    _call(step, spec, x, params, dt)
+    doubled = 2.0 * weight.detach()
+    weight.data = -doubled
+    with pytest.raises(ValueError, match="squared_jerk_weight: expected values >= 0"):
+        _call(step, spec, x, params, dt)
+    weight.data = doubled
+    again = _call(step, spec, x, params, dt)[-1]
+    torch.testing.assert_close(again[:, t], 2.0 * first[:, t], rtol=1e-12, atol=0)
+    weight.as_strided_(weight.shape, (0, 1))  # every trajectory reads the first row now
+    strided = _call(step, spec, x, params, dt)[-1]
+    fresh = _call(ts.load(spec), spec, x, {**params, "squared_jerk_weight": weight.contiguous()}, dt)[-1]
+    assert not torch.equal(strided[:, t], again[:, t])
+    torch.testing.assert_close(strided, fresh, rtol=0, atol=0)
+
+
+def test_an_inference_tensor_parameter_is_checked_on_every_call():
+    """An inference tensor has no version to tell an in-place write: it is checked on every call."""
+    spec = _spec("central")
+    x, params, dt = _data(spec)
+    step = ts.load(spec)
+    expected = _call(step, spec, x, params, dt)[-1]
+    with torch.inference_mode():
+        margin = params["bound_velocity_margin"].clone()
+    for _ in range(2):
+        got = _call(step, spec, x, {**params, "bound_velocity_margin": margin}, dt)[-1]
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    with torch.inference_mode():
+        margin.sub_(10.0)
+    with pytest.raises(ValueError, match="bound_velocity_margin: expected values >= 0"):
+        _call(step, spec, x, {**params, "bound_velocity_margin": margin}, dt)
+
+
 @pytest.mark.parametrize("case", ["central", "acceleration", "jerk_exact", "goal", "indexed_bdh",
                                   "bspline_goal_per_trajectory", "bdh_row_tiles"])
 def test_cuda_kernels_run_on_the_host_match_c(case):
