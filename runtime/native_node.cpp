@@ -496,7 +496,7 @@ NodePointer make_node() {
 struct NativeStepBackward : public torch::autograd::Node {
   int64_t handle = -1;
   std::vector<int64_t> rows;       // leading size of each table input, 0 when absent
-  std::vector<int64_t> positions;  // table position of each given input (= this node's output edge)
+  std::vector<int64_t> positions;  // table position of each differentiable input given (= this node's output edge)
   std::vector<torch::autograd::SavedVariable> kept;  // indices (to sum gradients onto their rows) and dt
   std::vector<int64_t> kept_at;
 
@@ -616,13 +616,16 @@ std::vector<Tensor> run_node(const Kernels& k, int64_t handle, const std::vector
   given.reserve(inputs.size());
   positions.reserve(inputs.size());
   bool requires_grad = false;
+  size_t saved = 0;
   for (size_t i = 0; i < inputs.size(); ++i) {
-    if (inputs[i].defined()) {
-      given.push_back(inputs[i]);
-      positions.push_back(static_cast<int64_t>(i));
-      rows[i] = inputs[i].dim() > 0 ? inputs[i].size(0) : 1;
-      requires_grad = requires_grad || inputs[i].requires_grad();
-    }
+    if (!inputs[i].defined()) continue;
+    rows[i] = inputs[i].dim() > 0 ? inputs[i].size(0) : 1;
+    saved += k.fused || k.rows[i].rule != KERNEL_DTYPE;
+    requires_grad = requires_grad || inputs[i].requires_grad();
+    // an edge only where a gradient can flow: not to an index or a fused step's cost parameters
+    if (!k.rows[i].differentiable) continue;
+    given.push_back(inputs[i]);
+    positions.push_back(static_cast<int64_t>(i));
   }
   const int64_t B = inputs[0].size(0);
   std::vector<Tensor> ys;
@@ -640,6 +643,8 @@ std::vector<Tensor> run_node(const Kernels& k, int64_t handle, const std::vector
   step->handle = handle;
   step->rows = std::move(rows);
   step->positions = std::move(positions);
+  step->kept.reserve(saved);
+  step->kept_at.reserve(saved);
   for (size_t i = 0; i < k.rows.size(); ++i) {
     if ((k.fused || k.rows[i].rule != KERNEL_DTYPE) && inputs[i].defined()) {  // a fused adjoint reads them all
       step->kept.emplace_back(inputs[i], /*is_output=*/false);
