@@ -110,7 +110,10 @@ def stamp(t: Tensor, *more: Any) -> tuple:
     requires_grad, and ``more`` (a batch size). Kept with the tensor itself, compared by identity:
     while kept, its address cannot be another's. An inference tensor has no version: its stamp
     equals no other (it is checked on every call)."""
-    version = object() if t.is_inference() else t._version
+    try:
+        version = t._version
+    except RuntimeError:  # an inference tensor
+        version = object()
     return (version, t.data_ptr(), t.shape, t.stride(), t.dtype, t.device, t.requires_grad, *more)
 
 
