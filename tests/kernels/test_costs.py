@@ -354,6 +354,35 @@ def test_calls_with_parameters_checked_before_take_the_native_node(case, monkeyp
         _call(step, spec, x, params, dt)
 
 
+def test_weights_per_dof_are_kept_for_the_native_node(monkeypatch):
+    """[D] weights (the same for every trajectory, an optimiser's usual call): after one checked
+    call, the node takes the calls without a Python check, reading the kept [B, D] rows; the cost
+    is the definitions' with the weights repeated per trajectory."""
+    from tensorstep.runtime import validate
+
+    spec = _spec("central")
+    step = ts.load(spec)
+    if step.native is None:
+        pytest.skip("the native autograd node is unavailable here (no C++ compiler?)")
+    x, params, dt = _data(spec)
+    per_dof = {k: v[0].clone() for k, v in params.items() if k.endswith("_weight") and "row" not in k}
+    checks = []
+    check_inputs = validate.check_inputs
+    monkeypatch.setattr(validate, "check_inputs", lambda *a: checks.append(1) or check_inputs(*a))
+    calls = []
+    for _ in range(3):
+        u = x["u"].clone().requires_grad_()
+        P, cost = _call(step, spec, {**x, "u": u}, {**params, **per_dof}, dt)
+        (P.sum() + cost.sum()).backward()
+        calls.append((len(checks), cost.grad_fn.name(), cost.detach(), u.grad))
+    assert [n for n, *_ in calls] == [1, 1, 1] and "NativeStep" in calls[2][1]
+    B = x["u"].shape[0]
+    _, expected = _reference(spec, x, {**params, **{k: w.expand(B, -1) for k, w in per_dof.items()}}, dt)
+    for _, _, cost, grad in calls[1:]:
+        np.testing.assert_allclose(cost.numpy(), expected, rtol=1e-12, atol=1e-12 * np.abs(expected).max())
+        torch.testing.assert_close(grad, calls[0][3], rtol=1e-13, atol=0)
+
+
 def test_a_parameter_given_new_data_or_strides_is_read_and_checked_again():
     """Checked parameters are kept (by the native node, or the Python path's stamps) while each is
     the same tensor unchanged: new data under the same tensor (``.data =``, which keeps its
