@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping, Optional, Union
 
-from . import abi, reads
+from . import abi
 from .arguments import ArgumentTable, table as argument_table
 
 #: CUDA threads per block: a multiple of the warp size (dt_vjp's sums are over whole warps); the
@@ -501,6 +501,8 @@ class CudaTarget(Target):
         as accumulations that read each gradient once (codegen/reads.py); with a period above 1
         (B-splines) the forward and adjoint are span loops only, as in C (lower._spans_only); the
         tangent and reverse programs as tapes (``tape_programs``), dt_jvp's inputs read once."""
+        from . import reads  # code generation only: this module stays importable without SymPy
+
         codes = {k: getattr(code.as_tapes, k) if k in ("dt_jvp", "dt_vjp_finish") else getattr(code, k)
                  for k in kernels}
         adjoint = codes.get("adjoint")
