@@ -148,6 +148,30 @@ def cuda_coefficients(kernel: str, table: ArgumentTable, form: str, n_coefficien
     return "shared" if fits and not per_trajectory else "global"
 
 
+def cuda_volatile_coefficients(kernel: str, where: str, fused: bool, stencil: bool, per_step: bool,
+                               itemsize: int) -> str:
+    """Where a CUDA per-element kernel reads each step coefficient from its table through a
+    ``volatile`` pointer, at the statement that uses it: "column" (its loops and straight-line
+    body), "body" (the straight-line body only) or "" (nowhere). Else ptxas hoists those loads
+    ahead of the rows that use them (merged: ``LDS.128``) and keeps the values live, which spilled
+    at the register cap:
+
+    - a fused forward and adjoint with the table in shared memory (long bodies of rows);
+    - the boundary rows of a float64 stencil's adjoint and tangent (dt_jvp) with a duration per
+      step: each coefficient is read once, so none is worth keeping, and each takes two
+      registers; the table may be in global memory (``ld.volatile``: from L2, not L1), where the
+      loops' reads, most of a long column's, stay cached. In float32 the same bodies fit with the
+      loads merged (four to a load), which volatile reads would split. With one duration
+      (monomials), or an integrator's rows, a few coefficients serve many rows and are better
+      kept in registers."""
+    if where not in ("shared", "block", "global"):
+        return ""
+    if fused:
+        return "column" if kernel in ("forward", "adjoint") and where != "global" else ""
+    wide = stencil and per_step and itemsize == 8
+    return "body" if wide and kernel in ("adjoint", "dt_jvp") else ""
+
+
 def tape_files(tapes: list) -> dict[str, int]:
     """The doubles of shared memory each CUDA kernel that runs tapes declares for their registers,
     by kernel (``CUDA_TAPE_KERNELS``): its tapes run one after another, so they share one file, a

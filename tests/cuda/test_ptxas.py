@@ -64,6 +64,10 @@ GRID = [
     (dict(difference="backward", accuracy=3, dt="per_step", order=4), 32, "float32", {}),
     (dict(difference="central", accuracy=8, dt="per_step", order=4), 64, "float32", {}),
     (dict(difference="central", accuracy=4, dt="per_step", order=4), 32, "float32", {}),
+    # the same in float64: their boundary rows read each coefficient where they use it (volatile)
+    (dict(difference="backward", accuracy=3, dt="per_step", order=4), 32, "float64", {}),
+    (dict(difference="central", accuracy=8, dt="per_step", order=4), 64, "float64", {}),
+    (dict(difference="central", accuracy=4, dt="per_step", order=4), 32, "float64", {}),
     # fused cost terms (bench/costs.py's seven: a bound on P, V, A, J, a squared V, A, J; P written),
     # one straight-line column each way; a squared position term adds the target's gradient; an
     # integrator's adjoint recomputes its rows in segments from checkpoints kept in a local array
