@@ -15,10 +15,13 @@ Only the states the spec writes are stored or read as gradients. A kind that is 
 times the rest (``CostKind.weighted``) takes its per-dof weight once per column in both
 directions (``total``, ``scales``), not on every row. A kind with a narrow form
 (``CostKind.narrow``) has a second forward and adjoint in C, which a call runs where every dof's
-parameters allow it (``narrow_check``).
+parameters allow it (``narrow_check``); so has a table with row weights, for calls whose row weights
+are all 1 (``unit_rows_check``: the runtime passes ones where none are given), without their
+multiplies. C's variants are ``forms``.
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections import defaultdict
 from typing import Callable
@@ -36,13 +39,37 @@ STATES = ("position", "velocity", "acceleration", "jerk", "snap")
 TARGET_REF = ("squared_position_target", 0)
 
 
+@dataclasses.dataclass(frozen=True)
+class Form:
+    """What a C variant of a fused forward or adjoint may assume of a call's parameters: every dof
+    allows the kinds' narrow forms (``narrow_check``), every row weight is 1 (``unit_rows_check``)."""
+
+    narrow: bool = False
+    unit_rows: bool = False
+
+    @property
+    def suffix(self) -> str:
+        """The variant's batch function is ``<kernel><suffix>_batch``."""
+        return "".join(f"_{f.name}" for f in dataclasses.fields(self) if getattr(self, f.name))
+
+
+def forms(table: ArgumentTable) -> list[Form]:
+    """C's variants besides the general form, the most specific first (the entry point runs the first
+    whose assumptions hold): each assumption the table's terms can use, and their combinations."""
+    narrow = (True, False) if narrow_check(table)[1] else (False,)
+    unit = (True, False) if unit_rows_check(table) else (False,)
+    return [Form(n, w) for n in narrow for w in unit if n or w]
+
+
 class CostTerms:
     """A table's cost terms with the symbols their expressions are printed with per column
-    (``narrow``: each kind in its narrow form where it has one, codegen/costs.py ``CostKind.narrow``)."""
+    (``narrow``: each kind in its narrow form where it has one, codegen/costs.py ``CostKind.narrow``;
+    ``unit_rows``: every row weight 1, left out)."""
 
-    def __init__(self, table: ArgumentTable, narrow: bool = False):
+    def __init__(self, table: ArgumentTable, narrow: bool = False, unit_rows: bool = False):
         self.table = table
         self.narrow = narrow
+        self.unit_rows = unit_rows
         self.terms = [(t, kind, STATES.index(state)) for t, (kind, state) in enumerate(table.costs)]
         self.written = set(table.written)
 
@@ -74,9 +101,13 @@ class CostTerms:
         ``prefix``: the row value's (a recomputed row's: ``yr``)."""
         target = sp.Symbol("ctgt") if (kind, STATES[k]) == ("squared", "position") and self.has_target else 0
         weight = sp.Symbol(f"cw{t}") if per_dof else 1
-        return {kinds.Y: sp.Symbol(f"{prefix}{k}_{h}"), kinds.W: weight * sp.Symbol(f"CRW{t}({h})"),
+        return {kinds.Y: sp.Symbol(f"{prefix}{k}_{h}"), kinds.W: weight * self.row_weight(t, h),
                 kinds.LOWER: sp.Symbol(f"clo{t}"), kinds.UPPER: sp.Symbol(f"chi{t}"),
                 kinds.MARGIN: sp.Symbol(f"cmar{t}"), kinds.TARGET: target}
+
+    def row_weight(self, t: int, h: int) -> sp.Expr:
+        """Term t's weight at row h: 1 where every row weight is (a product with 1 is exact: left out)."""
+        return sp.Integer(1) if self.unit_rows else sp.Symbol(f"CRW{t}({h})")
 
     @property
     def has_target(self) -> bool:
@@ -104,7 +135,7 @@ class CostTerms:
         rest = expr / (kinds.W * kind_.slope_factor)
         rest = sp.simplify(rest) if rest.has(kinds.W) else rest
         assert not rest.has(kinds.W), f"{kind}: a weighted kind's derivative is w times a function of the rest"
-        return Sym(sp.Symbol(f"CRW{t}({h})") * sp.Symbol(f"cgw{t}") * rest.xreplace(subs))
+        return Sym(self.row_weight(t, h) * sp.Symbol(f"cgw{t}") * rest.xreplace(subs))
 
     def scales(self) -> list[Statement]:
         """The adjoint's per-column factor of each weighted term: GCOST(t) × its derivative's number ×
@@ -177,12 +208,12 @@ def _term_rows(terms: CostTerms, op: Operator, run: int) -> Callable:
 
 
 def forward(op: Operator, coefs: Coefficients, refs: References, table: ArgumentTable, rows: Callable,
-            live: Callable, run: int = 1, narrow: bool = False) -> list[Statement]:
+            live: Callable, run: int = 1, form: Form = Form()) -> list[Statement]:
     """The column: each row's value, its store where the state is written, each term's sum
     (``rows``: the operator's rows as definitions, ``live``: the dead-code pass, codegen/lower.py's;
     ``run``: rows a nonnegative term adds in the kernel's type before its double sum, ``_term_rows``;
-    ``narrow``: each kind in its narrow form where it has one, valid where ``narrow_check`` holds)."""
-    terms = CostTerms(table, narrow)
+    ``form``: what the parameters allow, valid where ``narrow_check`` and ``unit_rows_check`` hold)."""
+    terms = CostTerms(table, form.narrow, form.unit_rows)
     add = _term_rows(terms, op, run)
     body = refs.loads(a.name for a in table.columns) + terms.loads()
     body += [Def(Var(f"cacc{t}"), Sum(()), ctype="double", const=False) for t, _, _ in terms.terms]
@@ -207,14 +238,22 @@ def narrow_check(table: ArgumentTable) -> tuple[list[Statement], list[Sym]]:
     return (loads, conditions) if conditions else ([], [])
 
 
+def unit_rows_check(table: ArgumentTable) -> list:
+    """The row weights (``[H]``, 1 where not given) whose every entry a call's ``Form.unit_rows``
+    needs at 1; none without cost terms."""
+    rows = [a for a in table.parameters if a.role == "cost_row_weight"]
+    assert all(a.shape == ("H",) and a.default == "1" for a in rows), "row weights: [H], ones where not given"
+    return rows
+
+
 def adjoint(op: Operator, coefs: Coefficients, refs: References, table: ArgumentTable, rows: Callable,
-            live: Callable, checkpoints: int = 0, narrow: bool = False) -> list[Statement]:
+            live: Callable, checkpoints: int = 0, form: Form = Form()) -> list[Statement]:
     """The column's gradients: the rows recomputed, each row's gradient from its output and the
     cost terms on it, then every differentiable input's store. No row of a stencil reads another,
     so each row's gradient goes into its inputs' accumulators at once (few values live: CUDA's
     registers); a recurrence's rows are accumulated in reverse, with ``checkpoints`` (the value's
-    itemsize) segment by segment (``_recurrence``). ``narrow``: as ``forward``'s."""
-    terms = CostTerms(table, narrow)
+    itemsize) segment by segment (``_recurrence``). ``form``: as ``forward``'s."""
+    terms = CostTerms(table, form.narrow, form.unit_rows)
     columns = [a.name for a in table.columns]
     inputs = refs.differentiable(op.n_actions, columns)
     body = refs.loads(columns) + terms.loads() + terms.scales()

@@ -1009,7 +1009,7 @@ class LoweredOperator:
         self.spans = {"forward": forward, "adjoint": adjoint,
                       "dt": forward + _leftover_spans(op, self.coefs, _covered(forward) | interior)}
         self.n_coefficients = max(1, self.coefs.size)
-        self._c_fused: dict[tuple[str, int, bool], KernelCode] = {}
+        self._c_fused: dict[tuple[str, int, fused.Form], KernelCode] = {}
 
     @functools.cached_property
     def coefficient_lines(self) -> list[str]:
@@ -1028,16 +1028,16 @@ class LoweredOperator:
                                                         _forward_lines, _live))
         return _forward(self.op, self.coefs, self.refs, self.spans["forward"], self.only)
 
-    def c_fused(self, kernel: str, itemsize: int, narrow: bool = False) -> KernelCode:
+    def c_fused(self, kernel: str, itemsize: int, form: fused.Form = fused.Form()) -> KernelCode:
         """C's form of a fused forward or adjoint: a float32 forward's cost rows added in runs in float;
-        ``narrow``: each kind in its narrow form (codegen/fused.py ``run_rows``, ``narrow_check``)."""
+        ``form``: what a call's parameters allow (codegen/fused.py ``run_rows``, ``Form``)."""
         run = fused.run_rows(itemsize) if kernel == "forward" else 1
-        key = (kernel, run, narrow)
+        key = (kernel, run, form)
         if key not in self._c_fused:
             extra = {"run": run} if kernel == "forward" else {}
             build = fused.forward if kernel == "forward" else fused.adjoint
             self._c_fused[key] = KernelCode(TABLE_CALL, build(self.op, self.coefs, self.refs, self.arguments,
-                                                              _forward_lines, _live, narrow=narrow, **extra))
+                                                              _forward_lines, _live, form=form, **extra))
         return self._c_fused[key]
 
     @functools.cached_property

@@ -114,13 +114,22 @@ def _lane_bodies(code: LoweredOperator, codes: dict, kernels: tuple, table: Argu
 
 
 
-def _narrow_check(table: ArgumentTable) -> list[str]:
-    """C lines that set ``narrow`` where every dof's parameters allow the cost kinds' narrow forms."""
-    loads, conditions = fused.narrow_check(table)
-    test = " && ".join(f"({COLUMN.expr(c)})" for c in conditions)
-    return ["int narrow = 1; /* every dof allows the cost kinds' narrow forms */",
-            "for (int64_t d = 0; d < D_; ++d) {", *(f"    {line}" for line in COLUMN.lines(loads)),
-            f"    narrow &= {test};", "}"]
+def _form_checks(table: ArgumentTable, forms: list[fused.Form]) -> tuple[list[str], dict[str, str]]:
+    """C lines that set what a call's parameters allow (``narrow``: every dof allows the cost kinds'
+    narrow forms; ``unit_rows``: every row weight is 1), and each variant's test of them by suffix."""
+    lines = []
+    if any(f.narrow for f in forms):
+        loads, conditions = fused.narrow_check(table)
+        test = " && ".join(f"({COLUMN.expr(c)})" for c in conditions)
+        lines += ["int narrow = 1; /* every dof allows the cost kinds' narrow forms */",
+                  "for (int64_t d = 0; d < D_; ++d) {", *(f"    {line}" for line in COLUMN.lines(loads)),
+                  f"    narrow &= {test};", "}"]
+    if any(f.unit_rows for f in forms):
+        test = " && ".join(f"({a.macro}(h) == {a.default})" for a in fused.unit_rows_check(table))
+        lines += ["int unit_rows = 1; /* every row weight is 1 (as where none is given) */",
+                  f"for (int64_t h = 0; h < H_; ++h) unit_rows &= {test};"]
+    tests = {f.suffix: " && ".join(n for n in ("narrow", "unit_rows") if getattr(f, n)) for f in forms}
+    return lines, tests
 
 
 #: C kernels with at most this many step coefficients (one dt per call) give each thread its own
@@ -208,10 +217,11 @@ def render(spec: Any, code: LoweredOperator, table: ArgumentTable, target: Targe
     y = strides(spec.layout, spec.horizon, spec.dof)
     lane_form = lanes(spec) if target.lanes else None
     codes = target.codes(code, kernels, itemsize)
-    narrow = target.narrow_codes(code, kernels, itemsize)
+    variants = target.narrow_codes(code, kernels, itemsize)  # by suffix (codegen/fused.py ``forms``)
     lane_bodies = _lane_bodies(code, codes, kernels, table) if lane_form else {}
-    if lane_form and narrow:
-        lane_bodies.update({f"{k}_narrow": v for k, v in _lane_bodies(code, narrow, tuple(narrow), table).items()})
+    for suffix, variant in variants.items() if lane_form else ():
+        lane_bodies.update({k + suffix: v for k, v in _lane_bodies(code, variant, tuple(variant), table).items()})
+    form_checks, form_tests = _form_checks(table, fused.forms(table)) if variants else ([], {})
     programs = _long_programs(code, kernels, table.dt.shape == ("B",)) if target.split_programs else {}
     units = abi.units(part, table)
     if not table.fused and bool(table.values) == code.stencil:
@@ -245,8 +255,10 @@ def render(spec: Any, code: LoweredOperator, table: ArgumentTable, target: Targe
         kernels=kernels,
         units=units,
         codes=codes,
-        narrow_codes=narrow,
-        narrow_check=_narrow_check(table) if narrow else [],
+        variants={k: [(suffix, v[k]) for suffix, v in variants.items() if k in v] for k in kernels
+                  if any(k in v for v in variants.values())},
+        form_checks=form_checks,
+        form_tests=form_tests,
         private_coefficients=table.dt.shape != ("B",) and code.n_coefficients <= C_PRIVATE_COEFFICIENTS,
         lanes=lane_form,
         lane_bodies={k: lines for k, (_, lines) in lane_bodies.items()},

@@ -477,9 +477,10 @@ class Target:
             return {k: code.c_fused(k, itemsize) if k in ("forward", "adjoint") else getattr(code, k) for k in kernels}
         return {k: code.gathered_adjoint if k == "adjoint" else getattr(code, k) for k in kernels}
 
-    def narrow_codes(self, code: Any, kernels: tuple[str, ...], itemsize: int) -> dict[str, Any]:
-        """A fused forward and adjoint with each cost kind in its narrow form, which the entry point
-        runs where every dof's parameters allow it (codegen/fused.py ``narrow_check``): C's only."""
+    def narrow_codes(self, code: Any, kernels: tuple[str, ...], itemsize: int) -> dict[str, dict[str, Any]]:
+        """Variants of a fused forward and adjoint by suffix (codegen/fused.py ``forms``: each cost kind
+        in its narrow form, no row weights), which the entry point runs where a call's parameters
+        allow them: C's only."""
         return {}
 
     def check(self, spec: Any, tapes: list) -> None:
@@ -493,12 +494,13 @@ class Target:
 class CTarget(Target):
     """C: entry points looping over the batch, compiled by the C backend."""
 
-    def narrow_codes(self, code: Any, kernels: tuple[str, ...], itemsize: int) -> dict[str, Any]:
-        from .fused import narrow_check
+    def narrow_codes(self, code: Any, kernels: tuple[str, ...], itemsize: int) -> dict[str, dict[str, Any]]:
+        from .fused import forms
 
-        if not code.fused or not narrow_check(code.arguments)[1]:
+        if not code.fused:
             return {}
-        return {k: code.c_fused(k, itemsize, narrow=True) for k in ("forward", "adjoint") if k in kernels}
+        return {form.suffix: {k: code.c_fused(k, itemsize, form) for k in ("forward", "adjoint") if k in kernels}
+                for form in forms(code.arguments)}
 
     def launch_plan(self, spec: Any, metadata: Mapping[str, Any]) -> CLaunchPlan:
         return CLaunchPlan(argument_table(spec).dt.shape == ("B",), int(metadata.get("n_coefficients", 0)))

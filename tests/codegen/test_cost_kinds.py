@@ -83,7 +83,8 @@ def test_nonnegative_kinds_are_nonnegative(kind):
 def test_float32_forward_adds_runs_of_rows_float64_every_row():
     """The C float32 forward of a fused step adds a term's rows in runs in float before its double
     sum (codegen/fused.py ``run_rows``); the float64 one adds each row to its double sum, as before;
-    the CUDA source keeps every row too. C's entry points choose a bound's narrow form per call."""
+    the CUDA source keeps every row too. C's entry points choose a bound's narrow form per call, and
+    a variant without row weights where they are all 1."""
     from tensorstep.codegen.driver import generate
     from tensorstep.codegen.fused import FLOAT_RUN_ROWS
 
@@ -96,6 +97,15 @@ def test_float32_forward_adds_runs_of_rows_float64_every_row():
         # a bound's narrow form (C only): a batch function of its own, run where every dof allows it
         assert c.count("narrow &= (clo0 + cmar0 <= chi0 - cmar0);") == 2 and "narrow" not in cuda
         assert "_forward_narrow_batch(int64_t" in c and "_adjoint_narrow_batch(int64_t" in c
+        # and without row weights where every one is 1: a variant each, with and without the narrow forms
+        assert c.count("unit_rows &= (CRW0(h) == 1) && (CRW1(h) == 1);") == 2
+        for kernel in ("forward", "adjoint"):
+            for form in ("_unit_rows", "_narrow_unit_rows"):
+                start = c.index(f"_{kernel}{form}_batch(int64_t")
+                body = c[start:c.index("\n}\n", start)]
+                assert "CRW" not in body and "cw0" in body
+            general = c[c.index(f"_{kernel}_batch(int64_t"):]
+            assert "CRW0(" in general[:general.index("\n}\n")]
         if runs:  # the column form: one double add per run of rows, and one for the last, shorter run
             column = c[c.index("for (int64_t d = 0; d < D_; ++d)", c.index("_forward_batch(")):]
             adds = column[:column.index("CPART(0")].count("cacc0 +=")

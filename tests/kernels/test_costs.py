@@ -171,6 +171,60 @@ def test_narrow_and_general_forms_give_the_same_bits(dtype):
         assert torch.equal(narrow, general), name
 
 
+@pytest.mark.parametrize("case, overlapping", [("central", False), ("jerk_exact", False), ("bspline", False),
+                                               ("central", True)])
+def test_row_weights_of_ones_against_the_definitions(case, overlapping):
+    """Row weights all 1 (what the runtime passes where none are given): the C kernels take their
+    variant without row weights (codegen/fused.py ``Form.unit_rows``), with the narrow forms or, with
+    overlapping margins, the general ones; values and gradients still the definitions'."""
+    spec = _spec(case, outputs=("P",))
+    x, params, dt = _data(spec)
+    for kind, state in TERMS:
+        params[f"{kind}_{state}_row_weight"] = torch.ones(spec.horizon, dtype=torch.float64)
+        if kind == "bound" and overlapping:
+            lo, hi = params[f"bound_{state}_limit"]
+            params[f"bound_{state}_margin"][0] = 0.75 * (hi[0] - lo[0])
+    _fused_against_composite(spec, x, params, dt, False)
+
+
+@pytest.mark.parametrize("overlapping", [False, True], ids=["narrow", "general"])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_row_weights_of_ones_give_the_weighted_variants_bits(dtype, overlapping):
+    """The variant without row weights gives the weighted variant's bits (a product with 1 is exact):
+    the same data run with row weights all 1, then with one term's row weights 2 on every row, that
+    term weighted 0 in both runs (so it adds 0 either way), the same output gradients; states and
+    gradients equal, with the
+    narrow forms and (one dof's velocity margins overlapping) the general ones. The cost may differ
+    by the compiler's contraction of a row into its sum (``s + z*z`` is one fused multiply-add where
+    ``s + 1*(z*z)`` rounded z*z first): within one rounding of each row, whose terms are ≥ 0, so
+    within H·ε of the sum."""
+    spec = ts.KernelSpec(horizon=9, dof=3, dtype=dtype, costs=TERMS, outputs=("P", "A"))
+    x, params, _ = _data(spec)
+    to = (lambda t: t.float()) if dtype == "float32" else (lambda t: t)
+    x, params = {k: to(v) for k, v in x.items()}, {k: to(v) for k, v in params.items()}
+    for kind, state in TERMS:
+        params[f"{kind}_{state}_row_weight"] = torch.ones_like(params[f"{kind}_{state}_row_weight"])
+    if overlapping:
+        lo, hi = params["bound_velocity_limit"]
+        params["bound_velocity_margin"][0] = hi[0] - lo[0]
+    params["bound_acceleration_weight"].zero_()
+    weighted = {**params, "bound_acceleration_row_weight": 2 * params["bound_acceleration_row_weight"]}
+    step, runs = ts.load(spec), []
+    for pp in (params, weighted):
+        u = x["u"].clone().requires_grad_()
+        target = pp["squared_position_target"].clone().requires_grad_()
+        outs = _call(step, spec, {**x, "u": u}, {**pp, "squared_position_target": target}, 0.1)
+        torch.autograd.backward(outs, [torch.linspace(-1, 2, y.numel(), dtype=y.dtype).reshape(y.shape) for y in outs])
+        runs.append([*(y.detach() for y in outs), u.grad, target.grad])
+    for unit, weighted_run, name in zip(*runs, ("P", "A", "cost", "u", "target")):
+        if name == "cost":
+            eps = torch.finfo(unit.dtype).eps
+            assert ((unit - weighted_run).abs() <= spec.horizon * eps * weighted_run.abs()).all(), name
+        else:
+            assert torch.equal(unit, weighted_run), name
+    assert runs[0][2][:, TERMS.index(("bound", "acceleration"))].eq(0).all()
+
+
 def _fused_against_composite(spec, x, params, dt, dt_grad):
     """The fused step's P, cost and gradients against the plain step plus the terms in PyTorch."""
     gen = torch.Generator().manual_seed(5)
