@@ -1028,6 +1028,10 @@ class LoweredOperator:
                                                         _forward_lines, _live))
         return _forward(self.op, self.coefs, self.refs, self.spans["forward"], self.only)
 
+    def fused_forms(self) -> list[fused.Form]:
+        """The forms a fused step's C entry point may run (codegen/fused.py ``forms``)."""
+        return fused.forms(self.arguments)
+
     def c_fused(self, kernel: str, itemsize: int, form: fused.Form = fused.Form()) -> KernelCode:
         """C's form of a fused forward or adjoint: a float32 forward's cost rows added in runs in float;
         ``form``: what a call's parameters allow (codegen/fused.py ``run_rows``, ``Form``)."""

@@ -495,12 +495,10 @@ class CTarget(Target):
     """C: entry points looping over the batch, compiled by the C backend."""
 
     def narrow_codes(self, code: Any, kernels: tuple[str, ...], itemsize: int) -> dict[str, dict[str, Any]]:
-        from .fused import forms
-
         if not code.fused:
             return {}
         return {form.suffix: {k: code.c_fused(k, itemsize, form) for k in ("forward", "adjoint") if k in kernels}
-                for form in forms(code.arguments)}
+                for form in code.fused_forms()}
 
     def launch_plan(self, spec: Any, metadata: Mapping[str, Any]) -> CLaunchPlan:
         return CLaunchPlan(argument_table(spec).dt.shape == ("B",), int(metadata.get("n_coefficients", 0)))
