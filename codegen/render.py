@@ -217,7 +217,7 @@ def render(spec: Any, code: LoweredOperator, table: ArgumentTable, target: Targe
     y = strides(spec.layout, spec.horizon, spec.dof)
     lane_form = lanes(spec) if target.lanes else None
     codes = target.codes(code, kernels, itemsize)
-    variants = target.narrow_codes(code, kernels, itemsize)  # by suffix (codegen/fused.py ``forms``)
+    variants = target.form_codes(code, kernels, itemsize)  # by suffix (codegen/fused.py ``forms``)
     lane_bodies = _lane_bodies(code, codes, kernels, table) if lane_form else {}
     for suffix, variant in variants.items() if lane_form else ():
         lane_bodies.update({k + suffix: v for k, v in _lane_bodies(code, variant, tuple(variant), table).items()})

@@ -477,7 +477,7 @@ class Target:
             return {k: code.c_fused(k, itemsize) if k in ("forward", "adjoint") else getattr(code, k) for k in kernels}
         return {k: code.gathered_adjoint if k == "adjoint" else getattr(code, k) for k in kernels}
 
-    def narrow_codes(self, code: Any, kernels: tuple[str, ...], itemsize: int) -> dict[str, dict[str, Any]]:
+    def form_codes(self, code: Any, kernels: tuple[str, ...], itemsize: int) -> dict[str, dict[str, Any]]:
         """Variants of a fused forward and adjoint by suffix (codegen/fused.py ``forms``: each cost kind
         in its narrow form, no row weights), which the entry point runs where a call's parameters
         allow them: C's only."""
@@ -494,7 +494,7 @@ class Target:
 class CTarget(Target):
     """C: entry points looping over the batch, compiled by the C backend."""
 
-    def narrow_codes(self, code: Any, kernels: tuple[str, ...], itemsize: int) -> dict[str, dict[str, Any]]:
+    def form_codes(self, code: Any, kernels: tuple[str, ...], itemsize: int) -> dict[str, dict[str, Any]]:
         if not code.fused:
             return {}
         return {form.suffix: {k: code.c_fused(k, itemsize, form) for k in ("forward", "adjoint") if k in kernels}
