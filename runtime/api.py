@@ -251,7 +251,7 @@ class Step(torch.nn.Module):
         if torch.compiler.is_compiling():
             return weight.expand(B, weight.shape[0])
         kept = self._expanded.get(name)
-        if kept is not None and kept[0] is weight and kept[1] == validate.stamp(weight, B):
+        if kept is not None and validate.unchanged(kept, weight, validate.stamp(weight, B)):
             return kept[2]  # (a kept tensor passed every test below)
         expanded = weight.expand(B, weight.shape[0])
         if type(weight) is not Tensor or weight.requires_grad or _transformed() or weight.device != self.device:

@@ -88,8 +88,7 @@ def check_parameters(table: ArgumentTable, named: dict[str, Optional[Tensor]], s
         if t is None or not validate.cost_parameter(arg):
             continue
         now = validate.stamp(t) if seen is not None else None
-        last = seen.get(arg.name) if seen is not None else None
-        if last is not None and last[0] is t and last[1] == now:
+        if now is not None and validate.unchanged(seen.get(arg.name), t, now):
             continue
         if t.requires_grad:
             raise ValueError(f"{arg.name}: cost parameters take no gradient (weights, limits and margins are "

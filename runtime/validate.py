@@ -117,6 +117,12 @@ def stamp(t: Tensor, *more: Any) -> tuple:
     return (version, t.data_ptr(), t.shape, t.stride(), t.dtype, t.device, t.requires_grad, *more)
 
 
+def unchanged(kept: Optional[tuple], t: Tensor, now: tuple) -> bool:
+    """Whether ``kept`` (a record that starts with a tensor and its ``stamp``) is ``t``, stamped
+    ``now``: the same tensor, passed again as it was when kept."""
+    return kept is not None and kept[0] is t and kept[1] == now
+
+
 def check_inputs(table: ArgumentTable, values: Sequence[Any], dtype: torch.dtype,
                  device: torch.device, seen: Optional[dict] = None) -> tuple[list[Optional[Tensor]], dict[str, int]]:
     """The tensor inputs (all but dt, in table order), checked and contiguous, and the sizes of
@@ -130,8 +136,7 @@ def check_inputs(table: ArgumentTable, values: Sequence[Any], dtype: torch.dtype
             checked.append(check_argument(table, arg, v, dims, dtype, device))
             continue
         now = stamp(v, dims.get("B"))
-        last = seen.get(arg.name)
-        if last is None or last[0] is not v or last[1] != now:
+        if not unchanged(seen.get(arg.name), v, now):
             t = check_argument(table, arg, v, dims, dtype, device)
             if t is v:
                 seen[arg.name] = (v, now)
