@@ -171,5 +171,25 @@ class CudaBackend:
     def _stream(self, ptr: int) -> Any:
         """PyTorch's current stream seen by CuPy (cached: one wrapper per stream)."""
         if ptr not in self._streams:
-            self._streams[ptr] = self.cupy.cuda.ExternalStream(ptr, self.device.index)
+            self._streams[ptr] = external_stream(self.cupy, ptr, self.device.index)
         return self._streams[ptr]
+
+
+class _StreamHandle:
+    """A raw CUDA stream handle offered through the CUDA stream protocol (``__cuda_stream__``)."""
+
+    def __init__(self, ptr: int):
+        self.ptr = ptr
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return (0, self.ptr)
+
+
+def external_stream(cupy: Any, ptr: int, device_index: int) -> Any:
+    """CuPy's view of a stream it did not create: ``Stream.from_external`` where CuPy has it (CuPy 14
+    deprecates ``ExternalStream``), else ``ExternalStream``."""
+    from_external = getattr(getattr(cupy.cuda, "Stream", None), "from_external", None)
+    if from_external is None:
+        return cupy.cuda.ExternalStream(ptr, device_index)
+    with cupy.cuda.Device(device_index):
+        return from_external(_StreamHandle(ptr))

@@ -529,6 +529,32 @@ def test_capture_never_builds_or_loads_a_cuda_module(capture, monkeypatch):
 
 
 
+@pytest.mark.parametrize("has_from_external", [True, False], ids=["cupy14", "older"])
+def test_pytorchs_stream_reaches_cupy_through_the_api_it_offers(has_from_external):
+    """CuPy 14 deprecates ExternalStream for Stream.from_external(an object with __cuda_stream__);
+    older CuPy has only ExternalStream. Either way CuPy gets PyTorch's raw stream handle."""
+    from tensorstep.runtime.cuda_backend import external_stream
+
+    seen = []
+
+    class Stream:
+        @staticmethod
+        def from_external(obj):
+            seen.append(("from_external", obj.__cuda_stream__()))
+            return "wrapped"
+
+    cuda = {"Device": staticmethod(lambda index: contextlib.nullcontext()),
+            "ExternalStream": staticmethod(lambda ptr, index: seen.append(("ExternalStream", ptr, index)) or "old")}
+    if has_from_external:
+        cuda["Stream"] = Stream
+    cupy = types.SimpleNamespace(cuda=type("cuda", (), cuda))
+    got = external_stream(cupy, 0x1234, 1)
+    if has_from_external:
+        assert (got, seen) == ("wrapped", [("from_external", (0, 0x1234))])
+    else:
+        assert (got, seen) == ("old", [("ExternalStream", 0x1234, 1)])
+
+
 class SmallBlocks(targets.CudaLaunchPlan):
     """A launch plan with 64-thread blocks, where the generated one has 256."""
 
