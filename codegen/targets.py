@@ -553,7 +553,7 @@ class CudaTarget(Target):
                     "knot span or a shorter horizon, or device='cpu'")
 
     def launch_plan(self, spec: Any, metadata: Mapping[str, Any]) -> CudaLaunchPlan:
-        shape = (spec.layout, spec.horizon, spec.n_actions, spec.order, 4 if spec.dtype == "float32" else 8)
+        shape = (spec.layout, spec.horizon, spec.n_actions, spec.order, ITEMSIZE[spec.dtype])
         tiles = tuple((kernel, rows, columns) for kernel, (rows, columns) in cuda_tiles(*shape).items())
         return CudaLaunchPlan(argument_table(spec), spec.dof, spec.dtype, int(metadata["n_coefficients"]),
                               str(metadata["coefficients"]), cuda_stage_columns(*shape), tiles)
