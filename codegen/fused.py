@@ -22,6 +22,7 @@ multiplies. C's variants are ``forms``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from collections import defaultdict
 from typing import Callable
@@ -33,10 +34,13 @@ from .arguments import ArgumentTable
 from .coefficients import Coefficients
 from .operator import Operator, is_row
 from .references import References
+from .renaming import RowExpressions
 from .statements import Call, Cast, Def, Mul, Paren, Read, Statement, Store, Sum, Sym, Term, Val, Var, transform
 
 STATES = ("position", "velocity", "acceleration", "jerk", "snap")
 TARGET_REF = ("squared_position_target", 0)
+#: a row's weight among the symbols a slope is built from (``CostTerms.slope``; in no kind's expression)
+ROW_WEIGHT = sp.Symbol("row_weight")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +76,8 @@ class CostTerms:
         self.unit_rows = unit_rows
         self.terms = [(t, kind, STATES.index(state)) for t, (kind, state) in enumerate(table.costs)]
         self.written = set(table.written)
+        #: each term's expressions at its rows, built once and renamed for the others (codegen/renaming.py)
+        self.rows = RowExpressions()
 
     def on(self, k: int) -> list[tuple[int, str]]:
         """The terms (t, kind) on output k."""
@@ -116,7 +122,8 @@ class CostTerms:
     def value(self, t: int, kind: str, k: int, h: int) -> Sym:
         """The term at row h; without its per-dof weight where the kind is w·f (``total`` applies it)."""
         kind_ = self.kind(kind)
-        return Sym(kind_.expression.xreplace(self._subs(t, kind, k, h, per_dof=not kind_.weighted)))
+        return self.rows(("value", t, kind_), self._subs(t, kind, k, h, per_dof=not kind_.weighted),
+                         kind_.expression.xreplace)
 
     def total(self, t: int, kind: str) -> Statement:
         """A column's sum of term t: its rows' sum, times the per-dof weight where ``value`` left it out
@@ -128,20 +135,33 @@ class CostTerms:
         """GCOST(t) · ∂(term at row h)/∂wrt; for a weighted kind, row weight × ``scales``' cgw<t> × the
         rest (no product of per-column factors repeated on every row). ``prefix``: as ``_subs``."""
         kind_ = self.kind(kind)
-        expr = kind_.derivative if wrt is kinds.Y else sp.diff(kind_.expression, wrt)
-        subs = self._subs(t, kind, k, h, prefix=prefix)
+        subs = {**self._subs(t, kind, k, h, prefix=prefix), ROW_WEIGHT: self.row_weight(t, h)}
         if not kind_.weighted:
-            return Sym(sp.Symbol(f"GCOST({t})") * expr.xreplace(subs))
-        rest = expr / (kinds.W * kind_.slope_factor)
-        rest = sp.simplify(rest) if rest.has(kinds.W) else rest
-        assert not rest.has(kinds.W), f"{kind}: a weighted kind's derivative is w times a function of the rest"
-        return Sym(self.row_weight(t, h) * sp.Symbol(f"cgw{t}") * rest.xreplace(subs))
+            return self.rows(("slope", t, kind_, wrt), subs,
+                             lambda s: sp.Symbol(f"GCOST({t})") * _derivative(kind_, wrt).xreplace(s))
+        return self.rows(("slope", t, kind_, wrt), subs,
+                         lambda s: s[ROW_WEIGHT] * sp.Symbol(f"cgw{t}") * _rest(kind_, wrt).xreplace(s))
 
     def scales(self) -> list[Statement]:
         """The adjoint's per-column factor of each weighted term: GCOST(t) × its derivative's number ×
         the per-dof weight."""
         return [Def(Var(f"cgw{t}"), Sym(self.kind(kind).slope_factor * sp.Symbol(f"GCOST({t})") * sp.Symbol(f"cw{t}")))
                 for t, kind, _ in self.terms if self.kind(kind).weighted]
+
+
+@functools.lru_cache(maxsize=None)
+def _derivative(kind: kinds.CostKind, wrt: sp.Symbol) -> sp.Expr:
+    """d expression / d wrt (y: the kind's own ``derivative``)."""
+    return kind.derivative if wrt is kinds.Y else sp.diff(kind.expression, wrt)
+
+
+@functools.lru_cache(maxsize=None)
+def _rest(kind: kinds.CostKind, wrt: sp.Symbol) -> sp.Expr:
+    """A weighted kind's derivative without its weight and number (``CostKind.slope_factor``)."""
+    rest = _derivative(kind, wrt) / (kinds.W * kind.slope_factor)
+    rest = sp.simplify(rest) if rest.has(kinds.W) else rest
+    assert not rest.has(kinds.W), f"{kind.name}: a weighted kind's derivative is w times a function of the rest"
+    return rest
 
 
 def _sym_reads(body: list[Statement]) -> set:

@@ -13,6 +13,7 @@ from typing import Any, Callable, Iterable
 import sympy as sp
 from sympy.printing.c import C99CodePrinter
 
+from .renaming import renamed_text
 from .statements import (Add, Call, Cast, Def, For, Literal, Mul, Paren, Read, Rel, RunTape, Shift, Statement, Store,
                          Strided, Sum, Sym, Term, Val, Var)
 
@@ -194,7 +195,8 @@ class Printer:
         if isinstance(e, Literal):
             return e.text
         if isinstance(e, Sym):
-            return self.sym(e.expr)
+            text = None if e.like is None else renamed_text(self.sym(e.like[0]), e.like[1])
+            return self.sym(e.expr) if text is None else text
         raise TypeError(f"not an expression: {e!r}")
 
     def _term(self, t: Term) -> str:

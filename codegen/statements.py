@@ -76,9 +76,12 @@ class Literal:
 
 @dataclasses.dataclass(frozen=True)
 class Sym:
-    """A SymPy expression of the double-precision coefficient program."""
+    """A SymPy expression of the double-precision coefficient program. ``like``: where ``expr`` is
+    another expression with some symbols renamed, (that expression, ((name, new name), ...)), which a
+    printer may print once for all its renamings (codegen/renaming.py); not part of the value."""
 
     expr: sp.Expr
+    like: Optional[tuple] = dataclasses.field(default=None, compare=False, repr=False)
 
 
 @dataclasses.dataclass(frozen=True)
