@@ -9,6 +9,7 @@ variable ``r`` once rolled.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable, Iterator, Optional, Union
 
 import sympy as sp
@@ -208,14 +209,25 @@ def transform(node: Any, fn: Callable[[Any], Any]) -> Any:
 
 
 def walk(node: Any) -> Iterator[Any]:
-    """Every node under ``node`` (itself included), in field order."""
-    yield node
-    if isinstance(node, tuple):
-        for x in node:
-            yield from walk(x)
-    elif dataclasses.is_dataclass(node) and not isinstance(node, (Sym, RunTape, type)):
-        for f in dataclasses.fields(node):
-            yield from walk(getattr(node, f.name))
+    """Every node under ``node`` (itself included), in field order (depth first, one stack: a
+    fused column's statements are walked several times, a nested generator per node was most of it)."""
+    stack = [node]
+    while stack:
+        node = stack.pop()
+        yield node
+        if isinstance(node, tuple):
+            stack.extend(reversed(node))
+        else:
+            stack.extend(getattr(node, name) for name in _walked_fields(type(node)))
+
+
+@functools.lru_cache(maxsize=None)
+def _walked_fields(cls: type) -> tuple[str, ...]:
+    """The fields ``walk`` enters of a node of this class, last first: a statement's or expression's,
+    none of a SymPy expression's, a tape's or anything else."""
+    if not dataclasses.is_dataclass(cls) or issubclass(cls, (Sym, RunTape)):
+        return ()
+    return tuple(f.name for f in reversed(dataclasses.fields(cls)))
 
 
 def place(node: Any, h: int) -> Any:
