@@ -18,6 +18,13 @@ directions (``total``, ``scales``), not on every row. A kind with a narrow form
 parameters allow it (``narrow_check``); so has a table with row weights, for calls whose row weights
 are all 1 (``unit_rows_check``: the runtime passes ones where none are given), without their
 multiplies. C's variants are ``forms``.
+
+C's columns take a row's terms whose coefficients are equal or opposite as one product
+(``pairs``, ``paired_rows``): a central stencil's ``c·u[j+1] − c·u[j−1]`` is ``c·(u[j+1] − u[j−1])``,
+one multiply where there were two, and rows of the same step that read the same difference (a
+velocity's and a jerk's) compute it once (the compiler's CSE of the same text). The adjoint takes
+such a group's gradient once per step, its rows' products summed (``Σ c·g``), then adds it to each
+input of the group with its sign: the reverse of the same program.
 """
 from __future__ import annotations
 
@@ -32,7 +39,7 @@ import sympy as sp
 from . import costs as kinds
 from .arguments import ArgumentTable
 from .coefficients import Coefficients
-from .operator import Operator, is_row
+from .operator import Operator, Ref, Row, is_row
 from .references import References
 from .renaming import RowExpressions
 from .statements import Call, Cast, Def, Mul, Paren, Read, Statement, Store, Sum, Sym, Term, Val, Var, transform
@@ -164,6 +171,44 @@ def _rest(kind: kinds.CostKind, wrt: sp.Symbol) -> sp.Expr:
     return rest
 
 
+#: a row's terms as groups (``pairs``): a coefficient and the references it multiplies, each with
+#: whether it is subtracted (the first never is)
+Group = tuple[sp.Expr, tuple[tuple[Ref, bool], ...]]
+
+
+def pairs(row: Row) -> list[Group]:
+    """Row's terms grouped by the coefficient's magnitude, in the order of each group's first term: a
+    group's references in reference order, its coefficient the first one's, the others added or
+    subtracted (``c·(a − b)`` for ``c·a − c·b``). Where two rows read the same references with
+    coefficients of the same magnitudes, their groups are the same text (one subtraction, shared)."""
+    groups: list[tuple[sp.Expr, list[tuple[sp.Expr, Ref]]]] = []
+    for c, ref in row.terms:
+        same = next((g for g in groups if c == g[0] or c == -g[0]), None)
+        if same is None:
+            groups.append((c, [(c, ref)]))
+        else:
+            same[1].append((c, ref))
+    out: list[Group] = []
+    for _, terms in groups:
+        terms = sorted(terms, key=lambda t: t[1])
+        first = terms[0][0]
+        out.append((first, tuple((ref, c != first) for c, ref in terms)))
+    return out
+
+
+def _group_operand(refs: References, group: tuple[tuple[Ref, bool], ...]):
+    """A group's references as one operand: the reference, or ``(a − b + ...)``."""
+    if len(group) == 1:
+        return refs.value(group[0][0])
+    return Paren(Sum(tuple(Term(None, refs.value(ref), negative=neg) for ref, neg in group)))
+
+
+def paired_rows(op: Operator, coefs: Coefficients, refs: References) -> list[Statement]:
+    """The rows as definitions (lower.py's ``_forward_lines``), each group of ``pairs`` one product."""
+    return [Def(Val("y", row.k, row.h), Sum(tuple(coefs.term(c, _group_operand(refs, group)) for c, group in pairs(row))))
+            for row in op.rows]
+
+
 def _sym_reads(body: list[Statement]) -> set:
     """The values and variables the terms' expressions read (printed names in SymPy symbols), for
     the dead-code pass, which sees statement nodes only."""
@@ -267,12 +312,14 @@ def unit_rows_check(table: ArgumentTable) -> list:
 
 
 def adjoint(op: Operator, coefs: Coefficients, refs: References, table: ArgumentTable, rows: Callable,
-            live: Callable, checkpoints: int = 0, form: Form = Form()) -> list[Statement]:
+            live: Callable, checkpoints: int = 0, form: Form = Form(), paired: bool = False) -> list[Statement]:
     """The column's gradients: the rows recomputed, each row's gradient from its output and the
     cost terms on it, then every differentiable input's store. No row of a stencil reads another,
     so each row's gradient goes into its inputs' accumulators at once (few values live: CUDA's
     registers); a recurrence's rows are accumulated in reverse, with ``checkpoints`` (the value's
-    itemsize) segment by segment (``_recurrence``). ``form``: as ``forward``'s."""
+    itemsize) segment by segment (``_recurrence``). ``form``: as ``forward``'s. ``paired`` (a stencil's,
+    with ``rows`` as ``paired_rows``): each group of ``pairs`` of a step's rows (consecutive rows of
+    the same h) takes its gradient once, after the step's last row, and adds it to its references."""
     terms = CostTerms(table, form.narrow, form.unit_rows)
     columns = [a.name for a in table.columns]
     inputs = refs.differentiable(op.n_actions, columns)
@@ -291,14 +338,29 @@ def adjoint(op: Operator, coefs: Coefficients, refs: References, table: Argument
         acc = {ref: Var(f"a{refs.local(ref)}") for ref in inputs}
         body += [Def(v, Sum(()), const=False) for v in acc.values()]
         last = _last_rows(op, acc, [bool(target_slopes(row)) for row in op.rows])
+        pending: dict[tuple, list[Term]] = {}  # a step's groups of references, with their rows' products
+        step = 0  # the first row of the current step
         for i, (line, row) in enumerate(zip(rows(op, coefs, refs), op.rows)):
             body += [line, gradient(row)]
             g = Val("g", row.k, row.h)
-            body += [Store(acc[ref], Sum((coefs.term(c, g),)), "+=") for c, ref in row.terms if ref in acc]
+            groups = pairs(row) if paired else [(c, ((ref, False),)) for c, ref in row.terms]
+            for c, group in groups:
+                if len(group) == 1:
+                    body += [Store(acc[group[0][0]], Sum((coefs.term(c, g),)), "+=")] if group[0][0] in acc else []
+                elif any(ref in acc for ref, _ in group):
+                    pending.setdefault(group, []).append(coefs.term(c, g))
             body += [Store(acc[TARGET_REF], Sum((t,)), "+=") for t in target_slopes(row) if TARGET_REF in acc]
-            # an input's gradient is stored after the last row that adds to it: a stencil's
+            if paired and i + 1 < len(op.rows) and op.rows[i + 1].h == row.h:
+                continue  # the step goes on
+            for n, (group, products) in enumerate(pending.items()):
+                gp = Var(f"gp{i}_{n}")
+                body.append(Def(gp, Sum(tuple(products))))
+                body += [Store(acc[ref], Sum((Term(None, gp),)), "-=" if neg else "+=") for ref, neg in group if ref in acc]
+            pending.clear()
+            # an input's gradient is stored after the last row (step) that adds to it: a stencil's
             # accumulators are then live over a few rows each, not the whole column (CUDA's registers)
-            body += [refs.gradient(ref, (Term(None, acc[ref]),)) for ref in acc if last.get(ref) == i]
+            body += [refs.gradient(ref, (Term(None, acc[ref]),)) for ref in acc if step <= last.get(ref, -1) <= i]
+            step = i + 1
         body += [refs.gradient(ref, (Term(None, v),)) for ref, v in acc.items() if ref not in last]
         return live(body, _sym_reads(body))
     segments = _segments(op, checkpoints) if checkpoints else [range(len(op.rows))]

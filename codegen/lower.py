@@ -1033,15 +1033,16 @@ class LoweredOperator:
         return fused.forms(self.arguments)
 
     def c_fused(self, kernel: str, itemsize: int, form: fused.Form = fused.Form()) -> KernelCode:
-        """C's form of a fused forward or adjoint: a float32 forward's cost rows added in runs in float;
+        """C's form of a fused forward or adjoint: a float32 forward's cost rows added in runs in float,
+        the rows' terms with coefficients of the same magnitude one product (codegen/fused.py ``pairs``);
         ``form``: what a call's parameters allow (codegen/fused.py ``run_rows``, ``Form``)."""
         run = fused.run_rows(itemsize) if kernel == "forward" else 1
         key = (kernel, run, form)
         if key not in self._c_fused:
-            extra = {"run": run} if kernel == "forward" else {}
+            extra = {"run": run} if kernel == "forward" else {"paired": _is_stencil(self.op)}
             build = fused.forward if kernel == "forward" else fused.adjoint
             self._c_fused[key] = KernelCode(TABLE_CALL, build(self.op, self.coefs, self.refs, self.arguments,
-                                                              _forward_lines, _live, form=form, **extra))
+                                                              fused.paired_rows, _live, form=form, **extra))
         return self._c_fused[key]
 
     @functools.cached_property
