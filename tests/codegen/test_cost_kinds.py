@@ -112,6 +112,36 @@ def test_float32_forward_adds_runs_of_rows_float64_every_row():
             assert adds == -(-20 // FLOAT_RUN_ROWS)
 
 
+@pytest.mark.parametrize("fields", [dict(), dict(difference="backward", accuracy=2), dict(control="jerk"),
+                                    dict(order=4, accuracy=(2, 2, 2, 2)), dict(end="goal")])
+def test_paired_rows_are_the_rows(fields):
+    """C's fused columns take a row's terms whose coefficients are equal or opposite as one product
+    (codegen/fused.py ``pairs``): each group's expansion, summed, is the row itself (SymPy, every row);
+    stencils group some terms (an integrator's rows, one term per input, none). In a central stencil's
+    interior, a velocity row and a jerk row of the same step read the same differences u[j−2] − u[j+2]
+    and u[j−1] − u[j+1]."""
+    from tensorstep.codegen.fused import pairs
+    from tensorstep.codegen.schemes import build_operator
+
+    spec = KernelSpec(horizon=12, dof=2, costs=(("squared", "velocity"),), outputs=("P",), **fields)
+    op = build_operator(spec)
+    value = lambda ref: sp.Symbol("_".join(map(str, ref)))
+    grouped = 0
+    for row in op.rows:
+        groups = pairs(row)
+        expanded = sum(c * sum((-1 if neg else 1) * value(ref) for ref, neg in refs) for c, refs in groups)
+        assert sp.expand(expanded - sum(c * value(ref) for c, ref in row.terms)) == 0, row
+        assert sum(len(refs) for _, refs in groups) == len(row.terms) and all(not refs[0][1] for _, refs in groups)
+        grouped += sum(len(refs) > 1 for _, refs in groups)
+    if not fields:
+        by = {(row.k, row.h): {refs for _, refs in pairs(row) if len(refs) > 1} for row in op.rows}
+        h = spec.horizon // 2
+        j = h - 1  # the action row the step's position is
+        assert by[1, h] == by[3, h] == {((("u", j - 2), False), (("u", j + 2), True)),
+                                          ((("u", j - 1), False), (("u", j + 1), True))}
+    assert (grouped > 0) == (spec.control == "position")
+
+
 def test_spec_fields_round_trip_and_name_the_terms():
     spec = KernelSpec(horizon=32, dof=7, costs=(("bound", "velocity"), ("squared", "jerk")), outputs=("P",))
     assert KernelSpec.from_dict(spec.to_dict()) == spec

@@ -146,6 +146,25 @@ def test_margins_that_overlap_take_the_general_form(case):
     _fused_against_composite(spec, x, params, dt, False)
 
 
+def test_paired_columns_give_the_plain_steps_states_to_rounding():
+    """C's fused columns take a row's terms with coefficients of one magnitude as one product (a
+    central stencil's c·(u[j+1] − u[j−1]); codegen/fused.py ``pairs``), so the states they write are the
+    plain step's up to rounding, not bit for bit: float64, H=32 (interior rows), every state written,
+    within 1e-13 of each state's largest value; the cost still the definitions' (1e-12)."""
+    terms = tuple(("bound", s) for s in STATES[:4]) + tuple(("squared", s) for s in STATES[1:4])
+    spec = ts.KernelSpec(horizon=32, dof=7, dtype="float64", costs=terms, outputs=("P", "V", "A", "J"))
+    x, params, dt = _data(spec)
+    for kind, state in terms:  # none given: ones, the variant without row weights
+        del params[f"{kind}_{state}_row_weight"]
+    *states, cost = _call(ts.load(spec), spec, x, params, dt)
+    plain = spec.replace(costs=(), outputs=None)
+    for got, expected in zip(states, _call(ts.load(plain), plain, x, {}, dt)):
+        assert (got - expected).abs().max() <= 1e-13 * expected.abs().max()
+    Y, reference_cost = _reference(spec, x, {**params, **{f"{k}_{s}_row_weight": torch.ones(32, dtype=torch.float64)
+                                                           for k, s in terms}}, dt)
+    np.testing.assert_allclose(cost.numpy(), reference_cost, rtol=1e-12, atol=1e-12 * np.abs(reference_cost).max())
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_narrow_and_general_forms_give_the_same_bits(dtype):
     """A bound's narrow form gives its general form's bits: the same data run with every dof's margins
