@@ -13,6 +13,7 @@ import torch
 from ..codegen import abi
 from ..codegen.arguments import REQUIRED, Argument, ArgumentTable, table
 from ..codegen.targets import C
+from . import memory
 
 Tensor = torch.Tensor
 OptTensor = Optional[Tensor]
@@ -123,8 +124,9 @@ class Launcher:
         return inputs
 
     def _empty_outputs(self, like: Tensor, B: int) -> list[Tensor]:
-        """New outputs, each in its table row's shape (the states [B, H, D]; a cost [B, T])."""
-        return [torch.empty(shape, dtype=self.dtype, device=like.device) for shape in self.output_shapes(B)]
+        """New outputs, each in its table row's shape (the states [B, H, D]; a cost [B, T]); large
+        ones in huge pages where the system has them (``memory.empty``)."""
+        return [memory.empty(shape, self.dtype, like.device) for shape in self.output_shapes(B)]
 
     def forward(self, inputs: Sequence[OptTensor], dt: Tensor, out: Optional[Sequence[Tensor]] = None) -> list[Tensor]:
         """Outputs (P, V, A, J[, S]): new tensors, or ``out`` (validated by the caller) written in place."""
@@ -142,7 +144,7 @@ class Launcher:
         states not written) recomputes the rows: it reads the ``inputs`` too."""
         grads = [contiguous(g) for g in grads]
         like = next(g for g in grads if g is not None)
-        outs = [torch.empty(shape, dtype=self.dtype, device=like.device) if (need or i == 0)
+        outs = [memory.empty(shape, self.dtype, like.device) if (need or i == 0)
                 else None for i, (shape, need) in enumerate(zip(self.adjoint_shapes(B), needed))]
         reads = [*map(ptr, inputs)] if self.table.fused else []
         if B:
