@@ -57,15 +57,20 @@ def advised_range(address: int, nbytes: int, huge: int) -> Optional[tuple[int, i
 
 def advise(t: torch.Tensor) -> None:
     """Advise a new contiguous CPU tensor's huge pages (a hint: where refused, nothing changes)."""
-    span = advised_range(t.data_ptr(), t.numel() * t.element_size(), huge_page_size())
+    span = advised_range(t.data_ptr(), t.nbytes, huge_page_size())
     madvise = _madvise() if span else None
     if madvise is not None:
         madvise(span[0], span[1], mmap.MADV_HUGEPAGE)
 
 
+#: the size in bytes from which a new output is advised (infinite where there are no huge pages);
+#: a constant, so that a small output's allocation (or Dynamo tracing one) calls nothing more
+ADVISED_FROM: float = 2 * huge_page_size() or float("inf")
+
+
 def empty(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """``torch.empty`` for a kernel's output: on the CPU, a large one advised (``advise``)."""
     t = torch.empty(shape, dtype=dtype, device=device)
-    if t.device.type == "cpu":
+    if t.nbytes >= ADVISED_FROM and t.device.type == "cpu":
         advise(t)
     return t
