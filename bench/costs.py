@@ -207,6 +207,20 @@ def _check_agreement(case: CostCase, methods: dict[str, Callable], u: torch.Tens
             raise AssertionError(f"{name} disagrees with the unfused step plus eager costs: {errors}")
 
 
+def table_values(table, u, starts, params) -> list:
+    """The fused call's tensor arguments in table order (None where not given)."""
+    named = {"u": u, "p0": starts[0], "v0": starts[1], "a0": starts[2], **params}
+    return [named.get(a.name) for a in table.tensors]
+
+
+def kernel_inputs(fused, values: list) -> list:
+    """What the fused kernels read, as the Python path checks and passes it (``table_values``
+    checked; [D] weights as their kept [B, D] rows, defaults where not given)."""
+    inputs, _ = validate.check_inputs(fused.table, fused._cost_arguments(values), fused.dtype, fused.device,
+                                      fused._seen)
+    return inputs
+
+
 def _pieces(fused, u, starts, params, W, ones) -> dict[str, Callable[[], None]]:
     """The fused call's parts, each callable alone: the checks of its Python path (what Step.forward
     does in Python before the kernel when the cost parameters are new or changed, here timed on
@@ -215,12 +229,11 @@ def _pieces(fused, u, starts, params, W, ones) -> dict[str, Callable[[], None]]:
     them unchanged runs neither), its forward and adjoint
     kernels launched directly, and the forward under no_grad (checks + kernel + Function.apply)."""
     table = fused.table
-    named = {"u": u, "p0": starts[0], "v0": starts[1], "a0": starts[2], **params}
-    values = [named.get(a.name) for a in table.tensors]
+    values = table_values(table, u, starts, params)
     B = u.shape[0]
 
     def table_checks() -> list:
-        inputs, _ = validate.check_inputs(table, fused._cost_arguments(values), fused.dtype, fused.device, fused._seen)
+        inputs = kernel_inputs(fused, values)
         fused._dt_tensor(DT, B)
         return inputs
 

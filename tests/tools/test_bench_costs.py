@@ -13,7 +13,7 @@ from click.testing import CliRunner
 import reference
 import reference_costs
 import tensorstep as ts
-from tensorstep.bench import costs
+from tensorstep.bench import costs, costs_outputs
 from tensorstep.cli import main
 
 UNITS = {"µs": 1e-6, "ms": 1e-3}
@@ -108,3 +108,25 @@ def test_the_copy_bound_counts_what_the_fused_op_moves():
     gen, u, starts = costs._inputs(case)
     P, cost = step(u, *starts, costs.DT, **costs.parameters(case, gen))
     assert costs.copy_elements(case) == u.numel() + P.numel() + cost.numel()
+
+
+def test_the_kernels_write_the_same_into_every_allocation():
+    """bench/costs_outputs.py: its forward writes the step's P and cost and its adjoint the step's
+    gradient of u (autograd through the step), into new, advised and kept outputs alike."""
+    case = costs.CostCase(batch=5, dtype="float64", horizon=8)
+    gen, u, starts = costs._inputs(case)
+    params = costs.parameters(case, gen)
+    W = torch.randn(case.batch, case.horizon, case.dof, dtype=torch.float64)
+    u.requires_grad_(True)
+    P, cost = ts.load(case.fused)(u, *starts, costs.DT, **params)
+    (grad,) = torch.autograd.grad((P * W).sum() + cost.sum(), u)
+    methods = costs_outputs.callables(case, W)
+    copies = {}
+    for allocation in costs_outputs.allocations(case):
+        P_, cost_ = methods[f"forward kernel, {allocation}"]()
+        (grad_,) = methods[f"adjoint kernel, {allocation}"]()
+        assert torch.equal(P_, P.detach()) and torch.equal(cost_, cost.detach()) and torch.equal(grad_, grad)
+        for k, n in (("forward", P.numel() + cost.numel()), ("adjoint", u.numel())):
+            (copied,) = methods[f"copy of the {k}'s outputs, {allocation}"]()
+            assert copied.numel() == n and copied.abs().min() > 0  # every element written (from random values)
+            assert torch.equal(copies.setdefault(k, copied), copied)
