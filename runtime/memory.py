@@ -69,8 +69,9 @@ ADVISED_FROM: float = 2 * huge_page_size() or float("inf")
 
 
 def empty(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """``torch.empty`` for a kernel's output: on the CPU, a large one advised (``advise``)."""
+    """``torch.empty`` for a kernel's output: on the CPU, a large one advised (``advise``; not
+    while Dynamo traces, whose tensors have no memory)."""
     t = torch.empty(shape, dtype=dtype, device=device)
-    if t.nbytes >= ADVISED_FROM and t.device.type == "cpu":
+    if t.nbytes >= ADVISED_FROM and t.device.type == "cpu" and not torch.compiler.is_compiling():
         advise(t)
     return t
