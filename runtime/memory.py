@@ -7,13 +7,14 @@ several times the kernel's own arithmetic on the machine of BENCHMARKS.md. Advis
 fault each) where the system allows them (transparent huge pages "always" or "madvise");
 elsewhere the advice does nothing. Memory already mapped (reused from malloc's heap) keeps
 its pages. The native node (native_node.cpp, ``fresh``) advises the outputs it allocates the
-same way.
+same way. ``TENSORSTEP_HUGE_PAGES=0`` in the environment (read at import) turns the advice off.
 """
 from __future__ import annotations
 
 import ctypes
 import functools
 import mmap
+import os
 import sys
 from pathlib import Path
 from typing import Callable, Optional, Sequence
@@ -24,9 +25,16 @@ import torch
 HUGE_PAGE_SIZE_FILE = Path("/sys/kernel/mm/transparent_hugepage/hpage_pmd_size")
 
 
+#: set to "0" to advise nothing (outputs then come in the system's default pages)
+SWITCH = "TENSORSTEP_HUGE_PAGES"
+
+
 @functools.lru_cache(maxsize=1)
 def huge_page_size() -> int:
-    """The transparent huge page size in bytes; 0 where the system has none."""
+    """The transparent huge page size in bytes; 0 where the system has none or the environment
+    variable ``TENSORSTEP_HUGE_PAGES`` is ``0``."""
+    if os.environ.get(SWITCH) == "0":
+        return 0
     if not sys.platform.startswith("linux") or not hasattr(mmap, "MADV_HUGEPAGE"):
         return 0
     try:

@@ -47,6 +47,7 @@
 #include <array>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <deque>
 #include <fstream>
 #include <map>
@@ -438,9 +439,11 @@ Sizes resolve(const std::vector<int64_t>& shape, at::IntArrayRef sizes) {
 void* ptr(const Tensor& t) { return t.defined() ? const_cast<void*>(t.const_data_ptr()) : nullptr; }
 
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
-// The transparent huge page size in bytes (0: none), read once.
+// The transparent huge page size in bytes (0: none, or TENSORSTEP_HUGE_PAGES=0), read once.
 size_t huge_page_size() {
   static const size_t size = [] {
+    const char* setting = std::getenv("TENSORSTEP_HUGE_PAGES");
+    if (setting && std::string(setting) == "0") return size_t{0};
     std::ifstream file("/sys/kernel/mm/transparent_hugepage/hpage_pmd_size");
     size_t n = 0;
     return file >> n ? n : size_t{0};

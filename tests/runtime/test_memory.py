@@ -63,3 +63,38 @@ def test_large_outputs_and_gradients_are_advised(path):
     assert ("NativeStep" in P.grad_fn.name()) == (path == "native")
     P.backward(torch.ones_like(P))
     assert advised(P) and advised(J) and advised(u.grad)
+
+
+@needs_huge_pages
+def test_the_switch_turns_the_advice_off_on_both_paths(tmp_path):
+    """TENSORSTEP_HUGE_PAGES=0: no output is advised, by the launcher or by the native node."""
+    import os
+    import subprocess
+    import sys
+
+    script = f"""
+import torch, tensorstep as ts
+from tensorstep.runtime import memory, native
+import test_memory as m
+assert memory.huge_page_size() == 0 and memory.ADVISED_FROM == float("inf")
+native.wait()
+huge = {memory.huge_page_size()}
+B = 16 * huge // (m.SPEC.horizon * m.SPEC.dof * 8)
+for path in ("launcher", "native"):
+    step = ts.load(m.SPEC)
+    if path == "launcher":
+        step.native = None
+    elif step.native is None:
+        continue
+    u = torch.randn(B, m.SPEC.horizon - 1, m.SPEC.dof, dtype=torch.float64, requires_grad=True)
+    P = step(u, *[torch.randn(B, m.SPEC.dof, dtype=torch.float64) for _ in range(3)], 0.1)[0]
+    P.backward(torch.ones_like(P))
+    for t in (P, u.grad):
+        start, _ = memory.advised_range(t.data_ptr(), t.nbytes, huge)
+        assert "hg" not in m.vm_flags(start), path
+print("ok")
+"""
+    env = {**os.environ, "TENSORSTEP_HUGE_PAGES": "0",
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), *sys.path])}
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert result.stdout.strip().endswith("ok"), result.stderr[-3000:]
