@@ -5,6 +5,7 @@ import dataclasses
 from typing import Any, Mapping, Optional, Sequence, Union
 
 import torch
+from torch.nn.modules import module as _nn_module
 
 from ..codegen.spec import KernelSpec
 from . import registry, validate
@@ -12,6 +13,8 @@ from .autograd import StepFunction
 from .launch import DTYPES, CpuBackend, Launcher, capturing, warm_up_first
 
 Tensor = torch.Tensor
+#: nn.Module's own __call__ (Step.__call__ falls back to it; a patched one, as FX's tracer sets, is used instead)
+_MODULE_CALL = torch.nn.Module.__call__
 #: the tensor arguments of forward's signature, in its order
 PLAIN_ARGUMENTS = ("u", "p0", "v0", "a0", "j0", "start_index")
 
@@ -40,6 +43,10 @@ class Step(torch.nn.Module):
         self._names = tuple(a.name for a in self.table.tensors)
         self._known = frozenset(self._names)
         self._plain = self._names == PLAIN_ARGUMENTS
+        #: the table rows after forward's parameters, all given by keyword (None: the table does not
+        #: begin with those parameters)
+        n = len(PLAIN_ARGUMENTS)
+        self._keywords = self._names[n:] if self._names[:n] == PLAIN_ARGUMENTS else None
         self.op_key = registry.register(launcher, device)
         self._dt_cache: dict[float, Tensor] = {}
         self.native: Optional[int] = None  # handle of the native autograd node (CPU), once built
@@ -73,8 +80,8 @@ class Step(torch.nn.Module):
         settled = native.ready()  # asked first: a build that ends in between is taken on the next call
         handle = native.handle(self.launcher)
         if handle is not None:
-            self._native_step = torch.ops.tensorstep_native.step.default
-            self._native_step_out = torch.ops.tensorstep_native.step_out.default
+            self._native_step = _unwrapped(torch.ops.tensorstep_native.step.default)
+            self._native_step_out = _unwrapped(torch.ops.tensorstep_native.step_out.default)
             if self.table.fused:
                 self._slot = native.Slot()
                 self._slot_id = self._slot.id
@@ -147,6 +154,20 @@ class Step(torch.nn.Module):
         """Shape the actions u must have for a batch of ``batch`` trajectories."""
         return self.launcher.action_shape(batch)
 
+    def __call__(self, *args: Any, **kwargs: Any) -> tuple[Tensor, ...]:
+        # nn.Module.__call__ passes the keyword tensors through two more functions, each copying
+        # them into a new dict, to find no hook to run: a call goes to forward directly while
+        # nothing of that machinery is in use (hooks, jit tracing, Module.compile, a patched
+        # Module.__call__, torch.compile)
+        if (self._compiled_call_impl is None and torch.nn.Module.__call__ is _MODULE_CALL
+                and not (self._forward_pre_hooks or self._forward_hooks or self._backward_pre_hooks
+                         or self._backward_hooks or _nn_module._global_forward_pre_hooks
+                         or _nn_module._global_forward_hooks or _nn_module._global_backward_pre_hooks
+                         or _nn_module._global_backward_hooks)
+                and not torch._C._get_tracing_state() and not torch.compiler.is_compiling()):
+            return self.forward(*args, **kwargs)
+        return _MODULE_CALL(self, *args, **kwargs)
+
     def forward(
         self,
         u: Tensor,
@@ -165,6 +186,12 @@ class Step(torch.nn.Module):
             self._take_native()
         if self._plain and goal is None and not more:  # the table's tensors are these parameters, in order
             values = [u, p0, v0, a0, j0, start_index]
+        elif self._keywords is not None and goal is None:
+            # the table's tensors are these parameters, then the keyword rows (a fused step's cost
+            # parameters): read from the call's keywords by name, in table order
+            if not self._known.issuperset(more):
+                _more_arguments(self.table, more)  # raises, naming the first unknown one
+            values = [u, p0, v0, a0, j0, start_index, *map(more.get, self._keywords)]
         else:
             named = {"u": u, "p0": p0, "v0": v0, "a0": a0, "j0": j0, "start_index": start_index}
             if goal is not None:
@@ -274,6 +301,11 @@ class Step(torch.nn.Module):
         for y in out:  # the kernel wrote through raw pointers: tell autograd the tensors changed
             torch.autograd.graph.increment_version(y)
         return out
+
+
+def _unwrapped(op: Any) -> Any:
+    """An op overload's C++ callable: its Python ``__call__`` only forwards to it (a frame less per call)."""
+    return getattr(op, "_op", op)
 
 
 def _tensors_or_none(values: list) -> bool:

@@ -131,3 +131,42 @@ def test_a_dt_that_is_no_real_number_is_refused(dt):
     step = ts.load(SPEC32)
     with pytest.raises(TypeError, match=r"^dt: expected a positive float or a tensor, got "):
         step(torch.zeros(3, 5, 2), torch.zeros(3, 2), torch.zeros(3, 2), torch.zeros(3, 2), dt)
+
+
+def test_module_hooks_run_as_on_any_module():
+    """A step's call skips nn.Module's hook machinery only while no hook is set: forward pre-hooks
+    (which may replace the arguments, keywords included), forward hooks (which may replace the
+    result) and global hooks run as on any module, and the step's result is the one they see."""
+    step = ts.load(SPEC32)
+    gen = torch.Generator().manual_seed(1)
+    u = torch.randn(2, SPEC32.n_actions, SPEC32.dof, generator=gen)
+    starts = [torch.randn(2, SPEC32.dof, generator=gen) for _ in range(4)]
+    plain = step(u, *starts[:3], 0.1, j0=starts[3])
+    seen = []
+
+    def pre(module, args, kwargs):
+        seen.append(("pre", module is step, sorted(kwargs)))
+        return (2 * args[0], *args[1:]), {**kwargs, "j0": torch.zeros_like(starts[3])}
+
+    def post(module, args, kwargs, result):
+        seen.append(("post", module is step, len(result)))
+        return tuple(-y for y in result)
+
+    handles = [step.register_forward_pre_hook(pre, with_kwargs=True),
+               step.register_forward_hook(post, with_kwargs=True)]
+    hooked = step(u, *starts[:3], 0.1, j0=starts[3])
+    expected = step.forward(2 * u, *starts[:3], 0.1, j0=torch.zeros_like(starts[3]))
+    assert seen == [("pre", True, ["j0"]), ("post", True, 4)]
+    for y, e in zip(hooked, expected):
+        torch.testing.assert_close(y, -e, rtol=0, atol=0)
+    for h in handles:
+        h.remove()
+    hook = lambda module, args, result: seen.append(("global", module is step))
+    global_hook = torch.nn.modules.module.register_module_forward_hook(hook)
+    try:
+        again = step(u, *starts[:3], 0.1, j0=starts[3])
+    finally:
+        global_hook.remove()
+    assert seen[-1] == ("global", True)
+    for y, e in zip(again, plain):
+        torch.testing.assert_close(y, e, rtol=0, atol=0)
