@@ -51,6 +51,7 @@
 #include <deque>
 #include <fstream>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <set>
 #include <sstream>
@@ -122,6 +123,7 @@ struct Kernels {
   // the rows a step may keep between calls (a fused step's cost parameters, see Slot below), and
   // the free symbols their shapes use
   std::vector<int64_t> kept_rows, kept_symbols;
+  std::vector<bool> kept;  // per row: one of kept_rows
 };
 
 std::mutex registry_mutex;
@@ -152,6 +154,7 @@ int64_t register_kernels(int64_t forward, int64_t adjoint, std::vector<std::stri
   for (size_t i = 0; i < names.size(); ++i) {
     std::vector<int64_t> shape(shapes.begin() + at, shapes.begin() + at + ranks[i]);
     at += ranks[i];
+    k.kept.push_back(kept[i] != 0);
     if (kept[i]) {
       k.kept_rows.push_back(static_cast<int64_t>(i));
       for (auto s : shape) {
@@ -243,9 +246,13 @@ using Sizes = c10::SmallVector<int64_t, 6>;
 // A structural problem (presence, layout, rank, shape, dtype, device) raises the table's message.
 // A problem with values (dt entries, index entries) or with dt's form returns false: the caller
 // then runs the Python checks, which say what is wrong.
+struct KeptRow;
+using KeptRows = std::shared_ptr<const std::vector<KeptRow>>;
+
 struct Checked {
   std::vector<Tensor> inputs;  // contiguous, int64 indices, dt reshaped to the kernel's vector
   std::vector<int64_t> sizes;  // of the free symbols
+  KeptRows kept;               // a slot's kept rows, when the call took them (their kernels' tensors are in inputs)
 };
 
 bool check_row(const Kernels& k, const Row& row, const Tensor& t, std::vector<int64_t>& sizes, Tensor& out) {
@@ -339,7 +346,9 @@ struct KeptRow {
 struct Slot {
   int64_t handle = -1;
   std::vector<int64_t> sizes;  // of the free symbols, in the call that kept them
-  std::vector<KeptRow> rows;   // one per kept row (Kernels::kept_rows)
+  // one per kept row (Kernels::kept_rows), never changed once made: a call's autograd node shares
+  // them (its backward reads them) while a later keep replaces the slot's
+  KeptRows rows;
 };
 
 std::mutex slots_mutex;
@@ -360,6 +369,7 @@ bool take_kept(const Kernels& k, int64_t handle, int64_t slot, const Given& give
   const auto found = slots.find(slot);
   if (found == slots.end() || found->second.handle != handle) return false;
   const Slot& s = found->second;
+  if (!s.rows) return false;
   for (const auto symbol : k.kept_symbols) {
     if (s.sizes[symbol] < 0) continue;  // no kept tensor has it (every row with it was None)
     if (c.sizes[symbol] < 0) {
@@ -371,9 +381,10 @@ bool take_kept(const Kernels& k, int64_t handle, int64_t slot, const Given& give
   for (size_t r = 0; r < k.kept_rows.size(); ++r) {
     const int64_t i = k.kept_rows[r];
     const std::optional<Tensor> t = given.get(i);
-    if (!unchanged(s.rows[r], t.value_or(Tensor()))) return false;
-    c.inputs[i] = s.rows[r].kernel;
+    if (!unchanged((*s.rows)[r], t.value_or(Tensor()))) return false;
+    c.inputs[i] = (*s.rows)[r].kernel;
   }
+  c.kept = s.rows;
   return true;
 }
 
@@ -402,6 +413,7 @@ void keep(int64_t handle, int64_t slot, const Given& given, const Given& inputs)
   const Kernels& k = kernels(handle);
   Checked c;
   Slot s{handle, {}, {}};
+  std::vector<KeptRow> rows;
   bool ok = given.size() == k.rows.size() && check(k, inputs, c);
   for (size_t r = 0; ok && r < k.kept_rows.size(); ++r) {
     const Tensor t = given.get(k.kept_rows[r]).value_or(Tensor());
@@ -417,9 +429,10 @@ void keep(int64_t handle, int64_t slot, const Given& given, const Given& inputs)
       row.strides = Sizes(t.strides().begin(), t.strides().end());
       row.requires_grad = t.requires_grad();
     }
-    s.rows.push_back(std::move(row));
+    rows.push_back(std::move(row));
   }
   s.sizes = c.sizes;
+  s.rows = std::make_shared<const std::vector<KeptRow>>(std::move(rows));
   std::lock_guard<std::mutex> guard(slots_mutex);
   const auto found = slots.find(slot);
   if (found == slots.end()) return;  // released
@@ -536,6 +549,9 @@ struct NativeStepBackward : public torch::autograd::Node {
   std::vector<int64_t> positions;  // table position of each differentiable input given (= this node's output edge)
   std::vector<torch::autograd::SavedVariable> kept;  // indices (to sum gradients onto their rows) and dt
   std::vector<int64_t> kept_at;
+  // a fused call's cost parameters as its slot kept them (shared, not saved one by one), each with
+  // the version of the tensor given for it, compared again before the adjoint reads them
+  KeptRows parameters;
 
   std::string name() const override { return "NativeStepBackward"; }
 
@@ -562,6 +578,7 @@ struct NativeStepBackward : public torch::autograd::Node {
 
   void release_variables() override {
     for (auto& v : kept) v.reset_data();
+    parameters.reset();
   }
 
   variable_list apply(variable_list&& grads) override {
@@ -579,6 +596,19 @@ struct NativeStepBackward : public torch::autograd::Node {
 
     std::vector<Tensor> saved(n);
     for (size_t s = 0; s < kept_at.size(); ++s) saved[kept_at[s]] = kept[s].unpack();
+    if (parameters) {
+      for (size_t r = 0; r < k.kept_rows.size(); ++r) {
+        const KeptRow& p = (*parameters)[r];
+        // the kernels read the given tensor itself (not a copy made when it was kept): written in
+        // place since the forward, it no longer holds what the forward read (a SavedVariable's check)
+        TORCH_CHECK(!p.given.defined() || !p.given.is_same(p.kernel) || p.given._version() == p.version,
+                    k.rows[k.kept_rows[r]].name, ": one of the variables needed for gradient computation has been ",
+                    "modified by an inplace operation: the step's forward read it at version ", p.version,
+                    ", it is now at version ", p.given._version(), "; pass a copy (.clone()) to change it ",
+                    "before the backward");
+        saved[k.kept_rows[r]] = p.kernel;
+      }
+    }
     const Tensor& dt = saved[n - 1];
     const int64_t B = rows[0];
     if (k.fused && at::GradMode::is_enabled()) return fused_graph(k, saved, grads, needs, edge, std::move(out));
@@ -647,7 +677,8 @@ struct NativeStepBackward : public torch::autograd::Node {
 
 // The outputs, with the autograd node when a gradient is wanted (never when ``record`` is false:
 // the tensorstep::<family> ops run below autograd, which their own autograd kernel handles).
-std::vector<Tensor> run_node(const Kernels& k, int64_t handle, const std::vector<Tensor>& inputs, bool record = true) {
+std::vector<Tensor> run_node(const Kernels& k, int64_t handle, const std::vector<Tensor>& inputs, bool record = true,
+                             KeptRows parameters = nullptr) {
   std::vector<Tensor> given;
   std::vector<int64_t> positions, rows(k.rows.size(), 0);
   given.reserve(inputs.size());
@@ -657,7 +688,7 @@ std::vector<Tensor> run_node(const Kernels& k, int64_t handle, const std::vector
   for (size_t i = 0; i < inputs.size(); ++i) {
     if (!inputs[i].defined()) continue;
     rows[i] = inputs[i].dim() > 0 ? inputs[i].size(0) : 1;
-    saved += k.fused || k.rows[i].rule != KERNEL_DTYPE;
+    saved += (k.fused && !(parameters && k.kept[i])) || k.rows[i].rule != KERNEL_DTYPE;
     requires_grad = requires_grad || inputs[i].requires_grad();
     // an edge only where a gradient can flow: not to an index or a fused step's cost parameters
     if (!k.rows[i].differentiable) continue;
@@ -678,11 +709,13 @@ std::vector<Tensor> run_node(const Kernels& k, int64_t handle, const std::vector
   for (const auto& t : given) edges.push_back(torch::autograd::impl::gradient_edge(t));
   step->set_next_edges(std::move(edges));
   step->handle = handle;
+  step->parameters = std::move(parameters);
   step->rows = std::move(rows);
   step->positions = std::move(positions);
   step->kept.reserve(saved);
   step->kept_at.reserve(saved);
   for (size_t i = 0; i < k.rows.size(); ++i) {
+    if (step->parameters && k.kept[i]) continue;  // read from the slot's rows (step->parameters)
     if ((k.fused || k.rows[i].rule != KERNEL_DTYPE) && inputs[i].defined()) {  // a fused adjoint reads them all
       step->kept.emplace_back(inputs[i], /*is_output=*/false);
       step->kept_at.push_back(static_cast<int64_t>(i));
@@ -701,7 +734,7 @@ std::vector<Tensor> step(int64_t handle, const Given& given, bool record = true,
   const Kernels& k = kernels(handle);
   Checked c;
   if (!check(k, given, c, handle, slot)) return {};
-  return run_node(k, handle, c.inputs, record);
+  return run_node(k, handle, c.inputs, record, std::move(c.kept));
 }
 
 bool overlap(const Tensor& a, const Tensor& b) {  // both contiguous CPU tensors

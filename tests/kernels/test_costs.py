@@ -482,6 +482,35 @@ def test_a_parameter_given_new_data_or_strides_is_read_and_checked_again():
     torch.testing.assert_close(strided, fresh, rtol=0, atol=0)
 
 
+def test_a_limit_written_in_place_between_forward_and_backward_is_refused():
+    """The kernels read a contiguous limit as given (not a copy): written in place after the
+    forward, it no longer holds what the forward read, and the backward raises, as PyTorch does
+    for any saved tensor written in place: on the Python path, on the native node when the call
+    was checked in Python, and on the node when it read the parameters its slot kept (naming the
+    keyword). The same values given back, and the next call is right again."""
+    spec = _spec("central")
+    x, params, dt = _data(spec)
+    step = ts.load(spec)
+    limit = params["bound_velocity_limit"]
+    expected = None
+    for native, kept in ((None, False), (step.native, False), (step.native, True)):
+        step.native = native
+        if kept:
+            _call(step, spec, x, params, dt)  # checked and kept; the next call reads the slot
+        u = x["u"].clone().requires_grad_()
+        ys = _call(step, spec, {**x, "u": u}, params, dt)
+        assert ("NativeStep" in ys[-1].grad_fn.name()) == (native is not None)
+        limit.mul_(1.0)  # a new version, the same values
+        match = ("bound_velocity_limit: " if kept else "") + ".*modified by an inplace operation"
+        with pytest.raises(RuntimeError, match=match):
+            torch.autograd.backward(ys, [torch.ones_like(y) for y in ys])
+        u = x["u"].clone().requires_grad_()
+        ys = _call(step, spec, {**x, "u": u}, params, dt)
+        torch.autograd.backward(ys, [torch.ones_like(y) for y in ys])
+        expected = u.grad if expected is None else expected
+        torch.testing.assert_close(u.grad, expected, rtol=1e-13, atol=0)
+
+
 def test_an_inference_tensor_parameter_is_checked_on_every_call():
     """An inference tensor has no version to tell an in-place write: it is checked on every call."""
     spec = _spec("central")
