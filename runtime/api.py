@@ -13,7 +13,7 @@ from .autograd import StepFunction
 from .launch import DTYPES, CpuBackend, Launcher, capturing, warm_up_first
 
 Tensor = torch.Tensor
-#: nn.Module's own __call__ (Step.__call__ falls back to it; a patched one, as FX's tracer sets, is used instead)
+#: nn.Module's own __call__: Step.__call__ skips it only while it is not patched (as FX's tracer patches it)
 _MODULE_CALL = torch.nn.Module.__call__
 #: the tensor arguments of forward's signature, in its order
 PLAIN_ARGUMENTS = ("u", "p0", "v0", "a0", "j0", "start_index")
@@ -166,7 +166,7 @@ class Step(torch.nn.Module):
                          or _nn_module._global_backward_hooks)
                 and not torch._C._get_tracing_state() and not torch.compiler.is_compiling()):
             return self.forward(*args, **kwargs)
-        return _MODULE_CALL(self, *args, **kwargs)
+        return torch.nn.Module.__call__(self, *args, **kwargs)
 
     def forward(
         self,

@@ -503,7 +503,7 @@ bool batch_invariant(const Kernels& k) {
 // gradients of the outputs (undefined: zero).
 template <typename Needs>
 variable_list run_adjoint(const Kernels& k, const variable_list& grads, const Tensor& dt, int64_t B,
-                          const Needs& needs, const std::vector<Tensor>& reads = {}) {
+                          const Needs& needs, at::ArrayRef<Tensor> reads = {}) {
   std::vector<void*> args;
   args.reserve(reads.size() + grads.size() + 1 + k.rows.size());
   for (const auto& t : reads) args.push_back(ptr(t));  // a fused adjoint's inputs (all but dt)
@@ -612,7 +612,7 @@ struct NativeStepBackward : public torch::autograd::Node {
     const Tensor& dt = saved[n - 1];
     const int64_t B = rows[0];
     if (k.fused && at::GradMode::is_enabled()) return fused_graph(k, saved, grads, needs, edge, std::move(out));
-    const std::vector<Tensor> reads = k.fused ? std::vector<Tensor>(saved.begin(), saved.end() - 1) : std::vector<Tensor>();
+    const at::ArrayRef<Tensor> reads = k.fused ? at::ArrayRef<Tensor>(saved.data(), n - 1) : at::ArrayRef<Tensor>();
 
     variable_list per_batch;  // per-trajectory gradients of the differentiable inputs, in table order
     if (at::GradMode::is_enabled()) {
