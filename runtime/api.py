@@ -14,7 +14,7 @@ from .launch import DTYPES, CpuBackend, Launcher, capturing, warm_up_first
 
 Tensor = torch.Tensor
 #: nn.Module's own __call__: Step.__call__ skips it only while it is not patched (as FX's tracer patches it)
-_MODULE_CALL = torch.nn.Module.__call__
+_MODULE_CALL = getattr(torch.nn.Module, "_wrapped_call_impl", torch.nn.Module.__call__)
 #: the tensor arguments of forward's signature, in its order
 PLAIN_ARGUMENTS = ("u", "p0", "v0", "a0", "j0", "start_index")
 
