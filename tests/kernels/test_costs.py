@@ -38,10 +38,12 @@ BSPLINES = {
 
 #: layout "bdh" above a warp's whole rows (float64 H > 32): the CUDA kernels stage row tiles
 ROW_TILES = {"bdh_row_tiles": dict(horizon=40, dof=3, start_index=True, layout="bdh")}
+#: float64 recurrences past H=100: the CUDA adjoint's checkpoints in two levels (codegen/fused.py ``_blocks``)
+LONG = {"jerk_exact_long": dict(horizon=104, dof=2, control="jerk", integrator="exact")}
 
 
 def _spec(case: str, outputs=("P",), terms=TERMS):
-    return ts.KernelSpec(dtype="float64", costs=terms, outputs=outputs, **{**CASES, **BSPLINES, **ROW_TILES}[case])
+    return ts.KernelSpec(dtype="float64", costs=terms, outputs=outputs, **{**CASES, **BSPLINES, **ROW_TILES, **LONG}[case])
 
 
 def _data(spec, B: int = 3, seed: int = 0):
@@ -529,11 +531,12 @@ def test_an_inference_tensor_parameter_is_checked_on_every_call():
 
 
 @pytest.mark.parametrize("case", ["central", "acceleration", "jerk_exact", "goal", "indexed_bdh",
-                                  "bspline_goal_per_trajectory", "bdh_row_tiles"])
+                                  "bspline_goal_per_trajectory", "bdh_row_tiles", "jerk_exact_long"])
 def test_cuda_kernels_run_on_the_host_match_c(case):
     """The CUDA source (run on the host, tests/cuda_on_host.py) gives the C kernels' states, cost
     and gradients: each column's term sums, then cost_sum's dof order. An integrator's CUDA adjoint
-    recomputes its rows in segments (codegen/fused.py ``_recurrence``), C's in one pass."""
+    recomputes its rows in segments (codegen/fused.py ``_recurrence``), C's in one pass; past H=100
+    in float64 its blocks of segments again, from checkpoints in two levels."""
     from cuda_on_host import host_step
 
     spec = _spec(case, outputs=("P", "A"))
