@@ -366,8 +366,7 @@ def adjoint(op: Operator, coefs: Coefficients, refs: References, table: Argument
         body += [refs.gradient(ref, (Term(None, v),)) for ref, v in acc.items() if ref not in last]
         return live(body, _sym_reads(body))
     segments = _segments(op, checkpoints) if checkpoints else [range(len(op.rows))]
-    blocks = _blocks(op, segments, checkpoints) if checkpoints else [range(1)]
-    body += _recurrence(op, coefs, refs, inputs, rows(op, coefs, refs), segments, blocks, gradient, target_slopes)
+    body += _recurrence(op, coefs, refs, inputs, rows(op, coefs, refs), segments, gradient, target_slopes)
     return live(body, _sym_reads(body))
 
 
@@ -376,137 +375,86 @@ def adjoint(op: Operator, coefs: Coefficients, refs: References, table: Argument
 #: values (ptxas at the cap: 24 kept float64 jerk, acceleration and jerk-with-target columns to H=64
 #: without spills, where 16 to 20 left 4 to 12 bytes on some)
 SEGMENT_REGISTERS = 24
-#: the most bytes of checkpoints one level of segments keeps in the local array (``_blocks``): the
-#: stack frame of a per-element kernel stays within 1 KB, with room for what else ptxas puts there
+#: the most bytes of checkpoints in the local array (``_segments``): a per-element kernel's stack
+#: frame stays within 1 KB, with room for what else ptxas puts there
 CHECKPOINT_BYTES = 768
 
 
 def _segments(op: Operator, itemsize: int) -> list[range]:
     """The recurrence's rows in consecutive segments of ``SEGMENT_REGISTERS`` registers' worth of
-    rows (``itemsize`` bytes a value, 4 a register). The rows a later segment reads from an earlier
-    one are checkpoints in memory (``_checkpoints``), so one segment's rows are what the recomputation
-    keeps live, whatever the horizon; every row is recomputed once but the last segment's."""
+    rows (``itemsize`` bytes a value, 4 a register), or the shortest longer ones whose checkpoints
+    fit ``CHECKPOINT_BYTES`` (long horizons: fewer boundaries, fewer checkpoints). The rows a later
+    segment reads from an earlier one are checkpoints in memory (``_checkpoints``), so one segment's
+    rows are what the recomputation keeps live; every row is recomputed once but the last segment's."""
+    def of(size: int) -> list[range]:
+        return [range(i, min(i + size, len(op.rows))) for i in range(0, len(op.rows), size)]
+
     size = max(1, SEGMENT_REGISTERS * 4 // itemsize)
-    return [range(i, min(i + size, len(op.rows))) for i in range(0, len(op.rows), size)]
+    while size < len(op.rows) and len(_checkpoints(op, of(size))) * itemsize > CHECKPOINT_BYTES:
+        size += 1
+    return of(size)
 
 
-@dataclasses.dataclass
-class Checkpoints:
-    """The slots of a column's checkpoint array (``TS_CK``): ``outer``, the rows a block reads from
-    earlier blocks (stored in the first pass, kept to the end), and for each block ``inner``, the
-    rows its segments read from its earlier segments (other blocks' than the rows they name: those
-    of the last block stored in the first pass, the others' when their block is computed again,
-    each block's in the same slots after ``outer``'s)."""
-
-    outer: dict[int, int]
-    inner: list[dict[int, int]]
-
-    @property
-    def size(self) -> int:
-        return len(self.outer) + max((len(b) for b in self.inner), default=0)
-
-
-def _checkpoints(op: Operator, segments: list[range], blocks: list[range]) -> Checkpoints:
+def _checkpoints(op: Operator, segments: list[range]) -> dict[int, int]:
     """The rows that a recomputed segment (every one but the last) reads from an earlier segment,
-    each with its slot in the column's checkpoint array, in row order (``blocks``: consecutive
-    segments, ``Checkpoints``)."""
+    each with its slot in the column's checkpoint array (``TS_CK``), in row order."""
     index = {(row.k, row.h): i for i, row in enumerate(op.rows)}
     segment_of = {i: n for n, segment in enumerate(segments) for i in segment}
-    block_of = {n: b for b, block in enumerate(blocks) for n in block}
-    read = [(n, index[ref[1:]]) for n, segment in enumerate(segments[:-1]) for i in segment
-            for _, ref in op.rows[i].terms if is_row(ref) and segment_of[index[ref[1:]]] < n]
-    outer = sorted({i for n, i in read if block_of[segment_of[i]] < block_of[n]})
-    slots = {i: slot for slot, i in enumerate(outer)}
-    inner = [sorted({i for n, i in read if block_of[n] == b and i not in slots}) for b in range(len(blocks))]
-    return Checkpoints(slots, [{i: len(outer) + slot for slot, i in enumerate(rows)} for rows in inner])
-
-
-def _blocks(op: Operator, segments: list[range], itemsize: int) -> list[range]:
-    """The segments in blocks of consecutive ones: one block where one level's checkpoints fit
-    ``CHECKPOINT_BYTES``; else the block length with the fewest slots (``_checkpoints``), so that
-    the array stays small at any horizon. A block but the last is computed again from its own
-    checkpoints before its segments are, which stores theirs (``_recurrence``)."""
-    def blocks(m: int) -> list[range]:
-        return [range(n, min(n + m, len(segments))) for n in range(0, len(segments), m)]
-
-    if _checkpoints(op, segments, blocks(len(segments))).size * itemsize <= CHECKPOINT_BYTES:
-        return blocks(len(segments))
-    return min((blocks(m) for m in range(1, len(segments) + 1)),
-               key=lambda b: (_checkpoints(op, segments, b).size, -len(b[0])))
+    read = {index[ref[1:]] for n, segment in enumerate(segments[:-1]) for i in segment
+            for _, ref in op.rows[i].terms if is_row(ref) and segment_of[index[ref[1:]]] < n}
+    return {i: slot for slot, i in enumerate(sorted(read))}
 
 
 def _recurrence(op: Operator, coefs: Coefficients, refs: References, inputs: list, lines: list[Statement],
-                segments: list[range], blocks: list[range], gradient: Callable, target_slopes: Callable
-                ) -> list[Statement]:
+                segments: list[range], gradient: Callable, target_slopes: Callable) -> list[Statement]:
     """A recurrence's column gradients: every row forward, then segment by segment from the last, each
     earlier segment's rows again from the values before it (``yr<k>_<h>``, its actions read again:
     ``R<U>(j)`` after ``TS_REREAD``), and their reverse accumulation, each row's gradient (and its
     term of the target's, summed from the last row) taken just before its own total. The rows that
-    later segments read (the checkpoints) are stored to the column's local array (``TS_CK``) and
-    read from it there, so one segment's rows are live at once, not every row's gradient at the
-    turn (CUDA's registers); with one segment nothing is recomputed or stored. With several
-    ``blocks`` (long horizons, ``_blocks``) the first pass stores the rows later blocks read and the
-    last block's segments' checkpoints; every other block's rows are computed again (``yq<k>_<h>``)
-    before its segments, to store its segments' checkpoints in the slots the later blocks used.
+    later segments read (the checkpoints) are stored in the first pass to the column's local array
+    (``TS_CK``) and read from it there, so one segment's rows are live at once, not every row's
+    gradient at the turn (CUDA's registers); with one segment nothing is recomputed or stored.
     Each sum has the same terms in the same order whatever the segments."""
-    ck = _checkpoints(op, segments, blocks)
-    first_pass = {**ck.outer, **ck.inner[-1]}
-    body = [Call("TS_CHECKPOINTS", (ck.size,))] if first_pass else []
+    slots = _checkpoints(op, segments)
+    body = [Call("TS_CHECKPOINTS", (len(slots),))] if slots else []
     for i, line in enumerate(lines):
         body.append(line)
-        if i in first_pass:  # stored as soon as computed: not live in a register until its segment's turn
-            body.append(Store(Read("TS_CK", (first_pass[i],)), Val("y", op.rows[i].k, op.rows[i].h)))
+        if i in slots:  # stored as soon as computed: not live in a register until its segment's turn
+            body.append(Store(Read("TS_CK", (slots[i],)), Val("y", op.rows[i].k, op.rows[i].h)))
+    checkpoint = {(op.rows[i].k, op.rows[i].h): slot for i, slot in slots.items()}
     target, started = Var(f"a{refs.local(TARGET_REF)}") if TARGET_REF in inputs else None, False
     first = {}  # each input's first reading row: the last to add to its gradient in reverse
     for i, row in enumerate(op.rows):
         first.update({ref: i for _, ref in row.terms if ref not in first and ref in inputs})
     contributions: dict = defaultdict(list)
     action = refs.action.macro
+    for n, segment in reversed(list(enumerate(segments))):
+        prefix = "y" if n == len(segments) - 1 else "yr"  # the last segment's rows are at hand
+        if prefix == "yr":
+            own = {(op.rows[i].k, op.rows[i].h) for i in segment}
 
-    def again(rows: set, prefix: str, slots: dict[int, int]) -> Callable:
-        """A row's line computed again: the values of ``rows`` as ``prefix``'s, the others' from
-        their slots, the actions read again."""
-        own = {(op.rows[i].k, op.rows[i].h) for i in rows}
-        checkpoint = {(op.rows[i].k, op.rows[i].h): slot for i, slot in slots.items()}
+            def again(x):
+                if isinstance(x, Val) and x.prefix == "y" and (x.k, x.h) in own:
+                    return Val("yr", x.k, x.h)
+                if isinstance(x, Val) and x.prefix == "y" and (x.k, x.h) in checkpoint:
+                    return Read("TS_CK", (checkpoint[x.k, x.h],))
+                return Read("R" + action, x.args) if isinstance(x, Read) and x.macro == action else None
 
-        def replace(x):
-            if isinstance(x, Val) and x.prefix == "y" and (x.k, x.h) in own:
-                return Val(prefix, x.k, x.h)
-            if isinstance(x, Val) and x.prefix == "y" and (x.k, x.h) in checkpoint:
-                return Read("TS_CK", (checkpoint[x.k, x.h],))
-            return Read("R" + action, x.args) if isinstance(x, Read) and x.macro == action else None
-        return replace
-
-    for b, block in reversed(list(enumerate(blocks))):
-        slots = {**ck.outer, **ck.inner[b]}
-        if b < len(blocks) - 1 and ck.inner[b]:  # its segments' checkpoints, in the slots later blocks used
-            rows = {i for n in block for i in segments[n]}
-            replace = again(rows, "yq", ck.outer)
-            body.append(Call("TS_REREAD"))
-            for i in sorted(rows):  # rows past its last checkpoint are dead code (the live pass)
-                body.append(transform(lines[i], replace))
-                if i in ck.inner[b]:
-                    body.append(Store(Read("TS_CK", (ck.inner[b][i],)), Val("yq", op.rows[i].k, op.rows[i].h)))
-        for n in reversed(block):
-            segment = segments[n]
-            prefix = "y" if n == len(segments) - 1 else "yr"  # the last segment's rows are at hand
-            if prefix == "yr":
-                replace = again(set(segment), "yr", slots)
-                body += [Call("TS_REREAD")] + [transform(lines[i], replace) for i in segment]
-            for i in reversed(segment):
-                row = op.rows[i]
-                body.append(gradient(row, prefix))
-                # the target's gradient added up with the rows' own (the same values and row weights)
-                for t in target_slopes(row, prefix) if target else ():
-                    body.append(Store(target, Sum((t,)), "+=") if started else Def(target, Sum((t,)), const=False))
-                    started = True
-                yb = Val("yb", row.k, row.h)
-                body.append(Def(yb, Sum((Term(None, Val("g", row.k, row.h)),
-                                         *contributions.pop(("y", row.k, row.h), [])))))
-                for c, ref in row.terms:
-                    contributions[ref].append(coefs.term(c, yb))
-                # an input's gradient is stored once its last term is in: its terms are then not live to the end
-                body += [refs.gradient(ref, tuple(contributions.pop(ref))) for ref in inputs if first.get(ref) == i]
+            body += [Call("TS_REREAD")] + [transform(lines[i], again) for i in segment]
+        for i in reversed(segment):
+            row = op.rows[i]
+            body.append(gradient(row, prefix))
+            # the target's gradient added up with the rows' own (the same values and row weights)
+            for t in target_slopes(row, prefix) if target else ():
+                body.append(Store(target, Sum((t,)), "+=") if started else Def(target, Sum((t,)), const=False))
+                started = True
+            yb = Val("yb", row.k, row.h)
+            body.append(Def(yb, Sum((Term(None, Val("g", row.k, row.h)),
+                                     *contributions.pop(("y", row.k, row.h), [])))))
+            for c, ref in row.terms:
+                contributions[ref].append(coefs.term(c, yb))
+            # an input's gradient is stored once its last term is in: its terms are then not live to the end
+            body += [refs.gradient(ref, tuple(contributions.pop(ref))) for ref in inputs if first.get(ref) == i]
     if target:
         body.append(refs.gradient(TARGET_REF, (Term(None, target),) if started else ()))
     return body + [refs.gradient(ref, ()) for ref in inputs if ref not in first and ref != TARGET_REF]

@@ -81,6 +81,9 @@ GRID = [
     # past H=32 in float64: the checkpoints in the thread's local array (the stack frame)
     (dict(control="jerk", integrator="exact", costs=COSTS, outputs=("P",)), 64, "float64", {}),
     (dict(control="acceleration", costs=COSTS, outputs=("P",)), 64, "float64", {}),
+    # past H=100 in float64: longer segments, so the checkpoints stay within CHECKPOINT_BYTES (1488
+    # bytes of stack frame before)
+    (dict(control="acceleration", integrator="exact", costs=COSTS, outputs=("P",)), 192, "float64", {}),
     (dict(control="bspline", degree=3, knots=8, steps=4, costs=COSTS, outputs=("P",)), None, "float32", {}),
     (dict(control="bspline", degree=3, knots=8, steps=4, costs=COSTS + (("squared", "position"),),
           outputs=("P",)), None, "float64", {}),

@@ -38,7 +38,8 @@ BSPLINES = {
 
 #: layout "bdh" above a warp's whole rows (float64 H > 32): the CUDA kernels stage row tiles
 ROW_TILES = {"bdh_row_tiles": dict(horizon=40, dof=3, start_index=True, layout="bdh")}
-#: float64 recurrences past H=100: the CUDA adjoint's checkpoints in two levels (codegen/fused.py ``_blocks``)
+#: float64 recurrences past H=100: the CUDA adjoint's segments longer, its checkpoints within a budget
+#: (codegen/fused.py ``_segments``, ``CHECKPOINT_BYTES``)
 LONG = {"jerk_exact_long": dict(horizon=104, dof=2, control="jerk", integrator="exact")}
 
 
@@ -536,7 +537,7 @@ def test_cuda_kernels_run_on_the_host_match_c(case):
     """The CUDA source (run on the host, tests/cuda_on_host.py) gives the C kernels' states, cost
     and gradients: each column's term sums, then cost_sum's dof order. An integrator's CUDA adjoint
     recomputes its rows in segments (codegen/fused.py ``_recurrence``), C's in one pass; past H=100
-    in float64 its blocks of segments again, from checkpoints in two levels."""
+    in float64 in longer segments (fewer checkpoints)."""
     from cuda_on_host import host_step
 
     spec = _spec(case, outputs=("P", "A"))
