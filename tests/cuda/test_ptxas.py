@@ -84,6 +84,10 @@ GRID = [
     # past H=100 in float64: longer segments, so the checkpoints stay within CHECKPOINT_BYTES (1488
     # bytes of stack frame before)
     (dict(control="acceleration", integrator="exact", costs=COSTS, outputs=("P",)), 192, "float64", {}),
+    # float32 checkpoints indexed from a runtime 0 (kernel.cu.j2 TS_CK): held in registers, they spilled
+    # (20 bytes here, 1320 at H=192, whose float32 forward still spills)
+    (dict(control="jerk", integrator="exact", order=4, costs=COSTS + (("squared", "snap"),), outputs=("P",)), 64,
+     "float32", {}),
     (dict(control="bspline", degree=3, knots=8, steps=4, costs=COSTS, outputs=("P",)), None, "float32", {}),
     (dict(control="bspline", degree=3, knots=8, steps=4, costs=COSTS + (("squared", "position"),),
           outputs=("P",)), None, "float64", {}),

@@ -553,6 +553,33 @@ def test_cuda_kernels_run_on_the_host_match_c(case):
         torch.testing.assert_close(cuda, c, rtol=1e-13, atol=1e-13 * float(c.abs().max()))
 
 
+def _states_and_grads(step, spec, x, params, dt, device: str = "cpu") -> list[torch.Tensor]:
+    """The step's outputs and the gradients of u and the target from the sum of their squares, the
+    float64 data in the spec's dtype on ``device``; the results in float64 on the host."""
+    to = lambda t: (t.detach().to(device=device, dtype=getattr(torch, spec.dtype)) if t.is_floating_point()
+                    else t.to(device))
+    xs = {k: (tuple(to(g) for g in v) if isinstance(v, tuple) else to(v)) for k, v in x.items()}
+    ps = {k: to(v) for k, v in params.items()}
+    xs["u"].requires_grad_()
+    ps["squared_position_target"].requires_grad_()
+    ys = _call(step, spec, xs, ps, to(dt) if isinstance(dt, torch.Tensor) else dt)
+    sum(y.square().sum() for y in ys).backward()
+    return [t.detach().cpu().double() for t in (*ys, xs["u"].grad, ps["squared_position_target"].grad)]
+
+
+def test_cuda_float32_checkpoints_run_on_the_host_match_c():
+    """float32 CUDA checkpoints are indexed from a runtime 0 (kernel.cu.j2 ``TS_CK``): the CUDA source
+    run on the host against the C kernels, a long recurrence with many checkpoints (float32 sums
+    in another order on each side)."""
+    from cuda_on_host import host_step
+
+    spec = _spec("jerk_exact_long", outputs=("P", "A")).replace(dtype="float32")
+    data = _data(spec)
+    results = [_states_and_grads(step, spec, *data) for step in (ts.load(spec), host_step(spec))]
+    for c, cuda in zip(*results):
+        torch.testing.assert_close(cuda, c, rtol=2e-5, atol=2e-5 * float(c.abs().max()))
+
+
 def _has_gpu() -> bool:
     try:
         import cupy  # noqa: F401
@@ -569,18 +596,8 @@ def test_gpu_fused_costs_match_the_cpu(case, dtype):
     """The fused kernels on the GPU against the C kernels: states, cost, and the gradients of u and
     the target, over several blocks (B=300). float32 sums in another order on each side."""
     spec = _spec(case, outputs=("P", "A")).replace(dtype=dtype)
-    x, params, dt = _data(spec, B=300)
-    to = lambda t, dev: (t.detach().to(device=dev, dtype=getattr(torch, dtype)) if t.is_floating_point()
-                         else t.to(dev))
-    results = []
-    for device in ("cpu", "cuda"):
-        xs = {k: (tuple(to(g, device) for g in v) if isinstance(v, tuple) else to(v, device)) for k, v in x.items()}
-        ps = {k: to(v, device) for k, v in params.items()}
-        xs["u"].requires_grad_()
-        ps["squared_position_target"].requires_grad_()
-        ys = _call(ts.load(spec, device), spec, xs, ps, to(dt, device) if isinstance(dt, torch.Tensor) else dt)
-        sum(y.square().sum() for y in ys).backward()
-        results.append([t.detach().cpu().double() for t in (*ys, xs["u"].grad, ps["squared_position_target"].grad)])
+    data = _data(spec, B=300)
+    results = [_states_and_grads(ts.load(spec, device), spec, *data, device) for device in ("cpu", "cuda")]
     tol = 1e-12 if dtype == "float64" else 2e-5
     for c, gpu in zip(*results):
         torch.testing.assert_close(gpu, c, rtol=tol, atol=tol * float(c.abs().max()))
