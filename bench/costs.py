@@ -216,17 +216,20 @@ def table_values(table, u, starts, params) -> list:
 def kernel_inputs(fused, values: list) -> list:
     """What the fused kernels read, as the Python path checks and passes it (``table_values``
     checked; [D] weights as their kept [B, D] rows, defaults where not given)."""
-    inputs, _ = validate.check_inputs(fused.table, fused._cost_arguments(values), fused.dtype, fused.device,
-                                      fused._seen)
+    kept = fused._kept_costs
+    values, only = kept.take(values)
+    inputs, _ = validate.check_inputs(fused.table, values, fused.dtype, fused.device, only)
+    kept.keep(inputs)
     return inputs
 
 
 def _pieces(fused, u, starts, params, W, ones) -> dict[str, Callable[[], None]]:
     """The fused call's parts, each callable alone: the checks of its Python path (what Step.forward
-    does in Python before the kernel when the cost parameters are new or changed, here timed on
-    parameters seen unchanged: [D] weights' kept [B, D] rows, the argument table's checks and the dt
-    tensor; then the cost parameters' checks; with the native node, a call whose parameters passed
-    them unchanged runs neither), its forward and adjoint
+    does in Python before the kernel, here timed on cost parameters passed unchanged: one stamp
+    each, their kept inputs ([D] weights' [B, D] rows), the argument table's checks of the other
+    arguments and the dt tensor); the cost parameters' value checks (what a call whose parameters
+    are all new or changed adds; one that passes them unchanged runs none; with the native node,
+    a call whose parameters passed them unchanged runs neither), its forward and adjoint
     kernels launched directly, and the forward under no_grad (checks + kernel + Function.apply)."""
     table = fused.table
     values = table_values(table, u, starts, params)
@@ -237,8 +240,7 @@ def _pieces(fused, u, starts, params, W, ones) -> dict[str, Callable[[], None]]:
         fused._dt_tensor(DT, B)
         return inputs
 
-    inputs = table_checks()
-    by_name = {a.name: x for a, x in zip(table.tensors, inputs)}
+    inputs = table_checks()  # checked and kept: the timed calls find them unchanged
     inputs = [None if x is None else x.detach() for x in inputs]
     dt = fused._dt_tensor(DT, B)
     launcher = fused.launcher
@@ -250,7 +252,7 @@ def _pieces(fused, u, starts, params, W, ones) -> dict[str, Callable[[], None]]:
 
     return {
         "table_checks": table_checks,
-        "parameter_checks": lambda: runtime_costs.check_parameters(table, by_name, fused._checked),
+        "parameter_checks": lambda: runtime_costs.check_parameters(table, inputs),
         "kernel_forward": lambda: launcher.forward(inputs, dt),
         "kernel_adjoint": lambda: launcher.adjoint((W, ones), dt, B, needed, inputs),
         "forward_no_grad": forward_no_grad,

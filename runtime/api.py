@@ -66,10 +66,8 @@ class Step(torch.nn.Module):
 
             self.plain = load(spec.replace(costs=(), outputs=None), device)
             self._cost_kinds = costs.functions(self.table)
-            self._checked: dict = {}  # the cost parameters last checked (runtime/costs.py check_parameters)
-            self._filled: dict = {}  # each filled parameter's default tensor (_cost_arguments)
-            self._expanded: dict = {}  # each [D] weight's [B, D] rows, while unchanged (_per_trajectory)
-            self._seen: dict = {}  # the cost parameters that passed the argument checks (validate.check_inputs)
+            #: the cost parameters that passed every check, kept while passed unchanged
+            self._kept_costs = costs.CheckedParameters(self.table, self.dtype, self.device)
             launcher.composite = self._composite
 
     def _take_native(self) -> None:
@@ -219,18 +217,25 @@ class Step(torch.nn.Module):
                       and self._native_step_out(self.native, [*values, dt_k], out, self._slot_id)):
                     return tuple(out)
         given = values
+        kept = None
+        only = None
         if self.table.fused:
-            values = self._cost_arguments(values)
-        seen = self._seen if self.table.fused and not torch.compiler.is_compiling() and not _transformed() else None
-        inputs, dims = validate.check_inputs(self.table, values, self.dtype, self.device, seen)
+            if torch.compiler.is_compiling() or _transformed():  # traced or transformed: nothing kept
+                values = self._kept_costs.arguments(values)
+            else:
+                kept = self._kept_costs
+                values, only = kept.take(values)
+        inputs, dims = validate.check_inputs(self.table, values, self.dtype, self.device, only)
         dt_k = self._dt_tensor(dt, dims["B"])
         if self.table.fused:
             from . import costs
 
-            costs.check_parameters(self.table, {a.name: x for a, x in zip(self.table.tensors, inputs)},
-                                   None if torch.compiler.is_compiling() else self._checked)
-            if seen is not None and self._slot is not None and self.native is not None and _tensors_or_none(given):
-                self._slot.keep(self.native, [*given, dt_k], [*inputs, dt_k])
+            if kept is None:
+                costs.check_parameters(self.table, inputs)
+            else:
+                kept.keep(inputs)
+                if self._slot is not None and self.native is not None and _tensors_or_none(given):
+                    self._slot.keep(self.native, [*given, dt_k], [*inputs, dt_k])
             if (out is None and (dt_k.requires_grad or _transformed() or _forward_mode_active()
                                  or torch.compiler.is_compiling())):
                 return self._composite(inputs, dt_k)
@@ -252,40 +257,6 @@ class Step(torch.nn.Module):
         from . import costs
 
         return costs.composite(self.plain, self.table, inputs, dt, self._cost_kinds)
-
-    def _cost_arguments(self, values: list) -> list:
-        """A [D] cost weight applies to every trajectory: given as [B, D] to the kernels. A missing
-        row weight or margin is given as its default (ones, zeros: the kernels read it untested)."""
-        u = values[0]
-        out = []
-        for a, x in zip(self.table.tensors, values):
-            if x is None and a.filled:
-                x = self._filled.get(a.name)
-                if x is None:
-                    x = self._filled[a.name] = torch.full(self.table.physical(a, {}), float(a.default),
-                                                          dtype=self.dtype, device=self.device)
-            if a.role == "cost_weight" and isinstance(x, Tensor) and x.dim() == 1 and isinstance(u, Tensor) and u.dim() == 3:
-                x = self._per_trajectory(a.name, x, u.shape[0])
-            out.append(x)
-        return out
-
-    def _per_trajectory(self, name: str, weight: Tensor, B: int) -> Tensor:
-        """A [D] weight as the [B, D] rows the kernels read: made once and kept while the caller
-        passes the same tensor unchanged (an optimiser's loop), so that no call copies it and the
-        parameter checks' "seen unchanged" stamps hold. Kept with the tensor itself (its address
-        cannot be reused meanwhile); traced, transformed or gradient-requiring tensors are expanded
-        afresh (their checks say what is wrong)."""
-        if torch.compiler.is_compiling():
-            return weight.expand(B, weight.shape[0])
-        kept = self._expanded.get(name)
-        if kept is not None and validate.unchanged(kept, weight, validate.stamp(weight, B)):
-            return kept[2]  # (a kept tensor passed every test below)
-        expanded = weight.expand(B, weight.shape[0])
-        if type(weight) is not Tensor or weight.requires_grad or _transformed() or weight.device != self.device:
-            return expanded
-        rows = expanded.contiguous()
-        self._expanded[name] = (weight, validate.stamp(weight, B), rows)
-        return rows
 
     def _into(self, out: Any, inputs: list, dt_k: Tensor) -> tuple[Tensor, ...]:
         """The forward written into caller-owned outputs (rollouts: no allocation, no page faults)."""

@@ -8,7 +8,8 @@ the same definitions composed from the plain step (every state) and PyTorch oper
 (tests compare them).
 
 Parameter checks: weights, limits and margins are data, not variables (none of them takes a
-gradient), and their values are checked before any kernel runs.
+gradient), and their values are checked before any kernel runs (``CheckedParameters``: once
+per tensor while it is passed unchanged).
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from ..codegen.arguments import ArgumentTable
+from ..codegen.arguments import Argument, ArgumentTable
 from . import validate
 
 Tensor = torch.Tensor
@@ -77,34 +78,123 @@ def _picked(rows: Tensor, index: Optional[Tensor]) -> Tensor:
     return rows if index is None else rows[index.reshape(-1).long()]
 
 
-def check_parameters(table: ArgumentTable, named: dict[str, Optional[Tensor]], seen: Optional[dict] = None) -> None:
-    """The checks on a fused step's cost parameters that the argument table cannot express:
-    none takes a gradient, weights and margins are not negative, limits are finite with
-    lower <= upper. ``seen``: each argument's last tensor that passed (its storage, version and
-    shape), not looked at again while unchanged (an optimiser passes the same weights every call).
-    The tensor is kept with its stamp: while kept, its address cannot be another tensor's."""
-    for arg in table.tensors:
-        t = named.get(arg.name)
-        if t is None or not validate.cost_parameter(arg):
-            continue
-        now = validate.stamp(t) if seen is not None else None
-        if now is not None and validate.unchanged(seen.get(arg.name), t, now):
-            continue
-        if t.requires_grad:
-            raise ValueError(f"{arg.name}: cost parameters take no gradient (weights, limits and margins are "
-                             "data); pass a tensor that does not require grad (.detach())")
-        if torch.compiler.is_compiling():  # values are data-dependent: checked by eager calls only
-            continue
-        if arg.role in ("cost_weight", "cost_row_weight", "cost_margin") and bool((t < 0).any()):
-            raise ValueError(f"{arg.name}: expected values >= 0, got a minimum of {float(t.min())}")
-        if arg.role == "cost_limit":
-            if not bool(torch.isfinite(t).all()):
-                raise ValueError(f"{arg.name}: expected finite limits, got {t.tolist()}")
-            if bool((t[0] > t[1]).any()):
-                d = int((t[0] > t[1]).nonzero()[0, 0])
-                raise ValueError(f"{arg.name}: lower > upper at dof {d} ({float(t[0, d])} > {float(t[1, d])})")
-        if now is not None:
-            seen[arg.name] = (t, now)
+def check_parameter(arg: Argument, t: Tensor) -> None:
+    """The checks on a fused step's cost parameter that the argument table cannot express: it
+    takes no gradient, weights and margins are not negative, limits are finite with lower <= upper."""
+    if t.requires_grad:
+        raise ValueError(f"{arg.name}: cost parameters take no gradient (weights, limits and margins are "
+                         "data); pass a tensor that does not require grad (.detach())")
+    if torch.compiler.is_compiling():  # values are data-dependent: checked by eager calls only
+        return
+    if arg.role in ("cost_weight", "cost_row_weight", "cost_margin") and bool((t < 0).any()):
+        raise ValueError(f"{arg.name}: expected values >= 0, got a minimum of {float(t.min())}")
+    if arg.role == "cost_limit":
+        if not bool(torch.isfinite(t).all()):
+            raise ValueError(f"{arg.name}: expected finite limits, got {t.tolist()}")
+        if bool((t[0] > t[1]).any()):
+            d = int((t[0] > t[1]).nonzero()[0, 0])
+            raise ValueError(f"{arg.name}: lower > upper at dof {d} ({float(t[0, d])} > {float(t[1, d])})")
+
+
+def check_parameters(table: ArgumentTable, inputs: Sequence[Optional[Tensor]]) -> None:
+    """``check_parameter`` on each cost parameter of a call's checked inputs (in table order)."""
+    for arg, t in zip(table.tensors, inputs):
+        if t is not None and validate.cost_parameter(arg):
+            check_parameter(arg, t)
+
+
+class CheckedParameters:
+    """A fused step's cost parameters (weights, limits, margins) as they last passed every check,
+    with what the kernels read for them: a [D] weight's [B, D] rows, a default tensor for a missing
+    row weight or margin.
+
+    ``take`` stamps each given parameter once (``validate.stamp``) and compares them with the kept
+    ones in one pass: a call that passes the same tensors unchanged (an optimiser's loop) takes the
+    kept inputs as they are, and only the other arguments are checked. A parameter that is new or
+    changed (written in place, new data or strides, requires_grad, an inference tensor, another
+    batch size) is checked again by the argument checks and then by ``keep``, with the same errors,
+    before any kernel runs. The given tensors are kept with their stamps: while kept, their
+    addresses (each stamp's identity) cannot be another tensor's."""
+
+    def __init__(self, table: ArgumentTable, dtype: torch.dtype, device: torch.device):
+        self.table = table
+        self.dtype, self.device = dtype, device
+        #: the cost parameters' places in the table, and every other argument's
+        self.positions = tuple(i for i, a in enumerate(table.tensors) if validate.cost_parameter(a))
+        self.others = tuple(i for i in range(len(table.tensors)) if i not in self.positions)
+        self._defaults: dict[str, Tensor] = {}
+        #: (stamps, given tensors, kernel inputs) at ``positions`` of the last call that passed every check
+        self._kept: Optional[tuple] = None
+        #: the call under way: its stamps and given tensors, and the positions ``keep`` checks
+        self._taken: Optional[tuple] = None
+
+    def argument(self, arg: Argument, x: Any, u: Any) -> Any:
+        """What the kernels read for a parameter given as ``x``: a [D] weight applies to every
+        trajectory (given as its [B, D] rows); a missing row weight or margin as its default
+        (ones, zeros: the kernels read it untested)."""
+        if x is None and arg.filled:
+            x = self._defaults.get(arg.name)
+            if x is None:
+                x = self._defaults[arg.name] = torch.full(self.table.physical(arg, {}), float(arg.default),
+                                                          dtype=self.dtype, device=self.device)
+        if arg.role == "cost_weight" and isinstance(x, Tensor) and x.dim() == 1 and isinstance(u, Tensor) and u.dim() == 3:
+            x = x.expand(u.shape[0], x.shape[0])
+        return x
+
+    def arguments(self, values: Sequence[Any]) -> list:
+        """The call's values with each cost parameter as ``argument`` makes it (nothing kept: traced
+        or transformed calls)."""
+        out = list(values)
+        for i in self.positions:
+            out[i] = self.argument(self.table.tensors[i], values[i], values[0])
+        return out
+
+    def take(self, values: Sequence[Any]) -> tuple[list, Sequence[int]]:
+        """The call's values with each cost parameter passed unchanged since it was kept replaced
+        by its kept input, and the others as ``argument`` makes them; and the positions that the
+        argument checks must look at (``validate.check_inputs``' ``only``), in table order."""
+        u = values[0]
+        stamps: Optional[list] = [u.shape[0] if type(u) is Tensor and u.dim() else None]
+        for i in self.positions:
+            x = values[i]
+            if x is None:
+                stamps.append(None)
+            elif type(x) is Tensor:
+                stamps.append(validate.stamp(x, id(x)))
+            else:  # a subclass (nn.Parameter) or no tensor at all: checked on every call
+                stamps = None
+                break
+        out = list(values)
+        kept = self._kept
+        if kept is not None and stamps == kept[0]:  # the common call: every parameter as kept
+            for i, x in zip(self.positions, kept[2]):
+                out[i] = x
+            self._taken = None
+            return out, self.others
+        same_batch = kept is not None and stamps is not None and stamps[0] == kept[0][0]
+        fresh = []
+        for j, i in enumerate(self.positions):
+            if same_batch and stamps[j + 1] == kept[0][j + 1]:
+                out[i] = kept[2][j]
+            else:
+                out[i] = self.argument(self.table.tensors[i], values[i], u)
+                fresh.append(i)
+        given = [values[i] for i in self.positions]
+        self._taken = (stamps, given, fresh)
+        return out, sorted((*self.others, *fresh))
+
+    def keep(self, inputs: Sequence[Optional[Tensor]]) -> None:
+        """After the argument checks passed on ``take``'s values (``inputs``: what they returned):
+        check the new or changed parameters' values (``check_parameter``), then keep them all."""
+        taken, self._taken = self._taken, None
+        if taken is None:  # every parameter as kept
+            return
+        stamps, given, fresh = taken
+        for i in fresh:
+            if inputs[i] is not None:
+                check_parameter(self.table.tensors[i], inputs[i])
+        if stamps is not None:
+            self._kept = (stamps, given, [inputs[i] for i in self.positions])
 
 
 def composite(plain: Any, table: ArgumentTable, inputs: Sequence[Optional[Tensor]], dt: Tensor,

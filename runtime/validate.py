@@ -107,7 +107,7 @@ def cost_parameter(arg: Argument) -> bool:
 def stamp(t: Tensor, *more: Any) -> tuple:
     """What a tensor passed again can have changed since it was checked: its version (in-place
     writes), data pointer (``t.data = other`` keeps the version), shape, strides, dtype, device and
-    requires_grad, and ``more`` (a batch size). Kept with the tensor itself, compared by identity:
+    requires_grad, and ``more`` (a batch size, the tensor's identity). Kept with the tensor itself:
     while kept, its address cannot be another's. An inference tensor has no version: its stamp
     equals no other (it is checked on every call)."""
     try:
@@ -117,31 +117,20 @@ def stamp(t: Tensor, *more: Any) -> tuple:
     return (version, t.data_ptr(), t.shape, t.stride(), t.dtype, t.device, t.requires_grad, *more)
 
 
-def unchanged(kept: Optional[tuple], t: Tensor, now: tuple) -> bool:
-    """Whether ``kept`` (a record that starts with a tensor and its ``stamp``) is ``t``, stamped
-    ``now``: the same tensor, passed again as it was when kept."""
-    return kept is not None and kept[0] is t and kept[1] == now
-
-
-def check_inputs(table: ArgumentTable, values: Sequence[Any], dtype: torch.dtype,
-                 device: torch.device, seen: Optional[dict] = None) -> tuple[list[Optional[Tensor]], dict[str, int]]:
+def check_inputs(table: ArgumentTable, values: Sequence[Any], dtype: torch.dtype, device: torch.device,
+                 only: Optional[Sequence[int]] = None) -> tuple[list[Optional[Tensor]], dict[str, int]]:
     """The tensor inputs (all but dt, in table order), checked and contiguous, and the sizes of
-    the free symbols (B, S) they fix. ``seen``: the cost parameters (weights, limits, margins) that
-    last passed as they were, each kept with its ``stamp`` (and the batch size); one passed again
-    unchanged is not checked again (an optimiser passes the same weights every call)."""
+    the free symbols (B, S) they fix. ``only``: the positions to check, in table order; the others
+    are taken as they are (a fused step's cost parameters that passed every check before and are
+    passed again unchanged: runtime/costs.py CheckedParameters)."""
     dims: dict[str, int] = {}
-    checked = []
-    for arg, v in zip(table.tensors, values):
-        if seen is None or type(v) is not Tensor or not cost_parameter(arg):
-            checked.append(check_argument(table, arg, v, dims, dtype, device))
-            continue
-        now = stamp(v, dims.get("B"))
-        if not unchanged(seen.get(arg.name), v, now):
-            t = check_argument(table, arg, v, dims, dtype, device)
-            if t is v:
-                seen[arg.name] = (v, now)
-            v = t
-        checked.append(v)
+    if only is None:
+        checked = [check_argument(table, arg, v, dims, dtype, device) for arg, v in zip(table.tensors, values)]
+    else:
+        checked = list(values)
+        tensors = table.tensors
+        for i in only:
+            checked[i] = check_argument(table, tensors[i], values[i], dims, dtype, device)
     check_indices(table, checked)
     return checked, dims
 
