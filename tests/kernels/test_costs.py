@@ -357,27 +357,48 @@ def test_compile_vmap_export_and_out():
     assert torch.equal(P, expected[0]) and torch.equal(C, expected[1])
 
 
-def test_a_parameter_changed_in_place_is_checked_again():
+def _loaded(spec, path: str):
+    """A step whose calls take the native node where it is built ("native": the Python path checks and
+    keeps the parameters, the node takes unchanged calls), or every call the Python path ("python":
+    as on CUDA, which has no native node)."""
+    from tensorstep.runtime import native
+
+    native.wait()  # no build under way that would give the step its node later
+    step = ts.load(spec)
+    if path == "python":
+        step.native = None
+    return step
+
+
+PATHS = pytest.mark.parametrize("path", ["native", "python"])
+
+
+@PATHS
+def test_a_parameter_changed_in_place_is_checked_again(path):
     """Checks are skipped for a parameter tensor seen unchanged; writing into it makes it new."""
     spec = _spec("central")
     x, params, dt = _data(spec)
-    step = ts.load(spec)
+    step = _loaded(spec, path)
+    _call(step, spec, x, params, dt)
     _call(step, spec, x, params, dt)
     params["bound_velocity_margin"].sub_(10.0)  # now negative, same storage
     with pytest.raises(ValueError, match="bound_velocity_margin: expected values >= 0"):
         _call(step, spec, x, params, dt)
 
 
-def test_a_weight_per_dof_changed_in_place_is_read_and_checked_again():
+@PATHS
+def test_a_weight_per_dof_changed_in_place_is_read_and_checked_again(path):
     """A [D] weight's rows for the kernels are kept while the caller passes the same tensor
     unchanged: written into (or a new batch size), the kernels read the new values, and a
     negative one is refused."""
     spec = _spec("central")
     x, params, dt = _data(spec)
-    step = ts.load(spec)
+    step = _loaded(spec, path)
     shared = params["squared_jerk_weight"][0].clone()
     t = spec.costs.index(("squared", "jerk"))
     first = _call(step, spec, x, {**params, "squared_jerk_weight": shared}, dt)[-1]
+    torch.testing.assert_close(_call(step, spec, x, {**params, "squared_jerk_weight": shared}, dt)[-1], first,
+                               rtol=0, atol=0)
     shared.mul_(3.0)
     again = _call(step, spec, x, {**params, "squared_jerk_weight": shared}, dt)[-1]
     torch.testing.assert_close(again[:, t], 3.0 * first[:, t], rtol=1e-12, atol=0)
@@ -459,14 +480,15 @@ def test_weights_per_dof_are_kept_for_the_native_node(monkeypatch):
         torch.testing.assert_close(grad, calls[0][3], rtol=1e-13, atol=0)
 
 
-def test_a_parameter_given_new_data_or_strides_is_read_and_checked_again():
+@PATHS
+def test_a_parameter_given_new_data_or_strides_is_read_and_checked_again(path):
     """Checked parameters are kept (by the native node, or the Python path's stamps) while each is
     the same tensor unchanged: new data under the same tensor (``.data =``, which keeps its
     version) or new strides in place make the call check it again, and the kernels read the new
     values."""
     spec = _spec("central")
     x, params, dt = _data(spec)
-    step = ts.load(spec)
+    step = _loaded(spec, path)
     t = spec.costs.index(("squared", "jerk"))
     weight = params["squared_jerk_weight"]
     first = _call(step, spec, x, params, dt)[-1]
@@ -514,11 +536,12 @@ def test_a_limit_written_in_place_between_forward_and_backward_is_refused():
         torch.testing.assert_close(u.grad, expected, rtol=1e-13, atol=0)
 
 
-def test_an_inference_tensor_parameter_is_checked_on_every_call():
+@PATHS
+def test_an_inference_tensor_parameter_is_checked_on_every_call(path):
     """An inference tensor has no version to tell an in-place write: it is checked on every call."""
     spec = _spec("central")
     x, params, dt = _data(spec)
-    step = ts.load(spec)
+    step = _loaded(spec, path)
     expected = _call(step, spec, x, params, dt)[-1]
     with torch.inference_mode():
         margin = params["bound_velocity_margin"].clone()
@@ -529,6 +552,51 @@ def test_an_inference_tensor_parameter_is_checked_on_every_call():
         margin.sub_(10.0)
     with pytest.raises(ValueError, match="bound_velocity_margin: expected values >= 0"):
         _call(step, spec, x, {**params, "bound_velocity_margin": margin}, dt)
+
+
+def test_the_python_path_checks_each_parameter_once_while_it_is_passed_unchanged(monkeypatch):
+    """On the Python path (every CUDA call) a parameter's values are checked when it is new or
+    changed, not on each call that passes it unchanged; one written into, given new data, made to
+    require grad or given for another batch size is checked again (naming the keyword), and
+    another tensor in its place is checked; each call's results are a fresh step's."""
+    from tensorstep.runtime import costs
+
+    spec = _spec("central")
+    x, params, dt = _data(spec)
+    step = _loaded(spec, "python")
+    checked = []
+    check = costs.check_parameter
+    monkeypatch.setattr(costs, "check_parameter", lambda arg, t: checked.append(arg.name) or check(arg, t))
+
+    def calls(p, xs=x):
+        expected = _call(_loaded(spec, "python"), spec, xs, p, dt)
+        checked.clear()
+        got = _call(step, spec, xs, p, dt)
+        for y, e in zip(got, expected):
+            torch.testing.assert_close(y, e, rtol=0, atol=0)
+        return sorted(checked)
+
+    every = sorted(k for k in params if k != "squared_position_target")  # the target is differentiable
+    assert calls(params) == every
+    assert calls(params) == []
+    params["bound_velocity_margin"].mul_(2.0)
+    assert calls(params) == ["bound_velocity_margin"]
+    assert calls(params) == []
+    params["squared_jerk_weight"].data = 2.0 * params["squared_jerk_weight"].detach()
+    assert calls(params) == ["squared_jerk_weight"]
+    params["bound_velocity_limit"] = params["bound_velocity_limit"].clone()
+    assert calls(params) == ["bound_velocity_limit"]
+    params["squared_jerk_weight"].requires_grad_()  # no new version: the flag is looked at too
+    for _ in range(2):
+        with pytest.raises(ValueError, match="squared_jerk_weight: cost parameters take no gradient"):
+            _call(step, spec, x, params, dt)
+    params["squared_jerk_weight"].requires_grad_(False)
+    assert calls(params) == []  # as it was kept: its values passed and were not written since
+    two = {k: v[:2] for k, v in x.items()}
+    per_trajectory = ("squared_position_target", *(k for k in every if k.endswith("_weight") and "row" not in k))
+    smaller = {k: v[:2].clone() if k in per_trajectory else v for k, v in params.items()}
+    assert calls(smaller, two) == every  # another batch size: every parameter again
+    assert calls(smaller, two) == []
 
 
 @pytest.mark.parametrize("case", ["central", "acceleration", "jerk_exact", "goal", "indexed_bdh",
