@@ -217,9 +217,9 @@ def kernel_inputs(fused, values: list) -> list:
     """What the fused kernels read, as the Python path checks and passes it (``table_values``
     checked; [D] weights as their kept [B, D] rows, defaults where not given)."""
     kept = fused._kept_costs
-    values, only = kept.take(values)
+    values, only, taken = kept.take(values)
     inputs, _ = validate.check_inputs(fused.table, values, fused.dtype, fused.device, only)
-    kept.keep(inputs)
+    kept.keep(inputs, taken)
     return inputs
 
 

@@ -217,14 +217,13 @@ class Step(torch.nn.Module):
                       and self._native_step_out(self.native, [*values, dt_k], out, self._slot_id)):
                     return tuple(out)
         given = values
-        kept = None
-        only = None
+        kept = only = taken = None
         if self.table.fused:
             if torch.compiler.is_compiling() or _transformed():  # traced or transformed: nothing kept
                 values = self._kept_costs.arguments(values)
             else:
                 kept = self._kept_costs
-                values, only = kept.take(values)
+                values, only, taken = kept.take(values)
         inputs, dims = validate.check_inputs(self.table, values, self.dtype, self.device, only)
         dt_k = self._dt_tensor(dt, dims["B"])
         if self.table.fused:
@@ -233,7 +232,7 @@ class Step(torch.nn.Module):
             if kept is None:
                 costs.check_parameters(self.table, inputs)
             else:
-                kept.keep(inputs)
+                kept.keep(inputs, taken)
                 if self._slot is not None and self.native is not None and _tensors_or_none(given):
                     self._slot.keep(self.native, [*given, dt_k], [*inputs, dt_k])
             if (out is None and (dt_k.requires_grad or _transformed() or _forward_mode_active()

@@ -125,8 +125,6 @@ class CheckedParameters:
         self._defaults: dict[str, Tensor] = {}
         #: (stamps, given tensors, kernel inputs) at ``positions`` of the last call that passed every check
         self._kept: Optional[tuple] = None
-        #: the call under way: its stamps and given tensors, and the positions ``keep`` checks
-        self._taken: Optional[tuple] = None
 
     def argument(self, arg: Argument, x: Any, u: Any) -> Any:
         """What the kernels read for a parameter given as ``x``: a [D] weight applies to every
@@ -137,7 +135,8 @@ class CheckedParameters:
             if x is None:
                 x = self._defaults[arg.name] = torch.full(self.table.physical(arg, {}), float(arg.default),
                                                           dtype=self.dtype, device=self.device)
-        if arg.role == "cost_weight" and isinstance(x, Tensor) and x.dim() == 1 and isinstance(u, Tensor) and u.dim() == 3:
+        if (arg.role == "cost_weight" and isinstance(x, Tensor) and x.dim() == 1
+                and isinstance(u, Tensor) and u.dim() == 3):
             x = x.expand(u.shape[0], x.shape[0])
         return x
 
@@ -149,10 +148,12 @@ class CheckedParameters:
             out[i] = self.argument(self.table.tensors[i], values[i], values[0])
         return out
 
-    def take(self, values: Sequence[Any]) -> tuple[list, Sequence[int]]:
+    def take(self, values: Sequence[Any]) -> tuple[list, Sequence[int], Optional[tuple]]:
         """The call's values with each cost parameter passed unchanged since it was kept replaced
-        by its kept input, and the others as ``argument`` makes them; and the positions that the
-        argument checks must look at (``validate.check_inputs``' ``only``), in table order."""
+        by its kept input, and the others as ``argument`` makes them; the positions that the
+        argument checks must look at (``validate.check_inputs``' ``only``), in table order; and
+        what ``keep`` takes after those checks (None: every parameter as kept). Nothing is kept
+        between the two: calls from several threads cannot take each other's."""
         u = values[0]
         stamps: Optional[list] = [u.shape[0] if type(u) is Tensor and u.dim() else None]
         for i in self.positions:
@@ -169,8 +170,7 @@ class CheckedParameters:
         if kept is not None and stamps == kept[0]:  # the common call: every parameter as kept
             for i, x in zip(self.positions, kept[2]):
                 out[i] = x
-            self._taken = None
-            return out, self.others
+            return out, self.others, None
         same_batch = kept is not None and stamps is not None and stamps[0] == kept[0][0]
         fresh = []
         for j, i in enumerate(self.positions):
@@ -180,13 +180,11 @@ class CheckedParameters:
                 out[i] = self.argument(self.table.tensors[i], values[i], u)
                 fresh.append(i)
         given = [values[i] for i in self.positions]
-        self._taken = (stamps, given, fresh)
-        return out, sorted((*self.others, *fresh))
+        return out, sorted((*self.others, *fresh)), (stamps, given, fresh)
 
-    def keep(self, inputs: Sequence[Optional[Tensor]]) -> None:
+    def keep(self, inputs: Sequence[Optional[Tensor]], taken: Optional[tuple]) -> None:
         """After the argument checks passed on ``take``'s values (``inputs``: what they returned):
         check the new or changed parameters' values (``check_parameter``), then keep them all."""
-        taken, self._taken = self._taken, None
         if taken is None:  # every parameter as kept
             return
         stamps, given, fresh = taken
