@@ -155,8 +155,10 @@ class CheckedParameters:
         what ``keep`` takes after those checks (None: every parameter as kept). Nothing is kept
         between the two: calls from several threads cannot take each other's."""
         u = values[0]
-        stamps: Optional[list] = [u.shape[0] if type(u) is Tensor and u.dim() else None]
-        for i in self.positions:
+        # the batch size: any tensor's (u is often an nn.Parameter); none known, nothing is reused
+        batch = u.shape[0] if isinstance(u, Tensor) and u.dim() else None
+        stamps: Optional[list] = [batch] if batch is not None else None
+        for i in self.positions if stamps is not None else ():
             x = values[i]
             if x is None:
                 stamps.append(None)

@@ -599,6 +599,24 @@ def test_the_python_path_checks_each_parameter_once_while_it_is_passed_unchanged
     assert calls(smaller, two) == []
 
 
+@pytest.mark.parametrize("path", ["native", "python"])
+def test_weights_per_dof_follow_the_batch_of_actions_given_as_a_parameter(path):
+    """u as an nn.Parameter (as an optimiser holds it): a [D] weight passed
+    unchanged gives [B, D] rows for each call's batch (rows kept for another batch would be read
+    past their end), and the results are a fresh step's."""
+    spec = _spec("central")
+    x, params, dt = _data(spec)
+    params = {k: v[0].clone() if k.endswith("_weight") and "row" not in k else v for k, v in params.items()}
+    step = _loaded(spec, path)
+    for B in (2, 3, 1):
+        xs = {k: v[:B] for k, v in x.items()}
+        ps = {**params, "squared_position_target": params["squared_position_target"][:B]}
+        expected = _call(_loaded(spec, "python"), spec, xs, ps, dt)
+        got = _call(step, spec, {**xs, "u": torch.nn.Parameter(xs["u"].clone())}, ps, dt)
+        for y, e in zip(got, expected):
+            torch.testing.assert_close(y.detach(), e, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("case", ["central", "acceleration", "jerk_exact", "goal", "indexed_bdh",
                                   "bspline_goal_per_trajectory", "bdh_row_tiles", "jerk_exact_long"])
 def test_cuda_kernels_run_on_the_host_match_c(case):
