@@ -13,6 +13,7 @@ from .autograd import StepFunction
 from .launch import DTYPES, CpuBackend, Launcher, capturing, warm_up_first
 
 Tensor = torch.Tensor
+Parameter = torch.nn.Parameter
 #: nn.Module's own __call__: Step.__call__ skips it only while it is not patched (as FX's tracer patches it)
 _MODULE_CALL = getattr(torch.nn.Module, "_wrapped_call_impl", torch.nn.Module.__call__)
 #: the tensor arguments of forward's signature, in its order
@@ -279,10 +280,11 @@ def _unwrapped(op: Any) -> Any:
 
 
 def _tensors_or_none(values: list) -> bool:
-    """Every value a plain Tensor or None, as the native op takes them (a loop: cheaper per call
-    than all() over a generator)."""
+    """Every value a plain Tensor, an nn.Parameter (a plain tensor to the op: it overrides no torch
+    function) or None, as the native op takes them (a loop: cheaper per call than all() over a
+    generator)."""
     for v in values:
-        if v is not None and type(v) is not Tensor:
+        if v is not None and type(v) is not Tensor and type(v) is not Parameter:
             return False
     return True
 

@@ -22,6 +22,8 @@ from ..codegen.arguments import Argument, ArgumentTable
 from . import validate
 
 Tensor = torch.Tensor
+#: how a module holds a weight or limit (one that does not require grad): stamped as a plain tensor
+Parameter = torch.nn.Parameter
 STATES = ("position", "velocity", "acceleration", "jerk", "snap")
 
 
@@ -162,9 +164,9 @@ class CheckedParameters:
             x = values[i]
             if x is None:
                 stamps.append(None)
-            elif type(x) is Tensor:
+            elif type(x) is Tensor or type(x) is Parameter:
                 stamps.append(validate.stamp(x, id(x)))
-            else:  # a subclass (nn.Parameter) or no tensor at all: checked on every call
+            else:  # another subclass (its own view of versions and data) or no tensor: checked on every call
                 stamps = None
                 break
         out = list(values)

@@ -599,6 +599,60 @@ def test_the_python_path_checks_each_parameter_once_while_it_is_passed_unchanged
     assert calls(smaller, two) == []
 
 
+@PATHS
+def test_a_modules_parameters_and_buffers_are_checked_once_while_passed_unchanged(path, monkeypatch):
+    """Cost parameters as a user's module holds them: weights as nn.Parameters that do not require
+    grad, limits and margins as buffers, u as an nn.Parameter. Their values are checked on the
+    first call, not on the next ones, which the native node takes without the Python checks where
+    it is built; one written in place is checked again (a negative margin refused, naming it) and
+    read anew; made to require grad, it is refused. Each call's results are a fresh step's."""
+    from tensorstep.runtime import costs, validate
+
+    spec = _spec("central")
+    x, params, dt = _data(spec)
+    module = torch.nn.Module()
+    for k, v in params.items():
+        if k.endswith("weight"):
+            setattr(module, k, torch.nn.Parameter(v.clone(), requires_grad=False))
+        elif k != "squared_position_target":  # the target is differentiable: passed as it is
+            module.register_buffer(k, v.clone())
+    given = {k: getattr(module, k, v) for k, v in params.items()}
+    assert {type(v) for v in given.values()} == {torch.nn.Parameter, torch.Tensor}
+    u = torch.nn.Parameter(x["u"].clone())
+    step = _loaded(spec, path)
+    checked, python = [], []
+    check, check_inputs = costs.check_parameter, validate.check_inputs
+    monkeypatch.setattr(costs, "check_parameter", lambda arg, t: checked.append(arg.name) or check(arg, t))
+    monkeypatch.setattr(validate, "check_inputs", lambda *a, **k: python.append(1) or check_inputs(*a, **k))
+
+    def calls() -> list[str]:
+        plain = {k: v.detach().clone() for k, v in given.items()}
+        expected = _call(_loaded(spec, "python"), spec, {**x, "u": u.detach().clone()}, plain, dt)
+        checked.clear()
+        python.clear()
+        got = _call(step, spec, {**x, "u": u}, given, dt)
+        for y, e in zip(got, expected):
+            torch.testing.assert_close(y.detach(), e, rtol=0, atol=0)
+        return sorted(checked) if python else ["(native node)"]
+
+    every = sorted(k for k in params if k != "squared_position_target")
+    unchanged = ["(native node)"] if path == "native" else []
+    assert calls() == every
+    assert calls() == unchanged
+    module.squared_jerk_weight.mul_(2.0)
+    assert calls() == ["squared_jerk_weight"]
+    assert calls() == unchanged
+    module.bound_velocity_margin.sub_(10.0)
+    with pytest.raises(ValueError, match="bound_velocity_margin: expected values >= 0"):
+        _call(step, spec, {**x, "u": u}, given, dt)
+    module.bound_velocity_margin.add_(10.0)
+    assert calls() == ["bound_velocity_margin"]
+    assert calls() == unchanged
+    module.bound_acceleration_weight.requires_grad_()
+    with pytest.raises(ValueError, match="bound_acceleration_weight: cost parameters take no gradient"):
+        _call(step, spec, {**x, "u": u}, given, dt)
+
+
 @pytest.mark.parametrize("path", ["native", "python"])
 def test_weights_per_dof_follow_the_batch_of_actions_given_as_a_parameter(path):
     """u as an nn.Parameter (as an optimiser holds it): a [D] weight passed

@@ -265,12 +265,28 @@ def test_missing_start_index_is_an_error_on_every_call(step):
             step(x.u, x.p0[: x.B], x.v0[: x.B], x.a0[: x.B], 0.1)
 
 
-def test_tensor_subclasses_take_the_checked_python_path(plain_step):
+class _Marked(torch.Tensor):
+    """A tensor subclass that keeps PyTorch's default torch-function handling."""
+
+
+def test_parameters_take_the_native_op_and_other_tensor_subclasses_the_checked_python_path(plain_step,
+                                                                                            monkeypatch):
+    """u as an nn.Parameter (as an optimiser holds it; it overrides no torch function) goes to the
+    native op as it is; another subclass (which could override torch functions) takes the Python
+    path's checks. Both give the reference's states."""
+    from tensorstep.runtime import validate
+
     x = Inputs(PLAIN)
-    u = torch.nn.Parameter(x.u.clone())
-    P, *_ = plain_step(u, x.p0, x.v0, x.a0, 0.1, j0=x.j0)
+    checks = []
+    check_inputs = validate.check_inputs
+    monkeypatch.setattr(validate, "check_inputs", lambda *a, **k: checks.append(1) or check_inputs(*a, **k))
     expect = reference.apply(PLAIN, [0.1], x.numpy_u_bhd(), x.numpy_start())
-    scale_close(P.detach().numpy(), expect[0], 1e-12)
+    plain_step(x.u, x.p0, x.v0, x.a0, 0.1, j0=x.j0)  # caches dt 0.1
+    for u, python in ((torch.nn.Parameter(x.u.clone()), False), (x.u.clone().as_subclass(_Marked), True)):
+        checks.clear()
+        P, *_ = plain_step(u, x.p0, x.v0, x.a0, 0.1, j0=x.j0)
+        assert bool(checks) == python, type(u)
+        scale_close(torch.Tensor(P.detach()).numpy(), expect[0], 1e-12)
 
 
 def test_dt_gradient_and_forward_mode_take_the_python_path(step):
