@@ -554,6 +554,85 @@ def test_an_inference_tensor_parameter_is_checked_on_every_call(path):
         _call(step, spec, x, {**params, "bound_velocity_margin": margin}, dt)
 
 
+def _changes(D: int) -> dict:
+    """Each thing a kept parameter's stamp compares, changed alone where PyTorch allows it (``.data =``
+    keeps the version), on the limit ``bound_velocity_limit`` [2, D] unless named: (change, what the
+    next call does: the names it checks again, or the error it raises)."""
+    name = "bound_velocity_limit"
+
+    def data(p, _):
+        p[name].data = p[name].detach().clone()
+
+    def offset(p, _):  # the same values one element into a storage (which moves the data pointer)
+        flat = p[name].detach().reshape(-1)
+        p[name].data = torch.cat([flat[:1], flat])[1:].view(2, D)
+
+    def another(p, _):  # a view: the same data, shape, strides and version (the view shares it)
+        p[name] = p[name].view(2, D)
+
+    def batch(p, x):  # two trajectories, [D] weights kept as [3, D] rows
+        for k in x:
+            x[k] = x[k][:2]
+        p["squared_position_target"] = p["squared_position_target"][:2]
+
+    return {
+        "version": (lambda p, _: p[name].mul_(1.0), [name]),
+        "data pointer": (data, [name]),
+        "storage offset": (offset, [name]),
+        "strides": (lambda p, _: setattr(p[name], "data", p[name].detach().as_strided((2, D), (0, 1))), [name]),
+        "shape": (lambda p, _: setattr(p[name], "data", p[name].detach().as_strided((1, D), (D, 1))),
+                  rf"{name}: expected shape \(2, {D}\), got shape \(1, {D}\)"),
+        "dtype": (lambda p, _: setattr(p[name], "data", p[name].detach().view(torch.int64)),
+                  f"{name}: expected dtype torch.float64"),
+        "requires_grad": (lambda p, _: p[name].requires_grad_(), f"{name}: cost parameters take no gradient"),
+        "identity": (another, [name]),
+        "batch size": (batch, ["every"]),
+    }
+
+
+@PATHS
+@pytest.mark.parametrize("change", list(_changes(3)))
+def test_each_thing_a_kept_parameter_can_change_is_seen_on_both_paths(path, change, monkeypatch, request):
+    """The Python path's stamp (runtime/validate.py ``stamp``) and the native node's kept rows
+    (``unchanged`` in runtime/native_node.cpp) compare the same things: a parameter kept by two
+    calls, then changed in one of them alone (its version, data, storage offset, strides, shape,
+    dtype, requires_grad, which tensor it is, the batch it was kept for), is checked again (its
+    values read anew: a fresh step's results) or refused with the argument checks' error, on the
+    native node as on the Python path. (Its device cannot change on this CPU-only node: a tensor's
+    ``.data`` keeps its device type.)"""
+    from tensorstep.runtime import costs
+
+    if (path, change) == ("native", "dtype"):
+        request.applymarker(pytest.mark.xfail(strict=True, reason=(
+            "the native node's kept rows do not compare the dtype: a limit reinterpreted in place "
+            "(.data = limit.view(torch.int64): same data, shape, strides and version) is read as kept "
+            "(its old bytes) where the Python path refuses it")))
+    spec = _spec("central")
+    x, params, dt = _data(spec)
+    params = {k: v[0].clone() if k.endswith("_weight") and "row" not in k else v for k, v in params.items()}
+    step = _loaded(spec, path)
+    checked = []
+    check = costs.check_parameter
+    monkeypatch.setattr(costs, "check_parameter", lambda arg, t: checked.append(arg.name) or check(arg, t))
+    every = sorted(k for k in params if k != "squared_position_target")
+    for expected in (every, []):  # checked and kept (and taken by the native node)
+        checked.clear()
+        _call(step, spec, x, params, dt)
+        assert sorted(checked) == expected
+    make, outcome = _changes(spec.dof)[change]
+    make(params, x)
+    checked.clear()
+    if isinstance(outcome, str):
+        with pytest.raises((ValueError, TypeError), match=outcome):
+            _call(step, spec, x, params, dt)
+        return
+    got = _call(step, spec, x, params, dt)
+    assert sorted(checked) == (every if outcome == ["every"] else outcome)
+    fresh = {k: v.detach().contiguous() for k, v in params.items()}
+    for y, e in zip(got, _call(_loaded(spec, "python"), spec, x, fresh, dt)):
+        torch.testing.assert_close(y, e, rtol=0, atol=0)
+
+
 def test_the_python_path_checks_each_parameter_once_while_it_is_passed_unchanged(monkeypatch):
     """On the Python path (every CUDA call) a parameter's values are checked when it is new or
     changed, not on each call that passes it unchanged; one written into, given new data, made to
