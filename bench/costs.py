@@ -31,7 +31,6 @@ import torch
 import tensorstep as ts
 from tensorstep.runtime import costs as runtime_costs
 from tensorstep.runtime import memory, native
-from tensorstep.runtime import validate
 from tensorstep.runtime.launch import DTYPES
 
 from .baselines import slicing_step
@@ -215,30 +214,26 @@ def table_values(table, u, starts, params) -> list:
 
 def kernel_inputs(fused, values: list) -> list:
     """What the fused kernels read, as the Python path checks and passes it (``table_values``
-    checked; [D] weights as their kept [B, D] rows, defaults where not given)."""
-    kept = fused._kept_costs
-    values, only, taken = kept.take(values)
-    inputs, _ = validate.check_inputs(fused.table, values, fused.dtype, fused.device, only)
-    kept.keep(inputs, taken)
-    return inputs
+    through Step's own checks, ``_checked``: [D] weights as their kept [B, D] rows, defaults where
+    not given)."""
+    return fused._checked(values, DT)[0]
 
 
 def _pieces(fused, u, starts, params, W, ones) -> dict[str, Callable[[], None]]:
-    """The fused call's parts, each callable alone: the checks of its Python path (what Step.forward
-    does in Python before the kernel, here timed on cost parameters passed unchanged: one stamp
-    each, their kept inputs ([D] weights' [B, D] rows), the argument table's checks of the other
-    arguments and the dt tensor); the cost parameters' value checks (what a call whose parameters
-    are all new or changed adds; one that passes them unchanged runs none; with the native node,
-    a call whose parameters passed them unchanged runs neither), its forward and adjoint
-    kernels launched directly, and the forward under no_grad (checks + kernel + Function.apply)."""
+    """The fused call's parts, each callable alone: the checks of its Python path (Step's
+    ``_checked``, what Step.forward runs in Python before the kernels, here on cost parameters
+    passed unchanged: one stamp each and their kept inputs ([D] weights' [B, D] rows), the argument
+    table's checks of the other arguments, the dt tensor); the value checks of every cost parameter
+    (weights and margins >= 0, finite limits with lower <= upper: what a call whose parameters are
+    all new adds to those checks; a call that passes them unchanged runs none, and with the native
+    node it runs neither), its forward and adjoint kernels launched directly, and the forward
+    under no_grad (checks + kernel + Function.apply)."""
     table = fused.table
     values = table_values(table, u, starts, params)
     B = u.shape[0]
 
     def table_checks() -> list:
-        inputs = kernel_inputs(fused, values)
-        fused._dt_tensor(DT, B)
-        return inputs
+        return kernel_inputs(fused, values)
 
     inputs = table_checks()  # checked and kept: the timed calls find them unchanged
     inputs = [None if x is None else x.detach() for x in inputs]
@@ -262,8 +257,8 @@ def _pieces(fused, u, starts, params, W, ones) -> dict[str, Callable[[], None]]:
 HEADER = ("| H | B | dtype | (a) fused | (b) unfused + eager costs | (c) slicing + costs, torch.compile "
           "| (d) step alone, grad on P | (e) copy bound | (f) copy bound, outputs as (a)'s | (b) / (a) | (c) / (a) "
           "| (a) / (d) | (a) / (e) | (a) / (f) |")
-BREAKDOWN = ("| H | B | dtype | fused call (a) | Python path: argument table checks | Python path: cost parameter "
-             "checks | forward kernel | adjoint kernel | forward, no_grad | rest: the call around its kernels "
+BREAKDOWN = ("| H | B | dtype | fused call (a) | Python path: checks, parameters unchanged | Python path: value "
+             "checks of all-new cost parameters | forward kernel | adjoint kernel | forward, no_grad | rest: the call around its kernels "
              "(a − kernels) | (d)'s kernels (forward + adjoint) |")
 
 

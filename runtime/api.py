@@ -217,25 +217,10 @@ class Step(torch.nn.Module):
                 elif (type(out) in (tuple, list) and all(type(y) is Tensor for y in out)
                       and self._native_step_out(self.native, [*values, dt_k], out, self._slot_id)):
                     return tuple(out)
-        given = values
-        kept = only = taken = None
+        inputs, dt_k, kept = self._checked(values, dt)
         if self.table.fused:
-            if torch.compiler.is_compiling() or _transformed():  # traced or transformed: nothing kept
-                values = self._kept_costs.arguments(values)
-            else:
-                kept = self._kept_costs
-                values, only, taken = kept.take(values)
-        inputs, dims = validate.check_inputs(self.table, values, self.dtype, self.device, only)
-        dt_k = self._dt_tensor(dt, dims["B"])
-        if self.table.fused:
-            from . import costs
-
-            if kept is None:
-                costs.check_parameters(self.table, inputs)
-            else:
-                kept.keep(inputs, taken)
-                if self._slot is not None and self.native is not None and _tensors_or_none(given):
-                    self._slot.keep(self.native, [*given, dt_k], [*inputs, dt_k])
+            if kept and self._slot is not None and self.native is not None and _tensors_or_none(values):
+                self._slot.keep(self.native, [*values, dt_k], [*inputs, dt_k])
             if (out is None and (dt_k.requires_grad or _transformed() or _forward_mode_active()
                                  or torch.compiler.is_compiling())):
                 return self._composite(inputs, dt_k)
@@ -252,6 +237,29 @@ class Step(torch.nn.Module):
         if self.native is not None and not dt_k.requires_grad and not _transformed():
             return tuple(self._native_step(self.native, [*inputs, dt_k]))
         return StepFunction.apply(self.launcher, *inputs, dt_k)
+
+    def _checked(self, values: list, dt: Any) -> tuple[list, Tensor, bool]:
+        """The Python path's checks of a call's tensors (in table order) and dt, before any kernel
+        runs: the tensors as the kernels read them (a fused step's cost parameters as kept while
+        passed unchanged, runtime/costs.py CheckedParameters), the kernel's dt vector, and whether a
+        fused step's cost parameters were kept (not while traced or transformed)."""
+        kept = only = taken = None
+        if self.table.fused:
+            if torch.compiler.is_compiling() or _transformed():  # traced or transformed: nothing kept
+                values = self._kept_costs.arguments(values)
+            else:
+                kept = self._kept_costs
+                values, only, taken = kept.take(values)
+        inputs, dims = validate.check_inputs(self.table, values, self.dtype, self.device, only)
+        dt_k = self._dt_tensor(dt, dims["B"])
+        if self.table.fused:
+            from . import costs
+
+            if kept is None:
+                costs.check_parameters(self.table, inputs)
+            else:
+                kept.keep(inputs, taken)
+        return inputs, dt_k, kept is not None
 
     def _composite(self, inputs: list, dt: Tensor) -> tuple[Tensor, ...]:
         from . import costs

@@ -130,3 +130,28 @@ def test_the_kernels_write_the_same_into_every_allocation():
             (copied,) = methods[f"copy of the {k}'s outputs, {allocation}"]()
             assert copied.numel() == n and copied.abs().min() > 0  # every element written (from random values)
             assert torch.equal(copies.setdefault(k, copied), copied)
+
+
+def test_the_breakdowns_kernel_inputs_are_what_the_python_path_launches(monkeypatch):
+    """The breakdown's checks and kernels take their inputs from the fused step's own checks
+    (Step ``_checked``): the tensors are the ones a call on the Python path hands its forward
+    kernel (the kept ones, once kept), and the same values on a fresh step."""
+    case = costs.CostCase(batch=5, dtype="float64", horizon=8)
+    gen, u, starts = costs._inputs(case)
+    params = {**costs.parameters(case, gen), "squared_velocity_weight": torch.rand(5, case.dof, generator=gen,
+                                                                                   dtype=torch.float64)}
+    step = ts.load(case.fused)
+    step.native = None
+    launched = []
+    forward = step.launcher.forward
+    monkeypatch.setattr(step.launcher, "forward",
+                        lambda inputs, dt, **k: launched.append(inputs) or forward(inputs, dt, **k))
+    with torch.no_grad():
+        step(u, *starts, costs.DT, **params)
+    values = costs.table_values(step.table, u, starts, params)
+    got = costs.kernel_inputs(step, values)
+    assert len(got) == len(launched[0]) == len(step.table.tensors)
+    assert all(x is y for x, y in zip(got, launched[0]))
+    fresh = costs.kernel_inputs(ts.load(case.fused), values)
+    for arg, x, y in zip(step.table.tensors, got, fresh):
+        assert (x is None) == (y is None) and (x is None or torch.equal(x, y)), arg.name
