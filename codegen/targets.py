@@ -15,7 +15,9 @@ Import-light: the runtime reads plans on the cached-load path (no SymPy, no Jinj
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping, Optional, Union
+import functools
+import operator
+from typing import Any, Callable, Mapping, Optional, Union
 
 from . import abi
 from .arguments import ArgumentTable, table as argument_table
@@ -230,6 +232,32 @@ class Launches:
     launches: tuple[Launch, ...]
     temporaries: tuple[Temporary, ...]
     parameters: tuple[str, ...]
+
+    @functools.cached_property
+    def binding(self) -> tuple[tuple[tuple[str, int, int, int, Callable[[list], tuple]], ...], tuple[int, ...]]:
+        """What binding a call's arguments to the launches needs, worked out once (a call's values
+        are its arguments, then its temporaries' addresses, then ``constants``): each launch as
+        (kernel, grid, block, shared, a function of those values that picks its arguments), and
+        the integers the launches pass. A name is an argument's position unless a temporary has
+        it."""
+        n, names = len(self.parameters), {}
+        names.update((name, i) for i, name in enumerate(self.parameters))
+        names.update((t.name, n + j) for j, t in enumerate(self.temporaries))
+        constants: dict[int, int] = {}
+        at = n + len(self.temporaries)
+        bound = []
+        for launch in self.launches:
+            positions = tuple(names[a] if isinstance(a, str) else at + constants.setdefault(a, len(constants))
+                              for a in launch.args)
+            bound.append((launch.kernel, launch.grid, launch.block, launch.shared, _picker(positions)))
+        return tuple(bound), tuple(constants)
+
+
+def _picker(positions: tuple[int, ...]) -> Callable[[list], tuple]:
+    """The values at ``positions``, as a tuple (operator.itemgetter, which gives a lone value bare)."""
+    if len(positions) > 1:
+        return operator.itemgetter(*positions)
+    return lambda values: tuple(values[i] for i in positions)
 
 
 def _blocks(threads: int, block: int) -> int:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 import shutil
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -32,20 +32,22 @@ from .fingerprint import generator_fingerprint
 from .launch import DTYPES, capturing, warm_up_first
 
 #: One launch bound to a call: (kernel, grid, block, shared memory bytes, arguments after B)
-Bound = tuple[str, int, int, int, list[int]]
+Bound = tuple[str, int, int, int, tuple[int, ...]]
 
 
-def bind(launches: Launches, args: list[int],
+def bind(launches: Launches, args: Sequence[int],
          empty: Callable[[int, torch.dtype], torch.Tensor]) -> tuple[list[Bound], list[torch.Tensor]]:
     """A plan's launches for one call of an entry point of the C ABI (``args`` in its order, after
     B: ``launches.parameters``), with their temporaries from ``empty(size, dtype)``; the caller
-    keeps the buffers until the launches are queued."""
-    values: dict[Any, int] = dict(zip(launches.parameters, args))
-    buffers = {t.name: empty(t.size, DTYPES[t.dtype]) for t in launches.temporaries}
-    values.update((name, buffer.data_ptr()) for name, buffer in buffers.items())
-    return ([(launch.kernel, launch.grid, launch.block, launch.shared,
-              [a if isinstance(a, int) else values[a] for a in launch.args]) for launch in launches.launches],
-            list(buffers.values()))
+    keeps the buffers until the launches are queued. Which value goes where is worked out once
+    per launches (``Launches.binding``); a call only picks its values."""
+    if len(args) != len(launches.parameters):
+        raise ValueError(f"expected {len(launches.parameters)} arguments ({', '.join(launches.parameters)}), "
+                         f"got {len(args)}")
+    bound, constants = launches.binding
+    buffers = [empty(t.size, DTYPES[t.dtype]) for t in launches.temporaries]
+    values = [*args, *(buffer.data_ptr() for buffer in buffers), *constants]
+    return [(kernel, grid, block, shared, pick(values)) for kernel, grid, block, shared, pick in bound], buffers
 
 
 NVRTC_OPTIONS = ("--std=c++14",)

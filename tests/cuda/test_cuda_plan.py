@@ -244,3 +244,41 @@ def test_ptxas_figures_cover_every_launched_kernel():
     assert all(k["registers"] > 0 and k["spill_stores"] >= 0 and k["stack"] >= 0 for k in kernels.values())
     result = CliRunner().invoke(main, ["bench", "--cuda-plan", *options, "--batch", "400"])
     assert result.exit_code == 0 and "| dt_vjp | " in result.output and "| forward (2) |" in result.output
+
+
+@pytest.mark.parametrize("fields", [dict(horizon=8, dof=3, dt="per_step"),
+                                    dict(horizon=6, dof=2, control="acceleration"),
+                                    dict(dof=2, control="bspline", degree=3, knots=5, steps=2, dt="per_trajectory"),
+                                    dict(horizon=8, dof=3, costs=(("bound", "velocity"), ("squared", "jerk")),
+                                         outputs=("P",))],
+                         ids=["per_step", "accel", "bspline_per_trajectory", "fused"])
+def test_bind_gives_each_launch_its_arguments_by_name(fields):
+    """runtime/cuda_backend.py ``bind`` (positions worked out once per plan's launches) passes each
+    launch what its arguments name: the call's argument of that name in the entry point's order,
+    a temporary's buffer, or the integer itself, as a lookup by name gives them; the buffers are
+    the temporaries' sizes and dtypes. A call with another count of arguments is refused."""
+    from tensorstep.codegen import abi
+    from tensorstep.runtime.cuda_backend import bind
+
+    spec = ts.KernelSpec(**fields)
+    plan = generate(spec, targets=("cuda",)).launch_plan("cuda")
+    gen = torch.Generator().manual_seed(0)
+    checked = 0
+    for kernel in abi.part_kernels("all", table(spec)):
+        for B in (1, 5, 300):
+            launches = plan.launches(kernel, B)
+            args = torch.randint(1, 2**40, (len(launches.parameters),), generator=gen).tolist()
+            for _ in range(2):  # the second call reuses the positions worked out on the first
+                bound, buffers = bind(launches, args, lambda size, dtype: torch.empty(size, dtype=dtype))
+                by_name = dict(zip(launches.parameters, args))
+                by_name.update((t.name, b.data_ptr()) for t, b in zip(launches.temporaries, buffers))
+                assert [(b.numel(), str(b.dtype)) for b in buffers] == [
+                    (t.size, f"torch.{t.dtype}") for t in launches.temporaries]
+                assert len(bound) == len(launches.launches)
+                for (name, grid, block, shared, values), launch in zip(bound, launches.launches):
+                    assert (name, grid, block, shared) == (launch.kernel, launch.grid, launch.block, launch.shared)
+                    assert list(values) == [a if isinstance(a, int) else by_name[a] for a in launch.args]
+                    checked += len(values)
+            with pytest.raises(ValueError, match=f"expected {len(args)} arguments"):
+                bind(launches, args[:-1], lambda size, dtype: torch.empty(size, dtype=dtype))
+    assert checked > 0
