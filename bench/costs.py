@@ -258,8 +258,8 @@ HEADER = ("| H | B | dtype | (a) fused | (b) unfused + eager costs | (c) slicing
           "| (d) step alone, grad on P | (e) copy bound | (f) copy bound, outputs as (a)'s | (b) / (a) | (c) / (a) "
           "| (a) / (d) | (a) / (e) | (a) / (f) |")
 BREAKDOWN = ("| H | B | dtype | fused call (a) | Python path: checks, parameters unchanged | Python path: value "
-             "checks of all-new cost parameters | forward kernel | adjoint kernel | forward, no_grad | rest: the call around its kernels "
-             "(a − kernels) | (d)'s kernels (forward + adjoint) |")
+             "checks of all-new cost parameters | forward kernel | adjoint kernel | forward, no_grad "
+             "| rest: the call around its kernels (a − kernels) | (d)'s kernels (forward + adjoint) |")
 
 
 def _signed_time(seconds: float) -> str:
