@@ -189,14 +189,15 @@ class BuildCache:
 
     def artefact_for(self, index_key: str, env_key: str, ext: str,
                      make_source: Callable[[], tuple[str, dict]],
-                     compile_fn: Callable[[Path, Path], None]) -> tuple[str, Path, dict]:
+                     compile_fn: Callable[[Path, Path], None], build: tuple[str, ...] = ()) -> tuple[str, Path, dict]:
         """(content hash, verified artefact, metadata) for a spec: via the index when cached,
-        else the source and its metadata are generated (make_source), built and recorded."""
+        else the source and its metadata are generated (make_source), built and recorded.
+        ``build``: what else the artefact depends on (how compile_fn builds this source), in its hash."""
         content_hash = self.lookup(index_key, env_key)
         path = self.verified_artefact(content_hash, ext) if content_hash else None
         if path is None:
             source, metadata = make_source()
-            content_hash = digest(source, env_key)
+            content_hash = digest(source, env_key, *build)
             path = self.build(content_hash, ext, source, compile_fn, metadata)
             self.record(index_key, env_key, content_hash)
         return content_hash, path, self.metadata(content_hash)

@@ -1,7 +1,9 @@
 """C backend: compile generated C with the system compiler, load it through cffi (ABI mode)."""
 from __future__ import annotations
 
+import _thread
 import contextlib
+import ctypes
 import functools
 import importlib.util
 import io
@@ -10,9 +12,10 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import threading
 import warnings
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import cffi
 
@@ -83,16 +86,18 @@ def environment_key() -> str:
                   platform.machine(), generator_fingerprint())[:16]
 
 
-def _compile(src: Path, out: Path, units: int = 1) -> None:
+def _compile(src: Path, out: Path, units: int = 1, defines: tuple[str, ...] = ()) -> None:
     """Compile a C source into a shared library: in one piece, or, on a machine with more than
     one core, as ``units`` translation units (``-DTS_UNIT=1..units``: see abi.units and
-    templates/kernel.c.j2) compiled side by side and linked."""
+    templates/kernel.c.j2) compiled side by side and linked. ``defines``: ``-D`` switches of the
+    source (``NAME`` or ``NAME=value``)."""
+    switches = [f"-D{d}" for d in defines]
     if units <= 1 or cores() <= 1:
-        _run([compiler(), *c_flags(), "-x", "c", str(src), "-o", str(out)], src)
+        _run([compiler(), *c_flags(), *switches, "-x", "c", str(src), "-o", str(out)], src)
         return
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=".units.") as folder:
         objects = [str(Path(folder) / f"unit{i}.o") for i in range(1, units + 1)]
-        commands = [[compiler(), *c_flags(), f"-DTS_UNIT={i}", "-c", "-x", "c", str(src), "-o", o]
+        commands = [[compiler(), *c_flags(), *switches, f"-DTS_UNIT={i}", "-c", "-x", "c", str(src), "-o", o]
                     for i, o in enumerate(objects, 1)]
         processes = [subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
                      for cmd in commands]
@@ -103,10 +108,24 @@ def _compile(src: Path, out: Path, units: int = 1) -> None:
         _run([compiler(), *c_flags(), *objects, "-o", str(out)], src)
 
 
-def library_build(part: str, spec: Any = None) -> Callable[[Path, Path], None]:
+def library_build(part: str, spec: Any = None, defines: tuple[str, ...] = ()) -> Callable[[Path, Path], None]:
     """How a library of ``part``'s kernels (abi.PARTS, those the spec has) is compiled from its
-    source: in the units abi.units names (``_compile``)."""
-    return functools.partial(_compile, units=len(abi.units(part, None if spec is None else table(spec))))
+    source: in the units abi.units names (``_compile``), with the ``-D`` switches ``defines``."""
+    return functools.partial(_compile, units=len(abi.units(part, None if spec is None else table(spec))),
+                             defines=defines)
+
+
+#: the switch of a fused step's core library as the runtime builds it: the entry points with the
+#: general form of each kernel, every other form (codegen/fused.py ``forms``) built in a library of its
+#: own on the first call that runs it (``Forms``; templates/kernel.c.j2): a first load compiles one
+#: form of each kernel, not four
+LAZY_FORMS = "TS_LAZY_FORMS"
+
+
+def lazy_forms(spec: Any, part: str) -> bool:
+    """Whether the runtime builds this library with ``LAZY_FORMS``: a fused core with cost terms (its
+    C entry points have forms besides the general one: unit row weights at least)."""
+    return part == "core" and bool(table(spec).costs)
 
 
 def _run(cmd: list[str], src: Path) -> None:
@@ -128,6 +147,8 @@ def cdef(spec: Any, part: str) -> str:
     for kernel in abi.part_kernels(part, args):
         params = ", ".join(("intptr_t" if "*" in t else t) + f" {n}" for t, n in abi.arguments(kernel, args))
         lines.append(f"void {abi.symbol(spec.name, kernel)}({params});")
+        if lazy_forms(spec, part):
+            lines.append(f"void {abi.symbol(spec.name, kernel)}_forms(intptr_t hook);")
     return "\n".join(lines)
 
 
@@ -164,13 +185,98 @@ def _load_library(spec: Any, part: str, cache: BuildCache) -> tuple[Any, dict]:
         generated = generate(spec, targets=("c",), parts=(part,))
         return generated.source("c", part), dict(generated.metadata)
 
+    lazy = (LAZY_FORMS,) if lazy_forms(spec, part) else ()
     try:
         content_hash, path, metadata = cache.artefact_for(f"{spec.key}-{part}", environment_key(), "so", generate,
-                                                          library_build(part, spec))
+                                                          library_build(part, spec, lazy), lazy)
     finally:
         for notice in notices:
             notice.cancel()
-    return _open(content_hash, path, spec, part), metadata
+    lib = _open(content_hash, path, spec, part)
+    if lazy and content_hash not in _FORMS:
+        forms = _FORMS[content_hash] = Forms(spec, part, content_hash, cache)
+        for kernel in abi.part_kernels(part, table(spec)):
+            getattr(lib, f"{abi.symbol(spec.name, kernel)}_forms")(forms.address)
+    return lib, metadata
+
+
+_FORMS: dict[str, "Forms"] = {}  # by the content hash of the library whose hook each is
+_HOOKS = cffi.FFI()
+
+
+class Forms:
+    """The forms of a fused core library built with ``LAZY_FORMS``: the hook its entry points call on
+    the first call that runs a form other than the general one (``form``, from 1, and the name of its
+    batch function), which builds the form's library (``-DTS_FORM=<form>``: that form's batch
+    functions, from the library's own source) in the cache, as the library was, and returns the
+    function's address. Where that fails, it says why and returns 0: the entry point runs the
+    general form (the same states and gradients; a cost may differ in the last bits)."""
+
+    def __init__(self, spec: Any, part: str, content_hash: str, cache: BuildCache):
+        self.spec, self.part, self.content_hash, self.cache = spec, part, content_hash, cache
+        self._lock = threading.Lock()
+        self._libraries: dict[int, ctypes.CDLL] = {}
+        self._failed: set[int] = set()
+        self._hook = _HOOKS.callback("intptr_t(int64_t, const char *)", self._find)
+        #: what the entry points' ``<kernel>_forms`` take
+        self.address = int(_HOOKS.cast("intptr_t", self._hook))
+
+    def _find(self, form: int, symbol: Any) -> int:
+        name = _HOOKS.string(symbol).decode()
+        try:
+            return self.find(form, name)
+        except KeyboardInterrupt:  # cffi would print it and go on: raised again once the kernel returns
+            _thread.interrupt_main()
+            return 0
+        except Exception as err:  # noqa: BLE001 (nothing can be raised through the kernel)
+            self._failed.add(form)
+            warnings.warn(f"tensorstep: {self.spec.name}: the {_form_name(self.spec, name)} form of its kernels could "
+                          f"not be built ({type(err).__name__}: {err}); its calls run the general form", stacklevel=1)
+            return 0
+
+    def find(self, form: int, symbol: str) -> int:
+        """The address of ``symbol`` in form ``form``'s library, built if needed (0 after a failed build)."""
+        with self._lock:
+            if form in self._failed:
+                return 0
+            lib = self._libraries.get(form)
+            if lib is None:
+                lib = self._libraries[form] = ctypes.CDLL(str(self._build(form, symbol)))
+        return ctypes.cast(getattr(lib, symbol), ctypes.c_void_p).value or 0
+
+    def _build(self, form: int, symbol: str) -> Path:
+        source = self._source()
+        define = f"TS_FORM={form}"
+        notice = slow_notice(f"compiling {self.spec.name} (the {_form_name(self.spec, symbol)} form of its "
+                             f"{self.part} kernels, H={self.spec.horizon})")
+        try:
+            return self.cache.build(digest(self.content_hash, define), "so", source,
+                                    library_build(self.part, self.spec, (define,)), {"form": form})
+        finally:
+            notice.cancel()
+
+    def _source(self) -> str:
+        """The library's source: kept in its build folder, else generated again; either checked against
+        the library's content hash (a form is built from the very source its entry points were)."""
+        key = (environment_key(), LAZY_FORMS)
+        with contextlib.suppress(OSError, UnicodeDecodeError):
+            source = (self.cache.build_dir(self.content_hash) / "source.so.src").read_text()
+            if digest(source, *key) == self.content_hash:
+                return source
+        from ..codegen.driver import generate
+
+        source = generate(self.spec, targets=("c",), parts=(self.part,)).source("c", self.part)
+        if digest(source, *key) != self.content_hash:
+            raise RuntimeError("its source generated again is not the one its library was built from")
+        return source
+
+
+def _form_name(spec: Any, symbol: str) -> str:
+    """A form's name from its batch function's (``<spec>_<kernel><suffix>_batch``): e.g. 'narrow_unit_rows'."""
+    rest = symbol[len(spec.name) + 1:].removesuffix("_batch")
+    for kernel in abi.KERNELS:
+        rest = rest.removeprefix(kernel)
+    return rest.strip("_") or "general"
 
 
 def load_source(spec: Any, source: str, metadata: dict, cache: BuildCache | None = None) -> tuple[Any, dict]:
