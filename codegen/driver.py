@@ -25,7 +25,7 @@ import dataclasses
 import functools
 import gc
 import types
-from typing import Any, Iterator, Mapping
+from typing import Any, Collection, Iterator, Mapping, Optional
 
 from ..version import __version__
 from . import abi
@@ -176,11 +176,11 @@ def lower_stage(spec: Any, op: Any) -> Any:
 
 
 def render_stage(spec: Any, code: Any, args: ArgumentTable, targets: Mapping[str, Any],
-                 parts: tuple[str, ...]) -> dict[tuple[str, str], str]:
-    """Stage 3, render: each target's source of each part (Jinja2)."""
+                 parts: tuple[str, ...], forms: Optional[Collection[int]] = None) -> dict[tuple[str, str], str]:
+    """Stage 3, render: each target's source of each part (Jinja2); ``forms``: as ``generate``'s."""
     from .render import render
 
-    return {(name, p): render(spec, code, args, t, p) for name, t in targets.items() for p in parts}
+    return {(name, p): render(spec, code, args, t, p, forms) for name, t in targets.items() for p in parts}
 
 
 @functools.lru_cache(maxsize=256)
@@ -199,9 +199,11 @@ def metadata(spec: Any, n_coefficients: int, coefficients: str = "code") -> dict
 
 
 def generate(spec: Any, targets: tuple[str, ...] = tuple(TARGETS), parts: tuple[str, ...] = ("all",),
-             keep: bool = False) -> Generated:
+             keep: bool = False, forms: Optional[Collection[int]] = None) -> Generated:
     """Run the stages for one spec; sources for each requested target (by name) and part.
-    ``keep``: the result holds each stage's output too (``Generated.stages``)."""
+    ``keep``: the result holds each stage's output too (``Generated.stages``). ``forms``: the variants
+    of a fused C forward and adjoint whose batch functions the C sources hold, from 1 (None: every
+    one; the runtime builds each in a library of its own, runtime/cbackend.py ``Forms``)."""
     chosen = {name: target_of(name) for name in targets}
     for part in parts:
         if part not in abi.PARTS:
@@ -209,7 +211,7 @@ def generate(spec: Any, targets: tuple[str, ...] = tuple(TARGETS), parts: tuple[
     with _without_cycle_collection():
         program = lowered(spec)  # operator_stage, then lower_stage
         args = table(spec)
-        sources = types.MappingProxyType(render_stage(spec, program, args, chosen, parts))
+        sources = types.MappingProxyType(render_stage(spec, program, args, chosen, parts, forms))
     kernels = {k for p in parts for k in abi.part_kernels(p, args)}
     meta = metadata(spec, program.n_coefficients, program.coefs.form)
     stages = Stages(spec, args, program.op, program, tuple(k for k in abi.KERNELS if k in kernels), sources) if keep else None

@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-from typing import Any
+from typing import Any, Collection, Optional
 
 import jinja2
 
@@ -200,10 +200,14 @@ def _unit_guards(kernels: tuple, programs: dict, units: tuple[str, ...]) -> dict
     return guards
 
 
-def render(spec: Any, code: LoweredOperator, table: ArgumentTable, target: Target, part: str = "all") -> str:
+def render(spec: Any, code: LoweredOperator, table: ArgumentTable, target: Target, part: str = "all",
+           forms: Optional[Collection[int]] = None) -> str:
     """Source text of one spec's kernels for a target (codegen/targets.py).
 
     ``part`` selects the kernels: 'core' (forward, adjoint), 'dt' (dt derivatives) or 'all'.
+    ``forms``: the variants of a fused C forward and adjoint (codegen/fused.py ``forms``, from 1) whose
+    batch functions the source holds (None: every one); a source without some compiles only where
+    the switches of templates/kernel.c.j2 leave them out (the runtime's, runtime/cbackend.py ``Forms``).
     Called by the driver (codegen/driver.py), which validates target and part.
     """
     kernels = abi.part_kernels(part, table)
@@ -217,10 +221,11 @@ def render(spec: Any, code: LoweredOperator, table: ArgumentTable, target: Targe
     y = strides(spec.layout, spec.horizon, spec.dof)
     lane_form = lanes(spec) if target.lanes else None
     codes = target.codes(code, kernels, itemsize)
-    variants = target.form_codes(code, kernels, itemsize)  # by suffix (codegen/fused.py ``forms``)
+    variants = target.form_codes(code, kernels, itemsize, forms)  # by suffix (codegen/fused.py ``forms``)
     lane_bodies = _lane_bodies(code, codes, kernels, table) if lane_form else {}
     for suffix, variant in variants.items() if lane_form else ():
-        lane_bodies.update({k + suffix: v for k, v in _lane_bodies(code, variant, tuple(variant), table).items()})
+        held = {k: v for k, v in variant.items() if v is not None}
+        lane_bodies.update({k + suffix: v for k, v in _lane_bodies(code, held, tuple(held), table).items()})
     form_checks, form_tests = _form_checks(table, fused.forms(table)) if variants else ([], {})
     programs = _long_programs(code, kernels, table.dt.shape == ("B",)) if target.split_programs else {}
     units = abi.units(part, table)

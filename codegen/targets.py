@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import operator
-from typing import Any, Callable, Mapping, Optional, Union
+from typing import Any, Callable, Collection, Mapping, Optional, Union
 
 from . import abi
 from .arguments import ArgumentTable, table as argument_table
@@ -505,10 +505,12 @@ class Target:
             return {k: code.c_fused(k, itemsize) if k in ("forward", "adjoint") else getattr(code, k) for k in kernels}
         return {k: code.gathered_adjoint if k == "adjoint" else getattr(code, k) for k in kernels}
 
-    def form_codes(self, code: Any, kernels: tuple[str, ...], itemsize: int) -> dict[str, dict[str, Any]]:
+    def form_codes(self, code: Any, kernels: tuple[str, ...], itemsize: int,
+                   only: Optional[Collection[int]] = None) -> dict[str, dict[str, Any]]:
         """Variants of a fused forward and adjoint by suffix (codegen/fused.py ``forms``: each cost kind
         in its narrow form, no row weights), which the entry point runs where a call's parameters
-        allow them: C's only."""
+        allow them: C's only. ``only``: the forms (from 1, in ``forms``' order) lowered; the others'
+        codes are None (a source that leaves their batch functions out: codegen/render.py)."""
         return {}
 
     def check(self, spec: Any, tapes: list) -> None:
@@ -522,11 +524,13 @@ class Target:
 class CTarget(Target):
     """C: entry points looping over the batch, compiled by the C backend."""
 
-    def form_codes(self, code: Any, kernels: tuple[str, ...], itemsize: int) -> dict[str, dict[str, Any]]:
+    def form_codes(self, code: Any, kernels: tuple[str, ...], itemsize: int,
+                   only: Optional[Collection[int]] = None) -> dict[str, dict[str, Any]]:
         if not code.fused:
             return {}
-        return {form.suffix: {k: code.c_fused(k, itemsize, form) for k in ("forward", "adjoint") if k in kernels}
-                for form in code.fused_forms()}
+        return {form.suffix: {k: code.c_fused(k, itemsize, form) if only is None or i in only else None
+                              for k in ("forward", "adjoint") if k in kernels}
+                for i, form in enumerate(code.fused_forms(), 1)}
 
     def launch_plan(self, spec: Any, metadata: Mapping[str, Any]) -> CLaunchPlan:
         return CLaunchPlan(argument_table(spec).dt.shape == ("B",), int(metadata.get("n_coefficients", 0)))

@@ -176,28 +176,37 @@ def fallback_cache_root() -> Path:
 
 
 def _load_library(spec: Any, part: str, cache: BuildCache) -> tuple[Any, dict]:
+    lazy = lazy_forms(spec, part)
+    content_hash, path, metadata = _artefact(spec, part, cache, f"{spec.key}-{part}", f"{part} kernels",
+                                             () if lazy else None, (LAZY_FORMS,) if lazy else ())
+    lib = _open(content_hash, path, spec, part)
+    if lazy and content_hash not in _FORMS:
+        forms = _FORMS[content_hash] = Forms(spec, part, cache)
+        for kernel in abi.part_kernels(part, table(spec)):
+            getattr(lib, f"{abi.symbol(spec.name, kernel)}_forms")(forms.address)
+    return lib, metadata
+
+
+def _artefact(spec: Any, part: str, cache: BuildCache, index_key: str, what: str,
+              forms: Optional[tuple[int, ...]], defines: tuple[str, ...]) -> tuple[str, Path, dict]:
+    """(content hash, verified artefact, metadata) of a library of ``part`` (``what``, in words): from the
+    cache, else generated with the variants ``forms`` (codegen/driver.py ``generate``) and compiled with
+    the ``-D`` switches ``defines``."""
     notices = []
 
     def generate() -> tuple[str, dict]:
         from ..codegen.driver import generate  # SymPy and Jinja2 only on a cache miss
 
-        notices.append(slow_notice(f"compiling {spec.name} ({part} kernels, H={spec.horizon})"))
-        generated = generate(spec, targets=("c",), parts=(part,))
+        notices.append(slow_notice(f"compiling {spec.name} ({what}, H={spec.horizon})"))
+        generated = generate(spec, targets=("c",), parts=(part,), forms=forms)
         return generated.source("c", part), dict(generated.metadata)
 
-    lazy = (LAZY_FORMS,) if lazy_forms(spec, part) else ()
     try:
-        content_hash, path, metadata = cache.artefact_for(f"{spec.key}-{part}", environment_key(), "so", generate,
-                                                          library_build(part, spec, lazy), lazy)
+        return cache.artefact_for(index_key, environment_key(), "so", generate, library_build(part, spec, defines),
+                                  defines)
     finally:
         for notice in notices:
             notice.cancel()
-    lib = _open(content_hash, path, spec, part)
-    if lazy and content_hash not in _FORMS:
-        forms = _FORMS[content_hash] = Forms(spec, part, content_hash, cache)
-        for kernel in abi.part_kernels(part, table(spec)):
-            getattr(lib, f"{abi.symbol(spec.name, kernel)}_forms")(forms.address)
-    return lib, metadata
 
 
 _FORMS: dict[str, "Forms"] = {}  # by the content hash of the library whose hook each is
@@ -207,13 +216,13 @@ _HOOKS = cffi.FFI()
 class Forms:
     """The forms of a fused core library built with ``LAZY_FORMS``: the hook its entry points call on
     the first call that runs a form other than the general one (``form``, from 1, and the name of its
-    batch function), which builds the form's library (``-DTS_FORM=<form>``: that form's batch
-    functions, from the library's own source) in the cache, as the library was, and returns the
-    function's address. Where that fails, it says why and returns 0: the entry point runs the
-    general form (the same states and gradients; a cost may differ in the last bits)."""
+    batch function), which finds the form's library in the cache, or generates and builds it (a
+    source with that form's batch functions, compiled with ``-DTS_FORM=<form>``: them alone), and
+    returns the function's address. Where that fails, it says why and returns 0: the entry point runs
+    the general form (the same states and gradients; a cost may differ in its last bits)."""
 
-    def __init__(self, spec: Any, part: str, content_hash: str, cache: BuildCache):
-        self.spec, self.part, self.content_hash, self.cache = spec, part, content_hash, cache
+    def __init__(self, spec: Any, part: str, cache: BuildCache):
+        self.spec, self.part, self.cache = spec, part, cache
         self._lock = threading.Lock()
         self._libraries: dict[int, ctypes.CDLL] = {}
         self._failed: set[int] = set()
@@ -245,35 +254,19 @@ class Forms:
         return ctypes.cast(getattr(lib, symbol), ctypes.c_void_p).value or 0
 
     def _build(self, form: int, symbol: str) -> Path:
-        source = self._source()
-        define = f"TS_FORM={form}"
-        notice = slow_notice(f"compiling {self.spec.name} (the {_form_name(self.spec, symbol)} form of its "
-                             f"{self.part} kernels, H={self.spec.horizon})")
+        args = (f"{self.spec.key}-{self.part}-form{form}", f"the {_form_name(self.spec, symbol)} form of its "
+                f"{self.part} kernels", (form,), (f"TS_FORM={form}",))
         try:
-            return self.cache.build(digest(self.content_hash, define), "so", source,
-                                    library_build(self.part, self.spec, (define,)), {"form": form})
-        finally:
-            notice.cancel()
-
-    def _source(self) -> str:
-        """The library's source: kept in its build folder, else generated again; either checked against
-        the library's content hash (a form is built from the very source its entry points were)."""
-        key = (environment_key(), LAZY_FORMS)
-        with contextlib.suppress(OSError, UnicodeDecodeError):
-            source = (self.cache.build_dir(self.content_hash) / "source.so.src").read_text()
-            if digest(source, *key) == self.content_hash:
-                return source
-        from ..codegen.driver import generate
-
-        source = generate(self.spec, targets=("c",), parts=(self.part,)).source("c", self.part)
-        if digest(source, *key) != self.content_hash:
-            raise RuntimeError("its source generated again is not the one its library was built from")
-        return source
+            return _artefact(self.spec, self.part, self.cache, *args)[1]
+        except CacheError as err:
+            fallback = BuildCache(fallback_cache_root())
+            warnings.warn(f"{err}; using a temporary kernel cache at {fallback.root} for this process", stacklevel=1)
+            return _artefact(self.spec, self.part, fallback, *args)[1]
 
 
 def _form_name(spec: Any, symbol: str) -> str:
-    """A form's name from its batch function's (``<spec>_<kernel><suffix>_batch``): e.g. 'narrow_unit_rows'."""
-    rest = symbol[len(spec.name) + 1:].removesuffix("_batch")
+    """A form's name from its batch function's (``<spec>_<kernel><suffix>_batch_form``): e.g. 'narrow_unit_rows'."""
+    rest = symbol[len(spec.name) + 1:].removesuffix("_batch_form")
     for kernel in abi.KERNELS:
         rest = rest.removeprefix(kernel)
     return rest.strip("_") or "general"
