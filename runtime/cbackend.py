@@ -210,6 +210,7 @@ def _artefact(spec: Any, part: str, cache: BuildCache, index_key: str, what: str
 
 
 _FORMS: dict[str, "Forms"] = {}  # by the content hash of the library whose hook each is
+INTERRUPT_AGAIN_S = 0.02  # a Ctrl-C during a form's build: raised again after this long (``Forms``)
 _HOOKS = cffi.FFI()
 
 
@@ -234,8 +235,12 @@ class Forms:
         name = _HOOKS.string(symbol).decode()
         try:
             return self.find(form, name)
-        except KeyboardInterrupt:  # cffi would print it and go on: raised again once the kernel returns
-            _thread.interrupt_main()
+        except KeyboardInterrupt:
+            # raised in this callback, cffi would print it and go on: raised again in the main thread a
+            # moment later, once the kernel (the general form) has returned (not at once: that raises it here)
+            again = threading.Timer(INTERRUPT_AGAIN_S, _thread.interrupt_main)
+            again.daemon = True
+            again.start()
             return 0
         except Exception as err:  # noqa: BLE001 (nothing can be raised through the kernel)
             self._failed.add(form)

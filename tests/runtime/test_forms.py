@@ -1,0 +1,194 @@
+"""A fused step's C forms built on demand (runtime/cbackend.py ``Forms``): a first load compiles the
+general form of each kernel; each other form is built, in a library of its own, on the first call that
+runs it, and gives the bits of the library with every form compiled in."""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import tensorstep as ts
+from tensorstep.codegen.driver import generate
+from tensorstep.runtime.api import Step
+from tensorstep.runtime.launch import CpuBackend, Launcher
+
+TERMS = (("bound", "position"), ("bound", "velocity"), ("squared", "acceleration"))
+SETUP = """
+    import sys, torch, tensorstep as ts
+    from tensorstep.runtime.cache import BuildCache
+    H, D = 6, 2
+    spec = ts.KernelSpec(horizon=H, dof=D, dtype="float64", costs={terms!r}, outputs=("P",))
+    def built():  # the libraries in the cache's index: core, core-form<i>
+        return sorted(p.stem.rsplit("-", 1)[0].split("-", 1)[1] for p in (BuildCache().root / "index").iterdir())
+    def parameters(overlap=False, rows=False):
+        g = torch.Generator().manual_seed(1)
+        r = lambda *s: torch.rand(*s, generator=g, dtype=torch.float64)
+        p = {{"bound_position_weight": 0.5 + r(D), "bound_velocity_weight": 0.5 + r(D), "squared_acceleration_weight": r(D),
+              "bound_position_limit": torch.stack([-0.2 - r(D), 0.2 + r(D)]), "bound_velocity_margin": 0.05 * r(D),
+              "bound_velocity_limit": torch.stack([-1 - r(D), 1 + r(D)]), "bound_position_margin": 0.05 * r(D)}}
+        if overlap:  # one dof's margins overlap: no narrow form
+            p["bound_velocity_margin"] = torch.tensor([0.01, 5.0], dtype=torch.float64)
+        if rows:
+            p["bound_position_row_weight"] = 0.5 + r(H)
+        return p
+    def call(step, **options):
+        g = torch.Generator().manual_seed(0)
+        u = (0.3 * torch.randn(3, H - 1, D, generator=g, dtype=torch.float64)).cumsum(1).requires_grad_()
+        z = torch.zeros(3, D, dtype=torch.float64)
+        P, cost = step(u, z, z, z, 0.1, **parameters(**options))
+        (P.sum() + cost.sum()).backward()
+        return P, cost, u.grad
+""".format(terms=TERMS)
+
+
+def run_python(code: str, cache: Path, **env: str) -> subprocess.CompletedProcess:
+    environment = dict(os.environ, TENSORSTEP_NATIVE="0", TENSORSTEP_CACHE_DIR=str(cache), **env)
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(SETUP) + textwrap.dedent(code)], env=environment,
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_a_first_load_builds_the_general_form_and_each_call_the_form_it_runs(tmp_path):
+    code = """
+        step = ts.load(spec)
+        print(*built())
+        call(step)  # narrow forms allowed, no row weights: form 1
+        print(*built())
+        call(step, rows=True)  # narrow forms allowed, row weights: form 2
+        print(*built())
+        call(step, overlap=True, rows=True)  # neither: the general form, in the entry points' library
+        call(step, overlap=True)  # no row weights: form 3
+        print(*built())
+        print("tensorstep.codegen.driver" in sys.modules)  # what generates sources (imported on a cache miss)
+    """
+    first = run_python(code, tmp_path)
+    assert first.returncode == 0, first.stderr
+    lines = first.stdout.splitlines()
+    assert lines[:4] == ["core core", "core core core-form1", "core core core-form1 core-form2",
+                         "core core core-form1 core-form2 core-form3"]  # the fused core and its plain twin's
+    assert lines[4] == "True"  # generated
+    second = run_python(code, tmp_path)
+    assert second.returncode == 0, second.stderr
+    assert second.stdout.splitlines()[-1] == "False", second.stdout  # every library from the cache: no codegen
+    assert second.stdout.splitlines()[:4] == lines[3:4] * 4
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_forms_built_on_demand_give_the_bits_of_the_library_with_every_form(dtype):
+    spec = ts.KernelSpec(horizon=7, dof=3, dtype=dtype, costs=TERMS + (("squared", "jerk"),), outputs=("P",))
+    lazy = ts.load(spec)
+    every = generate(spec, targets=("c",), parts=("all",))
+    assert "TS_FORM ==" in every.source("c", "all")  # the source generate writes holds every form
+    eager = Step(spec, torch.device("cpu"), Launcher(spec, CpuBackend(spec, every.source("c", "all"),
+                                                                        dict(every.metadata))))
+    tdt = getattr(torch, dtype)
+    g = torch.Generator().manual_seed(3)
+    r = lambda *s: torch.rand(*s, generator=g, dtype=tdt)  # noqa: E731
+    u = (0.4 * torch.randn(*lazy.action_shape(5), generator=g, dtype=tdt)).cumsum(1)
+    starts = [0.1 * torch.randn(5, 3, generator=g, dtype=tdt) for _ in range(3)]
+    base = {"bound_position_weight": 0.5 + r(3), "bound_velocity_weight": 0.5 + r(3), "squared_acceleration_weight": r(3),
+            "squared_jerk_weight": r(3), "bound_position_limit": torch.stack([-0.3 - r(3), 0.3 + r(3)]),
+            "bound_position_margin": 0.05 * r(3), "bound_velocity_limit": torch.stack([-1 - r(3), 1 + r(3)]),
+            "bound_velocity_margin": 0.05 * r(3)}
+    rows = {"bound_position_row_weight": 0.5 + r(7), "squared_jerk_row_weight": 0.5 + r(7)}
+    overlap = {"bound_velocity_margin": torch.tensor([0.01, 9.0, 0.02], dtype=tdt)}
+    W = torch.randn(5, 7, 3, generator=g, dtype=tdt)
+    for params in (base, {**base, **rows}, {**base, **overlap}, {**base, **rows, **overlap}):
+        results = []
+        for step in (lazy, eager, lazy):  # the first lazy call builds the form, the second finds it
+            x = u.clone().requires_grad_()
+            P, cost = step(x, *starts, 0.05, **params)
+            torch.autograd.backward([P, cost], [W, torch.ones_like(cost)])
+            results.append((P.detach(), cost.detach(), x.grad))
+        for other in results[1:]:
+            for a, b in zip(results[0], other):
+                assert torch.equal(a, b)
+
+
+def _failing_form_compiler(tmp_path: Path) -> Path:
+    """A compiler that fails on a form's units (-DTS_FORM=...) and logs every library it links."""
+    gcc = shutil.which("gcc") or shutil.which("cc")
+    wrapper = tmp_path / "cc-wrapper"
+    wrapper.write_text(f"#!/bin/sh\ncase \"$*\" in *TS_FORM=*) echo 'error: no form today' >&2; exit 1;; esac\n"
+                       f"echo \"$@\" >> {tmp_path}/compilations\nexec {gcc} \"$@\"\n")
+    wrapper.chmod(0o755)
+    return wrapper
+
+
+def test_a_form_that_fails_to_build_says_why_and_its_calls_run_the_general_form(tmp_path):
+    code = """
+        import warnings
+        from tensorstep.codegen.driver import generate
+        from tensorstep.runtime.api import Step
+        from tensorstep.runtime.launch import CpuBackend, Launcher
+        step = ts.load(spec)
+        every = generate(spec, targets=("c",), parts=("all",))
+        eager = Step(spec, torch.device("cpu"), Launcher(spec, CpuBackend(spec, every.source("c", "all"), dict(every.metadata))))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            runs = [call(step) for _ in range(2)]
+        print(len(caught), str(caught and caught[0].message).replace(chr(10), " "))
+        expected = call(eager)  # form 1 (every form compiled in)
+        print(all(torch.equal(a, b) for a, b in zip(runs[0], runs[1])),
+              torch.equal(runs[0][0], expected[0]), torch.equal(runs[0][2], expected[2]),
+              torch.allclose(runs[0][1], expected[1], rtol=1e-13, atol=0))
+    """
+    run = run_python(code, tmp_path / "cache", CC=str(_failing_form_compiler(tmp_path)))
+    assert run.returncode == 0, run.stderr
+    warned, same = run.stdout.splitlines()
+    assert warned.startswith("1 ") and "narrow_unit_rows form of its kernels could not be built" in warned
+    assert "no form today" in warned and "run the general form" in warned
+    assert same == "True True True True"  # states and gradients the same bits, the cost within rounding
+
+
+def test_an_interrupted_form_build_raises_after_the_call_and_is_built_on_the_next(tmp_path):
+    code = """
+        import time
+        from tensorstep.runtime import cbackend
+        build = cbackend._artefact
+        def interrupted(*args, **kwargs):
+            raise KeyboardInterrupt
+        step = ts.load(spec)
+        cbackend._artefact = interrupted
+        u = torch.zeros(3, H - 1, D, dtype=torch.float64); z = torch.zeros(3, D, dtype=torch.float64)
+        try:
+            step(u, z, z, z, 0.1, **parameters())  # the general form's forward, then the interrupt again
+            time.sleep(10)
+            print("not interrupted")
+        except KeyboardInterrupt:
+            print("interrupted")
+        cbackend._artefact = build
+        call(step)
+        print(*built())
+    """
+    run = run_python(code, tmp_path)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.splitlines() == ["interrupted", "core core core-form1"]
+
+
+def test_concurrent_processes_build_a_form_once(tmp_path):
+    gcc = shutil.which("gcc") or shutil.which("cc")
+    wrapper = tmp_path / "cc-wrapper"
+    wrapper.write_text(f"#!/bin/sh\necho \"$@\" >> {tmp_path}/compilations\nsleep 1\nexec {gcc} \"$@\"\n")
+    wrapper.chmod(0o755)
+    code = """
+        P, cost, g = call(ts.load(spec))
+        print(float(cost.sum()))
+    """
+    env = dict(os.environ, TENSORSTEP_NATIVE="0", TENSORSTEP_CACHE_DIR=str(tmp_path / "cache"), CC=str(wrapper))
+    procs = [subprocess.Popen([sys.executable, "-c", textwrap.dedent(SETUP) + textwrap.dedent(code)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outputs = [p.communicate(timeout=600) for p in procs]
+    for p, (out, err) in zip(procs, outputs):
+        assert p.returncode == 0, err
+    assert outputs[0][0] == outputs[1][0]
+    commands = (tmp_path / "compilations").read_text().splitlines()
+    links = [c for c in commands if re.search(r"-o \S+\.so$", c)]
+    # the fused core's entry points, its plain twin, the one form the call ran: each linked once
+    assert len(links) == 3, links
