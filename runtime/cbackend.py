@@ -180,8 +180,8 @@ def _load_library(spec: Any, part: str, cache: BuildCache) -> tuple[Any, dict]:
     content_hash, path, metadata = _artefact(spec, part, cache, f"{spec.key}-{part}", f"{part} kernels",
                                              () if lazy else None, (LAZY_FORMS,) if lazy else ())
     lib = _open(content_hash, path, spec, part)
-    if lazy and content_hash not in _FORMS:
-        forms = _FORMS[content_hash] = Forms(spec, part, cache)
+    if lazy:  # one hook per library, kept alive here (threads loading it at once set the same one)
+        forms = _FORMS.get(content_hash) or _FORMS.setdefault(content_hash, Forms(spec, part, cache))
         for kernel in abi.part_kernels(part, table(spec)):
             getattr(lib, f"{abi.symbol(spec.name, kernel)}_forms")(forms.address)
     return lib, metadata
