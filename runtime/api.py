@@ -48,6 +48,9 @@ class Step(torch.nn.Module):
         #: begin with those parameters)
         n = len(PLAIN_ARGUMENTS)
         self._keywords = self._names[n:] if self._names[:n] == PLAIN_ARGUMENTS else None
+        #: the names a call may pass by keyword straight to _forward (__call__): those rows, not
+        #: forward's own keywords (j0, start_index, out, goal) nor its positional parameters
+        self._keyword_set = frozenset(self._keywords) if self._keywords is not None else None
         self.op_key = registry.register(launcher, device)
         self._dt_cache: dict[float, Tensor] = {}
         self.native: Optional[int] = None  # handle of the native autograd node (CPU), once built
@@ -164,6 +167,10 @@ class Step(torch.nn.Module):
                          or _nn_module._global_forward_hooks or _nn_module._global_backward_pre_hooks
                          or _nn_module._global_backward_hooks)
                 and not torch._C._get_tracing_state() and not torch.compiler.is_compiling()):
+            # the common call, (u, p0, v0, a0, dt) and the table's keyword rows: forward's binding
+            # would copy the keywords into one more dict; anything else is bound by forward
+            if len(args) == 5 and self._keyword_set is not None and self._keyword_set.issuperset(kwargs):
+                return self._forward(*args, None, None, None, None, kwargs, True)
             return self.forward(*args, **kwargs)
         return torch.nn.Module.__call__(self, *args, **kwargs)
 
@@ -181,6 +188,12 @@ class Step(torch.nn.Module):
         goal: Optional[Sequence[Tensor]] = None,
         **more: Optional[Tensor],
     ) -> tuple[Tensor, ...]:
+        return self._forward(u, p0, v0, a0, dt, j0, start_index, out, goal, more, False)
+
+    def _forward(self, u: Tensor, p0: Tensor, v0: Tensor, a0: Tensor, dt: Union[float, Tensor], j0: Optional[Tensor],
+                 start_index: Optional[Tensor], out: Optional[Sequence[Tensor]], goal: Optional[Sequence[Tensor]],
+                 more: dict[str, Optional[Tensor]], known: bool) -> tuple[Tensor, ...]:
+        """forward's body; ``known``: every name in ``more`` is one of the table's keyword rows."""
         if self._native_pending and not torch.compiler.is_compiling():
             self._take_native()
         if self._plain and goal is None and not more:  # the table's tensors are these parameters, in order
@@ -188,7 +201,7 @@ class Step(torch.nn.Module):
         elif self._keywords is not None and goal is None:
             # the table's tensors are these parameters, then the keyword rows (a fused step's cost
             # parameters): read from the call's keywords by name, in table order
-            if not self._known.issuperset(more):
+            if not known and not self._known.issuperset(more):
                 _more_arguments(self.table, more)  # raises, naming the first unknown one
             values = [u, p0, v0, a0, j0, start_index, *map(more.get, self._keywords)]
         else:
