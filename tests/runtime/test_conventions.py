@@ -186,3 +186,27 @@ def test_a_patched_module_call_sees_the_step(monkeypatch):
     u = torch.zeros(2, SPEC32.n_actions, SPEC32.dof)
     P = step(u, *(torch.zeros(2, SPEC32.dof) for _ in range(3)), 0.1)[0]
     assert seen == [step] and P.shape == (2, SPEC32.horizon, SPEC32.dof)
+
+
+def test_a_call_runs_an_overridden_forward_and_binds_as_forward_does():
+    """A call goes to forward's body directly only for (u, p0, v0, a0, dt) and the table's keyword
+    rows: a forward overridden by a subclass or on the instance is what runs, and a name given twice
+    or unknown raises forward's TypeError."""
+    step = ts.load(SPEC32)
+    u = torch.zeros(2, SPEC32.n_actions, SPEC32.dof)
+    starts = [torch.zeros(2, SPEC32.dof) for _ in range(3)]
+
+    class Mine(ts.Step):
+        def forward(self, *args, **kwargs):
+            return ("subclass", len(args), sorted(kwargs))
+
+    mine = Mine(step.spec, step.device, step.launcher)
+    assert mine(u, *starts, 0.1) == ("subclass", 5, [])
+    step.forward = lambda *args, **kwargs: ("instance", len(args), sorted(kwargs))
+    assert step(u, *starts, 0.1) == ("instance", 5, [])
+    del step.forward
+    assert step(u, *starts, 0.1)[0].shape == (2, SPEC32.horizon, SPEC32.dof)
+    with pytest.raises(TypeError, match="multiple values for argument 'u'"):
+        step(u, *starts, 0.1, u=u)
+    with pytest.raises(TypeError, match="nonsense: this kernel takes no argument of that name"):
+        step(u, *starts, 0.1, nonsense=u)
