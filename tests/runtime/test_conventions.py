@@ -188,25 +188,34 @@ def test_a_patched_module_call_sees_the_step(monkeypatch):
     assert seen == [step] and P.shape == (2, SPEC32.horizon, SPEC32.dof)
 
 
-def test_a_call_runs_an_overridden_forward_and_binds_as_forward_does():
-    """A call goes to forward's body directly only for (u, p0, v0, a0, dt) and the table's keyword
-    rows: a forward overridden by a subclass or on the instance is what runs, and a name given twice
-    or unknown raises forward's TypeError."""
-    step = ts.load(SPEC32)
-    u = torch.zeros(2, SPEC32.n_actions, SPEC32.dof)
-    starts = [torch.zeros(2, SPEC32.dof) for _ in range(3)]
+
+def test_a_call_with_keywords_runs_an_overridden_forward_and_binds_as_forward_does():
+    """A call of (u, p0, v0, a0, dt) and keyword rows (a fused step's cost parameters) goes to
+    forward's body without binding forward's signature: it gives what forward gives; a forward
+    overridden by a subclass or on the instance is what runs; a name given twice or unknown raises
+    forward's TypeError."""
+    spec = ts.KernelSpec(horizon=7, dof=2, dtype="float64", control="acceleration", costs=(("squared", "jerk"),),
+                         outputs=())
+    step = ts.load(spec)
+    gen = torch.Generator().manual_seed(2)
+    u = torch.randn(3, spec.n_actions, spec.dof, generator=gen, dtype=torch.float64)
+    starts = [torch.randn(3, spec.dof, generator=gen, dtype=torch.float64) for _ in range(3)]
+    weight = torch.rand(spec.dof, generator=gen, dtype=torch.float64)
+    (cost,) = step(u, *starts, 0.1, squared_jerk_weight=weight)
+    assert torch.equal(cost, step.forward(u, *starts, 0.1, squared_jerk_weight=weight)[0])
+    assert cost.shape == (3, 1) and bool((cost > 0).all())
 
     class Mine(ts.Step):
         def forward(self, *args, **kwargs):
             return ("subclass", len(args), sorted(kwargs))
 
     mine = Mine(step.spec, step.device, step.launcher)
-    assert mine(u, *starts, 0.1) == ("subclass", 5, [])
+    assert mine(u, *starts, 0.1, squared_jerk_weight=weight) == ("subclass", 5, ["squared_jerk_weight"])
     step.forward = lambda *args, **kwargs: ("instance", len(args), sorted(kwargs))
-    assert step(u, *starts, 0.1) == ("instance", 5, [])
+    assert step(u, *starts, 0.1, squared_jerk_weight=weight) == ("instance", 5, ["squared_jerk_weight"])
     del step.forward
-    assert step(u, *starts, 0.1)[0].shape == (2, SPEC32.horizon, SPEC32.dof)
+    assert torch.equal(step(u, *starts, 0.1, squared_jerk_weight=weight)[0], cost)
     with pytest.raises(TypeError, match="multiple values for argument 'u'"):
-        step(u, *starts, 0.1, u=u)
+        step(u, *starts, 0.1, squared_jerk_weight=weight, u=u)
     with pytest.raises(TypeError, match="nonsense: this kernel takes no argument of that name"):
-        step(u, *starts, 0.1, nonsense=u)
+        step(u, *starts, 0.1, squared_jerk_weight=weight, nonsense=u)
