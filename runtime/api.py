@@ -169,9 +169,9 @@ class Step(torch.nn.Module):
                 and not torch._C._get_tracing_state() and not torch.compiler.is_compiling()):
             # a call of (u, p0, v0, a0, dt) and the table's keyword rows (a fused step's cost
             # parameters) goes to forward's body: binding them to forward's signature copies the
-            # keywords into one more dict and compares each name with its parameters' names (15 cost
-            # parameters: about a tenth of the forward's Python). Anything else, or a forward
-            # overridden (a subclass, an instance attribute), is bound by forward.
+            # keywords into one more dict and compares each name with its parameters' names.
+            # Anything else, or a forward overridden (a subclass, an instance attribute), is bound
+            # by forward.
             if (kwargs and len(args) == 5 and self._keyword_set is not None and self._keyword_set.issuperset(kwargs)
                     and type(self) is Step and "forward" not in self.__dict__):
                 return self._forward(*args, None, None, None, None, kwargs, True)
