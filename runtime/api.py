@@ -167,14 +167,15 @@ class Step(torch.nn.Module):
                          or _nn_module._global_forward_hooks or _nn_module._global_backward_pre_hooks
                          or _nn_module._global_backward_hooks)
                 and not torch._C._get_tracing_state() and not torch.compiler.is_compiling()):
-            # a call of (u, p0, v0, a0, dt) and the table's keyword rows (a fused step's cost
-            # parameters) goes to forward's body: binding them to forward's signature copies the
-            # keywords into one more dict and compares each name with its parameters' names.
+            # a call of (u, p0, v0, a0, dt) and none but the table's keyword rows (a fused step's
+            # cost parameters) goes to forward's body: binding them to forward's signature copies
+            # the keywords into one more dict and compares each name with its parameters' names.
             # Anything else, or a forward overridden (a subclass, an instance attribute), is bound
             # by forward.
-            if (kwargs and len(args) == 5 and self._keyword_set is not None and self._keyword_set.issuperset(kwargs)
-                    and type(self) is Step and "forward" not in self.__dict__):
-                return self._forward(*args, None, None, None, None, kwargs, True)
+            if (len(args) == 5 and type(self) is Step and "forward" not in self.__dict__
+                    and (not kwargs or (self._keyword_set is not None and self._keyword_set.issuperset(kwargs)))):
+                u, p0, v0, a0, dt = args  # (no list of the arguments is built)
+                return self._forward(u, p0, v0, a0, dt, None, None, None, None, kwargs, True)
             return self.forward(*args, **kwargs)
         return torch.nn.Module.__call__(self, *args, **kwargs)
 
