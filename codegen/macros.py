@@ -145,3 +145,45 @@ def lane_names(table: ArgumentTable) -> frozenset[str]:
         names |= {a.macro, "D" + a.macro, "G" + a.macro}
     names |= {a.macro for a in _per_dof(table)}
     return frozenset(names | ({"CPART"} if table.costs else set()))
+
+
+def _stride(base: str) -> str:
+    """The element distance from trajectory b's row to trajectory b1's at a column base (``pair_bases``)."""
+    return base + "_s"
+
+
+def pair_bases(table: ArgumentTable) -> list[str]:
+    """The paired lane form's second trajectory b1 (b itself where b is the last): each index's row of b1
+    and, per column base, the distance from b's row to b1's (0 where b1 is b)."""
+    lines = [f"const int64_t {_row(i)}_1 = {i.c_name} ? {i.c_name}[b1] : b1;" for i in _used(table)]
+    lines += [f"const int64_t {_stride(i.stem + 'o')} = ({_row(i)}_1 - {_row(i)}) * D_;" for i in _used(table)]
+    lines += [f"const int64_t {_stride('uo')} = (b1 - b) * U_SB, {_stride('yo')} = (b1 - b) * Y_SB, "
+              f"{_stride('bo')} = (b1 - b) * D_;"]
+    return lines
+
+
+def lane_pairs(table: ArgumentTable, outputs: int) -> list[tuple[str, str]]:
+    """(name, definition) of each macro the paired lane form defines over its own (two trajectories a
+    vector: b in the lower lanes, b1 in the upper), in place of the lane form's: the per-trajectory
+    inputs' loads and stores from both rows (``VLOADP``/``VSTOREP`` with the rows' distance), the
+    shared parameters in both halves, the output rows and their gradients, and a term's incoming
+    gradient as a vector of the two trajectories' (``GCOST``)."""
+    defs = [("VU_LOAD", "(j) VLOADP(u + uo + (j) * U_SH, uo_s)"), ("VU", "(j) VU_LOAD(j)"),
+            ("VGU", "(j, v) VSTOREP(gu + uo + (j) * U_SH, uo_s, (v))")]
+    for a in table.columns:
+        at = table.base(a)
+        defs.append((f"V{a.macro}", " " + _read(a, at, "VZERO", f"VLOADP({{p}} + {{at}}, {_stride(at)})")))
+        if a.differentiable:
+            defs.append((f"VG{a.macro}", f"(v) do {{ if ({a.grad_name}) VSTOREP({a.grad_name} + bo, {_stride('bo')}, (v)); }} while (0)"))
+    for a in _per_dof(table):
+        default = f"VZERO + (T){a.default}"
+        if a.shape == ("D",):
+            defs.append((f"V{a.macro}", " " + _read(a, "", default, "VLOADP({p}, 0)")))
+        else:
+            defs.append((f"V{a.macro}", "(i) " + _read(a, "(i) * D_", default, "VLOADP({p} + {at}, 0)")))
+    for k in range(outputs):
+        defs += [(f"VY{k}", f"(h, v) VSTOREP(y{k} + yo + (h) * Y_SH, yo_s, (v))"),
+                 (f"VG{k}", f"(h) VLOADP(gb{k} + (h) * Y_SH, gb{k}_s)")]
+    if table.costs:
+        defs.append(("GCOST", "(t) ts_vpair(gcost ? gcost[b * T_ + (t)] : (T)0, gcost ? gcost[b1 * T_ + (t)] : (T)0)"))
+    return defs

@@ -70,6 +70,31 @@ def lanes(spec: Any) -> dict | None:
     return None
 
 
+def paired(lane_form: dict | None, table: ArgumentTable, bodies: dict, codes: dict, stencil: bool) -> tuple[str, ...]:
+    """The lane bodies that run two trajectories per vector (``lane_pairs``): a fused adjoint (a stencil's, with
+    one set of step coefficients for every trajectory) whose lanes fill at most half of a 512-bit vector.
+    Its instructions are about half as many per trajectory, and its spills too (the column's constants
+    are the same for both halves); the arithmetic is the same lane by lane, so the results are the
+    same bits. The fused forward is left single: its sums per dof in double take two conversions
+    and two stores a term for a pair, and it was slower paired."""
+    if (lane_form is None or 2 * lane_form["bits"] > max(LANE_BITS) or not table.fused or not stencil
+            or table.dt.shape == ("B",)):
+        return ()
+    return tuple(k for k in bodies if k.startswith("adjoint") and not codes.get(k, codes["adjoint"]).loops)
+
+
+def lane_pairs(lane_form: dict | None) -> dict | None:
+    """The paired lane form's vector: twice the lane form's bits, its lanes in two halves (b, b1)."""
+    if lane_form is None:
+        return None
+    bits, half = 2 * lane_form["bits"], lane_form["width"]
+    width = 2 * half
+    return dict(bits=bits, bytes=bits // 8, width=width, half=half, suffix=lane_form["suffix"],
+                mask_type="unsigned short" if width == 16 else "unsigned char",
+                low=lane_form["mask"], high=f"0x{int(lane_form['mask'], 16) << half:X}",
+                vector=f"__m{bits}" + ("" if lane_form["suffix"] == "ps" else "d"))
+
+
 def _rereads_actions(statements: Any, n_actions: int) -> bool:
     """Whether a lane body reads most action rows several times each: a knot loop's rows (read at
     every knot), or straight-line reads of at least half of the rows, twice or more per row."""
@@ -226,6 +251,9 @@ def render(spec: Any, code: LoweredOperator, table: ArgumentTable, target: Targe
     for suffix, variant in variants.items() if lane_form else ():
         held = {k: v for k, v in variant.items() if v is not None}
         lane_bodies.update({k + suffix: v for k, v in _lane_bodies(code, held, tuple(held), table).items()})
+    pairs = paired(lane_form, table, lane_bodies,
+                   {**codes, **{k + suffix: c for suffix, v in variants.items() for k, c in v.items() if c is not None}},
+                   code.stencil)
     form_checks, form_tests = _form_checks(table, fused.forms(table)) if variants else ([], {})
     programs = _long_programs(code, kernels, table.dt.shape == ("B",)) if target.split_programs else {}
     units = abi.units(part, table)
@@ -268,6 +296,10 @@ def render(spec: Any, code: LoweredOperator, table: ArgumentTable, target: Targe
         lanes=lane_form,
         lane_bodies={k: lines for k, (_, lines) in lane_bodies.items()},
         lane_actions=_lane_actions(lane_bodies, spec.n_actions),
+        paired=pairs,
+        pair=lane_pairs(lane_form) if pairs else None,
+        pair_macros=macros.lane_pairs(table, spec.order + 1) if pairs else [],
+        pair_bases=macros.pair_bases(table),
         coefficient_lines=((code.as_tapes if target.tape_programs else code).coefficient_lines
                            if set(kernels) & set(TABLE_KERNELS) else None),
         programs=programs,

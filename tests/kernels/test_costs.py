@@ -8,6 +8,11 @@ gradcheck and gradgradcheck with forward AD in float64.
 """
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
+
 import numpy as np
 import pytest
 import torch
@@ -15,6 +20,7 @@ import torch
 import reference
 import reference_costs
 import tensorstep as ts
+from tensorstep.codegen.driver import generate
 from helpers import gradcheck64, gradgradcheck64
 
 STATES = ("position", "velocity", "acceleration", "jerk", "snap")
@@ -250,8 +256,9 @@ def test_row_weights_of_ones_give_the_weighted_variants_bits(dtype, overlapping)
 def _fused_against_composite(spec, x, params, dt, dt_grad):
     """The fused step's P, cost and gradients against the plain step plus the terms in PyTorch."""
     gen = torch.Generator().manual_seed(5)
-    wcost = torch.randn(3, len(TERMS), generator=gen, dtype=torch.float64)
-    wP = torch.randn(3, spec.horizon, spec.dof, generator=gen, dtype=torch.float64)
+    B = x["u"].shape[0]
+    wcost = torch.randn(B, len(TERMS), generator=gen, dtype=torch.float64)
+    wP = torch.randn(B, spec.horizon, spec.dof, generator=gen, dtype=torch.float64)
     wP = wP.transpose(1, 2) if spec.layout == "bdh" else wP
     dt_t = torch.as_tensor(dt, dtype=torch.float64).reshape(-1).clone()
     if spec.dt == "per_trajectory":
@@ -277,6 +284,60 @@ def _fused_against_composite(spec, x, params, dt, dt_grad):
             continue
         scale = expected.abs().max()
         torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-10 * float(scale), msg=name)
+
+
+@pytest.mark.parametrize("B", [4, 5])
+@pytest.mark.parametrize("dof", [3, 4])
+def test_two_trajectories_a_vector_against_the_plain_step_plus_costs(dof, B):
+    """C's fused adjoint takes two trajectories per 512-bit vector where a row's lanes fill at most half
+    of one (codegen/render.py ``paired``: float64 up to 4 dof here), the last of an odd batch paired with
+    itself; each trajectory's start rows picked by an index (each row of the pair at its own distance)."""
+    spec = ts.KernelSpec(horizon=9, dof=dof, dtype="float64", costs=TERMS, outputs=("P",), start_index=True)
+    assert "two trajectories at once" in generate(spec, ("c",), ("core",)).source("c", "core")
+    x, params, dt = _data(spec, B=B)
+    _fused_against_composite(spec, x, params, dt, False)
+
+
+def test_two_trajectories_a_vector_in_float32_and_through_immintrin(tmp_path):
+    """The same in float32 at the bench's 7 dof (two rows of 7 in 16 lanes), odd B, without row weights
+    (the variant a call without them runs): u's gradient within float32 rounding of the float64 plain
+    step plus the costs' gradient from the same inputs; and the kernels built through <immintrin.h>
+    (``-DTS_LANE_INTRINSICS``) give the same bits as through the builtins."""
+    spec = ts.KernelSpec(horizon=12, dof=7, dtype="float32", costs=TERMS, outputs=("P",))
+    x, params, _ = _data(spec, B=5)
+    for kind, state in TERMS:
+        del params[f"{kind}_{state}_row_weight"]
+    np.savez(tmp_path / "in.npz", **{k: v.float().numpy() for k, v in {**x, **params}.items()})
+    run = textwrap.dedent(
+        """
+        import sys, numpy as np, torch, tensorstep as ts
+        data = np.load(sys.argv[1])
+        t = {k: torch.tensor(data[k]) for k in data.files}
+        spec = ts.KernelSpec(horizon=12, dof=7, dtype="float32", costs=%r, outputs=("P",))
+        u = t.pop("u").requires_grad_()
+        P, cost = ts.load(spec)(u, t.pop("p0"), t.pop("v0"), t.pop("a0"), 0.1, j0=t.pop("j0"), **t)
+        ((P * torch.linspace(-1, 1, P.numel()).reshape(P.shape)).sum() + cost.sum()).backward()
+        np.save(sys.argv[2], u.grad.numpy())
+        """ % (TERMS,))
+    grads = []
+    for switch in ("", "-DTS_LANE_INTRINSICS"):
+        env = {**os.environ, "TENSORSTEP_CFLAGS": (os.environ.get("TENSORSTEP_CFLAGS", "") + " " + switch).strip()}
+        out = tmp_path / f"grad{len(grads)}.npy"
+        done = subprocess.run([sys.executable, "-c", run, str(tmp_path / "in.npz"), str(out)], env=env,
+                              capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+        grads.append(np.load(out))
+    assert np.array_equal(grads[0], grads[1])
+    data = {k: torch.tensor(v).double() for k, v in np.load(tmp_path / "in.npz").items()}
+    plain = ts.KernelSpec(horizon=12, dof=7, dtype="float64")
+    u = data.pop("u").requires_grad_()
+    states = ts.load(plain)(u, data.pop("p0"), data.pop("v0"), data.pop("a0"), 0.1, j0=data.pop("j0"))
+    params64 = {**data, **{f"{k}_{s}_row_weight": torch.ones(12, dtype=torch.float64) for k, s in TERMS}}
+    cost = _torch_costs(spec.replace(dtype="float64"), states, params64, {})
+    P = states[0]
+    ((P * torch.linspace(-1, 1, P.numel(), dtype=torch.float64).reshape(P.shape)).sum() + cost.sum()).backward()
+    expected = u.grad.numpy()
+    assert np.abs(grads[0] - expected).max() <= 1e-5 * np.abs(expected).max()
 
 
 @pytest.mark.parametrize("case", ["central", "acceleration", "goal"])
