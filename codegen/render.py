@@ -70,17 +70,26 @@ def lanes(spec: Any) -> dict | None:
     return None
 
 
+#: the most batch elements a thread runs two trajectories a vector (``paired``): their rows stay in
+#: cache there, where the paired loop is the faster; on rows from memory it was the slower
+PAIR_MAX_BATCH = 1024
+
+
 def paired(lane_form: dict | None, table: ArgumentTable, bodies: dict, codes: dict, stencil: bool) -> tuple[str, ...]:
-    """The lane bodies that run two trajectories per vector (``lane_pairs``): a fused adjoint (a stencil's, with
-    one set of step coefficients for every trajectory) whose lanes fill at most half of a 512-bit vector.
-    Its instructions are about half as many per trajectory, and its spills too (the column's constants
-    are the same for both halves); the arithmetic is the same lane by lane, so the results are the
-    same bits. The fused forward is left single: its sums per dof in double take two conversions
-    and two stores a term for a pair, and it was slower paired."""
+    """The lane bodies that also run two trajectories per vector (``lane_pairs``), for a thread's share
+    of at most ``PAIR_MAX_BATCH``: a fused adjoint (a stencil's, with one set of step coefficients for
+    every trajectory) whose lanes fill at most half of a 512-bit vector, in the form that the most
+    specific call runs (codegen/fused.py ``forms``; the others keep one form: compile time). Its
+    instructions are about half as many per trajectory, and its spills too (the column's constants are
+    the same for both halves); the arithmetic is the same lane by lane, so the results are the same
+    bits. The fused forward is left single: its sums per dof in double take two conversions and two
+    stores a term for a pair, and it was slower paired."""
     if (lane_form is None or 2 * lane_form["bits"] > max(LANE_BITS) or not table.fused or not stencil
             or table.dt.shape == ("B",)):
         return ()
-    return tuple(k for k in bodies if k.startswith("adjoint") and not codes.get(k, codes["adjoint"]).loops)
+    forms = fused.forms(table)
+    body = "adjoint" + (forms[0].suffix if forms else "")
+    return (body,) if body in bodies and not codes[body].loops else ()
 
 
 def lane_pairs(lane_form: dict | None) -> dict | None:
@@ -91,7 +100,7 @@ def lane_pairs(lane_form: dict | None) -> dict | None:
     width = 2 * half
     return dict(bits=bits, bytes=bits // 8, width=width, half=half, suffix=lane_form["suffix"],
                 mask_type="unsigned short" if width == 16 else "unsigned char",
-                low=lane_form["mask"], high=f"0x{int(lane_form['mask'], 16) << half:X}",
+                low=lane_form["mask"], high=f"0x{int(lane_form['mask'], 16) << half:X}", max_batch=PAIR_MAX_BATCH,
                 vector=f"__m{bits}" + ("" if lane_form["suffix"] == "ps" else "d"))
 
 

@@ -253,8 +253,9 @@ def test_row_weights_of_ones_give_the_weighted_variants_bits(dtype, overlapping)
     assert runs[0][2][:, TERMS.index(("bound", "acceleration"))].eq(0).all()
 
 
-def _fused_against_composite(spec, x, params, dt, dt_grad):
-    """The fused step's P, cost and gradients against the plain step plus the terms in PyTorch."""
+def _fused_against_composite(spec, x, params, dt, dt_grad, fused_params=None):
+    """The fused step's P, cost and gradients against the plain step plus the terms in PyTorch (the
+    fused step given ``fused_params`` where given: the same terms, row weights left to their default)."""
     gen = torch.Generator().manual_seed(5)
     B = x["u"].shape[0]
     wcost = torch.randn(B, len(TERMS), generator=gen, dtype=torch.float64)
@@ -271,7 +272,8 @@ def _fused_against_composite(spec, x, params, dt, dt_grad):
         xx = {**x, **leaves}
         pp = {**params, "squared_position_target": target}
         if fused:
-            P, cost = _call(ts.load(spec), spec, xx, pp, dt_leaf)
+            given = pp if fused_params is None else {**fused_params, "squared_position_target": target}
+            P, cost = _call(ts.load(spec), spec, xx, given, dt_leaf)
         else:
             plain = spec.replace(costs=(), outputs=None)
             states = _call(ts.load(plain), plain, xx, {}, dt_leaf)
@@ -290,12 +292,19 @@ def _fused_against_composite(spec, x, params, dt, dt_grad):
 @pytest.mark.parametrize("dof", [3, 4])
 def test_two_trajectories_a_vector_against_the_plain_step_plus_costs(dof, B):
     """C's fused adjoint takes two trajectories per 512-bit vector where a row's lanes fill at most half
-    of one (codegen/render.py ``paired``: float64 up to 4 dof here), the last of an odd batch paired with
-    itself; each trajectory's start rows picked by an index (each row of the pair at its own distance)."""
+    of one (codegen/render.py ``paired``: float64 up to 4 dof here), in the form a call without row weights
+    whose margins allow the bounds' narrow form runs; the last of an odd batch paired with itself; each
+    trajectory's start rows picked by an index (each row of the pair at its own distance)."""
     spec = ts.KernelSpec(horizon=9, dof=dof, dtype="float64", costs=TERMS, outputs=("P",), start_index=True)
-    assert "two trajectories at once" in generate(spec, ("c",), ("core",)).source("c", "core")
+    assert "adjoint_narrow_unit_rows_pair_batch" in generate(spec, ("c",), ("core",)).source("c", "core")
     x, params, dt = _data(spec, B=B)
-    _fused_against_composite(spec, x, params, dt, False)
+    for kind, state in TERMS:
+        del params[f"{kind}_{state}_row_weight"]
+        if kind == "bound":  # margins within the limits: the narrow form
+            lo, hi = params[f"bound_{state}_limit"]
+            params[f"bound_{state}_margin"] = 0.1 * (hi - lo)
+    _fused_against_composite(spec, x, {**params, **{f"{k}_{s}_row_weight": torch.ones(9, dtype=torch.float64)
+                                                    for k, s in TERMS}}, dt, False, fused_params=params)
 
 
 def test_two_trajectories_a_vector_in_float32_and_through_immintrin(tmp_path):
@@ -316,7 +325,8 @@ def test_two_trajectories_a_vector_in_float32_and_through_immintrin(tmp_path):
         spec = ts.KernelSpec(horizon=12, dof=7, dtype="float32", costs=%r, outputs=("P",))
         u = t.pop("u").requires_grad_()
         P, cost = ts.load(spec)(u, t.pop("p0"), t.pop("v0"), t.pop("a0"), 0.1, j0=t.pop("j0"), **t)
-        ((P * torch.linspace(-1, 1, P.numel()).reshape(P.shape)).sum() + cost.sum()).backward()
+        wc = torch.linspace(0.5, 2, cost.numel()).reshape(cost.shape)
+        ((P * torch.linspace(-1, 1, P.numel()).reshape(P.shape)).sum() + (cost * wc).sum()).backward()
         np.save(sys.argv[2], u.grad.numpy())
         """ % (TERMS,))
     grads = []
@@ -335,7 +345,8 @@ def test_two_trajectories_a_vector_in_float32_and_through_immintrin(tmp_path):
     params64 = {**data, **{f"{k}_{s}_row_weight": torch.ones(12, dtype=torch.float64) for k, s in TERMS}}
     cost = _torch_costs(spec.replace(dtype="float64"), states, params64, {})
     P = states[0]
-    ((P * torch.linspace(-1, 1, P.numel(), dtype=torch.float64).reshape(P.shape)).sum() + cost.sum()).backward()
+    wc = torch.linspace(0.5, 2, cost.numel(), dtype=torch.float64).reshape(cost.shape)
+    ((P * torch.linspace(-1, 1, P.numel(), dtype=torch.float64).reshape(P.shape)).sum() + (cost * wc).sum()).backward()
     expected = u.grad.numpy()
     assert np.abs(grads[0] - expected).max() <= 1e-5 * np.abs(expected).max()
 
