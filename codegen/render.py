@@ -92,7 +92,7 @@ def paired(lane_form: dict | None, table: ArgumentTable, bodies: dict, codes: di
     return (body,) if body in bodies and not codes[body].loops else ()
 
 
-def lane_pairs(lane_form: dict | None) -> dict | None:
+def pair_vector(lane_form: dict | None) -> dict | None:
     """The paired lane form's vector: twice the lane form's bits, its lanes in two halves (b, b1)."""
     if lane_form is None:
         return None
@@ -306,9 +306,9 @@ def render(spec: Any, code: LoweredOperator, table: ArgumentTable, target: Targe
         lane_bodies={k: lines for k, (_, lines) in lane_bodies.items()},
         lane_actions=_lane_actions(lane_bodies, spec.n_actions),
         paired=pairs,
-        pair=lane_pairs(lane_form) if pairs else None,
+        pair=pair_vector(lane_form) if pairs else None,
         pair_macros=macros.lane_pairs(table, spec.order + 1) if pairs else [],
-        pair_bases=macros.pair_bases(table),
+        pair_bases=macros.pair_bases(table) if pairs else [],
         coefficient_lines=((code.as_tapes if target.tape_programs else code).coefficient_lines
                            if set(kernels) & set(TABLE_KERNELS) else None),
         programs=programs,
