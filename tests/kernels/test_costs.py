@@ -296,7 +296,7 @@ def test_two_trajectories_a_vector_against_the_plain_step_plus_costs(dof, B):
     whose margins allow the bounds' narrow form runs; the last of an odd batch paired with itself; each
     trajectory's start rows picked by an index (each row of the pair at its own distance)."""
     spec = ts.KernelSpec(horizon=9, dof=dof, dtype="float64", costs=TERMS, outputs=("P",), start_index=True)
-    assert "adjoint_narrow_unit_rows_pair_batch" in generate(spec, ("c",), ("core",)).source("c", "core")
+    assert "adjoint_narrow_unit_rows_single_batch" in generate(spec, ("c",), ("core",)).source("c", "core")
     x, params, dt = _data(spec, B=B)
     for kind, state in TERMS:
         del params[f"{kind}_{state}_row_weight"]
