@@ -199,6 +199,33 @@ def test_narrow_and_general_forms_give_the_same_bits(dtype):
         assert torch.equal(narrow, general), name
 
 
+@pytest.mark.parametrize("case", ["central", "per_step", "jerk_exact", "bspline"])
+def test_any_number_of_threads_gives_the_same_bits(case):
+    """B=300 (the C kernels split a batch of 64 and more over OpenMP threads, which follow
+    torch.set_num_threads): states, cost and every gradient (u, the start state, dt, the target)
+    are the same bits with 1, 2 and 3 threads; each trajectory's sums are its own."""
+    spec = _spec(case, outputs=("P", "J"))
+    x, params, dt = _data(spec, B=300)
+    gen = torch.Generator().manual_seed(3)
+    before, runs = torch.get_num_threads(), []
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            xs = {k: v.clone().requires_grad_(k != "start_index") for k, v in x.items()}
+            ps = {k: v.clone().requires_grad_(k == "squared_position_target") for k, v in params.items()}
+            d = dt.clone().requires_grad_() if torch.is_tensor(dt) else dt
+            outs = _call(ts.load(spec), spec, xs, ps, d)
+            gen.manual_seed(3)
+            grads = [torch.randn(y.shape, generator=gen, dtype=y.dtype) for y in outs]
+            wrt = [xs[k] for k in ("u", "p0", "v0", "a0") if k in xs] + [ps[k] for k in ps if ps[k].requires_grad]
+            wrt += [d] if torch.is_tensor(d) else []
+            runs.append([*(y.detach() for y in outs), *torch.autograd.grad(outs, wrt, grads)])
+    finally:
+        torch.set_num_threads(before)
+    for other in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(runs[0], other))
+
+
 @pytest.mark.parametrize("case, overlapping", [("central", False), ("jerk_exact", False), ("bspline", False),
                                                ("central", True)])
 def test_row_weights_of_ones_against_the_definitions(case, overlapping):

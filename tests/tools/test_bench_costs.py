@@ -13,7 +13,7 @@ from click.testing import CliRunner
 import reference
 import reference_costs
 import tensorstep as ts
-from tensorstep.bench import costs, costs_outputs
+from tensorstep.bench import costs, costs_outputs, costs_threads
 from tensorstep.cli import main
 
 UNITS = {"µs": 1e-6, "ms": 1e-3}
@@ -155,3 +155,26 @@ def test_the_breakdowns_kernel_inputs_are_what_the_python_path_launches(monkeypa
     fresh = costs.kernel_inputs(ts.load(case.fused), values)
     for arg, x, y in zip(step.table.tensors, got, fresh):
         assert (x is None) == (y is None) and (x is None or torch.equal(x, y)), arg.name
+
+
+def test_the_thread_table(capsys):
+    """bench/costs_threads.py: one and two threads, each method timed once per thread count; the
+    fused call the same bits with both; each round's (a)/(f) from the printed times; the caller's
+    thread count restored."""
+    before = torch.get_num_threads()
+    # B=200: above TS_MIN_PARALLEL_BATCH, so that two threads split the batch in the bit-for-bit check
+    assert costs_threads.main(["200", "--rounds", "1", "--budget", "0.001"]) == 0
+    assert torch.get_num_threads() == before
+    printed = capsys.readouterr().out
+    assert "the same bits with 1, 2 threads: yes" in printed
+    rows = table_rows(printed, "| threads | method")
+    labels = list(costs_threads.METHODS.values())
+    assert [row[:2] for row in rows] == [[n, m] for n in "12" for m in [*labels, "(a) / (f), round by round"]]
+    for n in "12":
+        cells = {row[1]: row[2].split(" (")[0] for row in rows if row[0] == n}  # one round: median = the sample
+        a, f = cells["(a) fused"], cells["(f) copy bound, outputs as (a)'s"]
+        ratio = float(cells["(a) / (f), round by round"].rstrip("×"))
+        lo = (seconds(a) - rounding(a)) / (seconds(f) + rounding(f))
+        hi = (seconds(a) + rounding(a)) / (seconds(f) - rounding(f))
+        assert lo - 0.005 <= ratio <= hi + 0.005, (ratio, a, f)
+    assert re.search(r"\(a\) fused: 1 thread\(s\) / 2 threads, round by round: \S+×", printed)
