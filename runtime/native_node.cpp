@@ -329,8 +329,8 @@ using Given = c10::List<std::optional<Tensor>>;
 // Their values are checked in Python (runtime/costs.py), and an optimiser passes the same tensors on
 // every call. Once a call's parameters passed every check, Python keeps them in the step's slot
 // (``keep``): each with what can have changed since (runtime/validate.py's stamp: the tensor itself,
-// kept alive here so that its address cannot be another's, its version, shape, strides and
-// requires_grad, and here also its data pointer) and the tensor the kernels read (a [D] weight's
+// kept alive here so that its address cannot be another's, its version, data pointer, shape,
+// strides, dtype and requires_grad) and the tensor the kernels read (a [D] weight's
 // [B, D] rows, a missing row weight's default). A later call whose kept rows are all these tensors,
 // unchanged, with the same sizes of the symbols their shapes use, checks its other rows only; any
 // other call gets no result, and the Python path checks it (and keeps its parameters).
@@ -341,6 +341,7 @@ struct KeptRow {
   const void* data = nullptr;
   Sizes sizes, strides;
   bool requires_grad = false;
+  at::ScalarType dtype = at::kFloat;
 };
 
 struct Slot {
@@ -359,7 +360,8 @@ bool unchanged(const KeptRow& kept, const Tensor& t) {
   if (!t.defined() || !kept.given.defined()) return t.defined() == kept.given.defined();
   return t.unsafeGetTensorImpl() == kept.given.unsafeGetTensorImpl() && t._version() == kept.version &&
          t.const_data_ptr() == kept.data && t.sizes() == at::IntArrayRef(kept.sizes) &&
-         t.strides() == at::IntArrayRef(kept.strides) && t.requires_grad() == kept.requires_grad;
+         t.strides() == at::IntArrayRef(kept.strides) && t.scalar_type() == kept.dtype &&
+         t.requires_grad() == kept.requires_grad;
 }
 
 // The kept rows of a call: true when every one is its slot's tensor unchanged (c.inputs then hold
@@ -428,6 +430,7 @@ void keep(int64_t handle, int64_t slot, const Given& given, const Given& inputs)
       row.sizes = Sizes(t.sizes().begin(), t.sizes().end());
       row.strides = Sizes(t.strides().begin(), t.strides().end());
       row.requires_grad = t.requires_grad();
+      row.dtype = t.scalar_type();
     }
     rows.push_back(std::move(row));
   }

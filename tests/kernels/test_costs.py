@@ -691,7 +691,7 @@ def _changes(D: int) -> dict:
 
 @PATHS
 @pytest.mark.parametrize("change", list(_changes(3)))
-def test_each_thing_a_kept_parameter_can_change_is_seen_on_both_paths(path, change, monkeypatch, request):
+def test_each_thing_a_kept_parameter_can_change_is_seen_on_both_paths(path, change, monkeypatch):
     """The Python path's stamp (runtime/validate.py ``stamp``) and the native node's kept rows
     (``unchanged`` in runtime/native_node.cpp) compare the same things: a parameter kept by two
     calls, then changed in one of them alone (its version, data, storage offset, strides, shape,
@@ -701,11 +701,6 @@ def test_each_thing_a_kept_parameter_can_change_is_seen_on_both_paths(path, chan
     ``.data`` keeps its device type.)"""
     from tensorstep.runtime import costs
 
-    if (path, change) == ("native", "dtype"):
-        request.applymarker(pytest.mark.xfail(strict=True, reason=(
-            "the native node's kept rows do not compare the dtype: a limit reinterpreted in place "
-            "(.data = limit.view(torch.int64): same data, shape, strides and version) is read as kept "
-            "(its old bytes) where the Python path refuses it")))
     spec = _spec("central")
     x, params, dt = _data(spec)
     params = {k: v[0].clone() if k.endswith("_weight") and "row" not in k else v for k, v in params.items()}
