@@ -255,6 +255,14 @@ struct Checked {
   KeptRows kept;               // a slot's kept rows, when the call took them (their kernels' tensors are in inputs)
 };
 
+// What the kernels read for a checked tensor: contiguous, an index as int64, and a negated view
+// (the negative bit set: its memory holds the values negated) materialised, as runtime/validate.py's
+// check_argument makes it (differentiable; in the common case, one bit test).
+Tensor kernel_input(const Tensor& t, bool index) {
+  if (t.is_neg()) return kernel_input(t.resolve_neg(), index);
+  return index ? t.to(at::kLong).contiguous() : t.contiguous();
+}
+
 bool check_row(const Kernels& k, const Row& row, const Tensor& t, std::vector<int64_t>& sizes, Tensor& out) {
   if (!t.defined()) {
     TORCH_CHECK_TYPE(row.presence != REQUIRED, say(k, MISSING, row, {{"expected", row.meaning}}));
@@ -268,8 +276,8 @@ bool check_row(const Kernels& k, const Row& row, const Tensor& t, std::vector<in
     if (n < 0) return false;
     if (t.dim() > 1 || t.numel() != n || !t.is_floating_point() || !t.device().is_cpu()) return false;
     // the kernel's vector as it is (a float dt's cached tensor), else reshaped and converted
-    const bool ready = t.dim() == 1 && t.scalar_type() == k.dtype && t.is_contiguous();
-    out = ready ? t : t.reshape({n}).to(k.dtype).contiguous();
+    const bool ready = t.dim() == 1 && t.scalar_type() == k.dtype && t.is_contiguous() && !t.is_neg();
+    out = ready ? t : kernel_input(t.reshape({n}).to(k.dtype), false);
     const auto* x = out.const_data_ptr();
     for (int64_t i = 0; i < n; ++i) {
       const double v = k.dtype == at::kFloat ? static_cast<const float*>(x)[i] : static_cast<const double*>(x)[i];
@@ -303,7 +311,7 @@ bool check_row(const Kernels& k, const Row& row, const Tensor& t, std::vector<in
                      say(k, DTYPE, row, {{"expected", dtype_text(k.dtype)}, {"got", dtype_text(t.scalar_type())}}));
   }
   TORCH_CHECK_VALUE(t.device().is_cpu(), say(k, DEVICE, row, {{"expected", "cpu"}, {"got", t.device().str()}}));
-  out = row.rule == INDEX ? t.to(at::kLong).contiguous() : t.contiguous();
+  out = kernel_input(t, row.rule == INDEX);
   return true;
 }
 
@@ -330,7 +338,7 @@ using Given = c10::List<std::optional<Tensor>>;
 // every call. Once a call's parameters passed every check, Python keeps them in the step's slot
 // (``keep``): each with what can have changed since (runtime/validate.py's stamp: the tensor itself,
 // kept alive here so that its address cannot be another's, its version, data pointer, shape,
-// strides, dtype and requires_grad) and the tensor the kernels read (a [D] weight's
+// strides, dtype, negative bit and requires_grad) and the tensor the kernels read (a [D] weight's
 // [B, D] rows, a missing row weight's default). A later call whose kept rows are all these tensors,
 // unchanged, with the same sizes of the symbols their shapes use, checks its other rows only; any
 // other call gets no result, and the Python path checks it (and keeps its parameters).
@@ -342,6 +350,7 @@ struct KeptRow {
   Sizes sizes, strides;
   bool requires_grad = false;
   at::ScalarType dtype = at::kFloat;
+  bool neg = false;
 };
 
 struct Slot {
@@ -360,7 +369,7 @@ bool unchanged(const KeptRow& kept, const Tensor& t) {
   if (!t.defined() || !kept.given.defined()) return t.defined() == kept.given.defined();
   return t.unsafeGetTensorImpl() == kept.given.unsafeGetTensorImpl() && t._version() == kept.version &&
          t.const_data_ptr() == kept.data && t.sizes() == at::IntArrayRef(kept.sizes) &&
-         t.strides() == at::IntArrayRef(kept.strides) && t.scalar_type() == kept.dtype &&
+         t.strides() == at::IntArrayRef(kept.strides) && t.scalar_type() == kept.dtype && t.is_neg() == kept.neg &&
          t.requires_grad() == kept.requires_grad;
 }
 
@@ -431,6 +440,7 @@ void keep(int64_t handle, int64_t slot, const Given& given, const Given& inputs)
       row.strides = Sizes(t.strides().begin(), t.strides().end());
       row.requires_grad = t.requires_grad();
       row.dtype = t.scalar_type();
+      row.neg = t.is_neg();
     }
     rows.push_back(std::move(row));
   }
@@ -761,7 +771,8 @@ bool step_out(int64_t handle, const Given& given, const std::vector<Tensor>& out
     const Tensor& y = out[i];
     const auto shape = resolve(k.output_shapes[i], c.sizes);
     if (!y.defined() || y.layout() != at::kStrided || !y.device().is_cpu() || y.scalar_type() != k.dtype ||
-        !y.is_contiguous() || y.sizes() != at::IntArrayRef(shape) || (grad && y.requires_grad()) || y.is_inference()) {
+        !y.is_contiguous() || y.sizes() != at::IntArrayRef(shape) || (grad && y.requires_grad()) || y.is_inference() ||
+        y.is_neg()) {
       return false;
     }
     for (const auto& x : c.inputs) {

@@ -3,7 +3,13 @@ argument table (codegen/arguments.py). The native node runs the same checks in C
 same rows and message templates, so both paths refuse the same calls with the same words.
 
 Any strides are accepted, as in PyTorch's own ops: inputs are made contiguous here, and
-autograd returns gradients in each input's own shape.
+autograd returns gradients in each input's own shape. So are negated views (``torch._neg_view``,
+the imaginary part of a conjugated complex tensor: a real tensor with the negative bit set), whose
+memory holds the values negated: the kernels read raw memory, so such an input is materialised
+first (``Tensor.resolve_neg``, differentiable: gradients reach the view's base), as PyTorch's own
+ops resolve it. (A conjugated tensor is complex, which no argument takes.) In the common case
+this costs one bit test. Not under torch.compile yet: Dynamo cannot trace the test, and a compiled
+step still reads a negated view's memory as it is.
 """
 from __future__ import annotations
 
@@ -46,8 +52,10 @@ def _logical(table: ArgumentTable, arg: Argument, shape: tuple[int, ...]) -> tup
 
 
 def check_argument(table: ArgumentTable, arg: Argument, t: Any, dims: dict[str, int], dtype: torch.dtype,
-                   device: torch.device) -> Optional[Tensor]:
-    """One input: presence, type, layout, rank, shape, dtype, device; returned contiguous."""
+                   device: torch.device, resolve: bool = True) -> Optional[Tensor]:
+    """One input: presence, type, layout, rank, shape, dtype, device; returned contiguous, and a
+    negated view resolved unless ``resolve`` is False (while Dynamo traces: it cannot trace the
+    bit's test)."""
     if t is None:
         if arg.presence == REQUIRED:
             raise _fail(TypeError, "missing", name=arg.name, expected=arg.meaning)
@@ -73,6 +81,8 @@ def check_argument(table: ArgumentTable, arg: Argument, t: Any, dims: dict[str, 
         raise _fail(TypeError, "dtype", name=arg.name, expected=dtype, got=t.dtype)
     if t.device != device:
         raise _fail(ValueError, "device", name=arg.name, expected=device, got=t.device)
+    if resolve and t.is_neg():  # a negated view (see the module's docstring): its values as a tensor of its own
+        t = t.resolve_neg()
     if arg.dtype == INDEX:
         t = t.to(torch.int64)
     return t.contiguous()
@@ -106,15 +116,16 @@ def cost_parameter(arg: Argument) -> bool:
 
 def stamp(t: Tensor, *more: Any) -> tuple:
     """What a tensor passed again can have changed since it was checked: its version (in-place
-    writes), data pointer (``t.data = other`` keeps the version), shape, strides, dtype, device and
-    requires_grad, and ``more`` (a batch size, the tensor's identity). Kept with the tensor itself:
-    while kept, its address cannot be another's. An inference tensor has no version: its stamp
-    equals no other (it is checked on every call)."""
+    writes), data pointer (``t.data = other`` keeps the version), shape, strides, dtype, negative
+    bit (``t.data = torch._neg_view(t)`` keeps the data pointer too), device and requires_grad,
+    and ``more`` (a batch size, the tensor's identity). Kept with the tensor itself: while kept,
+    its address cannot be another's. An inference tensor has no version: its stamp equals no
+    other (it is checked on every call)."""
     try:
         version = t._version
     except RuntimeError:  # an inference tensor
         version = object()
-    return (version, t.data_ptr(), t.shape, t.stride(), t.dtype, t.device, t.requires_grad, *more)
+    return (version, t.data_ptr(), t.shape, t.stride(), t.dtype, t.is_neg(), t.device, t.requires_grad, *more)
 
 
 def check_inputs(table: ArgumentTable, values: Sequence[Any], dtype: torch.dtype, device: torch.device,
@@ -124,13 +135,15 @@ def check_inputs(table: ArgumentTable, values: Sequence[Any], dtype: torch.dtype
     are taken as they are (a fused step's cost parameters that passed every check before and are
     passed again unchanged: runtime/costs.py CheckedParameters)."""
     dims: dict[str, int] = {}
+    resolve = not torch.compiler.is_compiling()
     if only is None:
-        checked = [check_argument(table, arg, v, dims, dtype, device) for arg, v in zip(table.tensors, values)]
+        checked = [check_argument(table, arg, v, dims, dtype, device, resolve)
+                   for arg, v in zip(table.tensors, values)]
     else:
         checked = list(values)
         tensors = table.tensors
         for i in only:
-            checked[i] = check_argument(table, tensors[i], values[i], dims, dtype, device)
+            checked[i] = check_argument(table, tensors[i], values[i], dims, dtype, device, resolve)
     check_indices(table, checked)
     return checked, dims
 
@@ -187,7 +200,10 @@ def dt_tensor(dt: Any, table: ArgumentTable, dtype: torch.dtype, device: torch.d
         raise TypeError(f"{arg.name}: expected a floating-point tensor, got {dt.dtype}")
     if dt.device != device:
         raise ValueError(message("device", name=arg.name, expected=device, got=dt.device))
-    if dt.device.type == "cpu" and not torch.compiler.is_compiling():
+    compiling = torch.compiler.is_compiling()
+    if not compiling and dt.is_neg():  # a negated view, as in check_argument
+        dt = dt.resolve_neg()
+    if dt.device.type == "cpu" and not compiling:
         check_dt_values(dt, arg.name)
     return dt.reshape(n).to(dtype).contiguous()
 
@@ -264,3 +280,6 @@ def _check_output(name: str, t: Any, shape: tuple, dtype: torch.dtype, device: t
     if not t.is_contiguous():
         raise ValueError(f"{name}: expected a contiguous tensor (outputs are written in place), "
                          f"got strides {t.stride()}")
+    if not torch.compiler.is_compiling() and t.is_neg():  # (a compiled step copies into out: no raw write)
+        raise ValueError(f"{name}: expected a tensor whose memory holds its values (outputs are written in "
+                         "place), got a negated view (its negative bit is set); pass a tensor of its own")

@@ -683,6 +683,9 @@ def _changes(D: int) -> dict:
                   rf"{name}: expected shape \(2, {D}\), got shape \(1, {D}\)"),
         "dtype": (lambda p, _: setattr(p[name], "data", p[name].detach().view(torch.int64)),
                   f"{name}: expected dtype torch.float64"),
+        # the same memory read as its negation (lower > upper then): only the negative bit differs
+        "negative bit": (lambda p, _: setattr(p[name], "data", torch._neg_view(p[name].detach())),
+                         f"{name}: lower > upper"),
         "requires_grad": (lambda p, _: p[name].requires_grad_(), f"{name}: cost parameters take no gradient"),
         "identity": (another, [name]),
         "batch size": (batch, ["every"]),
@@ -695,7 +698,7 @@ def test_each_thing_a_kept_parameter_can_change_is_seen_on_both_paths(path, chan
     """The Python path's stamp (runtime/validate.py ``stamp``) and the native node's kept rows
     (``unchanged`` in runtime/native_node.cpp) compare the same things: a parameter kept by two
     calls, then changed in one of them alone (its version, data, storage offset, strides, shape,
-    dtype, requires_grad, which tensor it is, the batch it was kept for), is checked again (its
+    dtype, negative bit, requires_grad, which tensor it is, the batch it was kept for), is checked again (its
     values read anew: a fresh step's results) or refused with the argument checks' error, on the
     native node as on the Python path. (Its device cannot change on this CPU-only node: a tensor's
     ``.data`` keeps its device type.)"""
@@ -725,6 +728,41 @@ def test_each_thing_a_kept_parameter_can_change_is_seen_on_both_paths(path, chan
     fresh = {k: v.detach().contiguous() for k, v in params.items()}
     for y, e in zip(got, _call(_loaded(spec, "python"), spec, x, fresh, dt)):
         torch.testing.assert_close(y, e, rtol=0, atol=0)
+
+
+@PATHS
+@pytest.mark.parametrize("name", ["u", "squared_jerk_weight", "bound_velocity_limit", "bound_velocity_margin",
+                                  "squared_position_target"])
+def test_a_negated_view_is_read_as_its_values(path, name):
+    """An argument given as a negated view (``torch._neg_view``: memory holding its values negated,
+    the negative bit set) is read as its values, as PyTorch's ops read it, on both paths, on the
+    call that checks it and on the next, which takes it as kept: states and cost the definitions'
+    (of the values), u's gradient reaches the view's base (the plain step plus the costs in PyTorch,
+    on plain tensors of the same values)."""
+    spec = _spec("central")
+    x, params, dt = _data(spec)
+    Y, expected = _reference(spec, x, params, dt)
+    plain = spec.replace(costs=(), outputs=None)
+    u_ref = x["u"].clone().requires_grad_()
+    states = _call(ts.load(plain), plain, {**x, "u": u_ref}, {}, dt)
+    gen = torch.Generator().manual_seed(1)
+    gP, gc = (torch.randn(*s, generator=gen, dtype=torch.float64) for s in (Y[0].shape, expected.shape))
+    ((states[0] * gP).sum() + (_torch_costs(spec, states, params, x) * gc).sum()).backward()
+
+    given = {**x, **params}
+    base = (-given[name]).clone()
+    given[name] = torch._neg_view(base)
+    assert given[name].is_neg() and torch.equal(given[name], {**x, **params}[name])
+    step = _loaded(spec, path)
+    for _ in range(2):
+        u = (base if name == "u" else x["u"].clone()).detach().requires_grad_()
+        view = torch._neg_view(u) if name == "u" else u
+        P, cost = _call(step, spec, {**{k: given[k] for k in x}, "u": view}, {k: given[k] for k in params}, dt)
+        assert ("NativeStep" in cost.grad_fn.name()) == (path == "native" and step.native is not None)
+        np.testing.assert_allclose(P.detach().numpy(), Y[0], rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(cost.detach().numpy(), expected, rtol=1e-12, atol=1e-12 * np.abs(expected).max())
+        ((P * gP).sum() + (cost * gc).sum()).backward()
+        torch.testing.assert_close(-u.grad if name == "u" else u.grad, u_ref.grad, rtol=1e-12, atol=1e-12)
 
 
 def test_the_python_path_checks_each_parameter_once_while_it_is_passed_unchanged(monkeypatch):

@@ -219,3 +219,57 @@ def test_a_call_with_keywords_runs_an_overridden_forward_and_binds_as_forward_do
         step(u, *starts, 0.1, squared_jerk_weight=weight, u=u)
     with pytest.raises(TypeError, match="nonsense: this kernel takes no argument of that name"):
         step(u, *starts, 0.1, squared_jerk_weight=weight, nonsense=u)
+
+
+NEGATED = ts.KernelSpec(horizon=6, dof=2, dt="per_step", start_index=True, dtype="float64")
+
+
+def _negated_view(t: torch.Tensor, how: str) -> torch.Tensor:
+    """t's values as a view whose memory holds them negated (the negative bit set): torch._neg_view,
+    or the imaginary part of a conjugated complex tensor (strided, but contiguous for one element)."""
+    if how == "neg_view":
+        return torch._neg_view(-t)
+    return torch.complex(torch.zeros_like(t), -t).conj().imag
+
+
+@pytest.mark.parametrize("path", ["native", "python"])
+@pytest.mark.parametrize("name, how", [("u", "neg_view"), ("u", "conj_imag"), ("p0", "conj_imag"),
+                                       ("dt", "neg_view"), ("dt", "conj_imag"), ("start_index", "neg_view")])
+def test_a_negated_view_is_read_as_its_values(path, name, how):
+    """A plain step's argument given as a negated view (the actions, a start state, per-step dt, an
+    index) is read as its values, as PyTorch's ops read it: states the reference's (of the values),
+    and u's gradient the reference adjoint's, reaching the view's base. (One dt for every step for
+    the conjugate's imaginary part: one element, the view is contiguous.)"""
+    spec, B, S = NEGATED.replace(dt="uniform") if (name, how) == ("dt", "conj_imag") else NEGATED, 3, 5
+    gen = torch.Generator().manual_seed(0)
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)
+    values = dict(u=r(B, spec.n_actions, spec.dof), p0=r(S, spec.dof), dt=0.05 + 0.05 * r(spec.n_dt).abs(),
+                  start_index=torch.tensor([3, 0, 4]))
+    v0, a0, j0 = r(S, spec.dof), r(S, spec.dof), r(S, spec.dof)
+    given = dict(values, u=values["u"].clone().requires_grad_())
+    u_grad = lambda: given["u"].grad
+    if name == "u" and how == "neg_view":
+        leaf = (-values["u"]).requires_grad_()
+        given["u"], u_grad = torch._neg_view(leaf), lambda: -leaf.grad
+    elif name == "u":  # the imaginary part of a complex leaf's conjugate: -Im(leaf) = u
+        leaf = torch.complex(torch.zeros_like(values["u"]), -values["u"]).requires_grad_()
+        given["u"], u_grad = leaf.conj().imag, lambda: -leaf.grad.imag
+    else:
+        given[name] = _negated_view(values[name], how)
+    assert given[name].is_neg() and torch.equal(given[name], values[name])
+    step = ts.load(spec)
+    if path == "python":
+        step.native = None
+    elif step.native is None:
+        pytest.skip("the native autograd node is unavailable here (no C++ compiler?)")
+    ys = step(given["u"], given["p0"], v0, a0, given["dt"], j0=j0, start_index=given["start_index"])
+    assert ("NativeStep" in ys[0].grad_fn.name()) == (path == "native")
+    rows = values["start_index"].numpy()
+    start = np.stack([t.numpy()[rows] for t in (values["p0"], v0, a0, j0)], axis=1)
+    expected = reference.apply(spec, values["dt"].numpy(), values["u"].numpy(), start)
+    for k, y in enumerate(ys):
+        np.testing.assert_allclose(y.detach().numpy(), expected[k], rtol=1e-12, atol=1e-12)
+    grads = [r(*y.shape) for y in ys]
+    torch.autograd.backward(ys, grads)
+    expected_u = reference.apply_adjoint(spec, values["dt"].numpy(), np.stack([g.numpy() for g in grads]))[0]
+    np.testing.assert_allclose(u_grad().numpy(), expected_u, rtol=1e-12, atol=1e-12)

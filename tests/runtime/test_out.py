@@ -81,6 +81,8 @@ def _bad_out_calls(x, spec):
         (r"out\[2\]: expected shape", (*good[:2], good[2][:, :-1], good[3]), x.u),
         (r"out\[1\]: expected dtype", (good[0], good[1].float(), *good[2:]), x.u),
         (r"out\[3\]: expected a contiguous tensor", (*good[:3], good[3].transpose(1, 2).contiguous().transpose(1, 2)), x.u),
+        (r"out\[2\]: expected a tensor whose memory holds its values .* got a negated view",
+         (*good[:2], torch._neg_view(good[2]), good[3]), x.u),
         (r"out\[1\]: overlaps out\[0\]", (good[0], good[0], *good[2:]), x.u),
         (r"out\[0\]: overlaps u", (overlapping_u, *good[1:]), u_in_flat),
     ]
