@@ -29,6 +29,8 @@ imports setuptools, more than a warm load costs.
 """
 from __future__ import annotations
 
+import ctypes
+import functools
 import json
 import os
 import platform
@@ -361,6 +363,15 @@ def _handle(launcher: Any) -> int:
     return _HANDLES[addresses]
 
 
+@functools.lru_cache(maxsize=None)
+def _slot_release() -> Callable[[int], None]:
+    """The node's ``tensorstep_release_slot`` through ctypes: a finalizer that calls no op, so a step
+    collected while another program is traced (torch.export) leaves nothing in that program's graph."""
+    release = ctypes.CDLL(str(_PATH)).tensorstep_release_slot  # the library loaded already: its handle
+    release.argtypes, release.restype = (ctypes.c_int64,), None
+    return release
+
+
 class Slot:
     """A step's place in the node for the cost parameters that passed its checks (native_node.cpp
     ``keep``): while a call passes the same tensors unchanged, the node takes it without asking
@@ -368,7 +379,7 @@ class Slot:
 
     def __init__(self) -> None:
         self.id = int(torch.ops.tensorstep_native.new_slot())
-        self._release = torch.ops.tensorstep_native.release_slot.default
+        self._release = _slot_release()
 
     def keep(self, handle: int, given: list, inputs: list) -> None:
         """``given``'s cost parameters (the call's arguments, dt last) passed every check; ``inputs``:

@@ -362,7 +362,7 @@ struct Slot {
 };
 
 std::mutex slots_mutex;
-std::unordered_map<int64_t, Slot> slots;  // a step's slot, from new_slot to release_slot
+std::unordered_map<int64_t, Slot> slots;  // a step's slot, from new_slot to tensorstep_release_slot
 int64_t next_slot = 0;
 
 bool unchanged(const KeptRow& kept, const Tensor& t) {
@@ -836,16 +836,6 @@ void new_slot_boxed(const c10::OperatorHandle&, Stack* stack) {
   stack->emplace_back(next_slot++);
 }
 
-void release_slot_boxed(const c10::OperatorHandle&, Stack* stack) {
-  const int64_t slot = torch::jit::pop(*stack).toInt();
-  Slot released;  // its tensors are freed after the lock is given back
-  std::lock_guard<std::mutex> guard(slots_mutex);
-  const auto found = slots.find(slot);
-  if (found != slots.end()) {
-    released = std::move(found->second);
-    slots.erase(found);
-  }
-}
 
 // ---- the CPU kernels of torch.compile's ops (tensorstep::<family>, runtime/ops.py) --------------
 // A compiled graph calls a family's forward op and its adjoint's .needed overload on every call;
@@ -1037,6 +1027,19 @@ void bind_boxed(const c10::OperatorHandle&, Stack* stack) {
 
 }  // namespace
 
+// A step's slot released (runtime/native.py Slot.__del__): a C function called through ctypes, not an
+// op, so that a step collected while another program is traced (torch.export's tracer records every
+// op called on its thread) adds nothing to that program.
+extern "C" void tensorstep_release_slot(int64_t slot) {
+  Slot released;  // its tensors are freed after the lock is given back
+  std::lock_guard<std::mutex> guard(slots_mutex);
+  const auto found = slots.find(slot);
+  if (found != slots.end()) {
+    released = std::move(found->second);
+    slots.erase(found);
+  }
+}
+
 TORCH_LIBRARY(tensorstep_native, m) {
   m.def("register_kernels(int forward, int adjoint, str[] names, str[] meanings, int[] ranks, int[] shapes, "
         "int[] rules, int[] presences, int[] indices, int[] differentiable, int[] output_shapes, "
@@ -1047,7 +1050,6 @@ TORCH_LIBRARY(tensorstep_native, m) {
   m.def("keep(int handle, int slot, Tensor?[] given, Tensor?[] inputs) -> ()",
         torch::CppFunction::makeFromBoxedFunction<&keep_boxed>());
   m.def("new_slot() -> int", torch::CppFunction::makeFromBoxedFunction<&new_slot_boxed>());
-  m.def("release_slot(int slot) -> ()", torch::CppFunction::makeFromBoxedFunction<&release_slot_boxed>());
   m.def("bind(str key, int handle, str family) -> ()", torch::CppFunction::makeFromBoxedFunction<&bind_boxed>());
   // implemented in Python (runtime/native.py): the create_graph adjoint, and the ops' Python path
   m.def("adjoint_graph(int handle, Tensor?[] grads, Tensor dt, int batch) -> Tensor[]");

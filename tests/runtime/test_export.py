@@ -109,3 +109,29 @@ def test_a_string_that_is_no_kernel_key_is_refused(key):
 
     with pytest.raises(RuntimeError, match=r"is not a kernel key \(name@device@fields\)"):
         registry.launcher(key)
+
+
+def test_a_step_collected_while_another_program_is_exported_adds_nothing_to_it():
+    """A fused step keeps its cost parameters in a slot of the native node, released when the step is
+    collected; export's tracer records every op called on its thread, so a release that was an op
+    landed in whatever program was being exported then (and that program failed to load)."""
+    import gc
+    import weakref
+
+    from tensorstep.runtime import native
+
+    if native.wait() is None:
+        pytest.skip("no native node here")
+    held = [native.Slot()]  # a fused step's slot (the registry keeps the step loaded last alive)
+    released = weakref.ref(held[0])
+
+    class Collects(torch.nn.Module):
+        def forward(self, x):
+            held.clear()  # the slot's last reference: released here, during the trace
+            gc.collect()
+            return x + 1
+
+    program = torch.export.export(Collects(), (torch.zeros(3),))
+    assert released() is None
+    targets = [str(n.target) for n in program.graph.nodes if n.op == "call_function"]
+    assert not [t for t in targets if "tensorstep" in t], targets
