@@ -836,7 +836,6 @@ void new_slot_boxed(const c10::OperatorHandle&, Stack* stack) {
   stack->emplace_back(next_slot++);
 }
 
-
 // ---- the CPU kernels of torch.compile's ops (tensorstep::<family>, runtime/ops.py) --------------
 // A compiled graph calls a family's forward op and its adjoint's .needed overload on every call;
 // their Python kernels cost more than the kernels themselves at small batches. Once Python binds a

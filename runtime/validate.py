@@ -8,8 +8,9 @@ the imaginary part of a conjugated complex tensor: a real tensor with the negati
 memory holds the values negated: the kernels read raw memory, so such an input is materialised
 first (``Tensor.resolve_neg``, differentiable: gradients reach the view's base), as PyTorch's own
 ops resolve it. (A conjugated tensor is complex, which no argument takes.) In the common case
-this costs one bit test. Not under torch.compile yet: Dynamo cannot trace the test, and a compiled
-step still reads a negated view's memory as it is.
+this costs one bit test. Not under torch.compile: Dynamo cannot trace the test, and a compiled
+step reads a negated view's memory as it is, as compiled PyTorch ops do (torch 2.13: ``u * 2 + 1``
+compiled and given ``torch._neg_view(-u)`` returns ``-u * 2 + 1``).
 """
 from __future__ import annotations
 
