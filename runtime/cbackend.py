@@ -162,17 +162,24 @@ def load_library(spec: Any, part: str = "core", cache: BuildCache | None = None)
     An unusable cache folder (read-only, or not a folder) falls back to a private temporary
     cache with a warning, so a kernel still loads.
     """
-    try:
-        return _load_library(spec, part, cache or BuildCache())
-    except CacheError as err:
-        fallback = BuildCache(fallback_cache_root())
-        warnings.warn(f"{err}; using a temporary kernel cache at {fallback.root} for this process", stacklevel=3)
-        return _load_library(spec, part, fallback)
+    return _with_fallback(cache or BuildCache(), lambda c: _load_library(spec, part, c), stacklevel=4)
 
 
 @functools.lru_cache(maxsize=1)
 def fallback_cache_root() -> Path:
     return Path(tempfile.mkdtemp(prefix="tensorstep-cache-"))
+
+
+def _with_fallback(cache: BuildCache, use: Callable[[BuildCache], Any], stacklevel: int) -> Any:
+    """``use(cache)``; where the cache folder is unusable (CacheError), ``use`` of a private temporary
+    cache for this process, with a warning (``stacklevel``: the frame it names)."""
+    try:
+        return use(cache)
+    except CacheError as err:
+        fallback = BuildCache(fallback_cache_root())
+        warnings.warn(f"{err}; using a temporary kernel cache at {fallback.root} for this process",
+                      stacklevel=stacklevel)
+        return use(fallback)
 
 
 def _load_library(spec: Any, part: str, cache: BuildCache) -> tuple[Any, dict]:
@@ -261,12 +268,7 @@ class Forms:
     def _build(self, form: int, symbol: str) -> Path:
         args = (f"{self.spec.key}-{self.part}-form{form}", f"the {_form_name(self.spec, symbol)} form of its "
                 f"{self.part} kernels", (form,), (f"TS_FORM={form}",))
-        try:
-            return _artefact(self.spec, self.part, self.cache, *args)[1]
-        except CacheError as err:
-            fallback = BuildCache(fallback_cache_root())
-            warnings.warn(f"{err}; using a temporary kernel cache at {fallback.root} for this process", stacklevel=1)
-            return _artefact(self.spec, self.part, fallback, *args)[1]
+        return _with_fallback(self.cache, lambda c: _artefact(self.spec, self.part, c, *args)[1], stacklevel=2)
 
 
 def _form_name(spec: Any, symbol: str) -> str:
