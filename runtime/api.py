@@ -29,6 +29,9 @@ class Step(torch.nn.Module):
     ``out=(P, V, A, J)`` writes the forward into caller-owned tensors instead (rollouts under
     ``torch.no_grad()``; not differentiable, like PyTorch's own ``out=`` functions).
 
+    A step with cost terms can hold its cost parameters (``step.set_costs(**tensors)``): they are
+    then its buffers, and a call that leaves a keyword out uses the held tensor.
+
     ``step.to(torch.float64)``, ``.double()``, ``.float()``, ``.to("cuda")`` and ``.cpu()`` work as
     on any module: in place, they load this module with the kernels of ``spec.replace(dtype=...)``
     and/or for the new device, and return it. Other dtypes (float16, ...) raise a TypeError.
@@ -70,6 +73,12 @@ class Step(torch.nn.Module):
 
             self.plain = load(spec.replace(costs=(), outputs=None), device)
             self._cost_kinds = costs.functions(self.table)
+            #: the held cost parameters (set_costs), as the module's buffers
+            self._buffers = costs.HeldParameters()
+            #: the rows the native node keeps (cost parameters); the other keyword rows (a target),
+            #: which a call with held parameters passes to the node after forward's tensors
+            self._kept_names = frozenset(a.name for a in self.table.tensors if validate.cost_parameter(a))
+            self._loose = tuple(n for n in self._keywords or () if n not in self._kept_names)
             #: the cost parameters that passed every check, kept while passed unchanged
             self._kept_costs = costs.CheckedParameters(self.table, self.dtype, self.device)
             launcher.composite = self._composite
@@ -115,8 +124,48 @@ class Step(torch.nn.Module):
         return super()._apply(fn, recurse)
 
     def __reduce__(self):
-        # pickle and deepcopy by spec (loaded libraries and ops are per process)
+        # pickle and deepcopy by spec (loaded libraries and ops are per process), and held cost parameters
+        if self._buffers:
+            return _held_step, (self.spec, str(self.device), dict(self._buffers))
         return load, (self.spec, str(self.device))
+
+    def set_costs(self, **tensors: Optional[Tensor]) -> "Step":
+        """Hold cost parameters (weights, row weights, limits, margins, the target, by their keyword
+        names): a call that leaves a keyword out uses the held tensor, and one that passes it uses
+        the call's. Each is checked as a call checks it, before any is held; ``None`` stops holding
+        one. Held tensors are the module's buffers (``state_dict``, ``.to()``), held as given (not
+        copied): writing into one in place is seen by the next call, as for keyword tensors. Returns
+        the step."""
+        if not self.table.fused:
+            raise TypeError("set_costs: this step has no cost terms (its spec sets no costs or outputs)")
+        from . import costs
+
+        costs.check_held(self.table, tensors, self.dtype, self.device)
+        for name in costs.holdable(self.table):  # in table order
+            if name in tensors:
+                if tensors[name] is None:
+                    self._buffers.pop(name, None)
+                else:
+                    self.register_buffer(name, tensors[name])
+        return self
+
+    def _load_from_state_dict(self, state_dict: Any, prefix: str, local_metadata: Any, strict: bool,
+                              missing_keys: list, unexpected_keys: list, error_msgs: list) -> None:
+        # a cost parameter held by the saved step and not by this one is held (as a copy, set_costs'
+        # checks); those held by both are copied in place, as nn.Module loads any buffer
+        if self.table.fused:
+            from . import costs
+
+            new = {n: state_dict[prefix + n] for n in costs.holdable(self.table)
+                   if prefix + n in state_dict and n not in self._buffers}
+            if new:
+                try:
+                    self.set_costs(**{n: t.detach().to(self.device, self.dtype if t.is_floating_point() else t.dtype,
+                                                       copy=True) for n, t in new.items()})
+                except (TypeError, ValueError) as err:
+                    error_msgs.append(str(err))
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
 
     def _dt_tensor(self, dt: Union[float, Tensor], batch: Optional[int] = None) -> Tensor:
         """The kernel's dt vector; tensors for repeated Python floats are reused (cheap calls).
@@ -201,6 +250,7 @@ class Step(torch.nn.Module):
         """forward's body; ``known``: every name in ``more`` is one of the table's keyword rows."""
         if self._native_pending and not torch.compiler.is_compiling():
             self._take_native()
+        generation = -1  # the held parameters' generation, where this call's kept rows are they
         if self._plain and goal is None and not more:  # the table's tensors are these parameters, in order
             values = [u, p0, v0, a0, j0, start_index]
         elif self._keywords is not None and goal is None:
@@ -208,7 +258,24 @@ class Step(torch.nn.Module):
             # parameters): read from the call's keywords by name, in table order
             if not known and not self._known.issuperset(more):
                 _more_arguments(self.table, more)  # raises, naming the first unknown one
-            values = [u, p0, v0, a0, j0, start_index, *map(more.get, self._keywords)]
+            held = self._buffers if self.table.fused else None
+            if not held:
+                values = [u, p0, v0, a0, j0, start_index, *map(more.get, self._keywords)]
+            else:
+                # held cost parameters (set_costs) where the call gives none; the generation of the
+                # held tensors read before them, kept with them when no kept row is the call's
+                generation = held.changes if self._kept_names.isdisjoint(more) else -1
+                if (generation >= 0 and self.native is not None and not torch.compiler.is_compiling()
+                        and not _transformed()):
+                    # the node takes the kept rows from the step's slot, each held tensor compared
+                    # with its stamp there: only forward's tensors and a target cross per call
+                    loose = ([more[n] if n in more else held.get(n) for n in self._loose] if more
+                             else map(held.get, self._loose))
+                    done = self._native_held(u, p0, v0, a0, j0, start_index, loose, dt, out, generation)
+                    if done is not None:
+                        return done
+                values = [u, p0, v0, a0, j0, start_index,
+                          *(more[n] if n in more else held.get(n) for n in self._keywords)]
         else:
             named = {"u": u, "p0": p0, "v0": v0, "a0": a0, "j0": j0, "start_index": start_index}
             if goal is not None:
@@ -217,6 +284,8 @@ class Step(torch.nn.Module):
                 if not self._known.issuperset(more):
                     _more_arguments(self.table, more)  # raises, naming the first unknown one
                 named.update(more)
+            if self.table.fused and self._buffers:  # held cost parameters where the call gives none
+                named.update((n, t) for n, t in self._buffers.items() if n not in named)
             values = list(map(named.get, self._names))
         if self.native is not None and not torch.compiler.is_compiling() and not _transformed():
             # the common call: the native op checks the tensors against the table itself (with the
@@ -238,7 +307,7 @@ class Step(torch.nn.Module):
         inputs, dt_k, kept = self._checked(values, dt)
         if self.table.fused:
             if kept and self._slot is not None and self.native is not None and _tensors_or_none(values):
-                self._slot.keep(self.native, [*values, dt_k], [*inputs, dt_k])
+                self._slot.keep(self.native, [*values, dt_k], [*inputs, dt_k], generation)
             if (out is None and (dt_k.requires_grad or _transformed() or _forward_mode_active()
                                  or torch.compiler.is_compiling())):
                 return self._composite(inputs, dt_k)
@@ -255,6 +324,25 @@ class Step(torch.nn.Module):
         if self.native is not None and not dt_k.requires_grad and not _transformed():
             return tuple(self._native_step(self.native, [*inputs, dt_k]))
         return StepFunction.apply(self.launcher, *inputs, dt_k)
+
+    def _native_held(self, u: Tensor, p0: Tensor, v0: Tensor, a0: Tensor, j0: Optional[Tensor],
+                     start_index: Optional[Tensor], loose: Any, dt: Any, out: Any, generation: int) -> Any:
+        """A call whose cost parameters are all held, on the native node: the outputs (``out``
+        written), or None when the node does not take it (held tensors changed or never kept at
+        this generation, a value to explain): the caller then passes every row."""
+        dt_k = dt if type(dt) is Tensor else self._dt_cache.get(dt) if type(dt) is float else None
+        if dt_k is None or (dt_k.requires_grad and torch.is_grad_enabled()):
+            return None
+        given = [u, p0, v0, a0, j0, start_index, *loose, dt_k]
+        if not _tensors_or_none(given):
+            return None
+        if out is None:
+            outs = self._native_step(self.native, given, self._slot_id, generation)
+            return tuple(outs) if outs else None
+        if (type(out) in (tuple, list) and all(type(y) is Tensor for y in out)
+                and self._native_step_out(self.native, given, out, self._slot_id, generation)):
+            return tuple(out)
+        return None
 
     def _checked(self, values: list, dt: Any) -> tuple[list, Tensor, bool]:
         """The Python path's checks of a call's tensors (in table order) and dt, before any kernel
@@ -298,6 +386,11 @@ class Step(torch.nn.Module):
         for y in out:  # the kernel wrote through raw pointers: tell autograd the tensors changed
             torch.autograd.graph.increment_version(y)
         return out
+
+
+def _held_step(spec: Any, device: str, held: dict[str, Tensor]) -> Step:
+    """A step loaded by spec that holds ``held`` (Step.__reduce__: pickle, deepcopy)."""
+    return load(spec, device).set_costs(**held)
 
 
 def _unwrapped(op: Any) -> Any:

@@ -199,6 +199,68 @@ class CheckedParameters:
             self._kept = (stamps, given, [inputs[i] for i in self.positions])
 
 
+def holdable(table: ArgumentTable) -> tuple[str, ...]:
+    """The keyword rows a fused step can hold (``Step.set_costs``), in table order: its cost
+    parameters and the target."""
+    return tuple(a.name for a in table.tensors if a.role.startswith("cost_"))
+
+
+def check_held(table: ArgumentTable, given: dict[str, Any], dtype: torch.dtype, device: torch.device) -> None:
+    """``Step.set_costs``' checks, before anything is held, as a call checks the same keywords: each
+    name is one of ``holdable`` (else the closest one is named), then each tensor's type, shape,
+    dtype and device, then a cost parameter's values (``check_parameter``). A ``[D]`` weight stands
+    for every trajectory; ``[B, ...]`` tensors must agree on B (a call then checks it against u's)."""
+    from ..codegen.spec import unknown_name
+
+    allowed = holdable(table)
+    for name in given:
+        if name not in allowed:
+            raise TypeError(f"{name}: a step holds its cost parameters only; {unknown_name(name, allowed)}")
+    args = [a for a in table.tensors if a.name in given and given[a.name] is not None]
+    # B from the first [B, ...] tensor of the right rank, so that a [D] weight checked before it agrees
+    batch = next((given[a.name].shape[0] for a in args if a.shape and a.shape[0] == "B"
+                  and isinstance(given[a.name], Tensor) and given[a.name].dim() == len(a.shape)), 1)
+    dims: dict[str, int] = {}
+    for arg in args:
+        t = given[arg.name]
+        if arg.role == "cost_weight" and isinstance(t, Tensor) and t.dim() == 1:
+            t = t.expand(batch, t.shape[0])
+        checked = validate.check_argument(table, arg, t, dims, dtype, device)
+        if validate.cost_parameter(arg):
+            check_parameter(arg, checked)
+
+
+class HeldParameters(dict):
+    """A fused step's buffers (``Step.set_costs``), counting every change to which tensor is held:
+    set, replaced or removed by ``register_buffer``, attribute assignment, ``.to()``,
+    ``load_state_dict(assign=True)`` or ``torch.func.functional_call``. The native node keeps held
+    parameters with the count they were checked at (``Step._forward``): a call after any such change
+    takes the Python path, which checks them again (in-place writes and ``.data`` swaps are seen by
+    each tensor's stamp, as for keyword tensors)."""
+
+    changes = 0
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        self.changes += 1
+        super().__setitem__(key, value)
+
+    def __delitem__(self, key: str) -> None:
+        self.changes += 1
+        super().__delitem__(key)
+
+    def pop(self, *args: Any) -> Any:
+        self.changes += 1
+        return super().pop(*args)
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        self.changes += 1
+        super().update(*args, **kwargs)
+
+    def clear(self) -> None:
+        self.changes += 1
+        super().clear()
+
+
 def composite(plain: Any, table: ArgumentTable, inputs: Sequence[Optional[Tensor]], dt: Tensor,
               kinds: Optional[dict[str, Callable[..., Tensor]]] = None) -> tuple[Tensor, ...]:
     """The fused step's outputs composed from the plain step and PyTorch operations: the written

@@ -381,10 +381,12 @@ class Slot:
         self.id = int(torch.ops.tensorstep_native.new_slot())
         self._release = _slot_release()
 
-    def keep(self, handle: int, given: list, inputs: list) -> None:
+    def keep(self, handle: int, given: list, inputs: list, held: int = -1) -> None:
         """``given``'s cost parameters (the call's arguments, dt last) passed every check; ``inputs``:
-        what the kernels read for them (a [D] weight's [B, D] rows, defaults for missing ones)."""
-        torch.ops.tensorstep_native.keep.default(handle, self.id, given, inputs)
+        what the kernels read for them (a [D] weight's [B, D] rows, defaults for missing ones);
+        ``held`` (>= 0): they are the step's held parameters (Step.set_costs) of that generation, which
+        later calls may then leave out (the node compares each with its stamp)."""
+        torch.ops.tensorstep_native.keep.default(handle, self.id, given, inputs, held)
 
     def __del__(self) -> None:
         try:

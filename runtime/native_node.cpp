@@ -342,6 +342,9 @@ using Given = c10::List<std::optional<Tensor>>;
 // [B, D] rows, a missing row weight's default). A later call whose kept rows are all these tensors,
 // unchanged, with the same sizes of the symbols their shapes use, checks its other rows only; any
 // other call gets no result, and the Python path checks it (and keeps its parameters).
+// Parameters a step holds (Step.set_costs) are kept with the holding's generation: a call that
+// passes only the other rows and that generation (``held``) takes the kept rows, each its held
+// tensor compared with its own stamp, so that no held tensor crosses from Python per call.
 struct KeptRow {
   Tensor given;   // undefined: None was given
   Tensor kernel;  // what the kernels read
@@ -355,6 +358,7 @@ struct KeptRow {
 
 struct Slot {
   int64_t handle = -1;
+  int64_t held = -1;           // the generation of the step's held parameters these rows are (-1: a call's)
   std::vector<int64_t> sizes;  // of the free symbols, in the call that kept them
   // one per kept row (Kernels::kept_rows), never changed once made: a call's autograd node shares
   // them (its backward reads them) while a later keep replaces the slot's
@@ -374,13 +378,15 @@ bool unchanged(const KeptRow& kept, const Tensor& t) {
 }
 
 // The kept rows of a call: true when every one is its slot's tensor unchanged (c.inputs then hold
-// what the kernels read), with the other rows' sizes of the symbols they use.
-bool take_kept(const Kernels& k, int64_t handle, int64_t slot, const Given& given, Checked& c) {
+// what the kernels read), with the other rows' sizes of the symbols they use. With ``held`` (>= 0)
+// the call passed no kept row: the slot's rows must be that generation of the held parameters,
+// each its tensor as it was kept.
+bool take_kept(const Kernels& k, int64_t handle, int64_t slot, const Given& given, Checked& c, int64_t held = -1) {
   std::lock_guard<std::mutex> guard(slots_mutex);
   const auto found = slots.find(slot);
   if (found == slots.end() || found->second.handle != handle) return false;
   const Slot& s = found->second;
-  if (!s.rows) return false;
+  if (!s.rows || (held >= 0 && s.held != held)) return false;
   for (const auto symbol : k.kept_symbols) {
     if (s.sizes[symbol] < 0) continue;  // no kept tensor has it (every row with it was None)
     if (c.sizes[symbol] < 0) {
@@ -391,39 +397,46 @@ bool take_kept(const Kernels& k, int64_t handle, int64_t slot, const Given& give
   }
   for (size_t r = 0; r < k.kept_rows.size(); ++r) {
     const int64_t i = k.kept_rows[r];
-    const std::optional<Tensor> t = given.get(i);
-    if (!unchanged((*s.rows)[r], t.value_or(Tensor()))) return false;
-    c.inputs[i] = (*s.rows)[r].kernel;
+    const KeptRow& row = (*s.rows)[r];
+    if (!unchanged(row, held >= 0 ? row.given : given.get(i).value_or(Tensor()))) return false;
+    c.inputs[i] = row.kernel;
   }
   c.kept = s.rows;
   return true;
 }
 
 // The checks of a call, row by row; with a slot (>= 0), the kept rows are taken from it instead.
-bool check(const Kernels& k, const Given& given, Checked& c, int64_t handle = -1, int64_t slot = -1) {
-  TORCH_CHECK(given.size() == k.rows.size(), "tensorstep: expected ", k.rows.size(), " arguments, got ", given.size());
+// With ``held`` (>= 0), ``given`` holds the rows that are not kept only (dt last), and the kept
+// rows are the slot's held parameters of that generation.
+bool check(const Kernels& k, const Given& given, Checked& c, int64_t handle = -1, int64_t slot = -1,
+           int64_t held = -1) {
+  const bool kept = slot >= 0 && !k.kept_rows.empty();
+  const size_t expected = k.rows.size() - (held >= 0 ? k.kept_rows.size() : 0);
+  TORCH_CHECK(held < 0 || kept, "tensorstep: held parameters need a fused step's slot");
+  TORCH_CHECK(given.size() == expected, "tensorstep: expected ", expected, " arguments, got ", given.size());
   c.sizes.assign(k.symbols.size(), -1);
   c.inputs.assign(k.rows.size(), Tensor());
-  const bool kept = slot >= 0 && !k.kept_rows.empty();
-  for (size_t i = 0, r = 0; i < k.rows.size(); ++i) {
+  for (size_t i = 0, r = 0, j = 0; i < k.rows.size(); ++i) {
     if (kept && r < k.kept_rows.size() && k.kept_rows[r] == static_cast<int64_t>(i)) {
       ++r;
+      j += held < 0;
       continue;
     }
-    const std::optional<Tensor> t = given.get(i);
+    const std::optional<Tensor> t = given.get(j++);
     if (!check_row(k, k.rows[i], t.value_or(Tensor()), c.sizes, c.inputs[i])) return false;
   }
-  if (kept && !take_kept(k, handle, slot, given, c)) return false;
+  if (kept && !take_kept(k, handle, slot, given, c, held)) return false;
   return indices_in_range(k, c.inputs);
 }
 
-// keep(handle, slot, given, inputs): a call's cost parameters passed every check (in Python): the
+// keep(handle, slot, given, inputs, held): a call's cost parameters passed every check (in Python): the
 // slot keeps each kept row's given tensor and what the kernels read (``inputs``, checked again here
-// for their sizes). An inference tensor has no version to compare: nothing is kept then.
-void keep(int64_t handle, int64_t slot, const Given& given, const Given& inputs) {
+// for their sizes); ``held`` (>= 0): they are the step's held parameters of that generation. An
+// inference tensor has no version to compare: nothing is kept then.
+void keep(int64_t handle, int64_t slot, const Given& given, const Given& inputs, int64_t held = -1) {
   const Kernels& k = kernels(handle);
   Checked c;
-  Slot s{handle, {}, {}};
+  Slot s{handle, held, {}, {}};
   std::vector<KeptRow> rows;
   bool ok = given.size() == k.rows.size() && check(k, inputs, c);
   for (size_t r = 0; ok && r < k.kept_rows.size(); ++r) {
@@ -743,10 +756,11 @@ std::vector<Tensor> run_node(const Kernels& k, int64_t handle, const std::vector
 
 // A call checked here rather than in Python (whose checks cost several microseconds per call).
 // An empty result means a value is off: the caller's Python checks say which.
-std::vector<Tensor> step(int64_t handle, const Given& given, bool record = true, int64_t slot = -1) {
+std::vector<Tensor> step(int64_t handle, const Given& given, bool record = true, int64_t slot = -1,
+                         int64_t held = -1) {
   const Kernels& k = kernels(handle);
   Checked c;
-  if (!check(k, given, c, handle, slot)) return {};
+  if (!check(k, given, c, handle, slot, held)) return {};
   return run_node(k, handle, c.inputs, record, std::move(c.kept));
 }
 
@@ -759,10 +773,11 @@ bool overlap(const Tensor& a, const Tensor& b) {  // both contiguous CPU tensors
 // out=: a plain call written into caller-owned outputs, with the rules of runtime/validate.py's
 // check_out (nothing to differentiate, outputs disjoint from each other and from the inputs).
 // False when anything is off: the caller then runs the Python checks, which name the problem.
-bool step_out(int64_t handle, const Given& given, const std::vector<Tensor>& out, int64_t slot = -1) {
+bool step_out(int64_t handle, const Given& given, const std::vector<Tensor>& out, int64_t slot = -1,
+              int64_t held = -1) {
   const Kernels& k = kernels(handle);
   Checked c;
-  if (!check(k, given, c, handle, slot) || static_cast<int64_t>(out.size()) != k.outputs) return false;
+  if (!check(k, given, c, handle, slot, held) || static_cast<int64_t>(out.size()) != k.outputs) return false;
   const bool grad = at::GradMode::is_enabled();
   for (const auto& x : c.inputs) {
     if (grad && x.defined() && x.requires_grad()) return false;
@@ -811,23 +826,24 @@ void register_kernels_boxed(const c10::OperatorHandle&, Stack* stack) {
 }
 
 void step_boxed(const c10::OperatorHandle&, Stack* stack) {
-  const auto a = torch::jit::last(*stack, 3);
-  std::vector<Tensor> ys = step(a[0].toInt(), a[1].toOptionalTensorList(), true, a[2].toInt());
-  torch::jit::drop(*stack, 3);
+  const auto a = torch::jit::last(*stack, 4);
+  std::vector<Tensor> ys = step(a[0].toInt(), a[1].toOptionalTensorList(), true, a[2].toInt(), a[3].toInt());
+  torch::jit::drop(*stack, 4);
   stack->emplace_back(std::move(ys));
 }
 
 void step_out_boxed(const c10::OperatorHandle&, Stack* stack) {
-  const auto a = torch::jit::last(*stack, 4);
-  const bool done = step_out(a[0].toInt(), a[1].toOptionalTensorList(), a[2].toTensorVector(), a[3].toInt());
-  torch::jit::drop(*stack, 4);
+  const auto a = torch::jit::last(*stack, 5);
+  const bool done = step_out(a[0].toInt(), a[1].toOptionalTensorList(), a[2].toTensorVector(), a[3].toInt(),
+                             a[4].toInt());
+  torch::jit::drop(*stack, 5);
   stack->emplace_back(done);
 }
 
 void keep_boxed(const c10::OperatorHandle&, Stack* stack) {
-  const auto a = torch::jit::last(*stack, 4);
-  keep(a[0].toInt(), a[1].toInt(), a[2].toOptionalTensorList(), a[3].toOptionalTensorList());
-  torch::jit::drop(*stack, 4);
+  const auto a = torch::jit::last(*stack, 5);
+  keep(a[0].toInt(), a[1].toInt(), a[2].toOptionalTensorList(), a[3].toOptionalTensorList(), a[4].toInt());
+  torch::jit::drop(*stack, 5);
 }
 
 void new_slot_boxed(const c10::OperatorHandle&, Stack* stack) {
@@ -1044,9 +1060,9 @@ TORCH_LIBRARY(tensorstep_native, m) {
         "int[] rules, int[] presences, int[] indices, int[] differentiable, int[] output_shapes, "
         "int[] output_ranks, str[] symbols, str[] messages, ScalarType dtype, bool fused, int[] kept) -> int",
         torch::CppFunction::makeFromBoxedFunction<&register_kernels_boxed>());
-  m.def("step(int handle, Tensor?[] inputs, int slot=-1) -> Tensor[]");
-  m.def("step_out(int handle, Tensor?[] inputs, Tensor(a!)[] out, int slot=-1) -> bool");
-  m.def("keep(int handle, int slot, Tensor?[] given, Tensor?[] inputs) -> ()",
+  m.def("step(int handle, Tensor?[] inputs, int slot=-1, int held=-1) -> Tensor[]");
+  m.def("step_out(int handle, Tensor?[] inputs, Tensor(a!)[] out, int slot=-1, int held=-1) -> bool");
+  m.def("keep(int handle, int slot, Tensor?[] given, Tensor?[] inputs, int held=-1) -> ()",
         torch::CppFunction::makeFromBoxedFunction<&keep_boxed>());
   m.def("new_slot() -> int", torch::CppFunction::makeFromBoxedFunction<&new_slot_boxed>());
   m.def("bind(str key, int handle, str family) -> ()", torch::CppFunction::makeFromBoxedFunction<&bind_boxed>());
