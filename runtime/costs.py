@@ -213,9 +213,11 @@ def check_held(table: ArgumentTable, given: dict[str, Any], dtype: torch.dtype, 
     from ..codegen.spec import unknown_name
 
     allowed = holdable(table)
+    known = {a.name for a in table.tensors}
     for name in given:
         if name not in allowed:
-            raise TypeError(f"{name}: a step holds its cost parameters only; {unknown_name(name, allowed)}")
+            what = "a step holds its cost parameters only" if name in known else "no cost parameter of that name"
+            raise TypeError(f"{name}: {what}; {unknown_name(name, allowed)}")
     args = [a for a in table.tensors if a.name in given and given[a.name] is not None]
     # B from the first [B, ...] tensor of the right rank, so that a [D] weight checked before it agrees
     batch = next((given[a.name].shape[0] for a in args if a.shape and a.shape[0] == "B"
