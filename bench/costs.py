@@ -7,6 +7,9 @@ gradient of the scalar loss ``sum(P · W) + sum(cost)`` to u: the outputs' gradi
 ones for the cost) are handed to ``torch.autograd.backward``, as the main table does.
 
 * fused: ``P, cost = step(u, p0, v0, a0, dt, **parameters)``;
+* fused, cost parameters held by the step: ``step.set_costs(**parameters)`` once, then
+  ``P, cost = step(u, p0, v0, a0, dt)`` (a planner's loop: the node takes the held parameters from
+  the step's slot, and no cost parameter crosses per call);
 * unfused + eager costs: the plain step (every state) and the terms written here in PyTorch from
   their definitions (not tensorstep's composite form);
 * slicing + costs, torch.compile: bench/baselines.py's slicing step and the same terms, compiled
@@ -132,6 +135,7 @@ def case_callables(case: CostCase, inductor: bool = True,
     W = torch.randn(case.batch, case.horizon, case.dof, generator=gen, dtype=case.torch_dtype).to(dev)
     ones = torch.ones(case.batch, len(TERMS), dtype=case.torch_dtype, device=dev)
     fused = ts.load(case.fused, dev)
+    held = ts.load(case.fused, dev).set_costs(**params)  # a step of its own: (a)'s calls keep their slot
     plain = ts.load(case.plain, dev)
     native.wait()  # the plain step's eager calls take the native node, as they do once it is built
 
@@ -154,6 +158,7 @@ def case_callables(case: CostCase, inductor: bool = True,
 
     methods: dict[str, Callable] = {
         "fused": with_costs(lambda: fused(u, *starts, DT, **params)),
+        "fused_held": with_costs(lambda: held(u, *starts, DT)),
         "unfused": with_costs(unfused),
         "plain": step_alone,
     }
@@ -189,13 +194,13 @@ def _check_agreement(case: CostCase, methods: dict[str, Callable], u: torch.Tens
     """Run each method once (compiling the compiled one) and compare its P, cost and u's gradient
     with the unfused step's; raises beyond AGREEMENT[dtype]."""
     got = {}
-    for name in ("fused", "unfused", "compiled"):
+    for name in ("fused", "fused_held", "unfused", "compiled"):
         if name in methods:
             P, cost = methods[name]()
             got[name] = (P.detach(), cost.detach(), u.grad.clone())
     rel = lambda x, y: float((x - y).abs().max() / y.abs().max().clamp(min=1e-30))
     reference = got["unfused"]
-    for name in ("fused", "compiled"):
+    for name in ("fused", "fused_held", "compiled"):
         if name not in got:
             continue
         errors = [rel(x, y) for x, y in zip(got[name], reference)]
@@ -254,9 +259,9 @@ def _pieces(fused, u, starts, params, W, ones) -> dict[str, Callable[[], None]]:
     }
 
 
-HEADER = ("| H | B | dtype | (a) fused | (b) unfused + eager costs | (c) slicing + costs, torch.compile "
-          "| (d) step alone, grad on P | (e) copy bound | (f) copy bound, outputs as (a)'s | (b) / (a) | (c) / (a) "
-          "| (a) / (d) | (a) / (e) | (a) / (f) |")
+HEADER = ("| H | B | dtype | (a) fused | (a') fused, cost parameters held by the step | (b) unfused + eager costs "
+          "| (c) slicing + costs, torch.compile | (d) step alone, grad on P | (e) copy bound "
+          "| (f) copy bound, outputs as (a)'s | (b) / (a) | (c) / (a) | (a) / (d) | (a') / (d) | (a) / (e) | (a) / (f) |")
 BREAKDOWN = ("| H | B | dtype | fused call (a) | Python path: checks, parameters unchanged | Python path: value "
              "checks of all-new cost parameters | forward kernel | adjoint kernel | forward, no_grad "
              "| rest: the call around its kernels (a − kernels) | (d)'s kernels (forward + adjoint) |")
@@ -293,9 +298,10 @@ def run_cases(cases: Iterable[CostCase], echo: Callable[[str], None], budget_s: 
         rows.append(dict(dataclasses.asdict(case), **t))
         co = t.get("compiled")
         echo(f"| {case.horizon} | {case.batch} | {case.dtype} | {format_time(t['fused'])} | "
-             f"{format_time(t['unfused'])} | {format_time(co) if co else 'n/a'} | {format_time(t['plain'])} | "
-             f"{format_time(t['copy'])} | {format_time(t['copy_as_outputs'])} | {_ratio(t, 'unfused', 'fused')} | "
-             f"{_ratio(t, 'compiled', 'fused')} | {_ratio(t, 'fused', 'plain')} | {_ratio(t, 'fused', 'copy')} | "
+             f"{format_time(t['fused_held'])} | {format_time(t['unfused'])} | {format_time(co) if co else 'n/a'} | "
+             f"{format_time(t['plain'])} | {format_time(t['copy'])} | {format_time(t['copy_as_outputs'])} | "
+             f"{_ratio(t, 'unfused', 'fused')} | {_ratio(t, 'compiled', 'fused')} | {_ratio(t, 'fused', 'plain')} | "
+             f"{_ratio(t, 'fused_held', 'plain')} | {_ratio(t, 'fused', 'copy')} | "
              f"{_ratio(t, 'fused', 'copy_as_outputs')} |")
     echo("\nWhere the fused call's time goes (the same runs):")
     echo("")

@@ -252,3 +252,40 @@ def test_held_parameters_are_the_modules_buffers():
         for _ in range(2):
             step(x["u"], x["p0"], x["v0"], x["a0"], 0.1, out=(P, cost))
             _same((P, cost), expected[:2])
+
+
+def test_held_parameters_under_compile_vmap_and_export():
+    """torch.compile(fullgraph=True), vmap and torch.export of a step that holds its cost parameters
+    give the values and gradients of the same calls passing them as keywords."""
+    spec = _spec()
+    x, params = _data(spec)
+    step = _loaded(spec, "native").set_costs(**params)
+    keyword = _loaded(spec, "native")
+
+    def loss(s, kw, u):
+        P, cost = s(u, x["p0"], x["v0"], x["a0"], 0.1, **kw)
+        return P.square().sum() + cost.sum()
+
+    u = x["u"].clone().requires_grad_()
+    expected = loss(keyword, params, u)
+    (g_expected,) = torch.autograd.grad(expected, u)
+    compiled = torch.compile(lambda uu: loss(step, {}, uu), fullgraph=True)(u)
+    (g_compiled,) = torch.autograd.grad(compiled, u)
+    torch.testing.assert_close(compiled, expected, rtol=1e-12, atol=0)
+    torch.testing.assert_close(g_compiled, g_expected, rtol=1e-12, atol=1e-12 * float(g_expected.abs().max()))
+
+    stacked = torch.stack([x["u"], 2 * x["u"]])
+    cost_of = lambda s, kw: (lambda uu: s(uu, x["p0"], x["v0"], x["a0"], 0.1, **kw)[1])
+    torch.testing.assert_close(torch.func.vmap(cost_of(step, {}))(stacked), torch.func.vmap(cost_of(keyword, params))(stacked),
+                               rtol=1e-12, atol=0)
+
+    class Loss(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.step = step
+
+        def forward(self, uu):
+            return loss(self.step, {}, uu)
+
+    exported = torch.export.export(Loss(), (x["u"],))
+    torch.testing.assert_close(exported.module()(x["u"]), loss(keyword, params, x["u"]), rtol=1e-12, atol=0)

@@ -52,21 +52,21 @@ def printed() -> str:
 
 
 def test_fused_and_compiled_agree_with_the_unfused_step_plus_costs(printed):
-    found = re.findall(r"B=3 float64 (fused|compiled) against unfused \+ eager costs, largest relative difference: "
-                       r"P (\S+), cost (\S+), grad u (\S+)", printed)
-    assert sorted(name for name, *_ in found) == ["compiled", "fused"]
+    found = re.findall(r"B=3 float64 (fused|fused_held|compiled) against unfused \+ eager costs, largest relative "
+                       r"difference: P (\S+), cost (\S+), grad u (\S+)", printed)
+    assert sorted(name for name, *_ in found) == ["compiled", "fused", "fused_held"]
     for _, *errors in found:
         assert max(float(e) for e in errors) < 1e-12
 
 
 def test_the_table_and_its_ratios(printed):
     (row,) = table_rows(printed, "| H | B | dtype | (a) fused")
-    assert row[:3] == ["8", "3", "float64"] and len(row) == 14
-    times = dict(zip("abcdef", row[3:9]))
-    ratios = [float(cell.rstrip("×")) for cell in row[9:]]
-    assert len(ratios) == 5
+    assert row[:3] == ["8", "3", "float64"] and len(row) == 16
+    times = dict(zip("aAbcdef", row[3:10]))  # A: (a'), the fused step holding its cost parameters
+    ratios = [float(cell.rstrip("×")) for cell in row[10:]]
+    assert len(ratios) == 6
     # each ratio from the unrounded times: within what the printed times' rounding allows
-    for ratio, (num, den) in zip(ratios, ["ba", "ca", "ad", "ae", "af"]):
+    for ratio, (num, den) in zip(ratios, ["ba", "ca", "ad", "Ad", "ae", "af"]):
         n, dn = seconds(times[num]), rounding(times[num])
         d, dd = seconds(times[den]), rounding(times[den])
         assert (n - dn) / (d + dd) - 0.005 <= ratio <= (n + dn) / (d - dd) + 0.005, (ratio, times[num], times[den])
