@@ -223,8 +223,8 @@ def test_set_costs_checks_every_tensor_before_holding_any():
 
 def test_held_parameters_are_the_modules_buffers():
     """Held tensors are buffers: in state_dict, loaded by load_state_dict into a step that holds none
-    (then held as copies) or some (copied in place), converted by .double() with the step's kernels,
-    kept by deepcopy and pickle; out= (rollouts) reads them too."""
+    (then held as copies), converted by .double() with the step's kernels, kept by deepcopy and pickle,
+    swapped for one call by torch.func.functional_call; out= (rollouts) reads them too."""
     spec32 = _spec("float32")
     x, params = _data(spec32)
     step = _loaded(spec32, "native").set_costs(**params)
@@ -246,6 +246,13 @@ def test_held_parameters_are_the_modules_buffers():
     assert {t.dtype for t in wide.buffers()} == {torch.float64} and wide.dtype == torch.float64
     x64 = {k: v.double() for k, v in x.items()}
     _same(_run(wide, x64, {}), _run(_loaded(_spec("float64"), "python"), x64, {k: v.double() for k, v in params.items()}))
+
+    # functional_call swaps a buffer for one call; the next call reads the held one again
+    args = (x["u"], x["p0"], x["v0"], x["a0"], 0.1)
+    half = {"bound_velocity_limit": 0.5 * params["bound_velocity_limit"]}
+    with torch.no_grad():
+        _same(torch.func.functional_call(step, half, args), _loaded(spec32, "python")(*args, **{**params, **half}))
+        _same(step(*args), expected[:2])
 
     P, cost = torch.empty_like(expected[0]), torch.empty_like(expected[1])
     with torch.no_grad():
