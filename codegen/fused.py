@@ -233,6 +233,30 @@ def _last_rows(op: Operator, acc: dict, targets: list[bool]) -> dict:
     return last
 
 
+#: C's fused stencil columns: the steps a row's definition is printed ahead of its uses
+#: (``defined_ahead``), per kernel, as measured on the bench's spec (BENCHMARKS.md, issue 39, "rows
+#: defined ahead"); a recurrence's rows keep their order
+C_AHEAD = {"forward": 2, "adjoint": 1}
+
+
+def defined_ahead(op: Operator, steps: int) -> list[tuple[int, int]]:
+    """For each row, the rows whose definitions are printed just before its other statements, as
+    ``(first, end)``: its own and, with ``steps`` > 0, every later row up to ``steps`` steps (h) ahead
+    not printed yet. The definitions stay in row order (a row may read earlier ones); what moves is
+    what uses a row (its store, cost terms, gradient), printed after the definitions of the next
+    ``steps`` steps. The compiler keeps a straight-line column in about the printed order, so a row's
+    chain (stencil, then its terms' dead zones and squares) then starts while earlier rows' terms
+    are still in flight: C's fused columns ran faster by this (BENCHMARKS.md, issue 39, "rows defined
+    ahead"). ``steps`` = 0: each row's definition just before its uses, as before."""
+    spans, end = [], 0
+    for i, row in enumerate(op.rows):
+        first = end
+        while end < len(op.rows) and (end <= i or steps > 0 and op.rows[end].h <= row.h + steps):
+            end += 1
+        spans.append((first, end))
+    return spans
+
+
 #: float32 kernels (itemsize 4): a nonnegative term adds runs of this many rows in float before each
 #: run's sum goes into its double accumulator (``forward``'s ``run``). A run's rounding, at most
 #: 15·2⁻²⁴ ≈ 8.9e-7 relative (first order), stays within torch.testing's float32 rtol (1.3e-6); runs
@@ -253,7 +277,10 @@ def _term_rows(terms: CostTerms, op: Operator, run: int) -> Callable:
     partial sum ``crun<t>`` in the kernel's type, added to ``cacc<t>`` once per run of ``run`` rows
     (and at the term's last row). The rows of a run are added left to right: the same bits on every
     call and thread count. Terms ≥ 0 do not cancel, so a run's sum is within (run − 1)·ε of
-    its exact value (ε = 2⁻²⁴ in float32), before it is converted."""
+    its exact value (ε = 2⁻²⁴ in float32), before it is converted. A term's first run is assigned
+    to ``cacc<t>``, not added to its zero: the same value (0 + x is x but for x = −0, which a sum of
+    terms ≥ 0 is only where a weight is −0, and the trajectory's sum over dof, from +0, then gives
+    +0 either way), one double add fewer per term."""
     n = {t: sum(row.k == k for row in op.rows) for t, _, k in terms.terms}
     seen: dict[int, int] = defaultdict(int)
 
@@ -266,7 +293,8 @@ def _term_rows(terms: CostTerms, op: Operator, run: int) -> Callable:
         if first and last:
             return [Store(acc, Cast("double", Paren(value)), "+=")]
         if last:
-            return [Store(acc, Cast("double", Paren(Sum((Term(None, partial), Term(None, value))))), "+=")]
+            return [Store(acc, Cast("double", Paren(Sum((Term(None, partial), Term(None, value))))),
+                          "=" if i < length else "+=")]
         if not first:
             return [Store(partial, value, "+=")]
         return [Def(partial, value, const=False) if i == 0 else Store(partial, value, "=")]
@@ -275,17 +303,19 @@ def _term_rows(terms: CostTerms, op: Operator, run: int) -> Callable:
 
 
 def forward(op: Operator, coefs: Coefficients, refs: References, table: ArgumentTable, rows: Callable,
-            live: Callable, run: int = 1, form: Form = Form()) -> list[Statement]:
+            live: Callable, run: int = 1, form: Form = Form(), ahead: int = 0) -> list[Statement]:
     """The column: each row's value, its store where the state is written, each term's sum
     (``rows``: the operator's rows as definitions, ``live``: the dead-code pass, codegen/lower.py's;
     ``run``: rows a nonnegative term adds in the kernel's type before its double sum, ``_term_rows``;
-    ``form``: what the parameters allow, valid where ``narrow_check`` and ``unit_rows_check`` hold)."""
+    ``form``: what the parameters allow, valid where ``narrow_check`` and ``unit_rows_check`` hold;
+    ``ahead``: steps a row's definition is printed before its store and terms, ``defined_ahead``)."""
     terms = CostTerms(table, form.narrow, form.unit_rows)
     add = _term_rows(terms, op, run)
     body = refs.loads(a.name for a in table.columns) + terms.loads()
     body += [Def(Var(f"cacc{t}"), Sum(()), ctype="double", const=False) for t, _, _ in terms.terms]
-    for line, row in zip(rows(op, coefs, refs), op.rows):
-        body.append(line)
+    lines = rows(op, coefs, refs)
+    for row, (first, end) in zip(op.rows, defined_ahead(op, ahead)):
+        body += lines[first:end]
         if row.k in terms.written:
             body.append(Call(f"Y{row.k}", (row.h,), Val("y", row.k, row.h)))
         for t, kind in terms.on(row.k):
@@ -314,14 +344,16 @@ def unit_rows_check(table: ArgumentTable) -> list:
 
 
 def adjoint(op: Operator, coefs: Coefficients, refs: References, table: ArgumentTable, rows: Callable,
-            live: Callable, checkpoints: int = 0, form: Form = Form(), paired: bool = False) -> list[Statement]:
+            live: Callable, checkpoints: int = 0, form: Form = Form(), paired: bool = False,
+            ahead: int = 0) -> list[Statement]:
     """The column's gradients: the rows recomputed, each row's gradient from its output and the
     cost terms on it, then every differentiable input's store. No row of a stencil reads another,
     so each row's gradient goes into its inputs' accumulators at once (few values live: CUDA's
     registers); a recurrence's rows are accumulated in reverse, with ``checkpoints`` (the value's
     itemsize) segment by segment (``_recurrence``). ``form``: as ``forward``'s. ``paired`` (a stencil's,
     with ``rows`` as ``paired_rows``): each group of ``pairs`` of a step's rows (consecutive rows of
-    the same h) takes its gradient once, after the step's last row, and adds it to its references."""
+    the same h) takes its gradient once, after the step's last row, and adds it to its references.
+    ``ahead``: as ``forward``'s, a stencil's rows (a recurrence's keep their order)."""
     terms = CostTerms(table, form.narrow, form.unit_rows)
     columns = [a.name for a in table.columns]
     inputs = refs.differentiable(op.n_actions, columns)
@@ -342,8 +374,9 @@ def adjoint(op: Operator, coefs: Coefficients, refs: References, table: Argument
         last = _last_rows(op, acc, [bool(target_slopes(row)) for row in op.rows])
         pending: dict[tuple, list[Term]] = {}  # a step's groups of references, with their rows' products
         step = 0  # the first row of the current step
-        for i, (line, row) in enumerate(zip(rows(op, coefs, refs), op.rows)):
-            body += [line, gradient(row)]
+        lines = rows(op, coefs, refs)
+        for i, (row, (first, end)) in enumerate(zip(op.rows, defined_ahead(op, ahead))):
+            body += lines[first:end] + [gradient(row)]
             g = Val("g", row.k, row.h)
             groups = pairs(row) if paired else [(c, ((ref, False),)) for c, ref in row.terms]
             for c, group in groups:

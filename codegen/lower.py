@@ -1034,15 +1034,18 @@ class LoweredOperator:
 
     def c_fused(self, kernel: str, itemsize: int, form: fused.Form = fused.Form()) -> KernelCode:
         """C's form of a fused forward or adjoint: a float32 forward's cost rows added in runs in float,
-        the rows' terms with coefficients of the same magnitude one product (codegen/fused.py ``pairs``);
+        the rows' terms with coefficients of the same magnitude one product (codegen/fused.py ``pairs``),
+        a stencil's rows defined ahead of their uses (``defined_ahead``, ``C_AHEAD``);
         ``form``: what a call's parameters allow (codegen/fused.py ``run_rows``, ``Form``)."""
         run = fused.run_rows(itemsize) if kernel == "forward" else 1
         key = (kernel, run, form)
         if key not in self._c_fused:
-            extra = {"run": run} if kernel == "forward" else {"paired": _is_stencil(self.op)}
+            stencil = _is_stencil(self.op)
+            extra = {"run": run} if kernel == "forward" else {"paired": stencil}
             build = fused.forward if kernel == "forward" else fused.adjoint
             self._c_fused[key] = KernelCode(TABLE_CALL, build(self.op, self.coefs, self.refs, self.arguments,
-                                                              fused.paired_rows, _live, form=form, **extra))
+                                                              fused.paired_rows, _live, form=form,
+                                                              ahead=fused.C_AHEAD[kernel] if stencil else 0, **extra))
         return self._c_fused[key]
 
     @functools.cached_property

@@ -106,10 +106,12 @@ def test_float32_forward_adds_runs_of_rows_float64_every_row():
                 assert "CRW" not in body and "cw0" in body
             general = c[c.index(f"_{kernel}_batch(int64_t"):]
             assert "CRW0(" in general[:general.index("\n}\n")]
-        if runs:  # the column form: one double add per run of rows, and one for the last, shorter run
+        if runs:  # the column form: one double sum per run of rows, and one for the last, shorter run;
+            # the first run is the accumulator's first value (assigned, not added to its zero)
             column = c[c.index("for (int64_t d = 0; d < D_; ++d)", c.index("_forward_batch(")):]
-            adds = column[:column.index("CPART(0")].count("cacc0 +=")
-            assert adds == -(-20 // FLOAT_RUN_ROWS)
+            column = column[:column.index("CPART(0")]
+            assert column.count("cacc0 = (double)") == 1
+            assert column.count("cacc0 +=") == -(-20 // FLOAT_RUN_ROWS) - 1
 
 
 @pytest.mark.parametrize("fields", [dict(), dict(difference="backward", accuracy=2), dict(control="jerk"),
