@@ -114,6 +114,44 @@ def test_float32_forward_adds_runs_of_rows_float64_every_row():
             assert column.count("cacc0 +=") == -(-20 // FLOAT_RUN_ROWS) - 1
 
 
+def test_defined_ahead_keeps_the_rows_in_order():
+    """``defined_ahead``: every row's definition printed once, in row order, no later than its own
+    uses, and those of the rows up to ``steps`` steps (h) ahead before them; 0 steps: each row alone."""
+    from types import SimpleNamespace
+
+    from tensorstep.codegen.fused import defined_ahead
+
+    op = SimpleNamespace(rows=[SimpleNamespace(h=h) for h in (0, 0, 1, 1, 2, 2, 3, 3)])
+    assert defined_ahead(op, 0) == [(i, i + 1) for i in range(8)]
+    assert defined_ahead(op, 1) == [(0, 4), (4, 4), (4, 6), (6, 6), (6, 8), (8, 8), (8, 8), (8, 8)]
+    for steps in range(4):
+        spans = defined_ahead(op, steps)
+        assert [i for first, end in spans for i in range(first, end)] == list(range(8))
+        for i, (row, (_, end)) in enumerate(zip(op.rows, spans)):
+            assert end > i and all(r.h <= row.h + steps for r in op.rows[:end])
+            assert end == 8 or op.rows[end].h > row.h + steps or end == i + 1
+
+
+def test_c_fused_stencil_columns_define_rows_ahead_cuda_columns_do_not():
+    """C's fused stencil columns print the rows of the next ``C_AHEAD`` steps before a row's store,
+    cost terms (forward) and gradient (adjoint); CUDA's sources keep each row next to its uses."""
+    from tensorstep.codegen.driver import generate
+    from tensorstep.codegen.fused import C_AHEAD
+
+    spec = KernelSpec(horizon=12, dof=3, costs=(("bound", "velocity"), ("squared", "jerk")), outputs=("P",))
+    generated = generate(spec, targets=("c", "cuda"), parts=("core",))
+    c, cuda = generated.source("c", "core"), generated.source("cuda", "core")
+    for kernel, use in (("forward", "crun0 += CRW0(5)*("), ("adjoint", "g1_5 = ")):
+        start = c.index(f"_{kernel}_batch(int64_t")
+        body = c[c.index("#if defined(TS_LANES)", start):c.index("\n}\n", start)]
+        ahead = C_AHEAD[kernel]
+        assert ahead > 0
+        assert body.index(f"const VT y1_{5 + ahead} = ") < body.index(use) < body.index(f"const VT y1_{6 + ahead} = ")
+    gradient = cuda.index("g1_5 = ")  # the adjoint's: row 5 defined just before it, row 6 after
+    assert "y1_6 = " not in cuda[cuda.rindex("y1_5 = ", 0, gradient):gradient]
+    assert cuda.index("y1_6 = ", gradient) > gradient
+
+
 @pytest.mark.parametrize("fields", [dict(), dict(difference="backward", accuracy=2), dict(control="jerk"),
                                     dict(order=4, accuracy=(2, 2, 2, 2)), dict(end="goal")])
 def test_paired_rows_are_the_rows(fields):
