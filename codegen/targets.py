@@ -234,23 +234,29 @@ class Launches:
     parameters: tuple[str, ...]
 
     @functools.cached_property
-    def binding(self) -> tuple[tuple[tuple[str, int, int, int, Callable[[list], tuple]], ...], tuple[int, ...]]:
-        """What binding a call's arguments to the launches needs, worked out once (a call's values
-        are its arguments, then its temporaries' addresses, then ``constants``): each launch as
-        (kernel, grid, block, shared, a function of those values that picks its arguments), and
-        the integers the launches pass. A name is an argument's position unless a temporary has
-        it."""
+    def positions(self) -> tuple[tuple[tuple[str, int, int, int, tuple[int, ...]], ...], tuple[int, ...]]:
+        """Where each launch's arguments come from, worked out once (a call's values are its
+        arguments, then its temporaries' addresses, then ``constants``): each launch as (kernel,
+        grid, block, shared, the positions of its arguments among those values), and the integers
+        the launches pass. A name is an argument's position unless a temporary has it."""
         n, names = len(self.parameters), {}
         names.update((name, i) for i, name in enumerate(self.parameters))
         names.update((t.name, n + j) for j, t in enumerate(self.temporaries))
         constants: dict[int, int] = {}
         at = n + len(self.temporaries)
-        bound = []
+        placed = []
         for launch in self.launches:
             positions = tuple(names[a] if isinstance(a, str) else at + constants.setdefault(a, len(constants))
                               for a in launch.args)
-            bound.append((launch.kernel, launch.grid, launch.block, launch.shared, _picker(positions)))
-        return tuple(bound), tuple(constants)
+            placed.append((launch.kernel, launch.grid, launch.block, launch.shared, positions))
+        return tuple(placed), tuple(constants)
+
+    @functools.cached_property
+    def binding(self) -> tuple[tuple[tuple[str, int, int, int, Callable[[list], tuple]], ...], tuple[int, ...]]:
+        """``positions`` with each launch's positions as a function of the call's values that picks
+        its arguments."""
+        placed, constants = self.positions
+        return tuple((kernel, grid, block, shared, _picker(at)) for kernel, grid, block, shared, at in placed), constants
 
 
 def _picker(positions: tuple[int, ...]) -> Callable[[list], tuple]:

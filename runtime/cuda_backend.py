@@ -14,11 +14,26 @@ compiled or loaded inside a capture (the call raises instead); ``Step.prepare`` 
 kernels ahead of one.
 The generated source is kept in tensorstep's cache, so a warm load needs no code
 generation; CuPy's own disk cache then serves the compiled binary.
+
+A call's host time is mostly Python, so its launches go straight to the driver's
+``cuLaunchKernel`` (CuPy's ``cupy.cuda.driver.launchKernel``) with the kernels' function handles
+(``RawKernel.kernel.ptr``, loaded for the step's device when a library is bound), their parameters
+packed once per (entry point, B) as the driver reads them (``Packed``: every parameter of a CUDA
+entry point is 8 bytes, a pointer or an int64_t, which is checked), PyTorch's current stream read
+once per call (its raw handle), and CuPy's device switch only where the current device is another.
+A call then converts no Python integer per argument, as CuPy's ``RawKernel.__call__`` does. The
+launches, grids, blocks, arguments and stream are those of CuPy's call (``TENSORSTEP_CUDA_LAUNCH=cupy``
+in the environment, read at load, launches through it instead; so does a CuPy that offers no
+function handle or no launchKernel, with a warning).
 """
 from __future__ import annotations
 
+import ctypes
 import functools
+import os
 import shutil
+import threading
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -26,7 +41,7 @@ import torch
 
 from ..codegen import abi
 from ..codegen.arguments import ArgumentTable, table
-from ..codegen.targets import CUDA, Launches
+from ..codegen.targets import CUDA, CUDA_LAUNCHES_KEPT, Launches
 from .cache import ABI_VERSION, BuildCache, digest
 from .fingerprint import generator_fingerprint
 from .launch import DTYPES, capturing, warm_up_first
@@ -35,19 +50,87 @@ from .launch import DTYPES, capturing, warm_up_first
 Bound = tuple[str, int, int, int, tuple[int, ...]]
 
 
+def check_arguments(launches: Launches, args: Sequence[int]) -> None:
+    """A call passes one value for each argument of its entry point after B."""
+    if len(args) != len(launches.parameters):
+        raise ValueError(f"expected {len(launches.parameters)} arguments ({', '.join(launches.parameters)}), "
+                         f"got {len(args)}")
+
+
 def bind(launches: Launches, args: Sequence[int],
          empty: Callable[[int, torch.dtype], torch.Tensor]) -> tuple[list[Bound], list[torch.Tensor]]:
     """A plan's launches for one call of an entry point of the C ABI (``args`` in its order, after
     B: ``launches.parameters``), with their temporaries from ``empty(size, dtype)``; the caller
     keeps the buffers until the launches are queued. Which value goes where is worked out once
     per launches (``Launches.binding``); a call only picks its values."""
-    if len(args) != len(launches.parameters):
-        raise ValueError(f"expected {len(launches.parameters)} arguments ({', '.join(launches.parameters)}), "
-                         f"got {len(args)}")
+    check_arguments(launches, args)
     bound, constants = launches.binding
     buffers = [empty(t.size, DTYPES[t.dtype]) for t in launches.temporaries]
     values = [*args, *(buffer.data_ptr() for buffer in buffers), *constants]
     return [(kernel, grid, block, shared, pick(values)) for kernel, grid, block, shared, pick in bound], buffers
+
+
+#: the bytes of every parameter of a CUDA entry point (a pointer or an int64_t), as packed for the driver
+SLOT = 8
+
+
+def packable(kernel: str, table: ArgumentTable) -> bool:
+    """Every parameter of a CUDA entry point is a pointer or an int64_t (8 bytes, ``SLOT``)."""
+    return all("*" in t or t == "int64_t" for t, _ in abi.cuda_arguments(kernel, table))
+
+
+class Packed:
+    """The launches of one entry point over a batch of B (``Launches``) with their parameters as
+    ``cuLaunchKernel`` reads them: an array of 8-byte slots (B, the call's arguments, its
+    temporaries' addresses, the plan's integers) and, for each launch, its array of pointers to
+    its parameters' slots, in the order of the kernel's C signature (B, then the launch's arguments,
+    ``Launches.positions``). A call fills the slots of its arguments and temporaries and launches;
+    the lock keeps two threads from filling the slots of one object at once (the driver copies
+    the parameters when it queues a launch)."""
+
+    def __init__(self, launches: Launches, B: int, handles: dict[str, int]):
+        placed, constants = launches.positions
+        self.launches = launches
+        self.arguments = len(launches.parameters)
+        self.slots = (ctypes.c_int64 * (1 + self.arguments + len(launches.temporaries) + len(constants)))()
+        self.slots[0] = B
+        first = 1 + self.arguments + len(launches.temporaries)
+        self.slots[first:] = list(constants)
+        base = ctypes.addressof(self.slots)
+        self._pointers = []  # kept: the driver reads them
+        #: (function handle, grid, block, shared memory bytes, address of the parameters' pointer array)
+        self.runs: list[tuple[int, int, int, int, int]] = []
+        for kernel, grid, block, shared, positions in placed:
+            pointers = (ctypes.c_void_p * (1 + len(positions)))(base, *(base + SLOT * (1 + p) for p in positions))
+            self._pointers.append(pointers)
+            self.runs.append((handles[kernel], grid, block, shared, ctypes.addressof(pointers)))
+        self.lock = threading.Lock()
+
+    def launch(self, launch_kernel: Callable[..., Any], stream: int, args: Sequence[int],
+               buffers: Sequence[torch.Tensor]) -> None:
+        """Queue the launches on ``stream`` (``launch_kernel``: the driver's cuLaunchKernel)."""
+        n = self.arguments
+        with self.lock:
+            slots = self.slots
+            slots[1:n + 1] = args
+            for j, buffer in enumerate(buffers, n + 1):
+                slots[j] = buffer.data_ptr()
+            for handle, grid, block, shared, params in self.runs:
+                launch_kernel(handle, grid, 1, 1, block, 1, 1, shared, stream, params, 0)
+
+
+def raw_stream_reader() -> Callable[[int], int]:
+    """The raw handle of PyTorch's current stream on a device (by index): PyTorch's own accessor
+    where it has it (``torch._C._cuda_getCurrentRawStream``, what compiled code calls), else
+    ``torch.cuda.current_stream``."""
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is not None:
+        return raw
+    return lambda index: torch.cuda.current_stream(index).cuda_stream
+
+
+#: ``TENSORSTEP_CUDA_LAUNCH=cupy``: launch through CuPy's RawKernel call (read when a step is loaded)
+LAUNCH_SWITCH = "TENSORSTEP_CUDA_LAUNCH"
 
 
 NVRTC_OPTIONS = ("--std=c++14",)
@@ -134,11 +217,28 @@ class CudaBackend:
         self.cupy = _cupy()
         self.spec = spec
         self.device = device
+        self.index = device.index
         self.table = table(spec)
         self.functions: dict[str, Any] = {}
         self._streams: dict[int, Any] = {}
+        #: the kernels' function handles on this device (direct launches)
+        self.handles: dict[str, int] = {}
+        self._packed: dict[tuple[str, int], Packed] = {}
+        self._raw_stream = raw_stream_reader()
+        self._launch_kernel = getattr(getattr(self.cupy.cuda, "driver", None), "launchKernel", None)
+        self._get_device = self.cupy.cuda.runtime.getDevice
+        self._contexts = threading.local()
+        #: launches go to the driver directly (``Packed``), else through CuPy's RawKernel call
+        self.direct = os.environ.get(LAUNCH_SWITCH) != "cupy"
+        if self.direct and self._launch_kernel is None:
+            self._no_direct("this CuPy has no cupy.cuda.driver.launchKernel")
         self.metadata = self._bind("core")
         self.plan = CUDA.launch_plan(spec, self.metadata)  # every library's metadata is the same
+
+    def _no_direct(self, why: str) -> None:
+        warnings.warn(f"tensorstep: CUDA kernels launch through CuPy's RawKernel call, whose host time per "
+                      f"launch is larger: {why}", RuntimeWarning, stacklevel=3)
+        self.direct = False
 
     def _bind(self, part: str) -> dict:
         if capturing():
@@ -148,7 +248,16 @@ class CudaBackend:
         with cp.cuda.Device(self.device.index):
             module = cp.RawModule(code=source, options=NVRTC_OPTIONS)
             for kernel in entry_points(self.table, part, metadata):
-                self.functions[kernel] = module.get_function(abi.symbol(self.spec.name, kernel))
+                function = module.get_function(abi.symbol(self.spec.name, kernel))
+                self.functions[kernel] = function
+                if self.direct:
+                    if not packable(kernel, self.table):
+                        self._no_direct(f"the kernel {kernel} has a parameter of another size than {SLOT} bytes")
+                    else:
+                        try:  # the kernel for this device (CuPy compiles and loads the module here)
+                            self.handles[kernel] = int(function.kernel.ptr)
+                        except AttributeError:
+                            self._no_direct("this CuPy's RawKernel offers no function handle (kernel.ptr)")
         return metadata
 
     def load_part(self, part: str) -> None:
@@ -163,10 +272,43 @@ class CudaBackend:
     def call(self, kernel: str, B: int, args: list[int]) -> None:
         if kernel not in self.functions:
             self.load_part(abi.library(kernel))
-        launches, buffers = bind(self.plan.launches(kernel, B), args, self.empty)
+        launches = self.plan.launches(kernel, B)
+        if not self.direct:
+            return self._call_cupy(launches, B, args)
+        check_arguments(launches, args)
+        packed = self._packed.get((kernel, B))
+        if packed is None or packed.launches is not launches:
+            packed = self._pack(kernel, B, launches)
+        buffers = [self.empty(t.size, DTYPES[t.dtype]) for t in launches.temporaries]
+        stream = self._raw_stream(self.index)
+        if self._get_device() == self.index:
+            self._launch(packed, stream, args, buffers)
+        else:
+            with self.cupy.cuda.Device(self.index):
+                self._launch(packed, stream, args, buffers)
+        del buffers  # queued: the caching allocator reuses them in stream order
+
+    def _pack(self, kernel: str, B: int, launches: Launches) -> Packed:
+        packed = self._packed[(kernel, B)] = Packed(launches, B, self.handles)
+        if len(self._packed) > CUDA_LAUNCHES_KEPT:
+            self._packed.pop(next(iter(self._packed)), None)  # the oldest
+        return packed
+
+    def _launch(self, packed: Packed, stream: int, args: Sequence[int], buffers: list[torch.Tensor]) -> None:
+        """The launches on the current device, whose context is made current on this thread first
+        (as CuPy's launches do: a runtime call, once per thread and device)."""
+        ready = self._contexts.__dict__
+        if self.index not in ready:
+            self.cupy.cuda.runtime.memGetInfo()
+            ready[self.index] = True
+        packed.launch(self._launch_kernel, stream, args, buffers)
+
+    def _call_cupy(self, launches: Launches, B: int, args: list[int]) -> None:
+        """The launches through CuPy's RawKernel call, in CuPy's device and stream contexts."""
+        bound, buffers = bind(launches, args, self.empty)
         stream = self._stream(torch.cuda.current_stream(self.device).cuda_stream)
         with self.cupy.cuda.Device(self.device.index), stream:
-            for name, grid, block, shared, arguments in launches:
+            for name, grid, block, shared, arguments in bound:
                 self.functions[name]((grid,), (block,), (B, *arguments), shared_mem=shared)
         del buffers  # queued: the caching allocator reuses them in stream order
 

@@ -3,7 +3,8 @@
 Every CUDA kernel is compiled as C with the CUDA keywords defined away, and each entry point
 runs every (block, thread) of its launch grid one after another. The calls go through the
 generated launch plan (codegen/targets.py, ``Generated.launch_plan``), its grids and blocks, bound
-to buffers as the CUDA backend binds them (runtime/cuda_backend.py ``bind``): the coefficient table is
+through the CUDA backend's own call (runtime/cuda_backend.py ``CudaBackend.call``: parameters packed
+for the driver, read back here as each kernel's C signature declares them): the coefficient table is
 filled by its kernel, the per-element kernels read it, dt_vjp's partial sums are added and
 finished by dt_vjp_finish. The kernels' arithmetic and indexing can then be
 checked against the dense reference and by gradcheck. Shared memory is one static array per
@@ -46,7 +47,9 @@ every thread of the warp wrote in the pass before, and no thread has yet overwri
 """
 from __future__ import annotations
 
+import ctypes
 import functools
+import threading
 from typing import Any
 from unittest import mock
 
@@ -61,7 +64,7 @@ from tensorstep.codegen.targets import CUDA, inline_coefficients
 from tensorstep.runtime import cbackend
 from tensorstep.runtime.api import Step
 from tensorstep.runtime.cache import BuildCache, digest
-from tensorstep.runtime.cuda_backend import bind
+from tensorstep.runtime.cuda_backend import CudaBackend
 from tensorstep.runtime.launch import Launcher
 
 #: CUDA's largest block (a launch plan's blocks may be any size up to it)
@@ -272,11 +275,17 @@ def _library(source: str, declarations: str) -> tuple[Any, Any]:
     return ffi, ffi.dlopen(str(path))
 
 
-class HostCudaBackend:
-    """The CUDA kernels run on the host, launched by the generated launch plan (or ``plan``) with
-    buffers bound as the CUDA backend binds them."""
+#: the stream the host double's launches go on (any handle: the host runs them in turn)
+HOST_STREAM = 0x5EED
 
-    def __init__(self, spec: Any, plan: Any = None):
+
+class HostCudaBackend(CudaBackend):
+    """The CUDA kernels run on the host, launched by the generated launch plan (or ``plan``)
+    through the CUDA backend's own call (runtime/cuda_backend.py ``CudaBackend.call``): its
+    parameters packed for the driver (``Packed``), and this double's ``cuLaunchKernel`` reading
+    each parameter back as the kernel's C signature declares it before it runs the kernel."""
+
+    def __init__(self, spec: Any, plan: Any = None):  # no CuPy, no GPU: CudaBackend's state set here
         self.spec = spec
         self.table = table(spec)
         generated = generate(spec, targets=("cuda",))
@@ -284,6 +293,18 @@ class HostCudaBackend:
         self.plan = plan or generated.launch_plan("cuda")
         self.ffi, self.lib = _library(*host_source(spec))
         self.launched: list[tuple[str, int, int]] = []  # (kernel, grid, block)
+        self.device, self.index = torch.device("cpu"), 0
+        kernels = CUDA.entry_points(abi.part_kernels("all", self.table), self.table, lowered(spec).coefs.form)
+        self.functions = {k: None for k in kernels}
+        self.handles = {k: i + 1 for i, k in enumerate(kernels)}  # the host's function "handles"
+        self._kernels = {h: k for k, h in self.handles.items()}
+        self._packed = {}
+        self._raw_stream = lambda index: HOST_STREAM
+        self._launch_kernel = self._host_launch
+        self._get_device = lambda: 0
+        self._contexts = threading.local()
+        self._contexts.__dict__[0] = True  # no context to make current
+        self.direct = True
 
     def load_part(self, part: str) -> None:
         """Every kernel is built at once."""
@@ -292,13 +313,26 @@ class HostCudaBackend:
         """Buffers are filled with NaN: a kernel that reads what no kernel wrote shows up."""
         return torch.full((size,), float("nan"), dtype=dtype)
 
-    def call(self, kernel: str, B: int, args: list[int]) -> None:
-        launches, buffers = bind(self.plan.launches(kernel, B), args, self.empty)
-        for name, grid, block, shared, arguments in launches:
-            assert shared == 0 and block % 32 == 0 and 0 < block <= MAX_BLOCK, "a launch the host run cannot model"
-            self.launched.append((name, grid, block))
-            getattr(self.lib, abi.symbol(self.spec.name, name))(grid, block, B, *arguments)
-        del buffers
+    def _host_launch(self, f: int, gx: int, gy: int, gz: int, bx: int, by: int, bz: int, shared: int,
+                     stream: int, params: int, extra: int) -> None:
+        """cuLaunchKernel on the host: each parameter read from where ``params`` points, as the
+        kernel's C signature declares it (an int64_t or a pointer), then every (block, thread) run."""
+        kernel = self._kernels[f]
+        assert (gy, gz, by, bz, extra, stream) == (1, 1, 1, 1, 0, HOST_STREAM)
+        assert shared == 0 and bx % 32 == 0 and 0 < bx <= MAX_BLOCK, "a launch the host run cannot model"
+        declared = abi.cuda_arguments(kernel, self.table)
+        lengths = {ctypes.addressof(p): len(p) for packed in self._packed.values() for p in packed._pointers}
+        assert lengths[params] == len(declared), f"{kernel}: {lengths[params]} parameters packed, {len(declared)} declared"
+        pointers = (ctypes.c_void_p * len(declared)).from_address(params)
+        values = []
+        for (ctype, _), at in zip(declared, pointers):
+            if ctype == "int64_t":
+                values.append(ctypes.c_int64.from_address(at).value)
+            else:
+                assert "*" in ctype, f"{kernel}: a parameter of type {ctype}"
+                values.append(ctypes.c_void_p.from_address(at).value or 0)
+        self.launched.append((kernel, gx, bx))
+        getattr(self.lib, abi.symbol(self.spec.name, kernel))(gx, bx, *values)
 
 
 def host_step(spec: Any) -> Step:

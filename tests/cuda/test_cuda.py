@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import re
 import shutil
 import subprocess
+import threading
 import types
 
 import numpy as np
@@ -467,35 +469,92 @@ def test_capture_refuses_a_new_float_dt_and_prepare_caches_it(capture):
 
 
 class FakeCupy:
-    """Just enough of CuPy for CudaBackend: records module builds and launches."""
+    """Just enough of CuPy for CudaBackend: records module builds and launches, by either path (a
+    RawKernel's call, or the driver's launchKernel with a function handle, each parameter read
+    back as the kernel's C signature declares it), each launch as (symbol, grid, block, shared
+    memory bytes) in ``shapes`` and with its stream and arguments in ``calls``."""
 
-    def __init__(self):
+    def __init__(self, table_=None, name=""):
         self.built: list[str] = []
         self.launched: list[str] = []
         self.shapes: list[tuple] = []  # (symbol, grid, block, shared memory bytes)
+        self.calls: list[tuple] = []  # (symbol, grid, block, shared, stream, arguments)
+        self.device = 0  # the current device
+        self.devices: list[int] = []  # each device entered
+        self.contexts = 0  # runtime calls that make a context current
+        self.current_stream = [None]  # CuPy's stream context
+        handles: dict[int, str] = {}
         fake = self
+        signatures = {}  # each entry point's C signature, read now (a test may count the ABI's calls)
+        for kernel in ("forward", "adjoint", "dt_vjp", "dt_vjp_finish", "dt_jvp", "coefficients", "coefficients_jvp",
+                       "cost_sum"):
+            with contextlib.suppress(ValueError, KeyError):
+                signatures[kernel] = abi.cuda_arguments(kernel, table_) if table_ is not None else None
+
+        def record(symbol, grid, block, shared, stream, args):
+            fake.launched.append(symbol)
+            fake.shapes.append((symbol, grid, block, shared))
+            fake.calls.append((symbol, grid, block, shared, stream, tuple(args)))
+
+        class Kernel:
+            def __init__(self, symbol):
+                self.symbol = symbol
+                self.kernel = types.SimpleNamespace(ptr=1000 + len(handles))
+                handles[self.kernel.ptr] = symbol
+
+            def __call__(self, grid, block, args, shared_mem=0):
+                record(self.symbol, grid, block, shared_mem, fake.current_stream[-1], args)
 
         class Module:
             def __init__(self, code, options):
                 fake.built.append(code)
 
             def get_function(self, symbol):
-                def launch(grid, block, args, shared_mem=0):
-                    fake.launched.append(symbol)
-                    fake.shapes.append((symbol, grid, block, shared_mem))
-                return launch
+                return Kernel(symbol)
+
+        @contextlib.contextmanager
+        def device(index):
+            fake.devices.append(index)
+            before, fake.device = fake.device, index
+            yield
+            fake.device = before
+
+        class Stream:
+            def __init__(self, ptr, index):
+                self.ptr = ptr
+
+            def __enter__(self):
+                fake.current_stream.append(self.ptr)
+
+            def __exit__(self, *exc):
+                fake.current_stream.pop()
+
+        def launch_kernel(f, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
+            symbol = handles[f]
+            assert (gy, gz, by, bz, extra) == (1, 1, 1, 1, 0)
+            kernel = symbol[len(name) + 1:]
+            declared = signatures[kernel]
+            pointers = (ctypes.c_void_p * len(declared)).from_address(params)
+            args = [(ctypes.c_int64 if t == "int64_t" else ctypes.c_void_p).from_address(at).value or 0
+                    for (t, _), at in zip(declared, pointers)]
+            record(symbol, (gx,), (bx,), shared, stream, args)
+
+        def mem_get_info():
+            fake.contexts += 1
 
         self.RawModule = Module
-        self.cuda = type("cuda", (), {"Device": staticmethod(lambda index: contextlib.nullcontext()),
-                                      "ExternalStream": staticmethod(lambda ptr, index: contextlib.nullcontext())})
+        self.cuda = type("cuda", (), {
+            "Device": staticmethod(device), "ExternalStream": Stream,
+            "driver": types.SimpleNamespace(launchKernel=launch_kernel),
+            "runtime": types.SimpleNamespace(getDevice=lambda: fake.device, memGetInfo=mem_get_info)})
 
 
-def fake_cuda_backend(spec, monkeypatch):
+def fake_cuda_backend(spec, monkeypatch, cupy=FakeCupy):
     """A CudaBackend built by its own __init__ on a FakeCupy (no GPU: buffers in host memory)."""
     from tensorstep.runtime import cuda_backend
 
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: types.SimpleNamespace(cuda_stream=7))
-    monkeypatch.setattr(cuda_backend, "_cupy", FakeCupy)
+    monkeypatch.setattr(cuda_backend, "_cupy", lambda: cupy(table(spec), spec.name))
     with monkeypatch.context() as m:  # CUDA is there while it is built, and no capture is under way
         m.setattr(torch.cuda, "is_available", lambda: True)
         m.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
@@ -616,6 +675,111 @@ def test_cuda_backend_works_out_each_launch_once(monkeypatch):
     again = plan.launches("forward", 20000)
     assert again is not first and again == first  # dropped, then worked out the same again
     assert named == ["forward"]
+
+
+FUSED = dict(control="acceleration", dt="per_step", costs=(("bound", "position"), ("squared", "velocity")),
+             outputs=("P",))
+
+
+@pytest.mark.parametrize("overrides", [GRID[0], dict(control="acceleration", dt="per_step"),
+                                       dict(control="jerk", dt="per_trajectory"), FUSED], ids=grid_id)
+def test_direct_launches_pass_what_cupys_call_passes(overrides, monkeypatch):
+    """Each entry point's launches through the driver (parameters packed once per (kernel, B),
+    read back by the fake driver as each kernel's C signature declares them) are CuPy's call's:
+    the same kernels, grids, blocks, shared memory, stream and argument values, in order, for
+    several batch sizes and for a batch size seen again."""
+    spec = make_spec(overrides)
+    backend = fake_cuda_backend(spec, monkeypatch)
+    Launcher(spec, backend).prepare(dt_grad=not spec.costs)  # every library loaded
+    assert backend.direct
+    pool, counts = {}, {}
+
+    def empty(size, dtype):  # the same buffers on every call: the addresses compared are the same
+        n = counts[(size, dtype)] = counts.get((size, dtype), -1) + 1
+        return pool.setdefault((size, dtype, n), torch.empty(size, dtype=dtype))
+
+    backend.empty = empty
+    kernels = [k for k in abi.part_kernels("all", table(spec))]
+    for B in (1, 300, 20000, 300):
+        for kernel in kernels:
+            args = [0x10000 * (i + 1) + B for i in range(len(abi.arguments(kernel, table(spec))) - 1)]
+            got = {}
+            for direct in (True, False):
+                backend.direct = direct
+                counts.clear()
+                backend.cupy.calls.clear()
+                backend.call(kernel, B, args)
+                got[direct] = list(backend.cupy.calls)
+            assert got[True] == got[False]
+            assert got[True] and all(call[4] == 7 and call[5][0] == B for call in got[True])
+    with pytest.raises(ValueError, match="expected .* arguments"):
+        backend.direct = True
+        backend.call("forward", 3, [0])
+
+
+def test_direct_launches_read_the_stream_once_and_switch_devices_only_when_needed(monkeypatch):
+    """A call reads PyTorch's current stream once; it enters CuPy's device context only when the
+    current device is another (and leaves it as it was); the device's context is made current once
+    per thread (a runtime call, as CuPy's launches do)."""
+    spec = make_spec(GRID[0])
+    backend = fake_cuda_backend(spec, monkeypatch)
+    fake = backend.cupy
+    reads = []
+    backend._raw_stream = lambda index: reads.append(index) or 7
+    args = [0] * (len(abi.arguments("forward", table(spec))) - 1)
+    fake.devices.clear()
+    backend.call("forward", 300, args)
+    backend.call("forward", 300, args)
+    assert (fake.devices, reads, fake.contexts) == ([], [0, 0], 1)
+    fake.device = 1
+    backend.call("forward", 300, args)
+    assert (fake.devices, fake.device, fake.contexts) == ([0], 1, 1)
+    fake.device = 0
+    thread = threading.Thread(target=backend.call, args=("forward", 300, args))
+    thread.start()
+    thread.join()
+    assert fake.contexts == 2
+    assert len(fake.calls) == 4 and all(call[4] == 7 for call in fake.calls)
+
+
+class CupyWithoutLaunchKernel(FakeCupy):
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.cuda.driver = types.SimpleNamespace()
+
+
+class CupyWithoutHandles(FakeCupy):
+    def __init__(self, *args):
+        super().__init__(*args)
+        module = self.RawModule
+
+        class Module(module):
+            def get_function(self, symbol):
+                kernel = module.get_function(self, symbol)
+                del kernel.kernel
+                return kernel
+
+        self.RawModule = Module
+
+
+@pytest.mark.parametrize("cupy, why", [(CupyWithoutLaunchKernel, "launchKernel"), (CupyWithoutHandles, "kernel.ptr"),
+                                       (FakeCupy, None)], ids=["no-launchKernel", "no-handles", "switch"])
+def test_without_direct_launches_cupys_call_launches_and_says_so(cupy, why, monkeypatch):
+    """A CuPy without the driver's launchKernel or RawKernel function handles (a warning says
+    which), or TENSORSTEP_CUDA_LAUNCH=cupy (no warning): launches through CuPy's RawKernel call,
+    in CuPy's device and stream contexts."""
+    spec = make_spec(GRID[0])
+    if why is None:
+        monkeypatch.setenv("TENSORSTEP_CUDA_LAUNCH", "cupy")
+        backend = fake_cuda_backend(spec, monkeypatch, cupy)
+    else:
+        with pytest.warns(RuntimeWarning, match=re.escape(why)):
+            backend = fake_cuda_backend(spec, monkeypatch, cupy)
+    assert not backend.direct
+    args = [0] * (len(abi.arguments("forward", table(spec))) - 1)
+    backend.cupy.devices.clear()
+    backend.call("forward", 300, args)
+    assert backend.cupy.devices == [0] and [call[4] for call in backend.cupy.calls] == [7]
 
 
 @pytest.mark.parametrize("overrides", [GRID[0], dict(control="acceleration", dt="per_step")],
