@@ -1,0 +1,164 @@
+"""Host time of a CUDA step's call, by launch path (``python -m tensorstep.bench.cuda_host``).
+
+The costs bench's case (bench/costs.py: B=400, float32, H=32, D=7; fused: the seven terms, outputs
+P; plain: the step alone, gradient on P only), forward+backward, with the launches going straight
+to the driver ("direct", runtime/cuda_backend.py ``Packed``) and through CuPy's RawKernel call
+("cupy", what ``TENSORSTEP_CUDA_LAUNCH=cupy`` selects), the four (method, path) pairs taking turns
+in every round (a throughput loop of ``--calls`` calls after warm-up, synchronised, per call;
+the median over ``--rounds``). First the two paths' outputs and gradients are compared bit for
+bit (the same launches: they must be equal).
+
+``--stub``: no GPU needed: the same calls on the CPU, every launch stubbed out (a stand-in CuPy
+whose launches do nothing, PyTorch's stream read stubbed in both paths), so only the Python path
+is timed; the CuPy call's own conversion of each argument is not in these figures.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import time
+import types
+from typing import Any, Callable, Iterator
+from unittest import mock
+
+import torch
+
+from .costs import CostCase, _inputs, parameters
+from .harness import DT
+
+
+class _StubCupy:
+    """Just what CudaBackend calls of CuPy, each launch doing nothing."""
+
+    def __init__(self) -> None:
+        class Kernel:
+            kernel = types.SimpleNamespace(ptr=1)
+
+            def __call__(self, grid: tuple, block: tuple, args: tuple, shared_mem: int = 0) -> None:
+                pass
+
+        class Module:
+            def __init__(self, code: str, options: tuple):
+                pass
+
+            def get_function(self, symbol: str) -> Kernel:
+                return Kernel()
+
+        self.RawModule = Module
+        self.cuda = types.SimpleNamespace(
+            Device=lambda index: contextlib.nullcontext(),
+            ExternalStream=lambda ptr, index: contextlib.nullcontext(),
+            driver=types.SimpleNamespace(launchKernel=lambda *args: None),
+            runtime=types.SimpleNamespace(getDevice=lambda: 0, memGetInfo=lambda: None))
+
+
+@contextlib.contextmanager
+def _stubbed() -> Iterator[None]:
+    """CUDA as the CPU build of PyTorch does not have it: available, never capturing, one stream."""
+    from ..runtime import cuda_backend
+
+    stream = types.SimpleNamespace(cuda_stream=0)
+    with mock.patch.object(torch.cuda, "is_available", lambda: True), \
+            mock.patch.object(torch.cuda, "is_current_stream_capturing", lambda: False), \
+            mock.patch.object(torch.cuda, "current_stream", lambda device=None: stream), \
+            mock.patch.object(cuda_backend, "_cupy", _StubCupy):
+        yield
+
+
+def _stub_step(spec: Any) -> Any:
+    """A step on the CPU whose kernels are a CudaBackend on ``_StubCupy`` (the Python path, as on CUDA)."""
+    from ..runtime.api import Step
+    from ..runtime.cuda_backend import CudaBackend
+    from ..runtime.launch import Launcher
+
+    backend = CudaBackend(spec, torch.device("cuda", 0))
+    backend.device = torch.device("cpu")
+    backend.empty = lambda size, dtype: torch.empty(size, dtype=dtype)
+    with mock.patch.object(Step, "_take_native", lambda self: None):
+        step = Step(spec, torch.device("cpu"), Launcher(spec, backend))
+    step.native, step._native_pending = None, False
+    return step
+
+
+def callables(case: CostCase, stub: bool) -> tuple[dict[str, Callable[[], Any]], dict[str, Any]]:
+    """(each method's forward+backward as a no-argument callable, each method's step)."""
+    import tensorstep as ts
+
+    dev = torch.device(case.device)
+    gen, u, starts = _inputs(case)
+    u.requires_grad_(True)
+    params = parameters(case, gen)
+    W = torch.randn(case.batch, case.horizon, case.dof, generator=gen, dtype=case.torch_dtype).to(dev)
+    ones = torch.ones(case.batch, 7, dtype=case.torch_dtype, device=dev)
+    load = _stub_step if stub else (lambda spec: ts.load(spec, dev))
+    fused, plain = load(case.fused), load(case.plain)
+
+    def fused_call() -> tuple:
+        u.grad = None
+        outs = fused(u, *starts, DT, **params)
+        torch.autograd.backward(outs, (W, ones[:, :outs[1].shape[1]]))
+        return (*outs, u.grad)
+
+    def plain_call() -> tuple:
+        u.grad = None
+        P = plain(u, *starts, DT)[0]
+        torch.autograd.backward((P,), (W,))
+        return (P, u.grad)
+
+    return {"fused": fused_call, "plain": plain_call}, {"fused": fused, "plain": plain}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batch", type=int, default=400)
+    parser.add_argument("--calls", type=int, default=300, help="calls per timed loop")
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--stub", action="store_true", help="no GPU: launches stubbed out, the CPU's Python path")
+    args = parser.parse_args(argv)
+    stub = args.stub or not torch.cuda.is_available()
+    case = CostCase(batch=args.batch, device="cpu" if stub else "cuda")
+    context = _stubbed() if stub else contextlib.nullcontext()
+    sync = torch.cuda.synchronize if not stub else (lambda: None)
+    with context:
+        methods, steps = callables(case, stub)
+
+        def use(method: str, direct: bool) -> Callable[[], Any]:
+            backend = steps[method].launcher.backend
+            backend.direct = direct
+            return methods[method]
+
+        if not stub:
+            for method in methods:
+                got = [[t.detach().clone() for t in use(method, direct)()] for direct in (True, False)]
+                same = all(torch.equal(a, b) for a, b in zip(*got))
+                print(f"{method}: direct and cupy launches give the same outputs and gradients bit for bit: {same}")
+                if not same:
+                    raise SystemExit(f"{method}: the two launch paths disagree")
+        pairs = [(m, d) for m in methods for d in (True, False)]
+        times: dict[tuple[str, bool], list[float]] = {p: [] for p in pairs}
+        for p in pairs:  # warm-up
+            fn = use(*p)
+            for _ in range(30):
+                fn()
+        sync()
+        for _ in range(args.rounds):
+            for p in pairs:
+                fn = use(*p)
+                fn()
+                sync()
+                start = time.perf_counter()
+                for _ in range(args.calls):
+                    fn()
+                sync()
+                times[p].append((time.perf_counter() - start) / args.calls * 1e6)
+    where = "CPU, launches stubbed" if stub else torch.cuda.get_device_name()
+    print(f"B={args.batch} float32 H=32 D=7, {where}, torch {torch.__version__}: forward+backward, µs per call "
+          f"(median of {args.rounds} rounds of {args.calls} calls)")
+    for method in methods:
+        d, c = (statistics.median(times[(method, x)]) for x in (True, False))
+        print(f"  {method:5}: direct {d:7.1f}   cupy {c:7.1f}   cupy / direct {c / d:.2f}")
+
+
+if __name__ == "__main__":
+    main()
