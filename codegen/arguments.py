@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterator, Mapping, Optional
 
 #: dtype rules: the kernel's floating type, an integer index, the kernel's type for dt
 KERNEL, INDEX, STEP = "kernel", "index", "dt"
@@ -124,6 +124,13 @@ class ArgumentTable:
     def differentiable(self) -> tuple[Argument, ...]:
         """Inputs whose gradient the adjoint kernel writes (dt's comes from dt_vjp)."""
         return tuple(a for a in self.tensors if a.differentiable)
+
+    @functools.cached_property  # read by every backward (runtime/rules.py)
+    def gradient_places(self) -> tuple[tuple[int, Optional[int]], ...]:
+        """For each ``differentiable`` input, in order: its position among the inputs, and that of
+        the index that picks its rows (None where no index does)."""
+        position = {a.name: i for i, a in enumerate(self.inputs)}
+        return tuple((position[a.name], position[a.index] if a.index else None) for a in self.differentiable)
 
     @property
     def dt(self) -> Argument:

@@ -9,7 +9,7 @@ from torch.nn.modules import module as _nn_module
 
 from ..codegen.spec import KernelSpec
 from . import registry, validate
-from .autograd import StepFunction
+from .autograd import step_function
 from .launch import DTYPES, CpuBackend, Launcher, capturing, warm_up_first
 
 Tensor = torch.Tensor
@@ -323,7 +323,7 @@ class Step(torch.nn.Module):
             return tuple(_compiled_step(self.op_key, self.table.family, inputs, dt_k))
         if self.native is not None and not dt_k.requires_grad and not _transformed():
             return tuple(self._native_step(self.native, [*inputs, dt_k]))
-        return StepFunction.apply(self.launcher, *inputs, dt_k)
+        return step_function(self.launcher, inputs, dt_k)
 
     def _native_held(self, u: Tensor, p0: Tensor, v0: Tensor, a0: Tensor, j0: Optional[Tensor],
                      start_index: Optional[Tensor], loose: Any, dt: Any, out: Any, generation: int) -> Any:

@@ -59,21 +59,8 @@ class StepFunction(_FastApply):
 
     @staticmethod
     def backward(ctx, *grads):
-        launcher: Launcher = ctx.launcher
         *inputs, dt = ctx.saved_tensors
-        B = inputs[0].shape[0]
-        if launcher.table.fused and (torch.is_grad_enabled() or ctx.needs_input_grad[-1]):
-            return (None, *_recomputed(launcher, inputs, dt, grads, ctx.needs_input_grad[1:]))
-
-        def adjoint(needed):
-            if torch.is_grad_enabled() and not launcher.table.fused:  # create_graph: keep the adjoint differentiable
-                return AdjointFunction.apply(launcher, dt, B, *grads)
-            return launcher.adjoint(grads, dt, B, needed, inputs)
-
-        def dt_vjp() -> Tensor:
-            return DtVjpFunction.apply(launcher, dt, *inputs, *grads).to(dt.dtype)
-
-        return (None, *rules.backward(launcher.table, inputs, grads, ctx.needs_input_grad[1:], adjoint, dt_vjp))
+        return (None, *_backward(ctx.launcher, inputs, dt, grads, ctx.needs_input_grad[1:]))
 
     @staticmethod
     def jvp(ctx, _launcher, *tangents):
@@ -91,6 +78,74 @@ class StepFunction(_FastApply):
     def vmap(info, in_dims, launcher, *args):
         return rules.vmap(launcher.table, info.batch_size, in_dims[1:], args[:-1], args[-1],
                           lambda *a: StepFunction.apply(launcher, *a))
+
+
+def _backward(launcher: Launcher, inputs: list, dt: Tensor, grads: tuple, needs: tuple) -> list:
+    """The gradients of every input in table order, then dt's, given the outputs' (``needs``: which want one)."""
+    B = inputs[0].shape[0]
+    if launcher.table.fused and (torch.is_grad_enabled() or needs[-1]):
+        return _recomputed(launcher, inputs, dt, grads, needs)
+
+    def adjoint(needed):
+        if torch.is_grad_enabled() and not launcher.table.fused:  # create_graph: keep the adjoint differentiable
+            return AdjointFunction.apply(launcher, dt, B, *grads)
+        return launcher.adjoint(grads, dt, B, needed, inputs)
+
+    def dt_vjp() -> Tensor:
+        return DtVjpFunction.apply(launcher, dt, *inputs, *grads).to(dt.dtype)
+
+    return rules.backward(launcher.table, inputs, grads, needs, adjoint, dt_vjp)
+
+
+def step_function(launcher: Launcher, inputs: list, dt: Tensor) -> tuple[Tensor, ...]:
+    """The Python path's autograd node of one call (inputs in table order): ``StepFunction``, or for
+    a step with cost parameters ``FusedStepFunction``."""
+    if launcher.data:
+        return FusedStepFunction.apply(launcher, tuple(inputs[i] for i in launcher.data),
+                                       *(inputs[i] for i in launcher.variables), dt)
+    return StepFunction.apply(launcher, *inputs, dt)
+
+
+def _merged(launcher: Launcher, variables: Any, data: Any) -> list:
+    """The inputs in table order from the others (``launcher.variables``) and the cost parameters (``launcher.data``)."""
+    merged: list = [None] * (len(variables) + len(data))
+    for i, x in zip(launcher.variables, variables):
+        merged[i] = x
+    for i, x in zip(launcher.data, data):
+        merged[i] = x
+    return merged
+
+
+class FusedStepFunction(_FastApply):
+    """A fused step's node in eager autograd: (the cost parameters as one tuple, the other inputs in
+    table order, dt) → outputs. Weights, limits and margins are data that takes no gradient (each
+    call checks that none requires grad), so they do not go through Function.apply one by one
+    (what every argument costs there and in the engine, per call); they are saved for backward all
+    the same, so one written in place before the backward makes it raise, as any saved tensor does.
+    Everything else (a dt gradient, double backward, forward mode, transforms, torch.compile) runs
+    the composite form (runtime/costs.py), never this node."""
+
+    @staticmethod
+    def forward(launcher: Launcher, data, *args):  # type: ignore[override]
+        *variables, dt = args
+        return tuple(launcher.forward(_merged(launcher, variables, data), dt))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        launcher, data, *args = inputs
+        ctx.launcher = launcher
+        ctx.save_for_backward(*args, *data)
+        ctx.set_materialize_grads(False)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        launcher: Launcher = ctx.launcher
+        saved = ctx.saved_tensors
+        n = len(launcher.variables)
+        variables, dt, data = saved[:n], saved[n], saved[n + 1:]
+        needs = (*_merged(launcher, ctx.needs_input_grad[2:2 + n], (False,) * len(data)), ctx.needs_input_grad[-1])
+        got = _backward(launcher, _merged(launcher, variables, data), dt, grads, needs)
+        return (None, None, *(got[i] for i in launcher.variables), got[-1])
 
 
 def _recomputed(launcher: Launcher, inputs: list, dt: Tensor, grads: tuple, needed: tuple) -> list:

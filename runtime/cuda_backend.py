@@ -258,6 +258,7 @@ class CudaBackend:
                             self.handles[kernel] = int(function.kernel.ptr)
                         except AttributeError:
                             self._no_direct("this CuPy's RawKernel offers no function handle (kernel.ptr)")
+        self._contexts.__dict__[self.index] = True  # loading the module made the device's context current here
         return metadata
 
     def load_part(self, part: str) -> None:
@@ -296,7 +297,8 @@ class CudaBackend:
 
     def _launch(self, packed: Packed, stream: int, args: Sequence[int], buffers: list[torch.Tensor]) -> None:
         """The launches on the current device, whose context is made current on this thread first
-        (as CuPy's launches do: a runtime call, once per thread and device)."""
+        (as CuPy's launches do: a runtime call, once per thread and device; not on the thread that
+        loaded the kernels, where loading them did)."""
         ready = self._contexts.__dict__
         if self.index not in ready:
             self.cupy.cuda.runtime.memGetInfo()

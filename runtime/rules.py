@@ -42,13 +42,13 @@ def backward(table: ArgumentTable, inputs: Sequence[OptTensor], grads: Sequence[
     out: list[OptTensor] = [None] * len(table.inputs)
     if all(g is None for g in grads):
         return out
-    position = {a.name: i for i, a in enumerate(table.inputs)}
-    wanted = [needs[position[a.name]] and inputs[position[a.name]] is not None for a in table.differentiable]
+    places = table.gradient_places
+    wanted = [needs[i] and inputs[i] is not None for i, _ in places]
     if any(wanted):
-        for arg, g, want in zip(table.differentiable, adjoint(wanted), wanted):
+        for (i, index_at), g, want in zip(places, adjoint(wanted), wanted):
             if want:
-                index = inputs[position[arg.index]] if arg.index else None
-                out[position[arg.name]] = scatter_rows(g, index, inputs[position[arg.name]].shape[0])
+                index = inputs[index_at] if index_at is not None else None
+                out[i] = scatter_rows(g, index, inputs[i].shape[0])
     if needs[-1]:
         out[-1] = dt_vjp()
     return out
