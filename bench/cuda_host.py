@@ -109,6 +109,12 @@ def callables(case: CostCase, stub: bool) -> tuple[dict[str, Callable[[], Any]],
     return {"fused": fused_call, "plain": plain_call}, {"fused": fused, "plain": plain}
 
 
+def _cupy_version() -> str:
+    import cupy
+
+    return str(cupy.__version__)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch", type=int, default=400)
@@ -125,6 +131,9 @@ def main(argv: list[str] | None = None) -> None:
 
         def use(method: str, direct: bool) -> Callable[[], Any]:
             backend = steps[method].launcher.backend
+            if direct and not backend.handles:
+                raise SystemExit("no direct launches here: CuPy offers no function handles or no launchKernel "
+                                 "(see the warning above)")
             backend.direct = direct
             return methods[method]
 
@@ -152,7 +161,7 @@ def main(argv: list[str] | None = None) -> None:
                     fn()
                 sync()
                 times[p].append((time.perf_counter() - start) / args.calls * 1e6)
-    where = "CPU, launches stubbed" if stub else torch.cuda.get_device_name()
+    where = "CPU, launches stubbed" if stub else f"{torch.cuda.get_device_name()}, CuPy {_cupy_version()}"
     print(f"B={args.batch} float32 H=32 D=7, {where}, torch {torch.__version__}: forward+backward, µs per call "
           f"(median of {args.rounds} rounds of {args.calls} calls)")
     for method in methods:

@@ -39,6 +39,11 @@ def ptr(t: OptTensor) -> int:
     return 0 if t is None else t.data_ptr()
 
 
+def pointers(tensors: Sequence[OptTensor]) -> list[int]:
+    """``ptr`` of each tensor (one call for a whole argument list: the hot calls pass dozens)."""
+    return [0 if t is None else t.data_ptr() for t in tensors]
+
+
 def contiguous(t: OptTensor) -> OptTensor:
     return None if t is None else t.contiguous()
 
@@ -139,7 +144,7 @@ class Launcher:
         B = u.shape[0]
         ys = list(out) if out is not None else self._empty_outputs(u, B)
         if B:
-            self.backend.call("forward", B, [*map(ptr, inputs), ptr(dt), *map(ptr, ys)])
+            self.backend.call("forward", B, pointers((*inputs, dt, *ys)))
         return ys
 
     def adjoint(self, grads: Sequence[OptTensor], dt: Tensor, B: int, needed: Sequence[bool],
@@ -151,9 +156,9 @@ class Launcher:
         like = next(g for g in grads if g is not None)
         outs = [memory.empty(shape, self.dtype, like.device) if (need or i == 0)
                 else None for i, (shape, need) in enumerate(zip(self.adjoint_shapes(B), needed))]
-        reads = [*map(ptr, inputs)] if self.table.fused else []
+        reads = inputs if self.table.fused else ()
         if B:
-            self.backend.call("adjoint", B, [*reads, *map(ptr, grads), ptr(dt), *map(ptr, outs)])
+            self.backend.call("adjoint", B, pointers((*reads, *grads, dt, *outs)))
         return outs
 
     def dt_vjp(self, inputs: Sequence[OptTensor], grads: Sequence[OptTensor], dt: Tensor) -> Tensor:
