@@ -308,7 +308,7 @@ class CudaBackend:
     def _call_cupy(self, launches: Launches, B: int, args: list[int]) -> None:
         """The launches through CuPy's RawKernel call, in CuPy's device and stream contexts."""
         bound, buffers = bind(launches, args, self.empty)
-        stream = self._stream(torch.cuda.current_stream(self.device).cuda_stream)
+        stream = self._stream(self._raw_stream(self.index))
         with self.cupy.cuda.Device(self.device.index), stream:
             for name, grid, block, shared, arguments in bound:
                 self.functions[name]((grid,), (block,), (B, *arguments), shared_mem=shared)

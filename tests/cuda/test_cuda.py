@@ -553,7 +553,10 @@ def fake_cuda_backend(spec, monkeypatch, cupy=FakeCupy):
     """A CudaBackend built by its own __init__ on a FakeCupy (no GPU: buffers in host memory)."""
     from tensorstep.runtime import cuda_backend
 
+    # PyTorch's current stream as both launch paths read it (with a CUDA build of PyTorch the raw
+    # accessor exists and would give the real stream)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: types.SimpleNamespace(cuda_stream=7))
+    monkeypatch.setattr(cuda_backend, "raw_stream_reader", lambda: lambda index: 7)
     monkeypatch.setattr(cuda_backend, "_cupy", lambda: cupy(table(spec), spec.name))
     with monkeypatch.context() as m:  # CUDA is there while it is built, and no capture is under way
         m.setattr(torch.cuda, "is_available", lambda: True)
