@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
+import threading
 from typing import Any, Mapping, Optional, Sequence, Union
 
 import torch
@@ -65,13 +67,12 @@ class Step(torch.nn.Module):
         self._native_pending = device.type == "cpu"
         if self._native_pending:
             self._take_native()
-        #: a fused step's plain twin (every state, no cost) for its composite form (runtime/costs.py),
-        #: loaded with it: torch.compile traces that form and cannot load kernels while tracing
-        self.plain: Optional[Step] = None
+        #: a fused step's plain twin (every state, no cost) for its composite form: loaded when first
+        #: needed (``plain``), not with the step, whose common call never runs it
+        self._twin: Optional[Step] = None
         if self.table.fused:
             from . import costs
 
-            self.plain = load(spec.replace(costs=(), outputs=None), device)
             self._cost_kinds = costs.functions(self.table)
             #: the held cost parameters (set_costs), as the module's buffers
             self._buffers = costs.HeldParameters()
@@ -81,7 +82,10 @@ class Step(torch.nn.Module):
             self._loose = tuple(n for n in self._keywords or () if n not in self._kept_names)
             #: the cost parameters that passed every check, kept while passed unchanged
             self._kept_costs = costs.CheckedParameters(self.table, self.dtype, self.device)
-            launcher.composite = self._composite
+            #: the composite form of this launcher's kernels, for their gradients through it (autograd.py
+            #: ``_recomputed``): its own spec's twin, whichever step the launcher serves later (native.py)
+            launcher.composite = functools.partial(_composite, spec.replace(costs=(), outputs=None), device,
+                                                   self.table, self._cost_kinds)
 
     def _take_native(self) -> None:
         """Use the native node once built. While it builds (in the background), calls take the
@@ -102,6 +106,18 @@ class Step(torch.nn.Module):
     def extra_repr(self) -> str:
         return f"{self.spec.name}, device={self.device}"
 
+    @property
+    def plain(self) -> Optional["Step"]:
+        """A fused step's plain twin (every state, no cost), which its composite form runs (runtime/costs.py:
+        dt gradients, double backward, forward mode, functorch transforms, torch.compile, torch.export);
+        None for a step without cost terms. Loaded (or built) on first use, once: the common call never
+        runs it. Inside a CUDA graph capture that first use raises (``prepare`` loads it ahead); while
+        torch.compile traces, it is loaded outside the graph."""
+        if not self.table.fused:
+            return None
+        _load_twin(self)
+        return self._twin
+
     def _apply(self, fn: Any, recurse: bool = True) -> "Step":
         """Module conversions (``to``, ``double``, ``cuda``, ...): the kernel is fixed per spec and
         device, so a new dtype or device loads that kernel into this module (there are no tensors
@@ -118,9 +134,12 @@ class Step(torch.nn.Module):
             if name is None:
                 raise TypeError(f"Step cannot convert to {probe.dtype}: tensorstep kernels are float32 or "
                                 f"float64 (KernelSpec.dtype); use .float() or .double()")
+            used = self._twin is not None
             fresh = load(dataclasses.replace(self.spec, dtype=name), probe.device)
             module_state = vars(torch.nn.Module())
             self.__dict__.update({k: v for k, v in vars(fresh).items() if k not in module_state})
+            if used:  # a twin in use follows now, as when it was a submodule (else loaded when needed)
+                _load_twin(self)
         return super()._apply(fn, recurse)
 
     def __reduce__(self):
@@ -186,12 +205,16 @@ class Step(torch.nn.Module):
             return cached
         return validate.dt_tensor(dt, self.table, self.dtype, self.device)
 
-    def prepare(self, dt: Optional[float] = None, dt_grad: bool = False) -> "Step":
+    def prepare(self, dt: Optional[float] = None, dt_grad: bool = False, composite: bool = False) -> "Step":
         """Do ahead of time what a first call does lazily, so that later calls can be captured in
         a CUDA graph: cache the tensor for a float ``dt``, and with ``dt_grad=True`` load the dt
-        kernels (gradients and tangents with respect to dt). Returns the step."""
+        kernels (gradients and tangents with respect to dt). A step with cost terms loads its
+        plain twin (``plain``) with ``dt_grad=True`` (a dt gradient runs it), and with
+        ``composite=True`` (double backward, forward mode and transforms run it). Returns the step."""
         if capturing():
             raise warm_up_first("prepare was called")
+        if self.table.fused and (dt_grad or composite):
+            self.plain.prepare(dt_grad=dt_grad)
         if dt is not None:
             dt = validate.python_number(dt)
             if not isinstance(dt, float):
@@ -386,6 +409,47 @@ class Step(torch.nn.Module):
         for y in out:  # the kernel wrote through raw pointers: tell autograd the tensors changed
             torch.autograd.graph.increment_version(y)
         return out
+
+
+#: the plain twins loaded in this process, by spec and device (shared by every fused step of their spec)
+_TWINS: dict[tuple[Any, torch.device], Step] = {}
+_TWIN_LOCK = threading.Lock()
+
+
+def _plain_twin(spec: Any, device: torch.device) -> Step:
+    """The plain step of ``spec`` (a fused spec's twin) on ``device``: loaded (or built) by the first
+    call that needs it, by one thread (the others wait for it), then kept. A CUDA graph capture cannot
+    load it: a first use there raises."""
+    twin = _TWINS.get((spec, device))
+    if twin is None:
+        if capturing():
+            raise warm_up_first("the plain step that a fused step's dt gradient, double backward, forward mode "
+                                "or transform runs would be loaded")
+        with _TWIN_LOCK:
+            twin = _TWINS.get((spec, device))
+            if twin is None:
+                twin = _TWINS[(spec, device)] = load(spec, device)
+    return twin
+
+
+def _load_twin(step: Step) -> bool:
+    """Set ``step.plain`` (``_twin``) unless set. Marked constant for Dynamo (below): torch.compile calls
+    it while tracing, outside the graph, then traces the twin."""
+    if step.__dict__["_twin"] is None:
+        # not a submodule: it has no state of its own, and other steps of the spec share it
+        step.__dict__["_twin"] = _plain_twin(step.spec.replace(costs=(), outputs=None), step.device)
+    return True
+
+
+# what torch.compiler.assume_constant_result(_load_twin) sets (as for _custom_ops below)
+_load_twin._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
+def _composite(plain: Any, device: torch.device, table: Any, kinds: dict, inputs: list, dt: Tensor) -> tuple[Tensor, ...]:
+    """A fused launcher's composite form (``Launcher.composite``): its outputs through ``plain``'s twin."""
+    from . import costs
+
+    return costs.composite(_plain_twin(plain, device), table, inputs, dt, kinds)
 
 
 def _held_step(spec: Any, device: str, held: dict[str, Tensor]) -> Step:

@@ -70,8 +70,8 @@ def test_a_first_load_builds_the_general_form_and_each_call_the_form_it_runs(tmp
     first = run_python(code, tmp_path)
     assert first.returncode == 0, first.stderr
     lines = first.stdout.splitlines()
-    assert lines[:4] == ["core core", "core core core-form1", "core core core-form1 core-form2",
-                         "core core core-form1 core-form2 core-form3"]  # the fused core and its plain twin's
+    assert lines[:4] == ["core", "core core-form1", "core core-form1 core-form2",
+                         "core core-form1 core-form2 core-form3"]  # the fused core (no plain twin: runtime/api.py)
     assert lines[4] == "True"  # generated
     second = run_python(code, tmp_path)
     assert second.returncode == 0, second.stderr
@@ -169,7 +169,7 @@ def test_an_interrupted_form_build_raises_after_the_call_and_is_built_on_the_nex
     """
     run = run_python(code, tmp_path)
     assert run.returncode == 0, run.stderr
-    assert run.stdout.splitlines() == ["interrupted", "core core core-form1"]
+    assert run.stdout.splitlines() == ["interrupted", "core core-form1"]
 
 
 def test_concurrent_processes_build_a_form_once(tmp_path):
@@ -190,5 +190,5 @@ def test_concurrent_processes_build_a_form_once(tmp_path):
     assert outputs[0][0] == outputs[1][0]
     commands = (tmp_path / "compilations").read_text().splitlines()
     links = [c for c in commands if re.search(r"-o \S+\.so$", c)]
-    # the fused core's entry points, its plain twin, the one form the call ran: each linked once
-    assert len(links) == 3, links
+    # the fused core's entry points and the one form the call ran (no plain twin: runtime/api.py), each linked once
+    assert len(links) == 2, links
