@@ -69,10 +69,11 @@ class Step(torch.nn.Module):
             self._take_native()
         #: a fused step's plain twin (every state, no cost) for its composite form: loaded when first
         #: needed (``plain``), not with the step, whose common call never runs it
-        self._twin: Optional[Step] = None
+        self._twin: Optional[Twin] = None
         if self.table.fused:
             from . import costs
 
+            self._twin = twin_of(spec.replace(costs=(), outputs=None), device)
             self._cost_kinds = costs.functions(self.table)
             #: the held cost parameters (set_costs), as the module's buffers
             self._buffers = costs.HeldParameters()
@@ -84,8 +85,7 @@ class Step(torch.nn.Module):
             self._kept_costs = costs.CheckedParameters(self.table, self.dtype, self.device)
             #: the composite form of this launcher's kernels, for their gradients through it (autograd.py
             #: ``_recomputed``): its own spec's twin, whichever step the launcher serves later (native.py)
-            launcher.composite = functools.partial(_composite, spec.replace(costs=(), outputs=None), device,
-                                                   self.table, self._cost_kinds)
+            launcher.composite = functools.partial(_composite, self._twin, self.table, self._cost_kinds)
 
     def _take_native(self) -> None:
         """Use the native node once built. While it builds (in the background), calls take the
@@ -113,10 +113,10 @@ class Step(torch.nn.Module):
         None for a step without cost terms. Loaded (or built) on first use, once: the common call never
         runs it. Inside a CUDA graph capture that first use raises (``prepare`` loads it ahead); while
         torch.compile traces, it is loaded outside the graph."""
-        if not self.table.fused:
+        if self._twin is None:
             return None
-        _load_twin(self)
-        return self._twin
+        _load_twin(self._twin)
+        return self._twin.step
 
     def _apply(self, fn: Any, recurse: bool = True) -> "Step":
         """Module conversions (``to``, ``double``, ``cuda``, ...): the kernel is fixed per spec and
@@ -134,12 +134,12 @@ class Step(torch.nn.Module):
             if name is None:
                 raise TypeError(f"Step cannot convert to {probe.dtype}: tensorstep kernels are float32 or "
                                 f"float64 (KernelSpec.dtype); use .float() or .double()")
-            used = self._twin is not None
+            used = self._twin is not None and self._twin.step is not None
             fresh = load(dataclasses.replace(self.spec, dtype=name), probe.device)
             module_state = vars(torch.nn.Module())
             self.__dict__.update({k: v for k, v in vars(fresh).items() if k not in module_state})
             if used:  # a twin in use follows now, as when it was a submodule (else loaded when needed)
-                _load_twin(self)
+                self._twin.get()
         return super()._apply(fn, recurse)
 
     def __reduce__(self):
@@ -411,33 +411,44 @@ class Step(torch.nn.Module):
         return out
 
 
-#: the plain twins loaded in this process, by spec and device (shared by every fused step of their spec)
-_TWINS: dict[tuple[Any, torch.device], Step] = {}
-_TWIN_LOCK = threading.Lock()
+class Twin:
+    """The plain step of ``spec`` (a fused spec's twin) on ``device``, shared by the fused steps of that
+    spec in a process (``twin_of``): loaded (or built) by the first call that needs it (``get``)."""
+
+    def __init__(self, spec: Any, device: torch.device):
+        self.spec, self.device = spec, device
+        self.step: Optional[Step] = None
+        self._lock = threading.Lock()
+
+    def get(self) -> Step:
+        """The plain step, loaded now unless loaded (by one thread; the others wait for it). A CUDA
+        graph capture cannot load it: a first use there raises."""
+        if self.step is None:
+            if capturing():
+                raise warm_up_first("the plain step that a fused step's dt gradient, double backward, forward "
+                                    "mode or transform runs would be loaded")
+            with self._lock:
+                if self.step is None:
+                    self.step = load(self.spec, self.device)
+        return self.step
 
 
-def _plain_twin(spec: Any, device: torch.device) -> Step:
-    """The plain step of ``spec`` (a fused spec's twin) on ``device``: loaded (or built) by the first
-    call that needs it, by one thread (the others wait for it), then kept. A CUDA graph capture cannot
-    load it: a first use there raises."""
-    twin = _TWINS.get((spec, device))
-    if twin is None:
-        if capturing():
-            raise warm_up_first("the plain step that a fused step's dt gradient, double backward, forward mode "
-                                "or transform runs would be loaded")
-        with _TWIN_LOCK:
-            twin = _TWINS.get((spec, device))
-            if twin is None:
-                twin = _TWINS[(spec, device)] = load(spec, device)
-    return twin
+_TWINS: dict[tuple[Any, torch.device], Twin] = {}
 
 
-def _load_twin(step: Step) -> bool:
-    """Set ``step.plain`` (``_twin``) unless set. Marked constant for Dynamo (below): torch.compile calls
-    it while tracing, outside the graph, then traces the twin."""
-    if step.__dict__["_twin"] is None:
-        # not a submodule: it has no state of its own, and other steps of the spec share it
-        step.__dict__["_twin"] = _plain_twin(step.spec.replace(costs=(), outputs=None), step.device)
+def twin_of(spec: Any, device: torch.device) -> Twin:
+    """The process's ``Twin`` of a plain spec on a device (nothing loaded yet where it is new)."""
+    found = _TWINS.get((spec, device))
+    if found is None:
+        found = _TWINS.setdefault((spec, device), Twin(spec, device))  # (one Twin where threads race)
+    return found
+
+
+def _load_twin(twin: Twin) -> bool:
+    """``twin.get()`` for ``Step.plain``. Marked constant for Dynamo (below): torch.compile calls it while
+    tracing, outside the graph (guarded on the ``Twin``, which the steps of a spec share), then traces
+    the plain step."""
+    twin.get()
     return True
 
 
@@ -445,11 +456,11 @@ def _load_twin(step: Step) -> bool:
 _load_twin._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
-def _composite(plain: Any, device: torch.device, table: Any, kinds: dict, inputs: list, dt: Tensor) -> tuple[Tensor, ...]:
-    """A fused launcher's composite form (``Launcher.composite``): its outputs through ``plain``'s twin."""
+def _composite(twin: Twin, table: Any, kinds: dict, inputs: list, dt: Tensor) -> tuple[Tensor, ...]:
+    """A fused launcher's composite form (``Launcher.composite``): its outputs through its spec's twin."""
     from . import costs
 
-    return costs.composite(_plain_twin(plain, device), table, inputs, dt, kinds)
+    return costs.composite(twin.get(), table, inputs, dt, kinds)
 
 
 def _held_step(spec: Any, device: str, held: dict[str, Tensor]) -> Step:

@@ -108,8 +108,14 @@ def loads(monkeypatch):
         return real(spec, device)
 
     monkeypatch.setattr(api, "load", counted)
-    monkeypatch.setattr(api, "_TWINS", {})  # none loaded yet in this process
+    _unload_twins(monkeypatch)
     return seen
+
+
+def _unload_twins(monkeypatch) -> None:
+    """As in a new process: no twin loaded (restored after the test)."""
+    for twin in api._TWINS.values():
+        monkeypatch.setattr(twin, "step", None)
 
 
 def _call(step, x, params, u=None, dt=DT):
@@ -130,7 +136,7 @@ def test_the_twin_is_loaded_by_the_first_composite_call_and_gives_the_definition
     (P.sum() + cost.sum()).backward()
     with torch.no_grad():
         step(x["u"], x["p0"], x["v0"], x["a0"], DT, out=(torch.empty_like(P), torch.empty_like(cost)), **params)
-    assert PLAIN not in loads and step.__dict__["_twin"] is None
+    assert PLAIN not in loads and step._twin.step is None
 
     v = torch.randn(u.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     expected = _cost(x, params, x["u"].numpy())
@@ -241,7 +247,7 @@ def test_a_first_load_inside_a_cuda_graph_capture_raises_and_prepare_loads_it_ah
     (g,) = torch.autograd.grad(_call(step, x, params, dt=dt)[1].sum(), dt)
     assert loads.count(PLAIN) == 1
 
-    monkeypatch.setattr(api, "_TWINS", {})  # as in a new process
+    _unload_twins(monkeypatch)
     other = ts.load(SPEC)
     monkeypatch.setattr(api, "capturing", lambda: False)
     other.prepare(composite=True)
@@ -255,14 +261,14 @@ def test_a_twin_in_use_follows_to_and_steps_of_a_spec_share_one(loads):
     submodule) and leaves an unused one unloaded; steps of one spec (copies too) share one twin."""
     x, params = _data()
     unused = ts.load(SPEC).float()
-    assert unused.__dict__["_twin"] is None and loads.count(PLAIN.replace(dtype="float32")) == 0
+    assert unused._twin.step is None and loads.count(PLAIN.replace(dtype="float32")) == 0
 
     step = ts.load(SPEC)
     dt = torch.tensor(DT, dtype=torch.float64, requires_grad=True)
     expected = torch.autograd.grad(_call(step, x, params, dt=dt)[1].sum(), dt)[0]
     twin = step.plain
     step.float()
-    assert step.__dict__["_twin"].spec == PLAIN.replace(dtype="float32") and step.plain.dtype == torch.float32
+    assert step._twin.step.spec == PLAIN.replace(dtype="float32") and step.plain.dtype == torch.float32
     assert twin.dtype == torch.float64 and unused.plain is step.plain
     step.double()
     assert step.plain is twin
@@ -288,3 +294,19 @@ def test_a_converted_step_leaves_its_former_kernels_their_twin():
     (g,) = torch.autograd.grad(_call(step, x, params, u)[-1].sum(), u, create_graph=True)
     (hvp,) = torch.autograd.grad((g * v).sum(), u)
     _close(hvp, _gradient_and_hvp(x, params, v.numpy())[1])
+
+
+def test_a_second_step_of_a_spec_compiles_no_graph_for_its_twin(loads):
+    """torch.compile guards on the twin the steps of a spec share, not on the step that loaded it: a
+    compiled function called with another step of the spec reuses its graphs."""
+    x, params = _data()
+    torch._dynamo.reset()
+    counts = torch._dynamo.utils.counters["stats"]
+    f = torch.compile(lambda s, uu: _call(s, x, params, uu)[1], fullgraph=True)
+    first, second = ts.load(SPEC), ts.load(SPEC)
+    for _ in range(2):
+        expected = f(first, x["u"])
+    graphs = counts["unique_graphs"]
+    for _ in range(2):
+        _close(f(second, x["u"]), expected.numpy(), rtol=0)
+    assert counts["unique_graphs"] == graphs and loads.count(PLAIN) == 1
