@@ -11,6 +11,8 @@ import pickle
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -310,3 +312,29 @@ def test_a_second_step_of_a_spec_compiles_no_graph_for_its_twin(loads):
     for _ in range(2):
         _close(f(second, x["u"]), expected.numpy(), rtol=0)
     assert counts["unique_graphs"] == graphs and loads.count(PLAIN) == 1
+
+
+def test_threads_that_need_the_twin_at_once_load_it_once(loads, monkeypatch):
+    """Calls from several threads (an autograd worker, a data loader) that each run the composite form
+    first: one loads the twin (slowly here, as a build), the others wait for it; each gets the
+    definitions' cost."""
+    x, params = _data()
+    step = ts.load(SPEC)
+    counted = api.load
+    monkeypatch.setattr(api, "load", lambda spec, device="cpu": (time.sleep(0.3), counted(spec, device))[1])
+    barrier = threading.Barrier(4)
+    costs = [None] * 4
+
+    def run(i: int) -> None:
+        dt = torch.tensor(DT, dtype=torch.float64, requires_grad=True)
+        barrier.wait()
+        costs[i] = _call(step, x, params, dt=dt)[1]
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert loads.count(PLAIN) == 1
+    for cost in costs:
+        _close(cost, _cost(x, params, x["u"].numpy()))
