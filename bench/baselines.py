@@ -93,3 +93,10 @@ def slicing_step(spec: ts.KernelSpec, dt: float) -> Step:
 def copy_elements(spec: ts.KernelSpec, batch: int) -> int:
     """Elements the op moves per direction: u plus every output row (per batch and dof)."""
     return batch * spec.dof * (spec.n_actions + (spec.order + 1) * spec.horizon)
+
+
+def copy_source(elements: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The source of a copy bound: every element written, nonzero. An unwritten ``torch.empty`` (or a
+    ``torch.zeros``, from calloc) of this size is untouched pages on the CPU, which read as the
+    system's zero page: a "copy" of it reads no memory, and the bound it gives is too low."""
+    return torch.ones(elements, dtype=dtype, device=device)

@@ -10,7 +10,7 @@ import torch
 
 import tensorstep as ts
 
-from .baselines import copy_elements
+from .baselines import copy_elements, copy_source
 from .harness import COMPILE_BACKEND, DT, _fwd_bwd, format_time, machine, time_interleaved
 
 
@@ -104,7 +104,7 @@ def case_callables(case: BSplineCase, inductor: bool = True) -> dict[str, Callab
         compiled()  # compiles the forward and backward graphs before any timing
         compiled()
         methods["compiled"] = compiled
-    src = torch.empty(copy_elements(spec, case.batch), dtype=dtype, device=dev)
+    src = copy_source(copy_elements(spec, case.batch), dtype, dev)
     methods["copy"] = lambda: src.clone()
     return methods
 

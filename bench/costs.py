@@ -36,7 +36,7 @@ from tensorstep.runtime import costs as runtime_costs
 from tensorstep.runtime import memory, native
 from tensorstep.runtime.launch import DTYPES
 
-from .baselines import slicing_step
+from .baselines import copy_source, slicing_step
 from .harness import COMPILE_BACKEND, DT, format_time, machine, time_interleaved
 
 STATES = ("position", "velocity", "acceleration", "jerk")
@@ -168,7 +168,7 @@ def case_callables(case: CostCase, inductor: bool = True,
         methods["compiled"] = with_costs(lambda: compiled(u, *starts))
     _check_agreement(case, methods, u, echo)
 
-    src = torch.empty(copy_elements(case), dtype=case.torch_dtype, device=dev)
+    src = copy_source(copy_elements(case), case.torch_dtype, dev)
     methods["copy"] = lambda: src.clone()
     methods["copy_as_outputs"] = lambda: memory.empty(src.shape, src.dtype, src.device).copy_(src)
     methods.update(_pieces(fused, u, starts, params, W, ones))

@@ -16,7 +16,7 @@ import torch
 
 import tensorstep as ts
 
-from .baselines import copy_elements, dense_step, slicing_step
+from .baselines import copy_elements, copy_source, dense_step, slicing_step
 
 SCHEMES = {
     "central": dict(control="position", difference="central"),
@@ -124,7 +124,7 @@ def case_callables(case: Case, inductor: bool = True) -> dict[str, Callable[[], 
     compiled = compiled_slicing(spec, lambda fn: _fwd_bwd(fn, u, starts, grads)) if inductor else None
     if compiled is not None:
         methods["compiled"] = compiled
-    src = torch.empty(copy_elements(spec, B), dtype=dtype, device=dev)
+    src = copy_source(copy_elements(spec, B), dtype, dev)
     methods["copy"] = lambda: src.clone()
     if B == 1 and case.device == "cpu":
         methods.update(autograd_floors())

@@ -178,3 +178,21 @@ def test_the_thread_table(capsys):
         hi = (seconds(a) + rounding(a)) / (seconds(f) - rounding(f))
         assert lo - 0.005 <= ratio <= hi + 0.005, (ratio, a, f)
     assert re.search(r"\(a\) fused: 1 thread\(s\) / 2 threads, round by round: \S+×", printed)
+
+
+def test_the_copy_bounds_read_written_memory(monkeypatch):
+    """Each bench's copy bound copies a source whose every element is written and nonzero: an
+    unwritten torch.empty (or a calloc'd torch.zeros) of a large size reads the system's zero page,
+    which moves no memory, and made the bound too low."""
+    from tensorstep.bench import baselines, bspline, harness
+
+    src = baselines.copy_source(3 << 20, torch.float32, torch.device("cpu"))  # 12 MiB: mmap'd pages
+    assert src.shape == (3 << 20,) and int(torch.count_nonzero(src)) == src.numel()
+    seen = []
+    real = baselines.copy_source
+    for module in (costs, harness, bspline):
+        monkeypatch.setattr(module, "copy_source", lambda *a, **k: seen.append(a) or real(*a, **k))
+    costs.case_callables(costs.CostCase(batch=3), inductor=False)
+    harness.case_callables(harness.Case(scheme="central", horizon=8, batch=3, dtype="float64"), inductor=False)
+    bspline.case_callables(bspline.BSplineCase(batch=3), inductor=False)
+    assert len(seen) == 3
