@@ -15,7 +15,7 @@ from .autograd import step_function
 from .launch import DTYPES, CpuBackend, Launcher, capturing, warm_up_first
 
 Tensor = torch.Tensor
-Parameter = torch.nn.Parameter
+TENSOR_TYPES = validate.TENSOR_TYPES
 #: nn.Module's own __call__: Step.__call__ skips it only while it is not patched (as FX's tracer patches it)
 _MODULE_CALL = getattr(torch.nn.Module, "_wrapped_call_impl", torch.nn.Module.__call__)
 #: the tensor arguments of forward's signature, in its order
@@ -474,11 +474,11 @@ def _unwrapped(op: Any) -> Any:
 
 
 def _tensors_or_none(values: list) -> bool:
-    """Every value a plain Tensor, an nn.Parameter (a plain tensor to the op: it overrides no torch
-    function) or None, as the native op takes them (a loop: cheaper per call than all() over a
-    generator)."""
+    """Every value one of ``validate.TENSOR_TYPES`` or None, as the native op takes them. A loop
+    that tests a plain Tensor (most values) before the set: as cheap per call as two identity tests,
+    where all() over a generator, the set alone or its issuperset over the types are not."""
     for v in values:
-        if v is not None and type(v) is not Tensor and type(v) is not Parameter:
+        if v is not None and type(v) is not Tensor and type(v) not in TENSOR_TYPES:
             return False
     return True
 

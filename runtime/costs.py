@@ -22,8 +22,6 @@ from ..codegen.arguments import Argument, ArgumentTable
 from . import validate
 
 Tensor = torch.Tensor
-#: how a module holds a weight or limit (one that does not require grad): stamped as a plain tensor
-Parameter = torch.nn.Parameter
 STATES = ("position", "velocity", "acceleration", "jerk", "snap")
 
 
@@ -164,7 +162,7 @@ class CheckedParameters:
             x = values[i]
             if x is None:
                 stamps.append(None)
-            elif type(x) is Tensor or type(x) is Parameter:
+            elif type(x) in validate.TENSOR_TYPES:
                 stamps.append(validate.stamp(x, id(x)))
             else:  # another subclass (its own view of versions and data) or no tensor: checked on every call
                 stamps = None

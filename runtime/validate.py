@@ -23,6 +23,10 @@ import torch
 from ..codegen.arguments import ABSENT, INDEX, REQUIRED, Argument, ArgumentTable, message
 
 Tensor = torch.Tensor
+#: the tensor types whose values the kernels and the native op read as they are: a plain Tensor and
+#: an nn.Parameter (a plain tensor to the op: it overrides no torch function); another subclass has
+#: its own view of versions and data. Tested inline (``type(v) in TENSOR_TYPES``): no call per value
+TENSOR_TYPES = frozenset((Tensor, torch.nn.Parameter))
 
 
 def shape_text(shape: Sequence[Any]) -> str:
