@@ -56,6 +56,13 @@ def _logical(table: ArgumentTable, arg: Argument, shape: tuple[int, ...]) -> tup
     return shape
 
 
+def own_values(t: Tensor, resolve: bool = True) -> Tensor:
+    """``t``, or a negated view's values as a tensor of its own (``Tensor.resolve_neg``:
+    differentiable, gradients reach the view's base; see the module's docstring) unless
+    ``resolve`` is False (while Dynamo traces: it cannot trace the test)."""
+    return t.resolve_neg() if resolve and t.is_neg() else t
+
+
 def check_argument(table: ArgumentTable, arg: Argument, t: Any, dims: dict[str, int], dtype: torch.dtype,
                    device: torch.device, resolve: bool = True) -> Optional[Tensor]:
     """One input: presence, type, layout, rank, shape, dtype, device; returned contiguous, and a
@@ -86,8 +93,7 @@ def check_argument(table: ArgumentTable, arg: Argument, t: Any, dims: dict[str, 
         raise _fail(TypeError, "dtype", name=arg.name, expected=dtype, got=t.dtype)
     if t.device != device:
         raise _fail(ValueError, "device", name=arg.name, expected=device, got=t.device)
-    if resolve and t.is_neg():  # a negated view (see the module's docstring): its values as a tensor of its own
-        t = t.resolve_neg()
+    t = own_values(t, resolve)
     if arg.dtype == INDEX:
         t = t.to(torch.int64)
     return t.contiguous()
@@ -206,8 +212,7 @@ def dt_tensor(dt: Any, table: ArgumentTable, dtype: torch.dtype, device: torch.d
     if dt.device != device:
         raise ValueError(message("device", name=arg.name, expected=device, got=dt.device))
     compiling = torch.compiler.is_compiling()
-    if not compiling and dt.is_neg():  # a negated view, as in check_argument
-        dt = dt.resolve_neg()
+    dt = own_values(dt, not compiling)
     if dt.device.type == "cpu" and not compiling:
         check_dt_values(dt, arg.name)
     return dt.reshape(n).to(dtype).contiguous()
