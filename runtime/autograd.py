@@ -100,18 +100,19 @@ def _backward(launcher: Launcher, inputs: list, dt: Tensor, grads: tuple, needs:
 def step_function(launcher: Launcher, inputs: list, dt: Tensor) -> tuple[Tensor, ...]:
     """The Python path's autograd node of one call (inputs in table order): ``StepFunction``, or for
     a step with cost parameters ``FusedStepFunction``."""
-    if launcher.data:
-        return FusedStepFunction.apply(launcher, tuple(inputs[i] for i in launcher.data),
-                                       *(inputs[i] for i in launcher.variables), dt)
+    if launcher.parameter_places:
+        return FusedStepFunction.apply(launcher, tuple(inputs[i] for i in launcher.parameter_places),
+                                       *(inputs[i] for i in launcher.variable_places), dt)
     return StepFunction.apply(launcher, *inputs, dt)
 
 
 def _merged(launcher: Launcher, variables: Any, data: Any) -> list:
-    """The inputs in table order from the others (``launcher.variables``) and the cost parameters (``launcher.data``)."""
+    """The inputs in table order from the others (at ``launcher.variable_places``) and the cost
+    parameters (at ``launcher.parameter_places``)."""
     merged: list = [None] * (len(variables) + len(data))
-    for i, x in zip(launcher.variables, variables):
+    for i, x in zip(launcher.variable_places, variables):
         merged[i] = x
-    for i, x in zip(launcher.data, data):
+    for i, x in zip(launcher.parameter_places, data):
         merged[i] = x
     return merged
 
@@ -141,11 +142,11 @@ class FusedStepFunction(_FastApply):
     def backward(ctx, *grads):
         launcher: Launcher = ctx.launcher
         saved = ctx.saved_tensors
-        n = len(launcher.variables)
+        n = len(launcher.variable_places)
         variables, dt, data = saved[:n], saved[n], saved[n + 1:]
         needs = (*_merged(launcher, ctx.needs_input_grad[2:2 + n], (False,) * len(data)), ctx.needs_input_grad[-1])
         got = _backward(launcher, _merged(launcher, variables, data), dt, grads, needs)
-        return (None, None, *(got[i] for i in launcher.variables), got[-1])
+        return (None, None, *(got[i] for i in launcher.variable_places), got[-1])
 
 
 def _recomputed(launcher: Launcher, inputs: list, dt: Tensor, grads: tuple, needed: tuple) -> list:

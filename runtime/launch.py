@@ -78,10 +78,10 @@ class Launcher:
         self.K = len(self.table.outputs)
         #: dt="per_trajectory": dt is [B], one step duration per trajectory
         self.per_trajectory = self.table.dt.shape == ("B",)
-        #: a fused step's cost parameters' places among the tensor inputs, and every other input's
-        #: (runtime/autograd.py ``FusedStepFunction``)
-        self.data = tuple(i for i, a in enumerate(self.table.tensors) if cost_parameter(a))
-        self.variables = tuple(i for i in range(len(self.table.tensors)) if i not in self.data)
+        #: a fused step's cost parameters' places among the tensor inputs (data: no gradient), and
+        #: every other input's (runtime/autograd.py ``FusedStepFunction``)
+        self.parameter_places = tuple(i for i, a in enumerate(self.table.tensors) if cost_parameter(a))
+        self.variable_places = tuple(i for i in range(len(self.table.tensors)) if i not in self.parameter_places)
         self._adjoint_shapes: dict[int, list[tuple[int, ...]]] = {}
         self._output_shapes: dict[int, list[tuple[int, ...]]] = {}
 
