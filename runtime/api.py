@@ -391,6 +391,9 @@ class Step(torch.nn.Module):
         return inputs, dt_k, kept is not None
 
     def _composite(self, inputs: list, dt: Tensor) -> tuple[Tensor, ...]:
+        """This call's outputs through the composite form, its twin reached through ``plain``, which
+        torch.compile loads outside the graph (the launcher's ``composite``, module-level
+        ``_composite``, serves eager backwards and calls ``Twin.get`` directly)."""
         from . import costs
 
         return costs.composite(self.plain, self.table, inputs, dt, self._cost_kinds)
