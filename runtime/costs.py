@@ -260,6 +260,18 @@ class HeldParameters(dict):
         self.changes += 1
         super().clear()
 
+    def setdefault(self, key: str, default: Any = None) -> Any:
+        self.changes += 1
+        return super().setdefault(key, default)
+
+    def popitem(self) -> tuple:
+        self.changes += 1
+        return super().popitem()
+
+    def __ior__(self, other: Any) -> "HeldParameters":
+        self.changes += 1
+        return super().__ior__(other)
+
 
 def composite(plain: Any, table: ArgumentTable, inputs: Sequence[Optional[Tensor]], dt: Tensor,
               kinds: Optional[dict[str, Callable[..., Tensor]]] = None) -> tuple[Tensor, ...]:

@@ -296,3 +296,30 @@ def test_held_parameters_under_compile_vmap_and_export():
 
     exported = torch.export.export(Loss(), (x["u"],))
     torch.testing.assert_close(exported.module()(x["u"]), loss(keyword, params, x["u"]), rtol=1e-12, atol=0)
+
+
+def test_every_way_of_changing_the_held_dict_is_counted():
+    """HeldParameters counts each change to which tensors are held, by every mutating dict method
+    (nn.Module uses some; anything else that holds the dict may use the others): a call after any
+    of them must take the Python checks again."""
+    from tensorstep.runtime.costs import HeldParameters
+
+    a, b = torch.zeros(1), torch.ones(1)
+    changes = {
+        "__setitem__": lambda d: d.__setitem__("x", b),
+        "__delitem__": lambda d: d.__delitem__("w"),
+        "pop": lambda d: d.pop("w"),
+        "popitem": lambda d: d.popitem(),
+        "setdefault": lambda d: d.setdefault("x", b),
+        "update": lambda d: d.update(x=b),
+        "clear": lambda d: d.clear(),
+        "__ior__": lambda d: d.__ior__({"x": b}),
+    }
+    mutators = {"__setitem__", "__delitem__", "pop", "popitem", "setdefault", "update", "clear", "__ior__"}
+    assert set(changes) == mutators
+    for name, change in changes.items():
+        held = HeldParameters()
+        dict.__setitem__(held, "w", a)
+        before = held.changes
+        change(held)
+        assert held.changes > before, name
