@@ -842,6 +842,27 @@ def _live(lines: list[Statement], used: set = frozenset()) -> list[Statement]:
     return kept[::-1]
 
 
+def _gradient_load(line: Statement) -> bool:
+    """``const T g1_5 = G1(5);``: an output gradient's row loaded into a local."""
+    return (isinstance(line, Def) and isinstance(line.value, Read) and line.value.macro[:1] == "G"
+            and line.value.macro[1:].isdigit())
+
+
+def loaded_where_used(lines: list[Statement]) -> list[Statement]:
+    """``lines`` with each output gradient's load moved to just before the first line that reads
+    it (loads no line reads first, as written); the other lines keep their order, so each value
+    is the same arithmetic. A column whose rows are in cache then starts its sweep at once; where
+    they come from memory, loading them all first (as written) keeps more loads in flight."""
+    loads = {line.target: line for line in lines if _gradient_load(line)}
+    rest = [line for line in lines if not _gradient_load(line)]
+    read = set().union(*map(_reads, rest)) if rest else set()
+    out = [load for target, load in loads.items() if target not in read]
+    for line in rest:
+        out += [loads.pop(v) for v in sorted(_reads(line) & loads.keys(), key=list(loads).index)]
+        out.append(line)
+    return out
+
+
 def _dt_vjp(op: Operator, coefs: Coefficients, refs: References, spans: list[Span] = (), only: bool = False
             ) -> KernelCode:
     """GC(q) += Σ yb_row · value over the uses of each dt-dependent coefficient (summed over
@@ -1074,6 +1095,17 @@ class LoweredOperator:
         its column text, which the lane form also measures, is printed once."""
         loops = fused_gathers(self.adjoint.loops)
         return self.adjoint if len(loops) == len(self.adjoint.loops) else dataclasses.replace(self.adjoint, loops=loops)
+
+    @functools.cached_property
+    def adjoint_loaded_late(self) -> KernelCode | None:
+        """A recurrence's plain adjoint (C's, ``gathered_adjoint``) with each output gradient loaded
+        where it is first used (``loaded_where_used``), for a thread's small share of the batch
+        (codegen/render.py ``late_loads``); None for stencils, whose columns carry nothing, and
+        fused steps."""
+        if self.fused or _is_stencil(self.op):
+            return None
+        adjoint = self.gathered_adjoint
+        return dataclasses.replace(adjoint, statements=loaded_where_used(adjoint.statements))
 
     @functools.cached_property
     def stencil(self) -> bool:

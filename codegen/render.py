@@ -92,6 +92,32 @@ def paired(lane_form: dict | None, table: ArgumentTable, bodies: dict, codes: di
     return (body,) if body in bodies and not codes[body].loops else ()
 
 
+#: the most bytes a thread's share of the batch moves (the output gradients it is given, the action
+#: gradients it writes) for which an integrator's plain C adjoint runs its column with each gradient row
+#: loaded where it is first used (``late_loads``): on rows in cache the reverse sweep starts at once (a
+#: quarter to a third less time); on rows from memory the column that loads them all first keeps more
+#: loads in flight (loaded where used was 1.5-2x slower there). Measured on the 2-core machine (32 MB
+#: of L3), float32 and float64, P's gradient only and all four: faster up to about 14 MB a thread,
+#: slower from about 18 MB (BENCHMARKS.md, "The integrators' plain C adjoint: gradient rows loaded
+#: where first used")
+LATE_LOADS_MAX_BYTES = 12 << 20
+
+
+def late_loads(code: LoweredOperator, codes: dict, lane_bodies: dict[str, tuple[Any, list[str]]]
+               ) -> dict[str, dict[str, list[str]]]:
+    """The C adjoint of a recurrence (``LoweredOperator.adjoint_loaded_late``) whose lane body is
+    straight-line, with each gradient row loaded where it is first used: its lane and per-dof
+    column lines by body, for the batch function a thread runs on a share of at most
+    ``LATE_LOADS_MAX_BYTES`` (templates/kernel.c.j2). The same statements in another order, so the
+    same bits. None elsewhere: a stencil carries nothing along its column, a rolled lane body
+    (long horizons) loads each row in its loop already, and a fused adjoint has its own forms."""
+    late = code.adjoint_loaded_late
+    if late is None or "adjoint" not in lane_bodies or lane_bodies["adjoint"][0] is not codes["adjoint"].statements:
+        return {}
+    lines = lane_printer(macros.lane_names(code.arguments)).lines(late.statements)
+    return {"adjoint": {"lanes": lines, "body": late.body}} if len(lines) <= LANE_MAX_LINES else {}
+
+
 def pair_vector(lane_form: dict | None) -> dict | None:
     """The paired lane form's vector: twice the lane form's bits, its lanes in two halves (b, b1)."""
     if lane_form is None:
@@ -263,6 +289,8 @@ def render(spec: Any, code: LoweredOperator, table: ArgumentTable, target: Targe
     pairs = paired(lane_form, table, lane_bodies,
                    {**codes, **{k + suffix: c for suffix, v in variants.items() for k, c in v.items() if c is not None}},
                    code.stencil)
+    late = late_loads(code, codes, lane_bodies) if lane_form else {}
+    assert not (late and pairs), "an adjoint has one batch-chosen form"
     form_checks, form_tests = _form_checks(table, fused.forms(table)) if variants else ([], {})
     programs = _long_programs(code, kernels, table.dt.shape == ("B",)) if target.split_programs else {}
     units = abi.units(part, table)
@@ -306,6 +334,8 @@ def render(spec: Any, code: LoweredOperator, table: ArgumentTable, target: Targe
         lane_bodies={k: lines for k, (_, lines) in lane_bodies.items()},
         lane_actions=_lane_actions(lane_bodies, spec.n_actions),
         paired=pairs,
+        late_loads=late,
+        late_loads_max_bytes=LATE_LOADS_MAX_BYTES,
         pair=pair_vector(lane_form) if pairs else None,
         pair_macros=macros.lane_pairs(table, spec.order + 1) if pairs else [],
         pair_bases=macros.pair_bases(table) if pairs else [],
