@@ -748,8 +748,10 @@ void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_forward(int64_t B, const float* rest
 #endif
 
 #if !defined(TS_UNIT) || TS_UNIT == 2
+#if defined(TS_LANES)
 /* adjoint on batch elements b_begin .. b_end - 1 with each gradient row loaded where it is first used:
- * adjoint_batch runs it on a share whose rows fit in cache (TS_LATE_LOADS_MAX_BYTES) */
+ * adjoint_batch runs it on a share whose rows fit in cache (TS_LATE_LOADS_MAX_BYTES); the per-dof
+ * form, which gcc vectorises across the dof, gained nothing from that order */
 static TS_BATCH_FUNCTION void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_adjoint_late_batch(int64_t b_begin, int64_t b_end, int64_t B, const float* restrict g0, const float* restrict g1, const float* restrict g2, const float* restrict g3, const float* restrict dt_in, float* restrict gu, float* restrict gp0, float* restrict gv0, float* restrict ga0, float* restrict gj0, const T* restrict coef_in)
 {
     (void)B;
@@ -765,7 +767,6 @@ static TS_BATCH_FUNCTION void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_adjoint_lat
         const T* restrict gb1 = g1 ? g1 + b * Y_SB : ts_zero_outputs;
         const T* restrict gb2 = g2 ? g2 + b * Y_SB : ts_zero_outputs;
         const T* restrict gb3 = g3 ? g3 + b * Y_SB : ts_zero_outputs;
-#if defined(TS_LANES)
         {
             COLUMN_BASES(b, 0)
             const VT g3_23 = VG3(23);
@@ -988,237 +989,14 @@ static TS_BATCH_FUNCTION void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_adjoint_lat
             VGS2(C(2)*yb3_1+yb2_0);
             VGS3(yb3_0);
         }
-#else
-        TS_SIMD
-        for (int64_t d = 0; d < D_; ++d) {
-            COLUMN_BASES(b, d)
-            const T g3_23 = G3(23);
-            const T yb3_23 = g3_23;
-            const T g2_23 = G2(23);
-            const T yb2_23 = g2_23+C(1)*yb3_23;
-            const T g0_23 = G0(23);
-            const T yb0_23 = g0_23;
-            const T g1_23 = G1(23);
-            const T yb1_23 = g1_23+C(0)*yb0_23+C(1)*yb2_23;
-            const T g3_22 = G3(22);
-            const T yb3_22 = g3_22;
-            const T g2_22 = G2(22);
-            const T yb2_22 = g2_22+C(2)*yb3_23+C(1)*yb3_22;
-            const T g0_22 = G0(22);
-            const T yb0_22 = g0_22+yb0_23;
-            const T g1_22 = G1(22);
-            const T yb1_22 = g1_22+C(0)*yb0_22+C(2)*yb2_23+C(1)*yb2_22;
-            const T g3_21 = G3(21);
-            const T yb3_21 = g3_21;
-            const T g2_21 = G2(21);
-            const T yb2_21 = g2_21+C(2)*yb3_22+C(1)*yb3_21;
-            const T g0_21 = G0(21);
-            const T yb0_21 = g0_21+yb0_22;
-            const T g1_21 = G1(21);
-            const T yb1_21 = g1_21+C(0)*yb0_21+C(2)*yb2_22+C(1)*yb2_21;
-            const T g3_20 = G3(20);
-            const T yb3_20 = g3_20;
-            const T g2_20 = G2(20);
-            const T yb2_20 = g2_20+C(2)*yb3_21+C(1)*yb3_20;
-            const T g0_20 = G0(20);
-            const T yb0_20 = g0_20+yb0_21;
-            const T g1_20 = G1(20);
-            const T yb1_20 = g1_20+C(2)*yb2_21+C(1)*yb2_20+C(0)*yb0_20;
-            const T g3_19 = G3(19);
-            const T yb3_19 = g3_19;
-            const T g2_19 = G2(19);
-            const T yb2_19 = g2_19+C(2)*yb3_20+C(1)*yb3_19;
-            const T g0_19 = G0(19);
-            const T yb0_19 = g0_19+yb0_20;
-            const T g1_19 = G1(19);
-            const T yb1_19 = g1_19+C(2)*yb2_20+C(1)*yb2_19+C(0)*yb0_19;
-            const T g3_18 = G3(18);
-            const T yb3_18 = g3_18;
-            const T g2_18 = G2(18);
-            const T yb2_18 = g2_18+C(2)*yb3_19+C(1)*yb3_18;
-            const T g0_18 = G0(18);
-            const T yb0_18 = g0_18+yb0_19;
-            const T g1_18 = G1(18);
-            const T yb1_18 = g1_18+C(2)*yb2_19+C(1)*yb2_18+C(0)*yb0_18;
-            const T g3_17 = G3(17);
-            const T yb3_17 = g3_17;
-            const T g2_17 = G2(17);
-            const T yb2_17 = g2_17+C(2)*yb3_18+C(1)*yb3_17;
-            const T g0_17 = G0(17);
-            const T yb0_17 = g0_17+yb0_18;
-            const T g1_17 = G1(17);
-            const T yb1_17 = g1_17+C(2)*yb2_18+C(1)*yb2_17+C(0)*yb0_17;
-            const T g3_16 = G3(16);
-            const T yb3_16 = g3_16;
-            const T g2_16 = G2(16);
-            const T yb2_16 = g2_16+C(2)*yb3_17+C(1)*yb3_16;
-            const T g0_16 = G0(16);
-            const T yb0_16 = g0_16+yb0_17;
-            const T g1_16 = G1(16);
-            const T yb1_16 = g1_16+C(2)*yb2_17+C(1)*yb2_16+C(0)*yb0_16;
-            const T g3_15 = G3(15);
-            const T yb3_15 = g3_15;
-            const T g2_15 = G2(15);
-            const T yb2_15 = g2_15+C(2)*yb3_16+C(1)*yb3_15;
-            const T g0_15 = G0(15);
-            const T yb0_15 = g0_15+yb0_16;
-            const T g1_15 = G1(15);
-            const T yb1_15 = g1_15+C(2)*yb2_16+C(1)*yb2_15+C(0)*yb0_15;
-            const T g3_14 = G3(14);
-            const T yb3_14 = g3_14;
-            const T g2_14 = G2(14);
-            const T yb2_14 = g2_14+C(2)*yb3_15+C(1)*yb3_14;
-            const T g0_14 = G0(14);
-            const T yb0_14 = g0_14+yb0_15;
-            const T g1_14 = G1(14);
-            const T yb1_14 = g1_14+C(2)*yb2_15+C(1)*yb2_14+C(0)*yb0_14;
-            const T g3_13 = G3(13);
-            const T yb3_13 = g3_13;
-            const T g2_13 = G2(13);
-            const T yb2_13 = g2_13+C(2)*yb3_14+C(1)*yb3_13;
-            const T g0_13 = G0(13);
-            const T yb0_13 = g0_13+yb0_14;
-            const T g1_13 = G1(13);
-            const T yb1_13 = g1_13+C(2)*yb2_14+C(1)*yb2_13+C(0)*yb0_13;
-            const T g3_12 = G3(12);
-            const T yb3_12 = g3_12;
-            const T g2_12 = G2(12);
-            const T yb2_12 = g2_12+C(2)*yb3_13+C(1)*yb3_12;
-            const T g0_12 = G0(12);
-            const T yb0_12 = g0_12+yb0_13;
-            const T g1_12 = G1(12);
-            const T yb1_12 = g1_12+C(2)*yb2_13+C(1)*yb2_12+C(0)*yb0_12;
-            const T g3_11 = G3(11);
-            const T yb3_11 = g3_11;
-            const T g2_11 = G2(11);
-            const T yb2_11 = g2_11+C(2)*yb3_12+C(1)*yb3_11;
-            const T g0_11 = G0(11);
-            const T yb0_11 = g0_11+yb0_12;
-            const T g1_11 = G1(11);
-            const T yb1_11 = g1_11+C(2)*yb2_12+C(1)*yb2_11+C(0)*yb0_11;
-            const T g3_10 = G3(10);
-            const T yb3_10 = g3_10;
-            const T g2_10 = G2(10);
-            const T yb2_10 = g2_10+C(2)*yb3_11+C(1)*yb3_10;
-            const T g0_10 = G0(10);
-            const T yb0_10 = g0_10+yb0_11;
-            const T g1_10 = G1(10);
-            const T yb1_10 = g1_10+C(2)*yb2_11+C(1)*yb2_10+C(0)*yb0_10;
-            const T g3_9 = G3(9);
-            const T yb3_9 = g3_9;
-            const T g2_9 = G2(9);
-            const T yb2_9 = g2_9+C(2)*yb3_10+C(1)*yb3_9;
-            const T g0_9 = G0(9);
-            const T yb0_9 = g0_9+yb0_10;
-            const T g1_9 = G1(9);
-            const T yb1_9 = g1_9+C(2)*yb2_10+C(1)*yb2_9+C(0)*yb0_9;
-            const T g3_8 = G3(8);
-            const T yb3_8 = g3_8;
-            const T g2_8 = G2(8);
-            const T yb2_8 = g2_8+C(2)*yb3_9+C(1)*yb3_8;
-            const T g0_8 = G0(8);
-            const T yb0_8 = g0_8+yb0_9;
-            const T g1_8 = G1(8);
-            const T yb1_8 = g1_8+C(2)*yb2_9+C(1)*yb2_8+C(0)*yb0_8;
-            const T g3_7 = G3(7);
-            const T yb3_7 = g3_7;
-            const T g2_7 = G2(7);
-            const T yb2_7 = g2_7+C(2)*yb3_8+C(1)*yb3_7;
-            const T g0_7 = G0(7);
-            const T yb0_7 = g0_7+yb0_8;
-            const T g1_7 = G1(7);
-            const T yb1_7 = g1_7+C(2)*yb2_8+C(1)*yb2_7+C(0)*yb0_7;
-            const T g3_6 = G3(6);
-            const T yb3_6 = g3_6;
-            const T g2_6 = G2(6);
-            const T yb2_6 = g2_6+C(2)*yb3_7+C(1)*yb3_6;
-            const T g0_6 = G0(6);
-            const T yb0_6 = g0_6+yb0_7;
-            const T g1_6 = G1(6);
-            const T yb1_6 = g1_6+C(2)*yb2_7+C(1)*yb2_6+C(0)*yb0_6;
-            const T g3_5 = G3(5);
-            const T yb3_5 = g3_5;
-            const T g2_5 = G2(5);
-            const T yb2_5 = g2_5+C(2)*yb3_6+C(1)*yb3_5;
-            const T g0_5 = G0(5);
-            const T yb0_5 = g0_5+yb0_6;
-            const T g1_5 = G1(5);
-            const T yb1_5 = g1_5+C(2)*yb2_6+C(1)*yb2_5+C(0)*yb0_5;
-            const T g3_4 = G3(4);
-            const T yb3_4 = g3_4;
-            const T g2_4 = G2(4);
-            const T yb2_4 = g2_4+C(2)*yb3_5+C(1)*yb3_4;
-            const T g0_4 = G0(4);
-            const T yb0_4 = g0_4+yb0_5;
-            const T g1_4 = G1(4);
-            const T yb1_4 = g1_4+C(2)*yb2_5+C(1)*yb2_4+C(0)*yb0_4;
-            const T g3_3 = G3(3);
-            const T yb3_3 = g3_3;
-            const T g2_3 = G2(3);
-            const T yb2_3 = g2_3+C(2)*yb3_4+C(1)*yb3_3;
-            const T g0_3 = G0(3);
-            const T yb0_3 = g0_3+yb0_4;
-            const T g1_3 = G1(3);
-            const T yb1_3 = g1_3+C(2)*yb2_4+C(1)*yb2_3+C(0)*yb0_3;
-            const T g3_2 = G3(2);
-            const T yb3_2 = g3_2;
-            const T g2_2 = G2(2);
-            const T yb2_2 = g2_2+C(2)*yb3_3+C(1)*yb3_2;
-            const T g0_2 = G0(2);
-            const T yb0_2 = g0_2+yb0_3;
-            const T g1_2 = G1(2);
-            const T yb1_2 = g1_2+C(2)*yb2_3+C(1)*yb2_2+C(0)*yb0_2;
-            const T g3_1 = G3(1);
-            const T yb3_1 = g3_1;
-            const T g2_1 = G2(1);
-            const T yb2_1 = g2_1+C(2)*yb3_2+C(1)*yb3_1;
-            const T g0_1 = G0(1);
-            const T yb0_1 = g0_1+yb0_2;
-            const T g1_1 = G1(1);
-            const T yb1_1 = g1_1+C(2)*yb2_2+C(1)*yb2_1+C(0)*yb0_1;
-            const T g3_0 = G3(0);
-            const T yb3_0 = g3_0;
-            const T g2_0 = G2(0);
-            const T yb2_0 = g2_0;
-            const T g1_0 = G1(0);
-            const T yb1_0 = g1_0;
-            const T g0_0 = G0(0);
-            const T yb0_0 = g0_0;
-            GU(0, yb1_1);
-            GU(1, yb1_2);
-            GU(2, yb1_3);
-            GU(3, yb1_4);
-            GU(4, yb1_5);
-            GU(5, yb1_6);
-            GU(6, yb1_7);
-            GU(7, yb1_8);
-            GU(8, yb1_9);
-            GU(9, yb1_10);
-            GU(10, yb1_11);
-            GU(11, yb1_12);
-            GU(12, yb1_13);
-            GU(13, yb1_14);
-            GU(14, yb1_15);
-            GU(15, yb1_16);
-            GU(16, yb1_17);
-            GU(17, yb1_18);
-            GU(18, yb1_19);
-            GU(19, yb1_20);
-            GU(20, yb1_21);
-            GU(21, yb1_22);
-            GU(22, yb1_23);
-            GS0(yb0_0+yb0_1);
-            GS1(yb1_0+C(2)*yb2_1);
-            GS2(C(2)*yb3_1+yb2_0);
-            GS3(yb3_0);
-        }
-#endif
     }
 }
+#endif
 /* adjoint on batch elements b_begin .. b_end - 1: its batch loop, a function of its own so that
  * a small batch runs it without entering an OpenMP region (TS_BATCH) */
 static TS_BATCH_FUNCTION void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_adjoint_batch(int64_t b_begin, int64_t b_end, int64_t B, const float* restrict g0, const float* restrict g1, const float* restrict g2, const float* restrict g3, const float* restrict dt_in, float* restrict gu, float* restrict gp0, float* restrict gv0, float* restrict ga0, float* restrict gj0, const T* restrict coef_in)
 {
+#if defined(TS_LANES)
     /* this share's bytes of gradient rows (those given) and action gradients: in cache, the
      * column that loads each row where it is first used; from memory, this one (all loads first) */
     if ((b_end - b_begin) * (((g0 != 0) + (g1 != 0) + (g2 != 0) + (g3 != 0) + 0) * Y_SB + U_SB) * (int64_t)sizeof(T)
@@ -1226,6 +1004,7 @@ static TS_BATCH_FUNCTION void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_adjoint_bat
         ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_adjoint_late_batch(b_begin, b_end, B, g0, g1, g2, g3, dt_in, gu, gp0, gv0, ga0, gj0, coef_in);
         return;
     }
+#endif
     (void)B;
     /* this thread's own copy: gcc cannot tell a shared array from the outputs the loops store to,
      * so it would reload and broadcast every coefficient in every vector iteration */

@@ -1,9 +1,12 @@
 """An integrator's plain C adjoint in two forms chosen by a thread's share of the batch
 (codegen/render.py ``late_loads``): each gradient row loaded where it is first used, for a share
-whose rows fit in cache, and every row loaded first above ``LATE_LOADS_MAX_BYTES``. The same
+whose rows fit in cache, and every row loaded first above ``LATE_LOADS_MAX_BYTES`` (the lane form
+only: built with AVX-512). The same
 statements in another order: the two forms give the same bits, each the dense reference's
 gradients, with one thread and two, on both sides of the threshold."""
 from __future__ import annotations
+
+import re
 
 import numpy as np
 import pytest
@@ -71,9 +74,12 @@ def test_integrators_have_both_forms_and_stencils_and_cuda_neither():
         assert f"{spec.name}_adjoint_late_batch(b_begin, b_end," in batch and "TS_LATE_LOADS_MAX_BYTES" in batch
         assert f"#define TS_LATE_LOADS_MAX_BYTES {render.LATE_LOADS_MAX_BYTES}LL" in source
         late = functions[f"{spec.name}_adjoint_late_batch"]
-        # the late form's lane column starts its sweep at the last row: its first load is that row's
-        lanes = late.split("#if defined(TS_LANES)")[1].split("#else")[0]
-        first = next(line.strip() for line in lanes.splitlines() if "= VG" in line)
+        # the lane form only (the per-dof loop gained nothing): the function and the test under TS_LANES
+        assert "for (int64_t d = 0; d < D_; ++d)" not in late
+        assert re.search(r"#if defined\(TS_LANES\)\n/\*[^/]*\*/\nstatic [^\n]*_adjoint_late_batch\(", source)
+        assert re.search(r"\{\n#if defined\(TS_LANES\)\n[^#]*_adjoint_late_batch\(b_begin[^#]*#endif\n", batch)
+        # its column starts the sweep at the last row: its first load is that row's
+        first = next(line.strip() for line in late.splitlines() if "= VG" in line)
         assert f"({spec.horizon - 1});" in first, first
         # every load of the loaded-first form is in the late one, once
         loads = sorted(line.strip() for line in batch.splitlines() if "= VG" in line)
