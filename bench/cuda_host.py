@@ -24,7 +24,7 @@ from unittest import mock
 
 import torch
 
-from .costs import CostCase, _inputs, parameters
+from .costs import TERMS, CostCase, _inputs, parameters
 from .harness import DT
 
 
@@ -62,6 +62,7 @@ def _stubbed() -> Iterator[None]:
     with mock.patch.object(torch.cuda, "is_available", lambda: True), \
             mock.patch.object(torch.cuda, "is_current_stream_capturing", lambda: False), \
             mock.patch.object(torch.cuda, "current_stream", lambda device=None: stream), \
+            mock.patch.object(cuda_backend, "raw_stream_reader", lambda: lambda index: stream.cuda_stream), \
             mock.patch.object(cuda_backend, "_cupy", _StubCupy):
         yield
 
@@ -90,14 +91,14 @@ def callables(case: CostCase, stub: bool) -> tuple[dict[str, Callable[[], Any]],
     u.requires_grad_(True)
     params = parameters(case, gen)
     W = torch.randn(case.batch, case.horizon, case.dof, generator=gen, dtype=case.torch_dtype).to(dev)
-    ones = torch.ones(case.batch, 7, dtype=case.torch_dtype, device=dev)
+    ones = torch.ones(case.batch, len(TERMS), dtype=case.torch_dtype, device=dev)
     load = _stub_step if stub else (lambda spec: ts.load(spec, dev))
     fused, plain = load(case.fused), load(case.plain)
 
     def fused_call() -> tuple:
         u.grad = None
         outs = fused(u, *starts, DT, **params)
-        torch.autograd.backward(outs, (W, ones[:, :outs[1].shape[1]]))
+        torch.autograd.backward(outs, (W, ones))
         return (*outs, u.grad)
 
     def plain_call() -> tuple:
