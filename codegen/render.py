@@ -71,8 +71,10 @@ def lanes(spec: Any) -> dict | None:
 
 
 #: the most batch elements a thread runs two trajectories a vector (``paired``): their rows stay in
-#: cache there, where the paired loop is the faster; on rows from memory it was the slower
-PAIR_MAX_BATCH = 1024
+#: cache there, where the paired loop is the faster; on rows from memory it was the slower (two
+#: trajectories' rows read in turn defeat the hardware prefetcher; BENCHMARKS.md, "The fused C
+#: adjoint's pairs: rows loaded by halves, and why pairs are slow on rows from memory")
+PAIR_MAX_BATCH = 2048
 
 
 def paired(lane_form: dict | None, table: ArgumentTable, bodies: dict, codes: dict, stencil: bool) -> tuple[str, ...]:

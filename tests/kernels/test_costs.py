@@ -20,6 +20,7 @@ import torch
 import reference
 import reference_costs
 import tensorstep as ts
+from tensorstep.codegen import render
 from tensorstep.codegen.driver import generate
 from helpers import gradcheck64, gradgradcheck64
 
@@ -376,6 +377,52 @@ def test_two_trajectories_a_vector_in_float32_and_through_immintrin(tmp_path):
     ((P * torch.linspace(-1, 1, P.numel(), dtype=torch.float64).reshape(P.shape)).sum() + (cost * wc).sum()).backward()
     expected = u.grad.numpy()
     assert np.abs(grads[0] - expected).max() <= 1e-5 * np.abs(expected).max()
+
+
+@pytest.mark.parametrize("dtype, dof", [("float32", 7), ("float64", 3)])
+def test_two_trajectories_a_vector_on_both_sides_of_the_threshold(dtype, dof):
+    """A thread's share of at most ``render.PAIR_MAX_BATCH`` trajectories runs the paired adjoint (each
+    row of a pair loaded by halves), a larger share one trajectory a vector: a batch above it with one
+    thread and split below it by two; P, the cost and the gradients of u, the start position and the
+    target are the same bits either way, and u's gradient is the plain step's plus the terms' in
+    PyTorch (float64: 1e-10; float32: within its rounding of the float64 reference)."""
+    source = generate(ts.KernelSpec(horizon=9, dof=dof, dtype=dtype, costs=TERMS, outputs=("P",)),
+                      ("c",), ("core",)).source("c", "core")
+    assert f"#define TS_PAIR_MAX_BATCH {render.PAIR_MAX_BATCH}" in source
+    assert "__builtin_shufflevector(VLOAD(p), VLOAD(p + s)" in source
+    B = render.PAIR_MAX_BATCH + render.PAIR_MAX_BATCH // 2  # one thread: above; two threads: each share below
+    spec = ts.KernelSpec(horizon=9, dof=dof, dtype=dtype, costs=TERMS, outputs=("P",))
+    x, params, _ = _data(spec, B=B)
+    for kind, state in TERMS:
+        del params[f"{kind}_{state}_row_weight"]
+        if kind == "bound":  # margins within the limits: the narrow form, which is the paired one
+            lo, hi = params[f"bound_{state}_limit"]
+            params[f"bound_{state}_margin"] = 0.1 * (hi - lo)
+    to = getattr(torch, dtype)
+    gen = torch.Generator().manual_seed(7)
+    wP = torch.randn(B, spec.horizon, dof, generator=gen, dtype=torch.float64)
+    wcost = torch.randn(B, len(TERMS), generator=gen, dtype=torch.float64)
+    step, runs, before = ts.load(spec), [], torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            xs = {k: v.to(to, copy=True).requires_grad_(k in ("u", "p0")) for k, v in x.items()}
+            ps = {k: v.to(to, copy=True).requires_grad_(k == "squared_position_target") for k, v in params.items()}
+            P, cost = _call(step, spec, xs, ps, 0.1)
+            torch.autograd.backward([P, cost], [wP.to(to), wcost.to(to)])
+            runs.append([P.detach(), cost.detach(), xs["u"].grad, xs["p0"].grad, ps["squared_position_target"].grad])
+    finally:
+        torch.set_num_threads(before)
+    for one, two, name in zip(*runs, ("P", "cost", "u", "p0", "target")):
+        assert torch.equal(one, two), name
+    plain = spec.replace(costs=(), outputs=None, dtype="float64")
+    u = x["u"].clone().requires_grad_()
+    states = _call(ts.load(plain), plain, {**x, "u": u}, {}, 0.1)
+    ones = {f"{k}_{s}_row_weight": torch.ones(spec.horizon, dtype=torch.float64) for k, s in TERMS}
+    cost = _torch_costs(plain.replace(costs=TERMS), states, {**params, **ones}, {})
+    ((states[0] * wP).sum() + (cost * wcost).sum()).backward()
+    tol = 1e-10 if dtype == "float64" else 1e-5
+    assert (runs[0][2].double() - u.grad).abs().max() <= tol * u.grad.abs().max()
 
 
 @pytest.mark.parametrize("case", ["central", "acceleration", "goal"])
