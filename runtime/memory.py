@@ -1,4 +1,4 @@
-"""New CPU outputs of a large batch, advised to come in transparent huge pages.
+"""New CPU outputs of a large batch: advised to come in transparent huge pages, and kept for reuse.
 
 A kernel's new output is memory that the operating system maps in when the kernel first writes
 it, one 4 KiB page at a time: at B=40000 (a 36 MB output) about 8,700 page faults, which took
@@ -6,13 +6,22 @@ several times the kernel's own arithmetic on the machine of BENCHMARKS.md. Advis
 ``MADV_HUGEPAGE`` before the kernel writes it, its aligned interior comes in huge pages (one
 fault each) where the system allows them (transparent huge pages "always" or "madvise");
 elsewhere the advice does nothing. Memory already mapped (reused from malloc's heap) keeps
-its pages. The native node (native_node.cpp, ``fresh``) advises the outputs it allocates the
-same way. ``TENSORSTEP_HUGE_PAGES=0`` in the environment (read at import) turns the advice off.
+its pages. ``TENSORSTEP_HUGE_PAGES=0`` in the environment (read at import) turns the advice off.
+
+Once the native node is loaded, an output of ``CACHED_FROM`` bytes or more comes from its output
+blocks instead (native_node.cpp, ``OutputBlocks``; ``fresh`` is the node's own allocation): a
+mapping of its own on a huge-page boundary, so that every page of it is huge, which is kept when
+the last tensor on it dies and handed to a later output it fits (a planner calling a step in a
+loop then pays the system's page faults and zeroing once). Idle blocks are kept up to
+``TENSORSTEP_OUTPUT_CACHE_MB`` MiB (default 1024; 0 keeps none), read when the node loads;
+``empty_cache()`` gives every idle one back to the system (``torch.cuda.empty_cache``'s
+counterpart), ``cache_info()`` says what is kept.
 """
 from __future__ import annotations
 
 import ctypes
 import functools
+import math
 import mmap
 import os
 import sys
@@ -76,9 +85,75 @@ def advise(t: torch.Tensor) -> None:
 ADVISED_FROM: float = 2 * huge_page_size() or float("inf")
 
 
+#: the size in bytes from which a CPU output is a block of the native node's cache (native_node.cpp
+#: ``OutputBlocks::FROM``)
+CACHED_FROM = 1 << 20
+
+
+@functools.lru_cache(maxsize=1)
+def _blocks() -> Optional[ctypes.CDLL]:
+    """The loaded native node's library (its output blocks' functions), None where it is not loaded."""
+    from . import native
+
+    path = native.library() if native.ready() else None
+    if path is None:
+        return None
+    lib = ctypes.CDLL(str(path))  # loaded already (torch.ops.load_library): its handle
+    lib.tensorstep_output_cache.argtypes, lib.tensorstep_output_cache.restype = (ctypes.POINTER(ctypes.c_int64),), None
+    lib.tensorstep_output_cache_limit.argtypes, lib.tensorstep_output_cache_limit.restype = (ctypes.c_int64,), None
+    lib.tensorstep_empty_cache.argtypes, lib.tensorstep_empty_cache.restype = (), None
+    return lib
+
+
+def _cached_blocks() -> Optional[ctypes.CDLL]:
+    """``_blocks()`` once the node is loaded (not cached before: it may load later)."""
+    if _blocks.cache_info().currsize:
+        return _blocks()
+    from . import native
+
+    if not native.ready():
+        return None
+    return _blocks()
+
+
+def empty_cache() -> None:
+    """Give every idle output block back to the system (memory of tensors still alive stays theirs)."""
+    lib = _cached_blocks()
+    if lib is not None:
+        lib.tensorstep_empty_cache()
+
+
+def cache_info() -> dict[str, int]:
+    """What the output blocks' cache keeps: ``idle_bytes``, ``idle_blocks``, and its cap ``limit``
+    in bytes (all 0 where the native node is not loaded)."""
+    lib, out = _cached_blocks(), (ctypes.c_int64 * 3)()
+    if lib is not None:
+        lib.tensorstep_output_cache(out)
+    return dict(zip(("idle_bytes", "idle_blocks", "limit"), out))
+
+
+def set_cache_limit(nbytes: int) -> None:
+    """A new cap in bytes on the idle blocks kept (0: none; the idle ones beyond it are given back)."""
+    if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
+        raise ValueError(f"set_cache_limit: nbytes must be a non-negative int, got {nbytes!r}")
+    lib = _cached_blocks()
+    if lib is not None:
+        lib.tensorstep_output_cache_limit(nbytes)
+
+
+def _tracing() -> bool:
+    """Whether Dynamo or a dispatch mode (torch.export, make_fx, fake tensors) sees this call."""
+    return torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
+
+
 def empty(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """``torch.empty`` for a kernel's output: on the CPU, a large one advised (``advise``; not
-    while Dynamo traces, whose tensors have no memory)."""
+    """``torch.empty`` for a kernel's output: on the CPU, a large one a block of the native node's
+    cache once it is loaded, else advised (``advise``); neither while Dynamo or a dispatch mode
+    traces, whose tensors have no memory."""
+    if device.type == "cpu" and math.prod(shape) * dtype.itemsize >= CACHED_FROM and not _tracing():
+        lib = _cached_blocks()
+        if lib is not None:
+            return torch.ops.tensorstep_native.empty_output(list(shape), dtype)
     t = torch.empty(shape, dtype=dtype, device=device)
     if t.nbytes >= ADVISED_FROM and t.device.type == "cpu" and not torch.compiler.is_compiling():
         advise(t)

@@ -27,6 +27,7 @@
 #ifndef AT_PER_OPERATOR_HEADERS
 #define AT_PER_OPERATOR_HEADERS
 #endif
+#include <ATen/EmptyTensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
@@ -40,6 +41,7 @@
 #include <torch/library.h>
 
 #if defined(__linux__)
+#include <pthread.h>
 #include <sys/mman.h>
 #endif
 
@@ -477,9 +479,21 @@ Sizes resolve(const std::vector<int64_t>& shape, at::IntArrayRef sizes) {
 
 void* ptr(const Tensor& t) { return t.defined() ? const_cast<void*>(t.const_data_ptr()) : nullptr; }
 
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
+// ---- new outputs: large ones in blocks of their own, kept for reuse ------------------------------
+// A kernel's large output (from OutputBlocks::FROM bytes) is a mapping of its own, as glibc would
+// make it above its mmap threshold, but placed on a huge-page boundary and advised MADV_HUGEPAGE
+// as a whole from two huge pages on, so that every page of it comes in one fault (an unaligned
+// block's ends fault in 4 KiB at a time), and kept when its last tensor dies for a later output
+// that fits it, as PyTorch's CUDA caching allocator keeps device memory: a planner's loop then
+// pays the system's page faults and zeroing once, not on every call. The tensors are ordinary
+// (storage offset 0, storage size their own, resizable: a resize takes a new block and copies).
+// Idle blocks are kept up to a cap (TENSORSTEP_OUTPUT_CACHE_MB, default 1024; 0 keeps none),
+// the least recently freed given back first; tensorstep.empty_cache() gives back every idle one.
+// Thread-safe (one mutex); a forked child gives back the idle blocks it inherited.
+#if defined(__linux__)
 // The transparent huge page size in bytes (0: none, or TENSORSTEP_HUGE_PAGES=0), read once.
 size_t huge_page_size() {
+#if defined(MADV_HUGEPAGE)
   static const size_t size = [] {
     const char* setting = std::getenv("TENSORSTEP_HUGE_PAGES");
     if (setting && std::string(setting) == "0") return size_t{0};
@@ -488,24 +502,187 @@ size_t huge_page_size() {
     return file >> n ? n : size_t{0};
   }();
   return size;
+#else
+  return 0;
+#endif
 }
+
+class OutputBlocks final : public c10::Allocator {
+ public:
+  static constexpr size_t FROM = size_t{1} << 20;
+  static constexpr size_t DEFAULT_LIMIT_MB = 1024;
+
+  // The one instance, never destroyed (tensors may be freed after static destructors have run).
+  static OutputBlocks& get() {
+    static OutputBlocks* const blocks = new OutputBlocks();
+    return *blocks;
+  }
+
+  c10::DataPtr allocate(size_t n) override {
+    if (n < FROM) return c10::GetAllocator(c10::DeviceType::CPU)->allocate(n);  // a resize to a small size
+    const size_t size = rounded(n);
+    Block* block = take(size);
+    if (!block) block = new Block(map(size));
+    return {block->base, block, &OutputBlocks::release, c10::Device(c10::DeviceType::CPU)};
+  }
+
+  void copy_data(void* dest, const void* src, size_t count) const override { default_copy_data(dest, src, count); }
+
+  // Idle bytes and blocks, and the cap.
+  std::array<int64_t, 3> info() {
+    std::lock_guard<std::mutex> guard(mutex_);
+    return {static_cast<int64_t>(idle_bytes_), static_cast<int64_t>(by_age_.size()), static_cast<int64_t>(limit_)};
+  }
+
+  // A new cap (idle blocks beyond it given back); with 0, every idle block.
+  void set_limit(size_t limit) {
+    std::vector<Block> gone;
+    {
+      std::lock_guard<std::mutex> guard(mutex_);
+      limit_ = limit;
+      evict(gone);
+    }
+    for (const auto& b : gone) munmap(b.base, b.size);
+  }
+
+  void empty() {
+    std::vector<Block> gone;
+    {
+      std::lock_guard<std::mutex> guard(mutex_);
+      const size_t limit = limit_;
+      limit_ = 0;
+      evict(gone);
+      limit_ = limit;
+    }
+    for (const auto& b : gone) munmap(b.base, b.size);
+  }
+
+ private:
+  struct Block {
+    void* base;
+    size_t size;
+  };
+
+  OutputBlocks() : limit_(limit_from_environment()) {
+    pthread_atfork([] { get().mutex_.lock(); }, [] { get().mutex_.unlock(); }, [] {
+      OutputBlocks& self = get();  // the child's only thread holds the lock (prepare)
+      for (const auto& entry : self.by_age_) munmap(entry.second.base, entry.second.size);
+      self.by_age_.clear();
+      self.by_size_.clear();
+      self.idle_bytes_ = 0;
+      self.mutex_.unlock();
+    });
+  }
+
+  static size_t limit_from_environment() {
+    const char* setting = std::getenv("TENSORSTEP_OUTPUT_CACHE_MB");
+    if (!setting || !*setting) return DEFAULT_LIMIT_MB << 20;
+    char* end = nullptr;
+    const long long mb = std::strtoll(setting, &end, 10);
+    if (*end || mb < 0) return DEFAULT_LIMIT_MB << 20;  // not a number of MiB: the default
+    return static_cast<size_t>(mb) << 20;
+  }
+
+  // Whole huge pages from two on, else whole 4 KiB pages.
+  static size_t rounded(size_t n) {
+    const size_t huge = huge_page_size(), unit = huge && n >= 2 * huge ? huge : size_t{4096};
+    return (n + unit - 1) / unit * unit;
+  }
+
+  static Block map(size_t size) {
+    const size_t huge = huge_page_size(), extra = huge && size >= 2 * huge ? huge : 0;
+    void* p = mmap(nullptr, size + extra, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) {
+      get().empty();  // the idle blocks first, then once more
+      p = mmap(nullptr, size + extra, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    }
+    TORCH_CHECK_WITH(OutOfMemoryError, p != MAP_FAILED, "tensorstep: out of memory allocating an output of ", size, " bytes");
+    if (!extra) return {p, size};
+    const uintptr_t address = reinterpret_cast<uintptr_t>(p), start = (address + huge - 1) / huge * huge;
+    if (start > address) munmap(p, start - address);  // the unaligned head and tail of the mapping
+    if (address + extra > start) munmap(reinterpret_cast<void*>(start + size), address + extra - start);
+#if defined(MADV_HUGEPAGE)
+    madvise(reinterpret_cast<void*>(start), size, MADV_HUGEPAGE);
+#endif
+    return {reinterpret_cast<void*>(start), size};
+  }
+
+  // An idle block of at least size bytes and at most an eighth more, taken out of the cache.
+  Block* take(size_t size) {
+    std::lock_guard<std::mutex> guard(mutex_);
+    const auto found = by_size_.lower_bound(size);
+    if (found == by_size_.end() || found->first > size + size / 8) return nullptr;
+    const auto idle = by_age_.find(found->second);
+    Block* block = new Block(idle->second);
+    idle_bytes_ -= block->size;
+    by_age_.erase(idle);
+    by_size_.erase(found);
+    return block;
+  }
+
+  // The last tensor on a block is gone: kept while the cap allows, else given back.
+  static void release(void* context) {
+    const Block block = *static_cast<Block*>(context);
+    delete static_cast<Block*>(context);
+    OutputBlocks& self = get();
+    std::vector<Block> gone;
+    {
+      std::lock_guard<std::mutex> guard(self.mutex_);
+      if (block.size <= self.limit_) {
+        self.by_age_.emplace(++self.clock_, block);
+        self.by_size_.emplace(block.size, self.clock_);
+        self.idle_bytes_ += block.size;
+        self.evict(gone);
+      } else {
+        gone.push_back(block);
+      }
+    }
+    for (const auto& b : gone) munmap(b.base, b.size);
+  }
+
+  // Takes the least recently freed idle blocks out until the rest fit the cap (under the lock).
+  void evict(std::vector<Block>& gone) {
+    while (idle_bytes_ > limit_) {
+      const auto oldest = by_age_.begin();
+      const auto range = by_size_.equal_range(oldest->second.size);
+      for (auto it = range.first; it != range.second; ++it) {
+        if (it->second == oldest->first) {
+          by_size_.erase(it);
+          break;
+        }
+      }
+      idle_bytes_ -= oldest->second.size;
+      gone.push_back(oldest->second);
+      by_age_.erase(oldest);
+    }
+  }
+
+  std::mutex mutex_;
+  std::map<uint64_t, Block> by_age_;          // idle blocks by when they were freed
+  std::multimap<size_t, uint64_t> by_size_;   // the same, by size
+  uint64_t clock_ = 0;
+  size_t idle_bytes_ = 0;
+  size_t limit_;
+};
 #endif
 
-// A kernel's new output, as runtime/memory.py's empty makes it: from two huge pages on, its whole
-// huge pages advised MADV_HUGEPAGE before the kernel first writes them, so that they come in
-// one fault each rather than one per 4 KiB page (a hint: where refused, nothing changes).
+// A kernel's new output: from OutputBlocks::FROM bytes on the CPU, a block of OutputBlocks (above).
 Tensor fresh(at::IntArrayRef shape, const at::TensorOptions& options) {
-  Tensor t = at::empty(shape, options);
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
-  const size_t huge = huge_page_size(), n = t.nbytes();
-  if (huge && n >= 2 * huge && t.is_cpu()) {
-    const uintptr_t address = reinterpret_cast<uintptr_t>(t.const_data_ptr());
-    const uintptr_t start = (address + huge - 1) / huge * huge, end = (address + n) / huge * huge;
-    madvise(reinterpret_cast<void*>(start), end - start, MADV_HUGEPAGE);
+#if defined(__linux__)
+  if (options.device().is_cpu()) {
+    size_t n = options.dtype().itemsize();
+    for (auto s : shape) n *= static_cast<size_t>(s);
+    if (n >= OutputBlocks::FROM) {
+      return at::detail::empty_generic(shape, &OutputBlocks::get(), c10::DispatchKeySet(c10::DispatchKey::CPU),
+                                       options.dtype().toScalarType(), std::nullopt);
+    }
   }
 #endif
-  return t;
+  return at::empty(shape, options);
 }
+
+// runtime/memory.py's empty for a large CPU output.
+Tensor empty_output(at::IntArrayRef shape, at::ScalarType dtype) { return fresh(shape, at::TensorOptions().dtype(dtype)); }
 
 void run_forward(const Kernels& k, const std::vector<Tensor>& inputs, const std::vector<Tensor>& ys) {
   std::vector<void*> args;
@@ -1055,6 +1232,29 @@ extern "C" void tensorstep_release_slot(int64_t slot) {
   }
 }
 
+// The output blocks' cache (OutputBlocks) for runtime/memory.py, through ctypes as the slot's release:
+// idle bytes, idle blocks and the cap into out[0..2]; a new cap (bytes); every idle block given back.
+extern "C" void tensorstep_output_cache(int64_t* out) {
+#if defined(__linux__)
+  const auto info = OutputBlocks::get().info();
+  std::copy(info.begin(), info.end(), out);
+#else
+  std::fill(out, out + 3, int64_t{0});
+#endif
+}
+
+extern "C" void tensorstep_output_cache_limit(int64_t limit) {
+#if defined(__linux__)
+  OutputBlocks::get().set_limit(static_cast<size_t>(std::max<int64_t>(limit, 0)));
+#endif
+}
+
+extern "C" void tensorstep_empty_cache() {
+#if defined(__linux__)
+  OutputBlocks::get().empty();
+#endif
+}
+
 TORCH_LIBRARY(tensorstep_native, m) {
   m.def("register_kernels(int forward, int adjoint, str[] names, str[] meanings, int[] ranks, int[] shapes, "
         "int[] rules, int[] presences, int[] indices, int[] differentiable, int[] output_shapes, "
@@ -1066,6 +1266,7 @@ TORCH_LIBRARY(tensorstep_native, m) {
         torch::CppFunction::makeFromBoxedFunction<&keep_boxed>());
   m.def("new_slot() -> int", torch::CppFunction::makeFromBoxedFunction<&new_slot_boxed>());
   m.def("bind(str key, int handle, str family) -> ()", torch::CppFunction::makeFromBoxedFunction<&bind_boxed>());
+  m.def("empty_output(int[] shape, ScalarType dtype) -> Tensor", &empty_output);
   // implemented in Python (runtime/native.py): the create_graph adjoint, and the ops' Python path
   m.def("adjoint_graph(int handle, Tensor?[] grads, Tensor dt, int batch) -> Tensor[]");
   m.def("adjoint_graph_fused(int handle, Tensor?[] inputs, Tensor?[] grads, Tensor dt) -> Tensor[]");
