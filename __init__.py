@@ -1,8 +1,8 @@
 """tensorstep: generated, differentiable trajectory step kernels for robot motion optimisation.
 
 ``import tensorstep`` is light: the runtime (and PyTorch with it) is imported on first use of
-``load``, ``source``, ``operator_matrices``, ``register_ops`` or ``Step``, so the command line's code-only
-commands never import PyTorch.
+``load``, ``source``, ``operator_matrices``, ``register_ops``, ``Step`` or ``empty_cache``, so the command
+line's code-only commands never import PyTorch.
 """
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ from .codegen.spec import KernelSpec
 from .version import __version__
 
 _RUNTIME = ("load", "source", "operator_matrices", "register_ops", "Step")
+#: runtime/memory.py: the large CPU outputs' cache (``empty_cache`` as ``torch.cuda.empty_cache``)
+_MEMORY = ("empty_cache",)
 
 
 def __getattr__(name: str) -> Any:
@@ -21,11 +23,17 @@ def __getattr__(name: str) -> Any:
         value = getattr(api, name)
         globals()[name] = value  # later look-ups skip this function
         return value
+    if name in _MEMORY:
+        from .runtime import memory
+
+        value = getattr(memory, name)
+        globals()[name] = value
+        return value
     raise AttributeError(f"module 'tensorstep' has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_RUNTIME))
+    return sorted(set(globals()) | set(_RUNTIME) | set(_MEMORY))
 
 
-__all__ = ["KernelSpec", "Step", "load", "operator_matrices", "register_ops", "source", "__version__"]
+__all__ = ["KernelSpec", "Step", "empty_cache", "load", "operator_matrices", "register_ops", "source", "__version__"]

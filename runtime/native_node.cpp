@@ -47,6 +47,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -528,10 +529,18 @@ class OutputBlocks final : public c10::Allocator {
 
   void copy_data(void* dest, const void* src, size_t count) const override { default_copy_data(dest, src, count); }
 
+  // Whether an output of n bytes is a block: from two huge pages on (every page of it huge), and
+  // from FROM while blocks are kept (below two huge pages and with none kept, malloc's heap may
+  // hold memory already mapped, a new block never does).
+  bool takes(size_t n) const {
+    const size_t huge = huge_page_size();
+    return n >= FROM && ((huge && n >= 2 * huge) || limit_.load(std::memory_order_relaxed) > 0);
+  }
+
   // Idle bytes and blocks, and the cap.
   std::array<int64_t, 3> info() {
     std::lock_guard<std::mutex> guard(mutex_);
-    return {static_cast<int64_t>(idle_bytes_), static_cast<int64_t>(by_age_.size()), static_cast<int64_t>(limit_)};
+    return {static_cast<int64_t>(idle_bytes_), static_cast<int64_t>(by_age_.size()), static_cast<int64_t>(limit_.load())};
   }
 
   // A new cap (idle blocks beyond it given back); with 0, every idle block.
@@ -540,7 +549,7 @@ class OutputBlocks final : public c10::Allocator {
     {
       std::lock_guard<std::mutex> guard(mutex_);
       limit_ = limit;
-      evict(gone);
+      evict(gone, limit);
     }
     for (const auto& b : gone) munmap(b.base, b.size);
   }
@@ -549,10 +558,7 @@ class OutputBlocks final : public c10::Allocator {
     std::vector<Block> gone;
     {
       std::lock_guard<std::mutex> guard(mutex_);
-      const size_t limit = limit_;
-      limit_ = 0;
-      evict(gone);
-      limit_ = limit;
+      evict(gone, 0);
     }
     for (const auto& b : gone) munmap(b.base, b.size);
   }
@@ -628,11 +634,12 @@ class OutputBlocks final : public c10::Allocator {
     std::vector<Block> gone;
     {
       std::lock_guard<std::mutex> guard(self.mutex_);
-      if (block.size <= self.limit_) {
+      const size_t limit = self.limit_.load();
+      if (block.size <= limit) {
         self.by_age_.emplace(++self.clock_, block);
         self.by_size_.emplace(block.size, self.clock_);
         self.idle_bytes_ += block.size;
-        self.evict(gone);
+        self.evict(gone, limit);
       } else {
         gone.push_back(block);
       }
@@ -640,9 +647,9 @@ class OutputBlocks final : public c10::Allocator {
     for (const auto& b : gone) munmap(b.base, b.size);
   }
 
-  // Takes the least recently freed idle blocks out until the rest fit the cap (under the lock).
-  void evict(std::vector<Block>& gone) {
-    while (idle_bytes_ > limit_) {
+  // Takes the least recently freed idle blocks out until the rest fit in limit bytes (under the lock).
+  void evict(std::vector<Block>& gone, size_t limit) {
+    while (idle_bytes_ > limit) {
       const auto oldest = by_age_.begin();
       const auto range = by_size_.equal_range(oldest->second.size);
       for (auto it = range.first; it != range.second; ++it) {
@@ -662,7 +669,7 @@ class OutputBlocks final : public c10::Allocator {
   std::multimap<size_t, uint64_t> by_size_;   // the same, by size
   uint64_t clock_ = 0;
   size_t idle_bytes_ = 0;
-  size_t limit_;
+  std::atomic<size_t> limit_;
 };
 #endif
 
@@ -672,7 +679,7 @@ Tensor fresh(at::IntArrayRef shape, const at::TensorOptions& options) {
   if (options.device().is_cpu()) {
     size_t n = options.dtype().itemsize();
     for (auto s : shape) n *= static_cast<size_t>(s);
-    if (n >= OutputBlocks::FROM) {
+    if (OutputBlocks::get().takes(n)) {
       return at::detail::empty_generic(shape, &OutputBlocks::get(), c10::DispatchKeySet(c10::DispatchKey::CPU),
                                        options.dtype().toScalarType(), std::nullopt);
     }
