@@ -17,8 +17,9 @@ ones for the cost) are handed to ``torch.autograd.backward``, as the main table 
 * step alone, gradient on P only: the plain step, backward of ``sum(P · W)``;
 * copy bound: a clone of as many elements as the fused op moves each way (u, P and the cost);
 * copy bound, outputs as the fused op's: the same copy into a new tensor allocated the way the
-  runtime allocates the fused op's outputs (runtime/memory.py: large ones in huge pages where the
-  system has them; clone's are PyTorch's, page-faulted in 4 KiB at a time).
+  runtime allocates the fused op's outputs (runtime/memory.py: large ones blocks of the runtime's
+  output cache, reused from call to call as the fused op's are, and in huge pages where the system
+  has them; clone's are PyTorch's, page-faulted in 4 KiB at a time).
 
 Where the fused call's time goes is timed in the same run: its argument checks in Python, its
 forward and adjoint kernels launched directly, a forward under no_grad, and the plain step's

@@ -92,10 +92,11 @@ CACHED_FROM = 1 << 20
 
 @functools.lru_cache(maxsize=1)
 def _blocks() -> Optional[ctypes.CDLL]:
-    """The loaded native node's library (its output blocks' functions), None where it is not loaded."""
+    """The native node's library (its output blocks' functions), once it is ready; None where it
+    is off or could not be built."""
     from . import native
 
-    path = native.library() if native.ready() else None
+    path = native.library()
     if path is None:
         return None
     lib = ctypes.CDLL(str(path))  # loaded already (torch.ops.load_library): its handle
@@ -106,14 +107,12 @@ def _blocks() -> Optional[ctypes.CDLL]:
 
 
 def _cached_blocks() -> Optional[ctypes.CDLL]:
-    """``_blocks()`` once the node is loaded (not cached before: it may load later)."""
+    """``_blocks()``, None while the node is still building (nothing waits for it here)."""
     if _blocks.cache_info().currsize:
         return _blocks()
     from . import native
 
-    if not native.ready():
-        return None
-    return _blocks()
+    return _blocks() if native.ready() else None
 
 
 def empty_cache() -> None:
