@@ -90,54 +90,43 @@ ADVISED_FROM: float = 2 * huge_page_size() or float("inf")
 CACHED_FROM = 1 << 20
 
 
-@functools.lru_cache(maxsize=1)
-def _blocks() -> Optional[ctypes.CDLL]:
-    """The native node's library (its output blocks' functions), once it is ready; None where it
-    is off or could not be built."""
-    from . import native
-
-    path = native.library()
-    if path is None:
-        return None
-    lib = ctypes.CDLL(str(path))  # loaded already (torch.ops.load_library): its handle
-    lib.tensorstep_output_cache.argtypes, lib.tensorstep_output_cache.restype = (ctypes.POINTER(ctypes.c_int64),), None
-    lib.tensorstep_output_cache_limit.argtypes, lib.tensorstep_output_cache_limit.restype = (ctypes.c_int64,), None
-    lib.tensorstep_empty_cache.argtypes, lib.tensorstep_empty_cache.restype = (), None
-    return lib
+_OPS: dict[str, Callable] = {}
 
 
-def _cached_blocks() -> Optional[ctypes.CDLL]:
-    """``_blocks()``, None while the node is still building (nothing waits for it here)."""
-    if _blocks.cache_info().currsize:
-        return _blocks()
-    from . import native
+def _op(name: str) -> Optional[Callable]:
+    """The native node's op ``name`` once its library is loaded (it registers its ops on load), else
+    None; found once, then kept."""
+    op = _OPS.get(name)
+    if op is None:
+        try:
+            op = _OPS[name] = getattr(torch.ops.tensorstep_native, name)
+        except (AttributeError, RuntimeError):
+            return None
+    return op
 
-    return _blocks() if native.ready() else None
+
+def _cache(limit: int = -1, release: bool = False) -> dict[str, int]:
+    op = _op("output_cache")
+    info = op(limit, release) if op is not None else [0, 0, 0]
+    return dict(zip(("idle_bytes", "idle_blocks", "limit"), info))
 
 
 def empty_cache() -> None:
     """Give every idle output block back to the system (memory of tensors still alive stays theirs)."""
-    lib = _cached_blocks()
-    if lib is not None:
-        lib.tensorstep_empty_cache()
+    _cache(release=True)
 
 
 def cache_info() -> dict[str, int]:
     """What the output blocks' cache keeps: ``idle_bytes``, ``idle_blocks``, and its cap ``limit``
     in bytes (all 0 where the native node is not loaded)."""
-    lib, out = _cached_blocks(), (ctypes.c_int64 * 3)()
-    if lib is not None:
-        lib.tensorstep_output_cache(out)
-    return dict(zip(("idle_bytes", "idle_blocks", "limit"), out))
+    return _cache()
 
 
 def set_cache_limit(nbytes: int) -> None:
     """A new cap in bytes on the idle blocks kept (0: none; the idle ones beyond it are given back)."""
     if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
         raise ValueError(f"set_cache_limit: nbytes must be a non-negative int, got {nbytes!r}")
-    lib = _cached_blocks()
-    if lib is not None:
-        lib.tensorstep_output_cache_limit(nbytes)
+    _cache(limit=nbytes)
 
 
 def _tracing() -> bool:
@@ -150,9 +139,9 @@ def empty(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> tor
     cache once it is loaded, else advised (``advise``); neither while Dynamo or a dispatch mode
     traces, whose tensors have no memory."""
     if device.type == "cpu" and math.prod(shape) * dtype.itemsize >= CACHED_FROM and not _tracing():
-        lib = _cached_blocks()
-        if lib is not None:
-            return torch.ops.tensorstep_native.empty_output(list(shape), dtype)
+        op = _op("empty_output")
+        if op is not None:
+            return op(list(shape), dtype)
     t = torch.empty(shape, dtype=dtype, device=device)
     if t.nbytes >= ADVISED_FROM and t.device.type == "cpu" and not torch.compiler.is_compiling():
         advise(t)

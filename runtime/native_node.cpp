@@ -691,6 +691,20 @@ Tensor fresh(at::IntArrayRef shape, const at::TensorOptions& options) {
 // runtime/memory.py's empty for a large CPU output.
 Tensor empty_output(at::IntArrayRef shape, at::ScalarType dtype) { return fresh(shape, at::TensorOptions().dtype(dtype)); }
 
+// runtime/memory.py's view of the cache: every idle block given back (release), a new cap in bytes
+// (limit >= 0); then the idle bytes and blocks and the cap.
+std::vector<int64_t> output_cache(int64_t limit, bool release) {
+#if defined(__linux__)
+  OutputBlocks& blocks = OutputBlocks::get();
+  if (release) blocks.empty();
+  if (limit >= 0) blocks.set_limit(static_cast<size_t>(limit));
+  const auto info = blocks.info();
+  return {info.begin(), info.end()};
+#else
+  return {0, 0, 0};
+#endif
+}
+
 void run_forward(const Kernels& k, const std::vector<Tensor>& inputs, const std::vector<Tensor>& ys) {
   std::vector<void*> args;
   args.reserve(inputs.size() + ys.size());
@@ -1239,29 +1253,6 @@ extern "C" void tensorstep_release_slot(int64_t slot) {
   }
 }
 
-// The output blocks' cache (OutputBlocks) for runtime/memory.py, through ctypes as the slot's release:
-// idle bytes, idle blocks and the cap into out[0..2]; a new cap (bytes); every idle block given back.
-extern "C" void tensorstep_output_cache(int64_t* out) {
-#if defined(__linux__)
-  const auto info = OutputBlocks::get().info();
-  std::copy(info.begin(), info.end(), out);
-#else
-  std::fill(out, out + 3, int64_t{0});
-#endif
-}
-
-extern "C" void tensorstep_output_cache_limit(int64_t limit) {
-#if defined(__linux__)
-  OutputBlocks::get().set_limit(static_cast<size_t>(std::max<int64_t>(limit, 0)));
-#endif
-}
-
-extern "C" void tensorstep_empty_cache() {
-#if defined(__linux__)
-  OutputBlocks::get().empty();
-#endif
-}
-
 TORCH_LIBRARY(tensorstep_native, m) {
   m.def("register_kernels(int forward, int adjoint, str[] names, str[] meanings, int[] ranks, int[] shapes, "
         "int[] rules, int[] presences, int[] indices, int[] differentiable, int[] output_shapes, "
@@ -1274,6 +1265,7 @@ TORCH_LIBRARY(tensorstep_native, m) {
   m.def("new_slot() -> int", torch::CppFunction::makeFromBoxedFunction<&new_slot_boxed>());
   m.def("bind(str key, int handle, str family) -> ()", torch::CppFunction::makeFromBoxedFunction<&bind_boxed>());
   m.def("empty_output(int[] shape, ScalarType dtype) -> Tensor", &empty_output);
+  m.def("output_cache(int limit=-1, bool release=False) -> int[]", &output_cache);
   // implemented in Python (runtime/native.py): the create_graph adjoint, and the ops' Python path
   m.def("adjoint_graph(int handle, Tensor?[] grads, Tensor dt, int batch) -> Tensor[]");
   m.def("adjoint_graph_fused(int handle, Tensor?[] inputs, Tensor?[] grads, Tensor dt) -> Tensor[]");
