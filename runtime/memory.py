@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import math
 import mmap
 import os
 import sys
@@ -138,11 +137,12 @@ def empty(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> tor
     """``torch.empty`` for a kernel's output: on the CPU, a large one a block of the native node's
     cache once it is loaded, else advised (``advise``); neither while Dynamo or a dispatch mode
     traces, whose tensors have no memory."""
-    if device.type == "cpu" and math.prod(shape) * dtype.itemsize >= CACHED_FROM and not _tracing():
-        op = _op("empty_output")
-        if op is not None:
-            return op(list(shape), dtype)
     t = torch.empty(shape, dtype=dtype, device=device)
-    if t.nbytes >= ADVISED_FROM and t.device.type == "cpu" and not torch.compiler.is_compiling():
+    if t.nbytes < CACHED_FROM or t.device.type != "cpu" or _tracing():
+        return t  # a small output's path: torch.empty and two tests
+    op = _op("empty_output")
+    if op is not None:
+        return op(list(shape), dtype)  # (t, never written, is freed untouched)
+    if t.nbytes >= ADVISED_FROM:
         advise(t)
     return t
