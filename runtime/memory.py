@@ -23,7 +23,9 @@ import ctypes
 import functools
 import mmap
 import os
+import re
 import sys
+import warnings
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
@@ -87,6 +89,24 @@ ADVISED_FROM: float = 2 * huge_page_size() or float("inf")
 #: the size in bytes from which a CPU output is a block of the native node's cache (native_node.cpp
 #: ``OutputBlocks::FROM``)
 CACHED_FROM = 1 << 20
+
+#: the cap on idle blocks in MiB, read by the native node when it loads (``OutputBlocks``)
+CACHE_LIMIT_SETTING = "TENSORSTEP_OUTPUT_CACHE_MB"
+#: the setting's default where it is unset or not a whole number of MiB (native_node.cpp ``DEFAULT_LIMIT_MB``)
+CACHE_LIMIT_DEFAULT_MB = 1024
+
+
+def check_cache_setting() -> None:
+    """Warn where ``TENSORSTEP_OUTPUT_CACHE_MB`` is set to something the node does not read as a
+    whole number of MiB (it then keeps up to the default); the node itself cannot say so."""
+    setting = os.environ.get(CACHE_LIMIT_SETTING, "")
+    if setting and not re.fullmatch(r"\s*\+?\d+", setting):
+        warnings.warn(f"tensorstep: {CACHE_LIMIT_SETTING}={setting!r} is not a whole number of MiB (0 or more: "
+                      f"0 keeps no idle output blocks); the default, {CACHE_LIMIT_DEFAULT_MB} MiB, is used",
+                      stacklevel=2)
+
+
+check_cache_setting()
 
 
 _OPS: dict[str, Callable] = {}
