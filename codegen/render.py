@@ -352,7 +352,9 @@ def render(spec: Any, code: LoweredOperator, table: ArgumentTable, target: Targe
         coefficients_in=where,
         # CUDA: which part of each per-element kernel reads its coefficients through a volatile pointer
         volatile_coefficients={k: cuda_volatile_coefficients(k, where[k], code.fused, code.stencil,
-                                                            len(code.coefs.dt_syms) > 1, itemsize)
+                                                            len(code.coefs.dt_syms) > 1, itemsize,
+                                                            len(code.coefs.monomials.factors)
+                                                            if form == "monomials" else 0)
                                for k in kernels},
         dt_chunk=abi.C_DT_VJP_CHUNK,
         stencil=code.stencil,

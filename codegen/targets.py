@@ -151,14 +151,20 @@ def cuda_coefficients(kernel: str, table: ArgumentTable, form: str, n_coefficien
 
 
 def cuda_volatile_coefficients(kernel: str, where: str, fused: bool, stencil: bool, per_step: bool,
-                               itemsize: int) -> str:
+                               itemsize: int, factors: int = 0) -> str:
     """Where a CUDA per-element kernel reads each step coefficient from its table through a
     ``volatile`` pointer, at the statement that uses it: "column" (its loops and straight-line
     body), "body" (the straight-line body only) or "" (nowhere). Else ptxas hoists those loads
     ahead of the rows that use them (merged: ``LDS.128``) and keeps the values live, which spilled
     at the register cap:
 
-    - a fused forward and adjoint with the table in shared memory (long bodies of rows);
+    - a fused forward and adjoint (long bodies of rows), wherever its table is: in shared memory;
+      in global memory (a table too large to share, or one per trajectory); or, monomials of a dt
+      per trajectory ("thread", ``factors`` of them), as each coefficient's factor, which the
+      block copies into shared memory where the factors fit (``CUDA_SHARED_COEF_BYTES``), times
+      the thread's power of its dt: with the factors as constants the compiler folded each
+      coefficient into a product of the powers and kept the products live (B-spline degree 5,
+      float64: 460 and 684 bytes spilled);
     - the boundary rows of a float64 stencil's adjoint and tangent (dt_jvp) with a duration per
       step: each coefficient is read once, so none is worth keeping, and each takes two
       registers; the table may be in global memory (``ld.volatile``: from L2, not L1), where the
@@ -166,10 +172,12 @@ def cuda_volatile_coefficients(kernel: str, where: str, fused: bool, stencil: bo
       loads merged (four to a load), which volatile reads would split. With one duration
       (monomials), or an integrator's rows, a few coefficients serve many rows and are better
       kept in registers."""
-    if where not in ("shared", "block", "global"):
+    if fused and kernel in ("forward", "adjoint"):
+        if where == "thread":
+            return "column" if 0 < factors * 8 <= CUDA_SHARED_COEF_BYTES else ""
+        return "column" if where in ("shared", "block", "global") else ""
+    if where not in ("shared", "block", "global") or fused:
         return ""
-    if fused:
-        return "column" if kernel in ("forward", "adjoint") and where != "global" else ""
     wide = stencil and per_step and itemsize == 8
     return "body" if wide and kernel in ("adjoint", "dt_jvp") else ""
 

@@ -91,6 +91,10 @@ GRID = [
     (dict(control="bspline", degree=3, knots=8, steps=4, costs=COSTS, outputs=("P",)), None, "float32", {}),
     (dict(control="bspline", degree=3, knots=8, steps=4, costs=COSTS + (("squared", "position"),),
           outputs=("P",)), None, "float64", {}),
+    # a dt per trajectory: each thread computes its coefficients, monomials of its dt, the factors read
+    # where they are used from the block's copy in shared memory (104 and 244 bytes spilled before)
+    (dict(control="bspline", degree=4, knots=6, steps=2, dt="per_trajectory", costs=COSTS, outputs=("P",)), None,
+     "float64", {}),
     # layout "bdh" above a warp's whole rows: row tiles of a sector's rows, 32 rows (the adjoint's
     # N = H - 1, an unaligned horizon) and 16 (float64 order 4, unaligned); straight-line and loops
     (dict(difference="central", layout="bdh"), 128, "float32", {}),

@@ -43,6 +43,14 @@ BSPLINES = {
                                         dt="per_trajectory"),
 }
 
+#: B-splines with a dt per trajectory: each CUDA thread computes its coefficients (monomials of its
+#: dt), their factors read from shared memory where they are used (codegen/targets.py
+#: ``cuda_volatile_coefficients``); degree 5, many rows a span
+THREAD_COEFFICIENTS = {
+    "bspline_per_trajectory": dict(control="bspline", degree=4, knots=6, steps=2, dof=2, dt="per_trajectory"),
+    "bspline_degree5_per_trajectory": dict(control="bspline", degree=5, knots=7, steps=3, dof=2,
+                                           dt="per_trajectory", order=4),
+}
 #: layout "bdh" above a warp's whole rows (float64 H > 32): the CUDA kernels stage row tiles
 ROW_TILES = {"bdh_row_tiles": dict(horizon=40, dof=3, start_index=True, layout="bdh")}
 #: float64 recurrences past H=100: the CUDA adjoint's segments longer, its checkpoints within a budget
@@ -51,7 +59,7 @@ LONG = {"jerk_exact_long": dict(horizon=104, dof=2, control="jerk", integrator="
 
 
 def _spec(case: str, outputs=("P",), terms=TERMS):
-    return ts.KernelSpec(dtype="float64", costs=terms, outputs=outputs, **{**CASES, **BSPLINES, **ROW_TILES, **LONG}[case])
+    return ts.KernelSpec(dtype="float64", costs=terms, outputs=outputs, **{**CASES, **BSPLINES, **ROW_TILES, **LONG, **THREAD_COEFFICIENTS}[case])
 
 
 def _data(spec, B: int = 3, seed: int = 0):
@@ -281,9 +289,10 @@ def test_row_weights_of_ones_give_the_weighted_variants_bits(dtype, overlapping)
     assert runs[0][2][:, TERMS.index(("bound", "acceleration"))].eq(0).all()
 
 
-def _fused_against_composite(spec, x, params, dt, dt_grad, fused_params=None):
+def _fused_against_composite(spec, x, params, dt, dt_grad, fused_params=None, fused_step=None):
     """The fused step's P, cost and gradients against the plain step plus the terms in PyTorch (the
-    fused step given ``fused_params`` where given: the same terms, row weights left to their default)."""
+    fused step given ``fused_params`` where given: the same terms, row weights left to their default;
+    ``fused_step``: another fused step of the spec, the loaded one where not given)."""
     gen = torch.Generator().manual_seed(5)
     B = x["u"].shape[0]
     wcost = torch.randn(B, len(TERMS), generator=gen, dtype=torch.float64)
@@ -301,7 +310,7 @@ def _fused_against_composite(spec, x, params, dt, dt_grad, fused_params=None):
         pp = {**params, "squared_position_target": target}
         if fused:
             given = pp if fused_params is None else {**fused_params, "squared_position_target": target}
-            P, cost = _call(ts.load(spec), spec, xx, given, dt_leaf)
+            P, cost = _call(fused_step or ts.load(spec), spec, xx, given, dt_leaf)
         else:
             plain = spec.replace(costs=(), outputs=None)
             states = _call(ts.load(plain), plain, xx, {}, dt_leaf)
@@ -949,6 +958,18 @@ def test_cuda_kernels_run_on_the_host_match_c(case):
         results.append([*(y.detach() for y in ys), u.grad, target.grad])
     for c, cuda in zip(*results):
         torch.testing.assert_close(cuda, c, rtol=1e-13, atol=1e-13 * float(c.abs().max()))
+
+
+@pytest.mark.parametrize("case", THREAD_COEFFICIENTS)
+def test_cuda_coefficients_computed_by_each_thread_run_on_the_host_match_the_definitions(case):
+    """The CUDA source run on the host (tests/cuda_on_host.py), its columns reading each monomial's
+    factor from the block's copy in shared memory: P, cost and the gradients of u, p0 and the target
+    against the plain step plus the terms from their definitions."""
+    from cuda_on_host import host_step
+
+    spec = _spec(case, outputs=("P",))
+    x, params, dt = _data(spec)
+    _fused_against_composite(spec, x, params, dt, False, fused_step=host_step(spec))
 
 
 def _states_and_grads(step, spec, x, params, dt, device: str = "cpu") -> list[torch.Tensor]:
