@@ -43,10 +43,12 @@ BSPLINES = {
                                         dt="per_trajectory"),
 }
 
-#: B-splines with a dt per trajectory: each CUDA thread computes its coefficients (monomials of its
-#: dt), their factors read from shared memory where they are used (codegen/targets.py
-#: ``cuda_volatile_coefficients``); degree 5, many rows a span
+#: a dt per trajectory: each CUDA thread computes its coefficients (monomials of its dt), in float64
+#: their factors read from shared memory where they are used (codegen/targets.py
+#: ``cuda_volatile_coefficients``): a stencil, a recurrence, B-splines (degree 5, many rows a span)
 THREAD_COEFFICIENTS = {
+    "central_per_trajectory": dict(horizon=9, dof=3, dt="per_trajectory"),
+    "jerk_exact_per_trajectory": dict(horizon=9, dof=3, control="jerk", integrator="exact", dt="per_trajectory"),
     "bspline_per_trajectory": dict(control="bspline", degree=4, knots=6, steps=2, dof=2, dt="per_trajectory"),
     "bspline_degree5_per_trajectory": dict(control="bspline", degree=5, knots=7, steps=3, dof=2,
                                            dt="per_trajectory", order=4),
