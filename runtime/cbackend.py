@@ -10,6 +10,7 @@ import io
 import os
 import platform
 import shutil
+import signal
 import subprocess
 import tempfile
 import threading
@@ -63,6 +64,32 @@ class CompileError(RuntimeError):
         return f"{self.source} does not compile (the compiler gave no error message)"
 
 
+class BuildStopped(CompileError):
+    """The compiler was killed by a signal (a Ctrl-C reaches the compiler, in this process's group,
+    too): not a failed build, which the next use tries again."""
+
+    def __init__(self, command: list[str], source: str, stderr: str, returncode: int):
+        self.signal = _signal_name(-returncode)
+        super().__init__(command, source, stderr)
+        self.args = (f"the C compiler was stopped by {self.signal} while it built {source}; "
+                     "the next use builds it again",)
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+def _checked(command: list[str], src: str, returncode: int, stderr: str) -> None:
+    """Raise for a compiler that failed (CompileError) or was killed by a signal (BuildStopped)."""
+    if returncode < 0:
+        raise BuildStopped(command, src, stderr, returncode)
+    if returncode != 0:
+        raise CompileError(command, src, stderr)
+
+
 @functools.lru_cache(maxsize=1)
 def compiler() -> str:
     """Path of the C compiler: $CC, else cc or gcc on PATH."""
@@ -102,9 +129,9 @@ def _compile(src: Path, out: Path, units: int = 1, defines: tuple[str, ...] = ()
         processes = [subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
                      for cmd in commands]
         errors = [process.communicate()[1] for process in processes]  # wait for every one
-        for cmd, process, stderr in zip(commands, processes, errors):
-            if process.returncode != 0:
-                raise CompileError(cmd, str(src), stderr)
+        stopped = sorted(zip(commands, processes, errors), key=lambda c: c[1].returncode >= 0)  # a signal first
+        for cmd, process, stderr in stopped:
+            _checked(cmd, str(src), process.returncode, stderr)
         _run([compiler(), *c_flags(), *objects, "-o", str(out)], src)
 
 
@@ -130,8 +157,7 @@ def lazy_forms(spec: Any, part: str) -> bool:
 
 def _run(cmd: list[str], src: Path) -> None:
     result = subprocess.run(cmd, capture_output=True, text=True)
-    if result.returncode != 0:
-        raise CompileError(cmd, str(src), result.stderr)
+    _checked(cmd, str(src), result.returncode, result.stderr)
 
 
 @functools.lru_cache(maxsize=1)
@@ -241,18 +267,25 @@ class Forms:
     def _find(self, form: int, symbol: Any) -> int:
         name = _HOOKS.string(symbol).decode()
         try:
-            return self.find(form, name)
-        except KeyboardInterrupt:
+            try:
+                return self.find(form, name)
+            except BuildStopped as err:  # not a failed build: the next call that runs the form tries again
+                warnings.warn(f"tensorstep: {self.spec.name}: the build of the {_form_name(self.spec, name)} form of its "
+                              f"kernels was stopped by {err.signal}; this call runs the general form, the next one "
+                              "that runs that form builds it", stacklevel=1)
+                return 0
+            except Exception as err:  # noqa: BLE001 (nothing can be raised through the kernel)
+                self._failed.add(form)
+                warnings.warn(f"tensorstep: {self.spec.name}: the {_form_name(self.spec, name)} form of its kernels "
+                              f"could not be built ({type(err).__name__}: {err}); its calls run the general form",
+                              stacklevel=1)
+                return 0
+        except KeyboardInterrupt:  # (also where it comes while a handler above runs)
             # raised in this callback, cffi would print it and go on: raised again in the main thread a
             # moment later, once the kernel (the general form) has returned (not at once: that raises it here)
             again = threading.Timer(INTERRUPT_AGAIN_S, _thread.interrupt_main)
             again.daemon = True
             again.start()
-            return 0
-        except Exception as err:  # noqa: BLE001 (nothing can be raised through the kernel)
-            self._failed.add(form)
-            warnings.warn(f"tensorstep: {self.spec.name}: the {_form_name(self.spec, name)} form of its kernels could "
-                          f"not be built ({type(err).__name__}: {err}); its calls run the general form", stacklevel=1)
             return 0
 
     def find(self, form: int, symbol: str) -> int:

@@ -6,9 +6,11 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -170,6 +172,111 @@ def test_an_interrupted_form_build_raises_after_the_call_and_is_built_on_the_nex
     run = run_python(code, tmp_path)
     assert run.returncode == 0, run.stderr
     assert run.stdout.splitlines() == ["interrupted", "core core-form1"]
+
+
+def _stopped_compiler(tmp_path: Path, when: str) -> Path:
+    """A compiler killed by SIGINT (as a Ctrl-C kills it: it is in the caller's process group) on the
+    units whose command matches the shell pattern ``when``, while the file ``stop`` exists."""
+    gcc = shutil.which("gcc") or shutil.which("cc")
+    wrapper = tmp_path / "cc-stopped"
+    wrapper.write_text(f"#!/bin/sh\ncase \"$*\" in {when}) [ -e {tmp_path}/stop ] && kill -INT $$;; esac\n"
+                       f"exec {gcc} \"$@\"\n")
+    wrapper.chmod(0o755)
+    return wrapper
+
+
+def test_a_form_build_stopped_by_a_signal_is_not_a_failed_build(tmp_path):
+    # a Ctrl-C that stops the compiler before it stops Python (or a compiler killed in a thread that
+    # gets no KeyboardInterrupt): that call runs the general form, the next builds the form
+    code = f"""
+        import warnings
+        from pathlib import Path
+        step = ts.load(spec)
+        Path({str(tmp_path / "stop")!r}).touch()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            first = call(step)
+        print(len(caught), str(caught and caught[0].message).replace(chr(10), " "))
+        print(*built())
+        Path({str(tmp_path / "stop")!r}).unlink()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            second = call(step)
+        print(len(caught), *built())
+        print(torch.equal(first[0], second[0]), torch.equal(first[2], second[2]))
+    """
+    run = run_python(code, tmp_path / "cache", CC=str(_stopped_compiler(tmp_path, "*TS_FORM=*")))
+    assert run.returncode == 0, run.stderr
+    warned, before, after, same = run.stdout.splitlines()
+    # the forward's and then the adjoint's first call: each tries, neither records a failure
+    assert warned.startswith("2 "), warned
+    assert ("the build of the narrow_unit_rows form of its kernels was stopped by SIGINT; this call runs the "
+            "general form, the next one that runs that form builds it") in warned, warned
+    assert before == "core"  # nothing recorded: no form library, no failure
+    assert after == "0 core core-form1"  # built on the next call, without a warning
+    assert same == "True True"  # states and gradients: the same bits in either form
+
+
+def test_a_ctrl_c_during_a_form_build_interrupts_and_the_next_call_builds_the_form(tmp_path):
+    # SIGINT to the whole process group, as a terminal's Ctrl-C or a notebook's interrupt sends it:
+    # Python and the compiler both get it, in whichever order they act on it
+    gcc = shutil.which("gcc") or shutil.which("cc")
+    wrapper = tmp_path / "cc-slow"
+    wrapper.write_text(f"#!/bin/sh\ncase \"$*\" in *TS_FORM=*) [ -e {tmp_path}/slow ] && touch {tmp_path}/started "
+                       f"&& sleep 60;; esac\nexec {gcc} \"$@\"\n")
+    wrapper.chmod(0o755)
+    (tmp_path / "slow").touch()
+    code = """
+        import time
+        step = ts.load(spec)
+        try:
+            call(step)
+            time.sleep(1)  # (an interrupt raised again by the runtime is raised after the sleep)
+            print("not interrupted")
+        except KeyboardInterrupt:
+            print("interrupted")
+        call(step)
+        print(*built())
+    """
+    env = dict(os.environ, TENSORSTEP_NATIVE="0", TENSORSTEP_CACHE_DIR=str(tmp_path / "cache"), CC=str(wrapper))
+    process = subprocess.Popen([sys.executable, "-c", textwrap.dedent(SETUP) + textwrap.dedent(code)], env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        for _ in range(1200):  # until the form's compiler runs
+            if (tmp_path / "started").exists() or process.poll() is not None:
+                break
+            time.sleep(0.05)
+        assert (tmp_path / "started").exists(), process.communicate()
+        os.killpg(process.pid, signal.SIGINT)
+        (tmp_path / "slow").unlink()
+        out, err = process.communicate(timeout=300)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 0, err
+    assert out.splitlines() == ["interrupted", "core core-form1"], (out, err)
+
+
+def test_a_library_build_stopped_by_a_signal_raises_and_the_next_load_builds_it(tmp_path):
+    code = f"""
+        from pathlib import Path
+        from tensorstep.runtime.cbackend import BuildStopped
+        Path({str(tmp_path / "stop")!r}).touch()
+        try:
+            ts.load(spec)
+        except BuildStopped as err:
+            print(type(err).__name__, err.signal, str(err).replace(chr(10), " "))
+        print(*built() if (BuildCache().root / "index").exists() else ["nothing"])
+        Path({str(tmp_path / "stop")!r}).unlink()
+        call(ts.load(spec))
+        print(*built())
+    """
+    run = run_python(code, tmp_path / "cache", CC=str(_stopped_compiler(tmp_path, "*")))
+    assert run.returncode == 0, run.stderr
+    raised, before, after = run.stdout.splitlines()
+    assert raised.startswith("BuildStopped SIGINT the C compiler was stopped by SIGINT while it built "), raised
+    assert raised.endswith("; the next use builds it again")
+    assert before == "nothing" and after == "core core-form1"
 
 
 def test_concurrent_processes_build_a_form_once(tmp_path):
