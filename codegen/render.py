@@ -4,9 +4,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+from pathlib import Path
 from typing import Any, Collection, Optional
 
 import jinja2
+import jinja2.bccache
 
 from ..version import __version__
 from . import abi, fused, macros, monomials, tape
@@ -30,6 +32,34 @@ def _environment() -> jinja2.Environment:
         keep_trailing_newline=True,
         autoescape=False,
     )
+
+
+class _KeptTemplates(jinja2.FileSystemBytecodeCache):
+    """Jinja2's compiled templates kept in a folder (by the template source's checksum and the Python
+    version): a process that generates code skips compiling kernel.c.j2 and the others (about a tenth
+    of a second) where an earlier one kept them. A folder that cannot be read or written: compiled
+    as without it."""
+
+    def load_bytecode(self, bucket: jinja2.bccache.Bucket) -> None:
+        try:
+            super().load_bytecode(bucket)
+        except Exception:  # noqa: BLE001 (unreadable or damaged, whichever way: compiled again)
+            bucket.reset()
+
+    def dump_bytecode(self, bucket: jinja2.bccache.Bucket) -> None:
+        try:
+            Path(self.directory).mkdir(parents=True, exist_ok=True)
+            super().dump_bytecode(bucket)
+        except OSError:
+            pass
+
+
+def keep_templates(folder: Path) -> None:
+    """Keep the compiled templates in ``folder`` (the runtime's kernel cache: ``_KeptTemplates``),
+    unless this process keeps them somewhere already."""
+    environment = _environment()
+    if environment.bytecode_cache is None:
+        environment.bytecode_cache = _KeptTemplates(str(folder))
 
 
 def strides(layout: str, rows: int, dof: int) -> tuple[int, int, int]:

@@ -175,6 +175,34 @@ def test_concurrent_processes_build_once(tmp_path):
     assert sum(bool(re.search(r"-o \S+\.so$", c)) for c in commands) == 1, commands
 
 
+def test_a_process_that_generates_reuses_the_templates_an_earlier_one_compiled(tmp_path):
+    counted = """
+import jinja2
+compiled = []
+compile_ = jinja2.Environment.compile
+jinja2.Environment.compile = lambda self, source, name=None, filename=None, *a, **k: (
+    compiled.append(name), compile_(self, source, name, filename, *a, **k))[1]
+""" + LOAD.replace("float64", "{dtype}") + """
+print("compiled", *sorted(set(compiled)))
+"""
+    env = dict(os.environ, TENSORSTEP_NATIVE="0", TENSORSTEP_CACHE_DIR=str(tmp_path))
+    runs = []
+    for dtype in ("float64", "float32", "float64"):  # the second: another spec, generated in a new process
+        if dtype == "float64" and runs:  # the third: kept templates damaged, another spec
+            for kept in (tmp_path / "templates").iterdir():
+                kept.write_bytes(kept.read_bytes()[:40])
+            code = counted.format(dtype="float64").replace("horizon=7", "horizon=7, difference='backward'")
+        else:
+            code = counted.format(dtype=dtype)
+        runs.append(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300))
+        assert runs[-1].returncode == 0, runs[-1].stderr
+        assert "sum 18.0" in runs[-1].stdout
+    compiled = [next(line for line in r.stdout.splitlines() if line.startswith("compiled")) for r in runs]
+    assert "kernel.c.j2" in compiled[0].split()  # compiled, then kept
+    assert compiled[1] == "compiled"  # none compiled: every template the generator renders was kept
+    assert "kernel.c.j2" in compiled[2].split()  # damaged: compiled again
+
+
 def test_unusable_cache_folder_falls_back_with_warning(tmp_path):
     blocker = tmp_path / "not-a-folder"
     blocker.write_text("x")
