@@ -120,12 +120,17 @@ def build_key(cxx: str, source: str) -> str:
                   str(getattr(torch.version, "git_version", "")), ABI_VERSION, platform.machine())
 
 
+#: the build process's niceness (os.nice): the node's build, which no call waits for, gives the cores
+#: to the kernels' builds and calls that a program waits for
+BUILD_NICENESS = 10
+
 # The build process: BuildCache.build with the compiler command ({src} and {out} filled in), the
 # job on stdin. It imports only the cache module (no PyTorch), and outlives this process if need be.
 _BUILDER = r"""
-import importlib, json, subprocess, sys
+import importlib, json, os, subprocess, sys
 from pathlib import Path
 job = json.load(sys.stdin)
+os.nice(job["nice"])
 sys.path[:0] = job["path"]
 cache = importlib.import_module(job["module"])
 def compile_fn(src, out):
@@ -145,9 +150,11 @@ def _start_build(cxx: str, key: str, source: str, root: Path) -> Callable[[], No
     for it and raises RuntimeError if it failed. Started here, not in the waiting thread, so that
     it runs even if this process exits at once."""
     job = dict(path=sys.path, module=BuildCache.__module__, root=str(root), key=key, ext=ARTEFACT,
-               source=source, command=command(cxx, Path("{src}"), Path("{out}")))
+               source=source, command=command(cxx, Path("{src}"), Path("{out}")), nice=BUILD_NICENESS)
+    # a session of its own: a Ctrl-C (the terminal's or a notebook's, sent to this process's group)
+    # stops what the program waits for, not this build, which would leave the node off until a restart
     process = subprocess.Popen([sys.executable, "-c", _BUILDER], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.PIPE, text=True)
+                               stderr=subprocess.PIPE, text=True, start_new_session=True)
     with process.stdin:
         process.stdin.write(json.dumps(job))
 

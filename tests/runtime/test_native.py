@@ -566,6 +566,31 @@ def test_two_processes_building_at_once_build_once(tmp_path):
     assert log.read_text().split() == ["run"]
 
 
+def test_a_ctrl_c_leaves_the_build_running_below_the_callers_priority(tmp_path):
+    """The build, which no call waits for, is in a session of its own (a Ctrl-C, which the terminal
+    or a notebook sends to the caller's process group, does not stop it: on main it did, and the
+    node stayed off until a restart) and runs at a lower priority than the caller (os.nice)."""
+    node = native.wait()
+    if node is None:
+        pytest.skip("the native autograd node is unavailable here (no C++ compiler?)")
+    cxx, log = _fake_cxx(tmp_path, node)
+    cxx.write_text(cxx.read_text().replace("echo run >>", "echo run $(nice) >>"))
+    lines = _first_use(tmp_path, """
+        import os, signal, time
+        os.setsid()  # a process group of this process and what it starts (as a terminal's foreground job)
+        interrupted = []
+        signal.signal(signal.SIGINT, lambda *args: interrupted.append(1))  # this process goes on
+        step = ts.load(spec)
+        time.sleep(0.5)
+        os.killpg(0, signal.SIGINT)  # a Ctrl-C
+        native.wait()
+        print(len(interrupted), call(step)[0], os.nice(0))
+    """, CXX=str(cxx))
+    caught, name, niceness = lines[0].split()
+    assert (caught, name) == ("1", "NativeStepBackward"), lines  # main: StepFunctionBackward
+    assert log.read_text().split() == ["run", str(min(19, int(niceness) + native.BUILD_NICENESS))]
+
+
 def test_exit_during_the_build_leaves_it_to_finish_whole(tmp_path):
     """A process that exits while the node builds: the build process completes the cache entry
     (all of it, under its temporary names until done), and the next process loads it."""
