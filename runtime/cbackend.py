@@ -74,6 +74,9 @@ class BuildStopped(CompileError):
         self.args = (f"the C compiler was stopped by {self.signal} while it built {source}; "
                      "the next use builds it again",)
 
+    def summary(self) -> str:
+        return str(self)
+
 
 def _signal_name(number: int) -> str:
     try:
