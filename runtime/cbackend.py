@@ -275,9 +275,9 @@ class Forms:
             try:
                 return self.find(form, name)
             except BuildStopped as err:  # not a failed build: the next call that runs the form tries again
-                warnings.warn(f"tensorstep: {self.spec.name}: the build of the {_form_name(self.spec, name)} form of its "
-                              f"kernels was stopped by {err.signal}; this call runs the general form, the next one "
-                              "that runs that form builds it", stacklevel=1)
+                warnings.warn(f"tensorstep: {self.spec.name}: the build of the {_form_name(self.spec, name)} form of "
+                              f"its kernels was stopped by {err.signal}; this call runs the general form, the next "
+                              "one that runs that form builds it", stacklevel=1)
                 return 0
             except Exception as err:  # noqa: BLE001 (nothing can be raised through the kernel)
                 self._failed.add(form)

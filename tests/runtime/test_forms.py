@@ -113,14 +113,20 @@ def test_forms_built_on_demand_give_the_bits_of_the_library_with_every_form(dtyp
                 assert torch.equal(a, b)
 
 
-def _failing_form_compiler(tmp_path: Path) -> Path:
-    """A compiler that fails on a form's units (-DTS_FORM=...) and logs every library it links."""
+def _compiler(tmp_path: Path, name: str, when: str, then: str, after: str = "") -> Path:
+    """gcc behind a shell script that first runs ``then`` on the units whose command matches the
+    shell pattern ``when``, then ``after`` on every one."""
     gcc = shutil.which("gcc") or shutil.which("cc")
-    wrapper = tmp_path / "cc-wrapper"
-    wrapper.write_text(f"#!/bin/sh\ncase \"$*\" in *TS_FORM=*) echo 'error: no form today' >&2; exit 1;; esac\n"
-                       f"echo \"$@\" >> {tmp_path}/compilations\nexec {gcc} \"$@\"\n")
+    wrapper = tmp_path / name
+    wrapper.write_text(f"#!/bin/sh\ncase \"$*\" in {when}) {then};; esac\n{after}exec {gcc} \"$@\"\n")
     wrapper.chmod(0o755)
     return wrapper
+
+
+def _failing_form_compiler(tmp_path: Path) -> Path:
+    """A compiler that fails on a form's units (-DTS_FORM=...) and logs every library it links."""
+    return _compiler(tmp_path, "cc-wrapper", "*TS_FORM=*", "echo 'error: no form today' >&2; exit 1",
+                     f"echo \"$@\" >> {tmp_path}/compilations\n")
 
 
 def test_a_form_that_fails_to_build_says_why_and_its_calls_run_the_general_form(tmp_path):
@@ -177,12 +183,7 @@ def test_an_interrupted_form_build_raises_after_the_call_and_is_built_on_the_nex
 def _stopped_compiler(tmp_path: Path, when: str) -> Path:
     """A compiler killed by SIGINT (as a Ctrl-C kills it: it is in the caller's process group) on the
     units whose command matches the shell pattern ``when``, while the file ``stop`` exists."""
-    gcc = shutil.which("gcc") or shutil.which("cc")
-    wrapper = tmp_path / "cc-stopped"
-    wrapper.write_text(f"#!/bin/sh\ncase \"$*\" in {when}) [ -e {tmp_path}/stop ] && kill -INT $$;; esac\n"
-                       f"exec {gcc} \"$@\"\n")
-    wrapper.chmod(0o755)
-    return wrapper
+    return _compiler(tmp_path, "cc-stopped", when, f"[ -e {tmp_path}/stop ] && kill -INT $$")
 
 
 def test_a_form_build_stopped_by_a_signal_is_not_a_failed_build(tmp_path):
@@ -220,11 +221,8 @@ def test_a_form_build_stopped_by_a_signal_is_not_a_failed_build(tmp_path):
 def test_a_ctrl_c_during_a_form_build_interrupts_and_the_next_call_builds_the_form(tmp_path):
     # SIGINT to the whole process group, as a terminal's Ctrl-C or a notebook's interrupt sends it:
     # Python and the compiler both get it, in whichever order they act on it
-    gcc = shutil.which("gcc") or shutil.which("cc")
-    wrapper = tmp_path / "cc-slow"
-    wrapper.write_text(f"#!/bin/sh\ncase \"$*\" in *TS_FORM=*) [ -e {tmp_path}/slow ] && touch {tmp_path}/started "
-                       f"&& sleep 60;; esac\nexec {gcc} \"$@\"\n")
-    wrapper.chmod(0o755)
+    wrapper = _compiler(tmp_path, "cc-slow", "*TS_FORM=*",
+                        f"[ -e {tmp_path}/slow ] && touch {tmp_path}/started && sleep 60")
     (tmp_path / "slow").touch()
     code = """
         import time
