@@ -61,9 +61,12 @@ class Step(torch.nn.Module):
         self.native: Optional[int] = None  # handle of the native autograd node (CPU), once built
         self._native_step = self._native_step_out = None
         #: where the native node keeps a fused step's cost parameters that passed the Python checks
-        #: (runtime/native.py Slot; -1: none)
+        #: (runtime/native.py Slot; -1: none): those of calls that pass them, and the held ones
+        #: (set_costs), each in a slot of its own so that calls alternating the two keep both
         self._slot: Any = None
         self._slot_id = -1
+        self._held_slot: Any = None
+        self._held_slot_id = -1
         self._native_pending = device.type == "cpu"
         if self._native_pending:
             self._take_native()
@@ -98,8 +101,8 @@ class Step(torch.nn.Module):
             self._native_step = _unwrapped(torch.ops.tensorstep_native.step.default)
             self._native_step_out = _unwrapped(torch.ops.tensorstep_native.step_out.default)
             if self.table.fused:
-                self._slot = native.Slot()
-                self._slot_id = self._slot.id
+                self._slot, self._held_slot = native.Slot(), native.Slot()
+                self._slot_id, self._held_slot_id = self._slot.id, self._held_slot.id
         self.native = handle
         self._native_pending = handle is None and not settled
 
@@ -320,17 +323,19 @@ class Step(torch.nn.Module):
             dt_k = dt if type(dt) is Tensor else self._dt_cache.get(dt) if type(dt) is float else None
             if (dt_k is not None and _tensors_or_none(values)
                     and not (dt_k.requires_grad and torch.is_grad_enabled())):
+                slot = self._held_slot_id if generation >= 0 else self._slot_id
                 if out is None:
-                    outs = self._native_step(self.native, [*values, dt_k], self._slot_id)
+                    outs = self._native_step(self.native, [*values, dt_k], slot)
                     if outs:
                         return tuple(outs)
                 elif (type(out) in (tuple, list) and all(type(y) is Tensor for y in out)
-                      and self._native_step_out(self.native, [*values, dt_k], out, self._slot_id)):
+                      and self._native_step_out(self.native, [*values, dt_k], out, slot)):
                     return tuple(out)
         inputs, dt_k, kept = self._checked(values, dt)
         if self.table.fused:
             if kept and self._slot is not None and self.native is not None and _tensors_or_none(values):
-                self._slot.keep(self.native, [*values, dt_k], [*inputs, dt_k], generation)
+                (self._held_slot if generation >= 0 else self._slot).keep(self.native, [*values, dt_k],
+                                                                         [*inputs, dt_k], generation)
             if (out is None and (dt_k.requires_grad or _transformed() or _forward_mode_active()
                                  or torch.compiler.is_compiling())):
                 return self._composite(inputs, dt_k)
@@ -360,10 +365,10 @@ class Step(torch.nn.Module):
         if not _tensors_or_none(given):
             return None
         if out is None:
-            outs = self._native_step(self.native, given, self._slot_id, generation)
+            outs = self._native_step(self.native, given, self._held_slot_id, generation)
             return tuple(outs) if outs else None
         if (type(out) in (tuple, list) and all(type(y) is Tensor for y in out)
-                and self._native_step_out(self.native, given, out, self._slot_id, generation)):
+                and self._native_step_out(self.native, given, out, self._held_slot_id, generation)):
             return tuple(out)
         return None
 

@@ -180,6 +180,29 @@ def test_a_held_tensor_changed_is_seen_by_the_next_call(path, change):
         _same(_run(step, x, {}), expected)
 
 
+def test_calls_alternating_held_parameters_and_keywords_keep_both(monkeypatch):
+    """A step that holds its cost parameters, called alternately with them held and with a cost
+    keyword of the call's own, keeps both on the native node (a slot each): after the first call of
+    each, no value is checked in Python again, and each call gives the bits of the Python path."""
+    spec = _spec()
+    x, params = _data(spec)
+    step = _loaded(spec, "native").set_costs(**params)
+    if step.native is None:
+        pytest.skip("the native autograd node is unavailable here (no C++ compiler?)")
+    reference = _loaded(spec, "python")
+    other = {"squared_jerk_weight": 2.5 * params["squared_jerk_weight"]}
+    expected = _run(reference, x, params), _run(reference, x, {**params, **other})
+    checked = []
+    check = costs.check_parameter
+    monkeypatch.setattr(costs, "check_parameter", lambda arg, t: checked.append(arg.name) or check(arg, t))
+    for call in range(3):
+        checked.clear()
+        _same(_run(step, x, {}), expected[0])
+        _same(_run(step, x, other), expected[1])
+        if call:
+            assert checked == [], call
+
+
 def test_set_costs_checks_every_tensor_before_holding_any():
     """set_costs checks names (the closest one named), shapes, dtypes and values as a call does,
     and holds nothing when one fails; None stops holding one; a step without costs holds none."""
