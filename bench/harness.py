@@ -137,8 +137,10 @@ def case_callables(case: Case, inductor: bool = True) -> dict[str, Callable[[], 
 def time_interleaved(methods: dict[str, Callable[[], None]], device: str, budget_s: float = 0.6,
                      repeats: int = 7, clock: Callable[[], float] = time.perf_counter) -> dict[str, float]:
     """Median seconds per call of each method; methods take turns in every repeat, each turn
-    starting with one untimed call (steady state, equally for every method). ``clock``: wall
-    time, or e.g. the thread's CPU time."""
+    starting with one untimed call (steady state, equally for every method), and each repeat
+    starting one method further on, so that no method is always timed first or after the same
+    one (on a CPU, a method's place in the round moved its time by up to a fifth). ``clock``:
+    wall time, or e.g. the thread's CPU time."""
     for fn in methods.values():  # warm up (compiles, allocator)
         fn()
         fn()
@@ -150,8 +152,11 @@ def time_interleaved(methods: dict[str, Callable[[], None]], device: str, budget
     one_round = max(clock() - start, 1e-6)
     inner = max(1, int(budget_s / repeats / one_round))
     samples: dict[str, list[float]] = {name: [] for name in methods}
-    for _ in range(repeats):
-        for name, fn in methods.items():
+    names = list(methods)
+    for r in range(repeats):
+        first = r % len(names)
+        for name in names[first:] + names[:first]:
+            fn = methods[name]
             fn()  # untimed: the first call after another method pays for its cache and heap state
             _sync(device)
             t0 = clock()
