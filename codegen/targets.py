@@ -176,7 +176,7 @@ def cuda_volatile_coefficients(kernel: str, where: str, fused: bool, stencil: bo
       kept in registers."""
     if fused and kernel in ("forward", "adjoint"):
         if where == "thread":
-            return "column" if itemsize == 8 and 0 < factors * 8 <= CUDA_SHARED_COEF_BYTES else ""
+            return "column" if 0 < factors * itemsize <= CUDA_SHARED_COEF_BYTES else ""
         return "column" if where in ("shared", "block", "global") else ""
     if where not in ("shared", "block", "global") or fused:
         return ""
