@@ -160,13 +160,13 @@ def cuda_volatile_coefficients(kernel: str, where: str, fused: bool, stencil: bo
 
     - a fused forward and adjoint (long bodies of rows), wherever its table is: in shared memory;
       in global memory (a table too large to share, or one per trajectory); or, monomials of a dt
-      per trajectory ("thread", ``factors`` of them) in float64, as each coefficient's factor,
-      which the block copies into shared memory where the factors fit (``CUDA_SHARED_COEF_BYTES``),
+      per trajectory ("thread", ``factors`` of them), as each coefficient's factor, which the
+      block copies into shared memory in T where the factors fit (``CUDA_SHARED_COEF_BYTES``),
       times the thread's power of its dt: with the factors as constants the compiler folded each
       coefficient into a product of the powers and kept the products live (B-spline degree 5,
-      float64: 460 and 684 bytes spilled). In float32 (the powers in double, the product
-      converted) that left a B-spline's spills smaller but not gone, and the position step's
-      adjoint, within the limits with constants, spilled 8 bytes;
+      float64: 460 and 684 bytes spilled). In float32 the product is a float one, of the factor
+      and the power both rounded to float: with double products (two registers a power) a
+      B-spline's spills were smaller but not gone and the position step's adjoint spilled 8 bytes;
     - the boundary rows of a float64 stencil's adjoint and tangent (dt_jvp) with a duration per
       step: each coefficient is read once, so none is worth keeping, and each takes two
       registers; the table may be in global memory (``ld.volatile``: from L2, not L1), where the

@@ -95,6 +95,9 @@ GRID = [
     # where they are used from the block's copy in shared memory (104 and 244 bytes spilled before)
     (dict(control="bspline", degree=4, knots=6, steps=2, dt="per_trajectory", costs=COSTS, outputs=("P",)), None,
      "float64", {}),
+    # the same in float32, the bench's position step: the factors copied as float, each coefficient a
+    # float product of the factor and the thread's power rounded to float (forward: 8 bytes spilled before)
+    (dict(dt="per_trajectory", costs=COSTS, outputs=("P",)), 32, "float32", {}),
     # layout "bdh" above a warp's whole rows: row tiles of a sector's rows, 32 rows (the adjoint's
     # N = H - 1, an unaligned horizon) and 16 (float64 order 4, unaligned); straight-line and loops
     (dict(difference="central", layout="bdh"), 128, "float32", {}),

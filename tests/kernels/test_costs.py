@@ -974,6 +974,39 @@ def test_cuda_coefficients_computed_by_each_thread_run_on_the_host_match_the_def
     _fused_against_composite(spec, x, params, dt, False, fused_step=host_step(spec))
 
 
+
+@pytest.mark.parametrize("case", THREAD_COEFFICIENTS)
+def test_cuda_float32_coefficients_computed_by_each_thread_run_on_the_host_match_the_definitions(case):
+    """float32: the CUDA source run on the host, each coefficient a float product of the factor (the
+    block's copy, rounded to float) and the thread's power of its dt rounded to float: P, cost and the
+    gradients of u, p0 and the target within 1e-6 of the largest (float32 rounding) of the plain float64
+    step plus the terms from their definitions, on the values the kernel sees."""
+    from cuda_on_host import host_step
+
+    spec = _spec(case, outputs=("P",)).replace(dtype="float32")
+    x, params, dt = _data(spec)
+    seen = lambda t: t.float().double() if t.is_floating_point() else t  # the values the kernel sees, exactly
+    x, params, dt = ({k: seen(v) for k, v in x.items()}, {k: seen(v) for k, v in params.items()}, seen(dt))
+    gen = torch.Generator().manual_seed(5)
+    wP = torch.randn(dt.shape[0], spec.horizon, spec.dof, generator=gen, dtype=torch.float64)
+    wcost = torch.randn(dt.shape[0], len(TERMS), generator=gen, dtype=torch.float64)
+    grads = []
+    for fused in (True, False):
+        to = (lambda t: t.float()) if fused else (lambda t: t)
+        xx = {k: to(v).clone().requires_grad_(k in ("u", "p0")) for k, v in x.items()}
+        pp = {k: to(v).clone().requires_grad_(k == "squared_position_target") for k, v in params.items()}
+        if fused:
+            P, cost = _call(host_step(spec), spec, xx, pp, to(dt))
+        else:
+            plain = spec.replace(costs=(), outputs=None, dtype="float64")
+            states = _call(ts.load(plain), plain, xx, {}, dt)
+            P, cost = states[0], _torch_costs(spec, states, pp, xx)
+        torch.autograd.backward([P, cost], [to(wP), to(wcost)])
+        grads.append([t.detach().double() for t in (P, cost, xx["u"].grad, xx["p0"].grad,
+                                                     pp["squared_position_target"].grad)])
+    for got, expected, name in zip(*grads, ("P", "cost", "u", "p0", "target")):
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6 * float(expected.abs().max()), msg=name)
+
 def _states_and_grads(step, spec, x, params, dt, device: str = "cpu") -> list[torch.Tensor]:
     """The step's outputs and the gradients of u and the target from the sum of their squares, the
     float64 data in the spec's dtype on ``device``; the results in float64 on the host."""
