@@ -165,8 +165,9 @@ def cuda_volatile_coefficients(kernel: str, where: str, fused: bool, stencil: bo
       times the thread's power of its dt: with the factors as constants the compiler folded each
       coefficient into a product of the powers and kept the products live (B-spline degree 5,
       float64: 460 and 684 bytes spilled). In float32 the product is a float one, of the factor
-      and the power both rounded to float: with double products (two registers a power) a
-      B-spline's spills were smaller but not gone and the position step's adjoint spilled 8 bytes;
+      and the thread's power both rounded to float, the powers kept in the block's shared memory
+      (a column a thread) and read where used too: with double products a B-spline's spills were
+      smaller but not gone, with the powers in registers a B-spline degree 4 still spilled 16 bytes;
     - the boundary rows of a float64 stencil's adjoint and tangent (dt_jvp) with a duration per
       step: each coefficient is read once, so none is worth keeping, and each takes two
       registers; the table may be in global memory (``ld.volatile``: from L2, not L1), where the

@@ -978,7 +978,8 @@ def test_cuda_coefficients_computed_by_each_thread_run_on_the_host_match_the_def
 @pytest.mark.parametrize("case", THREAD_COEFFICIENTS)
 def test_cuda_float32_coefficients_computed_by_each_thread_run_on_the_host_match_the_definitions(case):
     """float32: the CUDA source run on the host, each coefficient a float product of the factor (the
-    block's copy, rounded to float) and the thread's power of its dt rounded to float: P, cost and the
+    block's copy, rounded to float) and the thread's power of its dt rounded to float (its column of
+    the block's shared powers): P, cost and the
     gradients of u, p0 and the target within 1e-6 of the largest (float32 rounding) of the plain float64
     step plus the terms from their definitions, on the values the kernel sees."""
     from cuda_on_host import host_step
