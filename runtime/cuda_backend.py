@@ -42,7 +42,7 @@ import torch
 from ..codegen import abi
 from ..codegen.arguments import ArgumentTable, table
 from ..codegen.targets import CUDA, CUDA_LAUNCHES_KEPT, Launches
-from .cache import ABI_VERSION, BuildCache, digest
+from .cache import ABI_VERSION, BuildCache, digest, slow_notice
 from .fingerprint import generator_fingerprint
 from .launch import DTYPES, capturing, warm_up_first
 
@@ -202,6 +202,27 @@ def cuda_source(spec: Any, part: str) -> tuple[str, dict]:
     return path.read_text(), metadata
 
 
+#: a fused step's CUDA build still running after this many seconds says why it may take minutes
+#: (``build_notices``): its forward and adjoint are one straight-line column each, and NVRTC's time
+#: on them grows about with the square of the horizon (BENCHMARKS.md, issue 42, "nvcc's time on
+#: long fused columns")
+LONG_FUSED_BUILD_S = 30.0
+
+
+def build_notices(spec: Any, args: ArgumentTable, part: str) -> list[threading.Timer]:
+    """Started timers for a module's build (CuPy's disk cache serves a built one at once, and they are
+    cancelled unprinted): what is compiled, after ``cache.SLOW_BUILD_S``; for a fused step's core
+    module, after ``LONG_FUSED_BUILD_S``, why it takes long and that it ends."""
+    notices = [slow_notice(f"compiling {spec.name} (CUDA {part} kernels, H={spec.horizon}) with NVRTC")]
+    if args.fused and part == "core":
+        notices.append(slow_notice(
+            f"still compiling {spec.name}: a fused step's CUDA forward and adjoint are one straight-line column "
+            f"each, whose compile time grows about with the square of the horizon (H={spec.horizon}, "
+            f"{spec.dtype}): at H of 150 and more it can take minutes. It ends; CuPy's disk cache keeps the "
+            "kernels for later loads", after=LONG_FUSED_BUILD_S))
+    return notices
+
+
 def entry_points(args: ArgumentTable, part: str, metadata: dict) -> tuple[str, ...]:
     """The kernels a library's source defines, which the backend binds by name (the coefficient
     form the source was generated with is in its metadata)."""
@@ -245,19 +266,24 @@ class CudaBackend:
             raise warm_up_first(f"the {abi.LIBRARY_ROLES.get(part, part)} kernels ({part}) would be compiled and loaded")
         cp = self.cupy
         source, metadata = cuda_source(self.spec, part)
-        with cp.cuda.Device(self.device.index):
-            module = cp.RawModule(code=source, options=NVRTC_OPTIONS)
-            for kernel in entry_points(self.table, part, metadata):
-                function = module.get_function(abi.symbol(self.spec.name, kernel))
-                self.functions[kernel] = function
-                if self.direct:
-                    if not packable(kernel, self.table):
-                        self._no_direct(f"the kernel {kernel} has a parameter of another size than {SLOT} bytes")
-                    else:
-                        try:  # the kernel for this device (CuPy compiles and loads the module here)
-                            self.handles[kernel] = int(function.kernel.ptr)
-                        except AttributeError:
-                            self._no_direct("this CuPy's RawKernel offers no function handle (kernel.ptr)")
+        notices = build_notices(self.spec, self.table, part)
+        try:
+            with cp.cuda.Device(self.device.index):
+                module = cp.RawModule(code=source, options=NVRTC_OPTIONS)
+                for kernel in entry_points(self.table, part, metadata):
+                    function = module.get_function(abi.symbol(self.spec.name, kernel))
+                    self.functions[kernel] = function
+                    if self.direct:
+                        if not packable(kernel, self.table):
+                            self._no_direct(f"the kernel {kernel} has a parameter of another size than {SLOT} bytes")
+                        else:
+                            try:  # the kernel for this device (CuPy compiles and loads the module here)
+                                self.handles[kernel] = int(function.kernel.ptr)
+                            except AttributeError:
+                                self._no_direct("this CuPy's RawKernel offers no function handle (kernel.ptr)")
+        finally:
+            for notice in notices:
+                notice.cancel()
         self._contexts.__dict__[self.index] = True  # loading the module made the device's context current here
         return metadata
 

@@ -591,6 +591,37 @@ def test_capture_never_builds_or_loads_a_cuda_module(capture, monkeypatch):
 
 
 
+def test_a_slow_cuda_build_says_what_it_is_doing_and_a_fused_one_why(monkeypatch, capfd):
+    """A module whose build takes a while says what is compiled; a fused step's core module, past
+    LONG_FUSED_BUILD_S, why it may take minutes (its straight-line columns). A quick build (CuPy's disk
+    cache) says nothing. The fake NVRTC takes 0.3 s a module, the thresholds are 0 (then defaults)."""
+    import time
+
+    from tensorstep.runtime import cache, cuda_backend
+
+    class SlowCupy(FakeCupy):
+        def __init__(self, *args):
+            super().__init__(*args)
+            module = self.RawModule
+            self.RawModule = lambda code, options: time.sleep(0.3) or module(code, options)
+
+    with monkeypatch.context() as m:
+        m.setattr(cache, "SLOW_BUILD_S", 0.0)
+        m.setattr(cuda_backend, "LONG_FUSED_BUILD_S", 0.0)
+        fused, plain = make_spec(FUSED), make_spec(GRID[0])
+        fake_cuda_backend(fused, monkeypatch, cupy=SlowCupy)
+        err = capfd.readouterr().err
+        assert f"tensorstep: compiling {fused.name} (CUDA core kernels, H={fused.horizon}) with NVRTC..." in err
+        assert f"tensorstep: still compiling {fused.name}: a fused step's CUDA forward and adjoint" in err
+        assert f"(H={fused.horizon}, {fused.dtype})" in err
+        fake_cuda_backend(plain, monkeypatch, cupy=SlowCupy)
+        err = capfd.readouterr().err
+        assert f"tensorstep: compiling {plain.name} (CUDA core kernels" in err and "still compiling" not in err
+    fake_cuda_backend(fused, monkeypatch)  # at once, default thresholds
+    time.sleep(0.05)
+    assert "tensorstep:" not in capfd.readouterr().err
+
+
 @pytest.mark.parametrize("has_from_external", [True, False], ids=["cupy14", "older"])
 def test_pytorchs_stream_reaches_cupy_through_the_api_it_offers(has_from_external):
     """CuPy 14 deprecates ExternalStream for Stream.from_external(an object with __cuda_stream__);
