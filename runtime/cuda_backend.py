@@ -204,7 +204,7 @@ def cuda_source(spec: Any, part: str) -> tuple[str, dict]:
 
 #: a fused step's CUDA build still running after this many seconds says why it may take minutes
 #: (``build_notices``): its forward and adjoint are one straight-line column each, and NVRTC's time
-#: on them grows about with the square of the horizon (BENCHMARKS.md, issue 42, "nvcc's time on
+#: on them grows at least with the square of the horizon (BENCHMARKS.md, issue 42, "nvcc's time on
 #: long fused columns")
 LONG_FUSED_BUILD_S = 30.0
 
@@ -217,7 +217,7 @@ def build_notices(spec: Any, args: ArgumentTable, part: str) -> list[threading.T
     if args.fused and part == "core":
         notices.append(slow_notice(
             f"still compiling {spec.name}: a fused step's CUDA forward and adjoint are one straight-line column "
-            f"each, whose compile time grows about with the square of the horizon (H={spec.horizon}, "
+            f"each, whose compile time grows at least with the square of the horizon (H={spec.horizon}, "
             f"{spec.dtype}): at H of 150 and more it can take minutes. It ends; CuPy's disk cache keeps the "
             "kernels for later loads", after=LONG_FUSED_BUILD_S))
     return notices
