@@ -13,7 +13,8 @@ blocks instead (native_node.cpp, ``OutputBlocks``; ``fresh`` is the node's own a
 mapping of its own on a huge-page boundary, so that every page of it is huge, which is kept when
 the last tensor on it dies and handed to a later output it fits (a planner calling a step in a
 loop then pays the system's page faults and zeroing once). Idle blocks are kept up to
-``TENSORSTEP_OUTPUT_CACHE_MB`` MiB (default 1024; 0 keeps none), read when the node loads;
+``TENSORSTEP_OUTPUT_CACHE_MB`` MiB (default 1024; 0 keeps none), read when the node first
+allocates (a value it cannot read is warned about, naming the default it keeps to);
 ``empty_cache()`` gives every idle one back to the system (``torch.cuda.empty_cache``'s
 counterpart), ``cache_info()`` says what is kept.
 """
@@ -23,9 +24,7 @@ import ctypes
 import functools
 import mmap
 import os
-import re
 import sys
-import warnings
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
@@ -89,24 +88,6 @@ ADVISED_FROM: float = 2 * huge_page_size() or float("inf")
 #: the size in bytes from which a CPU output is a block of the native node's cache (native_node.cpp
 #: ``OutputBlocks::FROM``)
 CACHED_FROM = 1 << 20
-
-#: the cap on idle blocks in MiB, read by the native node when it loads (``OutputBlocks``)
-CACHE_LIMIT_SETTING = "TENSORSTEP_OUTPUT_CACHE_MB"
-#: the setting's default where it is unset or not a whole number of MiB (native_node.cpp ``DEFAULT_LIMIT_MB``)
-CACHE_LIMIT_DEFAULT_MB = 1024
-
-
-def check_cache_setting() -> None:
-    """Warn where ``TENSORSTEP_OUTPUT_CACHE_MB`` is set to something the node does not read as a
-    whole number of MiB (it then keeps up to the default); the node itself cannot say so."""
-    setting = os.environ.get(CACHE_LIMIT_SETTING, "")
-    if setting and not re.fullmatch(r"\s*\+?\d+", setting):
-        warnings.warn(f"tensorstep: {CACHE_LIMIT_SETTING}={setting!r} is not a whole number of MiB (0 or more: "
-                      f"0 keeps no idle output blocks); the default, {CACHE_LIMIT_DEFAULT_MB} MiB, is used",
-                      stacklevel=2)
-
-
-check_cache_setting()
 
 
 _OPS: dict[str, Callable] = {}

@@ -544,24 +544,10 @@ class OutputBlocks final : public c10::Allocator {
   }
 
   // A new cap (idle blocks beyond it given back); with 0, every idle block.
-  void set_limit(size_t limit) {
-    std::vector<Block> gone;
-    {
-      std::lock_guard<std::mutex> guard(mutex_);
-      limit_ = limit;
-      evict(gone, limit);
-    }
-    for (const auto& b : gone) munmap(b.base, b.size);
-  }
+  void set_limit(size_t limit) { trim(limit, true); }
 
-  void empty() {
-    std::vector<Block> gone;
-    {
-      std::lock_guard<std::mutex> guard(mutex_);
-      evict(gone, 0);
-    }
-    for (const auto& b : gone) munmap(b.base, b.size);
-  }
+  // Every idle block given back; the cap stays.
+  void empty() { trim(0, false); }
 
  private:
   struct Block {
@@ -585,8 +571,24 @@ class OutputBlocks final : public c10::Allocator {
     if (!setting || !*setting) return DEFAULT_LIMIT_MB << 20;
     char* end = nullptr;
     const long long mb = std::strtoll(setting, &end, 10);
-    if (*end || mb < 0) return DEFAULT_LIMIT_MB << 20;  // not a number of MiB: the default
+    if (*end || mb < 0) {
+      TORCH_WARN("tensorstep: TENSORSTEP_OUTPUT_CACHE_MB='", setting, "' is not a whole number of MiB (0 or more: ",
+                 "0 keeps no idle output blocks); the default, ", DEFAULT_LIMIT_MB, " MiB, is used");
+      return DEFAULT_LIMIT_MB << 20;
+    }
     return static_cast<size_t>(mb) << 20;
+  }
+
+  // The idle blocks beyond limit bytes given back (the least recently freed first), the cap set to
+  // limit where cap is true.
+  void trim(size_t limit, bool cap) {
+    std::vector<Block> gone;
+    {
+      std::lock_guard<std::mutex> guard(mutex_);
+      if (cap) limit_ = limit;
+      evict(gone, limit);
+    }
+    for (const auto& b : gone) munmap(b.base, b.size);
   }
 
   // Whole huge pages from two on, else whole 4 KiB pages.
