@@ -291,10 +291,13 @@ def test_row_weights_of_ones_give_the_weighted_variants_bits(dtype, overlapping)
     assert runs[0][2][:, TERMS.index(("bound", "acceleration"))].eq(0).all()
 
 
-def _fused_against_composite(spec, x, params, dt, dt_grad, fused_params=None, fused_step=None):
+def _fused_against_composite(spec, x, params, dt, dt_grad, fused_params=None, fused_step=None,
+                             fused_dtype=torch.float64, tol=1e-10):
     """The fused step's P, cost and gradients against the plain step plus the terms in PyTorch (the
     fused step given ``fused_params`` where given: the same terms, row weights left to their default;
-    ``fused_step``: another fused step of the spec, the loaded one where not given)."""
+    ``fused_step``: another fused step of the spec, the loaded one where not given), within ``tol`` of
+    the largest of each; the fused step's inputs and output gradients in ``fused_dtype`` (the plain
+    step's in float64: a float32 fused step is then checked against float64 definitions)."""
     gen = torch.Generator().manual_seed(5)
     B = x["u"].shape[0]
     wcost = torch.randn(B, len(TERMS), generator=gen, dtype=torch.float64)
@@ -305,11 +308,13 @@ def _fused_against_composite(spec, x, params, dt, dt_grad, fused_params=None, fu
         dt_t = dt_t.reshape(-1)
     grads = []
     for fused in (True, False):
-        leaves = dict(u=x["u"].clone().requires_grad_(), p0=x["p0"].clone().requires_grad_())
-        target = params["squared_position_target"].clone().requires_grad_()
-        dt_leaf = dt_t.clone().requires_grad_(dt_grad)
-        xx = {**x, **leaves}
-        pp = {**params, "squared_position_target": target}
+        to = ((lambda t: t.to(fused_dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t)
+              if fused else (lambda t: t))
+        leaves = dict(u=to(x["u"]).clone().requires_grad_(), p0=to(x["p0"]).clone().requires_grad_())
+        target = to(params["squared_position_target"]).clone().requires_grad_()
+        dt_leaf = to(dt_t).clone().requires_grad_(dt_grad)
+        xx = {**{k: to(v) for k, v in x.items()}, **leaves}
+        pp = {**{k: to(v) for k, v in params.items()}, "squared_position_target": target}
         if fused:
             given = pp if fused_params is None else {**fused_params, "squared_position_target": target}
             P, cost = _call(fused_step or ts.load(spec), spec, xx, given, dt_leaf)
@@ -317,14 +322,15 @@ def _fused_against_composite(spec, x, params, dt, dt_grad, fused_params=None, fu
             plain = spec.replace(costs=(), outputs=None)
             states = _call(ts.load(plain), plain, xx, {}, dt_leaf)
             P, cost = states[0], _torch_costs(spec, states, pp, xx)
-        ((P * wP).sum() + (cost * wcost).sum()).backward()
-        grads.append([P.detach(), cost.detach(), leaves["u"].grad, leaves["p0"].grad, target.grad, dt_leaf.grad])
+        ((P * to(wP)).sum() + (cost * to(wcost)).sum()).backward()
+        grads.append([t if t is None else t.detach().double()
+                      for t in (P, cost, leaves["u"].grad, leaves["p0"].grad, target.grad, dt_leaf.grad)])
     for got, expected, name in zip(*grads, ("P", "cost", "u", "p0", "target", "dt")):
         if not dt_grad and name == "dt":
             assert got is None and expected is None
             continue
         scale = expected.abs().max()
-        torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-10 * float(scale), msg=name)
+        torch.testing.assert_close(got, expected, rtol=tol, atol=tol * float(scale), msg=name)
 
 
 @pytest.mark.parametrize("B", [4, 5])
@@ -397,12 +403,11 @@ def test_two_trajectories_a_vector_on_both_sides_of_the_threshold(dtype, dof):
     thread and split below it by two; P, the cost and the gradients of u, the start position and the
     target are the same bits either way, and u's gradient is the plain step's plus the terms' in
     PyTorch (float64: 1e-10; float32: within its rounding of the float64 reference)."""
-    source = generate(ts.KernelSpec(horizon=9, dof=dof, dtype=dtype, costs=TERMS, outputs=("P",)),
-                      ("c",), ("core",)).source("c", "core")
+    spec = ts.KernelSpec(horizon=9, dof=dof, dtype=dtype, costs=TERMS, outputs=("P",))
+    source = generate(spec, ("c",), ("core",)).source("c", "core")
     assert f"#define TS_PAIR_MAX_BATCH {render.PAIR_MAX_BATCH}" in source
     assert "__builtin_shufflevector(VLOAD(p), VLOAD(p + s)" in source
     B = render.PAIR_MAX_BATCH + render.PAIR_MAX_BATCH // 2  # one thread: above; two threads: each share below
-    spec = ts.KernelSpec(horizon=9, dof=dof, dtype=dtype, costs=TERMS, outputs=("P",))
     x, params, _ = _data(spec, B=B)
     for kind, state in TERMS:
         del params[f"{kind}_{state}_row_weight"]
@@ -984,29 +989,12 @@ def test_cuda_float32_coefficients_computed_by_each_thread_run_on_the_host_match
     step plus the terms from their definitions, on the values the kernel sees."""
     from cuda_on_host import host_step
 
-    spec = _spec(case, outputs=("P",)).replace(dtype="float32")
+    spec = _spec(case, outputs=("P",))
     x, params, dt = _data(spec)
     seen = lambda t: t.float().double() if t.is_floating_point() else t  # the values the kernel sees, exactly
     x, params, dt = ({k: seen(v) for k, v in x.items()}, {k: seen(v) for k, v in params.items()}, seen(dt))
-    gen = torch.Generator().manual_seed(5)
-    wP = torch.randn(dt.shape[0], spec.horizon, spec.dof, generator=gen, dtype=torch.float64)
-    wcost = torch.randn(dt.shape[0], len(TERMS), generator=gen, dtype=torch.float64)
-    grads = []
-    for fused in (True, False):
-        to = (lambda t: t.float()) if fused else (lambda t: t)
-        xx = {k: to(v).clone().requires_grad_(k in ("u", "p0")) for k, v in x.items()}
-        pp = {k: to(v).clone().requires_grad_(k == "squared_position_target") for k, v in params.items()}
-        if fused:
-            P, cost = _call(host_step(spec), spec, xx, pp, to(dt))
-        else:
-            plain = spec.replace(costs=(), outputs=None, dtype="float64")
-            states = _call(ts.load(plain), plain, xx, {}, dt)
-            P, cost = states[0], _torch_costs(spec, states, pp, xx)
-        torch.autograd.backward([P, cost], [to(wP), to(wcost)])
-        grads.append([t.detach().double() for t in (P, cost, xx["u"].grad, xx["p0"].grad,
-                                                     pp["squared_position_target"].grad)])
-    for got, expected, name in zip(*grads, ("P", "cost", "u", "p0", "target")):
-        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6 * float(expected.abs().max()), msg=name)
+    _fused_against_composite(spec, x, params, dt, False, fused_step=host_step(spec.replace(dtype="float32")),
+                             fused_dtype=torch.float32, tol=1e-6)
 
 def _states_and_grads(step, spec, x, params, dt, device: str = "cpu") -> list[torch.Tensor]:
     """The step's outputs and the gradients of u and the target from the sum of their squares, the
