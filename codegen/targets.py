@@ -111,6 +111,11 @@ def cuda_warp_rows_shared(n_coefficients: int) -> bool:
     return CUDA_WARPS * n_coefficients * 8 <= CUDA_WARP_ROWS_SHARED_BYTES
 
 
+#: an unfused step's per-element kernels that read the monomials' factors from the block's copy in
+#: shared memory where each thread computes its coefficients (``cuda_volatile_coefficients``), by
+#: the bytes of the dtype's element
+CUDA_THREAD_FACTOR_KERNELS = {8: ("adjoint", "dt_jvp", "dt_vjp"), 4: ("dt_vjp",)}
+
 #: bytes of an element of each dtype
 ITEMSIZE = {"float32": 4, "float64": 8}
 
@@ -168,6 +173,16 @@ def cuda_volatile_coefficients(kernel: str, where: str, fused: bool, stencil: bo
       and the thread's power both rounded to float, the powers kept in the block's shared memory
       (a column a thread) and read where used too: with double products a B-spline's spills were
       smaller but not gone, with the powers in registers a B-spline degree 4 still spilled 16 bytes;
+    - an unfused step's adjoint, dt_jvp and dt_vjp with a dt per trajectory ("thread": each thread
+      computes its coefficients, and dt_vjp their dt derivatives, from its powers of its dt): the
+      same copy of the factors, as doubles (each product a double one, as with the factors as
+      constants: the same values), where they fit. With constants ptxas folded them into products
+      of the powers, hoisted out of the rows' loops (a B-spline's knots, dt_vjp's dof columns) and
+      kept live: 12 to 856 bytes spilled in float64 (B-splines of degree 3 to 5, wide stencils of
+      order 4), 120 to 392 in float32's dt_vjp. float32's adjoint and dt_jvp keep the constants:
+      there the copy spilled where they did not (8 to 40 bytes: B-splines of degree 3 to 5,
+      position central at H=32). dt_jvp holds two sets of powers, the coefficients' and their dt
+      derivatives': ``cuda_shared_powers``;
     - the boundary rows of a float64 stencil's adjoint and tangent (dt_jvp) with a duration per
       step: each coefficient is read once, so none is worth keeping, and each takes two
       registers; the table may be in global memory (``ld.volatile``: from L2, not L1), where the
@@ -179,10 +194,24 @@ def cuda_volatile_coefficients(kernel: str, where: str, fused: bool, stencil: bo
         if where == "thread":
             return "column" if 0 < factors * itemsize <= CUDA_SHARED_COEF_BYTES else ""
         return "column" if where in ("shared", "block", "global") else ""
+    if where == "thread" and kernel in CUDA_THREAD_FACTOR_KERNELS[itemsize]:
+        return "column" if 0 < factors * 8 <= CUDA_SHARED_COEF_BYTES else ""
     if where not in ("shared", "block", "global") or fused:
         return ""
     wide = stencil and per_step and itemsize == 8
     return "body" if wide and kernel in ("adjoint", "dt_jvp") else ""
+
+
+def cuda_shared_powers(kernel: str, where: str, fused: bool, itemsize: int) -> bool:
+    """Whether an unfused per-element kernel whose threads compute their coefficients from their
+    powers of the trajectory's dt ("thread", with the factors copied: ``cuda_volatile_coefficients``)
+    keeps the powers the coefficients use in the thread's column of the block's shared memory
+    (``width`` doubles a thread), read where used, in place of registers: a float64 dt_jvp, which
+    holds both the powers and their dt derivatives (4 x width registers; B-splines of degree 5
+    spilled 20 to 84 bytes with both in registers). Its derivatives' powers stay in registers
+    (dt_jvp's loads would double), and float32's too: its wide stencils spilled more with either
+    set shared."""
+    return where == "thread" and not fused and kernel == "dt_jvp" and itemsize == 8
 
 
 def tape_files(tapes: list) -> dict[str, int]:

@@ -243,6 +243,62 @@ def test_wide_stencils_run_on_the_host_match_reference(overrides, horizon):
     check_dt_derivatives(ReferenceCase(spec, B=3, seed=4), [("cuda-on-host", host_step(spec))])
 
 
+# a dt per trajectory: each thread computes its coefficients, monomials of its dt (no table); the
+# adjoint, dt_jvp and dt_vjp read each monomial's factor from the block's copy in shared memory (float64;
+# float32: dt_vjp), dt_jvp
+# its coefficients' powers from the thread's column of them there too (codegen/targets.py
+# cuda_volatile_coefficients, cuda_shared_powers)
+THREAD_COEFFICIENTS = [dict(control="bspline", degree=5, knots=7, steps=3, order=4),
+                       dict(control="bspline", degree=4, knots=6, steps=2),
+                       dict(difference="central", horizon=9), dict(control="jerk", integrator="exact", horizon=9)]
+#: what a copied factor is scaled by where a test checks that a kernel reads the copy
+SCALED = 1.0000001
+
+
+def _thread_coefficients_spec(overrides: dict) -> ts.KernelSpec:
+    fields = dict(overrides, dt="per_trajectory")
+    if fields.get("control") == "bspline":  # the horizon follows from knots and steps
+        return ts.KernelSpec(dof=2, dtype="float64", **fields)
+    return make_spec(fields, horizon=fields.pop("horizon"), dof=2)
+
+
+def _check_thread_coefficients(spec, kernels: tuple[str, ...], B: int = 3) -> None:
+    """Forward and adjoint (dot test) against the dense float64 operator at 1e-12, where
+    ``kernels`` has the adjoint, and dt's gradient and tangent against differences of the reference
+    in dt, where it has dt_vjp or dt_jvp."""
+    if "adjoint" in kernels:
+        row = verify_launcher(spec, Launcher(spec, HostCudaBackend(spec)), torch.device("cpu"), B=B)
+        assert row["forward"] <= 1e-12 and row["adjoint"] <= 1e-12, row
+    if {"dt_vjp", "dt_jvp"} & set(kernels):
+        check_dt_derivatives(ReferenceCase(spec, B=3, seed=4), [("cuda-on-host", host_step(spec))])
+
+
+@pytest.mark.parametrize("overrides", THREAD_COEFFICIENTS, ids=grid_id)
+def test_coefficients_of_a_dt_per_trajectory_from_copied_factors_run_on_the_host_match_reference(overrides, monkeypatch):
+    """The CUDA kernels of a dt per trajectory run on the host, their factors read from the block's
+    copy: forward and adjoint against the dense operator, dt's gradient and tangent against
+    differences of the reference (``_check_thread_coefficients``). With one kernel's copy of the
+    factors scaled by ``SCALED`` (1e-7 more), the check of that kernel fails."""
+    import cuda_on_host
+
+    spec = _thread_coefficients_spec(overrides)
+    source, _ = host_source(spec)
+    copy = f"ts_mono_c[i] = {spec.name}_mono_c[i];"
+    for kernel in ("adjoint", "dt_vjp", "dt_jvp"):
+        assert copy in _kernel_text(source, f"{spec.name}_{kernel}_thread"), kernel
+    _check_thread_coefficients(spec, ("adjoint", "dt_vjp", "dt_jvp"), B=150)  # 300 columns: two blocks
+    for kernel in ("adjoint", "dt_vjp", "dt_jvp"):
+        def scaled(spec, kernel=kernel):
+            text, declarations = host_source(spec)
+            start = text.index(f"void {spec.name}_{kernel}_thread(")
+            at = text.index(copy, start)
+            return text[:at] + copy.replace("[i];", f"[i] * {SCALED!r};") + text[at + len(copy):], declarations
+
+        monkeypatch.setattr(cuda_on_host, "host_source", scaled)
+        with pytest.raises(AssertionError):
+            _check_thread_coefficients(spec, (kernel,))
+
+
 BLOCK_TABLES = [dict(control="acceleration", dt="per_step"), dict(control="jerk", integrator="exact", dt="per_step", order=4),
                 dict(control="velocity"), dict(difference="central", accuracy=(2, 4, 2))]
 

@@ -98,6 +98,24 @@ GRID = [
     # the same in float32, the bench's position step: the factors copied as float, each coefficient a
     # float product of the factor and the thread's power rounded to float (forward: 8 bytes spilled before)
     (dict(dt="per_trajectory", costs=COSTS, outputs=("P",)), 32, "float32", {}),
+    # unfused, a dt per trajectory: the adjoint, dt_jvp and dt_vjp read the factors where they use them
+    # from the block's copy, float64's dt_jvp its coefficients' powers from the thread's column in
+    # shared memory, float32's dt_vjp the factors only (spilled before, bytes: B-spline degree 3 dt_jvp
+    # 44; degree 5, 64 knots dt_jvp 32, dt_vjp 136; accuracy 8 order 4 adjoint 192, dt_jvp 856, dt_vjp
+    # 456; backward accuracy 3 order 4 dt_vjp 292, in float32 264); with 4 steps a span the degree-5
+    # B-spline was and stays within
+    (dict(control="bspline", degree=3, knots=32, steps=4, dt="per_trajectory"), None, "float64", {}),
+    (dict(control="bspline", degree=5, knots=64, steps=1, dt="per_trajectory"), None, "float64", {}),
+    (dict(control="bspline", degree=5, knots=64, steps=4, dt="per_trajectory"), None, "float64", {}),
+    (dict(difference="central", accuracy=8, order=4, dt="per_trajectory"), 128, "float64", {}),
+    (dict(difference="backward", accuracy=3, order=4, dt="per_trajectory"), 64, "float64", {}),
+    (dict(difference="backward", accuracy=3, order=4, dt="per_trajectory"), 64, "float32",
+     {"dt_jvp": "dt_jvp spills 12 bytes, as before (float32 keeps the factors as constants there)"}),
+    (dict(dt="per_trajectory"), 200, "float32",
+     {"dt_jvp": "dt_jvp spills 8 bytes, as before (float32 keeps the factors as constants there)"}),
+    # a B-spline adjoint whose rows read ahead stay live across its knots' loop: 204 bytes before, 8 now
+    (dict(control="bspline", degree=4, knots=32, steps=2, dt="per_trajectory"), None, "float64",
+     {"core": "the adjoint spills 8 bytes (204 with the factors as constants)"}),
     # layout "bdh" above a warp's whole rows: row tiles of a sector's rows, 32 rows (the adjoint's
     # N = H - 1, an unaligned horizon) and 16 (float64 order 4, unaligned); straight-line and loops
     (dict(difference="central", layout="bdh"), 128, "float32", {}),
