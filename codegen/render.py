@@ -17,8 +17,8 @@ from .lower import LoweredOperator
 from .printer import COLUMN, lane_printer
 from .statements import Read, Shift, walk
 from .targets import (CUDA_BLOCK, CUDA_STAGED, CUDA_WARPS, ITEMSIZE, TABLE_KERNELS, Target, cuda_coefficients,
-                      cuda_shared_powers, cuda_stage_columns, cuda_tiles, cuda_volatile_coefficients, cuda_warp_rows_shared,
-                      inline_coefficients, tape_files)
+                      cuda_shared_powers, cuda_stage_columns, cuda_tiles, cuda_volatile_coefficients,
+                      cuda_warp_rows_shared, inline_coefficients, tape_files)
 
 CTYPES = {"float32": "float", "float64": "double"}
 

@@ -244,10 +244,9 @@ def test_wide_stencils_run_on_the_host_match_reference(overrides, horizon):
 
 
 # a dt per trajectory: each thread computes its coefficients, monomials of its dt (no table); the
-# adjoint, dt_jvp and dt_vjp read each monomial's factor from the block's copy in shared memory (float64;
-# float32: dt_vjp), dt_jvp
-# its coefficients' powers from the thread's column of them there too (codegen/targets.py
-# cuda_volatile_coefficients, cuda_shared_powers)
+# adjoint, dt_jvp and dt_vjp read each monomial's factor from the block's copy in shared memory
+# (float64; float32: dt_vjp), dt_jvp its coefficients' powers from the thread's column of them there
+# too (codegen/targets.py cuda_volatile_coefficients, cuda_shared_powers)
 THREAD_COEFFICIENTS = [dict(control="bspline", degree=5, knots=7, steps=3, order=4),
                        dict(control="bspline", degree=4, knots=6, steps=2),
                        dict(difference="central", horizon=9), dict(control="jerk", integrator="exact", horizon=9)]
@@ -274,7 +273,8 @@ def _check_thread_coefficients(spec, kernels: tuple[str, ...], B: int = 3) -> No
 
 
 @pytest.mark.parametrize("overrides", THREAD_COEFFICIENTS, ids=grid_id)
-def test_coefficients_of_a_dt_per_trajectory_from_copied_factors_run_on_the_host_match_reference(overrides, monkeypatch):
+def test_coefficients_of_a_dt_per_trajectory_from_copied_factors_run_on_the_host_match_reference(overrides,
+                                                                                                   monkeypatch):
     """The CUDA kernels of a dt per trajectory run on the host, their factors read from the block's
     copy: forward and adjoint against the dense operator, dt's gradient and tangent against
     differences of the reference (``_check_thread_coefficients``). With one kernel's copy of the
