@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import os
 from pathlib import Path
 from typing import Any, Collection, Optional
 
@@ -23,6 +24,12 @@ from .targets import (CUDA_BLOCK, CUDA_STAGED, CUDA_WARPS, ITEMSIZE, TABLE_KERNE
 CTYPES = {"float32": "float", "float64": "double"}
 
 
+#: where the compiled templates are kept first: beside them, as Python keeps a module's bytecode in its
+#: ``__pycache__`` (a new kernel cache, as CI and a first use have, then compiles none); where that folder
+#: cannot be written, in the kernel cache (``keep_templates``)
+PACKAGE_KEPT = Path(__file__).resolve().parent.parent / "templates" / "__pycache__"
+
+
 @functools.lru_cache(maxsize=1)
 def _environment() -> jinja2.Environment:
     return jinja2.Environment(
@@ -31,7 +38,17 @@ def _environment() -> jinja2.Environment:
         undefined=jinja2.StrictUndefined,
         keep_trailing_newline=True,
         autoescape=False,
+        bytecode_cache=_KeptTemplates(str(PACKAGE_KEPT)) if _writable(PACKAGE_KEPT) else None,
     )
+
+
+def _writable(folder: Path) -> bool:
+    """Whether ``folder`` exists or can be made, and this process may write in it."""
+    try:
+        folder.mkdir(exist_ok=True)
+    except OSError:
+        return False
+    return os.access(folder, os.W_OK | os.X_OK)
 
 
 class _KeptTemplates(jinja2.FileSystemBytecodeCache):
@@ -56,7 +73,7 @@ class _KeptTemplates(jinja2.FileSystemBytecodeCache):
 
 def keep_templates(folder: Path) -> None:
     """Keep the compiled templates in ``folder`` (the runtime's kernel cache: ``_KeptTemplates``),
-    unless this process keeps them somewhere already."""
+    unless this process keeps them somewhere already (beside the templates: ``PACKAGE_KEPT``)."""
     environment = _environment()
     if environment.bytecode_cache is None:
         environment.bytecode_cache = _KeptTemplates(str(folder))

@@ -175,9 +175,11 @@ def test_concurrent_processes_build_once(tmp_path):
     assert sum(bool(re.search(r"-o \S+\.so$", c)) for c in commands) == 1, commands
 
 
-def test_a_process_that_generates_reuses_the_templates_an_earlier_one_compiled(tmp_path):
-    counted = """
+COUNTED = """
 import jinja2
+from pathlib import Path
+from tensorstep.codegen import render
+render.PACKAGE_KEPT = Path({package_kept!r})  # beside the templates: a test's folder
 compiled = []
 compile_ = jinja2.Environment.compile
 jinja2.Environment.compile = lambda self, source, name=None, filename=None, *a, **k: (
@@ -185,15 +187,40 @@ jinja2.Environment.compile = lambda self, source, name=None, filename=None, *a, 
 """ + LOAD.replace("float64", "{dtype}") + """
 print("compiled", *sorted(set(compiled)))
 """
+
+
+def _compiled(cache: Path, package_kept: Path) -> str:
+    """What a new process that loads LOAD's spec compiles of the templates (the kernel cache ``cache``)."""
+    env = dict(os.environ, TENSORSTEP_NATIVE="0", TENSORSTEP_CACHE_DIR=str(cache))
+    code = COUNTED.format(dtype="float64", package_kept=str(package_kept))
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert "sum 18.0" in run.stdout
+    return next(line for line in run.stdout.splitlines() if line.startswith("compiled"))
+
+
+def test_templates_compiled_once_beside_them_serve_a_new_kernel_cache(tmp_path):
+    kept = tmp_path / "templates-pycache"
+    assert "kernel.c.j2" in _compiled(tmp_path / "cache1", kept).split()  # compiled, then kept beside them
+    assert any(kept.iterdir())
+    assert _compiled(tmp_path / "cache2", kept) == "compiled"  # a new kernel cache: none compiled
+    assert not (tmp_path / "cache1" / "templates").exists() and not (tmp_path / "cache2" / "templates").exists()
+
+
+def test_a_process_that_generates_reuses_the_templates_an_earlier_one_compiled(tmp_path):
+    # where nothing can be kept beside the templates (below a file), the kernel cache keeps them
+    (tmp_path / "a-file").write_text("")
     env = dict(os.environ, TENSORSTEP_NATIVE="0", TENSORSTEP_CACHE_DIR=str(tmp_path))
+    unwritable = str(tmp_path / "a-file" / "__pycache__")
     runs = []
     for dtype in ("float64", "float32", "float64"):  # the second: another spec, generated in a new process
         if dtype == "float64" and runs:  # the third: kept templates damaged, another spec
             for kept in (tmp_path / "templates").iterdir():
                 kept.write_bytes(kept.read_bytes()[:40])
-            code = counted.format(dtype="float64").replace("horizon=7", "horizon=7, difference='backward'")
+            code = COUNTED.format(dtype="float64", package_kept=unwritable).replace(
+                "horizon=7", "horizon=7, difference='backward'")
         else:
-            code = counted.format(dtype=dtype)
+            code = COUNTED.format(dtype=dtype, package_kept=unwritable)
         runs.append(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300))
         assert runs[-1].returncode == 0, runs[-1].stderr
         assert "sum 18.0" in runs[-1].stdout
