@@ -77,7 +77,6 @@ class Step(torch.nn.Module):
             from . import costs
 
             self._twin = twin_of(spec.replace(costs=(), outputs=None), device)
-            self._cost_kinds = costs.functions(self.table)
             #: the held cost parameters (set_costs), as the module's buffers
             self._buffers = costs.HeldParameters()
             #: the rows the native node keeps (cost parameters); the other keyword rows (a target),
@@ -88,7 +87,7 @@ class Step(torch.nn.Module):
             self._kept_costs = costs.CheckedParameters(self.table, self.dtype, self.device)
             #: the composite form of this launcher's kernels, for their gradients through it (autograd.py
             #: ``_recomputed``): its own spec's twin, whichever step the launcher serves later (native.py)
-            launcher.composite = functools.partial(_composite, self._twin, self.table, self._cost_kinds)
+            launcher.composite = functools.partial(_composite, self._twin, self.table)
 
     def _take_native(self) -> None:
         """Use the native node once built. While it builds (in the background), calls take the
@@ -401,7 +400,8 @@ class Step(torch.nn.Module):
         ``_composite``, serves eager backwards and calls ``Twin.get`` directly)."""
         from . import costs
 
-        return costs.composite(self.plain, self.table, inputs, dt, self._cost_kinds)
+        plain = self.plain  # (first: it makes the twin's cost functions, outside torch.compile's graph)
+        return costs.composite(plain, self.table, inputs, dt, self._twin.kinds)
 
     def _into(self, out: Any, inputs: list, dt_k: Tensor) -> tuple[Tensor, ...]:
         """The forward written into caller-owned outputs (rollouts: no allocation, no page faults)."""
@@ -421,11 +421,14 @@ class Step(torch.nn.Module):
 
 class Twin:
     """The plain step of ``spec`` (a fused spec's twin) on ``device``, shared by the fused steps of that
-    spec in a process (``twin_of``): loaded (or built) by the first call that needs it (``get``)."""
+    spec in a process (``twin_of``): loaded (or built) by the first call that needs it (``get``), with the
+    PyTorch function of each cost kind (``kinds``, runtime/costs.py ``every_kind``: SymPy's lambdify, so
+    SymPy is imported then, not by a load whose kernels are cached)."""
 
     def __init__(self, spec: Any, device: torch.device):
         self.spec, self.device = spec, device
         self.step: Optional[Step] = None
+        self.kinds: dict[str, Any] = {}
         self._lock = threading.Lock()
 
     def get(self) -> Step:
@@ -437,6 +440,9 @@ class Twin:
                                     "mode or transform runs would be loaded")
             with self._lock:
                 if self.step is None:
+                    from . import costs
+
+                    self.kinds = costs.every_kind()
                     self.step = load(self.spec, self.device)
         return self.step
 
@@ -464,11 +470,11 @@ def _load_twin(twin: Twin) -> bool:
 _load_twin._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
-def _composite(twin: Twin, table: Any, kinds: dict, inputs: list, dt: Tensor) -> tuple[Tensor, ...]:
+def _composite(twin: Twin, table: Any, inputs: list, dt: Tensor) -> tuple[Tensor, ...]:
     """A fused launcher's composite form (``Launcher.composite``): its outputs through its spec's twin."""
     from . import costs
 
-    return costs.composite(twin.get(), table, inputs, dt, kinds)
+    return costs.composite(twin.get(), table, inputs, dt, twin.kinds)
 
 
 def _held_step(spec: Any, device: str, held: dict[str, Tensor]) -> Step:

@@ -48,6 +48,14 @@ def functions(table: ArgumentTable) -> dict[str, Callable[..., Tensor]]:
     return {kind: pointwise(kind) for kind, _ in table.costs}
 
 
+def every_kind() -> dict[str, Callable[..., Tensor]]:
+    """The PyTorch function of every cost kind (codegen/costs.py ``KINDS``; what a fused step's twin
+    holds for its composite form, made where the twin is loaded: outside torch.compile's graph)."""
+    from ..codegen.costs import KINDS
+
+    return {kind: pointwise(kind) for kind in KINDS}
+
+
 def term_values(table: ArgumentTable, states: Sequence[Tensor], named: dict[str, Optional[Tensor]],
                 kinds: Optional[dict[str, Callable[..., Tensor]]] = None) -> Tensor:
     """The cost output [B, T] from every state (P, V, A, J[, S], in the table's layout) and the
