@@ -7,7 +7,8 @@ Layout under the cache root::
     builds/<content-hash>/meta.json      sha256 of the artefact (detects truncation/corruption), and
                                          the generator's metadata of the build (coefficient count...)
     index/<spec-key>-<env-key>.json      spec → content hash, so a warm load needs no codegen
-    templates/                           Jinja2's compiled templates (codegen/render.py keep_templates)
+    templates/                           Jinja2's compiled templates, where the package's own
+                                         templates/__pycache__ cannot be written (codegen/render.py)
 
 The content hash covers source + compiler identity + flags + ABI version. Builds take a
 per-hash file lock, write to a temporary name and rename, so concurrent processes build
