@@ -42,7 +42,8 @@ from .coefficients import Coefficients
 from .operator import Operator, Ref, Row, is_row
 from .references import References
 from .renaming import RowExpressions
-from .statements import Call, Cast, Def, Mul, Paren, Read, Statement, Store, Sum, Sym, Term, Val, Var, transform
+from .statements import (Bind, Call, Cast, Def, Index, Mul, Paren, Read, Statement, Store, Sum, Sym, Term, Val, Var, bind,
+                         transform)
 
 STATES = ("position", "velocity", "acceleration", "jerk", "snap")
 TARGET_REF = ("squared_position_target", 0)
@@ -112,11 +113,36 @@ class CostTerms:
     def _subs(self, t: int, kind: str, k: int, h: int, per_dof: bool = True, prefix: str = "y") -> dict:
         """``per_dof``: the weight with its per-dof factor (else the row weight alone: ``value``);
         ``prefix``: the row value's (a recomputed row's: ``yr``)."""
+        return self._symbols(t, kind, k, sp.Symbol(f"{prefix}{k}_{h}"), self.row_weight(t, h), per_dof)
+
+    def _symbols(self, t: int, kind: str, k: int, y: sp.Symbol, row_weight: sp.Expr, per_dof: bool = True) -> dict:
+        """The kind's symbols → term t's, with the row's value ``y`` and its row weight ``row_weight``."""
         target = sp.Symbol("ctgt") if (kind, STATES[k]) == ("squared", "position") and self.has_target else 0
         weight = sp.Symbol(f"cw{t}") if per_dof else 1
-        return {kinds.Y: sp.Symbol(f"{prefix}{k}_{h}"), kinds.W: weight * self.row_weight(t, h),
+        return {kinds.Y: y, kinds.W: weight * row_weight,
                 kinds.LOWER: sp.Symbol(f"clo{t}"), kinds.UPPER: sp.Symbol(f"chi{t}"),
                 kinds.MARGIN: sp.Symbol(f"cmar{t}"), kinds.TARGET: target}
+
+    def _at(self, t: int, k: int, at: Index, prefix: str) -> tuple[sp.Symbol, sp.Expr, dict]:
+        """The placeholders of a row's value and row weight (``AT_Y``, ``AT_ROW_WEIGHT``; the weight 1
+        with ``unit_rows``) and what they are bound to at row ``at`` (``Rel``: row-relative)."""
+        if self.unit_rows:
+            return AT_Y, sp.Integer(1), {AT_Y: Val(prefix, k, at)}
+        return AT_Y, AT_ROW_WEIGHT, {AT_Y: Val(prefix, k, at), AT_ROW_WEIGHT: Read(f"CRW{t}", (at,))}
+
+    def value_at(self, t: int, kind: str, k: int, at: Index, prefix: str = "y") -> Bind:
+        """``value``, with the row's value and row weight as bound placeholders (codegen/statements.py
+        ``Bind``): with ``at`` a ``Rel``, the same node at every row (roll.py's groups)."""
+        kind_ = self.kind(kind)
+        y, rw, names = self._at(t, k, at, prefix)
+        return bind(_bound_value(kind_, tuple(self._symbols(t, kind, k, y, rw, not kind_.weighted).items())), names)
+
+    def slope_at(self, t: int, kind: str, k: int, at: Index, wrt: sp.Symbol = kinds.Y, prefix: str = "y") -> Bind:
+        """``slope``, with the row's value and row weight as bound placeholders (as ``value_at``)."""
+        kind_ = self.kind(kind)
+        y, rw, names = self._at(t, k, at, prefix)
+        subs = tuple(self._symbols(t, kind, k, y, rw).items())
+        return bind(_bound_slope(kind_, wrt, t, subs, rw), names)
 
     def row_weight(self, t: int, h: int) -> sp.Expr:
         """Term t's weight at row h: 1 where every row weight is (a product with 1 is exact: left out)."""
@@ -154,6 +180,25 @@ class CostTerms:
         the per-dof weight."""
         return [Def(Var(f"cgw{t}"), Sym(self.kind(kind).slope_factor * sp.Symbol(f"GCOST({t})") * sp.Symbol(f"cw{t}")))
                 for t, kind, _ in self.terms if self.kind(kind).weighted]
+
+
+#: the placeholders of a row's value and row weight in ``CostTerms.value_at`` and ``slope_at``
+AT_Y, AT_ROW_WEIGHT = sp.Symbol("ts_y"), sp.Symbol("ts_rw")
+
+
+@functools.lru_cache(maxsize=None)
+def _bound_value(kind: kinds.CostKind, subs: tuple) -> sp.Expr:
+    """A kind's expression under ``subs`` (built once per term and form)."""
+    return kind.expression.xreplace(dict(subs))
+
+
+@functools.lru_cache(maxsize=None)
+def _bound_slope(kind: kinds.CostKind, wrt: sp.Symbol, t: int, subs: tuple, row_weight: sp.Expr) -> sp.Expr:
+    """``CostTerms.slope``'s expression under ``subs``: GCOST(t) × the derivative, or for a weighted
+    kind row weight × cgw<t> × the rest."""
+    if not kind.weighted:
+        return sp.Symbol(f"GCOST({t})") * _derivative(kind, wrt).xreplace(dict(subs))
+    return row_weight * sp.Symbol(f"cgw{t}") * _rest(kind, wrt).xreplace(dict(subs))
 
 
 @functools.lru_cache(maxsize=None)

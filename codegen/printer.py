@@ -14,7 +14,7 @@ import sympy as sp
 from sympy.printing.c import C99CodePrinter
 
 from .renaming import renamed_text
-from .statements import (Add, Call, Cast, Def, For, Literal, Mul, Paren, Read, Rel, RunTape, Shift, Statement, Store,
+from .statements import (Add, Bind, Call, Cast, Def, For, Literal, Mul, Paren, Read, Rel, RunTape, Shift, Statement, Store,
                          Strided, Sum, Sym, Term, Val, Var)
 
 INDENT = "    "
@@ -197,7 +197,21 @@ class Printer:
         if isinstance(e, Sym):
             text = None if e.like is None else renamed_text(self.sym(e.like[0]), e.like[1])
             return self.sym(e.expr) if text is None else text
+        if isinstance(e, Bind):
+            return self._bound(e)
         raise TypeError(f"not an expression: {e!r}")
+
+    def _bound(self, e: Bind) -> str:
+        """A bound expression's text with each placeholder replaced by its expression's (a value, a
+        variable or a read: one operand each); printed afresh where a placeholder is not printed as
+        itself."""
+        names = tuple((name, self.expr(v)) for name, v in e.names)
+        text = renamed_text(self.sym(e.sym.expr), names) if names else self.sym(e.sym.expr)
+        if text is None:
+            new = dict(names)
+            expr = e.sym.expr
+            text = self.sym(expr.xreplace({s: sp.Symbol(new[s.name]) for s in expr.free_symbols if s.name in new}))
+        return text
 
     def _term(self, t: Term) -> str:
         operand = self.expr(t.operand)

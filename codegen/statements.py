@@ -86,6 +86,25 @@ class Sym:
 
 
 @dataclasses.dataclass(frozen=True)
+class Bind:
+    """A SymPy expression over placeholder symbols, each bound to a statement expression: ``names``
+    holds (placeholder, expression) pairs, e.g. a cost term over ``("ts_y", Val("y", 0, Rel(0)))``
+    and ``("ts_rw", Read("CRW0", (Rel(0),)))``. The bound expressions carry positions as any
+    statement's do, so one expression at every row is one node with ``Rel`` positions (roll.py's
+    groups compare equal), which ``place`` fixes at a row and roll.py runs in a loop. Printed as
+    the expression's text with each placeholder replaced by its expression's (codegen/printer.py)."""
+
+    sym: Sym
+    names: tuple[tuple[str, Any], ...]
+
+
+def bind(expr: sp.Expr, names: dict[sp.Symbol, Any]) -> "Bind":
+    """``expr`` with its placeholders bound (those it does not use left out)."""
+    used = expr.free_symbols
+    return Bind(Sym(expr), tuple((s.name, v) for s, v in names.items() if s in used))
+
+
+@dataclasses.dataclass(frozen=True)
 class Term:
     """One signed product of a column sum: ``+factor*operand``, ``+operand`` or ``-operand``."""
 
@@ -131,7 +150,7 @@ class Cast:
     x: Any
 
 
-Expr = Union[Var, Val, Read, Literal, Sym, Sum, Add, Mul, Paren, Cast]
+Expr = Union[Var, Val, Read, Literal, Sym, Bind, Sum, Add, Mul, Paren, Cast]
 
 
 @dataclasses.dataclass(frozen=True)
