@@ -39,10 +39,11 @@ import sympy as sp
 from . import costs as kinds
 from .arguments import ArgumentTable
 from .coefficients import Coefficients
-from .operator import Operator, Ref, Row, is_row
+from . import roll
+from .operator import Operator, Ref, Row, is_action, is_row
 from .references import References
 from .renaming import RowExpressions
-from .statements import (Bind, Call, Cast, Def, Index, Mul, Paren, Read, Statement, Store, Sum, Sym, Term, Val, Var, bind,
+from .statements import (Bind, Call, Cast, Def, Index, Mul, Paren, Read, Rel, Statement, Store, Sum, Sym, Term, Val, Var, bind,
                          transform)
 
 STATES = ("position", "velocity", "acceleration", "jerk", "snap")
@@ -445,6 +446,93 @@ def adjoint(op: Operator, coefs: Coefficients, refs: References, table: Argument
         return live(body, _sym_reads(body))
     segments = _segments(op, checkpoints) if checkpoints else [range(len(op.rows))]
     body += _recurrence(op, coefs, refs, inputs, rows(op, coefs, refs), segments, gradient, target_slopes)
+    return live(body, _sym_reads(body))
+
+
+def _steps(op: Operator) -> dict[int, list[Row]]:
+    """The rows by step h, in the operator's order."""
+    steps: dict[int, list[Row]] = defaultdict(list)
+    for row in op.rows:
+        steps[row.h].append(row)
+    return steps
+
+
+def _relative_row(row: Row, coefs: Coefficients, refs: References) -> Def:
+    """A row's definition with its positions relative to its step (codegen/roll.py's groups)."""
+    return Def(Val("y", row.k, Rel(0)), Sum(tuple(coefs.term(c, roll.relative(refs, ref, row.h)) for c, ref in row.terms)))
+
+
+def forward_rolled(op: Operator, coefs: Coefficients, refs: References, table: ArgumentTable, live: Callable,
+                   form: Form = Form()) -> list[Statement]:
+    """A stencil's ``forward`` (every term's rows added straight into its double sum) as groups of
+    statements per step with row-relative positions (``CostTerms.value_at``), rendered by roll.py:
+    the runs of equal steps (the interior) one loop each, the sums carried through it; the
+    boundary steps straight-line. Its length does not grow with H."""
+    terms = CostTerms(table, form.narrow, form.unit_rows)
+    head = refs.loads(a.name for a in table.columns) + terms.loads()
+    head += [Def(Var(f"cacc{t}"), Sum(()), ctype="double", const=False) for t, _, _ in terms.terms]
+    groups = []
+    for h, rows in _steps(op).items():
+        statements: list[Statement] = []
+        for row in rows:
+            statements.append(_relative_row(row, coefs, refs))
+            y = Val("y", row.k, Rel(0))
+            if row.k in terms.written:
+                statements.append(Call(f"Y{row.k}", (Rel(0),), y))
+            statements += [Store(Var(f"cacc{t}"), Cast("double", Paren(terms.value_at(t, kind, row.k, Rel(0)))), "+=")
+                           for t, kind in terms.on(row.k)]
+        groups.append(roll.Group(h, statements))
+    body = head + roll.render(groups) + [terms.total(t, kind) for t, kind, _ in terms.terms]
+    return live(body, _sym_reads(body))
+
+
+def adjoint_rolled(op: Operator, coefs: Coefficients, refs: References, table: ArgumentTable, live: Callable,
+                   form: Form = Form()) -> list[Statement]:
+    """A stencil's ``adjoint`` in gather form, as groups per step with row-relative positions rendered
+    by roll.py (the interior one loop): each step recomputes its rows and their gradients g (output
+    gradient plus the terms' slopes, ``CostTerms.slope_at``), then stores the gradient of each input
+    whose last reader it is: the sum, over the rows that read it in the operator's order, of
+    coefficient × g. The g of the last few steps are carried from iteration to iteration; the
+    target's gradient is summed row by row in one accumulator. Every sum has its terms in one
+    fixed order (the same bits for any number of threads)."""
+    terms = CostTerms(table, form.narrow, form.unit_rows)
+    columns = [a.name for a in table.columns]
+    inputs = refs.differentiable(op.n_actions, columns)
+    target = Var(f"a{refs.local(TARGET_REF)}") if TARGET_REF in inputs else None
+    head = refs.loads(columns) + terms.loads() + terms.scales()
+    head += [Def(target, Sum(()), const=False)] if target else []
+    # rows whose gradient is 0 (no output gradient, no term) add nothing: left out of the sums
+    nonzero = {row.k for row in op.rows if row.k in terms.written or terms.on(row.k)}
+    readers: dict[tuple, list[tuple[sp.Expr, int, int]]] = defaultdict(list)
+    for row in op.rows:
+        for c, ref in row.terms:
+            if row.k in nonzero:
+                readers[ref].append((c, row.k, row.h))
+    done_at: dict[int, list[tuple]] = defaultdict(list)  # step h → the inputs whose last reader is at h
+    for ref in inputs:
+        if readers.get(ref):
+            done_at[max(h for _, _, h in readers[ref])].append(ref)
+    groups = []
+    for h, rows in _steps(op).items():
+        statements: list[Statement] = []
+        for row in rows:
+            if row.k not in nonzero:
+                continue
+            statements.append(_relative_row(row, coefs, refs))
+            parts = [Term(None, Read(f"G{row.k}", (Rel(0),)))] if row.k in terms.written else []
+            parts += [Term(None, terms.slope_at(t, kind, row.k, Rel(0))) for t, kind in terms.on(row.k)]
+            statements.append(Def(Val("g", row.k, Rel(0)), Sum(tuple(parts))))
+            if target and row.k == 0:
+                statements += [Store(target, Sum((Term(None, terms.slope_at(t, kind, 0, Rel(0), kinds.TARGET)),)), "+=")
+                               for t, kind in terms.on(0) if kind == "squared"]
+        for ref in done_at.get(h, []):
+            gathered = tuple(coefs.term(c, Val("g", k, Rel(hh - h))) for c, k, hh in readers[ref])
+            store = refs.gradient(ref, gathered)
+            statements.append(roll.at(store, h) if is_action(ref) else store)
+        groups.append(roll.Group(h, statements))
+    tail = [refs.gradient(ref, ()) for ref in inputs if not readers.get(ref) and ref != TARGET_REF]
+    tail += [refs.gradient(TARGET_REF, (Term(None, target),))] if target else []
+    body = head + roll.render(groups, tail)
     return live(body, _sym_reads(body))
 
 

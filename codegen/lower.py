@@ -1069,6 +1069,19 @@ class LoweredOperator:
                                                               ahead=fused.C_AHEAD[kernel] if stencil else 0, **extra))
         return self._c_fused[key]
 
+    def fused_rolled(self, kernel: str) -> KernelCode | None:
+        """A fused stencil's forward or adjoint with its interior steps rolled into a loop
+        (codegen/fused.py ``forward_rolled``, ``adjoint_rolled``): a column whose length does not
+        grow with H; None for recurrences, B-splines (their rows repeat a knot span apart, not a
+        row) and unfused steps."""
+        if not self.fused or not _is_stencil(self.op) or _period(self.op) != 1:
+            return None
+        cache = self.__dict__.setdefault("_fused_rolled", {})
+        if kernel not in cache:
+            build = fused.forward_rolled if kernel == "forward" else fused.adjoint_rolled
+            cache[kernel] = KernelCode(TABLE_CALL, build(self.op, self.coefs, self.refs, self.arguments, _live))
+        return cache[kernel]
+
     @functools.cached_property
     def adjoint(self) -> KernelCode:
         if self.fused:

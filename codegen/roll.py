@@ -61,6 +61,10 @@ def _at(node: Read | Call, h: int) -> Read | Call:
     return dataclasses.replace(node, args=(Rel(node.args[0] - h),) + tuple(node.args[1:]))
 
 
+#: a reference's value relative to a row, and an action's read or store at a row-relative position
+relative, at = _relative, _at
+
+
 def forward_groups(op: Operator, refs: References, term: TermOf) -> list[Group]:
     """Forward: each row's value, then its store, grouped by row h in evaluation order."""
     groups: dict[int, Group] = {}

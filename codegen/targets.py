@@ -596,8 +596,10 @@ class CudaTarget(Target):
         return ("forward", "adjoint")
 
     def codes(self, code: Any, kernels: tuple[str, ...], itemsize: int) -> dict[str, Any]:
-        """An integrator's long adjoint rolled (``CUDA_ROLL_ABOVE_BYTES``), a fused one's recomputed
-        in segments from checkpoints (``adjoint_checkpointed``); a stencil's adjoint
+        """A fused stencil's forward and adjoint with their interior steps one loop each at every
+        horizon (``fused_rolled``: NVVM's time on a straight-line column grows about as H², and the
+        adjoint's passed 3 s at H=32); an integrator's long adjoint rolled (``CUDA_ROLL_ABOVE_BYTES``),
+        a fused one's recomputed in segments from checkpoints (``adjoint_checkpointed``); a stencil's adjoint
         reads each output gradient where it is used (held in locals, the boundary rows of a wide
         per-step stencil took 144 registers, order 4, H=64, float32), its straight-line stores
         as accumulations that read each gradient once (codegen/reads.py); with a period above 1
@@ -608,7 +610,10 @@ class CudaTarget(Target):
         codes = {k: getattr(code.as_tapes, k) if k in ("dt_jvp", "dt_vjp_finish") else getattr(code, k)
                  for k in kernels}
         adjoint = codes.get("adjoint")
-        if adjoint is not None and code.adjoint_reads is not None:
+        rolled = {k: code.fused_rolled(k) for k in ("forward", "adjoint") if k in codes and code.fused}
+        if rolled.get("forward") or rolled.get("adjoint"):  # a fused stencil: its interior steps one loop
+            codes.update({k: v for k, v in rolled.items() if v is not None})
+        elif adjoint is not None and code.adjoint_reads is not None:
             codes["adjoint"] = dataclasses.replace(code.adjoint_reads,
                                                    statements=reads.in_read_order(code.adjoint_reads.statements))
         elif adjoint is not None and code.adjoint_checkpointed(itemsize) is not None:

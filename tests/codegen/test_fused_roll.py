@@ -6,20 +6,26 @@ from __future__ import annotations
 
 import re
 
+import pytest
 import sympy as sp
 
 import tensorstep as ts
+from tensorstep.bench.ptxas import source_of
 from tensorstep.codegen import fused
 from tensorstep.codegen.arguments import table
+from tensorstep.codegen.lower import lower
 from tensorstep.codegen.printer import COLUMN
-from tensorstep.codegen.statements import Rel, place
+from tensorstep.codegen.builders import build_operator
+from tensorstep.codegen.statements import For, Rel, place
+from tensorstep.codegen.targets import C, CUDA
 
 TERMS = tuple(("bound", s) for s in ("position", "velocity", "acceleration", "jerk")) + (
     ("squared", "position"), ("squared", "velocity"), ("squared", "jerk"))
 
 
 def _spec(**fields) -> ts.KernelSpec:
-    return ts.KernelSpec(horizon=fields.pop("horizon", 12), dof=2, costs=TERMS, outputs=("P",), **fields)
+    fields = {"horizon": 12, "costs": TERMS, **fields}
+    return ts.KernelSpec(dof=2, outputs=("P",), **fields)
 
 
 def _parsed(node) -> sp.Expr:
@@ -44,3 +50,41 @@ def test_a_term_at_a_relative_row_is_one_node_and_placed_is_the_term_at_that_row
                         assert sp.simplify(_parsed(at) - _parsed(terms.value(t, kind, k, h))) == 0
                         at = place(terms.slope_at(t, kind, k, Rel(1), wrt, prefix="yr"), h - 1)
                         assert sp.simplify(_parsed(at) - _parsed(terms.slope(t, kind, k, h, wrt, prefix="yr"))) == 0
+
+
+#: position control's boundary options and stencils, each with its interior steps rolled
+ROLLED = {
+    "central": dict(),
+    "backward": dict(difference="backward", accuracy=2),
+    "goal": dict(end="goal"),
+    "one_sided": dict(end="one_sided"),
+    "per_step": dict(dt="per_step"),
+    "snap": dict(order=4, accuracy=(2, 2, 2, 2)),
+    "indexed_bdh_target": dict(start_index=True, layout="bdh", costs=TERMS[:4] + (("squared", "position"),)),
+}
+
+
+@pytest.mark.parametrize("case", ROLLED)
+def test_a_fused_stencils_cuda_columns_are_as_long_at_any_horizon(case):
+    """CUDA's fused forward and adjoint of a stencil: one loop each, the same statements at H=72 and
+    H=256; the whole core module's source within a few lines (layout bdh stages row tiles past 32
+    rows at both)."""
+    lengths, sources = [], []
+    for horizon in (72, 256):
+        spec = _spec(horizon=horizon, **ROLLED[case])
+        codes = CUDA.codes(lower(build_operator(spec), table(spec)), ("forward", "adjoint"), 8)
+        assert [sum(isinstance(s, For) for s in codes[k].statements) for k in ("forward", "adjoint")] == [1, 1]
+        lengths.append([len(codes[k].body) for k in ("forward", "adjoint")])
+        sources.append(len(source_of(spec, "core").splitlines()))
+    assert lengths[0] == lengths[1]
+    assert abs(sources[1] - sources[0]) <= 4, sources
+
+
+def test_b_splines_and_c_keep_their_straight_line_fused_columns():
+    """A B-spline's rows repeat a knot span apart (not rolled), and C's fused columns stay as tuned."""
+    spec = ts.KernelSpec(control="bspline", degree=3, knots=8, steps=4, dof=2, costs=TERMS, outputs=("P",))
+    code = lower(build_operator(spec), table(spec))
+    assert code.fused_rolled("forward") is None and code.fused_rolled("adjoint") is None
+    spec = _spec(horizon=64)
+    code = lower(build_operator(spec), table(spec))
+    assert C.codes(code, ("forward", "adjoint"), 4)["adjoint"] is code.c_fused("adjoint", 4)

@@ -58,10 +58,12 @@ ROW_TILES = {"bdh_row_tiles": dict(horizon=40, dof=3, start_index=True, layout="
 #: float64 recurrences past H=100: the CUDA adjoint's segments longer, its checkpoints within a budget
 #: (codegen/fused.py ``_segments``, ``CHECKPOINT_BYTES``)
 LONG = {"jerk_exact_long": dict(horizon=104, dof=2, control="jerk", integrator="exact")}
+#: position control's other boundary: CUDA's fused stencil columns are rolled at every horizon
+ONE_SIDED = {"one_sided": dict(horizon=9, dof=3, end="one_sided")}
 
 
 def _spec(case: str, outputs=("P",), terms=TERMS):
-    return ts.KernelSpec(dtype="float64", costs=terms, outputs=outputs, **{**CASES, **BSPLINES, **ROW_TILES, **LONG, **THREAD_COEFFICIENTS}[case])
+    return ts.KernelSpec(dtype="float64", costs=terms, outputs=outputs, **{**CASES, **BSPLINES, **ROW_TILES, **LONG, **THREAD_COEFFICIENTS, **ONE_SIDED}[case])
 
 
 def _data(spec, B: int = 3, seed: int = 0):
@@ -995,6 +997,33 @@ def test_cuda_float32_coefficients_computed_by_each_thread_run_on_the_host_match
     x, params, dt = ({k: seen(v) for k, v in x.items()}, {k: seen(v) for k, v in params.items()}, seen(dt))
     _fused_against_composite(spec, x, params, dt, False, fused_step=host_step(spec.replace(dtype="float32")),
                              fused_dtype=torch.float32, tol=1e-6)
+
+@pytest.mark.parametrize("case,horizon", [("central", 8), ("central", 33), ("central", 256), ("one_sided", 100),
+                                          ("goal", 256), ("backward", 33), ("per_step", 100), ("indexed_bdh", 100),
+                                          ("snap", 33), ("central_per_trajectory", 100)])
+def test_cuda_rolled_stencil_columns_run_on_the_host_match_the_definitions(case, horizon):
+    """A fused stencil's CUDA forward and adjoint, their interior steps one loop each (codegen/fused.py
+    ``forward_rolled``, ``adjoint_rolled``), run on the host: P, cost and the gradients of u, p0 and
+    the target against the plain step plus the terms from their definitions, on both sides of the
+    loop, each boundary option."""
+    from cuda_on_host import host_step
+
+    spec = _spec(case).replace(horizon=horizon)
+    x, params, dt = _data(spec)
+    _fused_against_composite(spec, x, params, dt, False, fused_step=host_step(spec))
+
+
+def test_cuda_float32_rolled_stencil_columns_run_on_the_host_match_the_definitions():
+    """The same in float32, within 1e-6 of the largest, on the values the kernel sees."""
+    from cuda_on_host import host_step
+
+    spec = _spec("central").replace(horizon=100)
+    x, params, dt = _data(spec)
+    seen = lambda t: t.float().double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+    x, params = {k: seen(v) for k, v in x.items()}, {k: seen(v) for k, v in params.items()}
+    _fused_against_composite(spec, x, params, float(torch.tensor(dt).float()), False,
+                             fused_step=host_step(spec.replace(dtype="float32")), fused_dtype=torch.float32, tol=1e-6)
+
 
 def _states_and_grads(step, spec, x, params, dt, device: str = "cpu") -> list[torch.Tensor]:
     """The step's outputs and the gradients of u and the target from the sum of their squares, the
