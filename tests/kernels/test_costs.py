@@ -1013,6 +1013,24 @@ def test_cuda_rolled_stencil_columns_run_on_the_host_match_the_definitions(case,
     _fused_against_composite(spec, x, params, dt, False, fused_step=host_step(spec))
 
 
+@pytest.mark.parametrize("case", ["central", "one_sided"])
+def test_cuda_rolled_stencil_columns_run_on_the_host_pass_gradcheck_and_gradgradcheck(case):
+    """The rolled CUDA columns run on the host (H=16: a loop over the interior steps), with forward AD."""
+    from cuda_on_host import host_step
+
+    spec = _spec(case, outputs=("P",), terms=(("bound", "velocity"), ("squared", "position"))).replace(horizon=16)
+    x, params, dt = _data(spec, B=2)
+    step = host_step(spec)
+
+    def f(u, p0, target):
+        return _call(step, spec, {**x, "u": u, "p0": p0}, {**params, "squared_position_target": target}, dt)
+
+    inputs = [x["u"].clone().requires_grad_(), x["p0"].clone().requires_grad_(),
+              params["squared_position_target"].clone().requires_grad_()]
+    assert gradcheck64(f, inputs, check_forward_ad=True)
+    assert gradgradcheck64(f, inputs)
+
+
 def test_cuda_float32_rolled_stencil_columns_run_on_the_host_match_the_definitions():
     """The same in float32, within 1e-6 of the largest, on the values the kernel sees."""
     from cuda_on_host import host_step
