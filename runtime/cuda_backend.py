@@ -203,9 +203,10 @@ def cuda_source(spec: Any, part: str) -> tuple[str, dict]:
 
 
 #: a fused step's CUDA build still running after this many seconds says why it may take minutes
-#: (``build_notices``): its forward and adjoint are one straight-line column each, and NVRTC's time
-#: on them grows at least with the square of the horizon (BENCHMARKS.md, issue 42, "nvcc's time on
-#: long fused columns")
+#: (``build_notices``): a fused recurrence's or B-spline's forward and adjoint are one straight-line
+#: column each, and NVRTC's time on them grows at least with the square of the horizon (BENCHMARKS.md,
+#: issue 42, "nvcc's time on long fused columns"); a fused stencil's loop over its interior steps
+#: (codegen/fused.py ``forward_rolled``) compiles in about the same time at any horizon
 LONG_FUSED_BUILD_S = 30.0
 
 
