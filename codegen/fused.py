@@ -449,6 +449,13 @@ def adjoint(op: Operator, coefs: Coefficients, refs: References, table: Argument
     return live(body, _sym_reads(body))
 
 
+#: C's fused stencil columns with more rows than this are rolled (``forward_rolled``, ``adjoint_rolled``;
+#: codegen/lower.py ``c_fused``); up to it they stay straight-line, in their tuned form. gcc's time on
+#: the straight-line module grows faster than H (the bench's spec, float32: about 5x from H=32 to 64),
+#: on the rolled one it is the same at any H (BENCHMARKS.md, issue 39, "rolled fused stencil columns")
+C_ROLL_ABOVE_H = 32
+
+
 def _steps(op: Operator) -> dict[int, list[Row]]:
     """The rows by step h, in the operator's order."""
     steps: dict[int, list[Row]] = defaultdict(list)

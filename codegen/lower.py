@@ -1057,7 +1057,12 @@ class LoweredOperator:
         """C's form of a fused forward or adjoint: a float32 forward's cost rows added in runs in float,
         the rows' terms with coefficients of the same magnitude one product (codegen/fused.py ``pairs``),
         a stencil's rows defined ahead of their uses (``defined_ahead``, ``C_AHEAD``);
-        ``form``: what a call's parameters allow (codegen/fused.py ``run_rows``, ``Form``)."""
+        ``form``: what a call's parameters allow (codegen/fused.py ``run_rows``, ``Form``). Past
+        ``fused.C_ROLL_ABOVE_H`` rows a stencil's are rolled instead (``fused_rolled``: every row
+        straight into its double sums, the adjoint in gather form), as gcc's time on the straight-line
+        columns grows with H."""
+        if self.op.horizon > fused.C_ROLL_ABOVE_H and self.fused_rolled(kernel, form) is not None:
+            return self.fused_rolled(kernel, form)
         run = fused.run_rows(itemsize) if kernel == "forward" else 1
         key = (kernel, run, form)
         if key not in self._c_fused:
@@ -1069,18 +1074,19 @@ class LoweredOperator:
                                                               ahead=fused.C_AHEAD[kernel] if stencil else 0, **extra))
         return self._c_fused[key]
 
-    def fused_rolled(self, kernel: str) -> KernelCode | None:
+    def fused_rolled(self, kernel: str, form: fused.Form = fused.Form()) -> KernelCode | None:
         """A fused stencil's forward or adjoint with its interior steps rolled into a loop
         (codegen/fused.py ``forward_rolled``, ``adjoint_rolled``): a column whose length does not
         grow with H; None for recurrences, B-splines (their rows repeat a knot span apart, not a
-        row) and unfused steps."""
+        row) and unfused steps. ``form``: what a call's parameters allow (C's variants, ``c_fused``)."""
         if not self.fused or not _is_stencil(self.op) or _period(self.op) != 1:
             return None
         cache = self.__dict__.setdefault("_fused_rolled", {})
-        if kernel not in cache:
+        if (kernel, form) not in cache:
             build = fused.forward_rolled if kernel == "forward" else fused.adjoint_rolled
-            cache[kernel] = KernelCode(TABLE_CALL, build(self.op, self.coefs, self.refs, self.arguments, _live))
-        return cache[kernel]
+            cache[kernel, form] = KernelCode(TABLE_CALL, build(self.op, self.coefs, self.refs, self.arguments, _live,
+                                                               form=form))
+        return cache[kernel, form]
 
     @functools.cached_property
     def adjoint(self) -> KernelCode:

@@ -80,11 +80,16 @@ def test_a_fused_stencils_cuda_columns_are_as_long_at_any_horizon(case):
     assert abs(sources[1] - sources[0]) <= 4, sources
 
 
-def test_b_splines_and_c_keep_their_straight_line_fused_columns():
-    """A B-spline's rows repeat a knot span apart (not rolled), and C's fused columns stay as tuned."""
+def test_b_splines_keep_and_c_keeps_to_its_threshold_straight_line_fused_columns():
+    """A B-spline's rows repeat a knot span apart (not rolled); C's fused stencil columns stay
+    straight-line, as tuned, up to fused.C_ROLL_ABOVE_H rows, and are rolled past it (every form)."""
     spec = ts.KernelSpec(control="bspline", degree=3, knots=8, steps=4, dof=2, costs=TERMS, outputs=("P",))
     code = lower(build_operator(spec), table(spec))
     assert code.fused_rolled("forward") is None and code.fused_rolled("adjoint") is None
-    spec = _spec(horizon=64)
-    code = lower(build_operator(spec), table(spec))
-    assert C.codes(code, ("forward", "adjoint"), 4)["adjoint"] is code.c_fused("adjoint", 4)
+    for horizon, loops in ((fused.C_ROLL_ABOVE_H, 0), (fused.C_ROLL_ABOVE_H + 1, 1)):
+        spec = _spec(horizon=horizon)
+        code = lower(build_operator(spec), table(spec))
+        variants = [C.codes(code, ("forward", "adjoint"), 4)] + list(C.form_codes(code, ("forward", "adjoint"), 4).values())
+        assert len(variants) == 4  # the general form, narrow, unit rows, both
+        for codes in variants:
+            assert [sum(isinstance(s, For) for s in codes[k].statements) for k in ("forward", "adjoint")] == [loops] * 2

@@ -35,6 +35,8 @@ CASES = {
     "per_step": dict(horizon=9, dof=3, dt="per_step"),
     "indexed_bdh": dict(horizon=9, dof=3, start_index=True, layout="bdh"),
     "snap": dict(horizon=9, dof=3, order=4, accuracy=(2, 2, 2, 2)),
+    # past fused.C_ROLL_ABOVE_H: C's fused columns too have their interior steps one loop
+    "central_rolled": dict(horizon=40, dof=3),
 }
 #: B-splines (their states' reference is the plain step, itself checked against SciPy elsewhere)
 BSPLINES = {
@@ -187,13 +189,14 @@ def test_paired_columns_give_the_plain_steps_states_to_rounding():
     np.testing.assert_allclose(cost.numpy(), reference_cost, rtol=1e-12, atol=1e-12 * np.abs(reference_cost).max())
 
 
+@pytest.mark.parametrize("horizon", [9, 40], ids=["straight", "rolled"])
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
-def test_narrow_and_general_forms_give_the_same_bits(dtype):
+def test_narrow_and_general_forms_give_the_same_bits(dtype, horizon):
     """A bound's narrow form gives its general form's bits: the same data run with every dof's margins
     allowing the narrow form, then with one dof's velocity margins overlapping (the call then takes
     the general form), that dof's velocity bound weighted 0 in both runs; states, cost and gradients
-    equal."""
-    spec = ts.KernelSpec(horizon=9, dof=3, dtype=dtype, costs=TERMS, outputs=("P", "A"))
+    equal. Straight-line columns, and rolled ones (past fused.C_ROLL_ABOVE_H)."""
+    spec = ts.KernelSpec(horizon=horizon, dof=3, dtype=dtype, costs=TERMS, outputs=("P", "A"))
     x, params, _ = _data(spec)
     to = (lambda t: t.float()) if dtype == "float32" else (lambda t: t)
     x, params = {k: to(v) for k, v in x.items()}, {k: to(v) for k, v in params.items()}
@@ -212,7 +215,7 @@ def test_narrow_and_general_forms_give_the_same_bits(dtype):
         assert torch.equal(narrow, general), name
 
 
-@pytest.mark.parametrize("case", ["central", "per_step", "jerk_exact", "bspline"])
+@pytest.mark.parametrize("case", ["central", "per_step", "jerk_exact", "bspline", "central_rolled"])
 def test_any_number_of_threads_gives_the_same_bits(case):
     """B=300 (the C kernels split a batch of 64 and more over OpenMP threads, which follow
     torch.set_num_threads): states, cost and every gradient (u, the start state, dt, the target)
@@ -1031,6 +1034,17 @@ def test_cuda_rolled_stencil_columns_run_on_the_host_pass_gradcheck_and_gradgrad
     assert gradgradcheck64(f, inputs)
 
 
+@pytest.mark.parametrize("case,horizon", [("one_sided", 100), ("goal", 64), ("backward", 33), ("per_step", 100),
+                                          ("indexed_bdh", 100), ("snap", 33), ("central_per_trajectory", 100)])
+def test_c_rolled_stencil_columns_match_the_definitions(case, horizon):
+    """C's fused stencil columns past fused.C_ROLL_ABOVE_H (their interior steps one loop): P, cost and
+    the gradients of u, p0, the target and dt (where it has one) against the plain step plus the terms
+    from their definitions, each boundary option."""
+    spec = _spec(case).replace(horizon=horizon)
+    x, params, dt = _data(spec)
+    _fused_against_composite(spec, x, params, dt, spec.dt != "uniform")
+
+
 def test_cuda_float32_rolled_stencil_columns_run_on_the_host_match_the_definitions():
     """The same in float32, within 1e-6 of the largest, on the values the kernel sees."""
     from cuda_on_host import host_step
@@ -1135,12 +1149,14 @@ torch.save([*(y.detach() for y in outs), u.grad, target.grad], sys.argv[3])
 
 @pytest.mark.parametrize("form", [None, "-DTS_LANE_INTRINSICS", "-DTS_NO_LANES"],
                          ids=["vector-lanes", "vector-lanes-immintrin", "per-dof-loop"])
-@pytest.mark.parametrize("dtype, dof", [("float32", 7), ("float64", 7), ("float32", 12)])
-def test_column_forms_match_the_plain_step_plus_costs(dtype, dof, form, tmp_path):
+@pytest.mark.parametrize("dtype, dof, horizon", [("float32", 7, 9), ("float64", 7, 9), ("float32", 12, 9),
+                                                 ("float32", 7, 40), ("float64", 4, 40)])
+def test_column_forms_match_the_plain_step_plus_costs(dtype, dof, horizon, form, tmp_path):
     """The C kernels' column forms (all dof in one masked vector, AVX-512; the per-dof loop): states,
     cost and gradients against the plain step (float64) plus the terms from their definitions.
     Every kind, on P (with a target), V and J; in float32 the vector of the sums per dof is wider
-    than the rows' (8 doubles), at D=12 two 512-bit vectors."""
+    than the rows' (8 doubles), at D=12 two 512-bit vectors. At H=40 the columns are rolled
+    (fused.C_ROLL_ABOVE_H)."""
     import os
     import subprocess
     import sys
@@ -1150,10 +1166,11 @@ def test_column_forms_match_the_plain_step_plus_costs(dtype, dof, form, tmp_path
     if form != "-DTS_NO_LANES":
         require_avx512()
     terms = (("bound", "position"), ("squared", "position"), ("bound", "velocity"), ("squared", "jerk"))
-    spec = ts.KernelSpec(horizon=9, dof=dof, dtype=dtype, costs=terms, outputs=("P", "V"))
+    spec = ts.KernelSpec(horizon=horizon, dof=dof, dtype=dtype, costs=terms, outputs=("P", "V"))
     x, params, _ = _data(spec)
     gen = torch.Generator().manual_seed(3)
-    g = (torch.randn(3, 9, dof, generator=gen, dtype=torch.float64), torch.randn(3, 9, dof, generator=gen, dtype=torch.float64),
+    g = (torch.randn(3, horizon, dof, generator=gen, dtype=torch.float64),
+         torch.randn(3, horizon, dof, generator=gen, dtype=torch.float64),
          torch.randn(3, len(terms), generator=gen, dtype=torch.float64))
     cast = (lambda t: t.float().double()) if dtype == "float32" else (lambda t: t)  # values the kernel sees exactly
     x, params, g = ({k: cast(v) for k, v in x.items()}, {k: cast(v) for k, v in params.items()}, tuple(cast(t) for t in g))
@@ -1167,7 +1184,7 @@ def test_column_forms_match_the_plain_step_plus_costs(dtype, dof, form, tmp_path
     assert run.returncode == 0, run.stderr
     got = torch.load(tmp_path / "out.pt")
 
-    plain = ts.KernelSpec(horizon=9, dof=dof, dtype="float64")
+    plain = ts.KernelSpec(horizon=horizon, dof=dof, dtype="float64")
     u = x["u"].clone().requires_grad_()
     target = params["squared_position_target"].clone().requires_grad_()
     states = ts.load(plain)(u, x["p0"], x["v0"], x["a0"], 0.1, j0=x["j0"])
