@@ -446,11 +446,18 @@ def test_two_trajectories_a_vector_on_both_sides_of_the_threshold(dtype, dof):
     assert (runs[0][2].double() - u.grad).abs().max() <= tol * u.grad.abs().max()
 
 
-@pytest.mark.parametrize("case", ["central", "acceleration", "goal"])
-def test_gradcheck_and_gradgradcheck(case):
+@pytest.mark.parametrize("case, cuda", [("central", False), ("acceleration", False), ("goal", False),
+                                        ("central", True), ("one_sided", True)])
+def test_gradcheck_and_gradgradcheck(case, cuda):
+    """With forward AD; ``cuda``: the CUDA source run on the host at H=16 (tests/cuda_on_host.py), a
+    fused stencil's columns rolled (a loop over the interior steps)."""
     spec = _spec(case, outputs=("P",), terms=(("bound", "velocity"), ("squared", "position")))
+    if cuda:
+        from cuda_on_host import host_step
+
+        spec = spec.replace(horizon=16)
     x, params, dt = _data(spec, B=2)
-    step = ts.load(spec)
+    step = host_step(spec) if cuda else ts.load(spec)
 
     def f(u, p0, target):
         return _call(step, spec, {**x, "u": u, "p0": p0}, {**params, "squared_position_target": target}, dt)
@@ -1001,48 +1008,27 @@ def test_cuda_float32_coefficients_computed_by_each_thread_run_on_the_host_match
     _fused_against_composite(spec, x, params, dt, False, fused_step=host_step(spec.replace(dtype="float32")),
                              fused_dtype=torch.float32, tol=1e-6)
 
-@pytest.mark.parametrize("case,horizon", [("central", 8), ("central", 33), ("central", 256), ("one_sided", 100),
-                                          ("goal", 256), ("backward", 33), ("per_step", 100), ("indexed_bdh", 100),
-                                          ("snap", 33), ("central_per_trajectory", 100)])
-def test_cuda_rolled_stencil_columns_run_on_the_host_match_the_definitions(case, horizon):
-    """A fused stencil's CUDA forward and adjoint, their interior steps one loop each (codegen/fused.py
-    ``forward_rolled``, ``adjoint_rolled``), run on the host: P, cost and the gradients of u, p0 and
-    the target against the plain step plus the terms from their definitions, on both sides of the
-    loop, each boundary option."""
+#: CUDA's fused stencil columns are rolled at every horizon (run on the host), C's past fused.C_ROLL_ABOVE_H
+ROLLED = [(case, horizon, True) for case, horizon in (
+    ("central", 8), ("central", 33), ("central", 256), ("one_sided", 100), ("goal", 256), ("backward", 33),
+    ("per_step", 100), ("indexed_bdh", 100), ("snap", 33), ("central_per_trajectory", 100))] + [
+    (case, horizon, False) for case, horizon in (
+        ("one_sided", 100), ("goal", 64), ("backward", 33), ("per_step", 100), ("indexed_bdh", 100), ("snap", 33),
+        ("central_per_trajectory", 100))]
+
+
+@pytest.mark.parametrize("case, horizon, cuda", ROLLED)
+def test_rolled_stencil_columns_match_the_definitions(case, horizon, cuda):
+    """A fused stencil's forward and adjoint with their interior steps one loop each (codegen/fused.py
+    ``forward_rolled``, ``adjoint_rolled``), CUDA's run on the host (tests/cuda_on_host.py), C's past
+    fused.C_ROLL_ABOVE_H: P, cost and the gradients of u, p0, the target (and dt, C's, where it has
+    one) against the plain step plus the terms from their definitions, each boundary option."""
     from cuda_on_host import host_step
 
     spec = _spec(case).replace(horizon=horizon)
     x, params, dt = _data(spec)
-    _fused_against_composite(spec, x, params, dt, False, fused_step=host_step(spec))
-
-
-@pytest.mark.parametrize("case", ["central", "one_sided"])
-def test_cuda_rolled_stencil_columns_run_on_the_host_pass_gradcheck_and_gradgradcheck(case):
-    """The rolled CUDA columns run on the host (H=16: a loop over the interior steps), with forward AD."""
-    from cuda_on_host import host_step
-
-    spec = _spec(case, outputs=("P",), terms=(("bound", "velocity"), ("squared", "position"))).replace(horizon=16)
-    x, params, dt = _data(spec, B=2)
-    step = host_step(spec)
-
-    def f(u, p0, target):
-        return _call(step, spec, {**x, "u": u, "p0": p0}, {**params, "squared_position_target": target}, dt)
-
-    inputs = [x["u"].clone().requires_grad_(), x["p0"].clone().requires_grad_(),
-              params["squared_position_target"].clone().requires_grad_()]
-    assert gradcheck64(f, inputs, check_forward_ad=True)
-    assert gradgradcheck64(f, inputs)
-
-
-@pytest.mark.parametrize("case,horizon", [("one_sided", 100), ("goal", 64), ("backward", 33), ("per_step", 100),
-                                          ("indexed_bdh", 100), ("snap", 33), ("central_per_trajectory", 100)])
-def test_c_rolled_stencil_columns_match_the_definitions(case, horizon):
-    """C's fused stencil columns past fused.C_ROLL_ABOVE_H (their interior steps one loop): P, cost and
-    the gradients of u, p0, the target and dt (where it has one) against the plain step plus the terms
-    from their definitions, each boundary option."""
-    spec = _spec(case).replace(horizon=horizon)
-    x, params, dt = _data(spec)
-    _fused_against_composite(spec, x, params, dt, spec.dt != "uniform")
+    _fused_against_composite(spec, x, params, dt, not cuda and spec.dt != "uniform",
+                             fused_step=host_step(spec) if cuda else None)
 
 
 def test_cuda_float32_rolled_stencil_columns_run_on_the_host_match_the_definitions():
