@@ -40,11 +40,11 @@ from . import costs as kinds
 from .arguments import ArgumentTable
 from .coefficients import Coefficients
 from . import roll
-from .operator import Operator, Ref, Row, is_action, is_row
+from .operator import Operator, Ref, Row, action, is_action, is_row
 from .references import References
 from .renaming import RowExpressions
-from .statements import (Bind, Call, Cast, Def, Index, Mul, Paren, Read, Rel, Statement, Store, Sum, Sym, Term, Val, Var, bind,
-                         transform)
+from .statements import (Bind, Call, Cast, Def, Index, Mul, Paren, Read, Rel, Statement, Store, Sum, Sym, Term, Val,
+                         Var, bind, transform)
 
 STATES = ("position", "velocity", "acceleration", "jerk", "snap")
 TARGET_REF = ("squared_position_target", 0)
@@ -493,15 +493,40 @@ def forward_rolled(op: Operator, coefs: Coefficients, refs: References, table: A
     return live(body, _sym_reads(body))
 
 
+def _action_partials(h: int, rows: list[Row], nonzero: set, readers: dict, coefs: Coefficients, refs: References,
+                     window: int) -> list[Statement]:
+    """Step h's part of the actions' gradients: for each action its rows read (in action order), its
+    partial sum ``ga<j - h + window>`` (row-relative: the same name at every step) = the partial of its
+    previous reading step + this step's rows' coefficient × g, in row order; stored where the step is its
+    last reader. A loop then carries one partial per action in flight, not every row's gradient."""
+    products: dict[int, list[Term]] = defaultdict(list)
+    for row in rows:
+        for c, ref in row.terms if row.k in nonzero else ():
+            if is_action(ref):
+                products[ref[1]].append(coefs.term(c, Val("g", row.k, Rel(0))))
+    out: list[Statement] = []
+    for j in sorted(products):
+        steps = [hh for _, _, hh in readers[action(j)]]
+        before = max((hh for hh in steps if hh < h), default=None)
+        earlier = (Term(None, Val("ga", j - before + window, Rel(before - h))),) if before is not None else ()
+        own = Val("ga", j - h + window, Rel(0))
+        out.append(Def(own, Sum(earlier + tuple(products[j]))))
+        if max(steps) == h:
+            out.append(roll.at(refs.gradient(action(j), (Term(None, own),)), h))
+    return out
+
+
 def adjoint_rolled(op: Operator, coefs: Coefficients, refs: References, table: ArgumentTable, live: Callable,
                    form: Form = Form()) -> list[Statement]:
-    """A stencil's ``adjoint`` in gather form, as groups per step with row-relative positions rendered
-    by roll.py (the interior one loop): each step recomputes its rows and their gradients g (output
-    gradient plus the terms' slopes, ``CostTerms.slope_at``), then stores the gradient of each input
-    whose last reader it is: the sum, over the rows that read it in the operator's order, of
-    coefficient × g. The g of the last few steps are carried from iteration to iteration; the
-    target's gradient is summed row by row in one accumulator. Every sum has its terms in one
-    fixed order (the same bits for any number of threads)."""
+    """A stencil's ``adjoint`` as groups per step with row-relative positions rendered by roll.py (the
+    interior one loop): each step recomputes its rows and their gradients g (output gradient plus the
+    terms' slopes, ``CostTerms.slope_at``), then adds coefficient × g to the partial sum of each action
+    its rows read (``_action_partials``: the loop carries one partial per action in flight; carrying
+    the last steps' g instead, to gather each action's terms at its last reader, spilled float64
+    order-4 adjoints far more), stored at the action's last reader. The per-column inputs (the start
+    state), read by the first rows only, gather their terms at their last reader; the target's
+    gradient is summed row by row in one accumulator. Every sum has its terms in one fixed order
+    (the same bits for any number of threads)."""
     terms = CostTerms(table, form.narrow, form.unit_rows)
     columns = [a.name for a in table.columns]
     inputs = refs.differentiable(op.n_actions, columns)
@@ -515,6 +540,7 @@ def adjoint_rolled(op: Operator, coefs: Coefficients, refs: References, table: A
         for c, ref in row.terms:
             if row.k in nonzero:
                 readers[ref].append((c, row.k, row.h))
+    window = max((row.h - ref[1] for row in op.rows for _, ref in row.terms if is_action(ref)), default=0)
     done_at: dict[int, list[tuple]] = defaultdict(list)  # step h → the inputs whose last reader is at h
     for ref in inputs:
         if readers.get(ref):
@@ -532,10 +558,10 @@ def adjoint_rolled(op: Operator, coefs: Coefficients, refs: References, table: A
             if target and row.k == 0:
                 statements += [Store(target, Sum((Term(None, terms.slope_at(t, kind, 0, Rel(0), kinds.TARGET)),)), "+=")
                                for t, kind in terms.on(0) if kind == "squared"]
+        statements += _action_partials(h, rows, nonzero, readers, coefs, refs, window)
         for ref in done_at.get(h, []):
-            gathered = tuple(coefs.term(c, Val("g", k, Rel(hh - h))) for c, k, hh in readers[ref])
-            store = refs.gradient(ref, gathered)
-            statements.append(roll.at(store, h) if is_action(ref) else store)
+            if not is_action(ref):
+                statements.append(refs.gradient(ref, tuple(coefs.term(c, Val("g", k, Rel(hh - h))) for c, k, hh in readers[ref])))
         groups.append(roll.Group(h, statements))
     tail = [refs.gradient(ref, ()) for ref in inputs if not readers.get(ref) and ref != TARGET_REF]
     tail += [refs.gradient(TARGET_REF, (Term(None, target),))] if target else []

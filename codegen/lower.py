@@ -1059,7 +1059,7 @@ class LoweredOperator:
         a stencil's rows defined ahead of their uses (``defined_ahead``, ``C_AHEAD``);
         ``form``: what a call's parameters allow (codegen/fused.py ``run_rows``, ``Form``). Past
         ``fused.C_ROLL_ABOVE_H`` rows a stencil's are rolled instead (``fused_rolled``: every row
-        straight into its double sums, the adjoint in gather form), as gcc's time on the straight-line
+        straight into its double sums, the adjoint with a partial sum per action), as gcc's time on the straight-line
         columns grows with H."""
         if self.op.horizon > fused.C_ROLL_ABOVE_H and self.fused_rolled(kernel, form) is not None:
             return self.fused_rolled(kernel, form)
