@@ -470,7 +470,8 @@ def _steps(op: Operator) -> dict[int, list[Row]]:
 
 def _relative_row(row: Row, coefs: Coefficients, refs: References) -> Def:
     """A row's definition with its positions relative to its step (codegen/roll.py's groups)."""
-    return Def(Val("y", row.k, Rel(0)), Sum(tuple(coefs.term(c, roll.relative(refs, ref, row.h)) for c, ref in row.terms)))
+    value = Sum(tuple(coefs.term(c, roll.relative(refs, ref, row.h)) for c, ref in row.terms))
+    return Def(Val("y", row.k, Rel(0)), value)
 
 
 def forward_rolled(op: Operator, coefs: Coefficients, refs: References, table: ArgumentTable, live: Callable,
@@ -565,7 +566,8 @@ def adjoint_rolled(op: Operator, coefs: Coefficients, refs: References, table: A
         statements += _action_partials(h, rows, nonzero, readers, coefs, refs, window)
         for ref in done_at.get(h, []):
             if not is_action(ref):
-                statements.append(refs.gradient(ref, tuple(coefs.term(c, Val("g", k, Rel(hh - h))) for c, k, hh in readers[ref])))
+                gathered = tuple(coefs.term(c, Val("g", k, Rel(hh - h))) for c, k, hh in readers[ref])
+                statements.append(refs.gradient(ref, gathered))
         groups.append(roll.Group(h, statements))
     tail = [refs.gradient(ref, ()) for ref in inputs if not readers.get(ref) and ref != TARGET_REF]
     tail += [refs.gradient(TARGET_REF, (Term(None, target),))] if target else []

@@ -14,8 +14,8 @@ import sympy as sp
 from sympy.printing.c import C99CodePrinter
 
 from .renaming import renamed_text
-from .statements import (Add, Bind, Call, Cast, Def, For, Literal, Mul, Paren, Read, Rel, RunTape, Shift, Statement, Store,
-                         Strided, Sum, Sym, Term, Val, Var)
+from .statements import (Add, Bind, Call, Cast, Def, For, Literal, Mul, Paren, Read, Rel, RunTape, Shift, Statement,
+                         Store, Strided, Sum, Sym, Term, Val, Var)
 
 INDENT = "    "
 

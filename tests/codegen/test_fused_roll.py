@@ -89,7 +89,8 @@ def test_b_splines_keep_and_c_keeps_to_its_threshold_straight_line_fused_columns
     for horizon, loops in ((fused.C_ROLL_ABOVE_H, 0), (fused.C_ROLL_ABOVE_H + 1, 1)):
         spec = _spec(horizon=horizon)
         code = lower(build_operator(spec), table(spec))
-        variants = [C.codes(code, ("forward", "adjoint"), 4)] + list(C.form_codes(code, ("forward", "adjoint"), 4).values())
+        kernels = ("forward", "adjoint")
+        variants = [C.codes(code, kernels, 4)] + list(C.form_codes(code, kernels, 4).values())
         assert len(variants) == 4  # the general form, narrow, unit rows, both
         for codes in variants:
             assert [sum(isinstance(s, For) for s in codes[k].statements) for k in ("forward", "adjoint")] == [loops] * 2
