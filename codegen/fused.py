@@ -9,8 +9,11 @@ rows in runs of ``FLOAT_RUN_ROWS`` in float first, ``run_rows``) and hands the c
 sums). The backward recomputes the rows (it reads the inputs), then runs the operator's reverse
 accumulation with each row's gradient ``G<k>(h)`` (where the output is written) plus
 ``Σ_t GCOST(t) · ∂cost_t/∂y``; the target of a squared position term gets ``∂cost/∂target``.
-A recurrence's CUDA adjoint recomputes its rows in segments from checkpoints kept in a local array
-(``_recurrence``): few values live at once, within a GPU thread's registers, at any horizon.
+A recurrence's CUDA adjoint recomputes its rows in segments from checkpoints kept in a local array:
+few values live at once, within a GPU thread's registers, at any horizon. Where its steps repeat,
+its CUDA forward and adjoint are loops over them (``forward_rolled``, as a stencil's; ``rolled_adjoint``,
+a reverse scan over segments), so their source and nvcc's time on it do not grow with the horizon; else
+straight-line (``_recurrence``).
 Only the states the spec writes are stored or read as gradients. A kind that is its weight
 times the rest (``CostKind.weighted``) takes its per-dof weight once per column in both
 directions (``total``, ``scales``), not on every row. A kind with a narrow form
@@ -43,8 +46,8 @@ from . import roll
 from .operator import Operator, Ref, Row, action, is_action, is_row
 from .references import References
 from .renaming import RowExpressions
-from .statements import (Bind, Call, Cast, Def, Index, Mul, Paren, Read, Rel, Statement, Store, Sum, Sym, Term, Val,
-                         Var, bind, transform)
+from .statements import (Bind, Call, Cast, Def, For, Index, Mul, Paren, Read, Rel, Statement, Store, Sum, Sym, Term, Val,
+                         Var, bind, transform, walk)
 
 STATES = ("position", "velocity", "acceleration", "jerk", "snap")
 TARGET_REF = ("squared_position_target", 0)
@@ -580,6 +583,10 @@ def adjoint_rolled(op: Operator, coefs: Coefficients, refs: References, table: A
 #: values (ptxas at the cap: 24 kept float64 jerk, acceleration and jerk-with-target columns to H=64
 #: without spills, where 16 to 20 left 4 to 12 bytes on some)
 SEGMENT_REGISTERS = 24
+#: the registers one segment of the rolled reverse scan's rows take (``rolled_adjoint``): its loop
+#: bodies leave fewer to them than a straight-line column does (ptxas at the cap: 24 left 8 to 16
+#: bytes of spills on float64 velocity, acceleration and jerk adjoints with a target at H=256, 16 none)
+SCAN_REGISTERS = 16
 #: the most bytes of checkpoints in the local array (``_segments``): a per-element kernel's stack
 #: frame stays within 1 KB, with room for what else ptxas puts there
 CHECKPOINT_BYTES = 768
@@ -663,3 +670,81 @@ def _recurrence(op: Operator, coefs: Coefficients, refs: References, inputs: lis
     if target:
         body.append(refs.gradient(TARGET_REF, (Term(None, target),) if started else ()))
     return body + [refs.gradient(ref, ()) for ref in inputs if ref not in first and ref != TARGET_REF]
+
+
+# -- a recurrence's adjoint rolled (codegen/roll.py ``segmented``): CUDA's at every horizon ------
+def rolled_adjoint(op: Operator, coefs: Coefficients, refs: References, table: ArgumentTable, live: Callable,
+                   itemsize: int) -> list[Statement] | None:
+    """``adjoint`` of a recurrence as a reverse scan over segments of steps (codegen/roll.py
+    ``segmented``): a first loop runs the steps forward and keeps each segment's incoming values
+    (checkpoints) in the column's local array (``TS_CK``); a second loop, from the last segment,
+    recomputes a segment's rows from its checkpoint and runs their reverse accumulation, the row
+    adjoints that earlier steps read carried from one segment to the next. The steps before and
+    after the repeating ones are straight-line. Each sum has ``_recurrence``'s terms in its order,
+    whatever the segments (FMA contraction aside, the straight-line column's bits). None where fewer
+    than two segments repeat."""
+    steps = list(_steps(op).values())
+    if [row for rows in steps for row in rows] != list(op.rows) or any(rows[0].h != h for h, rows in enumerate(steps)):
+        return None  # (a step's rows not consecutive: its groups would reorder the column)
+    terms = CostTerms(table)
+    columns = [a.name for a in table.columns]
+    inputs = refs.differentiable(op.n_actions, columns)
+    target = Var(f"a{refs.local(TARGET_REF)}") if TARGET_REF in inputs else None
+    readers: dict = defaultdict(list)  # each reference's reading rows, the last row first
+    first: dict = {}  # each input's first reading row: where its gradient is complete
+    for i, row in enumerate(op.rows):
+        first.update({ref: i for _, ref in row.terms if ref not in first and ref in inputs})
+    for row in reversed(op.rows):
+        for c, ref in row.terms:
+            readers[ref].append((c, row.k, row.h))
+    index = {(row.k, row.h): i for i, row in enumerate(op.rows)}
+
+    def gathered(ref: tuple, h: int) -> tuple[Term, ...]:
+        return tuple(coefs.term(c, Val("yb", k, Rel(hh - h))) for c, k, hh in readers[ref])
+
+    reverse = []
+    for h, rows in enumerate(steps):
+        statements: list[Statement] = []
+        for row in reversed(rows):
+            parts = [Term(None, Read(f"G{row.k}", (Rel(0),)))] if row.k in terms.written else []
+            parts += [Term(None, terms.slope_at(t, kind, row.k, Rel(0))) for t, kind in terms.on(row.k)]
+            statements.append(Def(Val("g", row.k, Rel(0)), Sum(tuple(parts))))
+            if target is not None and row.k == 0:
+                statements += [Store(target, Sum((Term(None, terms.slope_at(t, kind, 0, Rel(0), kinds.TARGET)),)), "+=")
+                               for t, kind in terms.on(0) if kind == "squared"]
+            statements.append(Def(Val("yb", row.k, Rel(0)),
+                                  Sum((Term(None, Val("g", row.k, Rel(0))), *gathered(("y", row.k, row.h), h)))))
+            for ref in inputs:
+                if first.get(ref) == index[(row.k, row.h)]:
+                    store = refs.gradient(ref, gathered(ref, h))
+                    statements.append(roll.at(store, h) if store.args else store)
+        reverse.append(roll.Group(h, statements))
+    values = [roll.Group(h, [_relative_row(row, coefs, refs) for row in rows]) for h, rows in enumerate(steps)]
+    action = refs.action.macro
+
+    def again(x):  # a row computed again before the scan's first steps: as ``_recurrence``'s
+        if isinstance(x, Val) and x.prefix == "y":
+            return Val("yr", x.k, x.h)
+        return Read("R" + action, x.args) if isinstance(x, Read) and x.macro == action else None
+
+    scan = roll.segmented(values, reverse, itemsize, SCAN_REGISTERS * 4 // itemsize, CHECKPOINT_BYTES, again)
+    if scan is None:
+        return None
+    body = refs.loads(columns) + terms.loads() + terms.scales() + _started(scan, target)
+    if target is not None:
+        body.append(refs.gradient(TARGET_REF, (Term(None, target),)))
+    body += [refs.gradient(ref, ()) for ref in inputs if ref not in first and ref != TARGET_REF]
+    return live(body, _sym_reads(body))
+
+
+def _started(body: list[Statement], target: Var | None) -> list[Statement]:
+    """``body`` with the target gradient's first addition its definition where it is straight-line,
+    else the definition at 0 before the loop that adds first."""
+    if target is None:
+        return body
+    for i, s in enumerate(body):
+        if isinstance(s, Store) and s.target == target:
+            return body[:i] + [Def(target, s.value, const=False)] + body[i + 1:]
+        if isinstance(s, For) and any(isinstance(n, Store) and n.target == target for n in walk(s.body)):
+            return body[:i] + [Def(target, Sum(()), const=False)] + body[i:]
+    return [Def(target, Sum(()), const=False)] + body

@@ -1019,7 +1019,7 @@ class LoweredOperator:
         self.fused = table.fused
         # the span loops first: their blocks of copies are part of the table every kernel sizes
         self.only = _spans_only(op) and not self.fused
-        if self.fused:  # straight-line columns
+        if self.fused:  # no interior loops or spans (rolled fused columns group their steps: fused.forward_rolled, ...)
             interior, forward, adjoint = set(), [], []
         elif self.only:  # every kernel, C and CUDA: span loops, the interior spans one loop over the knots
             interior: set = set()
@@ -1045,6 +1045,8 @@ class LoweredOperator:
     @functools.cached_property
     def forward(self) -> KernelCode:
         if self.fused:
+            if not _is_stencil(self.op):  # a recurrence's steps one loop (a stencil's: ``fused_rolled``)
+                return KernelCode(TABLE_CALL, fused.forward_rolled(self.op, self.coefs, self.refs, self.arguments, _live))
             return KernelCode(TABLE_CALL, fused.forward(self.op, self.coefs, self.refs, self.arguments,
                                                         _forward_lines, _live))
         return _forward(self.op, self.coefs, self.refs, self.spans["forward"], self.only)
@@ -1096,15 +1098,17 @@ class LoweredOperator:
         return _adjoint(self.op, self.coefs, self.refs, self.spans["adjoint"], self.only)
 
     def adjoint_checkpointed(self, itemsize: int) -> KernelCode | None:
-        """A fused recurrence's adjoint recomputing its rows segment by segment from checkpoints
-        (codegen/fused.py ``_recurrence``; ``itemsize`` sizes its segments), for CUDA's registers;
+        """A fused recurrence's adjoint recomputing its rows segment by segment from checkpoints, for
+        CUDA's registers: a reverse scan over segments where its steps repeat (codegen/fused.py
+        ``rolled_adjoint``), else straight-line (``_recurrence``); ``itemsize`` sizes its segments.
         None for stencils and unfused steps."""
         if not self.fused or _is_stencil(self.op):
             return None
         cache = self.__dict__.setdefault("_checkpointed", {})
         if itemsize not in cache:
-            cache[itemsize] = KernelCode(TABLE_CALL, fused.adjoint(self.op, self.coefs, self.refs, self.arguments,
-                                                                   _forward_lines, _live, checkpoints=itemsize))
+            rolled = fused.rolled_adjoint(self.op, self.coefs, self.refs, self.arguments, _live, itemsize)
+            cache[itemsize] = KernelCode(TABLE_CALL, rolled or fused.adjoint(
+                self.op, self.coefs, self.refs, self.arguments, _forward_lines, _live, checkpoints=itemsize))
         return cache[itemsize]
 
     @functools.cached_property

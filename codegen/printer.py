@@ -134,6 +134,8 @@ class Printer:
             if isinstance(s, For):
                 v, last = s.var, _index(s.last)
                 cond, advance = (f"{v} <= {last}", f"++{v}") if s.step > 0 else (f"{v} >= {last}", f"--{v}")
+                if abs(s.step) > 1 and not s.shared:  # a loop over segments of rows (codegen/roll.py ``segmented``)
+                    advance = f"{v} += {s.step}" if s.step > 0 else f"{v} -= {-s.step}"
                 first = _index(s.first)
                 if s.shared:  # the block's threads share the iterations (each template defines TS_THREAD/S)
                     stride = "" if s.step == 1 else f"{s.step} * "

@@ -281,3 +281,131 @@ def _render(groups: list[Group], tail: list[Statement], roll: bool) -> list[Stat
 def _rows(stride: tuple[int, ...]) -> bool:
     """Groups that can share a loop: consecutive rows, up or down, with every table slot at one stride."""
     return abs(stride[0]) == NEXT and shared(stride[1:])
+
+
+# -- a reverse scan over segments (a fused recurrence's adjoint, codegen/fused.py) -------------
+#: fewest segments the loops of ``segmented`` run; fewer: the caller keeps its straight-line form
+MIN_SEGMENTS = 2
+#: segments a block of the two-level scan holds (``segmented``, where one level's checkpoints would
+#: pass the budget): the stack then holds a checkpoint a block and one a segment of the block
+BLOCK_SEGMENTS = 8
+
+
+def segmented(values: list[Group], reverse: list[Group], itemsize: int, rows: int, budget: int,
+              again: Callable[[Any], Any]) -> list[Statement] | None:
+    """A reverse accumulation whose rows' values are recomputed segment by segment. ``values[h]``:
+    step h's row definitions (``y``, reading earlier steps at ``Rel`` < 0), ``reverse[h]``: its
+    reverse accumulation (reading its own rows' values at ``Rel(0)`` and later steps' adjoints
+    ``yb`` at ``Rel`` > 0). The longest run of steps whose groups repeat is cut, from its end, into
+    segments of about ``rows`` row values (a segment's, held at once in registers). A first loop
+    runs the steps forward and stores each segment's incoming values (its checkpoint, ``TS_CK``);
+    a second, from the last segment, loads them, recomputes the segment's rows (straight-line)
+    and runs their reverse accumulation, the adjoints that the segment before reads carried.
+    Where those checkpoints would pass ``budget`` bytes (``itemsize`` a value), two levels:
+    blocks of ``BLOCK_SEGMENTS`` segments, the first loop keeping a checkpoint a block, the second
+    recomputing a block's segment checkpoints before its segments (one more forward pass).
+    Steps before the run are straight-line in both passes (the second time through ``again``,
+    which renames their values and rereads their inputs), steps after it too. Every statement is
+    a group's, in the order of the straight-line column. None where fewer than ``MIN_SEGMENTS``
+    segments repeat, or the groups read values this does not carry."""
+    steps = len(values)
+    if steps != len(reverse) or any(g.h != h for h, g in enumerate(values)):
+        return None
+    items = [(shape(Group(h, v.statements + r.statements)), (h, *slots(v), *slots(r)))
+             for h, (v, r) in enumerate(zip(values, reverse))]
+    best, i = None, 0
+    while i < steps:
+        run = run_at(items, i, key=itemgetter(0), fields=itemgetter(1), admits=_rows)
+        best = run if best is None or len(run) > len(best) else best
+        i = run.stop
+    first, last = best.start, best.stop - 1
+    stride = best.stride[1] if len(best.stride) > 1 else 0
+    back: dict[int, int] = {}  # y<k> read m steps back
+    ahead: dict[int, int] = {}  # yb<k> read m steps ahead
+    for v in walk(tuple(values[first].statements)):
+        if isinstance(v, Val) and v.prefix == "y" and v.h.rel < 0:
+            back[v.k] = max(back.get(v.k, 0), -v.h.rel)
+    for v in walk(tuple(reverse[first].statements)):
+        if isinstance(v, Val) and v.h.rel != 0:
+            if v.prefix != "yb" or v.h.rel < 0:
+                return None
+            ahead[v.k] = max(ahead.get(v.k, 0), v.h.rel)
+    per_step = sum(isinstance(s, Def) for s in values[first].statements)
+    size = max(1, rows // max(1, per_step), *back.values(), *ahead.values())
+    carried = [(k, m) for k in sorted(back) for m in range(1, back[k] + 1)]
+    adjoints = [(k, m) for k in sorted(ahead) for m in range(1, ahead[k] + 1)]
+    length = last - first + 1
+    block = size  # steps a checkpoint of the first loop covers
+    if (length // size) * len(carried) * itemsize > budget:
+        block = size * BLOCK_SEGMENTS
+        while length // block >= 1 and (length // block + 2 * block // size) * len(carried) * itemsize > budget:
+            block += size
+    n = length // block if block > size else 0  # blocks of the two-level scan, at the run's end
+    single = (length - n * block) // size  # segments before them
+    start = last + 1 - n * block - single * size  # the first segment's first step
+    if n * block // size + single < MIN_SEGMENTS or start - max(back.values(), default=0) < 0 \
+            or last + max(ahead.values(), default=0) >= steps:
+        return None
+    blocks = start + single * size  # the first block's first step
+
+    def in_segment(group: Group, i: int, outside: str, own: str = "s") -> list[Statement]:
+        """Step ``start + i``'s group at position i of the segment that starts at row r: its values
+        as the segment's locals (``_<own><i>``), those of the segment before as ``_<outside><m>``,
+        those of the one after as ``_n<m>``; its table slots advancing with r."""
+        def fn(node: Any) -> Any:
+            if isinstance(node, Val):
+                p = node.h.rel + i
+                tag = f"{own}{p}" if 0 <= p < size else f"{outside}{-p}" if p < 0 else f"n{p - size}"
+                return Var(f"{node.prefix}{node.k}_{tag}")
+            if _is_slot(node) and stride:
+                return Read(node.macro, (Strided(node.args[0], stride, start),))
+            return Rel(node.rel + i) if isinstance(node, Rel) else None
+        return [transform(s, fn) for s in group.statements]
+
+    # the checkpoint array: the single segments', the blocks', then a block's segments'
+    bases = (0, single * len(carried), (single + n) * len(carried))
+
+    def checkpoint(j: int, var: str, origin: Any, every: int, base: int) -> Read:
+        """Checkpoint value j of the segment (or block) that starts at ``var``, counted from ``origin``."""
+        return Read("TS_CK", (Var(f"{base} + {len(carried)} * (({var} - {origin}) / {every}) + {j}"),))
+
+    held = lambda k, m: Var(f"y{k}_m{m}")  # the values the next segment reads, carried forward
+    keep = lambda var, origin, every, base: [Store(checkpoint(j, var, origin, every, base), held(k, m))
+                                             for j, (k, m) in enumerate(carried)]
+    forward = [s for i in range(size) for s in in_segment(values[start + i], i, "m", "f")]
+    forward += [Store(held(k, m), Var(f"y{k}_f{size - m}")) for k, m in carried]
+
+    def segment(origin: Any, base: int) -> list[Statement]:
+        """A segment's values from its checkpoint, then its reverse accumulation."""
+        out = [Def(Var(f"y{k}_q{m}"), checkpoint(j, "r", origin, size, base)) for j, (k, m) in enumerate(carried)]
+        out += [s for i in range(size) for s in in_segment(values[start + i], i, "q")]
+        out += [s for i in reversed(range(size)) for s in in_segment(reverse[start + i], i, "q")]
+        return out + [Store(Var(f"yb{k}_n{m - 1}"), Var(f"yb{k}_s{m - 1}")) for k, m in adjoints]
+
+    inner = lambda *statements: For(Var("rs"), Var(f"rs + {block - size}"), size, tuple(statements), unroll=False)
+    out: list[Statement] = [Call("TS_CHECKPOINTS", (bases[2] + (block // size if n else 0) * len(carried),))] \
+        if carried else []
+    out += [place(s, h) for h in range(start) for s in values[h].statements]
+    out += [Def(held(k, m), Val("y", k, start - m), const=False) for k, m in carried]
+    if single:
+        out.append(For(start, blocks - size, size, tuple(keep("r", start, size, bases[0]) + forward), unroll=False))
+    if n:
+        out.append(For(blocks, last + 1 - block, block, (*keep("rs", blocks, block, bases[1]), inner(*forward)),
+                       unroll=False, var="rs"))
+    out += [Def(Val("y", k, last + 1 - m), held(k, m)) for k, m in carried]
+    out += [place(s, h) for h in range(last + 1, steps) for s in values[h].statements]
+    out += [place(s, h) for h in reversed(range(last + 1, steps)) for s in reverse[h].statements]
+    out += [Def(Var(f"yb{k}_n{m - 1}"), Val("yb", k, last + m), const=False) for k, m in adjoints]
+    if n:  # a block: its checkpoint, its segments' checkpoints recomputed, then its segments from the last
+        load = [Store(held(k, m), checkpoint(j, "rs", blocks, block, bases[1])) for j, (k, m) in enumerate(carried)]
+        again_ = For(Var(f"rs + {block - size}"), Var("rs"), -size, tuple(segment("rs", bases[2])), unroll=False)
+        out.append(For(last + 1 - block, blocks, -block, (*load, inner(*keep("r", "rs", size, bases[2]), *forward),
+                                                           again_), unroll=False, var="rs"))
+    if single:
+        out.append(For(blocks - size, start, -size, tuple(segment(start, bases[0])), unroll=False))
+    out += [Def(Val("yb", k, start + m - 1), Var(f"yb{k}_n{m - 1}")) for k, m in adjoints]
+    if start:
+        out.append(Call("TS_REREAD"))
+        out += [transform(place(s, h), again) for h in range(start) for s in values[h].statements]
+        out += [transform(place(s, h), again) for h in reversed(range(start)) for s in reverse[h].statements]
+    return out

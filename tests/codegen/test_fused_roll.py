@@ -94,3 +94,25 @@ def test_b_splines_keep_and_c_keeps_to_its_threshold_straight_line_fused_columns
         assert len(variants) == 4  # the general form, narrow, unit rows, both
         for codes in variants:
             assert [sum(isinstance(s, For) for s in codes[k].statements) for k in ("forward", "adjoint")] == [loops] * 2
+
+
+def _kernel_lines(source: str, kernel: str) -> int:
+    """The lines of one entry point's definition in a CUDA source."""
+    start = source.index(next(line for line in source.splitlines() if line.endswith(f"_{kernel}(") or f"_{kernel}(int64_t" in line))
+    return source[start:source.index("\n}\n", start)].count("\n")
+
+
+def test_a_recurrences_cuda_columns_are_as_long_at_any_horizon():
+    """A fused recurrence's CUDA forward (a loop over its steps) and adjoint (a reverse scan over segments,
+    codegen/roll.py ``segmented``) are as long at H=256 as at H=64, give or take a segment's steps."""
+    from tensorstep.codegen.driver import generate
+
+    for control, dtype in (("velocity", "float64"), ("jerk", "float32")):
+        lines = {}
+        for H in (64, 256):
+            spec = _spec(horizon=H, control=control, dtype=dtype, integrator="semi_implicit_euler")
+            source = generate(spec, targets=("cuda",), parts=("core",)).source("cuda", "core")
+            lines[H] = {k: _kernel_lines(source, k) for k in ("forward", "adjoint")}
+        assert lines[256]["forward"] == lines[64]["forward"], (control, dtype, lines)
+        # H=256 holds blocks of segments (two levels of checkpoints): two loops more, no more steps
+        assert lines[256]["adjoint"] < 1.5 * lines[64]["adjoint"], (control, dtype, lines)

@@ -305,7 +305,7 @@ def _fused_against_composite(spec, x, params, dt, dt_grad, fused_params=None, fu
     step's in float64: a float32 fused step is then checked against float64 definitions)."""
     gen = torch.Generator().manual_seed(5)
     B = x["u"].shape[0]
-    wcost = torch.randn(B, len(TERMS), generator=gen, dtype=torch.float64)
+    wcost = torch.randn(B, len(spec.costs), generator=gen, dtype=torch.float64)
     wP = torch.randn(B, spec.horizon, spec.dof, generator=gen, dtype=torch.float64)
     wP = wP.transpose(1, 2) if spec.layout == "bdh" else wP
     dt_t = torch.as_tensor(dt, dtype=torch.float64).reshape(-1).clone()
@@ -316,12 +316,14 @@ def _fused_against_composite(spec, x, params, dt, dt_grad, fused_params=None, fu
         to = ((lambda t: t.to(fused_dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t)
               if fused else (lambda t: t))
         leaves = dict(u=to(x["u"]).clone().requires_grad_(), p0=to(x["p0"]).clone().requires_grad_())
-        target = to(params["squared_position_target"]).clone().requires_grad_()
+        has_target = "squared_position_target" in params  # (a spec without a squared position term has none)
+        target = to(params["squared_position_target"]).clone().requires_grad_() if has_target else None
         dt_leaf = to(dt_t).clone().requires_grad_(dt_grad)
         xx = {**{k: to(v) for k, v in x.items()}, **leaves}
-        pp = {**{k: to(v) for k, v in params.items()}, "squared_position_target": target}
+        given_target = {"squared_position_target": target} if has_target else {}
+        pp = {**{k: to(v) for k, v in params.items()}, **given_target}
         if fused:
-            given = pp if fused_params is None else {**fused_params, "squared_position_target": target}
+            given = pp if fused_params is None else {**fused_params, **given_target}
             P, cost = _call(fused_step or ts.load(spec), spec, xx, given, dt_leaf)
         else:
             plain = spec.replace(costs=(), outputs=None)
@@ -329,9 +331,9 @@ def _fused_against_composite(spec, x, params, dt, dt_grad, fused_params=None, fu
             P, cost = states[0], _torch_costs(spec, states, pp, xx)
         ((P * to(wP)).sum() + (cost * to(wcost)).sum()).backward()
         grads.append([t if t is None else t.detach().double()
-                      for t in (P, cost, leaves["u"].grad, leaves["p0"].grad, target.grad, dt_leaf.grad)])
+                      for t in (P, cost, leaves["u"].grad, leaves["p0"].grad, None if target is None else target.grad, dt_leaf.grad)])
     for got, expected, name in zip(*grads, ("P", "cost", "u", "p0", "target", "dt")):
-        if not dt_grad and name == "dt":
+        if (not dt_grad and name == "dt") or (not has_target and name == "target"):
             assert got is None and expected is None
             continue
         scale = expected.abs().max()
@@ -422,7 +424,7 @@ def test_two_trajectories_a_vector_on_both_sides_of_the_threshold(dtype, dof):
     to = getattr(torch, dtype)
     gen = torch.Generator().manual_seed(7)
     wP = torch.randn(B, spec.horizon, dof, generator=gen, dtype=torch.float64)
-    wcost = torch.randn(B, len(TERMS), generator=gen, dtype=torch.float64)
+    wcost = torch.randn(B, len(spec.costs), generator=gen, dtype=torch.float64)
     step, runs, before = ts.load(spec), [], torch.get_num_threads()
     try:
         for threads in (1, 2):
@@ -1181,3 +1183,77 @@ def test_column_forms_match_the_plain_step_plus_costs(dtype, dof, horizon, form,
     pairs += [(got[2][:, t], cost[:, t], f"cost {kind} {state}") for t, (kind, state) in enumerate(terms)]  # each term's scale
     for a, b, name in pairs:
         torch.testing.assert_close(a.double(), b.detach(), rtol=tol, atol=tol * float(b.detach().abs().max()), msg=name)
+
+
+#: recurrences whose CUDA columns run their repeating steps as loops (codegen/fused.py ``forward_rolled``,
+#: ``rolled_adjoint``): each integrator control, short (no two segments repeat: straight-line) to long,
+#: with and without a squared position term (the target's gradient), a dt shared or per trajectory
+ROLLED = {f"{control}_h{H}{'_target' if target else ''}_{dt}": (control, H, target, dt)
+          for control, H, target, dt in (("velocity", 8, True, "uniform"), ("acceleration", 8, False, "per_trajectory"),
+                                          ("jerk", 33, False, "uniform"), ("velocity", 33, False, "per_trajectory"),
+                                          ("acceleration", 33, True, "uniform"), ("jerk", 100, True, "per_trajectory"),
+                                          ("velocity", 100, True, "uniform"), ("acceleration", 100, False, "uniform"),
+                                          ("jerk", 256, True, "uniform"), ("velocity", 256, False, "per_trajectory"),
+                                          ("acceleration", 256, True, "per_trajectory"))}
+
+
+@pytest.mark.parametrize("case", ROLLED)
+def test_rolled_cuda_recurrences_run_on_the_host_match_the_definitions(case):
+    """The CUDA source run on the host (tests/cuda_on_host.py), a recurrence's forward a loop over its
+    steps and its adjoint a reverse scan over segments recomputed from checkpoints: P, the cost and the
+    gradients of u, p0 (and the target) against the plain step plus the terms from their definitions."""
+    from cuda_on_host import host_step
+
+    control, H, target, dt = ROLLED[case]
+    terms = TERMS if target else tuple(t for t in TERMS if t != ("squared", "position"))
+    spec = ts.KernelSpec(horizon=H, dof=2, control=control, dt=dt, dtype="float64", costs=terms, outputs=("P",),
+                         integrator="exact" if control == "jerk" else "semi_implicit_euler")
+    x, params, dt_ = _data(spec)
+    _fused_against_composite(spec, x, params, dt_, False, fused_step=host_step(spec))
+
+
+@pytest.mark.parametrize("case", ["velocity_h33_per_trajectory", "jerk_h100_target_per_trajectory",
+                                  "acceleration_h256_target_per_trajectory"])
+def test_rolled_cuda_recurrences_give_the_straight_line_columns_bits(case, monkeypatch):
+    """The rolled CUDA forward and adjoint (run on the host) give the bits of the straight-line columns
+    they replace (``fused.forward``, ``_recurrence`` in segments): the same statements, in the same order.
+    float64 only: where the compiler contracts a product and a sum into one FMA may differ between a loop
+    and a straight-line column (the host's -ffp-contract=fast, nvcc's fmad), which in float32 moved the
+    forward's P by a few units in the last place; float32 is checked against the definitions below."""
+    dtype = "float64"
+    from cuda_on_host import host_step
+    from tensorstep.codegen import driver, fused, lower
+
+    control, H, target, dt = ROLLED[case]
+    spec = ts.KernelSpec(horizon=H, dof=2, control=control, dt=dt, dtype=dtype, costs=TERMS, outputs=("P", "A"),
+                         integrator="exact" if control == "jerk" else "semi_implicit_euler")
+    data = _data(spec)
+    source = lambda: generate(spec, targets=("cuda",), parts=("core",)).source("cuda", "core")
+    rolled, rolled_source = _states_and_grads(host_step(spec), spec, *data), source()
+    monkeypatch.setattr(fused, "forward_rolled", lambda op, coefs, refs, table, live, **_: fused.forward(
+        op, coefs, refs, table, lower._forward_lines, live))
+    monkeypatch.setattr(fused, "rolled_adjoint", lambda *args: None)
+    driver.lowered.cache_clear()  # (its lowering, kept per spec, holds the rolled columns)
+    straight, straight_source = _states_and_grads(host_step(spec), spec, *data), source()
+    driver.lowered.cache_clear()
+    assert "yb0_s0" in rolled_source and "yb0_s0" not in straight_source  # (a segment's adjoint of P)
+    for a, b in zip(rolled, straight):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("case", ["velocity_h33_per_trajectory", "jerk_h100_target_per_trajectory",
+                                  "acceleration_h256_target_per_trajectory"])
+def test_rolled_cuda_float32_recurrences_run_on_the_host_match_the_definitions(case):
+    """float32: the rolled CUDA columns run on the host, within 1e-6 of the largest (float32 rounding) of the
+    plain float64 step plus the terms from their definitions, on the values the kernel sees."""
+    from cuda_on_host import host_step
+
+    control, H, target, dt = ROLLED[case]
+    spec = ts.KernelSpec(horizon=H, dof=2, control=control, dt=dt, dtype="float64", costs=TERMS, outputs=("P",),
+                         integrator="exact" if control == "jerk" else "semi_implicit_euler")
+    x, params, dt_ = _data(spec)
+    seen = lambda t: t.float().double() if t.is_floating_point() else t  # the values the kernel sees, exactly
+    x, params, dt_ = ({k: seen(v) for k, v in x.items()}, {k: seen(v) for k, v in params.items()},
+                      seen(dt_) if isinstance(dt_, torch.Tensor) else dt_)
+    _fused_against_composite(spec, x, params, dt_, False, fused_step=host_step(spec.replace(dtype="float32")),
+                             fused_dtype=torch.float32, tol=1e-6)
