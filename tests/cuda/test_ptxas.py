@@ -68,9 +68,9 @@ GRID = [
     (dict(difference="backward", accuracy=3, dt="per_step", order=4), 32, "float64", {}),
     (dict(difference="central", accuracy=8, dt="per_step", order=4), 64, "float64", {}),
     (dict(difference="central", accuracy=4, dt="per_step", order=4), 32, "float64", {}),
-    # fused cost terms (bench/costs.py's seven: a bound on P, V, A, J, a squared V, A, J; P written),
-    # one straight-line column each way; a squared position term adds the target's gradient; an
-    # integrator's adjoint recomputes its rows in segments from checkpoints kept in a local array
+    # fused cost terms (bench/costs.py's seven: a bound on P, V, A, J, a squared V, A, J; P written);
+    # a squared position term adds the target's gradient; an integrator's adjoint recomputes its rows
+    # in segments from checkpoints kept in a local array
     (dict(costs=COSTS, outputs=("P",)), 32, "float32", {}),
     (dict(costs=COSTS, outputs=("P",)), 32, "float64", {}),
     (dict(costs=COSTS + (("squared", "position"),), outputs=("P",)), 64, "float64", {}),
@@ -88,6 +88,12 @@ GRID = [
     # (20 bytes here, 1320 at H=192, whose float32 forward still spills)
     (dict(control="jerk", integrator="exact", order=4, costs=COSTS + (("squared", "snap"),), outputs=("P",)), 64,
      "float32", {}),
+    # a recurrence's columns rolled (codegen/fused.py forward_rolled, rolled_adjoint): the float32 jerk
+    # forward spilled 16 bytes straight-line, the float64 velocity adjoint with a dt per step 12, and the
+    # float64 adjoints at H=256 are a reverse scan over blocks of segments (two levels of checkpoints)
+    (dict(control="jerk", costs=COSTS + (("squared", "position"),), outputs=("P",)), 256, "float32", {}),
+    (dict(control="velocity", dt="per_step", costs=COSTS, outputs=("P",)), 48, "float64", {}),
+    (dict(control="velocity", costs=COSTS + (("squared", "position"),), outputs=("P",)), 256, "float64", {}),
     (dict(control="bspline", degree=3, knots=8, steps=4, costs=COSTS, outputs=("P",)), None, "float32", {}),
     (dict(control="bspline", degree=3, knots=8, steps=4, costs=COSTS + (("squared", "position"),),
           outputs=("P",)), None, "float64", {}),

@@ -1187,14 +1187,16 @@ def test_column_forms_match_the_plain_step_plus_costs(dtype, dof, horizon, form,
 
 #: recurrences whose CUDA columns run their repeating steps as loops (codegen/fused.py ``forward_rolled``,
 #: ``rolled_adjoint``): each integrator control, short (no two segments repeat: straight-line) to long,
-#: with and without a squared position term (the target's gradient), a dt shared or per trajectory
+#: with and without a squared position term (the target's gradient), a dt shared, per trajectory or per step
 ROLLED = {f"{control}_h{H}{'_target' if target else ''}_{dt}": (control, H, target, dt)
           for control, H, target, dt in (("velocity", 8, True, "uniform"), ("acceleration", 8, False, "per_trajectory"),
                                           ("jerk", 33, False, "uniform"), ("velocity", 33, False, "per_trajectory"),
                                           ("acceleration", 33, True, "uniform"), ("jerk", 100, True, "per_trajectory"),
                                           ("velocity", 100, True, "uniform"), ("acceleration", 100, False, "uniform"),
                                           ("jerk", 256, True, "uniform"), ("velocity", 256, False, "per_trajectory"),
-                                          ("acceleration", 256, True, "per_trajectory"))}
+                                          ("acceleration", 256, True, "per_trajectory"),
+                                          # a dt per step: the coefficient slots advance along the loops
+                                          ("velocity", 48, True, "per_step"), ("jerk", 256, False, "per_step"))}
 
 
 @pytest.mark.parametrize("case", ROLLED)
