@@ -202,25 +202,26 @@ def cuda_source(spec: Any, part: str) -> tuple[str, dict]:
     return path.read_text(), metadata
 
 
-#: a fused step's CUDA build still running after this many seconds says why it may take minutes
-#: (``build_notices``): a fused recurrence's or B-spline's forward and adjoint are one straight-line
-#: column each, and NVRTC's time on them grows at least with the square of the horizon (BENCHMARKS.md,
-#: issue 42, "nvcc's time on long fused columns"); a fused stencil's loop over its interior steps
-#: (codegen/fused.py ``forward_rolled``) compiles in about the same time at any horizon
+#: a fused B-spline step's CUDA build still running after this many seconds says why it may take
+#: minutes (``build_notices``): its forward and adjoint are one straight-line column each (its rows
+#: repeat a knot span apart, not a row), and NVRTC's time on such columns grows about as the square
+#: of the horizon (BENCHMARKS.md, issue 42, "nvcc's time on long fused columns"). The other fused
+#: steps' columns loop over their steps (codegen/fused.py ``forward_rolled``, ``adjoint_rolled``,
+#: ``rolled_adjoint``) and compile in about the same time at any horizon: no such notice
 LONG_FUSED_BUILD_S = 30.0
 
 
 def build_notices(spec: Any, args: ArgumentTable, part: str) -> list[threading.Timer]:
     """Started timers for a module's build (CuPy's disk cache serves a built one at once, and they are
-    cancelled unprinted): what is compiled, after ``cache.SLOW_BUILD_S``; for a fused step's core
-    module, after ``LONG_FUSED_BUILD_S``, why it takes long and that it ends."""
+    cancelled unprinted): what is compiled, after ``cache.SLOW_BUILD_S``; for a fused B-spline step's
+    core module, after ``LONG_FUSED_BUILD_S``, why it takes long and that it ends."""
     notices = [slow_notice(f"compiling {spec.name} (CUDA {part} kernels, H={spec.horizon}) with NVRTC")]
-    if args.fused and part == "core":
+    if args.fused and part == "core" and getattr(spec, "control", "") == "bspline":
         notices.append(slow_notice(
-            f"still compiling {spec.name}: a fused step's CUDA forward and adjoint are one straight-line column "
-            f"each, whose compile time grows at least with the square of the horizon (H={spec.horizon}, "
-            f"{spec.dtype}): at H of 150 and more it can take minutes. It ends; CuPy's disk cache keeps the "
-            "kernels for later loads", after=LONG_FUSED_BUILD_S))
+            f"still compiling {spec.name}: a fused B-spline step's CUDA forward and adjoint are one "
+            f"straight-line column each, whose compile time grows about with the square of the horizon "
+            f"(H={spec.horizon}, {spec.dtype}): at H of 150 and more it can take minutes. It ends; CuPy's "
+            "disk cache keeps the kernels for later loads", after=LONG_FUSED_BUILD_S))
     return notices
 
 

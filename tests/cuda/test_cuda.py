@@ -27,7 +27,7 @@ from tensorstep.runtime.launch import CpuBackend, Launcher
 from tensorstep.runtime.verify import verify_launcher
 from helpers import (GRID, Inputs, ReferenceCase, as_bhd, check_dt_derivatives, dt_value, gradcheck64, gradgradcheck64,
                      grid_id, make_spec, to_bhd)
-from helpers import H, scale_close
+from helpers import D, H, scale_close
 
 NVCC = shutil.which("nvcc")
 HAS_GPU = torch.cuda.is_available()
@@ -647,10 +647,12 @@ def test_capture_never_builds_or_loads_a_cuda_module(capture, monkeypatch):
 
 
 
-def test_a_slow_cuda_build_says_what_it_is_doing_and_a_fused_one_why(monkeypatch, capfd):
-    """A module whose build takes a while says what is compiled; a fused step's core module, past
-    LONG_FUSED_BUILD_S, why it may take minutes (its straight-line columns). A quick build (CuPy's disk
-    cache) says nothing. The fake NVRTC takes 0.3 s a module, the thresholds are 0 (then defaults)."""
+def test_a_slow_cuda_build_says_what_it_is_doing_and_a_fused_b_spline_one_why(monkeypatch, capfd):
+    """A module whose build takes a while says what is compiled; a fused B-spline step's core module
+    (straight-line columns), past LONG_FUSED_BUILD_S, why it may take minutes. A fused recurrence's
+    (its columns loops over the steps) and a plain step's say only what is compiled. A quick build
+    (CuPy's disk cache) says nothing. The fake NVRTC takes 0.3 s a module, the thresholds are 0 (then
+    defaults)."""
     import time
 
     from tensorstep.runtime import cache, cuda_backend
@@ -661,19 +663,21 @@ def test_a_slow_cuda_build_says_what_it_is_doing_and_a_fused_one_why(monkeypatch
             module = self.RawModule
             self.RawModule = lambda code, options: time.sleep(0.3) or module(code, options)
 
+    bspline = ts.KernelSpec(control="bspline", degree=3, knots=5, steps=3, dof=D, costs=FUSED["costs"],
+                            outputs=FUSED["outputs"])
     with monkeypatch.context() as m:
         m.setattr(cache, "SLOW_BUILD_S", 0.0)
         m.setattr(cuda_backend, "LONG_FUSED_BUILD_S", 0.0)
-        fused, plain = make_spec(FUSED), make_spec(GRID[0])
-        fake_cuda_backend(fused, monkeypatch, cupy=SlowCupy)
+        fake_cuda_backend(bspline, monkeypatch, cupy=SlowCupy)
         err = capfd.readouterr().err
-        assert f"tensorstep: compiling {fused.name} (CUDA core kernels, H={fused.horizon}) with NVRTC..." in err
-        assert f"tensorstep: still compiling {fused.name}: a fused step's CUDA forward and adjoint" in err
-        assert f"(H={fused.horizon}, {fused.dtype})" in err
-        fake_cuda_backend(plain, monkeypatch, cupy=SlowCupy)
-        err = capfd.readouterr().err
-        assert f"tensorstep: compiling {plain.name} (CUDA core kernels" in err and "still compiling" not in err
-    fake_cuda_backend(fused, monkeypatch)  # at once, default thresholds
+        assert f"tensorstep: compiling {bspline.name} (CUDA core kernels, H={bspline.horizon}) with NVRTC..." in err
+        assert f"tensorstep: still compiling {bspline.name}: a fused B-spline step's CUDA forward and adjoint" in err
+        assert f"(H={bspline.horizon}, {bspline.dtype})" in err
+        for spec in (make_spec(FUSED), make_spec(GRID[0])):
+            fake_cuda_backend(spec, monkeypatch, cupy=SlowCupy)
+            err = capfd.readouterr().err
+            assert f"tensorstep: compiling {spec.name} (CUDA core kernels" in err and "still compiling" not in err
+    fake_cuda_backend(bspline, monkeypatch)  # at once, default thresholds
     time.sleep(0.05)
     assert "tensorstep:" not in capfd.readouterr().err
 
