@@ -46,8 +46,8 @@ from . import roll
 from .operator import Operator, Ref, Row, action, is_action, is_row
 from .references import References
 from .renaming import RowExpressions
-from .statements import (Bind, Call, Cast, Def, For, Index, Mul, Paren, Read, Rel, Statement, Store, Sum, Sym, Term, Val,
-                         Var, bind, transform, walk)
+from .statements import (Bind, Call, Cast, Def, For, Index, Mul, Paren, Read, Rel, Statement, Store, Sum, Sym, Term,
+                         Val, Var, bind, transform, walk)
 
 STATES = ("position", "velocity", "acceleration", "jerk", "snap")
 TARGET_REF = ("squared_position_target", 0)

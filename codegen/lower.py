@@ -1046,7 +1046,8 @@ class LoweredOperator:
     def forward(self) -> KernelCode:
         if self.fused:
             if not _is_stencil(self.op):  # a recurrence's steps one loop (a stencil's: ``fused_rolled``)
-                return KernelCode(TABLE_CALL, fused.forward_rolled(self.op, self.coefs, self.refs, self.arguments, _live))
+                return KernelCode(TABLE_CALL, fused.forward_rolled(self.op, self.coefs, self.refs, self.arguments,
+                                                                   _live))
             return KernelCode(TABLE_CALL, fused.forward(self.op, self.coefs, self.refs, self.arguments,
                                                         _forward_lines, _live))
         return _forward(self.op, self.coefs, self.refs, self.spans["forward"], self.only)

@@ -98,7 +98,8 @@ def test_b_splines_keep_and_c_keeps_to_its_threshold_straight_line_fused_columns
 
 def _kernel_lines(source: str, kernel: str) -> int:
     """The lines of one entry point's definition in a CUDA source."""
-    start = source.index(next(line for line in source.splitlines() if line.endswith(f"_{kernel}(") or f"_{kernel}(int64_t" in line))
+    start = source.index(next(line for line in source.splitlines()
+                              if line.endswith(f"_{kernel}(") or f"_{kernel}(int64_t" in line))
     return source[start:source.index("\n}\n", start)].count("\n")
 
 
