@@ -3,6 +3,8 @@ SymPy takes of it are the derivatives (against the NumPy reference and central d
 only: no PyTorch."""
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import sympy as sp
@@ -147,9 +149,14 @@ def test_c_fused_stencil_columns_define_rows_ahead_cuda_columns_do_not():
         ahead = C_AHEAD[kernel]
         assert ahead > 0
         assert body.index(f"const VT y1_{5 + ahead} = ") < body.index(use) < body.index(f"const VT y1_{6 + ahead} = ")
-    gradient = cuda.index("g1_5 = ")  # the adjoint's: row 5 defined just before it, row 6 after
-    assert "y1_6 = " not in cuda[cuda.rindex("y1_5 = ", 0, gradient):gradient]
-    assert cuda.index("y1_6 = ", gradient) > gradient
+    # CUDA's adjoint (its interior rolled into a loop, where rows are ``y1_c``): each row's gradient
+    # is the statement just after the row's own definition
+    lines = [line.strip() for line in cuda.splitlines()]
+    gradients = [i for i, line in enumerate(lines) if re.match(r"const T g1_\w+ = ", line)]
+    assert len(gradients) >= 3 and any(lines[i].startswith("const T g1_c = ") for i in gradients)
+    for i in gradients:
+        row = re.match(r"const T g1_(\w+) = ", lines[i]).group(1)
+        assert lines[i - 1].startswith(f"const T y1_{row} = "), lines[i - 1]
 
 
 @pytest.mark.parametrize("fields", [dict(), dict(difference="backward", accuracy=2), dict(control="jerk"),
