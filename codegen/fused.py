@@ -461,6 +461,13 @@ def adjoint(op: Operator, coefs: Coefficients, refs: References, table: Argument
 #: H=48, 11 s at 64, 113 s at 128), where the rolled module's is the same at any H (BENCHMARKS.md,
 #: issue 39, "Rolled fused stencil columns")
 C_ROLL_ABOVE_H = 40
+#: C's fused recurrence columns (velocity, acceleration, jerk control) with more rows than this are
+#: rolled (``forward_rolled``, ``rolled_adjoint``; codegen/lower.py ``c_fused``); up to it they stay
+#: straight-line, in their tuned form. THRESHOLD_WHY
+C_ROLL_RECURRENCE_ABOVE_H = 40
+#: the most bytes of one level's checkpoints in C's rolled recurrence adjoints (``rolled_adjoint``): a
+#: local array of the column on the thread's stack, so one level at every horizon the spec allows
+C_CHECKPOINT_BYTES = 1 << 16
 
 
 def _steps(op: Operator) -> dict[int, list[Row]]:
@@ -674,7 +681,8 @@ def _recurrence(op: Operator, coefs: Coefficients, refs: References, inputs: lis
 
 # -- a recurrence's adjoint rolled (codegen/roll.py ``segmented``): CUDA's at every horizon ------
 def rolled_adjoint(op: Operator, coefs: Coefficients, refs: References, table: ArgumentTable, live: Callable,
-                   itemsize: int) -> list[Statement] | None:
+                   itemsize: int, form: Form = Form(), budget: int = CHECKPOINT_BYTES,
+                   reread: bool = True) -> list[Statement] | None:
     """``adjoint`` of a recurrence as a reverse scan over segments of steps (codegen/roll.py
     ``segmented``): a first loop runs the steps forward and keeps each segment's incoming values
     (checkpoints) in the column's local array (``TS_CK``); a second loop, from the last segment,
@@ -682,11 +690,13 @@ def rolled_adjoint(op: Operator, coefs: Coefficients, refs: References, table: A
     adjoints that earlier steps read carried from one segment to the next. The steps before and
     after the repeating ones are straight-line. Each sum has ``_recurrence``'s terms in its order,
     whatever the segments (FMA contraction aside, the straight-line column's bits). None where fewer
-    than two segments repeat."""
+    than two segments repeat. ``form``: what a call's parameters allow (C's variants); ``budget``: the
+    most bytes of one level's checkpoints (``CHECKPOINT_BYTES``, CUDA's stack; C's, ``C_CHECKPOINT_BYTES``);
+    ``reread``: the actions of the steps before the scan read again through ``R<U>`` (CUDA's registers)."""
     steps = list(_steps(op).values())
     if [row for rows in steps for row in rows] != list(op.rows) or any(rows[0].h != h for h, rows in enumerate(steps)):
         return None  # (a step's rows not consecutive: its groups would reorder the column)
-    terms = CostTerms(table)
+    terms = CostTerms(table, form.narrow, form.unit_rows)
     columns = [a.name for a in table.columns]
     inputs = refs.differentiable(op.n_actions, columns)
     target = Var(f"a{refs.local(TARGET_REF)}") if TARGET_REF in inputs else None
@@ -725,9 +735,9 @@ def rolled_adjoint(op: Operator, coefs: Coefficients, refs: References, table: A
     def again(x):  # a row computed again before the scan's first steps: as ``_recurrence``'s
         if isinstance(x, Val) and x.prefix == "y":
             return Val("yr", x.k, x.h)
-        return Read("R" + action, x.args) if isinstance(x, Read) and x.macro == action else None
+        return Read("R" + action, x.args) if reread and isinstance(x, Read) and x.macro == action else None
 
-    scan = roll.segmented(values, reverse, itemsize, SCAN_REGISTERS * 4 // itemsize, CHECKPOINT_BYTES, again)
+    scan = roll.segmented(values, reverse, itemsize, SCAN_REGISTERS * 4 // itemsize, budget, again)
     if scan is None:
         return None
     body = refs.loads(columns) + terms.loads() + terms.scales() + _started(scan, target)

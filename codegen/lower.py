@@ -1063,9 +1063,11 @@ class LoweredOperator:
         ``form``: what a call's parameters allow (codegen/fused.py ``run_rows``, ``Form``). Past
         ``fused.C_ROLL_ABOVE_H`` rows a stencil's are rolled instead (``fused_rolled``: every row
         straight into its double sums, the adjoint with a partial sum per action), as gcc's time on the straight-line
-        columns grows with H."""
+        columns grows with H; past ``fused.C_ROLL_RECURRENCE_ABOVE_H`` a recurrence's (``c_recurrence_rolled``)."""
         if self.op.horizon > fused.C_ROLL_ABOVE_H and self.fused_rolled(kernel, form) is not None:
             return self.fused_rolled(kernel, form)
+        if self.op.horizon > fused.C_ROLL_RECURRENCE_ABOVE_H and self.c_recurrence_rolled(kernel, itemsize, form):
+            return self.c_recurrence_rolled(kernel, itemsize, form)
         run = fused.run_rows(itemsize) if kernel == "forward" else 1
         key = (kernel, run, form)
         if key not in self._c_fused:
@@ -1090,6 +1092,23 @@ class LoweredOperator:
             cache[kernel, form] = KernelCode(TABLE_CALL, build(self.op, self.coefs, self.refs, self.arguments, _live,
                                                                form=form))
         return cache[kernel, form]
+
+    def c_recurrence_rolled(self, kernel: str, itemsize: int, form: fused.Form = fused.Form()) -> KernelCode | None:
+        """A fused recurrence's C forward or adjoint with its repeating steps as loops, as CUDA's: the
+        forward one loop over the steps (codegen/fused.py ``forward_rolled``), the adjoint a reverse scan
+        over segments from checkpoints in a local array of the column (``rolled_adjoint``, one level
+        within ``C_CHECKPOINT_BYTES``); None for stencils, unfused steps and where no two segments repeat."""
+        if not self.fused or _is_stencil(self.op):
+            return None
+        cache = self.__dict__.setdefault("_c_recurrence_rolled", {})
+        if (kernel, itemsize, form) not in cache:
+            if kernel == "forward":
+                statements = fused.forward_rolled(self.op, self.coefs, self.refs, self.arguments, _live, form=form)
+            else:
+                statements = fused.rolled_adjoint(self.op, self.coefs, self.refs, self.arguments, _live, itemsize,
+                                                  form, fused.C_CHECKPOINT_BYTES, reread=False)
+            cache[kernel, itemsize, form] = KernelCode(TABLE_CALL, statements) if statements else None
+        return cache[kernel, itemsize, form]
 
     @functools.cached_property
     def adjoint(self) -> KernelCode:

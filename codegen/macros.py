@@ -139,11 +139,13 @@ def _used(table: ArgumentTable) -> list[Argument]:
 
 def lane_names(table: ArgumentTable) -> frozenset[str]:
     """The column macros that have a lane form (``V`` + name): the action's, the per-column inputs', the
-    per-dof parameters' and, with cost terms, the store of a term's sums per dof (``CPART``)."""
+    per-dof parameters' and, with cost terms, the store of a term's sums per dof (``CPART``); a fused
+    step's, its checkpoint array (``TS_CHECKPOINTS``, ``TS_CK``: codegen/fused.py ``rolled_adjoint``)."""
     names = {table.action.macro, "D" + table.action.macro, "G" + table.action.macro}
     for a in table.columns:
         names |= {a.macro, "D" + a.macro, "G" + a.macro}
     names |= {a.macro for a in _per_dof(table)}
+    names |= {"TS_CHECKPOINTS", "TS_CK"} if table.fused else set()
     return frozenset(names | ({"CPART"} if table.costs else set()))
 
 

@@ -1259,3 +1259,31 @@ def test_rolled_cuda_float32_recurrences_run_on_the_host_match_the_definitions(c
                       seen(dt_) if isinstance(dt_, torch.Tensor) else dt_)
     _fused_against_composite(spec, x, params, dt_, False, fused_step=host_step(spec.replace(dtype="float32")),
                              fused_dtype=torch.float32, tol=1e-6)
+
+
+#: C's fused recurrence columns are rolled past fused.C_ROLL_RECURRENCE_ABOVE_H (the forward one loop, the
+#: adjoint a reverse scan over segments from checkpoints in a local array): each control, with and without a
+#: squared position term (the target's gradient), a dt shared, per trajectory or per step, up to H=256
+C_ROLLED = {f"{control}_h{H}{'_target' if target else ''}_{dt}": (control, H, target, dt)
+            for control, H, target, dt in (("velocity", 41, True, "uniform"), ("acceleration", 41, False, "per_trajectory"),
+                                            ("jerk", 41, True, "per_step"), ("velocity", 100, False, "per_trajectory"),
+                                            ("acceleration", 100, True, "uniform"), ("jerk", 100, False, "uniform"),
+                                            ("velocity", 256, True, "per_step"), ("acceleration", 256, False, "uniform"),
+                                            ("jerk", 256, True, "per_trajectory"))}
+
+
+@pytest.mark.parametrize("case", C_ROLLED)
+def test_rolled_c_recurrences_match_the_definitions(case):
+    """C's fused recurrence past fused.C_ROLL_RECURRENCE_ABOVE_H (codegen/lower.py ``c_recurrence_rolled``): P, the
+    cost and the gradients of u, p0, the target (and dt where it has one per trajectory or per step) against the
+    plain step plus the terms from their definitions (float64, 1e-10)."""
+    from tensorstep.codegen import fused
+
+    control, H, target, dt = C_ROLLED[case]
+    assert H > fused.C_ROLL_RECURRENCE_ABOVE_H
+    terms = TERMS if target else tuple(t for t in TERMS if t != ("squared", "position"))
+    spec = ts.KernelSpec(horizon=H, dof=2, control=control, dt=dt, dtype="float64", costs=terms, outputs=("P",),
+                         integrator="exact" if control == "jerk" else "semi_implicit_euler")
+    assert "TS_CK(" in generate(spec, ("c",), ("core",)).source("c", "core")  # (the scan's checkpoints)
+    x, params, dt_ = _data(spec)
+    _fused_against_composite(spec, x, params, dt_, dt != "uniform")
