@@ -117,3 +117,31 @@ def test_a_recurrences_cuda_columns_are_as_long_at_any_horizon():
         assert lines[256]["forward"] == lines[64]["forward"], (control, dtype, lines)
         # H=256 holds blocks of segments (two levels of checkpoints): two loops more, no more steps
         assert lines[256]["adjoint"] < 1.5 * lines[64]["adjoint"], (control, dtype, lines)
+
+
+def test_c_recurrences_are_straight_line_to_their_threshold_and_as_long_at_any_horizon_past_it():
+    """C's fused recurrence columns stay straight-line up to fused.C_ROLL_RECURRENCE_ABOVE_H rows and are
+    rolled past it, every form (the forward one loop, the adjoint's reverse scan two, checkpoints in
+    ``TS_CK``); past it the core module's C source (the lane form, each form's batch functions) is no
+    longer at H=256 than just past the threshold, give or take a tenth (the steps before and
+    after the loops), where the straight-line module grew by about 27 lines a row."""
+    from tensorstep.codegen.driver import generate
+
+    for control in ("velocity", "acceleration", "jerk"):
+        integrator = "exact" if control == "jerk" else "semi_implicit_euler"
+        for horizon, rolled in ((fused.C_ROLL_RECURRENCE_ABOVE_H, False), (fused.C_ROLL_RECURRENCE_ABOVE_H + 1, True)):
+            spec = _spec(horizon=horizon, control=control, integrator=integrator)
+            code = lower(build_operator(spec), table(spec))
+            kernels = ("forward", "adjoint")
+            variants = [C.codes(code, kernels, 8)] + list(C.form_codes(code, kernels, 8).values())
+            assert len(variants) == 4  # the general form, narrow, unit rows, both
+            for codes in variants:
+                loops = [sum(isinstance(s, For) for s in codes[k].statements) for k in kernels]
+                assert loops == ([1, 2] if rolled else [0, 0]), (control, horizon, loops)
+                assert any("TS_CK(" in line for line in codes["adjoint"].body) == rolled
+        dtype = "float32" if control == "acceleration" else "float64"
+        sources = [generate(_spec(horizon=H, control=control, integrator=integrator, dtype=dtype), targets=("c",),
+                            parts=("core",)).source("c", "core") for H in (fused.C_ROLL_RECURRENCE_ABOVE_H + 1, 256)]
+        assert all("#define TS_LANES" in source for source in sources)
+        lines = [source.count("\n") for source in sources]
+        assert max(lines) <= 1.1 * lines[0], (control, dtype, lines)

@@ -37,6 +37,8 @@ CASES = {
     "snap": dict(horizon=9, dof=3, order=4, accuracy=(2, 2, 2, 2)),
     # past fused.C_ROLL_ABOVE_H: C's fused columns too have their interior steps one loop
     "central_rolled": dict(horizon=41, dof=3),
+    # past fused.C_ROLL_RECURRENCE_ABOVE_H: C's fused recurrence a loop forward, a reverse scan over segments back
+    "jerk_rolled": dict(horizon=41, dof=3, control="jerk", integrator="exact"),
 }
 #: B-splines (their states' reference is the plain step, itself checked against SciPy elsewhere)
 BSPLINES = {
@@ -215,7 +217,7 @@ def test_narrow_and_general_forms_give_the_same_bits(dtype, horizon):
         assert torch.equal(narrow, general), name
 
 
-@pytest.mark.parametrize("case", ["central", "per_step", "jerk_exact", "bspline", "central_rolled"])
+@pytest.mark.parametrize("case", ["central", "per_step", "jerk_exact", "bspline", "central_rolled", "jerk_rolled"])
 def test_any_number_of_threads_gives_the_same_bits(case):
     """B=300 (the C kernels split a batch of 64 and more over OpenMP threads, which follow
     torch.set_num_threads): states, cost and every gradient (u, the start state, dt, the target)
@@ -1137,14 +1139,16 @@ torch.save([*(y.detach() for y in outs), u.grad, target.grad], sys.argv[3])
 
 @pytest.mark.parametrize("form", [None, "-DTS_LANE_INTRINSICS", "-DTS_NO_LANES"],
                          ids=["vector-lanes", "vector-lanes-immintrin", "per-dof-loop"])
-@pytest.mark.parametrize("dtype, dof, horizon", [("float32", 7, 9), ("float64", 7, 9), ("float32", 12, 9),
-                                                 ("float32", 7, 41), ("float64", 4, 41)])
-def test_column_forms_match_the_plain_step_plus_costs(dtype, dof, horizon, form, tmp_path):
+@pytest.mark.parametrize("dtype, dof, horizon, control", [
+    ("float32", 7, 9, "position"), ("float64", 7, 9, "position"), ("float32", 12, 9, "position"),
+    ("float32", 7, 41, "position"), ("float64", 4, 41, "position"), ("float32", 7, 41, "velocity"),
+    ("float64", 7, 41, "acceleration")])
+def test_column_forms_match_the_plain_step_plus_costs(dtype, dof, horizon, control, form, tmp_path):
     """The C kernels' column forms (all dof in one masked vector, AVX-512; the per-dof loop): states,
     cost and gradients against the plain step (float64) plus the terms from their definitions.
     Every kind, on P (with a target), V and J; in float32 the vector of the sums per dof is wider
     than the rows' (8 doubles), at D=12 two 512-bit vectors. At H=41 the columns are rolled
-    (fused.C_ROLL_ABOVE_H)."""
+    (fused.C_ROLL_ABOVE_H; a recurrence's, fused.C_ROLL_RECURRENCE_ABOVE_H: its checkpoints T or VT)."""
     import os
     import subprocess
     import sys
@@ -1154,7 +1158,7 @@ def test_column_forms_match_the_plain_step_plus_costs(dtype, dof, horizon, form,
     if form != "-DTS_NO_LANES":
         require_avx512()
     terms = (("bound", "position"), ("squared", "position"), ("bound", "velocity"), ("squared", "jerk"))
-    spec = ts.KernelSpec(horizon=horizon, dof=dof, dtype=dtype, costs=terms, outputs=("P", "V"))
+    spec = ts.KernelSpec(horizon=horizon, dof=dof, dtype=dtype, costs=terms, outputs=("P", "V"), control=control)
     x, params, _ = _data(spec)
     gen = torch.Generator().manual_seed(3)
     g = (torch.randn(3, horizon, dof, generator=gen, dtype=torch.float64),
@@ -1172,7 +1176,7 @@ def test_column_forms_match_the_plain_step_plus_costs(dtype, dof, horizon, form,
     assert run.returncode == 0, run.stderr
     got = torch.load(tmp_path / "out.pt")
 
-    plain = ts.KernelSpec(horizon=horizon, dof=dof, dtype="float64")
+    plain = ts.KernelSpec(horizon=horizon, dof=dof, dtype="float64", control=control)
     u = x["u"].clone().requires_grad_()
     target = params["squared_position_target"].clone().requires_grad_()
     states = ts.load(plain)(u, x["p0"], x["v0"], x["a0"], 0.1, j0=x["j0"])
