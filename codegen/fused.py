@@ -46,8 +46,8 @@ from . import roll
 from .operator import Operator, Ref, Row, action, is_action, is_row
 from .references import References
 from .renaming import RowExpressions
-from .statements import (Bind, Call, Cast, Def, For, Index, Mul, Paren, Read, Rel, Statement, Store, Sum, Sym, Term,
-                         Val, Var, bind, transform, walk)
+from .statements import (Bind, Call, Cast, Def, For, Index, Mul, Paren, Read, Rel, Shift, Statement, Store, Sum, Sym,
+                         Term, Val, Var, bind, transform, walk)
 
 STATES = ("position", "velocity", "acceleration", "jerk", "snap")
 TARGET_REF = ("squared_position_target", 0)
@@ -481,30 +481,73 @@ def _steps(op: Operator) -> dict[int, list[Row]]:
     return steps
 
 
-def _relative_row(row: Row, coefs: Coefficients, refs: References) -> Def:
-    """A row's definition with its positions relative to its step (codegen/roll.py's groups)."""
-    value = Sum(tuple(coefs.term(c, roll.relative(refs, ref, row.h)) for c, ref in row.terms))
-    return Def(Val("y", row.k, Rel(0)), value)
+@dataclasses.dataclass(frozen=True)
+class Blocks:
+    """How a rolled column groups its rows (codegen/roll.py's groups): per step h (``period`` 1: a
+    stencil's), or per knot span (a B-spline's ``period`` rows per knot, the spans starting at row
+    ``phase``), the group's number q its knot: a row's position ``Shift(h - period·q, period)``
+    and an action's ``Shift(j - q, 1)``, printed over the knot variable kn in a loop over the
+    interior spans, where every span reads its window of knots one further."""
+
+    period: int = 1
+    phase: int = 0
+
+    def of(self, h: int) -> int:
+        """The group of row h."""
+        return (h - self.phase) // self.period
+
+    def groups(self, op: Operator) -> dict[int, list[Row]]:
+        """The rows by group, in the operator's order."""
+        if self.period == 1:
+            return _steps(op)
+        groups: dict[int, list[Row]] = defaultdict(list)
+        for row in op.rows:
+            groups[self.of(row.h)].append(row)
+        return groups
+
+    def row(self, h: int, q: int) -> Index:
+        """Row h's position relative to group q."""
+        return Rel(h - q) if self.period == 1 else Shift(h - self.period * q, self.period)
+
+    def ref(self, refs: References, ref: Ref, q: int):
+        """A reference's value relative to group q."""
+        return roll.relative(refs, ref, q) if self.period == 1 else self.at(refs.value(ref), q) if is_action(ref) \
+            else refs.value(ref)
+
+    def at(self, node: Read | Call, q: int) -> Read | Call:
+        """An action's read or gradient store relative to group q."""
+        if self.period == 1:
+            return roll.at(node, q)
+        return dataclasses.replace(node, args=(Shift(node.args[0] - q, 1),) + tuple(node.args[1:]))
+
+
+def _relative_row(row: Row, coefs: Coefficients, refs: References, blocks: Blocks = Blocks()) -> Def:
+    """A row's definition with its positions relative to its group (codegen/roll.py's groups)."""
+    q = blocks.of(row.h)
+    value = Sum(tuple(coefs.term(c, blocks.ref(refs, ref, q)) for c, ref in row.terms))
+    return Def(Val("y", row.k, blocks.row(row.h, q)), value)
 
 
 def forward_rolled(op: Operator, coefs: Coefficients, refs: References, table: ArgumentTable, live: Callable,
-                   form: Form = Form()) -> list[Statement]:
+                   form: Form = Form(), blocks: Blocks = Blocks()) -> list[Statement]:
     """A stencil's ``forward`` (every term's rows added straight into its double sum) as groups of
-    statements per step with row-relative positions (``CostTerms.value_at``), rendered by roll.py:
-    the runs of equal steps (the interior) one loop each, the sums carried through it; the
-    boundary steps straight-line. Its length does not grow with H."""
+    statements per step (``blocks``: per knot span) with group-relative positions
+    (``CostTerms.value_at``), rendered by roll.py: the runs of equal groups (the interior) one loop
+    each, the sums carried through it; the boundary groups straight-line. Its length does not grow
+    with H."""
     terms = CostTerms(table, form.narrow, form.unit_rows)
     head = refs.loads(a.name for a in table.columns) + terms.loads()
     head += [Def(Var(f"cacc{t}"), Sum(()), ctype="double", const=False) for t, _, _ in terms.terms]
     groups = []
-    for h, rows in _steps(op).items():
+    for h, rows in blocks.groups(op).items():
         statements: list[Statement] = []
         for row in rows:
-            statements.append(_relative_row(row, coefs, refs))
-            y = Val("y", row.k, Rel(0))
+            statements.append(_relative_row(row, coefs, refs, blocks))
+            at = blocks.row(row.h, h)
+            y = Val("y", row.k, at)
             if row.k in terms.written:
-                statements.append(Call(f"Y{row.k}", (Rel(0),), y))
-            statements += [Store(Var(f"cacc{t}"), Cast("double", Paren(terms.value_at(t, kind, row.k, Rel(0)))), "+=")
+                statements.append(Call(f"Y{row.k}", (at,), y))
+            statements += [Store(Var(f"cacc{t}"), Cast("double", Paren(terms.value_at(t, kind, row.k, at))), "+=")
                            for t, kind in terms.on(row.k)]
         groups.append(roll.Group(h, statements))
     body = head + roll.render(groups) + [terms.total(t, kind) for t, kind, _ in terms.terms]
@@ -512,32 +555,61 @@ def forward_rolled(op: Operator, coefs: Coefficients, refs: References, table: A
 
 
 def _action_partials(h: int, rows: list[Row], nonzero: set, readers: dict, coefs: Coefficients, refs: References,
-                     window: int) -> list[Statement]:
+                     window: int, blocks: Blocks = Blocks()) -> list[Statement]:
     """Step h's part of the actions' gradients: for each action its rows read (in action order), its
     partial sum ``ga<j - h + window>`` (row-relative: the same name at every step) = the partial of its
     previous reading step + this step's rows' coefficient × g, in row order; stored where the step is its
-    last reader. A loop then carries one partial per action in flight, not every row's gradient."""
+    last reader. A loop then carries one partial per action in flight, not every row's gradient.
+    ``blocks``: h is a group of rows (a knot span's), as ``adjoint_rolled``'s."""
     products: dict[int, list[Term]] = defaultdict(list)
     for row in rows:
         for c, ref in row.terms if row.k in nonzero else ():
             if is_action(ref):
-                products[ref[1]].append(coefs.term(c, Val("g", row.k, Rel(0))))
+                products[ref[1]].append(coefs.term(c, Val("g", row.k, blocks.row(row.h, h))))
     out: list[Statement] = []
     for j in sorted(products):
-        steps = [hh for _, _, hh in readers[action(j)]]
+        steps = [blocks.of(hh) for _, _, hh in readers[action(j)]]
         before = max((hh for hh in steps if hh < h), default=None)
         earlier = (Term(None, Val("ga", j - before + window, Rel(before - h))),) if before is not None else ()
         own = Val("ga", j - h + window, Rel(0))
         out.append(Def(own, Sum(earlier + tuple(products[j]))))
         if max(steps) == h:
-            out.append(roll.at(refs.gradient(action(j), (Term(None, own),)), h))
+            out.append(blocks.at(refs.gradient(action(j), (Term(None, own),)), h))
     return out
 
 
+def _column_partials(h: int, inputs: list, readers: dict, coefs: Coefficients, refs: References,
+                     blocks: Blocks) -> list[Statement]:
+    """Group h's part of the per-column inputs' gradients (the start state) where groups are knot
+    spans: its readers' coefficient × g added to the input's sum, stored at its last reading group.
+    A clamped B-spline's first spans all read the start state: gathered at the last reader, their
+    g's were live together (spilled). The sums are defined in the column's head (``_column_sums``)."""
+    out: list[Statement] = []
+    for ref in inputs:
+        if is_action(ref) or ref == TARGET_REF or not readers.get(ref):
+            continue
+        spans = sorted({blocks.of(hh) for _, _, hh in readers[ref]})
+        if h not in spans:
+            continue
+        total = Var(f"a{refs.local(ref)}")
+        part = Sum(tuple(coefs.term(c, Val("g", k, blocks.row(hh, h))) for c, k, hh in readers[ref]
+                         if blocks.of(hh) == h))
+        out.append(Store(total, part, "+="))
+        if h == spans[-1]:
+            out.append(refs.gradient(ref, (Term(None, total),)))
+    return out
+
+
+def _column_sums(inputs: list, readers: dict, refs: References) -> list[Statement]:
+    """The sums ``_column_partials`` adds to, from 0."""
+    return [Def(Var(f"a{refs.local(ref)}"), Sum(()), const=False) for ref in inputs
+            if not is_action(ref) and ref != TARGET_REF and readers.get(ref)]
+
+
 def adjoint_rolled(op: Operator, coefs: Coefficients, refs: References, table: ArgumentTable, live: Callable,
-                   form: Form = Form()) -> list[Statement]:
-    """A stencil's ``adjoint`` as groups per step with row-relative positions rendered by roll.py (the
-    interior one loop): each step recomputes its rows and their gradients g (output gradient plus the
+                   form: Form = Form(), blocks: Blocks = Blocks()) -> list[Statement]:
+    """A stencil's ``adjoint`` as groups per step (``blocks``: per knot span) with group-relative
+    positions rendered by roll.py (the interior one loop): each group recomputes its rows and their gradients g (output gradient plus the
     terms' slopes, ``CostTerms.slope_at``), then adds coefficient × g to the partial sum of each action
     its rows read (``_action_partials``: the loop carries one partial per action in flight; carrying
     the last steps' g instead, to gather each action's terms at its last reader, spilled float64
@@ -558,28 +630,32 @@ def adjoint_rolled(op: Operator, coefs: Coefficients, refs: References, table: A
         for c, ref in row.terms:
             if row.k in nonzero:
                 readers[ref].append((c, row.k, row.h))
-    window = max((row.h - ref[1] for row in op.rows for _, ref in row.terms if is_action(ref)), default=0)
-    done_at: dict[int, list[tuple]] = defaultdict(list)  # step h → the inputs whose last reader is at h
+    window = max((blocks.of(row.h) - ref[1] for row in op.rows for _, ref in row.terms if is_action(ref)), default=0)
+    head += _column_sums(inputs, readers, refs) if blocks.period > 1 else []
+    done_at: dict[int, list[tuple]] = defaultdict(list)  # group h → the inputs whose last reader is in h
     for ref in inputs:
         if readers.get(ref):
-            done_at[max(h for _, _, h in readers[ref])].append(ref)
+            done_at[blocks.of(max(h for _, _, h in readers[ref]))].append(ref)
     groups = []
-    for h, rows in _steps(op).items():
+    for h, rows in blocks.groups(op).items():
         statements: list[Statement] = []
         for row in rows:
             if row.k not in nonzero:
                 continue
-            statements.append(_relative_row(row, coefs, refs))
-            parts = [Term(None, Read(f"G{row.k}", (Rel(0),)))] if row.k in terms.written else []
-            parts += [Term(None, terms.slope_at(t, kind, row.k, Rel(0))) for t, kind in terms.on(row.k)]
-            statements.append(Def(Val("g", row.k, Rel(0)), Sum(tuple(parts))))
+            statements.append(_relative_row(row, coefs, refs, blocks))
+            at = blocks.row(row.h, h)
+            parts = [Term(None, Read(f"G{row.k}", (at,)))] if row.k in terms.written else []
+            parts += [Term(None, terms.slope_at(t, kind, row.k, at)) for t, kind in terms.on(row.k)]
+            statements.append(Def(Val("g", row.k, at), Sum(tuple(parts))))
             if target and row.k == 0:
-                statements += [Store(target, Sum((Term(None, terms.slope_at(t, kind, 0, Rel(0), kinds.TARGET)),)), "+=")
+                statements += [Store(target, Sum((Term(None, terms.slope_at(t, kind, 0, at, kinds.TARGET)),)), "+=")
                                for t, kind in terms.on(0) if kind == "squared"]
-        statements += _action_partials(h, rows, nonzero, readers, coefs, refs, window)
+        statements += _action_partials(h, rows, nonzero, readers, coefs, refs, window, blocks)
+        if blocks.period > 1:
+            statements += _column_partials(h, inputs, readers, coefs, refs, blocks)
         for ref in done_at.get(h, []):
-            if not is_action(ref):
-                gathered = tuple(coefs.term(c, Val("g", k, Rel(hh - h))) for c, k, hh in readers[ref])
+            if not is_action(ref) and blocks.period == 1:
+                gathered = tuple(coefs.term(c, Val("g", k, blocks.row(hh, h))) for c, k, hh in readers[ref])
                 statements.append(refs.gradient(ref, gathered))
         groups.append(roll.Group(h, statements))
     tail = [refs.gradient(ref, ()) for ref in inputs if not readers.get(ref) and ref != TARGET_REF]

@@ -397,6 +397,22 @@ def _knot_runs(rows: Rows, p: int) -> list[tuple[int, int]]:
     return best
 
 
+def _knot_phase(op: Operator, p: int) -> int:
+    """The first row b (below p) of the knot spans [p·q + b, p·q + b + p) that repeat the span before
+    them one action further in the longest runs (roll.py's ``MIN_ROLL`` spans or more; the first b
+    on a tie): a fused B-spline's rolled columns group their rows by these spans (``fused.Blocks``)."""
+    rows: Rows = {(row.k, row.h): {ref: c for c, ref in row.terms} for row in op.rows}
+    last = max(h for _, h in rows)
+    best, phase = -1, 0
+    for b in range(p):
+        blocks = [{(k, h - p * q - b): _shifted(terms, -q) for (k, h), terms in rows.items()
+                   if p * q + b <= h < p * q + b + p} for q in range(-1, (last - b) // p + 1)]
+        repeated = sum(len(run) for run in runs(blocks, key=lambda block: block, min_length=roll.MIN_ROLL))
+        if repeated > best:
+            best, phase = repeated, b
+    return phase
+
+
 def _loop_count(rows: Rows, first: int, p: int) -> int:
     """The loops and single rows of a knot loop's body: its first block's row runs and other rows."""
     count = 0
@@ -1082,15 +1098,20 @@ class LoweredOperator:
     def fused_rolled(self, kernel: str, form: fused.Form = fused.Form()) -> KernelCode | None:
         """A fused stencil's forward or adjoint with its interior steps rolled into a loop
         (codegen/fused.py ``forward_rolled``, ``adjoint_rolled``): a column whose length does not
-        grow with H; None for recurrences, B-splines (their rows repeat a knot span apart, not a
-        row) and unfused steps. ``form``: what a call's parameters allow (C's variants, ``c_fused``)."""
-        if not self.fused or not _is_stencil(self.op) or _period(self.op) != 1:
+        grow with H; a B-spline's interior knot spans one loop over the knots (``fused.Blocks``,
+        from the phase whose spans repeat most: ``_knot_phase``); None for recurrences and unfused
+        steps. ``form``: what a call's parameters allow (C's variants, ``c_fused``)."""
+        if not self.fused or not _is_stencil(self.op):
             return None
         cache = self.__dict__.setdefault("_fused_rolled", {})
         if (kernel, form) not in cache:
             build = fused.forward_rolled if kernel == "forward" else fused.adjoint_rolled
-            cache[kernel, form] = KernelCode(TABLE_CALL, build(self.op, self.coefs, self.refs, self.arguments, _live,
-                                                               form=form))
+            p = _period(self.op)
+            blocks = fused.Blocks() if p == 1 else fused.Blocks(p, _knot_phase(self.op, p))
+            statements = build(self.op, self.coefs, self.refs, self.arguments, _live, form=form, blocks=blocks)
+            # a B-spline with too few knots for a loop keeps its straight-line columns
+            rolled = p == 1 or any(isinstance(s, For) for s in statements)
+            cache[kernel, form] = KernelCode(TABLE_CALL, statements) if rolled else None
         return cache[kernel, form]
 
     def c_recurrence_rolled(self, kernel: str, itemsize: int, form: fused.Form = fused.Form()) -> KernelCode | None:

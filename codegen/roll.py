@@ -27,8 +27,8 @@ import sympy as sp
 from .operator import Operator, action, is_action, is_row
 from .references import References
 from .runs import NEXT, run_at, shared
-from .statements import (Add, Call, Cast, Def, For, Mul, Paren, Read, Rel, Statement, Store, Strided, Sum, Term, Val,
-                         Var, place, transform, walk)
+from .statements import (Add, Call, Cast, Def, For, Mul, Paren, Read, Rel, Shift, Statement, Store, Strided, Sum, Term,
+                         Val, Var, place, transform, walk)
 
 MIN_ROLL = 4  # shorter runs of equal groups stay straight-line
 
@@ -218,11 +218,16 @@ def rolled(run: list[Group], step: int, defined: set[str]) -> list[Statement]:
     carried: dict[tuple[str, int], int] = {}  # (prefix, k) → depth
     for s in run[0].statements:
         for v in walk(s.value):
-            if isinstance(v, Val) and v.h.rel != 0:
+            if isinstance(v, Val) and isinstance(v.h, Rel) and v.h.rel != 0:
                 carried[(v.prefix, v.k)] = max(carried.get((v.prefix, v.k), 0), abs(v.h.rel))
     own = {(s.target.prefix, s.target.k) for s in run[0].statements if isinstance(s, Def)}
     if not set(carried) <= own:
         raise NotRollable("a carried value is not defined in every row")
+    # a group per knot span (codegen/fused.py ``Blocks``): its rows' positions advance by the span's
+    # rows per iteration (``Shift``, printed over the knot variable kn), its rows' values are its own
+    knots = any(isinstance(n, Shift) for n in walk(tuple(run[0].statements)))
+    spanned = {(s.target.prefix, s.target.k, s.target.h) for s in run[0].statements
+               if isinstance(s, Def) and isinstance(s.target, Val) and isinstance(s.target.h, Shift)}
     out: list[Statement] = []
     for (p, k), depth in carried.items():
         for m in range(1, depth + 1):
@@ -232,11 +237,17 @@ def rolled(run: list[Group], step: int, defined: set[str]) -> list[Statement]:
             out.append(Def(_carry(p, k, m, first), source, const=False))  # updated every iteration
 
     def in_loop(n: Any) -> Any:
+        if isinstance(n, Val) and isinstance(n.h, Shift):
+            if (n.prefix, n.k, n.h) not in spanned:
+                raise NotRollable(f"{n.prefix}{n.k} reads another span's row")
+            return Var(f"{n.prefix}{n.k}_c{n.h.base}")
         if isinstance(n, Val):
             if n.h.rel * step > 0:
                 raise NotRollable(f"{n.prefix}{n.k} reads a later row")
             return Var(f"{n.prefix}{n.k}_c") if n.h.rel == 0 else _carry(n.prefix, n.k, abs(n.h.rel), first)
         if _is_slot(n) and stride != 0:
+            if knots:
+                raise NotRollable("table slots advancing over knots")
             return Read(n.macro, (Strided(n.args[0], stride, first),))
         return None
 
@@ -244,7 +255,7 @@ def rolled(run: list[Group], step: int, defined: set[str]) -> list[Statement]:
     for (p, k), depth in carried.items():
         body += [Store(_carry(p, k, m, first), _carry(p, k, m - 1, first)) for m in range(depth, 1, -1)]
         body.append(Store(_carry(p, k, 1, first), Var(f"{p}{k}_c")))
-    out.append(For(first, last, step, tuple(body)))
+    out.append(For(first, last, step, tuple(body), var="kn" if knots else "r"))
     for (p, k), depth in carried.items():  # the last rows' values, by the names later rows read
         for m in range(1, depth + 1):
             value = Val(p, k, last - step * (m - 1))

@@ -250,6 +250,7 @@ def _walked_fields(cls: type) -> tuple[str, ...]:
 
 
 def place(node: Any, h: int) -> Any:
-    """``node`` at row h: every ``Rel`` position becomes absolute."""
-    return transform(node, lambda n: h + n.rel if isinstance(n, Rel) else None)
+    """``node`` at row h: every ``Rel`` position becomes absolute; a ``Shift`` too, with h its knot."""
+    return transform(node, lambda n: h + n.rel if isinstance(n, Rel) else n.base + n.scale * h if isinstance(n, Shift)
+                     else None)
 

@@ -80,12 +80,9 @@ def test_a_fused_stencils_cuda_columns_are_as_long_at_any_horizon(case):
     assert abs(sources[1] - sources[0]) <= 4, sources
 
 
-def test_b_splines_keep_and_c_keeps_to_its_threshold_straight_line_fused_columns():
-    """A B-spline's rows repeat a knot span apart (not rolled); C's fused stencil columns stay
-    straight-line, as tuned, up to fused.C_ROLL_ABOVE_H rows, and are rolled past it (every form)."""
-    spec = ts.KernelSpec(control="bspline", degree=3, knots=8, steps=4, dof=2, costs=TERMS, outputs=("P",))
-    code = lower(build_operator(spec), table(spec))
-    assert code.fused_rolled("forward") is None and code.fused_rolled("adjoint") is None
+def test_c_keeps_to_its_threshold_straight_line_fused_columns():
+    """C's fused stencil columns stay straight-line, as tuned, up to fused.C_ROLL_ABOVE_H rows, and are
+    rolled past it (every form)."""
     for horizon, loops in ((fused.C_ROLL_ABOVE_H, 0), (fused.C_ROLL_ABOVE_H + 1, 1)):
         spec = _spec(horizon=horizon)
         code = lower(build_operator(spec), table(spec))
@@ -145,3 +142,25 @@ def test_c_recurrences_are_straight_line_to_their_threshold_and_as_long_at_any_h
         assert all("#define TS_LANES" in source for source in sources)
         lines = [source.count("\n") for source in sources]
         assert max(lines) <= 1.1 * lines[0], (control, dtype, lines)
+
+
+#: fused B-splines (a knot span of ``steps`` rows, each span reading its window of knots)
+BSPLINES = {
+    "degree3": dict(control="bspline", degree=3, steps=4),
+    "degree5_per_trajectory": dict(control="bspline", degree=5, steps=2, dt="per_trajectory"),
+    "degree4_goal": dict(control="bspline", degree=4, steps=8, end="goal"),
+}
+
+
+@pytest.mark.parametrize("case", BSPLINES)
+def test_a_fused_bsplines_cuda_columns_are_as_long_at_any_number_of_knots(case):
+    """CUDA's fused forward and adjoint of a B-spline: the interior knot spans one loop over the knot
+    variable kn each (codegen/fused.py ``Blocks``), the same statements at 12 and 40 knots."""
+    lengths = []
+    for knots in (12, 40):
+        spec = _spec(horizon=None, knots=knots, **BSPLINES[case])
+        codes = CUDA.codes(lower(build_operator(spec), table(spec)), ("forward", "adjoint"), 8)
+        loops = [[s for s in codes[k].statements if isinstance(s, For)] for k in ("forward", "adjoint")]
+        assert [[loop.var for loop in kernel] for kernel in loops] == [["kn"], ["kn"]]
+        lengths.append([len(codes[k].body) for k in ("forward", "adjoint")])
+    assert lengths[0] == lengths[1]

@@ -1291,3 +1291,22 @@ def test_rolled_c_recurrences_match_the_definitions(case):
     assert "TS_CK(" in generate(spec, ("c",), ("core",)).source("c", "core")  # (the scan's checkpoints)
     x, params, dt_ = _data(spec)
     _fused_against_composite(spec, x, params, dt_, dt != "uniform")
+
+
+#: fused B-splines: CUDA's columns group the rows by knot span, the interior spans one loop over the
+#: knots (codegen/fused.py ``Blocks``), run on the host at a few knot counts
+ROLLED_BSPLINES = [(case, knots) for case, knots_of in (
+    ("bspline", (8, 16)), ("bspline_goal_per_trajectory", (8, 20)), ("bspline_degree5_per_trajectory", (12,)))
+    for knots in knots_of]
+
+
+@pytest.mark.parametrize("case, knots", ROLLED_BSPLINES)
+def test_rolled_bspline_columns_match_the_definitions(case, knots):
+    """A fused B-spline's forward and adjoint with their interior knot spans one loop each, CUDA's
+    run on the host (tests/cuda_on_host.py): P, cost and the gradients of u, p0 and the target
+    against the plain step plus the terms from their definitions, dt shared and per trajectory."""
+    from cuda_on_host import host_step
+
+    spec = _spec(case).replace(knots=knots, horizon=None)
+    x, params, dt = _data(spec)
+    _fused_against_composite(spec, x, params, dt, False, fused_step=host_step(spec))
