@@ -459,7 +459,9 @@ def adjoint(op: Operator, coefs: Coefficients, refs: References, table: Argument
 #: codegen/render.py's ``LANE_MAX_LINES`` (the bench's spec: 988 lines at H=40, 1,084 at 44) and runs
 #: the per-dof loop (H=48: 1.8-1.9x the rolled time), and gcc's time grows faster than H (6 s at
 #: H=48, 11 s at 64, 113 s at 128), where the rolled module's is the same at any H (BENCHMARKS.md,
-#: issue 39, "Rolled fused stencil columns")
+#: issue 39, "Rolled fused stencil columns"). A B-spline's columns (``Blocks``) follow the same threshold:
+#: up to it few spans repeat (degree + 4 knots roll), past it gcc's time on the straight-line columns
+#: grows as a stencil's (BENCHMARKS.md, issue 39, "Rolled fused B-spline columns")
 C_ROLL_ABOVE_H = 40
 #: C's fused recurrence columns (velocity, acceleration, jerk control) with more rows than this are
 #: rolled (``forward_rolled``, ``rolled_adjoint``; codegen/lower.py ``c_fused``); up to it they stay

@@ -1099,8 +1099,9 @@ class LoweredOperator:
         """A fused stencil's forward or adjoint with its interior steps rolled into a loop
         (codegen/fused.py ``forward_rolled``, ``adjoint_rolled``): a column whose length does not
         grow with H; a B-spline's interior knot spans one loop over the knots (``fused.Blocks``,
-        from the phase whose spans repeat most: ``_knot_phase``); None for recurrences and unfused
-        steps. ``form``: what a call's parameters allow (C's variants, ``c_fused``)."""
+        from the phase whose spans repeat most: ``_knot_phase``); None for recurrences, unfused
+        steps and B-splines with too few equal spans for a loop (their straight-line columns stay).
+        ``form``: what a call's parameters allow (C's variants, ``c_fused``)."""
         if not self.fused or not _is_stencil(self.op):
             return None
         cache = self.__dict__.setdefault("_fused_rolled", {})

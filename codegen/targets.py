@@ -596,10 +596,11 @@ class CudaTarget(Target):
         return ("forward", "adjoint")
 
     def codes(self, code: Any, kernels: tuple[str, ...], itemsize: int) -> dict[str, Any]:
-        """A fused stencil's forward and adjoint with their interior steps one loop each at every
-        horizon (``fused_rolled``: NVVM's time on a straight-line column grows about as H², and the
-        adjoint's passed 3 s at H=32); an integrator's long adjoint rolled (``CUDA_ROLL_ABOVE_BYTES``),
-        a fused one's recomputed in segments from checkpoints (``adjoint_checkpointed``); a stencil's adjoint
+        """A fused stencil's forward and adjoint with their interior steps (a B-spline's: knot spans)
+        one loop each at every horizon (``fused_rolled``: NVVM's time on a straight-line column grows
+        about as H², and the adjoint's passed 3 s at H=32); an integrator's long adjoint rolled
+        (``CUDA_ROLL_ABOVE_BYTES``), a fused one's recomputed in segments from checkpoints
+        (``adjoint_checkpointed``); a stencil's adjoint
         reads each output gradient where it is used (held in locals, the boundary rows of a wide
         per-step stencil took 144 registers, order 4, H=64, float32), its straight-line stores
         as accumulations that read each gradient once (codegen/reads.py); with a period above 1

@@ -202,21 +202,23 @@ def cuda_source(spec: Any, part: str) -> tuple[str, dict]:
     return path.read_text(), metadata
 
 
-#: a fused B-spline step's CUDA build still running after this many seconds says why it may take
-#: minutes (``build_notices``): its forward and adjoint are one straight-line column each (its rows
-#: repeat a knot span apart, not a row), and NVRTC's time on such columns grows about as the square
-#: of the horizon (BENCHMARKS.md, issue 42, "nvcc's time on long fused columns"). The other fused
-#: steps' columns loop over their steps (codegen/fused.py ``forward_rolled``, ``adjoint_rolled``,
-#: ``rolled_adjoint``) and compile in about the same time at any horizon: no such notice
+#: a fused B-spline step with fewer than degree + 4 knots: its CUDA build still running after this many
+#: seconds says why it may take minutes (``build_notices``): too few of its knot spans repeat for a loop,
+#: so its forward and adjoint are one straight-line column each, and NVRTC's time on such columns grows
+#: about as the square of the horizon (BENCHMARKS.md, issue 42, "nvcc's time on long fused columns").
+#: The other fused steps' columns loop over their steps or knot spans (codegen/fused.py
+#: ``forward_rolled``, ``adjoint_rolled``, ``rolled_adjoint``) and compile in about the same time at
+#: any horizon: no such notice
 LONG_FUSED_BUILD_S = 30.0
 
 
 def build_notices(spec: Any, args: ArgumentTable, part: str) -> list[threading.Timer]:
     """Started timers for a module's build (CuPy's disk cache serves a built one at once, and they are
     cancelled unprinted): what is compiled, after ``cache.SLOW_BUILD_S``; for a fused B-spline step's
-    core module, after ``LONG_FUSED_BUILD_S``, why it takes long and that it ends."""
+    core module with few knots, after ``LONG_FUSED_BUILD_S``, why it takes long and that it ends."""
     notices = [slow_notice(f"compiling {spec.name} (CUDA {part} kernels, H={spec.horizon}) with NVRTC")]
-    if args.fused and part == "core" and getattr(spec, "control", "") == "bspline":
+    straight = getattr(spec, "control", "") == "bspline" and spec.knots < spec.degree + 4
+    if args.fused and part == "core" and straight:
         notices.append(slow_notice(
             f"still compiling {spec.name}: a fused B-spline step's CUDA forward and adjoint are one "
             f"straight-line column each, whose compile time grows about with the square of the horizon "

@@ -164,3 +164,15 @@ def test_a_fused_bsplines_cuda_columns_are_as_long_at_any_number_of_knots(case):
         assert [[loop.var for loop in kernel] for kernel in loops] == [["kn"], ["kn"]]
         lengths.append([len(codes[k].body) for k in ("forward", "adjoint")])
     assert lengths[0] == lengths[1]
+
+
+def test_c_rolls_a_bsplines_fused_columns_past_its_threshold_where_its_spans_repeat():
+    """C's fused B-spline columns: straight-line up to fused.C_ROLL_ABOVE_H rows and where too few
+    spans repeat for a loop (its straight-line columns, every form), one loop over the knots past it."""
+    for knots, loops in ((5, 0), (6, 0), (7, 1), (16, 1)):  # 37, 41, 45 and 81 rows
+        spec = ts.KernelSpec(control="bspline", degree=3, knots=knots, steps=4, dof=2, costs=TERMS, outputs=("P",))
+        code = lower(build_operator(spec), table(spec))
+        kernels = ("forward", "adjoint")
+        for codes in [C.codes(code, kernels, 4)] + list(C.form_codes(code, kernels, 4).values()):
+            knot_loops = [sum(isinstance(s, For) and s.var == "kn" for s in codes[k].statements) for k in kernels]
+            assert knot_loops == [loops] * 2

@@ -649,8 +649,9 @@ def test_capture_never_builds_or_loads_a_cuda_module(capture, monkeypatch):
 
 def test_a_slow_cuda_build_says_what_it_is_doing_and_a_fused_b_spline_one_why(monkeypatch, capfd):
     """A module whose build takes a while says what is compiled; a fused B-spline step's core module
-    (straight-line columns), past LONG_FUSED_BUILD_S, why it may take minutes. A fused recurrence's
-    (its columns loops over the steps) and a plain step's say only what is compiled. A quick build
+    with fewer than degree + 4 knots (straight-line columns), past LONG_FUSED_BUILD_S, why it may take
+    minutes. A fused recurrence's and a B-spline's with more knots (their columns loops over the
+    steps, knot spans) and a plain step's say only what is compiled. A quick build
     (CuPy's disk cache) says nothing. The fake NVRTC takes 0.3 s a module, the thresholds are 0 (then
     defaults)."""
     import time
@@ -673,7 +674,8 @@ def test_a_slow_cuda_build_says_what_it_is_doing_and_a_fused_b_spline_one_why(mo
         assert f"tensorstep: compiling {bspline.name} (CUDA core kernels, H={bspline.horizon}) with NVRTC..." in err
         assert f"tensorstep: still compiling {bspline.name}: a fused B-spline step's CUDA forward and adjoint" in err
         assert f"(H={bspline.horizon}, {bspline.dtype})" in err
-        for spec in (make_spec(FUSED), make_spec(GRID[0])):
+        rolled = bspline.replace(knots=7, horizon=None)
+        for spec in (make_spec(FUSED), make_spec(GRID[0]), rolled):
             fake_cuda_backend(spec, monkeypatch, cupy=SlowCupy)
             err = capfd.readouterr().err
             assert f"tensorstep: compiling {spec.name} (CUDA core kernels" in err and "still compiling" not in err

@@ -1293,20 +1293,23 @@ def test_rolled_c_recurrences_match_the_definitions(case):
     _fused_against_composite(spec, x, params, dt_, dt != "uniform")
 
 
-#: fused B-splines: CUDA's columns group the rows by knot span, the interior spans one loop over the
-#: knots (codegen/fused.py ``Blocks``), run on the host at a few knot counts
-ROLLED_BSPLINES = [(case, knots) for case, knots_of in (
+#: fused B-splines: the columns group the rows by knot span, the interior spans one loop over the
+#: knots (codegen/fused.py ``Blocks``), CUDA's (run on the host) at a few knot counts, C's past
+#: fused.C_ROLL_ABOVE_H rows (43 and 73 here)
+ROLLED_BSPLINES = [(case, knots, True) for case, knots_of in (
     ("bspline", (8, 16)), ("bspline_goal_per_trajectory", (8, 20)), ("bspline_degree5_per_trajectory", (12,)))
-    for knots in knots_of]
+    for knots in knots_of] + [("bspline", 16, False), ("bspline_goal_per_trajectory", 20, False)]
 
 
-@pytest.mark.parametrize("case, knots", ROLLED_BSPLINES)
-def test_rolled_bspline_columns_match_the_definitions(case, knots):
+@pytest.mark.parametrize("case, knots, cuda", ROLLED_BSPLINES)
+def test_rolled_bspline_columns_match_the_definitions(case, knots, cuda):
     """A fused B-spline's forward and adjoint with their interior knot spans one loop each, CUDA's
-    run on the host (tests/cuda_on_host.py): P, cost and the gradients of u, p0 and the target
-    against the plain step plus the terms from their definitions, dt shared and per trajectory."""
+    run on the host (tests/cuda_on_host.py): P, cost and the gradients of u, p0, the target (and
+    dt, C's, where it has one) against the plain step plus the terms from their definitions, dt
+    shared and per trajectory."""
     from cuda_on_host import host_step
 
     spec = _spec(case).replace(knots=knots, horizon=None)
     x, params, dt = _data(spec)
-    _fused_against_composite(spec, x, params, dt, False, fused_step=host_step(spec))
+    _fused_against_composite(spec, x, params, dt, not cuda and spec.dt != "uniform",
+                             fused_step=host_step(spec) if cuda else None)
