@@ -451,15 +451,16 @@ def test_two_trajectories_a_vector_on_both_sides_of_the_threshold(dtype, dof):
 
 
 @pytest.mark.parametrize("case, cuda", [("central", False), ("acceleration", False), ("goal", False),
-                                        ("central", True), ("one_sided", True)])
+                                        ("central", True), ("one_sided", True), ("bspline", True)])
 def test_gradcheck_and_gradgradcheck(case, cuda):
     """With forward AD; ``cuda``: the CUDA source run on the host at H=16 (tests/cuda_on_host.py), a
-    fused stencil's columns rolled (a loop over the interior steps)."""
+    fused stencil's columns rolled (a loop over the interior steps; a B-spline's, 8 knots: over the
+    interior knot spans)."""
     spec = _spec(case, outputs=("P",), terms=(("bound", "velocity"), ("squared", "position")))
     if cuda:
         from cuda_on_host import host_step
 
-        spec = spec.replace(horizon=16)
+        spec = spec.replace(knots=8, horizon=None) if spec.control == "bspline" else spec.replace(horizon=16)
     x, params, dt = _data(spec, B=2)
     step = host_step(spec) if cuda else ts.load(spec)
 
