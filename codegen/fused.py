@@ -582,8 +582,9 @@ def _action_partials(h: int, rows: list[Row], nonzero: set, readers: dict, coefs
 
 def _column_partials(h: int, inputs: list, readers: dict, coefs: Coefficients, refs: References,
                      blocks: Blocks) -> list[Statement]:
-    """Group h's part of the per-column inputs' gradients (the start state) where groups are knot
-    spans: its readers' coefficient × g added to the input's sum, stored at its last reading group.
+    """Group h's part of the per-column inputs' gradients (the start state) where they are summed
+    group by group (``adjoint_rolled``'s ``start_sums``; knot spans): its readers' coefficient × g
+    added to the input's sum, stored at its last reading group.
     A clamped B-spline's first spans all read the start state: gathered at the last reader, their
     g's were live together (spilled). The sums are defined in the column's head (``_column_sums``)."""
     out: list[Statement] = []
@@ -609,14 +610,17 @@ def _column_sums(inputs: list, readers: dict, refs: References) -> list[Statemen
 
 
 def adjoint_rolled(op: Operator, coefs: Coefficients, refs: References, table: ArgumentTable, live: Callable,
-                   form: Form = Form(), blocks: Blocks = Blocks()) -> list[Statement]:
+                   form: Form = Form(), blocks: Blocks = Blocks(), start_sums: bool = False) -> list[Statement]:
     """A stencil's ``adjoint`` as groups per step (``blocks``: per knot span) with group-relative
     positions rendered by roll.py (the interior one loop): each group recomputes its rows and their gradients g (output gradient plus the
     terms' slopes, ``CostTerms.slope_at``), then adds coefficient × g to the partial sum of each action
     its rows read (``_action_partials``: the loop carries one partial per action in flight; carrying
     the last steps' g instead, to gather each action's terms at its last reader, spilled float64
     order-4 adjoints far more), stored at the action's last reader. The per-column inputs (the start
-    state), read by the first rows only, gather their terms at their last reader; the target's
+    state), read by the first rows only, gather their terms at their last reader, or with
+    ``start_sums`` (always where groups are knot spans) are summed group by group
+    (``_column_partials``): CUDA's float64 wide stencils of order 4 (central, accuracy 8) kept the
+    first steps' g live to their last reader and spilled at the register cap. The target's
     gradient is summed row by row in one accumulator. Every sum has its terms in one fixed order
     (the same bits for any number of threads)."""
     terms = CostTerms(table, form.narrow, form.unit_rows)
@@ -633,7 +637,8 @@ def adjoint_rolled(op: Operator, coefs: Coefficients, refs: References, table: A
             if row.k in nonzero:
                 readers[ref].append((c, row.k, row.h))
     window = max((blocks.of(row.h) - ref[1] for row in op.rows for _, ref in row.terms if is_action(ref)), default=0)
-    head += _column_sums(inputs, readers, refs) if blocks.period > 1 else []
+    summed = start_sums or blocks.period > 1
+    head += _column_sums(inputs, readers, refs) if summed else []
     done_at: dict[int, list[tuple]] = defaultdict(list)  # group h → the inputs whose last reader is in h
     for ref in inputs:
         if readers.get(ref):
@@ -653,10 +658,10 @@ def adjoint_rolled(op: Operator, coefs: Coefficients, refs: References, table: A
                 statements += [Store(target, Sum((Term(None, terms.slope_at(t, kind, 0, at, kinds.TARGET)),)), "+=")
                                for t, kind in terms.on(0) if kind == "squared"]
         statements += _action_partials(h, rows, nonzero, readers, coefs, refs, window, blocks)
-        if blocks.period > 1:
+        if summed:
             statements += _column_partials(h, inputs, readers, coefs, refs, blocks)
         for ref in done_at.get(h, []):
-            if not is_action(ref) and blocks.period == 1:
+            if not is_action(ref) and not summed:
                 gathered = tuple(coefs.term(c, Val("g", k, blocks.row(hh, h))) for c, k, hh in readers[ref])
                 statements.append(refs.gradient(ref, gathered))
         groups.append(roll.Group(h, statements))

@@ -1095,25 +1095,29 @@ class LoweredOperator:
                                                               ahead=fused.C_AHEAD[kernel] if stencil else 0, **extra))
         return self._c_fused[key]
 
-    def fused_rolled(self, kernel: str, form: fused.Form = fused.Form()) -> KernelCode | None:
+    def fused_rolled(self, kernel: str, form: fused.Form = fused.Form(), start_sums: bool = False) -> KernelCode | None:
         """A fused stencil's forward or adjoint with its interior steps rolled into a loop
         (codegen/fused.py ``forward_rolled``, ``adjoint_rolled``): a column whose length does not
         grow with H; a B-spline's interior knot spans one loop over the knots (``fused.Blocks``,
         from the phase whose spans repeat most: ``_knot_phase``); None for recurrences, unfused
         steps and B-splines with too few equal spans for a loop (their straight-line columns stay).
-        ``form``: what a call's parameters allow (C's variants, ``c_fused``)."""
+        ``form``: what a call's parameters allow (C's variants, ``c_fused``); ``start_sums``: the
+        adjoint's start-state gradients summed step by step (``fused.adjoint_rolled``; CUDA's)."""
         if not self.fused or not _is_stencil(self.op):
             return None
         cache = self.__dict__.setdefault("_fused_rolled", {})
-        if (kernel, form) not in cache:
+        start_sums = start_sums and kernel == "adjoint"
+        extra = {"start_sums": True} if start_sums else {}
+        if (kernel, form, start_sums) not in cache:
             build = fused.forward_rolled if kernel == "forward" else fused.adjoint_rolled
             p = _period(self.op)
             blocks = fused.Blocks() if p == 1 else fused.Blocks(p, _knot_phase(self.op, p))
-            statements = build(self.op, self.coefs, self.refs, self.arguments, _live, form=form, blocks=blocks)
+            statements = build(self.op, self.coefs, self.refs, self.arguments, _live, form=form, blocks=blocks,
+                               **extra)
             # a B-spline with too few knots for a loop keeps its straight-line columns
             rolled = p == 1 or any(isinstance(s, For) for s in statements)
-            cache[kernel, form] = KernelCode(TABLE_CALL, statements) if rolled else None
-        return cache[kernel, form]
+            cache[kernel, form, start_sums] = KernelCode(TABLE_CALL, statements) if rolled else None
+        return cache[kernel, form, start_sums]
 
     def c_recurrence_rolled(self, kernel: str, itemsize: int, form: fused.Form = fused.Form()) -> KernelCode | None:
         """A fused recurrence's C forward or adjoint with its repeating steps as loops, as CUDA's: the

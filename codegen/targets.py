@@ -598,7 +598,9 @@ class CudaTarget(Target):
     def codes(self, code: Any, kernels: tuple[str, ...], itemsize: int) -> dict[str, Any]:
         """A fused stencil's forward and adjoint with their interior steps (a B-spline's: knot spans)
         one loop each at every horizon (``fused_rolled``: NVVM's time on a straight-line column grows
-        about as H², and the adjoint's passed 3 s at H=32); an integrator's long adjoint rolled
+        about as H², and the adjoint's passed 3 s at H=32), the adjoint's start-state gradients summed
+        step by step (``start_sums``: gathered at their last reader, a float64 central stencil of
+        accuracy 8, order 4, spilled 36 bytes); an integrator's long adjoint rolled
         (``CUDA_ROLL_ABOVE_BYTES``), a fused one's recomputed in segments from checkpoints
         (``adjoint_checkpointed``); a stencil's adjoint
         reads each output gradient where it is used (held in locals, the boundary rows of a wide
@@ -611,7 +613,7 @@ class CudaTarget(Target):
         codes = {k: getattr(code.as_tapes, k) if k in ("dt_jvp", "dt_vjp_finish") else getattr(code, k)
                  for k in kernels}
         adjoint = codes.get("adjoint")
-        rolled = {k: code.fused_rolled(k) for k in ("forward", "adjoint") if k in codes and code.fused}
+        rolled = {k: code.fused_rolled(k, start_sums=True) for k in ("forward", "adjoint") if k in codes and code.fused}
         if rolled.get("forward") or rolled.get("adjoint"):  # a fused stencil: its interior steps one loop
             codes.update({k: v for k, v in rolled.items() if v is not None})
         elif adjoint is not None and code.adjoint_reads is not None:

@@ -97,6 +97,20 @@ GRID = [
     (dict(control="bspline", degree=3, knots=8, steps=4, costs=COSTS, outputs=("P",)), None, "float32", {}),
     (dict(control="bspline", degree=3, knots=8, steps=4, costs=COSTS + (("squared", "position"),),
           outputs=("P",)), None, "float64", {}),
+    # wide stencils of order 4, fused: the rolled adjoint sums the start state's gradients step by step
+    # (gathered at their last reader, the first steps' gradients were live together; bytes spilled before:
+    # accuracy 8 with a duration per step 36, with a squared snap 132, uniform 24, per trajectory 56;
+    # backward accuracy 4 with a squared snap and position 172)
+    (dict(difference="central", accuracy=8, dt="per_step", order=4, costs=COSTS, outputs=("P",)), 64, "float64", {}),
+    (dict(difference="central", accuracy=8, dt="per_step", order=4, costs=COSTS + (("squared", "snap"),),
+          outputs=("P",)), 64, "float64", {}),
+    (dict(difference="central", accuracy=8, order=4, costs=COSTS, outputs=("P",)), 64, "float64", {}),
+    (dict(difference="central", accuracy=8, dt="per_trajectory", order=4, costs=COSTS, outputs=("P",)), 64,
+     "float64", {}),
+    (dict(difference="backward", accuracy=4, dt="per_step", order=4,
+          costs=COSTS + (("squared", "snap"), ("squared", "position")), outputs=("P",)), 64, "float64", {}),
+    (dict(difference="backward", accuracy=3, dt="per_step", order=4, costs=COSTS, outputs=("P",)), 64, "float64", {}),
+    (dict(difference="central", accuracy=4, dt="per_step", order=4, costs=COSTS, outputs=("P",)), 64, "float64", {}),
     # a dt per trajectory: each thread computes its coefficients, monomials of its dt, the factors read
     # where they are used from the block's copy in shared memory (104 and 244 bytes spilled before)
     (dict(control="bspline", degree=4, knots=6, steps=2, dt="per_trajectory", costs=COSTS, outputs=("P",)), None,

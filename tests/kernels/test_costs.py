@@ -64,10 +64,14 @@ ROW_TILES = {"bdh_row_tiles": dict(horizon=40, dof=3, start_index=True, layout="
 LONG = {"jerk_exact_long": dict(horizon=104, dof=2, control="jerk", integrator="exact")}
 #: position control's other boundary: CUDA's fused stencil columns are rolled at every horizon
 ONE_SIDED = {"one_sided": dict(horizon=9, dof=3, end="one_sided")}
+#: a wide stencil of order 4 with a duration per step: many first rows read the start state, whose
+#: gradients CUDA's rolled adjoint sums step by step (codegen/fused.py ``adjoint_rolled``'s ``start_sums``)
+WIDE = {"wide_per_step": dict(horizon=9, dof=3, difference="central", accuracy=8, order=4, dt="per_step")}
 
 
 def _spec(case: str, outputs=("P",), terms=TERMS):
-    return ts.KernelSpec(dtype="float64", costs=terms, outputs=outputs, **{**CASES, **BSPLINES, **ROW_TILES, **LONG, **THREAD_COEFFICIENTS, **ONE_SIDED}[case])
+    every = {**CASES, **BSPLINES, **ROW_TILES, **LONG, **THREAD_COEFFICIENTS, **ONE_SIDED, **WIDE}
+    return ts.KernelSpec(dtype="float64", costs=terms, outputs=outputs, **every[case])
 
 
 def _data(spec, B: int = 3, seed: int = 0):
@@ -1016,7 +1020,8 @@ def test_cuda_float32_coefficients_computed_by_each_thread_run_on_the_host_match
 #: CUDA's fused stencil columns are rolled at every horizon (run on the host), C's past fused.C_ROLL_ABOVE_H
 ROLLED = [(case, horizon, True) for case, horizon in (
     ("central", 8), ("central", 33), ("central", 256), ("one_sided", 100), ("goal", 256), ("backward", 33),
-    ("per_step", 100), ("indexed_bdh", 100), ("snap", 33), ("central_per_trajectory", 100))] + [
+    ("per_step", 100), ("indexed_bdh", 100), ("snap", 33), ("central_per_trajectory", 100), ("wide_per_step", 33),
+    ("wide_per_step", 64))] + [
     (case, horizon, False) for case, horizon in (
         ("one_sided", 100), ("goal", 64), ("backward", 41), ("per_step", 100), ("indexed_bdh", 100), ("snap", 41),
         ("central_per_trajectory", 100))]
