@@ -142,10 +142,12 @@ def _groups(sums: list[tuple[Term, ...]], users: dict[Key, list[int]]) -> list[i
     return [root(n) for n in range(len(sums))]
 
 
-def _accumulated(stores: list[Call], loaded: set[Key], fresh: Iterator[Var]) -> Optional[list[Statement]]:
+def _accumulated(stores: list[Call], loaded: dict[Key, Var], fresh: Iterator[Var],
+                 taken: set[str]) -> Optional[list[Statement]]:
     """The stores as accumulations in read order, or None where they cannot be (``_partials``,
-    ``_order``); ``loaded``: the reads earlier runs loaded (read from their locals; updated),
-    ``fresh``: the sums' names."""
+    ``_order``); ``loaded``: the reads earlier runs loaded, by their locals (read from them;
+    updated), ``fresh``: the sums' names, ``taken``: the names of the column's loaded locals (a read
+    loaded again after a loop takes a new one; updated)."""
     shapes = [_partials(s.value) for s in stores]
     if any(p is None for p in shapes):
         return None
@@ -164,10 +166,13 @@ def _accumulated(stores: list[Call], loaded: set[Key], fresh: Iterator[Var]) -> 
     unfinished = [len(parts) for parts in shapes]
     out: list[Statement] = []
     for key in order:
-        value = _value(key)
+        value = loaded.get(key, _value(key))
         if isinstance(key, Read) and key not in loaded:
+            value = next(Var(f"{value.name}{suffix}") for suffix in itertools.chain([""], (
+                f"_{n}" for n in itertools.count(1))) if f"{value.name}{suffix}" not in taken)
             out.append(Def(value, key))
-            loaded.add(key)
+            loaded[key] = value
+            taken.add(value.name)
         for n, t in users[key]:
             term = Sum((Term(t.factor, value, t.negative),))
             # a sum starts from its first term (not from 0: 0 + -0 is +0)
@@ -185,14 +190,19 @@ def _accumulated(stores: list[Call], loaded: set[Key], fresh: Iterator[Var]) -> 
 def in_read_order(lines: list[Statement]) -> list[Statement]:
     """``lines`` with each run of consecutive gradient stores (``G...(args, sum)``) whose sums add
     output-gradient reads only as accumulations in read order (``_accumulated``); a run that
-    cannot be, and every other statement, as they are."""
+    cannot be, and every other statement, as they are. A run reads the values earlier runs loaded
+    from their locals, except across a loop: there it loads them again (a B-spline adjoint's start
+    state and first actions, stored on either side of its knots' loop, kept the first rows' output
+    gradients live through it and spilled at the register cap: 8 to 196 bytes, float64, 2 rows a
+    span)."""
     out: list[Statement] = []
     run: list[Call] = []
-    loaded: set[Key] = set()
+    loaded: dict[Key, Var] = {}
+    taken: set[str] = set()
     fresh = (Var(f"gsum{n}") for n in itertools.count())
 
     def flush() -> None:
-        out.extend(_accumulated(run, loaded, fresh) or run)
+        out.extend(_accumulated(run, loaded, fresh, taken) or run)
         run.clear()
 
     for line in lines:
@@ -201,6 +211,8 @@ def in_read_order(lines: list[Statement]) -> list[Statement]:
         else:
             flush()
             out.append(line)
+            if isinstance(line, For):
+                loaded.clear()
     flush()
     return out
 

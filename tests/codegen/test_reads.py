@@ -23,6 +23,8 @@ SPECS = [
     dict(horizon=16, difference="central", accuracy=(2, 4, 2)),
     dict(horizon=12, difference="central", end="one_sided", accuracy=6, start_index=True),
     dict(control="bspline", degree=4, knots=10, steps=4),  # stores between span loops: runs of them
+    # 2 rows a span: the start state's and the first actions' stores on either side of the knots' loop
+    dict(control="bspline", degree=4, knots=32, steps=2, dt="per_trajectory"),
 ]
 
 
@@ -88,6 +90,22 @@ def test_adjoint_stores_in_read_order_are_the_same_sums(overrides):
     else:  # loops between (span loops): each read once between two loops
         assert sum(after.values()) < sum(before.values())
     assert any(isinstance(line, Store) for line in ordered)
+
+
+@pytest.mark.parametrize("overrides", [SPECS[-2], SPECS[-1]], ids=lambda o: spec_of(o).name)
+def test_no_value_loaded_ahead_of_a_loop_is_read_after_it(overrides):
+    """A run of stores after a loop loads the output gradients it reads again (under new names)
+    rather than read the locals a run before the loop loaded: none of them is live through it."""
+    ordered = reads.in_read_order(lowered(spec_of(overrides)).adjoint_reads.statements)
+    loops = [i for i, line in enumerate(ordered) if isinstance(line, For)]
+    assert loops
+    loaded = lambda lines: {line.target for line in lines if isinstance(line, Def) and isinstance(line.value, Read)
+                            and line.value.macro.startswith("G") and line.value.args}
+    for i in loops:
+        used_after = {n for line in ordered[i + 1:] for n in walk(line) if isinstance(n, Var)}
+        assert not loaded(ordered[:i]) & used_after
+    if overrides.get("steps") == 2:  # some gradients are read on both sides of the knots' loop
+        assert any(operand_reads(ordered[:i], "G").keys() & operand_reads(ordered[i + 1:], "G").keys() for i in loops)
 
 
 @pytest.mark.parametrize("overrides", SPECS[:3], ids=lambda o: spec_of(o).name)

@@ -243,6 +243,23 @@ def test_wide_stencils_run_on_the_host_match_reference(overrides, horizon):
     check_dt_derivatives(ReferenceCase(spec, B=3, seed=4), [("cuda-on-host", host_step(spec))])
 
 
+# B-splines with 2 rows a span: the adjoint's stores on either side of its knots' loop each load the
+# output gradients they read (codegen/reads.py ``in_read_order``), a dt per trajectory and uniform
+TWO_ROWS_A_SPAN = [dict(control="bspline", degree=4, knots=12, steps=2, dt="per_trajectory"),
+                   dict(control="bspline", degree=5, knots=16, steps=2, dt="per_trajectory"),
+                   dict(control="bspline", degree=5, knots=20, steps=2)]
+
+
+@pytest.mark.parametrize("overrides", TWO_ROWS_A_SPAN, ids=grid_id)
+def test_b_splines_of_two_rows_a_span_run_on_the_host_match_reference(overrides):
+    """Their CUDA kernels run on the host: forward against the dense float64 operator and adjoint by
+    the dot test at 1e-12, dt's gradient and tangent against differences of the reference in dt."""
+    spec = ts.KernelSpec(dof=2, dtype="float64", **overrides)
+    row = verify_launcher(spec, Launcher(spec, HostCudaBackend(spec)), torch.device("cpu"), B=150)  # 2 blocks
+    assert row["forward"] <= 1e-12 and row["adjoint"] <= 1e-12, row
+    check_dt_derivatives(ReferenceCase(spec, B=3, seed=4), [("cuda-on-host", host_step(spec))])
+
+
 # a dt per trajectory: each thread computes its coefficients, monomials of its dt (no table); the
 # adjoint, dt_jvp and dt_vjp read each monomial's factor from the block's copy in shared memory
 # (float64; float32: dt_vjp), dt_jvp its coefficients' powers from the thread's column of them there

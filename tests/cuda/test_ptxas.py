@@ -133,9 +133,13 @@ GRID = [
      {"dt_jvp": "dt_jvp spills 12 bytes, as before (float32 keeps the factors as constants there)"}),
     (dict(dt="per_trajectory"), 200, "float32",
      {"dt_jvp": "dt_jvp spills 8 bytes, as before (float32 keeps the factors as constants there)"}),
-    # a B-spline adjoint whose rows read ahead stay live across its knots' loop: 204 bytes before, 8 now
-    (dict(control="bspline", degree=4, knots=32, steps=2, dt="per_trajectory"), None, "float64",
-     {"core": "the adjoint spills 8 bytes (204 with the factors as constants)"}),
+    # B-spline adjoints with 2 rows a span: a run of stores after the knots' loop loads the output
+    # gradients it reads again rather than read the locals loaded before the loop, which kept them live
+    # through it (codegen/reads.py; bytes spilled before: per trajectory, degree 4 8, 204 with the
+    # factors as constants, degree 5 196; uniform, degree 4 28)
+    (dict(control="bspline", degree=4, knots=32, steps=2, dt="per_trajectory"), None, "float64", {}),
+    (dict(control="bspline", degree=5, knots=32, steps=2, dt="per_trajectory"), None, "float64", {}),
+    (dict(control="bspline", degree=4, knots=32, steps=2), None, "float64", {}),
     # layout "bdh" above a warp's whole rows: row tiles of a sector's rows, 32 rows (the adjoint's
     # N = H - 1, an unaligned horizon) and 16 (float64 order 4, unaligned); straight-line and loops
     (dict(difference="central", layout="bdh"), 128, "float32", {}),
