@@ -408,7 +408,7 @@ def render(spec: Any, code: LoweredOperator, table: ArgumentTable, target: Targe
         volatile_coefficients={k: cuda_volatile_coefficients(k, thread.get(k, where[k]), code.fused, code.stencil,
                                                             len(code.coefs.dt_syms) > 1, itemsize,
                                                             len(code.coefs.monomials.factors)
-                                                            if form == "monomials" else 0)
+                                                            if form == "monomials" else 0, code.only)
                                for k in kernels},
         # CUDA: the kernels that keep the thread's powers of its dt in shared memory
         shared_powers={k: cuda_shared_powers(k, thread.get(k, where[k]), code.fused, itemsize) for k in kernels},

@@ -156,7 +156,7 @@ def cuda_coefficients(kernel: str, table: ArgumentTable, form: str, n_coefficien
 
 
 def cuda_volatile_coefficients(kernel: str, where: str, fused: bool, stencil: bool, per_step: bool,
-                               itemsize: int, factors: int = 0) -> str:
+                               itemsize: int, factors: int = 0, spans: bool = False) -> str:
     """Where a CUDA per-element kernel reads each step coefficient from its table through a
     ``volatile`` pointer, at the statement that uses it: "column" (its loops and straight-line
     body), "body" (the straight-line body only) or "" (nowhere). Else ptxas hoists those loads
@@ -189,7 +189,10 @@ def cuda_volatile_coefficients(kernel: str, where: str, fused: bool, stencil: bo
       loops' reads, most of a long column's, stay cached. In float32 the same bodies fit with the
       loads merged (four to a load), which volatile reads would split. With one duration
       (monomials), or an integrator's rows, a few coefficients serve many rows and are better
-      kept in registers."""
+      kept in registers. A float64 B-spline's forward and adjoint (``spans``: span loops only) are
+      the exception: their straight-line spans at the clamped ends read each of many coefficients
+      once or twice (degree 5, 32 knots, 2 rows a span, uniform dt: forward 96 and adjoint 36 bytes
+      spilled with them in registers)."""
     if fused and kernel in ("forward", "adjoint"):
         if where == "thread":
             return "column" if 0 < factors * itemsize <= CUDA_SHARED_COEF_BYTES else ""
@@ -198,8 +201,9 @@ def cuda_volatile_coefficients(kernel: str, where: str, fused: bool, stencil: bo
         return "column" if 0 < factors * 8 <= CUDA_SHARED_COEF_BYTES else ""
     if where not in ("shared", "block", "global") or fused:
         return ""
-    wide = stencil and per_step and itemsize == 8
-    return "body" if wide and kernel in ("adjoint", "dt_jvp") else ""
+    if stencil and per_step and itemsize == 8:
+        return "body" if kernel in ("adjoint", "dt_jvp") else ""
+    return "body" if spans and itemsize == 8 and kernel in ("adjoint", "forward") else ""
 
 
 def cuda_shared_powers(kernel: str, where: str, fused: bool, itemsize: int) -> bool:

@@ -140,6 +140,9 @@ GRID = [
     (dict(control="bspline", degree=4, knots=32, steps=2, dt="per_trajectory"), None, "float64", {}),
     (dict(control="bspline", degree=5, knots=32, steps=2, dt="per_trajectory"), None, "float64", {}),
     (dict(control="bspline", degree=4, knots=32, steps=2), None, "float64", {}),
+    # and a float64 B-spline's forward and adjoint read their coefficients where used in the straight-line
+    # spans (codegen/targets.py cuda_volatile_coefficients; uniform, degree 5: 96 and 172 bytes before)
+    (dict(control="bspline", degree=5, knots=32, steps=2), None, "float64", {}),
     # layout "bdh" above a warp's whole rows: row tiles of a sector's rows, 32 rows (the adjoint's
     # N = H - 1, an unaligned horizon) and 16 (float64 order 4, unaligned); straight-line and loops
     (dict(difference="central", layout="bdh"), 128, "float32", {}),
