@@ -142,6 +142,12 @@ def _groups(sums: list[tuple[Term, ...]], users: dict[Key, list[int]]) -> list[i
     return [root(n) for n in range(len(sums))]
 
 
+def _untaken(value: Var, taken: set[str]) -> Var:
+    """``value``, or where its name is taken ``<name>_r1``, ``<name>_r2``, ...: the first that is not."""
+    names = itertools.chain([value.name], (f"{value.name}_r{n}" for n in itertools.count(1)))
+    return Var(next(name for name in names if name not in taken))
+
+
 def _accumulated(stores: list[Call], loaded: dict[Key, Var], fresh: Iterator[Var],
                  taken: set[str]) -> Optional[list[Statement]]:
     """The stores as accumulations in read order, or None where they cannot be (``_partials``,
@@ -168,8 +174,7 @@ def _accumulated(stores: list[Call], loaded: dict[Key, Var], fresh: Iterator[Var
     for key in order:
         value = loaded.get(key, _value(key))
         if isinstance(key, Read) and key not in loaded:
-            value = next(Var(f"{value.name}{suffix}") for suffix in itertools.chain([""], (
-                f"_{n}" for n in itertools.count(1))) if f"{value.name}{suffix}" not in taken)
+            value = _untaken(value, taken)
             out.append(Def(value, key))
             loaded[key] = value
             taken.add(value.name)
@@ -191,10 +196,10 @@ def in_read_order(lines: list[Statement]) -> list[Statement]:
     """``lines`` with each run of consecutive gradient stores (``G...(args, sum)``) whose sums add
     output-gradient reads only as accumulations in read order (``_accumulated``); a run that
     cannot be, and every other statement, as they are. A run reads the values earlier runs loaded
-    from their locals, except across a loop: there it loads them again (a B-spline adjoint's start
-    state and first actions, stored on either side of its knots' loop, kept the first rows' output
-    gradients live through it and spilled at the register cap: 8 to 196 bytes, float64, 2 rows a
-    span)."""
+    from their locals, except across a loop: there it loads them again. A B-spline adjoint with 2
+    rows a span stores its start state's gradients on both sides of its knots' loop, from the first
+    rows' output gradients: loaded once, before the loop, they were live through it and spilled
+    at the register cap (float64, 32 knots: 8 to 196 bytes)."""
     out: list[Statement] = []
     run: list[Call] = []
     loaded: dict[Key, Var] = {}
