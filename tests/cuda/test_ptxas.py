@@ -140,6 +140,7 @@ GRID = [
     (dict(control="bspline", degree=4, knots=32, steps=2, dt="per_trajectory"), None, "float64", {}),
     (dict(control="bspline", degree=5, knots=32, steps=2, dt="per_trajectory"), None, "float64", {}),
     (dict(control="bspline", degree=4, knots=32, steps=2), None, "float64", {}),
+    (dict(control="bspline", degree=4, knots=32, steps=2, dt="per_trajectory"), None, "float32", {}),  # 8 before
     # and a float64 B-spline's forward and adjoint read their coefficients where used in the straight-line
     # spans (codegen/targets.py cuda_volatile_coefficients; uniform, degree 5: 96 and 172 bytes before)
     (dict(control="bspline", degree=5, knots=32, steps=2), None, "float64", {}),
