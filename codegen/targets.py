@@ -206,6 +206,32 @@ def cuda_volatile_coefficients(kernel: str, where: str, fused: bool, stencil: bo
     return "body" if spans and itemsize == 8 and kernel in ("adjoint", "forward") else ""
 
 
+#: float32's unfused per-element kernels whose coefficients of a dt per trajectory are float products
+#: (``cuda_float_powers``), and the unroll factor of their interior row loops (0: ptxas's choice)
+CUDA_FLOAT_POWER_KERNELS = {"adjoint": 0, "dt_jvp": 2}
+
+
+def cuda_float_powers(kernel: str, where: str, fused: bool, itemsize: int) -> bool:
+    """Whether an unfused float32 kernel whose threads compute their coefficients from their powers
+    of the trajectory's dt ("thread") makes each coefficient a float product: the factor rounded to
+    float times the thread's power rounded to float (dt_jvp's tangents: the factor times the power's
+    dt derivative times dt's tangent, that product rounded to float), the powers in registers as
+    floats. The double product of a constant factor and a double power (the rounding float64 and
+    float32's forward keep) held 2 x width registers of powers (4 x in dt_jvp) through the column,
+    and ptxas kept the products it folded live across rows: float32's adjoint and dt_jvp spilled 4 to
+    60 bytes (B-splines of degree 4 and 5 with 2 steps a span, wide stencils of order 4, position
+    central at H=200), and the copied factors (``CUDA_THREAD_FACTOR_KERNELS``) did worse. Each
+    coefficient moves by a rounding of float (about 1e-7 relative)."""
+    return where == "thread" and not fused and itemsize == 4 and kernel in CUDA_FLOAT_POWER_KERNELS
+
+
+def cuda_row_unroll(kernel: str, where: str, fused: bool, itemsize: int) -> int:
+    """How far ptxas may unroll a kernel's interior row loops (``#pragma unroll``; 0: its choice):
+    2 for float32's dt_jvp with float products, whose stencil loops ptxas unrolled by 4 with every
+    coefficient of the loops and their loads live (position central at H=200: 4 bytes spilled)."""
+    return CUDA_FLOAT_POWER_KERNELS[kernel] if cuda_float_powers(kernel, where, fused, itemsize) else 0
+
+
 def cuda_shared_powers(kernel: str, where: str, fused: bool, itemsize: int) -> bool:
     """Whether an unfused per-element kernel whose threads compute their coefficients from their
     powers of the trajectory's dt ("thread", with the factors copied: ``cuda_volatile_coefficients``)
