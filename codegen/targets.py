@@ -179,10 +179,10 @@ def cuda_volatile_coefficients(kernel: str, where: str, fused: bool, stencil: bo
       constants: the same values), where they fit. With constants ptxas folded them into products
       of the powers, hoisted out of the rows' loops (a B-spline's knots, dt_vjp's dof columns) and
       kept live: 12 to 856 bytes spilled in float64 (B-splines of degree 3 to 5, wide stencils of
-      order 4), 120 to 392 in float32's dt_vjp. float32's adjoint and dt_jvp keep the constants:
-      there the copy spilled where they did not (8 to 40 bytes: B-splines of degree 3 to 5,
-      position central at H=32). dt_jvp holds two sets of powers, the coefficients' and their dt
-      derivatives': ``cuda_shared_powers``;
+      order 4), 120 to 392 in float32's dt_vjp. float32's adjoint and dt_jvp take no copy: there
+      it spilled where the constants did not (8 to 40 bytes: B-splines of degree 3 to 5, position
+      central at H=32); their coefficients are float products (``cuda_float_powers``). dt_jvp
+      holds two sets of powers, the coefficients' and their dt derivatives': ``cuda_shared_powers``;
     - the boundary rows of a float64 stencil's adjoint and tangent (dt_jvp) with a duration per
       step: each coefficient is read once, so none is worth keeping, and each takes two
       registers; the table may be in global memory (``ld.volatile``: from L2, not L1), where the

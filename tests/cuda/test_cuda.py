@@ -263,7 +263,8 @@ def test_b_splines_of_two_rows_a_span_run_on_the_host_match_reference(overrides)
 # a dt per trajectory: each thread computes its coefficients, monomials of its dt (no table); the
 # adjoint, dt_jvp and dt_vjp read each monomial's factor from the block's copy in shared memory
 # (float64; float32: dt_vjp), dt_jvp its coefficients' powers from the thread's column of them there
-# too (codegen/targets.py cuda_volatile_coefficients, cuda_shared_powers)
+# too (codegen/targets.py cuda_volatile_coefficients, cuda_shared_powers); float32's adjoint and
+# dt_jvp: tests/cuda/test_float_products.py
 THREAD_COEFFICIENTS = [dict(control="bspline", degree=5, knots=7, steps=3, order=4),
                        dict(control="bspline", degree=4, knots=6, steps=2),
                        dict(difference="central", horizon=9), dict(control="jerk", integrator="exact", horizon=9)]
