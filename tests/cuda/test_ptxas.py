@@ -13,7 +13,10 @@ import concurrent.futures
 import functools
 import multiprocessing
 import os
+import random
 import shutil
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -129,10 +132,6 @@ GRID = [
     (dict(control="bspline", degree=5, knots=64, steps=4, dt="per_trajectory"), None, "float64", {}),
     (dict(difference="central", accuracy=8, order=4, dt="per_trajectory"), 128, "float64", {}),
     (dict(difference="backward", accuracy=3, order=4, dt="per_trajectory"), 64, "float64", {}),
-    (dict(difference="backward", accuracy=3, order=4, dt="per_trajectory"), 64, "float32",
-     {"dt_jvp": "dt_jvp spills 12 bytes, as before (float32 keeps the factors as constants there)"}),
-    (dict(dt="per_trajectory"), 200, "float32",
-     {"dt_jvp": "dt_jvp spills 8 bytes, as before (float32 keeps the factors as constants there)"}),
     # B-spline adjoints with 2 rows a span: a run of stores after the knots' loop loads the output
     # gradients it reads again rather than read the locals loaded before the loop, which kept them live
     # through it (codegen/reads.py; bytes spilled before: per trajectory, degree 4 8, 204 with the
@@ -144,6 +143,30 @@ GRID = [
     # and a float64 B-spline's forward and adjoint read their coefficients where used in the straight-line
     # spans (codegen/targets.py cuda_volatile_coefficients; uniform, degree 5: 96 and 172 bytes before)
     (dict(control="bspline", degree=5, knots=32, steps=2), None, "float64", {}),
+    # float32's adjoint and dt_jvp: float products of the factors and the thread's powers rounded to
+    # float (codegen/targets.py cuda_float_powers), dt_jvp's row loops unrolled by 2 (spilled before,
+    # bytes: dt_jvp 12 and 8 here; B-spline (degree, knots, steps) (3,64,2) dt_jvp 12, (5,64,1) 8,
+    # (5,64,4) 4; (4,32,2) adjoint 8, (5,32,2) 12; central accuracy 8 order 4 H=128 dt_jvp 60)
+    (dict(difference="backward", accuracy=3, order=4, dt="per_trajectory"), 64, "float32", {}),
+    (dict(dt="per_trajectory"), 200, "float32", {}),
+    (dict(control="bspline", degree=3, knots=64, steps=2, dt="per_trajectory"), None, "float32", {}),
+    (dict(control="bspline", degree=5, knots=64, steps=4, dt="per_trajectory"), None, "float32", {}),
+    (dict(control="bspline", degree=5, knots=32, steps=2, dt="per_trajectory"), None, "float32", {}),
+    (dict(difference="central", accuracy=8, order=4, dt="per_trajectory"), 128, "float32", {}),
+    # from the seeded survey of fused specs (``--survey 40 2026``): its one spill, a rolled B-spline adjoint,
+    # and clean ones (the largest stack frame, 760 bytes; the most registers, 126; a dt per step, exact)
+    (dict(control="bspline", degree=3, knots=32, steps=4, order=4, dt="per_trajectory",
+          costs=(("bound", "acceleration"), ("bound", "jerk")), outputs=("S",)), None, "float64",
+     {"core": "the fused adjoint spills 4 bytes (rolled B-spline columns)"}),
+    (dict(control="jerk", dt="per_trajectory", costs=(("bound", "jerk"), ("squared", "acceleration"),
+                                                      ("squared", "position")), outputs=("P", "J")), 256, "float32", {}),
+    (dict(control="velocity", dt="per_step", costs=COSTS[:3] + (("squared", "velocity"), ("squared", "jerk"),
+                                                                ("squared", "position")), outputs=("V",)), 8, "float64", {}),
+    (dict(control="velocity", integrator="exact", dt="per_step", costs=COSTS[:4] + (("squared", "velocity"),
+                                                                                   ("squared", "jerk")), outputs=("V",)),
+     100, "float64", {}),
+    (dict(dt="per_trajectory", costs=COSTS[1:4] + (("squared", "acceleration"), ("squared", "position")),
+          outputs=("P",)), 64, "float32", {}),
     # layout "bdh" above a warp's whole rows: row tiles of a sector's rows, 32 rows (the adjoint's
     # N = H - 1, an unaligned horizon) and 16 (float64 order 4, unaligned); straight-line and loops
     (dict(difference="central", layout="bdh"), 128, "float32", {}),
@@ -258,9 +281,103 @@ def table(modules: dict[str, Module]) -> str:
     return "\n".join(rows)
 
 
-if __name__ == "__main__":
-    import sys
+#: the survey's draws (``survey``): fused specs beyond the grid
+SURVEY_HORIZONS = (8, 17, 32, 64, 100, 256)
+SURVEY_CONTROLS = ("position", "velocity", "acceleration", "jerk", "bspline")
 
-    wanted = sys.argv[1:]
-    chosen = [c for c in cases() if not wanted or any(w in c[0] for w in wanted)]
-    print(table(compile_all(chosen)))
+
+def survey_overrides(rng: random.Random) -> tuple[dict, int | None, str]:
+    """One fused spec drawn at random: control, dtype, order, dt mode, horizon (a B-spline's from
+    its degree, knots and steps), a non-empty subset of the cost terms the order allows (a squared
+    position term in about half) and a subset of the outputs (possibly none)."""
+    from tensorstep.codegen.spec import BSPLINE_DT, DERIVATIVE_NAMES, OUTPUT_NAMES
+
+    control = rng.choice(SURVEY_CONTROLS)
+    dtype, order = rng.choice(("float32", "float64")), rng.choice((3, 4))
+    overrides: dict = dict(control=control, order=order)
+    horizon: int | None = rng.choice(SURVEY_HORIZONS)
+    if control == "bspline":
+        overrides.update(degree=rng.choice((3, 4, 5)), knots=rng.choice((8, 16, 32)), steps=rng.choice((1, 2, 4)),
+                         dt=rng.choice(BSPLINE_DT))
+        horizon = None
+    else:
+        overrides["dt"] = rng.choice(("uniform", "per_step", "per_trajectory"))
+        if control == "position":
+            overrides["difference"] = rng.choice(("central", "backward"))
+        else:
+            overrides["integrator"] = rng.choice(("semi_implicit_euler", "exact"))
+    terms = [(k, s) for k in ("bound", "squared") for s in DERIVATIVE_NAMES[: order + 1]]
+    costs = [t for t in terms if t != ("squared", "position") and rng.random() < 0.4]
+    if rng.random() < 0.5:
+        costs.append(("squared", "position"))
+    overrides["costs"] = tuple(costs or [rng.choice(terms)])
+    overrides["outputs"] = tuple(o for o in OUTPUT_NAMES[: order + 1] if rng.random() < 0.3)
+    return overrides, horizon, dtype
+
+
+def survey(n: int, seed: int) -> list[tuple[str, dict, int | None, str, str, str]]:
+    """``n`` fused specs drawn with ``seed`` (redrawn where the spec is invalid), as ``cases()``
+    gives them: a case per library with kernels."""
+    from tensorstep.codegen import abi
+    from tensorstep.codegen.arguments import table as argument_table
+
+    rng, drawn = random.Random(seed), []
+    while len(drawn) < n:
+        overrides, horizon, dtype = survey_overrides(rng)
+        try:
+            spec = spec_of(overrides, horizon, dtype)
+        except ValueError:
+            continue
+        drawn += [(f"{spec.name}-{part}", overrides, horizon, dtype, part, "")
+                  for part in abi.LIBRARIES if abi.part_kernels(part, argument_table(spec))]
+    return drawn
+
+
+def compile_timed(label: str, source: str, workdir: Path) -> tuple[list[Kernel], float, str]:
+    """nvcc -cubin of one module: ptxas's kernels, the CPU seconds of nvcc and the compilers it ran
+    (user + system), and nvcc's output where it failed."""
+    path = workdir / f"{label}.cu"
+    path.write_text(source)
+    cmd = [NVCC or "nvcc", "-cubin", "-arch=sm_90", "--ptxas-options=-v", str(path), "-o", str(path.with_suffix(".cubin"))]
+    process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    report = process.stdout.read()
+    _, status, usage = os.wait4(process.pid, 0)
+    process.returncode = os.waitstatus_to_exitcode(status)
+    return parse(report), usage.ru_utime + usage.ru_stime, report[-2000:] if process.returncode else ""
+
+
+def survey_table(selected: list[tuple], workers: int = 2) -> str:
+    """Render the selected modules in ``workers`` processes, compile them one at a time (so that the
+    CPU seconds are each nvcc's own), and give the per-element kernels' table."""
+    from tensorstep.codegen.spec import KernelSpec  # noqa: F401 (the spawn workers import it too)
+
+    rows = ["| spec | kernel | registers | spill stores (B) | stack (B) | nvcc CPU s |", "|---|---|---:|---:|---:|---:|"]
+    workdir = Path(tempfile.mkdtemp(prefix="tensorstep-survey-"))
+    context = multiprocessing.get_context("spawn")
+    try:
+        with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as renderers:
+            rendering = [renderers.submit(source_of, o, h, dt, part) for _, o, h, dt, part, _ in selected]
+            for case, source in zip(selected, rendering):
+                kernels, seconds, error = compile_timed(case[0], source.result(), workdir)
+                if error:
+                    rows.append(f"| {case[0]} | nvcc failed: {error.splitlines()[0]} | | | | {seconds:.1f} |")
+                name = case[0].rsplit("-", 1)[0]  # the spec's name: each kernel's is name_kernel
+                for k in kernels:
+                    if per_element(k.name):
+                        kernel = k.name[len(name) + 1:]
+                        rows.append(f"| {case[0]} | {kernel} | {k.registers} | {k.spill_stores} | {k.stack} | {seconds:.1f} |")
+                print(rows[-1], file=sys.stderr, flush=True)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    # python tests/cuda/test_ptxas.py [label substrings]: the grid's table;
+    # python tests/cuda/test_ptxas.py --survey N SEED: N fused specs drawn with SEED, their table
+    if sys.argv[1:2] == ["--survey"]:
+        print(survey_table(survey(int(sys.argv[2]), int(sys.argv[3]))))
+    else:
+        wanted = sys.argv[1:]
+        chosen = [c for c in cases() if not wanted or any(w in c[0] for w in wanted)]
+        print(table(compile_all(chosen)))
