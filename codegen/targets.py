@@ -214,9 +214,9 @@ CUDA_FLOAT_POWER_KERNELS = {"adjoint": 0, "dt_jvp": 2}
 def cuda_float_powers(kernel: str, where: str, fused: bool, itemsize: int) -> bool:
     """Whether an unfused float32 kernel whose threads compute their coefficients from their powers
     of the trajectory's dt ("thread") makes each coefficient a float product: the factor rounded to
-    float times the thread's power rounded to float (dt_jvp's tangents: the factor times the power's
-    dt derivative times dt's tangent, that product rounded to float), the powers in registers as
-    floats. The double product of a constant factor and a double power (the rounding float64 and
+    float times the thread's power rounded to float (dt_jvp's tangents: the factor rounded to float
+    times the power's dt derivative times dt's tangent, rounded to float), the powers in registers
+    as floats. The double product of a constant factor and a double power (the rounding float64 and
     float32's forward keep) held 2 x width registers of powers (4 x in dt_jvp) through the column,
     and ptxas kept the products it folded live across rows: float32's adjoint and dt_jvp spilled 4 to
     60 bytes (B-splines of degree 4 and 5 with 2 steps a span, wide stencils of order 4, position
