@@ -16,8 +16,9 @@ import tensorstep as ts
 from cuda_on_host import host_source, host_step
 from helpers import ReferenceCase, as_bhd, make_spec, scale_close
 
-SPECS = [dict(control="bspline", degree=5, knots=7, steps=3, order=4), dict(control="bspline", degree=4, knots=6, steps=2),
-         dict(difference="central", horizon=9), dict(difference="backward", accuracy=3, order=4, horizon=12),
+SPECS = [dict(control="bspline", degree=5, knots=7, steps=3, order=4),
+         dict(control="bspline", degree=4, knots=6, steps=2), dict(difference="central", horizon=9),
+         dict(difference="backward", accuracy=3, order=4, horizon=12),
          dict(control="jerk", integrator="exact", horizon=9)]
 RTOL = 1e-5
 #: what a kernel's float powers are scaled by where a test checks that its check sees them

@@ -158,13 +158,12 @@ GRID = [
     (dict(control="bspline", degree=3, knots=32, steps=4, order=4, dt="per_trajectory",
           costs=(("bound", "acceleration"), ("bound", "jerk")), outputs=("S",)), None, "float64",
      {"core": "the fused adjoint spills 4 bytes (rolled B-spline columns)"}),
-    (dict(control="jerk", dt="per_trajectory", costs=(("bound", "jerk"), ("squared", "acceleration"),
-                                                      ("squared", "position")), outputs=("P", "J")), 256, "float32", {}),
-    (dict(control="velocity", dt="per_step", costs=COSTS[:3] + (("squared", "velocity"), ("squared", "jerk"),
-                                                                ("squared", "position")), outputs=("V",)), 8, "float64", {}),
-    (dict(control="velocity", integrator="exact", dt="per_step", costs=COSTS[:4] + (("squared", "velocity"),
-                                                                                   ("squared", "jerk")), outputs=("V",)),
-     100, "float64", {}),
+    (dict(control="jerk", dt="per_trajectory", outputs=("P", "J"),
+          costs=(("bound", "jerk"), ("squared", "acceleration"), ("squared", "position"))), 256, "float32", {}),
+    (dict(control="velocity", dt="per_step", outputs=("V",),
+          costs=COSTS[:3] + (("squared", "velocity"), ("squared", "jerk"), ("squared", "position"))), 8, "float64", {}),
+    (dict(control="velocity", integrator="exact", dt="per_step", outputs=("V",),
+          costs=COSTS[:4] + (("squared", "velocity"), ("squared", "jerk"))), 100, "float64", {}),
     (dict(dt="per_trajectory", costs=COSTS[1:4] + (("squared", "acceleration"), ("squared", "position")),
           outputs=("P",)), 64, "float32", {}),
     # layout "bdh" above a warp's whole rows: row tiles of a sector's rows, 32 rows (the adjoint's
@@ -338,20 +337,20 @@ def compile_timed(label: str, source: str, workdir: Path) -> tuple[list[Kernel],
     (user + system), and nvcc's output where it failed."""
     path = workdir / f"{label}.cu"
     path.write_text(source)
-    cmd = [NVCC or "nvcc", "-cubin", "-arch=sm_90", "--ptxas-options=-v", str(path), "-o", str(path.with_suffix(".cubin"))]
-    process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    report = process.stdout.read()
-    _, status, usage = os.wait4(process.pid, 0)
-    process.returncode = os.waitstatus_to_exitcode(status)
+    cmd = [NVCC or "nvcc", "-cubin", "-arch=sm_90", "--ptxas-options=-v", str(path),
+           "-o", str(path.with_suffix(".cubin"))]
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as process:
+        report = process.stdout.read()
+        _, status, usage = os.wait4(process.pid, 0)  # reaped here: its rusage, compilers included
+        process.returncode = os.waitstatus_to_exitcode(status)
     return parse(report), usage.ru_utime + usage.ru_stime, report[-2000:] if process.returncode else ""
 
 
 def survey_table(selected: list[tuple], workers: int = 2) -> str:
     """Render the selected modules in ``workers`` processes, compile them one at a time (so that the
     CPU seconds are each nvcc's own), and give the per-element kernels' table."""
-    from tensorstep.codegen.spec import KernelSpec  # noqa: F401 (the spawn workers import it too)
-
-    rows = ["| spec | kernel | registers | spill stores (B) | stack (B) | nvcc CPU s |", "|---|---|---:|---:|---:|---:|"]
+    rows = ["| spec | kernel | registers | spill stores (B) | stack (B) | nvcc CPU s |",
+            "|---|---|---:|---:|---:|---:|"]
     workdir = Path(tempfile.mkdtemp(prefix="tensorstep-survey-"))
     context = multiprocessing.get_context("spawn")
     try:
@@ -365,7 +364,8 @@ def survey_table(selected: list[tuple], workers: int = 2) -> str:
                 for k in kernels:
                     if per_element(k.name):
                         kernel = k.name[len(name) + 1:]
-                        rows.append(f"| {case[0]} | {kernel} | {k.registers} | {k.spill_stores} | {k.stack} | {seconds:.1f} |")
+                        rows.append(f"| {case[0]} | {kernel} | {k.registers} | {k.spill_stores} | {k.stack} "
+                                    f"| {seconds:.1f} |")
                 print(rows[-1], file=sys.stderr, flush=True)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
