@@ -146,7 +146,7 @@ GRID = [
     # float32's adjoint and dt_jvp: float products of the factors and the thread's powers rounded to
     # float (codegen/targets.py cuda_float_powers), dt_jvp's row loops unrolled by 2 (spilled before,
     # bytes: dt_jvp 12 and 8 here; B-spline (degree, knots, steps) (3,64,2) dt_jvp 12, (5,64,1) 8,
-    # (5,64,4) 4; (4,32,2) adjoint 8, (5,32,2) 12; central accuracy 8 order 4 H=128 dt_jvp 60)
+    # (5,64,4) 4; (5,32,2) adjoint 4; central accuracy 8 order 4 H=128 dt_jvp 60)
     (dict(difference="backward", accuracy=3, order=4, dt="per_trajectory"), 64, "float32", {}),
     (dict(dt="per_trajectory"), 200, "float32", {}),
     (dict(control="bspline", degree=3, knots=64, steps=2, dt="per_trajectory"), None, "float32", {}),
