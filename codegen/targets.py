@@ -227,8 +227,8 @@ def cuda_float_powers(kernel: str, where: str, fused: bool, itemsize: int) -> bo
 
 def cuda_row_unroll(kernel: str, where: str, fused: bool, itemsize: int) -> int:
     """How far ptxas may unroll a kernel's interior row loops (``#pragma unroll``; 0: its choice):
-    2 for float32's dt_jvp with float products, whose stencil loops ptxas unrolled by 4 with every
-    coefficient of the loops and their loads live (position central at H=200: 4 bytes spilled)."""
+    2 for float32's dt_jvp with float products, whose stencil loops, unrolled as ptxas chose, still
+    spilled (position central at H=200: 4 bytes; none unrolled by 2 or 1)."""
     return CUDA_FLOAT_POWER_KERNELS[kernel] if cuda_float_powers(kernel, where, fused, itemsize) else 0
 
 
