@@ -218,10 +218,11 @@ def cuda_float_powers(kernel: str, where: str, fused: bool, itemsize: int) -> bo
     times the power's dt derivative times dt's tangent, rounded to float), the powers in registers
     as floats. The double product of a constant factor and a double power (the rounding float64 and
     float32's forward keep) held 2 x width registers of powers (4 x in dt_jvp) through the column,
-    and ptxas kept the products it folded live across rows: float32's adjoint and dt_jvp spilled 4 to
-    60 bytes (B-splines of degree 4 and 5 with 2 steps a span, wide stencils of order 4, position
-    central at H=200), and the copied factors (``CUDA_THREAD_FACTOR_KERNELS``) did worse. Each
-    coefficient moves by a rounding of float (about 1e-7 relative)."""
+    and ptxas kept the products it folded live across rows: float32's dt_jvp spilled 4 to 60 bytes
+    (B-splines of degree 3 and 5, wide stencils of order 4, position central at H=200), its adjoint 4
+    and 8 (B-splines of degree 5 with 2 steps a span), and the copied factors
+    (``CUDA_THREAD_FACTOR_KERNELS``) did worse. Each coefficient moves by a rounding of float (about
+    1e-7 relative)."""
     return where == "thread" and not fused and itemsize == 4 and kernel in CUDA_FLOAT_POWER_KERNELS
 
 
