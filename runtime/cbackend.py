@@ -145,11 +145,13 @@ def library_build(part: str, spec: Any = None, defines: tuple[str, ...] = ()) ->
                              defines=defines)
 
 
-#: the switch of a fused step's core library as the runtime builds it: the entry points with the
-#: general form of each kernel, every other form (codegen/fused.py ``forms``) built in a library of its
-#: own on the first call that runs it (``Forms``; templates/kernel.c.j2): a first load compiles one
-#: form of each kernel, not four
+#: the switch of a fused step's core library as the runtime builds it: the entry points alone, each
+#: form of its kernels (the general one and those of codegen/fused.py ``forms``) built in a library of
+#: its own on the first call that runs it (``Forms``; templates/kernel.c.j2): a first load compiles no
+#: form, the first call the one it runs
 LAZY_FORMS = "TS_LAZY_FORMS"
+#: the general form's number (templates/kernel.c.j2 ``TS_FORM``; the variants' are from 1)
+GENERAL = 0
 
 
 def lazy_forms(spec: Any, part: str) -> bool:
@@ -254,44 +256,65 @@ _HOOKS = cffi.FFI()
 
 class Forms:
     """The forms of a fused core library built with ``LAZY_FORMS``: the hook its entry points call on
-    the first call that runs a form other than the general one (``form``, from 1, and the name of its
+    the first call that runs a form (``form``: ``GENERAL`` or a variant's, from 1, and the name of its
     batch function), which finds the form's library in the cache, or generates and builds it (a
-    source with that form's batch functions, compiled with ``-DTS_FORM=<form>``: them alone), and
-    returns the function's address. Where that fails, it says why and returns 0: the entry point runs
-    the general form (the same states and gradients; a cost may differ in its last bits)."""
+    source with that form's batch functions, compiled with ``-DTS_FORM=<form>``: them alone), while
+    the call waits, and returns the function's address. Nothing is built that no call runs, and
+    nothing in the background: which form a call runs depends on its parameters and on which builds
+    failed, never on timing. Where a variant cannot be built, the hook says why and returns 0: the
+    entry point asks for the general form, built then (the same states and gradients; a cost may
+    differ in its last bits). Where the general form cannot be built either, the call writes no
+    output, and the hook's warning says so (the error is kept in ``error``)."""
 
     def __init__(self, spec: Any, part: str, cache: BuildCache):
         self.spec, self.part, self.cache = spec, part, cache
         self._lock = threading.Lock()
         self._libraries: dict[int, ctypes.CDLL] = {}
         self._failed: set[int] = set()
+        self._interrupted = False  # a Ctrl-C while this call's form was built: the rest of the call builds nothing
+        #: the error of a call that ran no form (neither its own nor the general one could be built)
+        self.error: Optional[BaseException] = None
         self._hook = _HOOKS.callback("intptr_t(int64_t, const char *)", self._find)
         #: what the entry points' ``<kernel>_forms`` take
         self.address = int(_HOOKS.cast("intptr_t", self._hook))
 
     def _find(self, form: int, symbol: Any) -> int:
         name = _HOOKS.string(symbol).decode()
+        then = ("this call runs the general form" if form != GENERAL else
+                "this call writes no output")
         try:
+            if self._interrupted:
+                return 0
             try:
                 return self.find(form, name)
             except BuildStopped as err:  # not a failed build: the next call that runs the form tries again
+                if form == GENERAL:
+                    self.error = err
                 warnings.warn(f"tensorstep: {self.spec.name}: the build of the {_form_name(self.spec, name)} form of "
-                              f"its kernels was stopped by {err.signal}; this call runs the general form, the next "
-                              "one that runs that form builds it", stacklevel=1)
+                              f"its kernels was stopped by {err.signal}; {then}, the next one that runs that form "
+                              "builds it", stacklevel=1)
                 return 0
             except Exception as err:  # noqa: BLE001 (nothing can be raised through the kernel)
                 self._failed.add(form)
+                if form == GENERAL:
+                    self.error = err
                 warnings.warn(f"tensorstep: {self.spec.name}: the {_form_name(self.spec, name)} form of its kernels "
-                              f"could not be built ({type(err).__name__}: {err}); its calls run the general form",
-                              stacklevel=1)
+                              f"could not be built ({type(err).__name__}: {err}); "
+                              f"{'its calls run the general form' if form != GENERAL else then}", stacklevel=1)
                 return 0
         except KeyboardInterrupt:  # (also where it comes while a handler above runs)
             # raised in this callback, cffi would print it and go on: raised again in the main thread a
-            # moment later, once the kernel (the general form) has returned (not at once: that raises it here)
-            again = threading.Timer(INTERRUPT_AGAIN_S, _thread.interrupt_main)
+            # moment later, once the kernel has returned (not at once: that raises it here); until
+            # then the call builds nothing more (the general form it would ask for next)
+            self._interrupted = True
+            again = threading.Timer(INTERRUPT_AGAIN_S, self._interrupt)
             again.daemon = True
             again.start()
             return 0
+
+    def _interrupt(self) -> None:
+        self._interrupted = False
+        _thread.interrupt_main()
 
     def find(self, form: int, symbol: str) -> int:
         """The address of ``symbol`` in form ``form``'s library, built if needed (0 after a failed build)."""

@@ -1,6 +1,6 @@
 """A fused step's C forms built on demand (runtime/cbackend.py ``Forms``): a first load compiles the
-general form of each kernel; each other form is built, in a library of its own, on the first call that
-runs it, and gives the bits of the library with every form compiled in."""
+entry points alone; each form, the general one too, is built, in a library of its own, on the first
+call that runs it, and gives the bits of the library with every form compiled in."""
 from __future__ import annotations
 
 import os
@@ -56,7 +56,7 @@ def run_python(code: str, cache: Path, **env: str) -> subprocess.CompletedProces
                           capture_output=True, text=True, timeout=600)
 
 
-def test_a_first_load_builds_the_general_form_and_each_call_the_form_it_runs(tmp_path):
+def test_a_first_load_builds_no_form_and_each_call_the_form_it_runs(tmp_path):
     code = """
         step = ts.load(spec)
         print(*built())
@@ -64,7 +64,7 @@ def test_a_first_load_builds_the_general_form_and_each_call_the_form_it_runs(tmp
         print(*built())
         call(step, rows=True)  # narrow forms allowed, row weights: form 2
         print(*built())
-        call(step, overlap=True, rows=True)  # neither: the general form, in the entry points' library
+        call(step, overlap=True, rows=True)  # neither: the general form (form 0)
         call(step, overlap=True)  # no row weights: form 3
         print(*built())
         print("tensorstep.codegen.driver" in sys.modules)  # what generates sources (imported on a cache miss)
@@ -73,7 +73,7 @@ def test_a_first_load_builds_the_general_form_and_each_call_the_form_it_runs(tmp
     assert first.returncode == 0, first.stderr
     lines = first.stdout.splitlines()
     assert lines[:4] == ["core", "core core-form1", "core core-form1 core-form2",
-                         "core core-form1 core-form2 core-form3"]  # the fused core (no plain twin: runtime/api.py)
+                         "core core-form0 core-form1 core-form2 core-form3"]  # (no plain twin: runtime/api.py)
     assert lines[4] == "True"  # generated
     second = run_python(code, tmp_path)
     assert second.returncode == 0, second.stderr
@@ -123,9 +123,10 @@ def _compiler(tmp_path: Path, name: str, when: str, then: str, after: str = "") 
     return wrapper
 
 
-def _failing_form_compiler(tmp_path: Path) -> Path:
-    """A compiler that fails on a form's units (-DTS_FORM=...) and logs every library it links."""
-    return _compiler(tmp_path, "cc-wrapper", "*TS_FORM=*", "echo 'error: no form today' >&2; exit 1",
+def _failing_form_compiler(tmp_path: Path, forms: str = '*"TS_FORM=1 "*') -> Path:
+    """A compiler that fails on the units of the forms whose command matches ``forms`` (form 1's by
+    default) and logs every library it links."""
+    return _compiler(tmp_path, "cc-wrapper", forms, "echo 'error: no form today' >&2; exit 1",
                      f"echo \"$@\" >> {tmp_path}/compilations\n")
 
 
@@ -142,6 +143,7 @@ def test_a_form_that_fails_to_build_says_why_and_its_calls_run_the_general_form(
             warnings.simplefilter("always")
             runs = [call(step) for _ in range(2)]
         print(len(caught), str(caught and caught[0].message).replace(chr(10), " "))
+        print(*built())
         expected = call(eager)  # form 1 (every form compiled in)
         print(all(torch.equal(a, b) for a, b in zip(runs[0], runs[1])),
               torch.equal(runs[0][0], expected[0]), torch.equal(runs[0][2], expected[2]),
@@ -149,8 +151,9 @@ def test_a_form_that_fails_to_build_says_why_and_its_calls_run_the_general_form(
     """
     run = run_python(code, tmp_path / "cache", CC=str(_failing_form_compiler(tmp_path)))
     assert run.returncode == 0, run.stderr
-    warned, same = run.stdout.splitlines()
+    warned, libraries, same = run.stdout.splitlines()
     assert warned.startswith("1 ") and "narrow_unit_rows form of its kernels could not be built" in warned
+    assert libraries == "core core-form0"  # the general form, built when the first call needed it
     assert "no form today" in warned and "run the general form" in warned
     assert same == "True True True True"  # states and gradients the same bits, the cost within rounding
 
@@ -166,7 +169,7 @@ def test_an_interrupted_form_build_raises_after_the_call_and_is_built_on_the_nex
         cbackend._artefact = interrupted
         u = torch.zeros(3, H - 1, D, dtype=torch.float64); z = torch.zeros(3, D, dtype=torch.float64)
         try:
-            step(u, z, z, z, 0.1, **parameters())  # the general form's forward, then the interrupt again
+            step(u, z, z, z, 0.1, **parameters())  # no form built (not the general one either), then the interrupt
             time.sleep(10)
             print("not interrupted")
         except KeyboardInterrupt:
@@ -188,7 +191,7 @@ def _stopped_compiler(tmp_path: Path, when: str) -> Path:
 
 def test_a_form_build_stopped_by_a_signal_is_not_a_failed_build(tmp_path):
     # a Ctrl-C that stops the compiler before it stops Python (or a compiler killed in a thread that
-    # gets no KeyboardInterrupt): that call runs the general form, the next builds the form
+    # gets no KeyboardInterrupt): that call runs the general form (built then), the next builds the form
     code = f"""
         import warnings
         from pathlib import Path
@@ -206,15 +209,15 @@ def test_a_form_build_stopped_by_a_signal_is_not_a_failed_build(tmp_path):
         print(len(caught), *built())
         print(torch.equal(first[0], second[0]), torch.equal(first[2], second[2]))
     """
-    run = run_python(code, tmp_path / "cache", CC=str(_stopped_compiler(tmp_path, "*TS_FORM=*")))
+    run = run_python(code, tmp_path / "cache", CC=str(_stopped_compiler(tmp_path, '*"TS_FORM=1 "*')))
     assert run.returncode == 0, run.stderr
     warned, before, after, same = run.stdout.splitlines()
     # the forward's and then the adjoint's first call: each tries, neither records a failure
     assert warned.startswith("2 "), warned
     assert ("the build of the narrow_unit_rows form of its kernels was stopped by SIGINT; this call runs the "
             "general form, the next one that runs that form builds it") in warned, warned
-    assert before == "core"  # nothing recorded: no form library, no failure
-    assert after == "0 core core-form1"  # built on the next call, without a warning
+    assert before == "core core-form0"  # the general form; nothing recorded of form 1: no library, no failure
+    assert after == "0 core core-form0 core-form1"  # built on the next call, without a warning
     assert same == "True True"  # states and gradients: the same bits in either form
 
 
@@ -297,3 +300,59 @@ def test_concurrent_processes_build_a_form_once(tmp_path):
     links = [c for c in commands if re.search(r"-o \S+\.so$", c)]
     # the fused core's entry points and the one form the call ran (no plain twin: runtime/api.py), each linked once
     assert len(links) == 2, links
+
+
+def test_a_fresh_cache_first_call_builds_its_own_form_alone_and_gets_the_definitions_values(tmp_path):
+    # the reference: the plain step (every state, no costs) and each term from its definition, float64
+    code = """
+        import numpy as np
+        step = ts.load(spec)
+        P, cost, grad = call(step)  # narrow forms allowed, no row weights: form 1
+        print(*built())
+        plain = ts.load(spec.replace(costs=(), outputs=None))
+        g = torch.Generator().manual_seed(0)
+        u = (0.3 * torch.randn(3, H - 1, D, generator=g, dtype=torch.float64)).cumsum(1).requires_grad_()
+        z = torch.zeros(3, D, dtype=torch.float64)
+        states = dict(zip(("position", "velocity", "acceleration", "jerk"), plain(u, z, z, z, 0.1)))
+        p = parameters()
+        terms = []
+        for kind, state in spec.costs:
+            y, w = states[state], p[f"{kind}_{state}_weight"]
+            if kind == "bound":
+                lo, hi = p[f"bound_{state}_limit"]
+                m = p[f"bound_{state}_margin"]
+                terms.append((w * (torch.relu(y - (hi - m)) ** 2 + torch.relu((lo + m) - y) ** 2)).sum((1, 2)))
+            else:
+                terms.append((w * y ** 2).sum((1, 2)))
+        reference = torch.stack(terms, 1)
+        (states["position"].sum() + reference.sum()).backward()
+        close = lambda a, b: np.allclose(a.detach().numpy(), b.detach().numpy(), rtol=1e-12, atol=1e-12)
+        print(close(P, states["position"]), close(cost, reference), close(grad, u.grad))
+    """
+    run = run_python(code, tmp_path)
+    assert run.returncode == 0, run.stderr
+    libraries, same = run.stdout.splitlines()
+    assert libraries == "core core-form1"  # the entry points and the call's form: no general form (form 0)
+    assert same == "True True True"
+
+
+def test_a_call_whose_form_and_the_general_form_cannot_be_built_says_it_writes_no_output(tmp_path):
+    code = """
+        import warnings
+        step = ts.load(spec)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            call(step)
+        for w in caught:
+            print(str(w.message).replace(chr(10), " "))
+        print(*built())
+    """
+    run = run_python(code, tmp_path / "cache", CC=str(_failing_form_compiler(tmp_path, "*TS_FORM=*")))
+    assert run.returncode == 0, run.stderr
+    *warned, libraries = run.stdout.splitlines()
+    # the forward's call warns for each (failures are recorded: the adjoint's call builds nothing)
+    assert len(warned) == 2, warned
+    assert "narrow_unit_rows form of its kernels could not be built" in warned[0] and "no form today" in warned[0]
+    assert "general form of its kernels could not be built" in warned[1]
+    assert warned[1].endswith("this call writes no output")
+    assert libraries == "core"
