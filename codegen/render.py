@@ -14,7 +14,7 @@ import jinja2.bccache
 from ..version import __version__
 from . import abi, fused, macros, monomials, tape
 from .arguments import ArgumentTable
-from .lower import LoweredOperator
+from .lower import TABLE_CALL, KernelCode, LoweredOperator
 from .printer import COLUMN, lane_printer
 from .statements import Read, Shift, walk
 from .targets import (CUDA_BLOCK, CUDA_STAGED, CUDA_WARPS, ITEMSIZE, TABLE_KERNELS, Target, cuda_coefficients,
@@ -224,6 +224,17 @@ def _lane_bodies(code: LoweredOperator, codes: dict, kernels: tuple, table: Argu
 
 
 
+def _codes(code: LoweredOperator, kernels: tuple[str, ...], itemsize: int, target: Target,
+           variants: dict[str, dict[str, Any]], general: bool) -> dict[str, Any]:
+    """Each kernel's lowered general form (codegen/targets.py ``codes``); where the source leaves the
+    general form out (``general`` false), a kernel with variants gets a column without statements,
+    its entry point's setup alone (every C fused column's is the table call): its batch functions are
+    not compiled, and lowering the column was most of a fused core's codegen."""
+    formed = {k for v in variants.values() for k in v} if not general else set()
+    codes = target.codes(code, tuple(k for k in kernels if k not in formed), itemsize)
+    return {k: KernelCode(TABLE_CALL, []) if k in formed else codes[k] for k in kernels}
+
+
 def _form_checks(table: ArgumentTable, forms: list[fused.Form]) -> tuple[list[str], dict[str, str]]:
     """C lines that set what a call's parameters allow (``narrow``: every dof allows the cost kinds'
     narrow forms; ``unit_rows``: every row weight is 1), and each variant's test of them by suffix."""
@@ -315,9 +326,10 @@ def render(spec: Any, code: LoweredOperator, table: ArgumentTable, target: Targe
     """Source text of one spec's kernels for a target (codegen/targets.py).
 
     ``part`` selects the kernels: 'core' (forward, adjoint), 'dt' (dt derivatives) or 'all'.
-    ``forms``: the variants of a fused C forward and adjoint (codegen/fused.py ``forms``, from 1) whose
-    batch functions the source holds (None: every one); a source without some compiles only where
-    the switches of templates/kernel.c.j2 leave them out (the runtime's, runtime/cbackend.py ``Forms``).
+    ``forms``: the forms of a fused C forward and adjoint whose batch functions the source holds: 0 the
+    general one, the variants from 1 (codegen/fused.py ``forms``); None: every one. A source without
+    some compiles only where the switches of templates/kernel.c.j2 leave them out (the runtime's,
+    runtime/cbackend.py ``Forms``).
     Called by the driver (codegen/driver.py), which validates target and part.
     """
     kernels = abi.part_kernels(part, table)
@@ -330,8 +342,8 @@ def render(spec: Any, code: LoweredOperator, table: ArgumentTable, target: Targe
     u = strides(spec.layout, spec.n_actions, spec.dof)
     y = strides(spec.layout, spec.horizon, spec.dof)
     lane_form = lanes(spec) if target.lanes else None
-    codes = target.codes(code, kernels, itemsize)
     variants = target.form_codes(code, kernels, itemsize, forms)  # by suffix (codegen/fused.py ``forms``)
+    codes = _codes(code, kernels, itemsize, target, variants, forms is None or 0 in forms)
     lane_bodies = _lane_bodies(code, codes, kernels, table) if lane_form else {}
     for suffix, variant in variants.items() if lane_form else ():
         held = {k: v for k, v in variant.items() if v is not None}
