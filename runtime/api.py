@@ -12,7 +12,7 @@ from torch.nn.modules import module as _nn_module
 from ..codegen.spec import KernelSpec
 from . import registry, validate
 from .autograd import step_function
-from .launch import DTYPES, CpuBackend, Launcher, capturing, warm_up_first
+from .launch import DTYPES, UNBUILT, CpuBackend, Launcher, capturing, raise_unbuilt, warm_up_first
 
 Tensor = torch.Tensor
 TENSOR_TYPES = validate.TENSOR_TYPES
@@ -325,10 +325,14 @@ class Step(torch.nn.Module):
                 slot = self._held_slot_id if generation >= 0 else self._slot_id
                 if out is None:
                     outs = self._native_step(self.native, [*values, dt_k], slot)
+                    if UNBUILT:
+                        raise_unbuilt()
                     if outs:
                         return tuple(outs)
                 elif (type(out) in (tuple, list) and all(type(y) is Tensor for y in out)
                       and self._native_step_out(self.native, [*values, dt_k], out, slot)):
+                    if UNBUILT:
+                        raise_unbuilt()
                     return tuple(out)
         inputs, dt_k, kept = self._checked(values, dt)
         if self.table.fused:
@@ -349,7 +353,10 @@ class Step(torch.nn.Module):
                 )
             return tuple(_compiled_step(self.op_key, self.table.family, inputs, dt_k))
         if self.native is not None and not dt_k.requires_grad and not _transformed():
-            return tuple(self._native_step(self.native, [*inputs, dt_k]))
+            outs = tuple(self._native_step(self.native, [*inputs, dt_k]))
+            if UNBUILT:
+                raise_unbuilt()
+            return outs
         return step_function(self.launcher, inputs, dt_k)
 
     def _native_held(self, u: Tensor, p0: Tensor, v0: Tensor, a0: Tensor, j0: Optional[Tensor],
@@ -365,9 +372,13 @@ class Step(torch.nn.Module):
             return None
         if out is None:
             outs = self._native_step(self.native, given, self._held_slot_id, generation)
+            if UNBUILT:
+                raise_unbuilt()
             return tuple(outs) if outs else None
         if (type(out) in (tuple, list) and all(type(y) is Tensor for y in out)
                 and self._native_step_out(self.native, given, out, self._held_slot_id, generation)):
+            if UNBUILT:
+                raise_unbuilt()
             return tuple(out)
         return None
 

@@ -24,6 +24,7 @@ from ..codegen import abi
 from ..codegen.arguments import table
 from .cache import ABI_VERSION, BuildCache, CacheError, digest, slow_notice
 from .fingerprint import generator_fingerprint
+from .launch import UNBUILT
 
 # -fopenmp: the batch loop runs on all cores; the library links libgomp.so.1, the same soname
 # PyTorch ships, so one OpenMP runtime serves both.
@@ -264,40 +265,41 @@ class Forms:
     failed, never on timing. Where a variant cannot be built, the hook says why and returns 0: the
     entry point asks for the general form, built then (the same states and gradients; a cost may
     differ in its last bits). Where the general form cannot be built either, the call writes no
-    output, and the hook's warning says so (the error is kept in ``error``)."""
+    output: the hook keeps why (runtime/launch.py ``UNBUILT``), which the call raises once the kernel
+    has returned."""
 
     def __init__(self, spec: Any, part: str, cache: BuildCache):
         self.spec, self.part, self.cache = spec, part, cache
         self._lock = threading.Lock()
         self._libraries: dict[int, ctypes.CDLL] = {}
-        self._failed: set[int] = set()
+        self._failed: dict[int, Exception] = {}  # why each form that failed to build did
         self._interrupted = False  # a Ctrl-C while this call's form was built: the rest of the call builds nothing
-        #: the error of a call that ran no form (neither its own nor the general one could be built)
-        self.error: Optional[BaseException] = None
         self._hook = _HOOKS.callback("intptr_t(int64_t, const char *)", self._find)
         #: what the entry points' ``<kernel>_forms`` take
         self.address = int(_HOOKS.cast("intptr_t", self._hook))
 
     def _find(self, form: int, symbol: Any) -> int:
         name = _HOOKS.string(symbol).decode()
-        then = ("this call runs the general form" if form != GENERAL else
-                "this call writes no output")
+        then = "this call runs the general form" if form != GENERAL else "this call writes no output and raises"
         try:
             if self._interrupted:
                 return 0
             try:
-                return self.find(form, name)
+                found = self.find(form, name)
+                if not found and form == GENERAL:  # it failed before: this call, too, writes no output
+                    UNBUILT[threading.get_ident()] = self._failed[GENERAL]
+                return found
             except BuildStopped as err:  # not a failed build: the next call that runs the form tries again
                 if form == GENERAL:
-                    self.error = err
+                    UNBUILT[threading.get_ident()] = err
                 warnings.warn(f"tensorstep: {self.spec.name}: the build of the {_form_name(self.spec, name)} form of "
                               f"its kernels was stopped by {err.signal}; {then}, the next one that runs that form "
                               "builds it", stacklevel=1)
                 return 0
             except Exception as err:  # noqa: BLE001 (nothing can be raised through the kernel)
-                self._failed.add(form)
+                self._failed[form] = err
                 if form == GENERAL:
-                    self.error = err
+                    UNBUILT[threading.get_ident()] = err
                 warnings.warn(f"tensorstep: {self.spec.name}: the {_form_name(self.spec, name)} form of its kernels "
                               f"could not be built ({type(err).__name__}: {err}); "
                               f"{'its calls run the general form' if form != GENERAL else then}", stacklevel=1)

@@ -6,6 +6,7 @@ backend-neutral.
 """
 from __future__ import annotations
 
+import threading
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -15,6 +16,19 @@ from ..codegen.arguments import REQUIRED, Argument, ArgumentTable, table
 from ..codegen.targets import C
 from . import memory
 from .validate import cost_parameter
+
+#: by thread: why that thread's last kernel call wrote no output (runtime/cbackend.py ``Forms``: neither
+#: the form its parameters call for nor the general form could be built); the entry points cannot
+#: raise, so the calls check this once the kernel has returned (``raise_unbuilt``)
+UNBUILT: dict[int, BaseException] = {}
+
+
+def raise_unbuilt() -> None:
+    """Raise why this thread's kernel call wrote no output, if it did not (``UNBUILT``)."""
+    err = UNBUILT.pop(threading.get_ident(), None)
+    if err is not None:
+        raise RuntimeError(f"tensorstep: no form of the kernel this call runs could be built, so it wrote no "
+                           f"output ({type(err).__name__}: {err})") from err
 
 Tensor = torch.Tensor
 OptTensor = Optional[Tensor]
@@ -145,6 +159,8 @@ class Launcher:
         ys = list(out) if out is not None else self._empty_outputs(u, B)
         if B:
             self.backend.call("forward", B, pointers((*inputs, dt, *ys)))
+            if UNBUILT:
+                raise_unbuilt()
         return ys
 
     def adjoint(self, grads: Sequence[OptTensor], dt: Tensor, B: int, needed: Sequence[bool],
@@ -159,6 +175,8 @@ class Launcher:
         reads = inputs if self.table.fused else ()
         if B:
             self.backend.call("adjoint", B, pointers((*reads, *grads, dt, *outs)))
+            if UNBUILT:
+                raise_unbuilt()
         return outs
 
     def dt_vjp(self, inputs: Sequence[OptTensor], grads: Sequence[OptTensor], dt: Tensor) -> Tensor:

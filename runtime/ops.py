@@ -30,7 +30,7 @@ from torch import Tensor
 
 from . import native, rules, validate
 from .autograd import NO_SECOND_DT
-from .launch import CpuBackend
+from .launch import UNBUILT, CpuBackend, raise_unbuilt
 from .registry import launcher as _launcher
 
 _below_autograd = torch._C._AutoDispatchBelowAutograd
@@ -134,6 +134,8 @@ def forward(key: str, args: tuple) -> list[Tensor]:
     if (handle is not None and all(args[i] is not None for i in required)
             and not (torch.is_grad_enabled() and _any_requires_grad(*args))):
         outs = torch.ops.tensorstep_native.step.default(handle, list(args))
+        if UNBUILT:
+            raise_unbuilt()
         if outs:
             return outs
     *inputs, dt = args

@@ -336,23 +336,40 @@ def test_a_fresh_cache_first_call_builds_its_own_form_alone_and_gets_the_definit
     assert same == "True True True"
 
 
-def test_a_call_whose_form_and_the_general_form_cannot_be_built_says_it_writes_no_output(tmp_path):
+@pytest.mark.parametrize("native", ["0", "1"])
+def test_a_call_whose_form_and_the_general_form_cannot_be_built_raises(tmp_path, native):
+    # native "1": the native node's op runs the forward where the node is built (else the Python path)
     code = """
         import warnings
+        from tensorstep.runtime import native
+        native.BACKGROUND = False
         step = ts.load(spec)
+        u = torch.zeros(3, H - 1, D, dtype=torch.float64); z = torch.zeros(3, D, dtype=torch.float64)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            call(step)
+            for _ in range(2):  # the second call builds nothing (both failures recorded) and raises too
+                try:
+                    step(u, z, z, z, 0.1, **parameters())
+                    print("no error")
+                except RuntimeError as err:
+                    print(str(err).replace(chr(10), " "))
         for w in caught:
             print(str(w.message).replace(chr(10), " "))
         print(*built())
     """
-    run = run_python(code, tmp_path / "cache", CC=str(_failing_form_compiler(tmp_path, "*TS_FORM=*")))
+    env = dict(os.environ, TENSORSTEP_NATIVE=native, TENSORSTEP_CACHE_DIR=str(tmp_path / "cache"),
+               CC=str(_failing_form_compiler(tmp_path, "*TS_FORM=*")))
+    run = subprocess.run([sys.executable, "-c", textwrap.dedent(SETUP) + textwrap.dedent(code)], env=env,
+                         capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr
-    *warned, libraries = run.stdout.splitlines()
-    # the forward's call warns for each (failures are recorded: the adjoint's call builds nothing)
-    assert len(warned) == 2, warned
+    *raised, libraries = run.stdout.splitlines()
+    errors, warned = raised[:2], raised[2:]
+    for error in errors:
+        assert error.startswith("tensorstep: no form of the kernel this call runs could be built, so it wrote no "
+                                "output (CompileError: "), error
+        assert "no form today" in error
+    assert len(warned) == 2, warned  # the first call's: its form, then the general one
     assert "narrow_unit_rows form of its kernels could not be built" in warned[0] and "no form today" in warned[0]
     assert "general form of its kernels could not be built" in warned[1]
-    assert warned[1].endswith("this call writes no output")
+    assert warned[1].endswith("this call writes no output and raises")
     assert libraries == "core"
