@@ -12,7 +12,8 @@ from torch.nn.modules import module as _nn_module
 from ..codegen.spec import KernelSpec
 from . import registry, validate
 from .autograd import step_function
-from .launch import DTYPES, UNBUILT, CpuBackend, Launcher, capturing, raise_unbuilt, warm_up_first
+from .launch import DTYPES, CpuBackend, Launcher, capturing, warm_up_first
+from .unbuilt import UNBUILT, raise_unbuilt
 
 Tensor = torch.Tensor
 TENSOR_TYPES = validate.TENSOR_TYPES

@@ -24,7 +24,7 @@ from ..codegen import abi
 from ..codegen.arguments import table
 from .cache import ABI_VERSION, BuildCache, CacheError, digest, slow_notice
 from .fingerprint import generator_fingerprint
-from .launch import UNBUILT
+from .unbuilt import keep as keep_unbuilt
 
 # -fopenmp: the batch loop runs on all cores; the library links libgomp.so.1, the same soname
 # PyTorch ships, so one OpenMP runtime serves both.
@@ -265,8 +265,8 @@ class Forms:
     failed, never on timing. Where a variant cannot be built, the hook says why and returns 0: the
     entry point asks for the general form, built then (the same states and gradients; a cost may
     differ in its last bits). Where the general form cannot be built either, the call writes no
-    output: the hook keeps why (runtime/launch.py ``UNBUILT``), which the call raises once the kernel
-    has returned."""
+    output: the hook keeps why (runtime/unbuilt.py), which the call raises once the kernel has
+    returned."""
 
     def __init__(self, spec: Any, part: str, cache: BuildCache):
         self.spec, self.part, self.cache = spec, part, cache
@@ -287,11 +287,11 @@ class Forms:
             try:
                 found = self.find(form, name)
                 if not found and form == GENERAL:  # it failed before: this call, too, writes no output
-                    UNBUILT[threading.get_ident()] = self._failed[GENERAL]
+                    keep_unbuilt(self._failed[GENERAL])
                 return found
             except BuildStopped as err:  # not a failed build: the next call that runs the form tries again
                 if form == GENERAL:
-                    UNBUILT[threading.get_ident()] = err
+                    keep_unbuilt(err)
                 warnings.warn(f"tensorstep: {self.spec.name}: the build of the {_form_name(self.spec, name)} form of "
                               f"its kernels was stopped by {err.signal}; {then}, the next one that runs that form "
                               "builds it", stacklevel=1)
@@ -299,7 +299,7 @@ class Forms:
             except Exception as err:  # noqa: BLE001 (nothing can be raised through the kernel)
                 self._failed[form] = err
                 if form == GENERAL:
-                    UNBUILT[threading.get_ident()] = err
+                    keep_unbuilt(err)
                 warnings.warn(f"tensorstep: {self.spec.name}: the {_form_name(self.spec, name)} form of its kernels "
                               f"could not be built ({type(err).__name__}: {err}); "
                               f"{'its calls run the general form' if form != GENERAL else then}", stacklevel=1)

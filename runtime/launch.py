@@ -6,7 +6,6 @@ backend-neutral.
 """
 from __future__ import annotations
 
-import threading
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -15,20 +14,8 @@ from ..codegen import abi
 from ..codegen.arguments import REQUIRED, Argument, ArgumentTable, table
 from ..codegen.targets import C
 from . import memory
+from .unbuilt import UNBUILT, raise_unbuilt
 from .validate import cost_parameter
-
-#: by thread: why that thread's last kernel call wrote no output (runtime/cbackend.py ``Forms``: neither
-#: the form its parameters call for nor the general form could be built); the entry points cannot
-#: raise, so the calls check this once the kernel has returned (``raise_unbuilt``)
-UNBUILT: dict[int, BaseException] = {}
-
-
-def raise_unbuilt() -> None:
-    """Raise why this thread's kernel call wrote no output, if it did not (``UNBUILT``)."""
-    err = UNBUILT.pop(threading.get_ident(), None)
-    if err is not None:
-        raise RuntimeError(f"tensorstep: no form of the kernel this call runs could be built, so it wrote no "
-                           f"output ({type(err).__name__}: {err})") from err
 
 Tensor = torch.Tensor
 OptTensor = Optional[Tensor]

@@ -30,8 +30,9 @@ from torch import Tensor
 
 from . import native, rules, validate
 from .autograd import NO_SECOND_DT
-from .launch import UNBUILT, CpuBackend, raise_unbuilt
+from .launch import CpuBackend
 from .registry import launcher as _launcher
+from .unbuilt import UNBUILT, raise_unbuilt
 
 _below_autograd = torch._C._AutoDispatchBelowAutograd
 _any_requires_grad = torch._C._any_requires_grad
