@@ -47,7 +47,7 @@ from .operator import Operator, Ref, Row, action, is_action, is_row
 from .references import References
 from .renaming import RowExpressions
 from .statements import (Bind, Call, Cast, Def, For, Index, Mul, Paren, Read, Rel, Shift, Statement, Store, Sum, Sym,
-                         Term, Val, Var, bind, transform, walk)
+                         Term, Val, Var, Volatile, bind, transform, walk)
 
 STATES = ("position", "velocity", "acceleration", "jerk", "snap")
 TARGET_REF = ("squared_position_target", 0)
@@ -580,10 +580,47 @@ def _action_partials(h: int, rows: list[Row], nonzero: set, readers: dict, coefs
     return out
 
 
+def _span_partials(h: int, rows: list[Row], nonzero: set, readers: dict, coefs: Coefficients, refs: References,
+                   window: int, blocks: Blocks) -> dict[int, list[Statement]]:
+    """``_action_partials`` of a knot span h, by row: after each row (its index in ``rows``), its terms
+    added to the partial of every action it reads (``gi<k>_<j>``, row (k, h)'s, the span's last reader's the
+    span's partial ``ga<j>``), the action's gradient stored after its last reading row. The terms and
+    their order are ``_action_partials``' (the same bits), but a row's gradient g is dead once its row
+    is done: the span's rows' g's are not all live at once (a float64 degree-3 span of 8 rows spilled)."""
+    chain: dict[int, Val] = {}  # action j → its partial so far in this span
+    last: dict[int, int] = {}  # action j → the span's last row that reads it
+    for i, row in enumerate(rows):
+        for _, ref in row.terms if row.k in nonzero else ():
+            if is_action(ref):
+                last[ref[1]] = i
+    out: dict[int, list[Statement]] = defaultdict(list)
+    for i, row in enumerate(rows):
+        products: dict[int, list[Term]] = defaultdict(list)
+        for c, ref in row.terms if row.k in nonzero else ():
+            if is_action(ref):
+                products[ref[1]].append(coefs.term(c, Val("g", row.k, blocks.row(row.h, h))))
+        for j in sorted(products):
+            if j in chain:
+                earlier = (Term(None, chain[j]),)
+            else:
+                steps = [blocks.of(hh) for _, _, hh in readers[action(j)]]
+                before = max((hh for hh in steps if hh < h), default=None)
+                earlier = (Term(None, Val("ga", j - before + window, Rel(before - h))),) if before is not None else ()
+            if last[j] > i:  # named by the row's output and position
+                chain[j] = Val(f"gi{row.k}_", j - h + window, blocks.row(row.h, h))
+                out[i].append(Def(chain[j], Sum(earlier + tuple(products[j]))))
+                continue
+            own = Val("ga", j - h + window, Rel(0))
+            out[i].append(Def(own, Sum(earlier + tuple(products[j]))))
+            if max(blocks.of(hh) for _, _, hh in readers[action(j)]) == h:
+                out[i].append(blocks.at(refs.gradient(action(j), (Term(None, own),)), h))
+    return out
+
+
 def _column_partials(h: int, inputs: list, readers: dict, coefs: Coefficients, refs: References,
                      blocks: Blocks) -> list[Statement]:
     """Group h's part of the per-column inputs' gradients (the start state) where they are summed
-    group by group (``adjoint_rolled``'s ``start_sums``; knot spans): its readers' coefficient × g
+    group by group (``adjoint_rolled``'s ``start_sums``; knot spans: ``_span_column_partials``): its readers' coefficient × g
     added to the input's sum, stored at its last reading group.
     A clamped B-spline's first spans all read the start state: gathered at the last reader, their
     g's were live together (spilled). The sums are defined in the column's head (``_column_sums``)."""
@@ -603,10 +640,79 @@ def _column_partials(h: int, inputs: list, readers: dict, coefs: Coefficients, r
     return out
 
 
+def _span_column_partials(h: int, rows: list[Row], inputs: list, readers: dict, coefs: Coefficients,
+                          refs: References, blocks: Blocks) -> dict[int, list[Statement]]:
+    """Group h's part of the per-column inputs' gradients (the start state) where groups are knot
+    spans, by row (its index in ``rows``, as ``_span_partials``): its readers' coefficient × g summed
+    row by row (``gc<k>_<i>``, row (k, h)'s partial of input i), the span's sum added to the input's
+    after its last reading row, stored at its last reading group. A clamped B-spline's first spans
+    all read the start state: gathered at the span's end, their g's were live together (spilled).
+    The sums are defined in the column's head (``_column_sums``)."""
+    out: dict[int, list[Statement]] = defaultdict(list)
+    for n, ref in enumerate(inputs):
+        if is_action(ref) or ref == TARGET_REF or not readers.get(ref):
+            continue
+        spans = sorted({blocks.of(hh) for _, _, hh in readers[ref]})
+        if h not in spans:
+            continue
+        coef = {(k, hh): c for c, k, hh in readers[ref]}
+        reading = [i for i, row in enumerate(rows) if (row.k, row.h) in coef]
+        part: Val | None = None
+        for i in reading:
+            row = rows[i]
+            term = coefs.term(coef[row.k, row.h], Val("g", row.k, blocks.row(row.h, h)))
+            if i != reading[-1]:
+                own = Val(f"gc{row.k}_", n, blocks.row(row.h, h))
+                out[i].append(Def(own, Sum(((Term(None, part),) if part else ()) + (term,))))
+                part = own
+                continue
+            total = Var(f"a{refs.local(ref)}")
+            # ``+=``: the span's terms summed, then added to the total (as one sum of them was)
+            out[i].append(Store(total, Sum(((Term(None, part),) if part else ()) + (term,)), "+="))
+            if h == spans[-1]:
+                out[i].append(refs.gradient(ref, (Term(None, total),)))
+    return out
+
+
+def volatile_reads(statements: list[Statement], macros: set[str]) -> list[Statement]:
+    """``statements`` with each read of ``macros`` made where it is used (``Volatile``, CUDA's):
+    a knot-span column reads the row weights of every term at each of its rows, which ptxas
+    otherwise loads ahead, a span's or a straight-line stretch's at once, and keeps live (at the
+    register cap, degree 3, 64 knots: 8 to 40 bytes spilled, in the first and last spans and, 4
+    rows a span, in the loop), as the step coefficients (codegen/targets.py ``cuda_volatile_coefficients``)."""
+    def volatile(node):
+        return Volatile(node) if isinstance(node, Read) and node.macro in macros else None
+
+    return list(transform(tuple(statements), volatile))
+
+
+def loads_where_used(statements: list[Statement], loads: list[Statement]) -> list[Statement]:
+    """``statements`` with each of ``loads`` (definitions among them, a column's inputs: ``References.loads``)
+    moved to just before the first statement that reads it; the others keep their order. CUDA's
+    B-spline adjoints (the start state read by the first spans only): at the register cap ptxas
+    spilled 8 to 16 bytes in float64 (degree 4 and 5, 4 rows a span) with them loaded first. Its
+    forwards keep them first: moved, float32's spills moved about (0 to 32 bytes at 16 knots)."""
+    moved = {s.target: s for s in statements if s in loads}
+    rest = [s for s in statements if s not in loads]
+    out: list[Statement] = []
+    for s in rest:
+        names = {n for n in walk(s) if isinstance(n, (Var, Val))} | _sym_reads([s])
+        out += [moved.pop(v) for v in list(moved) if v in names]
+        out.append(s)
+    return out + list(moved.values())
+
+
 def _column_sums(inputs: list, readers: dict, refs: References) -> list[Statement]:
     """The sums ``_column_partials`` adds to, from 0."""
     return [Def(Var(f"a{refs.local(ref)}"), Sum(()), const=False) for ref in inputs
             if not is_action(ref) and ref != TARGET_REF and readers.get(ref)]
+
+
+def has_gradient(table: ArgumentTable) -> Callable[[Row], bool]:
+    """Whether a row has a gradient (its output written, or a term on it): ``adjoint_rolled`` leaves
+    the others out."""
+    terms = CostTerms(table)
+    return lambda row: row.k in terms.written or bool(terms.on(row.k))
 
 
 def adjoint_rolled(op: Operator, coefs: Coefficients, refs: References, table: ArgumentTable, live: Callable,
@@ -630,7 +736,7 @@ def adjoint_rolled(op: Operator, coefs: Coefficients, refs: References, table: A
     head = refs.loads(columns) + terms.loads() + terms.scales()
     head += [Def(target, Sum(()), const=False)] if target else []
     # rows whose gradient is 0 (no output gradient, no term) add nothing: left out of the sums
-    nonzero = {row.k for row in op.rows if row.k in terms.written or terms.on(row.k)}
+    nonzero = {row.k for row in op.rows if has_gradient(table)(row)}
     readers: dict[tuple, list[tuple[sp.Expr, int, int]]] = defaultdict(list)
     for row in op.rows:
         for c, ref in row.terms:
@@ -646,7 +752,13 @@ def adjoint_rolled(op: Operator, coefs: Coefficients, refs: References, table: A
     groups = []
     for h, rows in blocks.groups(op).items():
         statements: list[Statement] = []
-        for row in rows:
+        by_row: dict[int, list[Statement]] = defaultdict(list)
+        if blocks.period > 1:
+            for part in (_span_partials(h, rows, nonzero, readers, coefs, refs, window, blocks),
+                         _span_column_partials(h, rows, inputs, readers, coefs, refs, blocks)):
+                for i, lines in part.items():
+                    by_row[i] += lines
+        for i, row in enumerate(rows):
             if row.k not in nonzero:
                 continue
             statements.append(_relative_row(row, coefs, refs, blocks))
@@ -657,9 +769,11 @@ def adjoint_rolled(op: Operator, coefs: Coefficients, refs: References, table: A
             if target and row.k == 0:
                 statements += [Store(target, Sum((Term(None, terms.slope_at(t, kind, 0, at, kinds.TARGET)),)), "+=")
                                for t, kind in terms.on(0) if kind == "squared"]
-        statements += _action_partials(h, rows, nonzero, readers, coefs, refs, window, blocks)
-        if summed:
-            statements += _column_partials(h, inputs, readers, coefs, refs, blocks)
+            statements += by_row.get(i, [])
+        if blocks.period == 1:
+            statements += _action_partials(h, rows, nonzero, readers, coefs, refs, window, blocks)
+            if summed:
+                statements += _column_partials(h, inputs, readers, coefs, refs, blocks)
         for ref in done_at.get(h, []):
             if not is_action(ref) and not summed:
                 gathered = tuple(coefs.term(c, Val("g", k, blocks.row(hh, h))) for c, k, hh in readers[ref])

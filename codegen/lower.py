@@ -24,7 +24,7 @@ import sympy as sp
 from . import fused, roll
 from .coefficients import MINUS_ONE, ONE, Coefficients, table_term
 from .arguments import ArgumentTable
-from .operator import Operator, Ref, action, is_action, is_row
+from .operator import Operator, Ref, Row, action, is_action, is_row
 from .printer import COLUMN
 from .references import References
 from .runs import NEXT, runs, shared
@@ -402,15 +402,30 @@ def _knot_phase(op: Operator, p: int) -> int:
     them one action further in the longest runs (roll.py's ``MIN_ROLL`` spans or more; the first b
     on a tie): a fused B-spline's rolled columns group their rows by these spans (``fused.Blocks``)."""
     rows: Rows = {(row.k, row.h): {ref: c for c, ref in row.terms} for row in op.rows}
-    last = max(h for _, h in rows)
     best, phase = -1, 0
     for b in range(p):
-        blocks = [{(k, h - p * q - b): _shifted(terms, -q) for (k, h), terms in rows.items()
-                   if p * q + b <= h < p * q + b + p} for q in range(-1, (last - b) // p + 1)]
-        repeated = sum(len(run) for run in runs(blocks, key=lambda block: block, min_length=roll.MIN_ROLL))
+        repeated = _repeated_spans(rows, p, b)
         if repeated > best:
             best, phase = repeated, b
     return phase
+
+
+def _repeated_spans(rows: Rows, p: int, b: int) -> int:
+    """The spans [p·q + b, p·q + b + p) of ``rows`` in runs of ``roll.MIN_ROLL`` or more that each
+    repeat the span before them one action further."""
+    last = max(h for _, h in rows)
+    blocks = [{(k, h - p * q - b): _shifted(terms, -q) for (k, h), terms in rows.items()
+               if p * q + b <= h < p * q + b + p} for q in range(-1, (last - b) // p + 1)]
+    return sum(len(run) for run in runs(blocks, key=lambda block: block, min_length=roll.MIN_ROLL))
+
+
+def _knot_loop_possible(op: Operator, p: int, b: int, kept: Callable[[Row], bool]) -> bool:
+    """Whether a rolled column grouped by the spans from row b (``fused.Blocks``) can hold a loop over
+    knots, counted on the operator's rows (cheap) before the column is built: its groups are equal
+    only where the rows they hold (``kept``) are, so without ``roll.MIN_ROLL`` equal spans of those
+    rows in a row, ``roll.render`` leaves every group straight-line."""
+    rows: Rows = {(row.k, row.h): {ref: c for c, ref in row.terms} for row in op.rows if kept(row)}
+    return bool(rows) and _repeated_spans(rows, p, b) > 0
 
 
 def _loop_count(rows: Rows, first: int, p: int) -> int:
@@ -1112,12 +1127,31 @@ class LoweredOperator:
             build = fused.forward_rolled if kernel == "forward" else fused.adjoint_rolled
             p = _period(self.op)
             blocks = fused.Blocks() if p == 1 else fused.Blocks(p, _knot_phase(self.op, p))
+            # the adjoint's groups hold the rows with a gradient (fused.adjoint_rolled's ``nonzero``)
+            kept = (lambda row: True) if kernel == "forward" else fused.has_gradient(self.arguments)
+            if p > 1 and not _knot_loop_possible(self.op, p, blocks.phase, kept):
+                cache[kernel, form, start_sums] = None  # (not built: no loop would form)
+                return None
             statements = build(self.op, self.coefs, self.refs, self.arguments, _live, form=form, blocks=blocks,
                                **extra)
             # a B-spline with too few knots for a loop keeps its straight-line columns
             rolled = p == 1 or any(isinstance(s, For) for s in statements)
             cache[kernel, form, start_sums] = KernelCode(TABLE_CALL, statements) if rolled else None
         return cache[kernel, form, start_sums]
+
+    def cuda_fused_rolled(self, kernel: str) -> KernelCode | None:
+        """CUDA's ``fused_rolled`` (the start state's gradients summed step by step): a B-spline's
+        columns read the row weights where they use them (codegen/fused.py ``volatile_reads``), its
+        adjoint each column input just before its first use (``loads_where_used``); a stencil's as
+        ``fused_rolled``'s."""
+        code = self.fused_rolled(kernel, start_sums=True)
+        if code is None or _period(self.op) == 1:
+            return code
+        weights = {a.macro for a in self.arguments.parameters if a.role == "cost_row_weight"}
+        statements = code.statements
+        if kernel == "adjoint":
+            statements = fused.loads_where_used(statements, self.refs.loads(a.name for a in self.arguments.columns))
+        return dataclasses.replace(code, statements=fused.volatile_reads(statements, weights))
 
     def c_recurrence_rolled(self, kernel: str, itemsize: int, form: fused.Form = fused.Form()) -> KernelCode | None:
         """A fused recurrence's C forward or adjoint with its repeating steps as loops, as CUDA's: the

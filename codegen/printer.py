@@ -15,7 +15,7 @@ from sympy.printing.c import C99CodePrinter
 
 from .renaming import renamed_text
 from .statements import (Add, Bind, Call, Cast, Def, For, Literal, Mul, Paren, Read, Rel, RunTape, Shift, Statement,
-                         Store, Strided, Sum, Sym, Term, Val, Var)
+                         Store, Strided, Sum, Sym, Term, Val, Var, Volatile)
 
 INDENT = "    "
 
@@ -189,6 +189,8 @@ class Printer:
             return f"{self.expr(e.a)}*{self.expr(e.b)}"
         if isinstance(e, Paren):
             return f"({self.expr(e.x)})"
+        if isinstance(e, Volatile):
+            return f"(*(volatile const {self.element}*)&({self.expr(e.x)}))"
         if isinstance(e, Cast):
             if self.vector:  # the lane form converts to double (a cost's sums per dof) only
                 assert e.ctype == "double", f"no lane form of a cast to {e.ctype}"

@@ -150,7 +150,15 @@ class Cast:
     x: Any
 
 
-Expr = Union[Var, Val, Read, Literal, Sym, Bind, Sum, Add, Mul, Paren, Cast]
+@dataclasses.dataclass(frozen=True)
+class Volatile:
+    """A read made where it is used: ``(*(volatile const T*)&(x))`` (``x`` a read, an lvalue),
+    which the compiler neither hoists nor merges."""
+
+    x: Read
+
+
+Expr = Union[Var, Val, Read, Literal, Sym, Bind, Sum, Add, Mul, Paren, Cast, Volatile]
 
 
 @dataclasses.dataclass(frozen=True)

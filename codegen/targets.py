@@ -644,7 +644,7 @@ class CudaTarget(Target):
         codes = {k: getattr(code.as_tapes, k) if k in ("dt_jvp", "dt_vjp_finish") else getattr(code, k)
                  for k in kernels}
         adjoint = codes.get("adjoint")
-        rolled = {k: code.fused_rolled(k, start_sums=True) for k in ("forward", "adjoint") if k in codes and code.fused}
+        rolled = {k: code.cuda_fused_rolled(k) for k in ("forward", "adjoint") if k in codes and code.fused}
         if rolled.get("forward") or rolled.get("adjoint"):  # a fused stencil: its interior steps one loop
             codes.update({k: v for k, v in rolled.items() if v is not None})
         elif adjoint is not None and code.adjoint_reads is not None:

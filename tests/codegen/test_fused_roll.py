@@ -176,3 +176,25 @@ def test_c_rolls_a_bsplines_fused_columns_past_its_threshold_where_its_spans_rep
         for codes in [C.codes(code, kernels, 4)] + list(C.form_codes(code, kernels, 4).values()):
             knot_loops = [sum(isinstance(s, For) and s.var == "kn" for s in codes[k].statements) for k in kernels]
             assert knot_loops == [loops] * 2
+
+
+@pytest.mark.parametrize("degree, steps", [(3, 2), (3, 8), (5, 3)])
+def test_a_bsplines_rolled_columns_are_built_only_where_a_knot_loop_forms(degree, steps):
+    """``fused_rolled`` decides from the operator's spans (``lower._knot_loop_possible``) whether a
+    knot loop can form before it builds a B-spline's rolled column: at every knot count around the
+    first that forms one, its answer (None: no loop) is the one building the column gives, for the
+    forward and the adjoint, costs on every state or on velocity only (the adjoint's groups then
+    hold the velocity rows and P's)."""
+    from tensorstep.codegen.lower import _knot_phase, _live, _period
+
+    for terms in (TERMS, (("squared", "velocity"),)):
+        for knots in range(degree + 2, degree + 7):
+            spec = ts.KernelSpec(control="bspline", degree=degree, knots=knots, steps=steps, dof=2, costs=terms,
+                                 outputs=("P",))
+            code = lower(build_operator(spec), table(spec))
+            p = _period(code.op)
+            blocks = fused.Blocks(p, _knot_phase(code.op, p))
+            for kernel, build in (("forward", fused.forward_rolled), ("adjoint", fused.adjoint_rolled)):
+                built = build(code.op, code.coefs, code.refs, code.arguments, _live, blocks=blocks)
+                loop = any(isinstance(s, For) for s in built)
+                assert (code.fused_rolled(kernel) is not None) == loop, (degree, steps, knots, terms, kernel)

@@ -114,6 +114,14 @@ GRID = [
           costs=COSTS + (("squared", "snap"), ("squared", "position")), outputs=("P",)), 64, "float64", {}),
     (dict(difference="backward", accuracy=3, dt="per_step", order=4, costs=COSTS, outputs=("P",)), 64, "float64", {}),
     (dict(difference="central", accuracy=4, dt="per_step", order=4, costs=COSTS, outputs=("P",)), 64, "float64", {}),
+    # fused B-splines of 64 knots (codegen/fused.py ``_span_partials``, ``_span_column_partials``,
+    # ``volatile_reads``): a span's rows add to the partial sums row by row, the row weights read where
+    # used (spilled before, bytes: float64 degree 3 adjoint 352 with 8 steps a span, 16 with 4; degree
+    # 5 adjoint 752; float32 degree 3 forward 40)
+    (dict(control="bspline", degree=3, knots=64, steps=8, costs=COSTS, outputs=("P",)), None, "float64", {}),
+    (dict(control="bspline", degree=3, knots=64, steps=4, costs=COSTS, outputs=("P",)), None, "float64", {}),
+    (dict(control="bspline", degree=5, knots=64, steps=8, costs=COSTS, outputs=("P",)), None, "float64", {}),
+    (dict(control="bspline", degree=3, knots=64, steps=8, costs=COSTS, outputs=("P",)), None, "float32", {}),
     # a dt per trajectory: each thread computes its coefficients, monomials of its dt, the factors read
     # where they are used from the block's copy in shared memory (104 and 244 bytes spilled before)
     (dict(control="bspline", degree=4, knots=6, steps=2, dt="per_trajectory", costs=COSTS, outputs=("P",)), None,

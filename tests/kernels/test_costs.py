@@ -1319,3 +1319,24 @@ def test_rolled_bspline_columns_match_the_definitions(case, knots, cuda):
     x, params, dt = _data(spec)
     _fused_against_composite(spec, x, params, dt, not cuda and spec.dt != "uniform",
                              fused_step=host_step(spec) if cuda else None)
+
+
+#: the bench's seven terms and a target (the rows of tests/cuda/test_ptxas.py's B-splines): a span's
+#: rows add to the actions' and the start state's partial sums row by row, the row weights read where
+#: used (codegen/fused.py ``_span_partials``, ``_column_partials``, ``volatile_reads``)
+BENCH_TERMS = tuple(("bound", s) for s in ("position", "velocity", "acceleration", "jerk")) + tuple(
+    ("squared", s) for s in ("velocity", "acceleration", "jerk", "position"))
+BENCH_BSPLINES = [(3, 64, 8, "uniform"), (3, 64, 4, "uniform"), (4, 16, 8, "per_trajectory"), (5, 16, 1, "uniform"),
+                  (5, 20, 4, "per_trajectory")]
+
+
+@pytest.mark.parametrize("degree, knots, steps, dt", BENCH_BSPLINES)
+def test_rolled_bspline_columns_with_the_bench_terms_run_on_the_host_match_the_definitions(degree, knots, steps, dt):
+    """CUDA's rolled B-spline columns with the bench's terms, run on the host: P, cost and the
+    gradients of u, p0 and the target against the plain step plus the terms from their definitions."""
+    from cuda_on_host import host_step
+
+    spec = ts.KernelSpec(control="bspline", degree=degree, knots=knots, steps=steps, dof=2, dt=dt, dtype="float64",
+                         costs=BENCH_TERMS, outputs=("P",))
+    x, params, dt_ = _data(spec)
+    _fused_against_composite(spec, x, params, dt_, False, fused_step=host_step(spec))
