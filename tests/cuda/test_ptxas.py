@@ -161,11 +161,11 @@ GRID = [
     (dict(control="bspline", degree=5, knots=64, steps=4, dt="per_trajectory"), None, "float32", {}),
     (dict(control="bspline", degree=5, knots=32, steps=2, dt="per_trajectory"), None, "float32", {}),
     (dict(difference="central", accuracy=8, order=4, dt="per_trajectory"), 128, "float32", {}),
-    # from the seeded survey of fused specs (``--survey 40 2026``): its one spill, a rolled B-spline adjoint,
-    # and clean ones (the largest stack frame, 760 bytes; the most registers, 126; a dt per step, exact)
+    # from the seeded survey of fused specs (``--survey 40 2026``): its one spill, a rolled B-spline adjoint
+    # (4 bytes before its spans' partial sums were added row by row), and clean ones (the largest stack
+    # frame, 760 bytes; the most registers, 126; a dt per step, exact)
     (dict(control="bspline", degree=3, knots=32, steps=4, order=4, dt="per_trajectory",
-          costs=(("bound", "acceleration"), ("bound", "jerk")), outputs=("S",)), None, "float64",
-     {"core": "the fused adjoint spills 4 bytes (rolled B-spline columns)"}),
+          costs=(("bound", "acceleration"), ("bound", "jerk")), outputs=("S",)), None, "float64", {}),
     (dict(control="jerk", dt="per_trajectory", outputs=("P", "J"),
           costs=(("bound", "jerk"), ("squared", "acceleration"), ("squared", "position"))), 256, "float32", {}),
     (dict(control="velocity", dt="per_step", outputs=("V",),
