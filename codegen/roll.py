@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 from collections import defaultdict
 from operator import itemgetter
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import sympy as sp
 
@@ -264,16 +264,20 @@ def rolled(run: list[Group], step: int, defined: set[str]) -> list[Statement]:
     return out
 
 
-def render(groups: list[Group], tail: list[Statement] = ()) -> list[Statement]:
+def render(groups: list[Group], tail: list[Statement] = (), after: Mapping[int, list[Statement]] = {},
+           period: int = 0) -> list[Statement]:
     """Runs of at least MIN_ROLL equal groups as loops, everything else straight-line; all
-    straight-line if a loop would leave a later read undefined."""
+    straight-line if a loop would leave a later read undefined. ``after``: statements that follow
+    group h's (the same at every row of a loop they fall in), a loop cut there (``_cut``, blocks of
+    ``period`` rows where they come every ``period`` rows)."""
     try:
-        return _render(groups, tail, roll=True)
+        return _render(groups, tail, roll=True, after=after, period=period)
     except NotRollable:
-        return _render(groups, tail, roll=False)
+        return _render(groups, tail, roll=False, after=after, period=period)
 
 
-def _render(groups: list[Group], tail: list[Statement], roll: bool) -> list[Statement]:
+def _render(groups: list[Group], tail: list[Statement], roll: bool, after: Mapping[int, list[Statement]],
+            period: int) -> list[Statement]:
     defined: set[str] = set()
     out: list[Statement] = []
     items = [(shape(g), (g.h, *slots(g))) for g in groups] if roll else []  # a group's shape and fields
@@ -281,12 +285,45 @@ def _render(groups: list[Group], tail: list[Statement], roll: bool) -> list[Stat
     while i < len(groups):
         j = run_at(items, i, key=itemgetter(0), fields=itemgetter(1), admits=_rows).stop if roll else i + 1
         if j - i >= MIN_ROLL:
-            out += rolled(groups[i:j], groups[i + 1].h - groups[i].h, defined)
+            loop = rolled(groups[i:j], groups[i + 1].h - groups[i].h, defined)
+            out += [piece for s in loop for piece in (_cut(s, after, period) if isinstance(s, For) else [s])]
         else:  # a short run's first group: the next one may begin a longer run
             j = i + 1
-            out += straight(groups[i], defined)
+            out += straight(groups[i], defined) + list(after.get(groups[i].h, ()))
         i = j
     return out + straight(Group(0, list(tail)), defined)
+
+
+def _cut(loop: For, after: Mapping[int, list[Statement]], period: int) -> list[Statement]:
+    """A loop over consecutive rows with ``after``'s statements after the rows it has them for. Where
+    those rows come every ``period`` rows with the same statements (runs of rows, ``period`` long,
+    the first and a last one at the loop's end shorter), one loop over the runs (``rs``: a run's
+    first row), each the loop over its rows, then the statements; rows after the last such row one
+    more loop. Else the loop cut at each such row."""
+    cuts = [h for h in sorted(after) if isinstance(loop.first, int) and loop.first <= h <= loop.last]
+    if not cuts or loop.step != 1:
+        assert not cuts, "statements after rows in a loop that runs down"
+        return [loop]
+    piece = lambda first, last: dataclasses.replace(loop, first=first, last=last)
+    steps = [b - a for a, b in zip(cuts, cuts[1:])]
+    short = bool(steps) and steps[-1] < period and cuts[-1] == loop.last  # a last run cut short by the loop's end
+    uniform = period > 1 and cuts[0] - loop.first < period and all(d == period for d in steps[:-1 if short else None]) \
+        and all(after[h] == after[cuts[0]] for h in cuts)
+    if not uniform:
+        out: list[Statement] = []
+        start = loop.first
+        for h in cuts:
+            out += [piece(start, h), *after[h]]
+            start = h + 1
+        return out + ([piece(start, loop.last)] if start <= loop.last else [])
+    start = cuts[0] - period + 1  # the first run's first row, before the loop's where it is cut short
+    first = Var("rs") if start == loop.first else Var(f"rs > {loop.first} ? rs : {loop.first}")
+    last = Var(f"(rs + {period - 1} < {loop.last} ? rs + {period - 1} : {loop.last})") if short \
+        else Var(f"rs + {period - 1}")
+    rows = piece(first, last)
+    outer = For(start, (cuts[-2] if short else cuts[-1] - period) + 1, period, (rows, *after[cuts[0]]), unroll=False,
+                var="rs")
+    return [outer] + ([piece(cuts[-1] + 1, loop.last)] if cuts[-1] < loop.last else [])
 
 
 def _rows(stride: tuple[int, ...]) -> bool:
