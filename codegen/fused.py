@@ -523,37 +523,67 @@ class Blocks:
         return dataclasses.replace(node, args=(Shift(node.args[0] - q, 1),) + tuple(node.args[1:]))
 
 
-def _relative_row(row: Row, coefs: Coefficients, refs: References, blocks: Blocks = Blocks()) -> Def:
-    """A row's definition with its positions relative to its group (codegen/roll.py's groups)."""
+def _relative_row(row: Row, coefs: Coefficients, refs: References, blocks: Blocks = Blocks(),
+                  paired: bool = False) -> Def:
+    """A row's definition with its positions relative to its group (codegen/roll.py's groups);
+    ``paired``: each group of ``pairs`` one product, as ``paired_rows``."""
     q = blocks.of(row.h)
-    value = Sum(tuple(coefs.term(c, blocks.ref(refs, ref, q)) for c, ref in row.terms))
+    if paired:
+        value = Sum(tuple(coefs.term(c, blocks.ref(refs, group[0][0], q) if len(group) == 1 else Paren(Sum(tuple(
+            Term(None, blocks.ref(refs, ref, q), negative=neg) for ref, neg in group)))) for c, group in pairs(row)))
+    else:
+        value = Sum(tuple(coefs.term(c, blocks.ref(refs, ref, q)) for c, ref in row.terms))
     return Def(Val("y", row.k, blocks.row(row.h, q)), value)
 
 
 def forward_rolled(op: Operator, coefs: Coefficients, refs: References, table: ArgumentTable, live: Callable,
-                   form: Form = Form(), blocks: Blocks = Blocks()) -> list[Statement]:
-    """A stencil's ``forward`` (every term's rows added straight into its double sum) as groups of
-    statements per step (``blocks``: per knot span) with group-relative positions
-    (``CostTerms.value_at``), rendered by roll.py: the runs of equal groups (the interior) one loop
-    each, the sums carried through it; the boundary groups straight-line. Its length does not grow
-    with H."""
+                   form: Form = Form(), blocks: Blocks = Blocks(), run: int = 1,
+                   paired: bool = False) -> list[Statement]:
+    """A stencil's or recurrence's ``forward`` as groups of statements per step (``blocks``: per knot
+    span) with group-relative positions (``CostTerms.value_at``), rendered by roll.py: the runs of
+    equal groups (the interior) one loop each, the sums carried through it; the boundary groups
+    straight-line. Its length does not grow with H. ``run``: as ``forward``'s, groups per step
+    only (``_run_ends``); else every term's rows are added straight into its double sum. ``paired``:
+    the rows as ``paired_rows`` (C's: the straight-line form's arithmetic)."""
     terms = CostTerms(table, form.narrow, form.unit_rows)
+    partial = {t for t, kind, _ in terms.terms if run > 1 and blocks.period == 1 and terms.kind(kind).nonnegative}
     head = refs.loads(a.name for a in table.columns) + terms.loads()
     head += [Def(Var(f"cacc{t}"), Sum(()), ctype="double", const=False) for t, _, _ in terms.terms]
+    head += [Def(Var(f"crun{t}"), Sum(()), const=False) for t in sorted(partial)]
     groups = []
     for h, rows in blocks.groups(op).items():
         statements: list[Statement] = []
         for row in rows:
-            statements.append(_relative_row(row, coefs, refs, blocks))
+            statements.append(_relative_row(row, coefs, refs, blocks, paired))
             at = blocks.row(row.h, h)
             y = Val("y", row.k, at)
             if row.k in terms.written:
                 statements.append(Call(f"Y{row.k}", (at,), y))
-            statements += [Store(Var(f"cacc{t}"), Cast("double", Paren(terms.value_at(t, kind, row.k, at))), "+=")
+            statements += [Store(Var(f"crun{t}"), terms.value_at(t, kind, row.k, at), "+=") if t in partial else
+                           Store(Var(f"cacc{t}"), Cast("double", Paren(terms.value_at(t, kind, row.k, at))), "+=")
                            for t, kind in terms.on(row.k)]
         groups.append(roll.Group(h, statements))
-    body = head + roll.render(groups) + [terms.total(t, kind) for t, kind, _ in terms.terms]
+    body = head + roll.render(groups, after=_run_ends(op, terms, partial, run), period=run)
+    body += [terms.total(t, kind) for t, kind, _ in terms.terms]
     return live(body, _sym_reads(body))
+
+
+def _run_ends(op: Operator, terms: CostTerms, partial: set[int], run: int) -> dict[int, list[Statement]]:
+    """Step h → what ends the runs of ``partial``'s terms at h: ``crun<t>``, the term's rows since its
+    last run added in the kernel's type from 0, into its double sum, then 0 again. The runs are
+    ``_term_rows``' (each ``run`` of a term's rows, and its last row), so are the additions: 0 + x is x
+    (a sum of terms ≥ 0 is −0 only where a weight is), and the first run added to the double sum's 0
+    as ``_term_rows`` assigns it; roll.py loops over blocks of ``run`` steps where the runs of every
+    term end at the same steps (``roll._cut``)."""
+    ends: dict[int, list[Statement]] = defaultdict(list)
+    for t, kind, k in terms.terms:
+        if t in partial:
+            rows = [row for row in op.rows if row.k == k]
+            for i, row in enumerate(rows):
+                if i % run == run - 1 or i == len(rows) - 1:
+                    ends[row.h] += [Store(Var(f"cacc{t}"), Cast("double", Paren(Var(f"crun{t}"))), "+="),
+                                    Store(Var(f"crun{t}"), Sum(()))]
+    return dict(ends)
 
 
 def _action_partials(h: int, rows: list[Row], nonzero: set, readers: dict, coefs: Coefficients, refs: References,

@@ -1095,11 +1095,11 @@ class LoweredOperator:
         ``fused.C_ROLL_ABOVE_H`` rows a stencil's are rolled instead (``fused_rolled``: every row
         straight into its double sums, the adjoint with a partial sum per action), as gcc's time on the straight-line
         columns grows with H; past ``fused.C_ROLL_RECURRENCE_ABOVE_H`` a recurrence's (``c_recurrence_rolled``)."""
-        if self.op.horizon > fused.C_ROLL_ABOVE_H and self.fused_rolled(kernel, form) is not None:
-            return self.fused_rolled(kernel, form)
+        run = fused.run_rows(itemsize) if kernel == "forward" else 1
+        if self.op.horizon > fused.C_ROLL_ABOVE_H and self.fused_rolled(kernel, form, run=run, paired=True) is not None:
+            return self.fused_rolled(kernel, form, run=run, paired=True)
         if self.op.horizon > fused.C_ROLL_RECURRENCE_ABOVE_H and self.c_recurrence_rolled(kernel, itemsize, form):
             return self.c_recurrence_rolled(kernel, itemsize, form)
-        run = fused.run_rows(itemsize) if kernel == "forward" else 1
         key = (kernel, run, form)
         if key not in self._c_fused:
             stencil = _is_stencil(self.op)
@@ -1110,20 +1110,25 @@ class LoweredOperator:
                                                               ahead=fused.C_AHEAD[kernel] if stencil else 0, **extra))
         return self._c_fused[key]
 
-    def fused_rolled(self, kernel: str, form: fused.Form = fused.Form(), start_sums: bool = False) -> KernelCode | None:
+    def fused_rolled(self, kernel: str, form: fused.Form = fused.Form(), start_sums: bool = False, run: int = 1,
+                     paired: bool = False) -> KernelCode | None:
         """A fused stencil's forward or adjoint with its interior steps rolled into a loop
         (codegen/fused.py ``forward_rolled``, ``adjoint_rolled``): a column whose length does not
         grow with H; a B-spline's interior knot spans one loop over the knots (``fused.Blocks``,
         from the phase whose spans repeat most: ``_knot_phase``); None for recurrences, unfused
         steps and B-splines with too few equal spans for a loop (their straight-line columns stay).
         ``form``: what a call's parameters allow (C's variants, ``c_fused``); ``start_sums``: the
-        adjoint's start-state gradients summed step by step (``fused.adjoint_rolled``; CUDA's)."""
+        adjoint's start-state gradients summed step by step (``fused.adjoint_rolled``; CUDA's);
+        ``run``, ``paired``: a forward's float runs (C's float32, ``fused.run_rows``) and rows as
+        paired products (C's)."""
         if not self.fused or not _is_stencil(self.op):
             return None
         cache = self.__dict__.setdefault("_fused_rolled", {})
         start_sums = start_sums and kernel == "adjoint"
-        extra = {"start_sums": True} if start_sums else {}
-        if (kernel, form, start_sums) not in cache:
+        run, paired = (run, paired) if kernel == "forward" else (1, False)
+        extra = {"start_sums": True} if start_sums else {"run": run, "paired": paired} if kernel == "forward" else {}
+        key = (kernel, form, start_sums, run, paired)
+        if key not in cache:
             build = fused.forward_rolled if kernel == "forward" else fused.adjoint_rolled
             p = _period(self.op)
             blocks = fused.Blocks() if p == 1 else fused.Blocks(p, _knot_phase(self.op, p))
@@ -1136,8 +1141,8 @@ class LoweredOperator:
                                **extra)
             # a B-spline with too few knots for a loop keeps its straight-line columns
             rolled = p == 1 or any(isinstance(s, For) for s in statements)
-            cache[kernel, form, start_sums] = KernelCode(TABLE_CALL, statements) if rolled else None
-        return cache[kernel, form, start_sums]
+            cache[key] = KernelCode(TABLE_CALL, statements) if rolled else None
+        return cache[key]
 
     def cuda_fused_rolled(self, kernel: str) -> KernelCode | None:
         """CUDA's ``fused_rolled`` (the start state's gradients summed step by step): a B-spline's
@@ -1163,7 +1168,8 @@ class LoweredOperator:
         cache = self.__dict__.setdefault("_c_recurrence_rolled", {})
         if (kernel, itemsize, form) not in cache:
             if kernel == "forward":
-                statements = fused.forward_rolled(self.op, self.coefs, self.refs, self.arguments, _live, form=form)
+                statements = fused.forward_rolled(self.op, self.coefs, self.refs, self.arguments, _live, form=form,
+                                                  run=fused.run_rows(itemsize), paired=True)
             else:
                 statements = fused.rolled_adjoint(self.op, self.coefs, self.refs, self.arguments, _live, itemsize,
                                                   form, fused.C_CHECKPOINT_BYTES, reread=False)
