@@ -82,15 +82,48 @@ def test_a_fused_stencils_cuda_columns_are_as_long_at_any_horizon(case):
 
 def test_c_keeps_to_its_threshold_straight_line_fused_columns():
     """C's fused stencil columns stay straight-line, as tuned, up to fused.C_ROLL_ABOVE_H rows, and are
-    rolled past it (every form)."""
-    for horizon, loops in ((fused.C_ROLL_ABOVE_H, 0), (fused.C_ROLL_ABOVE_H + 1, 1)):
+    rolled past it (every form): the adjoint one loop, the float32 forward a loop over its float runs
+    (``_float_run_loops``) and one over the steps after the last run's end (the boundary steps
+    follow straight-line)."""
+    for horizon, loops in ((fused.C_ROLL_ABOVE_H, (0, 0)), (fused.C_ROLL_ABOVE_H + 1, (2, 1))):
         spec = _spec(horizon=horizon)
         code = lower(build_operator(spec), table(spec))
         kernels = ("forward", "adjoint")
         variants = [C.codes(code, kernels, 4)] + list(C.form_codes(code, kernels, 4).values())
         assert len(variants) == 4  # the general form, narrow, unit rows, both
         for codes in variants:
-            assert [sum(isinstance(s, For) for s in codes[k].statements) for k in ("forward", "adjoint")] == [loops] * 2
+            assert tuple(sum(isinstance(s, For) for s in codes[k].statements) for k in kernels) == loops
+
+
+def _float_run_loops(statements: list) -> list[For]:
+    """The loops over float runs of a rolled forward (codegen/roll.py ``_cut``): over ``rs``, by
+    fused.FLOAT_RUN_ROWS steps."""
+    return [s for s in statements if isinstance(s, For) and s.var == "rs"]
+
+
+@pytest.mark.parametrize("control", ["position", "velocity", "jerk"])
+def test_c_rolled_float32_forwards_add_their_terms_in_float_runs_at_any_horizon(control):
+    """Past the thresholds C's float32 forward adds each term's rows in runs of fused.FLOAT_RUN_ROWS in
+    float, as the straight-line form: one loop over the runs, each the loop over its steps then every
+    term's run added to its double sum (the same statements at H=41, 64 and 256: its length does not
+    grow with H); the float64 forward adds each row in double (no runs, no loop over them)."""
+    integrator = "exact" if control == "jerk" else "semi_implicit_euler"
+    bodies = []
+    for H in (41, 64, 256):
+        spec = _spec(horizon=H, control=control, integrator=integrator)
+        code = lower(build_operator(spec), table(spec))
+        for codes in [C.codes(code, ("forward",), 4)] + list(C.form_codes(code, ("forward",), 4).values()):
+            [runs] = _float_run_loops(codes["forward"].statements)
+            assert runs.step == fused.FLOAT_RUN_ROWS
+            steps, *ends = runs.body
+            assert isinstance(steps, For) and steps.var == "r"
+            assert len(ends) == 2 * len(TERMS)  # each term's run into its double sum, then its float sum from 0
+            assert all(f"crun{t}" in line for t in range(len(TERMS)) for line in codes["forward"].body
+                       if f"cacc{t} +=" in line)
+        bodies.append(len(C.codes(code, ("forward",), 4)["forward"].body))
+        double = C.codes(code, ("forward",), 8)["forward"]
+        assert not _float_run_loops(double.statements) and not any("crun" in line for line in double.body)
+    assert bodies[1] == bodies[2], bodies
 
 
 def _kernel_lines(source: str, kernel: str) -> int:

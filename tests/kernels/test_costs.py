@@ -221,13 +221,18 @@ def test_narrow_and_general_forms_give_the_same_bits(dtype, horizon):
         assert torch.equal(narrow, general), name
 
 
-@pytest.mark.parametrize("case", ["central", "per_step", "jerk_exact", "bspline", "central_rolled", "jerk_rolled"])
-def test_any_number_of_threads_gives_the_same_bits(case):
+@pytest.mark.parametrize("case, dtype", [(case, "float64") for case in (
+    "central", "per_step", "jerk_exact", "bspline", "central_rolled", "jerk_rolled")] + [
+    ("central_rolled", "float32"), ("jerk_rolled", "float32")])
+def test_any_number_of_threads_gives_the_same_bits(case, dtype):
     """B=300 (the C kernels split a batch of 64 and more over OpenMP threads, which follow
     torch.set_num_threads): states, cost and every gradient (u, the start state, dt, the target)
-    are the same bits with 1, 2 and 3 threads; each trajectory's sums are its own."""
-    spec = _spec(case, outputs=("P", "J"))
-    x, params, dt = _data(spec, B=300)
+    are the same bits with 1, 2 and 3 threads; each trajectory's sums are its own (float32 past the
+    thresholds: the forward's float runs)."""
+    spec = _spec(case, outputs=("P", "J")).replace(dtype=dtype)
+    x, params, dt = _data(spec.replace(dtype="float64"), B=300)
+    to = lambda t: t.to(getattr(torch, dtype)) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+    x, params, dt = {k: to(v) for k, v in x.items()}, {k: to(v) for k, v in params.items()}, to(dt)
     gen = torch.Generator().manual_seed(3)
     before, runs = torch.get_num_threads(), []
     try:
@@ -1297,6 +1302,72 @@ def test_rolled_c_recurrences_match_the_definitions(case):
     assert "TS_CK(" in generate(spec, ("c",), ("core",)).source("c", "core")  # (the scan's checkpoints)
     x, params, dt_ = _data(spec)
     _fused_against_composite(spec, x, params, dt_, dt != "uniform")
+
+
+#: C's rolled float32 forwards past the thresholds: each control, runs of 16 ending at the column's end
+#: (H=48) and a last run cut short (41, 100), a dt per trajectory or per step
+C_ROLLED_FLOAT32 = {f"{control}_h{H}_{dt}": (control, H, dt) for control, H, dt in (
+    ("position", 48, "uniform"), ("position", 100, "per_step"), ("velocity", 41, "per_trajectory"),
+    ("acceleration", 64, "uniform"), ("jerk", 100, "per_step"))}
+
+
+@pytest.mark.parametrize("case", C_ROLLED_FLOAT32)
+def test_rolled_c_float32_columns_match_the_definitions(case):
+    """C's float32 columns past the thresholds (the forward's terms in float runs, codegen/fused.py
+    ``_run_ends``): P, the cost and the gradients of u, p0 and the target within 1e-6 of the largest of
+    the plain float64 step plus the terms from their definitions, on the values the kernel sees."""
+    control, H, dt = C_ROLLED_FLOAT32[case]
+    spec = ts.KernelSpec(horizon=H, dof=3, control=control, dt=dt, dtype="float64", costs=TERMS, outputs=("P",),
+                         integrator="exact" if control == "jerk" else "semi_implicit_euler")
+    x, params, dt_ = _data(spec)
+    seen = lambda t: t.float().double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+    x, params, dt_ = {k: seen(v) for k, v in x.items()}, {k: seen(v) for k, v in params.items()}, seen(dt_)
+    _fused_against_composite(spec, x, params, dt_, False, fused_step=ts.load(spec.replace(dtype="float32")),
+                             fused_dtype=torch.float32, tol=1e-6)
+
+
+#: one variant's forward in a process of its own (argv: spec, inputs, output, "straight" for the
+#: straight-line columns at any horizon, else the columns the thresholds choose)
+ROLL_RUN = """
+import sys, torch, tensorstep as ts
+from tensorstep.codegen import fused
+from tensorstep.codegen.driver import generate
+if sys.argv[4] == "straight":
+    fused.C_ROLL_ABOVE_H = fused.C_ROLL_RECURRENCE_ABOVE_H = 10 ** 6
+spec, data = ts.KernelSpec.from_dict(eval(sys.argv[1])), torch.load(sys.argv[2])
+source = generate(spec, ("c",), ("core",)).source("c", "core")
+x, params = data["x"], data["params"]
+with torch.no_grad():
+    outs = ts.load(spec)(x["u"], x["p0"], x["v0"], x["a0"], data["dt"], j0=x["j0"], **params)
+torch.save([*outs, "rs += 16" in source], sys.argv[3])
+"""
+
+
+@pytest.mark.parametrize("control, horizon", [("position", 48), ("velocity", 41), ("jerk", 64)])
+def test_rolled_c_float32_forwards_give_the_straight_line_bits(control, horizon, tmp_path):
+    """A rolled float32 forward adds each term's rows in the straight-line form's runs and order (runs of
+    fused.FLOAT_RUN_ROWS in float from the column's first row, each into the term's double sum): P and
+    the cost are the straight-line columns' bits, the two built in processes of their own (the
+    thresholds patched in one), with ``-ffp-contract=off``. With contraction the compiler may fuse
+    another product of a run's first two rows into an FMA in each form (a rounding of a row apart);
+    without it the C source's arithmetic is what either form runs."""
+    spec = ts.KernelSpec(horizon=horizon, dof=3, control=control, dtype="float32", costs=TERMS, outputs=("P",),
+                         integrator="exact" if control == "jerk" else "semi_implicit_euler")
+    x, params, _ = _data(spec.replace(dtype="float64"), B=70)
+    f32 = lambda t: t.float() if t.is_floating_point() else t
+    torch.save(dict(x={k: f32(v) for k, v in x.items()}, params={k: f32(v) for k, v in params.items()},
+                    dt=0.1), tmp_path / "in.pt")
+    runs = {}
+    for variant in ("straight", "rolled"):
+        flags = " ".join(f for f in (os.environ.get("TENSORSTEP_CFLAGS", ""), "-ffp-contract=off") if f)
+        env = dict(os.environ, TENSORSTEP_CACHE_DIR=str(tmp_path / variant), TENSORSTEP_CFLAGS=flags)
+        run = subprocess.run([sys.executable, "-c", ROLL_RUN, repr(spec.to_dict()), str(tmp_path / "in.pt"),
+                              str(tmp_path / f"{variant}.pt"), variant], env=env, capture_output=True, text=True)
+        assert run.returncode == 0, run.stderr
+        runs[variant] = torch.load(tmp_path / f"{variant}.pt")
+    assert [runs["straight"][-1], runs["rolled"][-1]] == [False, True]  # (a loop over runs in the rolled one only)
+    for straight, rolled, name in zip(runs["straight"][:-1], runs["rolled"][:-1], ("P", "cost")):
+        assert torch.equal(straight, rolled), name
 
 
 #: fused B-splines: the columns group the rows by knot span, the interior spans one loop over the
