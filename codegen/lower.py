@@ -1096,8 +1096,10 @@ class LoweredOperator:
         straight into its double sums, the adjoint with a partial sum per action), as gcc's time on the straight-line
         columns grows with H; past ``fused.C_ROLL_RECURRENCE_ABOVE_H`` a recurrence's (``c_recurrence_rolled``)."""
         run = fused.run_rows(itemsize) if kernel == "forward" else 1
-        if self.op.horizon > fused.C_ROLL_ABOVE_H and self.fused_rolled(kernel, form, run=run, paired=True) is not None:
-            return self.fused_rolled(kernel, form, run=run, paired=True)
+        past = self.op.horizon > fused.C_ROLL_ABOVE_H
+        rolled = self.fused_rolled(kernel, form, run=run, paired=True) if past else None
+        if rolled is not None:
+            return rolled
         if self.op.horizon > fused.C_ROLL_RECURRENCE_ABOVE_H and self.c_recurrence_rolled(kernel, itemsize, form):
             return self.c_recurrence_rolled(kernel, itemsize, form)
         key = (kernel, run, form)
