@@ -1092,9 +1092,10 @@ class LoweredOperator:
         the rows' terms with coefficients of the same magnitude one product (codegen/fused.py ``pairs``),
         a stencil's rows defined ahead of their uses (``defined_ahead``, ``C_AHEAD``);
         ``form``: what a call's parameters allow (codegen/fused.py ``run_rows``, ``Form``). Past
-        ``fused.C_ROLL_ABOVE_H`` rows a stencil's are rolled instead (``fused_rolled``: every row
-        straight into its double sums, the adjoint with a partial sum per action), as gcc's time on the straight-line
-        columns grows with H; past ``fused.C_ROLL_RECURRENCE_ABOVE_H`` a recurrence's (``c_recurrence_rolled``)."""
+        ``fused.C_ROLL_ABOVE_H`` rows a stencil's are rolled instead (``fused_rolled``: the forward's
+        float runs and paired rows as here, the adjoint with a partial sum per action), as gcc's time on
+        the straight-line columns grows with H; past ``fused.C_ROLL_RECURRENCE_ABOVE_H`` a recurrence's
+        (``c_recurrence_rolled``)."""
         run = fused.run_rows(itemsize) if kernel == "forward" else 1
         past = self.op.horizon > fused.C_ROLL_ABOVE_H
         rolled = self.fused_rolled(kernel, form, run=run, paired=True) if past else None
