@@ -465,10 +465,11 @@ def adjoint(op: Operator, coefs: Coefficients, refs: References, table: Argument
 C_ROLL_ABOVE_H = 40
 #: C's fused recurrence columns (velocity, acceleration, jerk control) with more rows than this are
 #: rolled (``forward_rolled``, ``rolled_adjoint``; codegen/lower.py ``c_fused``); up to it they stay
-#: straight-line, in their tuned form, the faster at B=400 (the rolled ones took 1.1-1.4x their time
-#: at H=40 to 64) and built within 2.5 s; past it gcc's time on the straight-line module passes 3 s
-#: (about 3 s at H=48, 4-5 s at 64, over 100 s at 128), where the rolled module's is under a second
-#: at any H (BENCHMARKS.md, issue 39, "Rolled fused recurrence columns in C")
+#: straight-line, in their tuned form, built within 2.5 s; past it gcc's time on the straight-line
+#: module passes 3 s (about 3 s at H=48, 4-5 s at 64, over 100 s at 128), where the rolled module's
+#: is under a second at any H, and the rolled columns, whose float32 forward adds the straight-line
+#: form's float runs, run about as fast (jerk's a little slower: its adjoint) (BENCHMARKS.md, issue
+#: 39, "Rolled fused recurrence columns in C", "C's rolled fused forwards: float32 terms in float runs")
 C_ROLL_RECURRENCE_ABOVE_H = 40
 #: the most bytes of one level's checkpoints in C's rolled recurrence adjoints (``rolled_adjoint``): a
 #: local array of the column on the thread's stack, so one level at every horizon the spec allows
