@@ -231,3 +231,26 @@ def test_a_bsplines_rolled_columns_are_built_only_where_a_knot_loop_forms(degree
                 built = build(code.op, code.coefs, code.refs, code.arguments, _live, blocks=blocks)
                 loop = any(isinstance(s, For) for s in built)
                 assert (code.fused_rolled(kernel) is not None) == loop, (degree, steps, knots, terms, kernel)
+
+
+def test_a_fused_bsplines_cuda_columns_copy_only_the_factors_they_read():
+    """With a dt per trajectory, CUDA's fused B-spline columns read each coefficient as a factor of
+    the block's copy in shared memory times the thread's power of its dt. The copy holds the leading
+    slots the columns read (the first slot of each distinct value: codegen/render.py ``factors_read``),
+    as many at 12 and 24 knots, where the table grows with the knots (its blocks of copies for the
+    unfused loops) and did not fit whole: the factors then stayed constants that ptxas folded and
+    kept live (spills)."""
+    from tensorstep.codegen.targets import CUDA_SHARED_COEF_BYTES
+
+    copied = []
+    for knots in (12, 24):
+        spec = _spec(horizon=None, control="bspline", degree=3, knots=knots, steps=8, dt="per_trajectory",
+                     dtype="float64")
+        source = source_of(spec, "core")
+        size = lower(build_operator(spec), table(spec)).coefs.size
+        read = 1 + max(int(q) for q in re.findall(r"\bC\((\d+)\)", source))
+        copies = [int(n) for n in re.findall(r"__shared__ double ts_mono_c\[(\d+)\];", source)]
+        assert copies == [read, read], (knots, copies, read)  # the forward's and the adjoint's
+        assert read * 8 <= CUDA_SHARED_COEF_BYTES < size * 8, (knots, read, size)
+        copied.append(read)
+    assert copied[0] == copied[1]

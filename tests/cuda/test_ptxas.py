@@ -129,6 +129,20 @@ GRID = [
     # the same in float32, the bench's position step: the factors copied as float, each coefficient a
     # float product of the factor and the thread's power rounded to float (forward: 8 bytes spilled before)
     (dict(dt="per_trajectory", costs=COSTS, outputs=("P",)), 32, "float32", {}),
+    # fused B-splines with a dt per trajectory and many knots: the block's copy holds the factors the
+    # columns read, the first slot of each distinct value (codegen/render.py ``factors_read``: degree 3,
+    # 8 steps a span, 290 of the table's 12,186 slots), where the whole table was too large to copy and
+    # the factors stayed constants (spilled before, bytes forward / adjoint: degree 3, 8 steps 1,908 /
+    # 3,124; 4 steps 280 / 1,116; degree 5, 8 steps 6,572 / 9,584; float32 degree 3, 8 steps 332 / 504)
+    (dict(control="bspline", degree=3, knots=64, steps=8, dt="per_trajectory", costs=COSTS, outputs=("P",)), None,
+     "float64", {}),
+    (dict(control="bspline", degree=3, knots=64, steps=4, dt="per_trajectory", costs=COSTS, outputs=("P",)), None,
+     "float64", {}),
+    (dict(control="bspline", degree=5, knots=64, steps=8, dt="per_trajectory", costs=COSTS, outputs=("P",)), None,
+     "float64", {}),
+    (dict(control="bspline", degree=3, knots=64, steps=8, dt="per_trajectory", costs=COSTS, outputs=("P",)), None,
+     "float32", {"core": "forward: 32 bytes of spill stores (332 before the copy of the factors read; adjoint "
+                         "504 before, 0 now)"}),
     # unfused, a dt per trajectory: the adjoint, dt_jvp and dt_vjp read the factors where they use them
     # from the block's copy, float64's dt_jvp its coefficients' powers from the thread's column in
     # shared memory, float32's dt_vjp the factors only (spilled before, bytes: B-spline degree 3 dt_jvp
