@@ -165,8 +165,9 @@ def cuda_volatile_coefficients(kernel: str, where: str, fused: bool, stencil: bo
 
     - a fused forward and adjoint (long bodies of rows), wherever its table is: in shared memory;
       in global memory (a table too large to share, or one per trajectory); or, monomials of a dt
-      per trajectory ("thread", ``factors`` of them), as each coefficient's factor, which the
-      block copies into shared memory in T where the factors fit (``CUDA_SHARED_COEF_BYTES``),
+      per trajectory ("thread", ``factors`` of them: those the column reads, codegen/render.py
+      ``factors_read``), as each coefficient's factor, which the block copies into shared memory in
+      T where the factors fit (``CUDA_SHARED_COEF_BYTES``),
       times the thread's power of its dt: with the factors as constants the compiler folded each
       coefficient into a product of the powers and kept the products live (B-spline degree 5,
       float64: 460 and 684 bytes spilled). In float32 the product is a float one, of the factor
