@@ -193,7 +193,8 @@ def cuda_volatile_coefficients(kernel: str, where: str, fused: bool, stencil: bo
       kept in registers. A float64 B-spline's forward and adjoint (``spans``: span loops only) are
       the exception: their straight-line spans at the clamped ends read each of many coefficients
       once or twice (degree 5, 32 knots, 2 rows a span, uniform dt: forward 96 and adjoint 36 bytes
-      spilled with them in registers)."""
+      spilled with them in registers); a float32 B-spline's forward too (the same spec: 24 bytes),
+      whose adjoint fits with them in registers."""
     if fused and kernel in ("forward", "adjoint"):
         if where == "thread":
             return "column" if 0 < factors * itemsize <= CUDA_SHARED_COEF_BYTES else ""
@@ -204,7 +205,7 @@ def cuda_volatile_coefficients(kernel: str, where: str, fused: bool, stencil: bo
         return ""
     if stencil and per_step and itemsize == 8:
         return "body" if kernel in ("adjoint", "dt_jvp") else ""
-    return "body" if spans and itemsize == 8 and kernel in ("adjoint", "forward") else ""
+    return "body" if spans and (itemsize == 8 and kernel == "adjoint" or kernel == "forward") else ""
 
 
 #: float32's unfused per-element kernels whose coefficients of a dt per trajectory are float products

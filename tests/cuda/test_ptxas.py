@@ -107,6 +107,8 @@ GRID = [
     (dict(difference="central", accuracy=8, dt="per_step", order=4, costs=COSTS, outputs=("P",)), 64, "float64", {}),
     (dict(difference="central", accuracy=8, dt="per_step", order=4, costs=COSTS + (("squared", "snap"),),
           outputs=("P",)), 64, "float64", {}),
+    (dict(difference="central", accuracy=8, dt="per_step", order=4, costs=COSTS + (("squared", "position"),),
+          outputs=("P",)), 64, "float64", {"core": "adjoint: 8 bytes of spill stores"}),
     (dict(difference="central", accuracy=8, order=4, costs=COSTS, outputs=("P",)), 64, "float64", {}),
     (dict(difference="central", accuracy=8, dt="per_trajectory", order=4, costs=COSTS, outputs=("P",)), 64,
      "float64", {}),
@@ -122,6 +124,12 @@ GRID = [
     (dict(control="bspline", degree=3, knots=64, steps=4, costs=COSTS, outputs=("P",)), None, "float64", {}),
     (dict(control="bspline", degree=5, knots=64, steps=8, costs=COSTS, outputs=("P",)), None, "float64", {}),
     (dict(control="bspline", degree=3, knots=64, steps=8, costs=COSTS, outputs=("P",)), None, "float32", {}),
+    # float32 forwards: the per-dof cost weights, read only where the cost sums are scaled at the column's
+    # end, loaded there (codegen/fused.py ``loads_after_loops``; bytes spilled before: degree 3 with 4
+    # steps a span 8, degree 5 with 8 steps 28)
+    (dict(control="bspline", degree=3, knots=64, steps=4, costs=COSTS, outputs=("P",)), None, "float32", {}),
+    (dict(control="bspline", degree=5, knots=64, steps=8, costs=COSTS, outputs=("P",)), None, "float32",
+     {"core": "forward: 8 bytes of spill stores (28 with the cost weights loaded first)"}),
     # a dt per trajectory: each thread computes its coefficients, monomials of its dt, the factors read
     # where they are used from the block's copy in shared memory (104 and 244 bytes spilled before)
     (dict(control="bspline", degree=4, knots=6, steps=2, dt="per_trajectory", costs=COSTS, outputs=("P",)), None,
@@ -165,6 +173,8 @@ GRID = [
     # and a float64 B-spline's forward and adjoint read their coefficients where used in the straight-line
     # spans (codegen/targets.py cuda_volatile_coefficients; uniform, degree 5: 96 and 172 bytes before)
     (dict(control="bspline", degree=5, knots=32, steps=2), None, "float64", {}),
+    # float32's forward too (24 bytes before); its adjoint fits with them in registers
+    (dict(control="bspline", degree=5, knots=32, steps=2), None, "float32", {}),
     # float32's adjoint and dt_jvp: float products of the factors and the thread's powers rounded to
     # float (codegen/targets.py cuda_float_powers), dt_jvp's row loops unrolled by 2 (spilled before,
     # bytes: dt_jvp 12 and 8 here; B-spline (degree, knots, steps) (3,64,2) dt_jvp 12, (5,64,1) 8,
