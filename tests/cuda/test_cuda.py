@@ -260,6 +260,19 @@ def test_b_splines_of_two_rows_a_span_run_on_the_host_match_reference(overrides)
     check_dt_derivatives(ReferenceCase(spec, B=3, seed=4), [("cuda-on-host", host_step(spec))])
 
 
+def test_float32_b_spline_forward_reads_its_straight_line_coefficients_where_used_and_matches_reference():
+    """float32, uniform dt, 2 rows a span: the forward's straight-line spans read each coefficient
+    through the volatile pointer (codegen/targets.py cuda_volatile_coefficients; in registers, degree 5
+    with 32 knots spilled 24 bytes), the adjoint's through the table; run on the host, the forward
+    against the dense float64 operator and the adjoint by the dot test at 1e-5."""
+    spec = ts.KernelSpec(control="bspline", degree=5, knots=20, steps=2, dof=2, dtype="float32")
+    source = ts.source(spec, "cuda")
+    assert "volatile const T* const ts_coef" in _kernel_text(source, f"{spec.name}_forward")
+    assert "volatile const T* const ts_coef" not in _kernel_text(source, f"{spec.name}_adjoint")
+    row = verify_launcher(spec, Launcher(spec, HostCudaBackend(spec)), torch.device("cpu"), B=150)  # 2 blocks
+    assert row["forward"] <= 1e-5 and row["adjoint"] <= 1e-5, row
+
+
 # a dt per trajectory: each thread computes its coefficients, monomials of its dt (no table); the
 # adjoint, dt_jvp and dt_vjp read each monomial's factor from the block's copy in shared memory
 # (float64; float32: dt_vjp), dt_jvp its coefficients' powers from the thread's column of them there
