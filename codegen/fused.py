@@ -722,8 +722,7 @@ def loads_where_used(statements: list[Statement], loads: list[Statement]) -> lis
     moved to just before the first statement that reads it; the others keep their order. CUDA's
     B-spline adjoints (the start state read by the first spans only): at the register cap ptxas
     spilled 8 to 16 bytes in float64 (degree 4 and 5, 4 rows a span) with them loaded first. Its
-    forwards keep them first but for those read after the loops only (``loads_after_loops``): all
-    moved, float32's spills moved about (0 to 32 bytes at 16 knots)."""
+    forwards keep them first: moved, float32's spills moved about (0 to 32 bytes at 16 knots)."""
     moved = {s.target: s for s in statements if s in loads}
     rest = [s for s in statements if s not in loads]
     out: list[Statement] = []
@@ -732,19 +731,6 @@ def loads_where_used(statements: list[Statement], loads: list[Statement]) -> lis
         out += [moved.pop(v) for v in list(moved) if v in names]
         out.append(s)
     return out + list(moved.values())
-
-
-def loads_after_loops(statements: list[Statement], loads: list[Statement]) -> list[Statement]:
-    """``statements`` with each of ``loads`` that no statement up to the last loop reads moved to
-    just before its first reader (``loads_where_used``): CUDA's B-spline forwards, whose per-dof
-    cost weights, read only when the column's cost sums are scaled at its end, were otherwise live
-    through every span's loop (float32, 64 knots, bytes spilled before: degree 3 with 4 steps a span
-    8, degree 5 with 8 steps 28)."""
-    last = max((i for i, s in enumerate(statements) if isinstance(s, For)), default=-1)
-    head = [s for s in statements[:last + 1] if s not in loads]
-    read = {n for s in head for n in walk(s) if isinstance(n, (Var, Val))} | _sym_reads(head)
-    late = [s for s in loads if s in statements and s.target not in read]
-    return loads_where_used(statements, late)
 
 
 def _column_sums(inputs: list, readers: dict, refs: References) -> list[Statement]:

@@ -1150,19 +1150,15 @@ class LoweredOperator:
     def cuda_fused_rolled(self, kernel: str) -> KernelCode | None:
         """CUDA's ``fused_rolled`` (the start state's gradients summed step by step): a B-spline's
         columns read the row weights where they use them (codegen/fused.py ``volatile_reads``), its
-        adjoint each column input just before its first use (``loads_where_used``), its forward
-        those the loops do not read (``loads_after_loops``: the per-dof cost weights); a stencil's as
+        adjoint each column input just before its first use (``loads_where_used``); a stencil's as
         ``fused_rolled``'s."""
         code = self.fused_rolled(kernel, start_sums=True)
         if code is None or _period(self.op) == 1:
             return code
         weights = {a.macro for a in self.arguments.parameters if a.role == "cost_row_weight"}
         statements = code.statements
-        loads = self.refs.loads(a.name for a in self.arguments.columns)
         if kernel == "adjoint":
-            statements = fused.loads_where_used(statements, loads)
-        else:
-            statements = fused.loads_after_loops(statements, loads)
+            statements = fused.loads_where_used(statements, self.refs.loads(a.name for a in self.arguments.columns))
         return dataclasses.replace(code, statements=fused.volatile_reads(statements, weights))
 
     def c_recurrence_rolled(self, kernel: str, itemsize: int, form: fused.Form = fused.Form()) -> KernelCode | None:
