@@ -651,8 +651,8 @@ def _span_partials(h: int, rows: list[Row], nonzero: set, readers: dict, coefs: 
 def _column_partials(h: int, inputs: list, readers: dict, coefs: Coefficients, refs: References,
                      blocks: Blocks) -> list[Statement]:
     """Group h's part of the per-column inputs' gradients (the start state) where they are summed
-    group by group (``adjoint_rolled``'s ``start_sums``; knot spans: ``_span_column_partials``): its readers' coefficient × g
-    added to the input's sum, stored at its last reading group.
+    group by group (``adjoint_rolled``'s ``start_sums``; knot spans: ``_span_column_partials``): its
+    readers' coefficient × g added to the input's sum, stored at its last reading group.
     A clamped B-spline's first spans all read the start state: gathered at the last reader, their
     g's were live together (spilled). The sums are defined in the column's head (``_column_sums``)."""
     out: list[Statement] = []
@@ -767,7 +767,8 @@ def adjoint_rolled(op: Operator, coefs: Coefficients, refs: References, table: A
     head = refs.loads(columns) + terms.loads() + terms.scales()
     head += [Def(target, Sum(()), const=False)] if target else []
     # rows whose gradient is 0 (no output gradient, no term) add nothing: left out of the sums
-    nonzero = {row.k for row in op.rows if has_gradient(table)(row)}
+    gradient = has_gradient(table)
+    nonzero = {row.k for row in op.rows if gradient(row)}
     readers: dict[tuple, list[tuple[sp.Expr, int, int]]] = defaultdict(list)
     for row in op.rows:
         for c, ref in row.terms:
