@@ -1138,7 +1138,7 @@ class LoweredOperator:
             # the adjoint's groups hold the rows with a gradient (fused.adjoint_rolled's ``nonzero``)
             kept = (lambda row: True) if kernel == "forward" else fused.has_gradient(self.arguments)
             if p > 1 and not _knot_loop_possible(self.op, p, blocks.phase, kept):
-                cache[kernel, form, start_sums] = None  # (not built: no loop would form)
+                cache[key] = None  # (not built: no loop would form)
                 return None
             statements = build(self.op, self.coefs, self.refs, self.arguments, _live, form=form, blocks=blocks,
                                **extra)
