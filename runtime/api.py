@@ -13,7 +13,6 @@ from ..codegen.spec import KernelSpec
 from . import registry, validate
 from .autograd import step_function
 from .launch import DTYPES, CpuBackend, Launcher, capturing, warm_up_first
-from .unbuilt import UNBUILT, raise_unbuilt
 
 Tensor = torch.Tensor
 TENSOR_TYPES = validate.TENSOR_TYPES
@@ -326,14 +325,10 @@ class Step(torch.nn.Module):
                 slot = self._held_slot_id if generation >= 0 else self._slot_id
                 if out is None:
                     outs = self._native_step(self.native, [*values, dt_k], slot)
-                    if UNBUILT:
-                        raise_unbuilt()
                     if outs:
                         return tuple(outs)
                 elif (type(out) in (tuple, list) and all(type(y) is Tensor for y in out)
                       and self._native_step_out(self.native, [*values, dt_k], out, slot)):
-                    if UNBUILT:
-                        raise_unbuilt()
                     return tuple(out)
         inputs, dt_k, kept = self._checked(values, dt)
         if self.table.fused:
@@ -354,10 +349,7 @@ class Step(torch.nn.Module):
                 )
             return tuple(_compiled_step(self.op_key, self.table.family, inputs, dt_k))
         if self.native is not None and not dt_k.requires_grad and not _transformed():
-            outs = tuple(self._native_step(self.native, [*inputs, dt_k]))
-            if UNBUILT:
-                raise_unbuilt()
-            return outs
+            return tuple(self._native_step(self.native, [*inputs, dt_k]))
         return step_function(self.launcher, inputs, dt_k)
 
     def _native_held(self, u: Tensor, p0: Tensor, v0: Tensor, a0: Tensor, j0: Optional[Tensor],
@@ -373,13 +365,9 @@ class Step(torch.nn.Module):
             return None
         if out is None:
             outs = self._native_step(self.native, given, self._held_slot_id, generation)
-            if UNBUILT:
-                raise_unbuilt()
             return tuple(outs) if outs else None
         if (type(out) in (tuple, list) and all(type(y) is Tensor for y in out)
                 and self._native_step_out(self.native, given, out, self._held_slot_id, generation)):
-            if UNBUILT:
-                raise_unbuilt()
             return tuple(out)
         return None
 

@@ -274,6 +274,7 @@ class Forms:
         self._libraries: dict[int, ctypes.CDLL] = {}
         self._failed: dict[int, Exception] = {}  # why each form that failed to build did
         self._interrupted = False  # a Ctrl-C while this call's form was built: the rest of the call builds nothing
+        self._asked = threading.local()  # the variant this thread's call asked for, where it was not found
         self._hook = _HOOKS.callback("intptr_t(int64_t, const char *)", self._find)
         #: what the entry points' ``<kernel>_forms`` take
         self.address = int(_HOOKS.cast("intptr_t", self._hook))
@@ -281,17 +282,23 @@ class Forms:
     def _find(self, form: int, symbol: Any) -> int:
         name = _HOOKS.string(symbol).decode()
         then = "this call runs the general form" if form != GENERAL else "this call writes no output and raises"
+        # the variant this thread's call asked for before the general form (set where it was not found)
+        asked = self._asked.__dict__.pop("name", None) if form == GENERAL else None
         try:
             if self._interrupted:
                 return 0
             try:
                 found = self.find(form, name)
                 if not found and form == GENERAL:  # it failed before: this call, too, writes no output
-                    keep_unbuilt(self._failed[GENERAL])
+                    keep_unbuilt(self._failed[GENERAL], self._unbuilt(name, asked))
+                elif not found:
+                    self._asked.name = name
                 return found
             except BuildStopped as err:  # not a failed build: the next call that runs the form tries again
                 if form == GENERAL:
-                    keep_unbuilt(err)
+                    keep_unbuilt(err, self._unbuilt(name, asked))
+                else:
+                    self._asked.name = name
                 warnings.warn(f"tensorstep: {self.spec.name}: the build of the {_form_name(self.spec, name)} form of "
                               f"its kernels was stopped by {err.signal}; {then}, the next one that runs that form "
                               "builds it", stacklevel=1)
@@ -299,7 +306,9 @@ class Forms:
             except Exception as err:  # noqa: BLE001 (nothing can be raised through the kernel)
                 self._failed[form] = err
                 if form == GENERAL:
-                    keep_unbuilt(err)
+                    keep_unbuilt(err, self._unbuilt(name, asked))
+                else:
+                    self._asked.name = name
                 warnings.warn(f"tensorstep: {self.spec.name}: the {_form_name(self.spec, name)} form of its kernels "
                               f"could not be built ({type(err).__name__}: {err}); "
                               f"{'its calls run the general form' if form != GENERAL else then}", stacklevel=1)
@@ -313,6 +322,12 @@ class Forms:
             again.daemon = True
             again.start()
             return 0
+
+    def _unbuilt(self, general: str, asked: Optional[str]) -> str:
+        """The kernel a call that found no form ran, and the forms it asked for, in words."""
+        kernel = next((k for k in abi.KERNELS if general.startswith(f"{self.spec.name}_{k}_")), "?")
+        tried = f"its {_form_name(self.spec, asked)} form, then the general one" if asked else "its general form"
+        return f"the {kernel} kernel of {self.spec.name} ({tried})"
 
     def _interrupt(self) -> None:
         self._interrupted = False

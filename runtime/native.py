@@ -45,7 +45,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from ..codegen.arguments import ABSENT, INDEX, KERNEL, MESSAGES, OPTIONAL, REQUIRED, STEP, ArgumentTable
-from . import validate
+from . import unbuilt, validate
 from .cache import ABI_VERSION, BuildCache, cache_root, digest
 
 SOURCE = Path(__file__).with_name("native_node.cpp")
@@ -238,6 +238,9 @@ def _load(path: Path) -> tuple[Optional[Path], Optional[str]]:
     except (RuntimeError, OSError) as err:
         return None, _failed(err)
     _register_python_parts()
+    flag = ctypes.CDLL(str(path)).tensorstep_unbuilt  # the library loaded already: its handle
+    flag.argtypes, flag.restype = (ctypes.c_int32,), None
+    unbuilt.FLAG = flag
     return path, None
 
 
@@ -306,6 +309,7 @@ def _register_python_parts() -> None:
     _PYTHON_IMPL = torch.library.Library("tensorstep_native", "IMPL")  # kept alive: it holds the registration
     _PYTHON_IMPL.impl("adjoint_graph", adjoint_graph, "CompositeImplicitAutograd")
     _PYTHON_IMPL.impl("adjoint_graph_fused", adjoint_graph_fused, "CompositeImplicitAutograd")
+    _PYTHON_IMPL.impl("raise_unbuilt", unbuilt.raise_unbuilt, "CompositeImplicitAutograd")
 
 
 def handle(launcher: Any) -> Optional[int]:

@@ -94,9 +94,24 @@ constexpr std::array<Caller, sizeof...(N)> callers(std::index_sequence<N...>) {
 // term, and its adjoint reads the inputs too)
 constexpr auto CALLERS = callers(std::make_index_sequence<64>{});
 
+// A fused kernel's entry point that finds no form it can run writes nothing and cannot raise: the
+// runtime's hook (runtime/unbuilt.py) keeps why in Python and sets this thread's flag, and the kernel's
+// caller here raises it once the kernel has returned (the forward's, and the backward's, which no
+// Python frame follows), through the op that takes Python's record (tensorstep_native::raise_unbuilt).
+thread_local bool unbuilt = false;
+
+void raise_unbuilt() {
+  unbuilt = false;
+  static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("tensorstep_native::raise_unbuilt", "");
+  torch::jit::Stack stack;
+  op.callBoxed(stack);  // raises Python's record of this thread
+  TORCH_CHECK(false, "tensorstep: a kernel found no form it could run, so it wrote no output");
+}
+
 void call(int64_t address, int64_t B, std::vector<void*>& args) {
   TORCH_CHECK(args.size() < CALLERS.size(), "tensorstep: a kernel with ", args.size(), " parameters");
   CALLERS[args.size()](address, B, args.data());
+  if (unbuilt) raise_unbuilt();
 }
 
 // ---- the argument table, as registered -------------------------------------------------------
@@ -1255,6 +1270,9 @@ extern "C" void tensorstep_release_slot(int64_t slot) {
   }
 }
 
+// This thread's kernel call wrote no output (runtime/unbuilt.py keep), or that record was taken (1, 0).
+extern "C" void tensorstep_unbuilt(int32_t kept) { unbuilt = kept != 0; }
+
 TORCH_LIBRARY(tensorstep_native, m) {
   m.def("register_kernels(int forward, int adjoint, str[] names, str[] meanings, int[] ranks, int[] shapes, "
         "int[] rules, int[] presences, int[] indices, int[] differentiable, int[] output_shapes, "
@@ -1271,6 +1289,7 @@ TORCH_LIBRARY(tensorstep_native, m) {
   // implemented in Python (runtime/native.py): the create_graph adjoint, and the ops' Python path
   m.def("adjoint_graph(int handle, Tensor?[] grads, Tensor dt, int batch) -> Tensor[]");
   m.def("adjoint_graph_fused(int handle, Tensor?[] inputs, Tensor?[] grads, Tensor dt) -> Tensor[]");
+  m.def("raise_unbuilt() -> ()");
   m.def("forward_py(str key, Tensor?[] inputs) -> Tensor[]");
   m.def("adjoint_py(str key, int batch, Tensor?[] grads, Tensor dt, bool[]? needed) -> Tensor[]");
   m.def("forward_autograd_py(str key, Tensor?[] inputs) -> Tensor[]");

@@ -365,11 +365,87 @@ def test_a_call_whose_form_and_the_general_form_cannot_be_built_raises(tmp_path,
     *raised, libraries = run.stdout.splitlines()
     errors, warned = raised[:2], raised[2:]
     for error in errors:
-        assert error.startswith("tensorstep: no form of the kernel this call runs could be built, so it wrote no "
-                                "output (CompileError: "), error
+        assert error.startswith("tensorstep: no form of the forward kernel of ts_"), error
+        assert error.split(" (", 1)[1].startswith("its narrow_unit_rows form, then the general one) could be built, "
+                                                  "so this call wrote no output (CompileError: "), error
         assert "no form today" in error
     assert len(warned) == 2, warned  # the first call's: its form, then the general one
     assert "narrow_unit_rows form of its kernels could not be built" in warned[0] and "no form today" in warned[0]
     assert "general form of its kernels could not be built" in warned[1]
     assert warned[1].endswith("this call writes no output and raises")
     assert libraries == "core"
+
+
+@pytest.mark.parametrize("native", ["0", "1"])
+def test_a_backward_whose_adjoint_forms_cannot_be_built_raises_and_leaves_no_record(tmp_path, native):
+    # native "1": the backward runs in the native node's autograd node (else the Python Function's)
+    code = """
+        import warnings
+        import numpy as np
+        from tensorstep.runtime import cbackend, native, unbuilt
+        native.BACKGROUND = False
+        find = cbackend.Forms.find
+        def failing(self, form, symbol):  # every form fails to build for the adjoint alone
+            if symbol.startswith(spec.name + "_adjoint"):
+                raise cbackend.CompileError(["cc"], f"form{form}.c", "error: no adjoint form today")
+            return find(self, form, symbol)
+        cbackend.Forms.find = failing
+        step = ts.load(spec)
+        print(step.native is not None)
+        g = torch.Generator().manual_seed(0)
+        u = (0.3 * torch.randn(3, H - 1, D, generator=g, dtype=torch.float64)).cumsum(1).requires_grad_()
+        z = torch.zeros(3, D, dtype=torch.float64)
+        p = parameters()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            P, cost = step(u, z, z, z, 0.1, **p)  # the forward's form builds
+            try:
+                (P.sum() + cost.sum()).backward()
+                print("no error")
+            except RuntimeError as err:
+                print(str(err).replace(chr(10), " "))
+        print(u.grad is None, len(unbuilt.UNBUILT))
+        # the thread's next kernel call raises nothing of that backward's
+        plain = ts.load(spec.replace(costs=(), outputs=None))
+        x = u.detach().clone().requires_grad_()
+        plain(x, z, z, z, 0.1)[0].sum().backward()
+        print("next call ran")
+        # double backward runs the composite form (the plain step and the terms in PyTorch), never the
+        # fused adjoint: its gradient, and the Hessian-vector product through it, against the definitions
+        def reference(x):
+            states = dict(zip(("position", "velocity", "acceleration", "jerk"), plain(x, z, z, z, 0.1)))
+            terms = []
+            for kind, state in spec.costs:
+                y, w = states[state], p[f"{kind}_{state}_weight"]
+                if kind == "bound":
+                    lo, hi = p[f"bound_{state}_limit"]
+                    m = p[f"bound_{state}_margin"]
+                    terms.append((w * (torch.relu(y - (hi - m)) ** 2 + torch.relu((lo + m) - y) ** 2)).sum((1, 2)))
+                else:
+                    terms.append((w * y ** 2).sum((1, 2)))
+            return states["position"].sum() + torch.stack(terms, 1).sum()
+        def fused(x):
+            P, cost = step(x, z, z, z, 0.1, **p)
+            return P.sum() + cost.sum()
+        v = torch.randn(u.shape, generator=g, dtype=torch.float64)
+        results = []
+        for f in (fused, reference):
+            x = u.detach().clone().requires_grad_()
+            (grad,) = torch.autograd.grad(f(x), x, create_graph=True)
+            (hvp,) = torch.autograd.grad((grad * v).sum(), x)
+            results.append((grad.detach().numpy(), hvp.numpy()))
+        print(all(np.allclose(a, b, rtol=1e-12, atol=1e-12) for a, b in zip(*results)))
+    """
+    env = dict(os.environ, TENSORSTEP_NATIVE=native, TENSORSTEP_CACHE_DIR=str(tmp_path / "cache"))
+    run = subprocess.run([sys.executable, "-c", textwrap.dedent(SETUP) + textwrap.dedent(code)], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr
+    on_node, error, after, next_call, double = run.stdout.splitlines()
+    assert on_node == str(native == "1")
+    assert error.startswith("tensorstep: no form of the adjoint kernel of ts_"), error
+    assert error.split(" (", 1)[1].startswith("its narrow_unit_rows form, then the general one) could be built, "
+                                              "so this call wrote no output (CompileError: "), error
+    assert "no adjoint form today" in error, error
+    assert after == "True 0"  # no gradient written, no record left
+    assert next_call == "next call ran"
+    assert double == "True"
