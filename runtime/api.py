@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import threading
+import weakref
 from typing import Any, Mapping, Optional, Sequence, Union
 
 import torch
@@ -447,7 +448,9 @@ class Twin:
         return self.step
 
 
-_TWINS: dict[tuple[Any, torch.device], Twin] = {}
+#: (spec, device) → the Twin its fused steps share, while one holds it (each step and its launcher's
+#: composite form do): dropped with the last, and its plain step with it
+_TWINS: "weakref.WeakValueDictionary[tuple[Any, torch.device], Twin]" = weakref.WeakValueDictionary()
 
 
 def twin_of(spec: Any, device: torch.device) -> Twin:

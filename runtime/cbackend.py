@@ -184,6 +184,10 @@ def cdef(spec: Any, part: str) -> str:
     return "\n".join(lines)
 
 
+#: content hash → (cffi module, loaded library), kept for the process: nothing unloads a library, as the
+#: native node's handles (runtime/native.py) and a graph that outlives its step call its kernels by
+#: address. One per library a process loads (a spec's core, and its dt libraries where used): its code
+#: and cffi's bindings, not the steps, launchers or tensors, which are freed with their steps.
 _LOADED: dict[str, Any] = {}
 
 
@@ -250,7 +254,9 @@ def _artefact(spec: Any, part: str, cache: BuildCache, index_key: str, what: str
             notice.cancel()
 
 
-_FORMS: dict[str, "Forms"] = {}  # by the content hash of the library whose hook each is
+#: by the content hash of the library whose hook each is: kept with that library (``_LOADED``), whose
+#: entry points call the hook's address
+_FORMS: dict[str, "Forms"] = {}
 INTERRUPT_AGAIN_S = 0.02  # a Ctrl-C during a form's build: raised again after this long (``Forms``)
 _HOOKS = cffi.FFI()
 

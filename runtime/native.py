@@ -39,13 +39,14 @@ import subprocess
 import sys
 import threading
 import warnings
+import weakref
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
 
 from ..codegen.arguments import ABSENT, INDEX, KERNEL, MESSAGES, OPTIONAL, REQUIRED, STEP, ArgumentTable
-from . import unbuilt, validate
+from . import registry, unbuilt, validate
 from .cache import ABI_VERSION, BuildCache, cache_root, digest
 
 SOURCE = Path(__file__).with_name("native_node.cpp")
@@ -284,7 +285,12 @@ def library() -> Optional[Path]:
 
 
 _PYTHON_IMPL: Optional[torch.library.Library] = None
-_LAUNCHERS: dict[int, Any] = {}
+# A handle is the node's entry for one library's kernels (their addresses and argument table), kept
+# for the process as the library is (runtime/cbackend.py: nothing unloads one), one per spec loaded:
+# a graph that outlives its step calls them by handle. Its launcher is held weakly (the step holds
+# it), and found again by its kernel key where the step is gone (``launcher``).
+_LAUNCHERS: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
+_KEYS: dict[int, str] = {}  # handle → kernel key (runtime/registry.py)
 _HANDLES: dict[tuple[int, int], int] = {}  # kernel addresses → handle: loading a spec again reuses it
 
 
@@ -295,14 +301,15 @@ def _register_python_parts() -> None:
     from .autograd import AdjointFunction, _recomputed
 
     def adjoint_graph(handle: int, grads: list, dt: torch.Tensor, batch: int) -> list[torch.Tensor]:
-        return list(AdjointFunction.apply(_LAUNCHERS[handle], dt, batch, *grads))
+        return list(AdjointFunction.apply(launcher(handle), dt, batch, *grads))
 
     def adjoint_graph_fused(handle: int, inputs: list, grads: list, dt: torch.Tensor) -> list[torch.Tensor]:
         """A fused step's create_graph backward (its composite form): each differentiable input's
         gradient, in table order (an empty tensor where there is none)."""
-        rows = [a.differentiable and a.dtype == KERNEL for a in _LAUNCHERS[handle].table.tensors]
+        found = launcher(handle)
+        rows = [a.differentiable and a.dtype == KERNEL for a in found.table.tensors]
         needed = tuple(row and x is not None and x.requires_grad for row, x in zip(rows, inputs)) + (False,)
-        got = _recomputed(_LAUNCHERS[handle], inputs, dt, tuple(grads), needed)
+        got = _recomputed(found, inputs, dt, tuple(grads), needed)
         return [g if g is not None else dt.new_empty(0) for g, row in zip(got, rows) if row]
 
     global _PYTHON_IMPL
@@ -366,12 +373,22 @@ def table_rows(table: ArgumentTable) -> dict[str, Any]:
 
 def _handle(launcher: Any) -> int:
     addresses = (launcher.backend.address("forward"), launcher.backend.address("adjoint"))
-    if addresses not in _HANDLES:
+    h = _HANDLES.get(addresses)
+    if h is None:
         h = int(torch.ops.tensorstep_native.register_kernels(*addresses, **table_rows(launcher.table),
                                                             dtype=launcher.dtype))
-        _LAUNCHERS[h] = launcher
+        _KEYS[h] = registry.key_for(launcher.spec, torch.device("cpu"))
         _HANDLES[addresses] = h
-    return _HANDLES[addresses]
+    if _LAUNCHERS.get(h) is None:
+        _LAUNCHERS[h] = launcher
+    return h
+
+
+def launcher(handle: int) -> Any:
+    """The launcher of a handle's kernels: a live one, else its key's (loaded again where no step holds
+    one: a graph that outlived its step)."""
+    found = _LAUNCHERS.get(handle)
+    return found if found is not None else registry.launcher(_KEYS[handle])
 
 
 @functools.lru_cache(maxsize=None)

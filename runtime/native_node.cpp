@@ -144,6 +144,8 @@ struct Kernels {
   std::vector<bool> kept;  // per row: one of kept_rows
 };
 
+// One entry per library of kernels registered (runtime/native.py reuses a library's handle), kept for
+// the process as the library is: a graph may call a handle's kernels after its step was freed.
 std::mutex registry_mutex;
 std::deque<Kernels> registry;  // append-only; a deque never moves its elements, so references stay valid
 

@@ -23,6 +23,7 @@ Registering costs milliseconds, so ``Step`` does it only when torch.compile firs
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import Any, Optional, Sequence
 
 import torch
@@ -58,7 +59,8 @@ def _check_values(launcher: Any, inputs: list, dt: Tensor) -> None:
 
 _FAMILIES: dict[str, FamilyOps] = {}
 _LIBRARY: Optional[torch.library.Library] = None
-#: kernel key → (launcher, native handle or None, settled, positions of the table's required inputs)
+#: kernel key → (the launcher, held weakly: its step holds it; native handle or None, settled, positions
+#: of the table's required inputs)
 _KERNELS: dict[str, tuple[Any, Optional[int], bool, tuple[int, ...]]] = {}
 
 
@@ -86,7 +88,8 @@ def _kernel(key: str) -> tuple[Any, Optional[int], tuple[int, ...]]:
     """A key's launcher, the native node's handle for a CPU kernel (None while it builds, asked
     again on the next call, or when there is no node), and the positions of required inputs."""
     found = _KERNELS.get(key)
-    if found is None or not found[2]:
+    launcher = found[0]() if found is not None else None
+    if launcher is None or not found[2]:
         from ..codegen.arguments import REQUIRED
 
         launcher = _launcher(key)
@@ -97,11 +100,11 @@ def _kernel(key: str) -> tuple[Any, Optional[int], tuple[int, ...]]:
             if handle is not None:  # the key's later calls run in the node, without Python
                 _serve_node()
                 native.bind(key, handle, launcher.table.family)
-            found = (launcher, handle, settled or handle is not None, required)
+            found = (weakref.ref(launcher), handle, settled or handle is not None, required)
         else:
-            found = (launcher, None, True, required)
+            found = (weakref.ref(launcher), None, True, required)
         _KERNELS[key] = found
-    return found[0], found[1], found[3]
+    return launcher, found[1], found[3]
 
 
 _NODE_IMPL: Optional[torch.library.Library] = None

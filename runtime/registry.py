@@ -4,10 +4,16 @@ A key holds its spec's fields and the device (``name@device@{json}``), so a grap
 it can run in a process that never loaded the kernel: a program saved by ``torch.export`` and
 loaded elsewhere loads (or builds) the kernel on its first call. The loading itself is
 runtime/api.py's (``set_loader``): this module holds only the mapping.
+
+A loaded step's launcher is held weakly (the step holds it): a program that loads many specs and
+drops them gets them back. A launcher loaded here for a key no step holds (a saved program, a
+compiled graph or a native graph that outlived its step) is kept for the key, once: its callers
+name it by key on every call and hold nothing else.
 """
 from __future__ import annotations
 
 import json
+import weakref
 from typing import Callable, Optional
 
 import torch
@@ -15,7 +21,10 @@ import torch
 from ..codegen.spec import spec_from_dict
 from .launch import Launcher
 
-_LAUNCHERS: dict[str, Launcher] = {}
+#: key → the launcher of a step that registered it (held by the step)
+_LAUNCHERS: "weakref.WeakValueDictionary[str, Launcher]" = weakref.WeakValueDictionary()
+#: key → a launcher loaded here for its key (no step holds it)
+_LOADED: dict[str, Launcher] = {}
 #: (spec, device) → launcher, for a key this process has not loaded (set by runtime/api.py)
 _LOADER: Optional[Callable[[object, str], Launcher]] = None
 
@@ -40,10 +49,12 @@ def set_loader(load: Callable[[object, str], Launcher]) -> None:
 
 
 def launcher(key: str) -> Launcher:
-    """The launcher a key names, loaded now if this process has not loaded it yet."""
+    """The launcher a key names, loaded now where no step holds one and none was loaded for it."""
     found = _LAUNCHERS.get(key)
     if found is None:
-        found = _load(key)
+        found = _LOADED.get(key)
+    if found is None:
+        found = _LOADED[key] = _load(key)
     return found
 
 
@@ -56,5 +67,4 @@ def _load(key: str) -> Launcher:
     if _LOADER is None:
         raise RuntimeError(f"tensorstep: cannot load kernel {spec.name}: call tensorstep.register_ops() first "
                            "(it imports the runtime that loads kernels)")
-    _LAUNCHERS[key] = _LOADER(spec, device)
-    return _LAUNCHERS[key]
+    return _LOADER(spec, device)
