@@ -187,10 +187,11 @@ def _copy(src: Path, out: Path) -> None:
     shutil.copyfile(src, out)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=32)
 def cuda_source(spec: Any, part: str) -> tuple[str, dict]:
     """The CUDA source of one library of a spec and its build metadata, from the cache or
-    freshly generated (codegen's driver)."""
+    freshly generated (codegen's driver); the last few kept in memory (a source can be megabytes; the
+    others are read from the cache again)."""
     def generate() -> tuple[str, dict]:
         from ..codegen.driver import generate
 
