@@ -444,6 +444,10 @@ def _cost_terms(terms: Iterable[tuple[str, str]], cost: Any) -> str:
               help="no timing and no GPU: the CUDA launches of a forward, a backward and a backward with a dt "
                    "gradient for the spec the spec options give (B=400 and 40000 unless --batch), the bytes of "
                    "temporaries, and ptxas's registers, spills and stack per kernel")
+@click.option("--profile", is_flag=True,
+              help="no timing table: torch.profiler over 20 forward+backward calls of each method of --scheme "
+                   "costs (B=400 unless --batch; --horizon, --dtype, --device), each op's self host time per "
+                   "call (and self device time on CUDA)")
 @click.option("--json", "as_json", is_flag=True, help="with --cuda-plan: print JSON")
 @click.option("--ptxas/--no-ptxas", default=True, show_default=True,
               help="with --cuda-plan: compile each library with nvcc for ptxas's figures")
@@ -451,7 +455,7 @@ def _cost_terms(terms: Iterable[tuple[str, str]], cost: Any) -> str:
 @friendly
 def bench(device: str, quick: bool, scheme: tuple, batch: tuple, horizon: tuple, dtype: tuple,
           budget: float, codegen: bool, inductor: bool, plot_path: Optional[str], compiled_loss: bool,
-          steady_malloc: bool, cuda_plan: bool, as_json: bool, ptxas: bool, **options: Any) -> None:
+          steady_malloc: bool, cuda_plan: bool, profile: bool, as_json: bool, ptxas: bool, **options: Any) -> None:
     """Time forward+backward against the dense-matrix and slicing PyTorch baselines (eager and under
     torch.compile) and the copy bound, then the forward alone (rollouts) into new and into reused
     outputs (out=). With --cuda-plan, the spec options (and --horizon, --dtype) choose the spec."""
@@ -471,6 +475,19 @@ def bench(device: str, quick: bool, scheme: tuple, batch: tuple, horizon: tuple,
                         "launches it reports)")
     check_device(device)
     from .bench import allocator, bspline, harness
+
+    if profile:
+        allowed = {"--profile", "--device", "--scheme", "--batch", "--horizon", "--dtype", "--steady-malloc"}
+        if set(given) - allowed or set(scheme) - {"costs"}:
+            extra = [g for g in given if g not in allowed] + [f"--scheme {s}" for s in scheme if s != "costs"]
+            raise UserError(f"--profile profiles the costs bench's methods: it takes --batch, --horizon, --dtype "
+                            f"and --device, not {', '.join(extra)}")
+        from .bench import costs, profile as profiler
+
+        click.echo(allocator.keep_freed_memory() if steady_malloc else allocator.leave_as_is())
+        profiler.run_cases([costs.CostCase(b, d, h, device) for h in (horizon or (32,)) for b in (batch or (400,))
+                            for d in (dtype or ("float32",))], click.echo)
+        return
 
     if compiled_loss:
         if device != "cpu" or scheme or dtype or plot_path or len(horizon) > 1:
