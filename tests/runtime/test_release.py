@@ -66,32 +66,36 @@ def test_dropped_steps_are_freed_with_their_launchers_and_twins(path):
     assert not alive, alive
 
 
-def _derivatives(step: ts.Step, drop: bool) -> tuple[np.ndarray, np.ndarray]:
-    """The gradient of ``_loss`` and a Hessian-vector product through it (double backward), the step
-    freed before either where ``drop`` (the caller passes its only reference)."""
+def _derivatives(step: ts.Step, drop: bool) -> tuple[np.ndarray, ...]:
+    """The gradient of ``_loss`` (backward), and again with a Hessian-vector product through it (double
+    backward), the step freed before either where ``drop`` (the caller passes its only reference)."""
     u, z = _inputs(step, seed=1)
     v = torch.randn(u.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
-    loss = _loss(step, u, z)
+    once, twice = _loss(step, u, z), _loss(step, u, z)
     if drop:
         freed = weakref.ref(step)
         del step
         gc.collect()
         assert freed() is None
-    (grad,) = torch.autograd.grad(loss, u, create_graph=True)
+    (first,) = torch.autograd.grad(once, u)
+    (grad,) = torch.autograd.grad(twice, u, create_graph=True)
     (hvp,) = torch.autograd.grad((grad * v).sum(), u)
-    return grad.detach().numpy(), hvp.numpy()
+    return first.numpy(), grad.detach().numpy(), hvp.numpy()
 
 
 def test_a_graph_that_outlives_its_step_runs_its_kernels_found_again(autograd_path):
     # a backward, and a double backward (the native node's create_graph path, which finds the
     # launcher by its handle), after the step itself was freed
     for fused in (False, True):
-        spec = _spec(31, fused)
-        kept = autograd_path(ts.load(spec))
-        expected = _derivatives(kept, drop=False)
-        got = _derivatives(autograd_path(ts.load(spec)), drop=True)
+        spec = _spec(31 + fused, fused)
+        expected = _derivatives(autograd_path(ts.load(spec)), drop=False)  # (that step freed on return)
+        steps = [autograd_path(ts.load(spec))]
+        key, on_node = steps[0].op_key, steps[0].native is not None
+        got = _derivatives(steps.pop(), drop=True)
         for a, b in zip(got, expected):
             np.testing.assert_allclose(a, b, rtol=1e-13, atol=1e-13)
+        if on_node:  # its create_graph backward found the launcher again by key (a Python graph holds it)
+            assert key in registry._LOADED
 
 
 def test_a_launcher_found_by_key_after_its_step_was_freed_is_kept_for_the_key():
