@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import tensorstep as ts
-from tensorstep.runtime import api, native, ops, registry
+from tensorstep.runtime import native, ops, registry
 
 TERMS = (("bound", "position"), ("squared", "acceleration"))
 
@@ -22,7 +22,7 @@ def _spec(horizon: int, fused: bool) -> ts.KernelSpec:
     return ts.KernelSpec(horizon=horizon, dof=2, dtype="float64", **(dict(costs=TERMS, outputs=("P",)) if fused else {}))
 
 
-def _parameters(horizon: int) -> dict[str, torch.Tensor]:
+def _parameters() -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(5)
     r = lambda *s: torch.rand(*s, generator=g, dtype=torch.float64)  # noqa: E731
     return {"bound_position_weight": 0.5 + r(2), "squared_acceleration_weight": r(2),
@@ -36,7 +36,7 @@ def _inputs(step: ts.Step, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _loss(step: ts.Step, u: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-    outs = step(u, z, z, z, 0.1, **(_parameters(step.spec.horizon) if step.table.fused else {}))
+    outs = step(u, z, z, z, 0.1, **(_parameters() if step.table.fused else {}))
     return sum(y.square().sum() for y in outs)
 
 
@@ -54,7 +54,7 @@ def test_dropped_steps_are_freed_with_their_launchers_and_twins(path):
             _loss(step, u, z).backward()
             if fused:  # its dt gradient runs the plain twin (the composite form)
                 dt = torch.tensor(0.1, dtype=torch.float64, requires_grad=True)
-                sum(y.sum() for y in step(u, z, z, z, dt, **_parameters(horizon))).backward()
+                sum(y.sum() for y in step(u, z, z, z, dt, **_parameters())).backward()
                 refs.append(weakref.ref(step.plain))
                 refs.append(weakref.ref(step.plain.launcher))
             ops._kernel(step.op_key)  # the ops' view of the key, as a compiled graph's first call takes it
