@@ -4,7 +4,8 @@ For each case of the costs bench (bench/costs.py: float32, H=32, D=7, seven term
 unless --batch), forward+backward of the fused step with its cost parameters passed and held, of the
 plain step plus the same costs in eager PyTorch, and of the plain step alone (a gradient on P), as
 that bench builds them: a few calls to warm up, then ``CALLS`` calls under ``torch.profiler``. Per
-call, each op's self host time and, on CUDA, the self device time of the kernels it launched (the
+call (averaged over the calls: one that loses its core on a busy machine raises its ops' figures),
+each op's self host time and, on CUDA, the self device time of the kernels it launched (the
 profiler's own cost is in the host times: compare methods with each other, time them with
 ``bench --scheme costs``).
 """
