@@ -474,6 +474,14 @@ C_ROLL_RECURRENCE_ABOVE_H = 40
 #: the most bytes of one level's checkpoints in C's rolled recurrence adjoints (``rolled_adjoint``): a
 #: local array of the column on the thread's stack, so one level at every horizon the spec allows
 C_CHECKPOINT_BYTES = 1 << 16
+#: the row values a segment of C's rolled recurrence adjoints recomputes (``rolled_adjoint``'s ``segment_rows``):
+#: CUDA's ``SCAN_REGISTERS`` count 4-byte registers (16 float32 rows, 8 float64), but the lane form's
+#: values are vectors, one register each in either type, so C takes 8 in both. With 16, a float32 jerk
+#: segment (4 steps of 4 rows) left the reverse loop short of the 32 vector registers: it spilled the
+#: cost parameters it reads every step and reloaded them each iteration, and recomputed a longer chain
+#: of dependent rows ahead of the reverse one (BENCHMARKS.md, issue 39, "C's rolled recurrence
+#: adjoints: segments counted in vector registers")
+C_SCAN_ROWS = 8
 
 
 def _steps(op: Operator) -> dict[int, list[Row]]:
@@ -914,7 +922,7 @@ def _recurrence(op: Operator, coefs: Coefficients, refs: References, inputs: lis
 # -- a recurrence's adjoint rolled (codegen/roll.py ``segmented``): CUDA's at every horizon ------
 def rolled_adjoint(op: Operator, coefs: Coefficients, refs: References, table: ArgumentTable, live: Callable,
                    itemsize: int, form: Form = Form(), budget: int = CHECKPOINT_BYTES,
-                   reread: bool = True) -> list[Statement] | None:
+                   reread: bool = True, segment_rows: int | None = None) -> list[Statement] | None:
     """``adjoint`` of a recurrence as a reverse scan over segments of steps (codegen/roll.py
     ``segmented``): a first loop runs the steps forward and keeps each segment's incoming values
     (checkpoints) in the column's local array (``TS_CK``); a second loop, from the last segment,
@@ -924,7 +932,8 @@ def rolled_adjoint(op: Operator, coefs: Coefficients, refs: References, table: A
     whatever the segments (FMA contraction aside, the straight-line column's bits). None where fewer
     than two segments repeat. ``form``: what a call's parameters allow (C's variants); ``budget``: the
     most bytes of one level's checkpoints (``CHECKPOINT_BYTES``, CUDA's stack; C's, ``C_CHECKPOINT_BYTES``);
-    ``reread``: the actions of the steps before the scan read again through ``R<U>`` (CUDA's registers)."""
+    ``reread``: the actions of the steps before the scan read again through ``R<U>`` (CUDA's registers);
+    ``segment_rows``: the row values a segment recomputes (None: ``SCAN_REGISTERS``' worth; C's ``C_SCAN_ROWS``)."""
     steps = list(_steps(op).values())
     if [row for rows in steps for row in rows] != list(op.rows) or any(rows[0].h != h for h, rows in enumerate(steps)):
         return None  # (a step's rows not consecutive: its groups would reorder the column)
@@ -969,7 +978,8 @@ def rolled_adjoint(op: Operator, coefs: Coefficients, refs: References, table: A
             return Val("yr", x.k, x.h)
         return Read("R" + action, x.args) if reread and isinstance(x, Read) and x.macro == action else None
 
-    scan = roll.segmented(values, reverse, itemsize, SCAN_REGISTERS * 4 // itemsize, budget, again)
+    segment_rows = SCAN_REGISTERS * 4 // itemsize if segment_rows is None else segment_rows
+    scan = roll.segmented(values, reverse, itemsize, segment_rows, budget, again)
     if scan is None:
         return None
     body = refs.loads(columns) + terms.loads() + terms.scales() + _started(scan, target)

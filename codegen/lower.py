@@ -1175,7 +1175,8 @@ class LoweredOperator:
                                                   run=fused.run_rows(itemsize), paired=True)
             else:
                 statements = fused.rolled_adjoint(self.op, self.coefs, self.refs, self.arguments, _live, itemsize,
-                                                  form, fused.C_CHECKPOINT_BYTES, reread=False)
+                                                  form, fused.C_CHECKPOINT_BYTES, reread=False,
+                                                  segment_rows=fused.C_SCAN_ROWS)
             cache[kernel, itemsize, form] = KernelCode(TABLE_CALL, statements) if statements else None
         return cache[kernel, itemsize, form]
 
