@@ -35,7 +35,7 @@ import dataclasses
 import functools
 import re
 from collections import defaultdict
-from typing import Callable
+from typing import Callable, Iterable
 
 import sympy as sp
 
@@ -46,8 +46,8 @@ from . import roll
 from .operator import Operator, Ref, Row, action, is_action, is_row
 from .references import References
 from .renaming import RowExpressions
-from .statements import (Bind, Call, Cast, Def, For, Index, Mul, Paren, Read, Rel, Shift, Statement, Store, Sum, Sym,
-                         Term, Val, Var, Volatile, bind, transform, walk)
+from .statements import (Bind, Call, Cast, Def, For, Index, Mul, Paren, Read, Rel, RunEnd, Shift, Statement, Store, Sum,
+                         Sym, Term, Val, Var, Volatile, bind, transform, walk)
 
 STATES = ("position", "velocity", "acceleration", "jerk", "snap")
 TARGET_REF = ("squared_position_target", 0)
@@ -551,18 +551,19 @@ def forward_rolled(op: Operator, coefs: Coefficients, refs: References, table: A
     """A stencil's or recurrence's ``forward`` as groups of statements per step (``blocks``: per knot
     span) with group-relative positions (``CostTerms.value_at``), rendered by roll.py: the runs of
     equal groups (the interior) one loop each, the sums carried through it; the boundary groups
-    straight-line. Its length does not grow with H. ``run``: as ``forward``'s, groups per step
-    only (``_run_ends``); else every term's rows are added straight into its double sum. ``paired``:
-    the rows as ``paired_rows`` (C's: the straight-line form's arithmetic)."""
+    straight-line. Its length does not grow with H. ``run``: as ``forward``'s (``_run_ends``; knot
+    spans, whose rows a run crosses: ``_span_run_ends``). ``paired``: the rows as ``paired_rows``
+    (C's: the straight-line form's arithmetic)."""
     terms = CostTerms(table, form.narrow, form.unit_rows)
-    partial = {t for t, kind, _ in terms.terms if run > 1 and blocks.period == 1 and terms.kind(kind).nonnegative}
+    partial = {t for t, kind, _ in terms.terms if run > 1 and terms.kind(kind).nonnegative}
+    spans = _span_run_ends(op, terms, partial, run) if blocks.period > 1 else {}
     head = refs.loads(a.name for a in table.columns) + terms.loads()
     head += [Def(Var(f"cacc{t}"), Sum(()), ctype="double", const=False) for t, _, _ in terms.terms]
     head += [Def(Var(f"crun{t}"), Sum(()), const=False) for t in sorted(partial)]
     groups = []
     for h, rows in blocks.groups(op).items():
         statements: list[Statement] = []
-        for row in rows:
+        for i, row in enumerate(rows):
             statements.append(_relative_row(row, coefs, refs, blocks, paired))
             at = blocks.row(row.h, h)
             y = Val("y", row.k, at)
@@ -571,8 +572,11 @@ def forward_rolled(op: Operator, coefs: Coefficients, refs: References, table: A
             statements += [Store(Var(f"crun{t}"), terms.value_at(t, kind, row.k, at), "+=") if t in partial else
                            Store(Var(f"cacc{t}"), Cast("double", Paren(terms.value_at(t, kind, row.k, at))), "+=")
                            for t, kind in terms.on(row.k)]
+            if i + 1 == len(rows) or rows[i + 1].h != row.h:  # a step's runs ended by one test
+                statements += _merged(dataclasses.replace(spans[r.k], at=at) for r in rows if r.h == row.h and r.k in spans)
         groups.append(roll.Group(h, statements))
-    body = head + roll.render(groups, after=_run_ends(op, terms, partial, run), period=run)
+    after = _run_ends(op, terms, partial, run) if blocks.period == 1 else {}
+    body = head + roll.render(groups, after=after, period=run)
     body += [terms.total(t, kind) for t, kind, _ in terms.terms]
     return live(body, _sym_reads(body))
 
@@ -593,6 +597,33 @@ def _run_ends(op: Operator, terms: CostTerms, partial: set[int], run: int) -> di
                     ends[row.h] += [Store(Var(f"cacc{t}"), Cast("double", Paren(Var(f"crun{t}"))), "+="),
                                     Store(Var(f"crun{t}"), Sum(()))]
     return dict(ends)
+
+
+def _span_run_ends(op: Operator, terms: CostTerms, partial: set[int], run: int) -> dict[int, RunEnd]:
+    """Output k → what ends the runs of ``partial``'s terms on k after one of its rows, where groups are
+    knot spans (``Blocks``): the runs (``_term_rows``', from the output's first row) cross the spans, so
+    a span's row tests its position (``RunEnd``, its ``at`` the row's, set by the caller); the
+    statements are ``_run_ends``'. An output whose rows are not consecutive has none: its terms'
+    rows are left out of ``partial``, each added straight into its double sum."""
+    out: dict[int, RunEnd] = {}
+    for k in sorted({k for t, _, k in terms.terms if t in partial}):
+        rows = sorted(row.h for row in op.rows if row.k == k)
+        if rows != list(range(rows[0], rows[0] + len(rows))):
+            partial -= {t for t, _ in terms.on(k)}
+            continue
+        body = [s for t, _ in terms.on(k) if t in partial for s in (
+            Store(Var(f"cacc{t}"), Cast("double", Paren(Var(f"crun{t}"))), "+="), Store(Var(f"crun{t}"), Sum(())))]
+        out[k] = RunEnd(None, rows[0], run, rows[-1], tuple(body))
+    return out
+
+
+def _merged(ends: Iterable[RunEnd]) -> list[RunEnd]:
+    """``ends`` with those of the same test one, their bodies in order (each term's sums are its own)."""
+    out: dict[tuple, RunEnd] = {}
+    for end in ends:
+        key = (end.at, end.first, end.length, end.last)
+        out[key] = dataclasses.replace(out[key], body=out[key].body + end.body) if key in out else end
+    return list(out.values())
 
 
 def _action_partials(h: int, rows: list[Row], nonzero: set, readers: dict, coefs: Coefficients, refs: References,

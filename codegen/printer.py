@@ -14,8 +14,8 @@ import sympy as sp
 from sympy.printing.c import C99CodePrinter
 
 from .renaming import renamed_text
-from .statements import (Add, Bind, Call, Cast, Def, For, Literal, Mul, Paren, Read, Rel, RunTape, Shift, Statement,
-                         Store, Strided, Sum, Sym, Term, Val, Var, Volatile)
+from .statements import (Add, Bind, Call, Cast, Def, For, Literal, Mul, Paren, Read, Rel, RunEnd, RunTape, Shift,
+                         Statement, Store, Strided, Sum, Sym, Term, Val, Var, Volatile)
 
 INDENT = "    "
 
@@ -143,6 +143,15 @@ class Printer:
                 if not s.unroll:
                     out.append(f"{indent}TS_ROLLED")  # each template says what keeps a loop rolled
                 out.append(f"{indent}for (int64_t {v} = {first}; {cond}; {advance}) {{")
+                out += self.lines(s.body, indent + INDENT)
+                out.append(f"{indent}}}")
+            elif isinstance(s, RunEnd):
+                if isinstance(s.at, int):
+                    out += self.lines(s.body, indent) if s.holds() else []
+                    continue
+                at = _index(s.at)
+                since = at if s.first == 0 else f"{at} - {s.first}"
+                out.append(f"{indent}if (({since}) % {s.length} == {s.length - 1} || {at} == {s.last}) {{")
                 out += self.lines(s.body, indent + INDENT)
                 out.append(f"{indent}}}")
             else:

@@ -217,7 +217,7 @@ def rolled(run: list[Group], step: int, defined: set[str]) -> list[Statement]:
     stride = next((b - a for a, b in zip(slots0, slots1)), 0) * step  # per unit of h
     carried: dict[tuple[str, int], int] = {}  # (prefix, k) → depth
     for s in run[0].statements:
-        for v in walk(s.value):
+        for v in walk(s.value if isinstance(s, (Def, Store, Call)) else s):
             if isinstance(v, Val) and isinstance(v.h, Rel) and v.h.rel != 0:
                 carried[(v.prefix, v.k)] = max(carried.get((v.prefix, v.k), 0), abs(v.h.rel))
     own = {(s.target.prefix, s.target.k) for s in run[0].statements if isinstance(s, Def)}

@@ -206,6 +206,24 @@ class For:
 
 
 @dataclasses.dataclass(frozen=True)
+class RunEnd:
+    """``body`` after row ``at`` where that row ends a run of ``length`` rows counted from row ``first``
+    (``(at - first) % length == length - 1``) or is row ``last``: in a loop over knot spans a test of
+    the row's position, placed at a row (an int) the body or nothing (codegen/fused.py ``forward_rolled``)."""
+
+    at: Index
+    first: int
+    length: int
+    last: int
+    body: tuple
+
+    def holds(self) -> bool:
+        """Whether the placed row ends a run."""
+        assert isinstance(self.at, int), "a position in a loop: tested where it runs"
+        return (self.at - self.first) % self.length == self.length - 1 or self.at == self.last
+
+
+@dataclasses.dataclass(frozen=True)
 class RunTape:
     """Runs a program kept as data (a codegen/tape.py Tape, or a loop over a codegen/monomials.py
     table): printed as the macro each template defines for it, called with ``args`` (a row
@@ -218,7 +236,7 @@ class RunTape:
         return hash(self.tape.name)
 
 
-Statement = Union[Def, Store, Call, For, RunTape]
+Statement = Union[Def, Store, Call, For, RunEnd, RunTape]
 
 
 def transform(node: Any, fn: Callable[[Any], Any]) -> Any:

@@ -4,6 +4,7 @@ A cost term at a row-relative row (``CostTerms.value_at``, ``slope_at``) is one 
 and placed at a row it is the term ``value`` and ``slope`` build there."""
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
@@ -209,6 +210,36 @@ def test_c_rolls_a_bsplines_fused_columns_past_its_threshold_where_its_spans_rep
         for codes in [C.codes(code, kernels, 4)] + list(C.form_codes(code, kernels, 4).values()):
             knot_loops = [sum(isinstance(s, For) and s.var == "kn" for s in codes[k].statements) for k in kernels]
             assert knot_loops == [loops] * 2
+
+
+@pytest.mark.parametrize("degree, steps", [(3, 3), (4, 8), (5, 4)])
+def test_c_rolled_float32_bspline_forwards_add_their_terms_in_float_runs_across_knot_spans(degree, steps):
+    """Past the threshold C's float32 B-spline forward adds each term's rows in runs of
+    fused.FLOAT_RUN_ROWS in float, as the straight-line form, though a run crosses knot spans: in the
+    loop over the knots each step's rows test whether they end a run (``RunEnd``: its terms' runs into
+    their double sums, one test a step), so every term's rows are in a float sum and each sum is
+    folded there; the same statements at 16 and 40 knots; the float64 forward has no runs."""
+    from tensorstep.codegen.statements import RunEnd, transform, walk
+
+    bodies = []
+    for knots in (16, 40):
+        spec = ts.KernelSpec(control="bspline", degree=degree, knots=knots, steps=steps, dof=2, costs=TERMS,
+                             outputs=("P",))
+        code = lower(build_operator(spec), table(spec))
+        for codes in [C.codes(code, ("forward",), 4)] + list(C.form_codes(code, ("forward",), 4).values()):
+            [loop] = [s for s in codes["forward"].statements if isinstance(s, For)]
+            assert loop.var == "kn"
+            ends = [n for n in walk(loop.body) if isinstance(n, RunEnd)]
+            assert len(ends) == steps and all(e.length == fused.FLOAT_RUN_ROWS for e in ends)
+            assert all(f"cacc{t} += (double)(crun{t})" in "\n".join(codes["forward"].body) for t in range(len(TERMS)))
+            assert not any(f"cacc{t} +=" in line and f"crun{t}" not in line for t in range(len(TERMS))
+                           for line in codes["forward"].body)  # (no row added straight in double)
+        # the loop's statements, but for the column's last row its tests name
+        [loop] = [s for s in C.codes(code, ("forward",), 4)["forward"].statements if isinstance(s, For)]
+        bodies.append(transform(loop.body, lambda n: dataclasses.replace(n, last=None) if isinstance(n, RunEnd) else None))
+        double = C.codes(code, ("forward",), 8)["forward"]
+        assert not any(isinstance(n, RunEnd) for n in walk(tuple(double.statements)))
+    assert bodies[0] == bodies[1]
 
 
 @pytest.mark.parametrize("degree, steps", [(3, 2), (3, 8), (5, 3)])

@@ -20,7 +20,7 @@ import torch
 import reference
 import reference_costs
 import tensorstep as ts
-from tensorstep.codegen import render
+from tensorstep.codegen import fused, render
 from tensorstep.codegen.driver import generate
 from helpers import gradcheck64, gradgradcheck64
 
@@ -1339,20 +1339,29 @@ source = generate(spec, ("c",), ("core",)).source("c", "core")
 x, params = data["x"], data["params"]
 with torch.no_grad():
     outs = ts.load(spec)(x["u"], x["p0"], x["v0"], x["a0"], data["dt"], j0=x["j0"], **params)
-torch.save([*outs, "rs += 16" in source], sys.argv[3])
+# (a loop over runs of 16 steps, or a knot span's rows each testing whether it ends a run)
+torch.save([*outs, "rs += 16" in source or "% 16 == 15" in source], sys.argv[3])
 """
 
+#: C's rolled float32 forwards: stencils, recurrences, and B-splines whose runs of 16 rows cross their
+#: knot spans (3 rows a span; 4 rows, degree 5; 8 rows, degree 4)
+ROLLED_FLOAT32_BITS = {"position_h48": dict(horizon=48), "velocity_h41": dict(horizon=41, control="velocity"),
+                       "jerk_h64": dict(horizon=64, control="jerk", integrator="exact"),
+                       "bspline_p3_n12_s3": dict(control="bspline", degree=3, knots=12, steps=3),
+                       "bspline_p5_n10_s4": dict(control="bspline", degree=5, knots=10, steps=4),
+                       "bspline_p4_n8_s8": dict(control="bspline", degree=4, knots=8, steps=8)}
 
-@pytest.mark.parametrize("control, horizon", [("position", 48), ("velocity", 41), ("jerk", 64)])
-def test_rolled_c_float32_forwards_give_the_straight_line_bits(control, horizon, tmp_path):
+
+@pytest.mark.parametrize("case", ROLLED_FLOAT32_BITS)
+def test_rolled_c_float32_forwards_give_the_straight_line_bits(case, tmp_path):
     """A rolled float32 forward adds each term's rows in the straight-line form's runs and order (runs of
-    fused.FLOAT_RUN_ROWS in float from the column's first row, each into the term's double sum): P and
-    the cost are the straight-line columns' bits, the two built in processes of their own (the
-    thresholds patched in one), with ``-ffp-contract=off``. With contraction the compiler may fuse
-    another product of a run's first two rows into an FMA in each form (a rounding of a row apart);
-    without it the C source's arithmetic is what either form runs."""
-    spec = ts.KernelSpec(horizon=horizon, dof=3, control=control, dtype="float32", costs=TERMS, outputs=("P",),
-                         integrator="exact" if control == "jerk" else "semi_implicit_euler")
+    fused.FLOAT_RUN_ROWS in float from the column's first row, each into the term's double sum; a
+    B-spline's across its knot spans): P and the cost are the straight-line columns' bits, the two
+    built in processes of their own (the thresholds patched in one), with ``-ffp-contract=off``. With
+    contraction the compiler may fuse another product of a run's first two rows into an FMA in each
+    form (a rounding of a row apart); without it the C source's arithmetic is what either form runs."""
+    spec = ts.KernelSpec(dof=3, dtype="float32", costs=TERMS, outputs=("P",), **ROLLED_FLOAT32_BITS[case])
+    assert spec.horizon > fused.C_ROLL_ABOVE_H
     x, params, _ = _data(spec.replace(dtype="float64"), B=70)
     f32 = lambda t: t.float() if t.is_floating_point() else t
     torch.save(dict(x={k: f32(v) for k, v in x.items()}, params={k: f32(v) for k, v in params.items()},
