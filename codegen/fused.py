@@ -461,15 +461,20 @@ def adjoint(op: Operator, coefs: Coefficients, refs: References, table: Argument
 #: H=48, 11 s at 64, 113 s at 128), where the rolled module's is the same at any H (BENCHMARKS.md,
 #: issue 39, "Rolled fused stencil columns"). A B-spline's columns (``Blocks``) follow the same threshold:
 #: up to it few spans repeat (degree + 4 knots roll), past it gcc's time on the straight-line columns
-#: grows as a stencil's (BENCHMARKS.md, issue 39, "Rolled fused B-spline columns")
+#: grows as a stencil's (BENCHMARKS.md, issue 39, "Rolled fused B-spline columns"). From 33 to 40 rows
+#: rolled columns are slower at some shapes (position at B=4000, B-splines float32 at B=400), so it stays
+#: (BENCHMARKS.md, issue 39, "C's rolled fused columns: jerk's adjoint segments in vector registers, ...")
 C_ROLL_ABOVE_H = 40
 #: C's fused recurrence columns (velocity, acceleration, jerk control) with more rows than this are
 #: rolled (``forward_rolled``, ``rolled_adjoint``; codegen/lower.py ``c_fused``); up to it they stay
 #: straight-line, in their tuned form, built within 2.5 s; past it gcc's time on the straight-line
 #: module passes 3 s (about 3 s at H=48, 4-5 s at 64, over 100 s at 128), where the rolled module's
 #: is under a second at any H, and the rolled columns, whose float32 forward adds the straight-line
-#: form's float runs, run about as fast (jerk's a little slower: its adjoint) (BENCHMARKS.md, issue
-#: 39, "Rolled fused recurrence columns in C", "C's rolled fused forwards: float32 terms in float runs")
+#: form's float runs and whose adjoint's segments fit the vector registers (``C_SCAN_ROWS``), run about
+#: as fast. From 33 to 40 rows the rolled columns are not as fast at every shape (jerk float32 at
+#: B=4000, velocity float32 at H=33, B=4000), so it stays (BENCHMARKS.md, issue 39, "Rolled fused
+#: recurrence columns in C", "C's rolled fused forwards: float32 terms in float runs", "C's rolled fused
+#: columns: jerk's adjoint segments in vector registers, ...")
 C_ROLL_RECURRENCE_ABOVE_H = 40
 #: the most bytes of one level's checkpoints in C's rolled recurrence adjoints (``rolled_adjoint``): a
 #: local array of the column on the thread's stack, so one level at every horizon the spec allows
