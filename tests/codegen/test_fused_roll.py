@@ -178,6 +178,24 @@ def test_c_recurrences_are_straight_line_to_their_threshold_and_as_long_at_any_h
         assert max(lines) <= 1.1 * lines[0], (control, dtype, lines)
 
 
+@pytest.mark.parametrize("control", ["velocity", "acceleration", "jerk"])
+def test_c_rolled_recurrence_adjoints_recompute_segments_of_the_same_rows_in_either_type(control):
+    """C's rolled recurrence adjoint (a reverse scan over segments) recomputes fused.C_SCAN_ROWS rows a
+    segment in float32 as in float64 (the lane form's values are vectors, a register each in either
+    type): its loops step by the same steps, C_SCAN_ROWS over a step's rows; CUDA's float32 segments
+    (``SCAN_REGISTERS`` 4-byte registers' worth) are twice its float64 ones."""
+    integrator = "exact" if control == "jerk" else "semi_implicit_euler"
+    spec = _spec(horizon=64, control=control, integrator=integrator)
+    code = lower(build_operator(spec), table(spec))
+    steps = fused.C_SCAN_ROWS // (len(code.op.rows) // spec.horizon)
+    strides = lambda codes: {abs(s.step) for s in codes["adjoint"].statements if isinstance(s, For)}
+    for itemsize in (4, 8):
+        for codes in [C.codes(code, ("adjoint",), itemsize)] + list(C.form_codes(code, ("adjoint",), itemsize).values()):
+            assert strides(codes) == {steps}, (itemsize, strides(codes))
+    cuda = [strides(CUDA.codes(code, ("adjoint",), itemsize)) for itemsize in (4, 8)]
+    assert cuda[0] == {2 * s for s in cuda[1]}, cuda
+
+
 #: fused B-splines (a knot span of ``steps`` rows, each span reading its window of knots)
 BSPLINES = {
     "degree3": dict(control="bspline", degree=3, steps=4),
