@@ -484,8 +484,8 @@ C_CHECKPOINT_BYTES = 1 << 16
 #: values are vectors, one register each in either type, so C takes 8 in both. With 16, a float32 jerk
 #: segment (4 steps of 4 rows) left the reverse loop short of the 32 vector registers: it spilled the
 #: cost parameters it reads every step and reloaded them each iteration, and recomputed a longer chain
-#: of dependent rows ahead of the reverse one (BENCHMARKS.md, issue 39, "C's rolled recurrence
-#: adjoints: segments counted in vector registers")
+#: of dependent rows ahead of the reverse one (BENCHMARKS.md, issue 39, "C's rolled fused columns:
+#: jerk's adjoint segments in vector registers, ...")
 C_SCAN_ROWS = 8
 
 
@@ -578,7 +578,8 @@ def forward_rolled(op: Operator, coefs: Coefficients, refs: References, table: A
                            Store(Var(f"cacc{t}"), Cast("double", Paren(terms.value_at(t, kind, row.k, at))), "+=")
                            for t, kind in terms.on(row.k)]
             if i + 1 == len(rows) or rows[i + 1].h != row.h:  # a step's runs ended by one test
-                statements += _merged(dataclasses.replace(spans[r.k], at=at) for r in rows if r.h == row.h and r.k in spans)
+                ends = (dataclasses.replace(spans[r.k], at=at) for r in rows if r.h == row.h and r.k in spans)
+                statements += _merged(ends)
         groups.append(roll.Group(h, statements))
     after = _run_ends(op, terms, partial, run) if blocks.period == 1 else {}
     body = head + roll.render(groups, after=after, period=run)

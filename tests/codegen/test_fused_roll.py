@@ -190,7 +190,8 @@ def test_c_rolled_recurrence_adjoints_recompute_segments_of_the_same_rows_in_eit
     steps = fused.C_SCAN_ROWS // (len(code.op.rows) // spec.horizon)
     strides = lambda codes: {abs(s.step) for s in codes["adjoint"].statements if isinstance(s, For)}
     for itemsize in (4, 8):
-        for codes in [C.codes(code, ("adjoint",), itemsize)] + list(C.form_codes(code, ("adjoint",), itemsize).values()):
+        forms = list(C.form_codes(code, ("adjoint",), itemsize).values())
+        for codes in [C.codes(code, ("adjoint",), itemsize)] + forms:
             assert strides(codes) == {steps}, (itemsize, strides(codes))
     cuda = [strides(CUDA.codes(code, ("adjoint",), itemsize)) for itemsize in (4, 8)]
     assert cuda[0] == {2 * s for s in cuda[1]}, cuda
@@ -254,7 +255,8 @@ def test_c_rolled_float32_bspline_forwards_add_their_terms_in_float_runs_across_
                            for line in codes["forward"].body)  # (no row added straight in double)
         # the loop's statements, but for the column's last row its tests name
         [loop] = [s for s in C.codes(code, ("forward",), 4)["forward"].statements if isinstance(s, For)]
-        bodies.append(transform(loop.body, lambda n: dataclasses.replace(n, last=None) if isinstance(n, RunEnd) else None))
+        unlast = lambda n: dataclasses.replace(n, last=None) if isinstance(n, RunEnd) else None
+        bodies.append(transform(loop.body, unlast))
         double = C.codes(code, ("forward",), 8)["forward"]
         assert not any(isinstance(n, RunEnd) for n in walk(tuple(double.statements)))
     assert bodies[0] == bodies[1]
