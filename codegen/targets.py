@@ -247,6 +247,27 @@ def cuda_shared_powers(kernel: str, where: str, fused: bool, itemsize: int) -> b
     return where == "thread" and not fused and kernel == "dt_jvp" and itemsize == 8
 
 
+#: CUDA: per-column values of a fused kernel kept in the thread's column of the block's shared memory
+#: (``cuda_shared_column``): (the values' name, ``<name><t>`` for cost term t; the slot macro; its type)
+CUDA_SHARED_COLUMN = {"forward": ("cacc", "TS_CSUM", "double"), "adjoint": ("cgw", "TS_CGW", "T")}
+
+
+def cuda_shared_column(kernel: str, fused: bool, itemsize: int) -> tuple[tuple[str, str, str], ...]:
+    """The per-column values a fused CUDA kernel keeps in the thread's column of the block's shared
+    memory, each read and written where used (volatile), in place of registers held from the
+    column's start to its end (codegen/shared_column.py): a forward's sum of each cost term (a
+    double each, added to at every row: at the register cap, float32 B-splines of 64 knots spilled
+    8 to 32 bytes with them in registers, and with them shared every fused forward of
+    tests/cuda/test_ptxas.py's grid and survey but one takes fewer registers, 128 down to 80 there),
+    and a float64 adjoint's scaled weight of each term (``cgw<t>``, read at every row: a central
+    stencil of accuracy 8, order 4, with a squared position term, spilled 8 bytes). float32's
+    adjoints keep theirs in registers (one each): shared, none spilled either way and most took more
+    registers. Layout "bdh", whose staging holds the shared memory, keeps them in a local array."""
+    if not fused or kernel not in CUDA_SHARED_COLUMN or (kernel == "adjoint" and itemsize < 8):
+        return ()
+    return (CUDA_SHARED_COLUMN[kernel],)
+
+
 def tape_files(tapes: list) -> dict[str, int]:
     """The doubles of shared memory each CUDA kernel that runs tapes declares for their registers,
     by kernel (``CUDA_TAPE_KERNELS``): its tapes run one after another, so they share one file, a
@@ -642,6 +663,7 @@ class CudaTarget(Target):
         (B-splines) the forward and adjoint are span loops only, as in C (lower._spans_only); the
         tangent and reverse programs as tapes (``tape_programs``), dt_jvp's inputs read once."""
         from . import reads  # code generation only: this module stays importable without SymPy
+        from .shared_column import in_shared_column
 
         codes = {k: getattr(code.as_tapes, k) if k in ("dt_jvp", "dt_vjp_finish") else getattr(code, k)
                  for k in kernels}
@@ -660,6 +682,9 @@ class CudaTarget(Target):
                 codes["adjoint"] = dataclasses.replace(adjoint, statements=rolled)
         if "dt_jvp" in codes:
             codes["dt_jvp"] = dataclasses.replace(codes["dt_jvp"], statements=reads.loaded_once(codes["dt_jvp"].statements))
+        for k in ("forward", "adjoint"):
+            for value, slot, _ in cuda_shared_column(k, code.fused, itemsize) if k in codes else ():
+                codes[k] = dataclasses.replace(codes[k], statements=in_shared_column(codes[k].statements, value, slot))
         return codes
 
     def check(self, spec: Any, tapes: list) -> None:
