@@ -1422,3 +1422,30 @@ def test_rolled_bspline_columns_with_the_bench_terms_run_on_the_host_match_the_d
                          costs=BENCH_TERMS, outputs=("P",))
     x, params, dt_ = _data(spec)
     _fused_against_composite(spec, x, params, dt_, False, fused_step=host_step(spec))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("case", ["bspline_bench", "wide_per_step"])
+def test_cuda_per_column_values_in_shared_memory_run_on_the_host_match_the_definitions(case, dtype):
+    """CUDA's fused forward adds each term's rows into its slot of the thread's column of shared
+    memory, and a float64 adjoint reads its scaled weights from there (codegen/targets.py
+    ``cuda_shared_column``; tests/cuda/test_ptxas.py's rows that spilled with them in registers, here
+    smaller): the source has the slots, and run on the host (tests/cuda_on_host.py) P, cost and the
+    gradients of u, p0 and the target match the plain step plus the terms from their definitions
+    (float32: within 1e-6 of the largest, on the values the kernel sees)."""
+    from cuda_on_host import host_step
+
+    spec = (ts.KernelSpec(control="bspline", degree=3, knots=8, steps=4, dof=2, dtype="float64", costs=BENCH_TERMS,
+                          outputs=("P",)) if case == "bspline_bench" else _spec(case, terms=BENCH_TERMS))
+    source = ts.source(spec.replace(dtype=dtype), "cuda")
+    assert "__shared__ double ts_caccs[" in source and "double cacc0" not in source
+    assert ("TS_CGW(0) = " in source) == (dtype == "float64") and ("const T cgw0" in source) == (dtype == "float32")
+    x, params, dt = _data(spec)
+    if dtype == "float64":
+        _fused_against_composite(spec, x, params, dt, False, fused_step=host_step(spec))
+        return
+    seen = lambda t: t.float().double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+    x, params = {k: seen(v) for k, v in x.items()}, {k: seen(v) for k, v in params.items()}
+    dt = seen(dt) if isinstance(dt, torch.Tensor) else float(torch.tensor(dt).float())
+    _fused_against_composite(spec, x, params, dt, False, fused_step=host_step(spec.replace(dtype="float32")),
+                             fused_dtype=torch.float32, tol=1e-6)
