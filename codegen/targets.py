@@ -257,8 +257,8 @@ def cuda_shared_column(kernel: str, fused: bool, itemsize: int) -> tuple[tuple[s
     memory, each read and written where used (volatile), in place of registers held from the
     column's start to its end (codegen/shared_column.py): a forward's sum of each cost term (a
     double each, added to at every row: at the register cap, float32 B-splines of 64 knots spilled
-    8 to 32 bytes with them in registers, and with them shared every fused forward of
-    tests/cuda/test_ptxas.py's grid and survey but one takes fewer registers, 128 down to 80 there),
+    8 to 32 bytes with them in registers; shared, every fused forward of tests/cuda/test_ptxas.py's
+    grid and survey but one takes fewer registers, the B-splines of 64 knots 80 to 110 of 128),
     and a float64 adjoint's scaled weight of each term (``cgw<t>``, read at every row: a central
     stencil of accuracy 8, order 4, with a squared position term, spilled 8 bytes). float32's
     adjoints keep theirs in registers (one each): shared, none spilled either way and most took more
