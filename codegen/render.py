@@ -18,7 +18,7 @@ from .lower import TABLE_CALL, KernelCode, LoweredOperator
 from .printer import COLUMN, lane_printer
 from .statements import Read, Shift, walk
 from .targets import (CUDA_BLOCK, CUDA_STAGED, CUDA_WARPS, ITEMSIZE, TABLE_KERNELS, Target, cuda_coefficients,
-                      cuda_float_powers, cuda_row_unroll, cuda_shared_column, cuda_shared_powers, cuda_stage_columns,
+                      cuda_float_powers, cuda_row_unroll, cuda_shared_powers, cuda_shared_slots, cuda_stage_columns,
                       cuda_tiles, cuda_volatile_coefficients, cuda_warp_rows_shared, inline_coefficients, tape_files)
 
 CTYPES = {"float32": "float", "float64": "double"}
@@ -447,7 +447,7 @@ def render(spec: Any, code: LoweredOperator, table: ArgumentTable, target: Targe
         float_powers={k: cuda_float_powers(k, thread.get(k, where[k]), code.fused, itemsize) for k in kernels},
         row_unroll={k: cuda_row_unroll(k, thread.get(k, where[k]), code.fused, itemsize) for k in kernels},
         # CUDA: the per-column values each kernel keeps in the thread's column of shared memory
-        shared_column={k: cuda_shared_column(k, code.fused, itemsize) for k in kernels},
+        shared_column={k: cuda_shared_slots(k, codes[k].statements) for k in kernels},
         dt_chunk=abi.C_DT_VJP_CHUNK,
         stencil=code.stencil,
         values=bool(table.values) and "dt_vjp" in kernels,  # the YV<k> macros of dt_vjp

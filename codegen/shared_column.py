@@ -1,7 +1,8 @@
 """CUDA: per-column values a fused kernel carries to its end kept in the thread's column of the
 block's shared memory, read and written where used, in place of registers (codegen/targets.py
 ``cuda_shared_column``). A value ``name<t>`` becomes the slot ``MACRO(t)``, which the template
-defines (kernel.cu.j2): the same value, stored and read back exactly.
+defines (kernel.cu.j2): the same value, stored and read back exactly. ``loop_adds`` and
+``loop_live_in`` measure a column's loops, for the rule's criterion.
 """
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Any
 
 import sympy as sp
 
-from .statements import Bind, Def, Read, Statement, Store, Sym, Var, transform
+from .statements import Bind, Def, For, Read, Statement, Store, Sym, Var, transform, walk
 
 
 def in_shared_column(statements: list[Statement], name: str, macro: str) -> list[Statement]:
@@ -41,3 +42,38 @@ def in_shared_column(statements: list[Statement], name: str, macro: str) -> list
         return None
 
     return list(transform(tuple(statements), replace))
+
+
+def _loops(statements: list[Statement]) -> list[For]:
+    return [s for s in statements if isinstance(s, For)]
+
+
+def loop_adds(statements: list[Statement], name: str) -> int:
+    """The most additions to the values ``<name><t>`` one iteration of one of the column's loops
+    makes (a loop over knot spans: the span's rows times the terms on each)."""
+    pattern = re.compile(re.escape(name) + r"\d+")
+    return max((sum(1 for n in walk(loop.body) if isinstance(n, Store) and isinstance(n.target, Var)
+                    and pattern.fullmatch(n.target.name)) for loop in _loops(statements)), default=0)
+
+
+def _names(node: Any) -> set[str]:
+    names = set()
+    for n in walk(node):
+        if isinstance(n, Var):
+            names.add(n.name)
+        elif isinstance(n, (Sym, Bind)):
+            names |= {s.name for s in (n.expr if isinstance(n, Sym) else n.sym.expr).free_symbols}
+    return names
+
+
+def loop_live_in(statements: list[Statement]) -> int:
+    """The most variables one of the column's loops reads that are defined before it: values
+    live across its back edge, held in registers through every iteration."""
+    defined: set[str] = set()
+    most = 0
+    for s in statements:
+        if isinstance(s, For):
+            most = max(most, len(_names(s.body) & defined))
+            continue
+        defined |= {n.target.name for n in walk(s) if isinstance(n, (Def, Store)) and isinstance(n.target, Var)}
+    return most
