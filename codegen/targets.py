@@ -708,8 +708,8 @@ class CudaTarget(Target):
                 codes["adjoint"] = dataclasses.replace(adjoint, statements=rolled)
         if "dt_jvp" in codes:
             codes["dt_jvp"] = dataclasses.replace(codes["dt_jvp"], statements=reads.loaded_once(codes["dt_jvp"].statements))
-        for k in ("forward", "adjoint"):
-            for value, slot, _ in cuda_shared_column(k, codes[k].statements, code.fused, itemsize) if k in codes else ():
+        for k in ("forward", "adjoint") if code.fused else ():
+            for value, slot, _ in cuda_shared_column(k, codes[k].statements, True, itemsize) if k in codes else ():
                 codes[k] = dataclasses.replace(codes[k], statements=in_shared_column(codes[k].statements, value, slot))
         return codes
 
