@@ -8,12 +8,11 @@ from __future__ import annotations
 import pytest
 
 import tensorstep as ts
-from tensorstep.bench.costs import CostCase
 from tensorstep.codegen import driver
 from tensorstep.codegen.shared_column import loop_adds, loop_live_in
 from tensorstep.codegen.targets import CUDA_SHARED_SUMS_ADDS, CUDA_SHARED_WEIGHTS_LIVE
 
-#: bench/costs.py's seven terms
+#: bench/costs.py's seven terms (``TERMS``; that module imports torch, which tests/codegen does not)
 COSTS = tuple(("bound", s) for s in ("position", "velocity", "acceleration", "jerk")) + tuple(
     ("squared", s) for s in ("velocity", "acceleration", "jerk"))
 
@@ -43,10 +42,11 @@ def _measure(spec: ts.KernelSpec, kernel: str) -> int:
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_the_bench_spec_keeps_its_sums_and_weights_in_registers(dtype):
-    """The bench's fused spec (position, central, H=32, seven terms): one row an iteration, 7 adds
-    to the sums, and its adjoint's loop reads fewer values than the threshold: neither kernel has a
-    slot, so its source is the one without the rule."""
-    spec = CostCase(batch=400, dtype=dtype).fused
+    """The bench's fused spec (bench/costs.py ``CostCase(...).fused``: position, central, H=32,
+    seven terms, P written): one row an iteration, 7 adds to the sums, and its adjoint's loop reads
+    fewer values than the threshold: neither kernel has a slot, so its source is the one without
+    the rule."""
+    spec = ts.KernelSpec(horizon=32, dof=7, dtype=dtype, costs=COSTS, outputs=("P",))
     assert _measure(spec, "forward") == 7 < CUDA_SHARED_SUMS_ADDS
     assert _measure(spec, "adjoint") < CUDA_SHARED_WEIGHTS_LIVE
     source = ts.source(spec, "cuda")
