@@ -1,8 +1,8 @@
 """CUDA: per-column values a fused kernel carries to its end kept in the thread's column of the
 block's shared memory, read and written where used, in place of registers (codegen/targets.py
 ``cuda_shared_column``). A value ``name<t>`` becomes the slot ``MACRO(t)``, which the template
-defines (kernel.cu.j2): the same value, stored and read back exactly. ``loop_adds`` and
-``loop_live_in`` measure a column's loops, for the rule's criterion.
+defines (kernel.cu.j2): the same value, stored and read back exactly. ``loop_live_in``
+measures a column's loops, for the rule's criterion.
 """
 from __future__ import annotations
 
@@ -46,14 +46,6 @@ def in_shared_column(statements: list[Statement], name: str, macro: str) -> list
 
 def _loops(statements: list[Statement]) -> list[For]:
     return [s for s in statements if isinstance(s, For)]
-
-
-def loop_adds(statements: list[Statement], name: str) -> int:
-    """The most additions to the values ``<name><t>`` one iteration of one of the column's loops
-    makes (a loop over knot spans: the span's rows times the terms on each)."""
-    pattern = re.compile(re.escape(name) + r"\d+")
-    return max((sum(1 for n in walk(loop.body) if isinstance(n, Store) and isinstance(n.target, Var)
-                    and pattern.fullmatch(n.target.name)) for loop in _loops(statements)), default=0)
 
 
 def _names(node: Any) -> set[str]:

@@ -249,10 +249,7 @@ def cuda_shared_powers(kernel: str, where: str, fused: bool, itemsize: int) -> b
 
 #: CUDA: per-column values of a fused kernel kept in the thread's column of the block's shared memory
 #: (``cuda_shared_column``): (the values' name, ``<name><t>`` for cost term t; the slot macro; its type)
-CUDA_SHARED_COLUMN = {"forward": ("cacc", "TS_CSUM", "double"), "adjoint": ("cgw", "TS_CGW", "T")}
-#: a float32 fused forward's cost sums go to shared memory where one iteration of its loop adds to them
-#: this many times or more (4 rows of a knot span times 7 terms; a stencil's loop, one row, adds once a term)
-CUDA_SHARED_SUMS_ADDS = 28
+CUDA_SHARED_COLUMN = {"adjoint": ("cgw", "TS_CGW", "T")}
 #: a float64 fused adjoint's scaled weights go to shared memory where its loop reads this many values
 #: defined before it or more (the most of tests/cuda/test_ptxas.py's float64 adjoints within the cap: 30)
 CUDA_SHARED_WEIGHTS_LIVE = 32
@@ -260,28 +257,23 @@ CUDA_SHARED_WEIGHTS_LIVE = 32
 
 def cuda_shared_column(kernel: str, statements: list, fused: bool, itemsize: int) -> tuple[tuple[str, str, str], ...]:
     """The per-column values a fused CUDA kernel keeps in the thread's column of the block's shared
-    memory, each read and written where used (volatile), in place of registers held from the
-    column's start to its end (codegen/shared_column.py), where its ``statements`` (the column as
-    lowered) hold the most values: each add then is a shared load and store in its term's chain,
-    which a latency-bound forward (one row an iteration) pays on every row.
+    memory, each read where used (volatile), in place of registers held from the column's start to
+    its end (codegen/shared_column.py): a float64 adjoint's scaled weight of each term (``cgw<t>``)
+    where its loop reads ``CUDA_SHARED_WEIGHTS_LIVE`` values defined before it or more (a central
+    stencil of accuracy 8, order 4, with a squared position term, spilled 8 bytes with them in
+    registers). The weights are read, not summed, so no add waits on shared memory.
 
-    A float32 forward's sum of each cost term (a double each) where one iteration of its loop adds
-    ``CUDA_SHARED_SUMS_ADDS`` times or more (B-splines, a knot span's rows an iteration: with 4 and
-    8 rows and the bench's seven terms, 64 knots, ptxas spilled 8 to 32 bytes at the register cap;
-    float64's were within it); a float64 adjoint's scaled weight of each term (``cgw<t>``) where its
-    loop reads ``CUDA_SHARED_WEIGHTS_LIVE`` values defined before it or more (a central stencil of
-    accuracy 8, order 4, with a squared position term, spilled 8 bytes). Layout "bdh", whose staging
-    holds the shared memory, keeps them in a local array."""
-    from .shared_column import loop_adds, loop_live_in  # code generation only (SymPy)
+    Forwards keep their cost sums in registers: in shared memory each add to a sum is a load and a
+    store in its term's chain, which by the SASS model cost 2.5 times the row's cycles on the
+    B-spline forwards it would clear of 8 to 32 bytes of spills outside their loop (BENCHMARKS.md,
+    "The last four CUDA spills"). Layout "bdh", whose staging holds the shared memory, keeps the
+    weights in a local array."""
+    from .shared_column import loop_live_in  # code generation only (SymPy)
 
     if not fused or kernel not in CUDA_SHARED_COLUMN:
         return ()
-    value = CUDA_SHARED_COLUMN[kernel]
-    if kernel == "forward":
-        needed = itemsize == 4 and loop_adds(statements, value[0]) >= CUDA_SHARED_SUMS_ADDS
-    else:
-        needed = itemsize == 8 and loop_live_in(statements) >= CUDA_SHARED_WEIGHTS_LIVE
-    return (value,) if needed else ()
+    needed = itemsize == 8 and loop_live_in(statements) >= CUDA_SHARED_WEIGHTS_LIVE
+    return (CUDA_SHARED_COLUMN[kernel],) if needed else ()
 
 
 def cuda_shared_slots(kernel: str, statements: list) -> tuple[tuple[str, str, str], ...]:
@@ -708,7 +700,7 @@ class CudaTarget(Target):
                 codes["adjoint"] = dataclasses.replace(adjoint, statements=rolled)
         if "dt_jvp" in codes:
             codes["dt_jvp"] = dataclasses.replace(codes["dt_jvp"], statements=reads.loaded_once(codes["dt_jvp"].statements))
-        for k in ("forward", "adjoint") if code.fused else ():
+        for k in CUDA_SHARED_COLUMN if code.fused else ():
             for value, slot, _ in cuda_shared_column(k, codes[k].statements, True, itemsize) if k in codes else ():
                 codes[k] = dataclasses.replace(codes[k], statements=in_shared_column(codes[k].statements, value, slot))
         return codes

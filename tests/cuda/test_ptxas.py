@@ -126,11 +126,14 @@ GRID = [
     (dict(control="bspline", degree=3, knots=64, steps=4, costs=COSTS, outputs=("P",)), None, "float64", {}),
     (dict(control="bspline", degree=5, knots=64, steps=8, costs=COSTS, outputs=("P",)), None, "float64", {}),
     (dict(control="bspline", degree=3, knots=64, steps=8, costs=COSTS, outputs=("P",)), None, "float32", {}),
-    # float32 forwards at the 128-register cap before their cost sums were kept in the thread's column of
-    # shared memory (codegen/targets.py cuda_shared_column; bytes of spill stores before: 8 and 28; now 80
-    # and 87 registers)
-    (dict(control="bspline", degree=3, knots=64, steps=4, costs=COSTS, outputs=("P",)), None, "float32", {}),
-    (dict(control="bspline", degree=5, knots=64, steps=8, costs=COSTS, outputs=("P",)), None, "float32", {}),
+    # float32 forwards at the 128-register cap (bytes of spill stores, outside the knots' loop). Their cost
+    # sums kept in shared memory clear them (80 and 87 registers) but put a shared load and store into each
+    # add's chain: 2.5 times the row's cycles by the SASS model, so the sums stay in registers (BENCHMARKS.md,
+    # "The last four CUDA spills: ..."); the per-dof weights loaded after the loop moved the spill to another row
+    (dict(control="bspline", degree=3, knots=64, steps=4, costs=COSTS, outputs=("P",)), None, "float32",
+     {"core": "forward: 8 bytes of spill stores"}),
+    (dict(control="bspline", degree=5, knots=64, steps=8, costs=COSTS, outputs=("P",)), None, "float32",
+     {"core": "forward: 28 bytes of spill stores"}),
     # a dt per trajectory: each thread computes its coefficients, monomials of its dt, the factors read
     # where they are used from the block's copy in shared memory (104 and 244 bytes spilled before)
     (dict(control="bspline", degree=4, knots=6, steps=2, dt="per_trajectory", costs=COSTS, outputs=("P",)), None,
@@ -149,10 +152,9 @@ GRID = [
      "float64", {}),
     (dict(control="bspline", degree=5, knots=64, steps=8, dt="per_trajectory", costs=COSTS, outputs=("P",)), None,
      "float64", {}),
-    # (float32: forward 332 / adjoint 504 bytes before the copy of the factors read, then 32 / 0 before the
-    # forward's cost sums were kept in shared memory)
     (dict(control="bspline", degree=3, knots=64, steps=8, dt="per_trajectory", costs=COSTS, outputs=("P",)), None,
-     "float32", {}),
+     "float32", {"core": "forward: 32 bytes of spill stores (332 before the copy of the factors read; adjoint "
+                         "504 before, 0 now; the sums in shared memory clear it at 2.5 times the row's cycles)"}),
     # unfused, a dt per trajectory: the adjoint, dt_jvp and dt_vjp read the factors where they use them
     # from the block's copy, float64's dt_jvp its coefficients' powers from the thread's column in
     # shared memory, float32's dt_vjp the factors only (spilled before, bytes: B-spline degree 3 dt_jvp
