@@ -164,6 +164,22 @@ def pair_bases(table: ArgumentTable) -> list[str]:
     return lines
 
 
+def prefetches(table: ArgumentTable, kernel: str) -> list[str]:
+    """A fused C forward's or adjoint's requests for trajectory ``@``'s rows, ahead of their loads: the
+    actions, each per-trajectory input (the row its index picks, if given; a missing optional one
+    skipped) and, in the adjoint, each output's gradient (templates/kernel.c.j2 replaces ``@`` with the trajectory).
+    Each row is whole lines but maybe its last, which the next trajectory's row begins."""
+    reads = [(table.action.c_name, "(@) * U_SB", "U_SB", False)]
+    for a in table.columns:
+        index = table.input(a.group).c_name if a.group else ""
+        row = f"({index} ? {index}[@] : (@))" if index else "(@)"
+        reads.append((a.c_name, f"{row} * D_", "D_", a.nullable and not a.filled))
+    if kernel == "adjoint":
+        reads += [(a.grad_name, f"(@) * {stride}", stride, True)
+                  for a in table.outputs for stride in ["T_" if a.role == "cost" else "Y_SB"]]
+    return [f"{f'if ({p}) ' if nullable else ''}TS_PREFETCH_ROW({p} + {at}, {n});" for p, at, n, nullable in reads]
+
+
 def lane_pairs(table: ArgumentTable, outputs: int) -> list[tuple[str, str]]:
     """(name, definition) of each macro the paired lane form defines over its own (two trajectories a
     vector: b in the lower lanes, b1 in the upper), in place of the lane form's: the per-trajectory

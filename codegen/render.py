@@ -180,6 +180,21 @@ def pair_vector(lane_form: dict | None) -> dict | None:
                 vector=f"__m{bits}" + ("" if lane_form["suffix"] == "ps" else "d"))
 
 
+#: how many trajectories ahead a fused C kernel asks for the rows it reads (``prefetches``)
+PREFETCH_AHEAD = 4
+
+
+def prefetches(table: ArgumentTable, kernels: tuple[str, ...]) -> dict[str, list[str]]:
+    """A fused C forward's and adjoint's requests for a later trajectory's rows (codegen/macros.py
+    ``prefetches``), by kernel. Their straight-line columns load each row of a trajectory from its own
+    instruction, a pattern the hardware's prefetchers may not follow: on rows from memory, each
+    trajectory then waited for its loads (BENCHMARKS.md, "The fused C kernels at B=40000: rows asked
+    for ahead"). The plain kernels, whose loops stream the rows, are left as they are."""
+    if not table.fused:
+        return {}
+    return {k: macros.prefetches(table, k) for k in ("forward", "adjoint") if k in kernels}
+
+
 def _rereads_actions(statements: Any, n_actions: int) -> bool:
     """Whether a lane body reads most action rows several times each: a knot loop's rows (read at
     every knot), or straight-line reads of at least half of the rows, twice or more per row."""
@@ -422,6 +437,8 @@ def render(spec: Any, code: LoweredOperator, table: ArgumentTable, target: Targe
         paired=pairs,
         late_loads=late,
         late_loads_max_bytes=LATE_LOADS_MAX_BYTES,
+        prefetch=prefetches(table, kernels),
+        prefetch_ahead=PREFETCH_AHEAD,
         pair=pair_vector(lane_form) if pairs else None,
         pair_macros=macros.lane_pairs(table, spec.order + 1) if pairs else [],
         pair_bases=macros.pair_bases(table) if pairs else [],

@@ -21,6 +21,7 @@ import reference
 import reference_costs
 import tensorstep as ts
 from tensorstep.codegen import fused, render
+from tensorstep.codegen.arguments import table as argument_table
 from tensorstep.codegen.driver import generate
 from helpers import gradcheck64, gradgradcheck64
 
@@ -457,6 +458,38 @@ def test_two_trajectories_a_vector_on_both_sides_of_the_threshold(dtype, dof):
     ((states[0] * wP).sum() + (cost * wcost).sum()).backward()
     tol = 1e-10 if dtype == "float64" else 1e-5
     assert (runs[0][2].double() - u.grad).abs().max() <= tol * u.grad.abs().max()
+
+
+@pytest.mark.parametrize("narrow", [False, True], ids=["general", "narrow"])
+@pytest.mark.parametrize("case", ["indexed_bdh", "goal", "central_rolled", "jerk_rolled", "bspline"])
+def test_rows_asked_for_ahead_leave_the_values(case, narrow):
+    """C's fused forward and adjoint ask for the rows of the trajectory ``render.PREFETCH_AHEAD`` ahead
+    (codegen/macros.py ``prefetches``): the actions, each per-trajectory input at the row its index
+    picks, the output gradients; the plain step's kernels ask for none. On a batch where they do (and
+    past its end, where they must not), the values and gradients are the plain step's plus the terms'
+    (float64, 1e-10): in the general form, and in the narrow form without row weights (a stencil's
+    adjoint then runs two trajectories a vector, asking for both rows)."""
+    spec = _spec(case, outputs=("P",))
+    source = generate(spec, ("c",), ("core",)).source("c", "core")
+    table = argument_table(spec)
+    for kernel in ("forward", "adjoint"):
+        batch = source[source.index(f"{spec.name}_{kernel}_batch("):source.index(f"void {spec.name}_{kernel}(")]
+        grads = [a.grad_name for a in table.outputs] if kernel == "adjoint" else []
+        for name in [table.action.c_name, *(a.c_name for a in table.columns), *grads]:
+            assert f"TS_PREFETCH_ROW({name} + " in batch, (kernel, name)
+    assert "TS_PREFETCH_ROW(p0 + (idx ? idx[ahead] : (ahead)) * D_, D_);" in source
+    plain = spec.replace(costs=(), outputs=None)
+    assert "TS_PREFETCH_ROW(" not in generate(plain, ("c",), ("core",)).source("c", "core")
+    x, params, dt = _data(spec, B=2 * render.PREFETCH_AHEAD + 5)
+    fused_params = None
+    if narrow:
+        fused_params = {k: v for k, v in params.items() if not k.endswith("_row_weight")}
+        for kind, state in spec.costs:
+            params[f"{kind}_{state}_row_weight"] = torch.ones(spec.horizon, dtype=torch.float64)
+            if kind == "bound":  # margins within the limits
+                lo, hi = params[f"bound_{state}_limit"]
+                params[f"bound_{state}_margin"] = fused_params[f"bound_{state}_margin"] = 0.1 * (hi - lo)
+    _fused_against_composite(spec, x, params, dt, False, fused_params=fused_params)
 
 
 @pytest.mark.parametrize("case, cuda", [("central", False), ("acceleration", False), ("goal", False),
