@@ -168,7 +168,8 @@ def prefetches(table: ArgumentTable, kernel: str) -> list[str]:
     """A fused C forward's or adjoint's requests for trajectory ``@``'s rows, ahead of their loads: the
     actions, each per-trajectory input (the row its index picks, if given; a missing optional one
     skipped) and, in the adjoint, each output's gradient (templates/kernel.c.j2 replaces ``@`` with the trajectory).
-    Each row is whole lines but maybe its last, which the next trajectory's row begins."""
+    Each row is whole lines but maybe its last, which the next trajectory's row begins. The paired
+    adjoint (codegen/render.py ``paired``), which runs on shares whose rows stay in cache, asks for none."""
     reads = [(table.action.c_name, "(@) * U_SB", "U_SB", False)]
     for a in table.columns:
         index = table.input(a.group).c_name if a.group else ""

@@ -468,7 +468,7 @@ def test_rows_asked_for_ahead_leave_the_values(case, narrow):
     picks, the output gradients; the plain step's kernels ask for none. On a batch where they do (and
     past its end, where they must not), the values and gradients are the plain step's plus the terms'
     (float64, 1e-10): in the general form, and in the narrow form without row weights (a stencil's
-    adjoint then runs two trajectories a vector, asking for both rows)."""
+    adjoint then runs two trajectories a vector, which asks for none: its rows are in cache)."""
     spec = _spec(case, outputs=("P",))
     source = generate(spec, ("c",), ("core",)).source("c", "core")
     table = argument_table(spec)
