@@ -167,18 +167,25 @@ def pair_bases(table: ArgumentTable) -> list[str]:
 def prefetches(table: ArgumentTable, kernel: str) -> list[str]:
     """A fused C forward's or adjoint's requests for trajectory ``@``'s rows, ahead of their loads: the
     actions, each per-trajectory input (the row its index picks, if given; a missing optional one
-    skipped) and, in the adjoint, each output's gradient (templates/kernel.c.j2 replaces ``@`` with the trajectory).
-    Each row is whole lines but maybe its last, which the next trajectory's row begins. The paired
-    adjoint (codegen/render.py ``paired``), which runs on shares whose rows stay in cache, asks for none."""
-    reads = [(table.action.c_name, "(@) * U_SB", "U_SB", False)]
+    skipped), in the adjoint each output's gradient, and in the forward each output's row, to be
+    written (templates/kernel.c.j2 replaces ``@`` with the trajectory). The adjoint's gradient rows
+    are not asked for to be written: that was slower (BENCHMARKS.md, "The fused C kernels at
+    B=40000: rows asked for ahead"). Each row is whole lines but maybe its last, which the next
+    trajectory's row begins. The paired adjoint (codegen/render.py ``paired``), which runs on shares
+    whose rows stay in cache, asks for none."""
+    reads = [(table.action.c_name, "(@) * U_SB", "U_SB", False, "")]
     for a in table.columns:
         index = table.input(a.group).c_name if a.group else ""
         row = f"({index} ? {index}[@] : (@))" if index else "(@)"
-        reads.append((a.c_name, f"{row} * D_", "D_", a.nullable and not a.filled))
-    if kernel == "adjoint":
-        reads += [(a.grad_name, f"(@) * {stride}", stride, True)
-                  for a in table.outputs for stride in ["T_" if a.role == "cost" else "Y_SB"]]
-    return [f"{f'if ({p}) ' if nullable else ''}TS_PREFETCH_ROW({p} + {at}, {n});" for p, at, n, nullable in reads]
+        reads.append((a.c_name, f"{row} * D_", "D_", a.nullable and not a.filled, ""))
+    for a in table.outputs:
+        stride = "T_" if a.role == "cost" else "Y_SB"
+        if kernel == "adjoint":
+            reads.append((a.grad_name, f"(@) * {stride}", stride, True, ""))
+        else:
+            reads.append((a.c_name, f"(@) * {stride}", stride, False, "_WRITE"))
+    return [f"{f'if ({p}) ' if nullable else ''}TS_PREFETCH_ROW{write}({p} + {at}, {n});"
+            for p, at, n, nullable, write in reads]
 
 
 def lane_pairs(table: ArgumentTable, outputs: int) -> list[tuple[str, str]]:

@@ -465,7 +465,8 @@ def test_two_trajectories_a_vector_on_both_sides_of_the_threshold(dtype, dof):
 def test_rows_asked_for_ahead_leave_the_values(case, narrow):
     """C's fused forward and adjoint ask for the rows of the trajectory ``render.PREFETCH_AHEAD`` ahead
     (codegen/macros.py ``prefetches``): the actions, each per-trajectory input at the row its index
-    picks, the output gradients; the plain step's kernels ask for none. On a batch where they do (and
+    picks, the outputs' rows to be written (forward), their gradients (adjoint); the plain step's
+    kernels ask for none. On a batch where they do (and
     past its end, where they must not), the values and gradients are the plain step's plus the terms'
     (float64, 1e-10): in the general form, and in the narrow form without row weights (a stencil's
     adjoint then runs two trajectories a vector, which asks for none: its rows are in cache)."""
@@ -474,9 +475,11 @@ def test_rows_asked_for_ahead_leave_the_values(case, narrow):
     table = argument_table(spec)
     for kernel in ("forward", "adjoint"):
         batch = source[source.index(f"{spec.name}_{kernel}_batch("):source.index(f"void {spec.name}_{kernel}(")]
-        grads = [a.grad_name for a in table.outputs] if kernel == "adjoint" else []
-        for name in [table.action.c_name, *(a.c_name for a in table.columns), *grads]:
+        for name in [table.action.c_name, *(a.c_name for a in table.columns)]:
             assert f"TS_PREFETCH_ROW({name} + " in batch, (kernel, name)
+        for a in table.outputs:  # the forward's rows asked for to be written, the adjoint's gradients read
+            wanted = f"TS_PREFETCH_ROW({a.grad_name} + " if kernel == "adjoint" else f"TS_PREFETCH_ROW_WRITE({a.c_name} + "
+            assert wanted in batch, (kernel, a.name)
     assert "TS_PREFETCH_ROW(p0 + (idx ? idx[ahead] : (ahead)) * D_, D_);" in source
     plain = spec.replace(costs=(), outputs=None)
     assert "TS_PREFETCH_ROW(" not in generate(plain, ("c",), ("core",)).source("c", "core")
