@@ -182,6 +182,10 @@ def pair_vector(lane_form: dict | None) -> dict | None:
 
 #: how many trajectories ahead a fused C kernel asks for the rows it reads (``prefetches``)
 PREFETCH_AHEAD = 4
+#: the fewest bytes of actions a thread's share has for which it asks (below, its rows stay in a core's
+#: cache from call to call, and the requests only took time: B=400's forward, BENCHMARKS.md, "The fused
+#: C kernels at B=40000: rows asked for ahead")
+PREFETCH_FROM_BYTES = 1 << 20
 
 
 def prefetches(table: ArgumentTable, kernels: tuple[str, ...]) -> dict[str, list[str]]:
@@ -439,6 +443,7 @@ def render(spec: Any, code: LoweredOperator, table: ArgumentTable, target: Targe
         late_loads_max_bytes=LATE_LOADS_MAX_BYTES,
         prefetch=prefetches(table, kernels),
         prefetch_ahead=PREFETCH_AHEAD,
+        prefetch_from_bytes=PREFETCH_FROM_BYTES,
         pair=pair_vector(lane_form) if pairs else None,
         pair_macros=macros.lane_pairs(table, spec.order + 1) if pairs else [],
         pair_bases=macros.pair_bases(table) if pairs else [],

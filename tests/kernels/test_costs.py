@@ -465,13 +465,14 @@ def test_two_trajectories_a_vector_on_both_sides_of_the_threshold(dtype, dof):
 def test_rows_asked_for_ahead_leave_the_values(case, narrow):
     """C's fused forward and adjoint ask for the rows of the trajectory ``render.PREFETCH_AHEAD`` ahead
     (codegen/macros.py ``prefetches``): the actions, each per-trajectory input at the row its index
-    picks, the outputs' rows to be written (forward), their gradients (adjoint); the plain step's
-    kernels ask for none. On a batch where they do (and
-    past its end, where they must not), the values and gradients are the plain step's plus the terms'
-    (float64, 1e-10): in the general form, and in the narrow form without row weights (a stencil's
-    adjoint then runs two trajectories a vector, which asks for none: its rows are in cache)."""
+    picks, the outputs' rows to be written (forward), their gradients (adjoint), on a thread's share of
+    more than ``render.PREFETCH_FROM_BYTES`` of actions; the plain step's kernels ask for none. On one
+    thread with such a share (the last trajectories, whose later ones are past the batch, ask for
+    none), the values and gradients are the plain step's plus the terms' (float64, 1e-10): in the
+    general form, and in the narrow form without row weights."""
     spec = _spec(case, outputs=("P",))
     source = generate(spec, ("c",), ("core",)).source("c", "core")
+    assert f"#define TS_PREFETCH_FROM_BYTES {render.PREFETCH_FROM_BYTES}LL" in source
     table = argument_table(spec)
     for kernel in ("forward", "adjoint"):
         batch = source[source.index(f"{spec.name}_{kernel}_batch("):source.index(f"void {spec.name}_{kernel}(")]
@@ -483,7 +484,8 @@ def test_rows_asked_for_ahead_leave_the_values(case, narrow):
     assert "TS_PREFETCH_ROW(p0 + (idx ? idx[ahead] : (ahead)) * D_, D_);" in source
     plain = spec.replace(costs=(), outputs=None)
     assert "TS_PREFETCH_ROW(" not in generate(plain, ("c",), ("core",)).source("c", "core")
-    x, params, dt = _data(spec, B=2 * render.PREFETCH_AHEAD + 5)
+    B = render.PREFETCH_FROM_BYTES // (spec.n_actions * spec.dof * 8) + 2 * render.PREFETCH_AHEAD + 3
+    x, params, dt = _data(spec, B=B)
     fused_params = None
     if narrow:
         fused_params = {k: v for k, v in params.items() if not k.endswith("_row_weight")}
@@ -492,7 +494,12 @@ def test_rows_asked_for_ahead_leave_the_values(case, narrow):
             if kind == "bound":  # margins within the limits
                 lo, hi = params[f"bound_{state}_limit"]
                 params[f"bound_{state}_margin"] = fused_params[f"bound_{state}_margin"] = 0.1 * (hi - lo)
-    _fused_against_composite(spec, x, params, dt, False, fused_params=fused_params)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        _fused_against_composite(spec, x, params, dt, False, fused_params=fused_params)
+    finally:
+        torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("case, cuda", [("central", False), ("acceleration", False), ("goal", False),
