@@ -66,9 +66,13 @@ def test_dropped_steps_are_freed_with_their_launchers_and_twins(path):
     assert not alive, alive
 
 
-def _derivatives(step: ts.Step, drop: bool) -> tuple[np.ndarray, ...]:
+def _derivatives(held: list[ts.Step], drop: bool) -> tuple[np.ndarray, ...]:
     """The gradient of ``_loss`` (backward), and again with a Hessian-vector product through it (double
-    backward), the step freed before either where ``drop`` (the caller passes its only reference)."""
+    backward) of the step ``held`` (a list of one, which this takes it from: its only reference is then
+    this frame's, whereas an argument may stay referenced by the caller's frame for the call, as CPython
+    does where a call is not inlined, e.g. once Dynamo has set its frame hook), the step freed before
+    either where ``drop``."""
+    step = held.pop()
     u, z = _inputs(step, seed=1)
     v = torch.randn(u.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
     once, twice = _loss(step, u, z), _loss(step, u, z)
@@ -88,10 +92,10 @@ def test_a_graph_that_outlives_its_step_runs_its_kernels_found_again(autograd_pa
     # launcher by its handle), after the step itself was freed
     for fused in (False, True):
         spec = _spec(31 + fused, fused)
-        expected = _derivatives(autograd_path(ts.load(spec)), drop=False)  # (that step freed on return)
+        expected = _derivatives([autograd_path(ts.load(spec))], drop=False)  # (that step freed on return)
         steps = [autograd_path(ts.load(spec))]
         key, on_node = steps[0].op_key, steps[0].native is not None
-        got = _derivatives(steps.pop(), drop=True)
+        got = _derivatives(steps, drop=True)
         for a, b in zip(got, expected):
             np.testing.assert_allclose(a, b, rtol=1e-13, atol=1e-13)
         if on_node:  # its create_graph backward found the launcher again by key (a Python graph holds it)
