@@ -47,6 +47,17 @@ SETUP = """
         P, cost = step(u, z, z, z, 0.1, **parameters(**options))
         (P.sum() + cost.sum()).backward()
         return P, cost, u.grad
+    def defined_costs(states, p):  # each term from its definition, [B, T]
+        terms = []
+        for kind, state in spec.costs:
+            y, w = states[state], p[f"{{kind}}_{{state}}_weight"]
+            if kind == "bound":
+                lo, hi = p[f"bound_{{state}}_limit"]
+                m = p[f"bound_{{state}}_margin"]
+                terms.append((w * (torch.relu(y - (hi - m)) ** 2 + torch.relu((lo + m) - y) ** 2)).sum((1, 2)))
+            else:
+                terms.append((w * y ** 2).sum((1, 2)))
+        return torch.stack(terms, 1)
 """.format(terms=TERMS)
 
 
@@ -314,17 +325,7 @@ def test_a_fresh_cache_first_call_builds_its_own_form_alone_and_gets_the_definit
         u = (0.3 * torch.randn(3, H - 1, D, generator=g, dtype=torch.float64)).cumsum(1).requires_grad_()
         z = torch.zeros(3, D, dtype=torch.float64)
         states = dict(zip(("position", "velocity", "acceleration", "jerk"), plain(u, z, z, z, 0.1)))
-        p = parameters()
-        terms = []
-        for kind, state in spec.costs:
-            y, w = states[state], p[f"{kind}_{state}_weight"]
-            if kind == "bound":
-                lo, hi = p[f"bound_{state}_limit"]
-                m = p[f"bound_{state}_margin"]
-                terms.append((w * (torch.relu(y - (hi - m)) ** 2 + torch.relu((lo + m) - y) ** 2)).sum((1, 2)))
-            else:
-                terms.append((w * y ** 2).sum((1, 2)))
-        reference = torch.stack(terms, 1)
+        reference = defined_costs(states, parameters())
         (states["position"].sum() + reference.sum()).backward()
         close = lambda a, b: np.allclose(a.detach().numpy(), b.detach().numpy(), rtol=1e-12, atol=1e-12)
         print(close(P, states["position"]), close(cost, reference), close(grad, u.grad))
@@ -414,16 +415,7 @@ def test_a_backward_whose_adjoint_forms_cannot_be_built_raises_and_leaves_no_rec
         # fused adjoint: its gradient, and the Hessian-vector product through it, against the definitions
         def reference(x):
             states = dict(zip(("position", "velocity", "acceleration", "jerk"), plain(x, z, z, z, 0.1)))
-            terms = []
-            for kind, state in spec.costs:
-                y, w = states[state], p[f"{kind}_{state}_weight"]
-                if kind == "bound":
-                    lo, hi = p[f"bound_{state}_limit"]
-                    m = p[f"bound_{state}_margin"]
-                    terms.append((w * (torch.relu(y - (hi - m)) ** 2 + torch.relu((lo + m) - y) ** 2)).sum((1, 2)))
-                else:
-                    terms.append((w * y ** 2).sum((1, 2)))
-            return states["position"].sum() + torch.stack(terms, 1).sum()
+            return states["position"].sum() + defined_costs(states, p).sum()
         def fused(x):
             P, cost = step(x, z, z, z, 0.1, **p)
             return P.sum() + cost.sum()
