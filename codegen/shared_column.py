@@ -44,10 +44,6 @@ def in_shared_column(statements: list[Statement], name: str, macro: str) -> list
     return list(transform(tuple(statements), replace))
 
 
-def _loops(statements: list[Statement]) -> list[For]:
-    return [s for s in statements if isinstance(s, For)]
-
-
 def _names(node: Any) -> set[str]:
     names = set()
     for n in walk(node):

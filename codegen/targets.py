@@ -255,10 +255,10 @@ CUDA_SHARED_COLUMN = {"adjoint": ("cgw", "TS_CGW", "T")}
 CUDA_SHARED_WEIGHTS_LIVE = 32
 
 
-def cuda_shared_column(kernel: str, statements: list, fused: bool, itemsize: int) -> tuple[tuple[str, str, str], ...]:
-    """The per-column values a fused CUDA kernel keeps in the thread's column of the block's shared
-    memory, each read where used (volatile), in place of registers held from the column's start to
-    its end (codegen/shared_column.py): a float64 adjoint's scaled weight of each term (``cgw<t>``)
+def cuda_shared_column(kernel: str, statements: list, itemsize: int) -> tuple[tuple[str, str, str], ...]:
+    """The per-column values a fused CUDA kernel (``statements``: its column as lowered) keeps in the
+    thread's column of the block's shared memory, each read where used (volatile), in place of
+    registers held from the column's start to its end (codegen/shared_column.py): a float64 adjoint's scaled weight of each term (``cgw<t>``)
     where its loop reads ``CUDA_SHARED_WEIGHTS_LIVE`` values defined before it or more (a central
     stencil of accuracy 8, order 4, with a squared position term, spilled 8 bytes with them in
     registers). The weights are read, not summed, so no add waits on shared memory.
@@ -270,7 +270,7 @@ def cuda_shared_column(kernel: str, statements: list, fused: bool, itemsize: int
     weights in a local array."""
     from .shared_column import loop_live_in  # code generation only (SymPy)
 
-    if not fused or kernel not in CUDA_SHARED_COLUMN:
+    if kernel not in CUDA_SHARED_COLUMN:
         return ()
     needed = itemsize == 8 and loop_live_in(statements) >= CUDA_SHARED_WEIGHTS_LIVE
     return (CUDA_SHARED_COLUMN[kernel],) if needed else ()
@@ -700,8 +700,8 @@ class CudaTarget(Target):
                 codes["adjoint"] = dataclasses.replace(adjoint, statements=rolled)
         if "dt_jvp" in codes:
             codes["dt_jvp"] = dataclasses.replace(codes["dt_jvp"], statements=reads.loaded_once(codes["dt_jvp"].statements))
-        for k in CUDA_SHARED_COLUMN if code.fused else ():
-            for value, slot, _ in cuda_shared_column(k, codes[k].statements, True, itemsize) if k in codes else ():
+        for k in (k for k in CUDA_SHARED_COLUMN if k in codes and code.fused):
+            for value, slot, _ in cuda_shared_column(k, codes[k].statements, itemsize):
                 codes[k] = dataclasses.replace(codes[k], statements=in_shared_column(codes[k].statements, value, slot))
         return codes
 

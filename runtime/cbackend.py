@@ -295,26 +295,18 @@ class Forms:
                 return 0
             try:
                 found = self.find(form, name)
-                if not found and form == GENERAL:  # it failed before: this call, too, writes no output
-                    keep_unbuilt(self._failed[GENERAL], self._unbuilt(name, asked))
-                elif not found:
-                    self._asked.name = name
+                if not found:  # it failed before: this call, too, runs without it
+                    self._missing(form, name, asked, self._failed.get(form))
                 return found
             except BuildStopped as err:  # not a failed build: the next call that runs the form tries again
-                if form == GENERAL:
-                    keep_unbuilt(err, self._unbuilt(name, asked))
-                else:
-                    self._asked.name = name
+                self._missing(form, name, asked, err)
                 warnings.warn(f"tensorstep: {self.spec.name}: the build of the {_form_name(self.spec, name)} form of "
                               f"its kernels was stopped by {err.signal}; {then}, the next one that runs that form "
                               "builds it", stacklevel=1)
                 return 0
             except Exception as err:  # noqa: BLE001 (nothing can be raised through the kernel)
                 self._failed[form] = err
-                if form == GENERAL:
-                    keep_unbuilt(err, self._unbuilt(name, asked))
-                else:
-                    self._asked.name = name
+                self._missing(form, name, asked, err)
                 warnings.warn(f"tensorstep: {self.spec.name}: the {_form_name(self.spec, name)} form of its kernels "
                               f"could not be built ({type(err).__name__}: {err}); "
                               f"{'its calls run the general form' if form != GENERAL else then}", stacklevel=1)
@@ -328,6 +320,14 @@ class Forms:
             again.daemon = True
             again.start()
             return 0
+
+    def _missing(self, form: int, name: str, asked: Optional[str], err: Optional[BaseException]) -> None:
+        """A form this thread's call asked for was not found: the general form's failure is kept for
+        the call to raise (runtime/unbuilt.py); a narrower one's name, for that message."""
+        if form == GENERAL:
+            keep_unbuilt(err, self._unbuilt(name, asked))
+        else:
+            self._asked.name = name
 
     def _unbuilt(self, general: str, asked: Optional[str]) -> str:
         """The kernel a call that found no form ran, and the forms it asked for, in words."""
