@@ -1151,6 +1151,41 @@ def test_gpu_fused_costs_match_the_cpu(case, dtype):
         torch.testing.assert_close(gpu, c, rtol=tol, atol=tol * float(c.abs().max()))
 
 
+#: long shapes on the GPU (each also run on the host elsewhere in this file): rolled stencil and
+#: recurrence columns, float32 checkpoints, a dt per step or per trajectory, the wide float64 adjoint
+#: that keeps its scaled weights in shared memory (test_shared_column.py), and B-splines at 64 knots
+#: (their knot loops; the float32 forwards are the ptxas grid's three that spill a few bytes)
+SEVEN_TERMS = tuple(("bound", s) for s in ("position", "velocity", "acceleration", "jerk")) + tuple(
+    ("squared", s) for s in ("position", "velocity", "acceleration", "jerk"))
+GPU_LONG = {
+    "central_h256": dict(horizon=256, dof=3),
+    "jerk_exact_h256": dict(horizon=256, dof=3, control="jerk", integrator="exact"),
+    "velocity_per_step_h48": dict(horizon=48, dof=3, control="velocity", dt="per_step"),
+    "acceleration_per_trajectory_h100": dict(horizon=100, dof=3, control="acceleration", dt="per_trajectory"),
+    "wide_per_step_h64": dict(horizon=64, dof=7, difference="central", accuracy=8, order=4, dt="per_step",
+                              costs=SEVEN_TERMS),
+    "bspline_degree5_knots64": dict(control="bspline", degree=5, knots=64, steps=8, dof=7, costs=SEVEN_TERMS),
+    "bspline_degree3_knots64_per_trajectory": dict(control="bspline", degree=3, knots=64, steps=4, dof=7,
+                                                   dt="per_trajectory", costs=SEVEN_TERMS),
+}
+
+
+@pytest.mark.skipif(not _has_gpu(), reason="needs an NVIDIA GPU and CuPy")
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("case", GPU_LONG)
+def test_gpu_fused_costs_at_long_shapes_match_the_cpu(case, dtype):
+    """As above, at the shapes whose CUDA columns loop over rows or knot spans, keep checkpoints or
+    keep values in shared memory. float32 recurrences and sums over hundreds of rows differ in their
+    order of operations on each side, hence the looser float32 bound."""
+    shape = dict(GPU_LONG[case])
+    spec = ts.KernelSpec(dtype=dtype, costs=shape.pop("costs", TERMS), outputs=("P", "A"), **shape)
+    data = _data(spec, B=300)
+    results = [_states_and_grads(ts.load(spec, device), spec, *data, device) for device in ("cpu", "cuda")]
+    tol = 1e-11 if dtype == "float64" else 1e-4
+    for c, gpu in zip(*results):
+        torch.testing.assert_close(gpu, c, rtol=tol, atol=tol * float(c.abs().max()))
+
+
 def test_only_the_cost_can_be_written():
     """outputs=() with cost terms: the step returns the cost alone (an integrator too)."""
     spec = ts.KernelSpec(horizon=7, dof=2, dtype="float64", control="acceleration", costs=(("squared", "jerk"),),
