@@ -9,6 +9,8 @@ Layout under the cache root::
     index/<spec-key>-<env-key>.json      spec → content hash, so a warm load needs no codegen
     templates/                           Jinja2's compiled templates, where the package's own
                                          templates/__pycache__ cannot be written (codegen/render.py)
+    generated/<name>.json                other generated text a warm process reads instead of running
+                                         the generator (the cost kinds' PyTorch functions: runtime/costs.py)
 
 The content hash covers source + compiler identity + flags + ABI version. Builds take a
 per-hash file lock, write to a temporary name and rename, so concurrent processes build
@@ -203,6 +205,22 @@ class BuildCache:
             path = self.build(content_hash, ext, source, compile_fn, metadata)
             self.record(index_key, env_key, content_hash)
         return content_hash, path, self.metadata(content_hash)
+
+    def kept(self, name: str, make: Callable[[], dict], valid: Callable[[dict], bool]) -> dict:
+        """A generated JSON object kept as ``generated/<name>.json`` (``name`` says what it depends on): read
+        where it is there and ``valid``, else made (``make``) and written, best effort (a read-only cache
+        makes it again in each process)."""
+        path = self.root / "generated" / f"{name}.json"
+        try:
+            found = json.loads(path.read_text())
+            if isinstance(found, dict) and valid(found):
+                return found
+        except (OSError, ValueError):
+            pass
+        made = make()
+        with contextlib.suppress(OSError):
+            atomic_write(path, json.dumps(made, sort_keys=True).encode())
+        return made
 
     def record(self, spec_key: str, env_key: str, content_hash: str) -> None:
         """Remember which build serves a spec (best effort: a read-only cache just skips it)."""

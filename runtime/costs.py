@@ -13,29 +13,54 @@ per tensor while it is passed unchanged).
 """
 from __future__ import annotations
 
+import builtins
 import functools
+import inspect
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 
 from ..codegen.arguments import Argument, ArgumentTable
 from . import validate
+from .cache import BuildCache
+from .fingerprint import generator_fingerprint
 
 Tensor = torch.Tensor
 STATES = ("position", "velocity", "acceleration", "jerk", "snap")
 
 
-@functools.lru_cache(maxsize=None)
-def pointwise(kind: str) -> Callable[..., Tensor]:
-    """A kind's expression as a PyTorch function of (y, w, lower, upper, margin, target) (SymPy's
-    lambdify of codegen/costs.py's expression; imported when first needed)."""
+#: what the kinds' PyTorch functions call besides Python's operators (their namespace, as lambdify's)
+NAMESPACE = {"Max": lambda a, b: torch.maximum(torch.as_tensor(a, dtype=b.dtype), b), "builtins": builtins}
+
+
+def _lambdified() -> dict[str, str]:
+    """Each cost kind's PyTorch function of (y, w, lower, upper, margin, target), as Python source:
+    SymPy's lambdify of codegen/costs.py's expression (SymPy imported here, where nothing is kept)."""
     import sympy as sp
 
     from ..codegen import costs as kinds
 
     args = (kinds.Y, kinds.W, kinds.LOWER, kinds.UPPER, kinds.MARGIN, kinds.TARGET)
-    return sp.lambdify(args, kinds.KINDS[kind].expression,
-                       modules=[{"Max": lambda a, b: torch.maximum(torch.as_tensor(a, dtype=b.dtype), b)}])
+    return {name: inspect.getsource(sp.lambdify(args, kind.expression, modules=[NAMESPACE]))
+            for name, kind in kinds.KINDS.items()}
+
+
+@functools.lru_cache(maxsize=1)
+def sources() -> dict[str, str]:
+    """Every cost kind's function source (``_lambdified``), kept in the kernel cache by the generator's
+    fingerprint as the kernels are: a process whose kernels and kinds are cached imports no SymPy."""
+    valid = lambda found: all(isinstance(v, str) and v.startswith("def ") for v in found.values()) and bool(found)
+    return BuildCache().kept(f"cost-kinds-{generator_fingerprint()}", _lambdified, valid)
+
+
+@functools.lru_cache(maxsize=None)
+def pointwise(kind: str) -> Callable[..., Tensor]:
+    """A kind's expression as a PyTorch function of (y, w, lower, upper, margin, target): its source
+    (``sources``) run in ``NAMESPACE``."""
+    namespace = dict(NAMESPACE)
+    exec(compile(sources()[kind], f"<tensorstep cost kind {kind}>", "exec"), namespace)
+    (name,) = set(namespace) - set(NAMESPACE) - {"__builtins__"}
+    return namespace[name]
 
 
 def _bhd(y: Tensor, layout: str) -> Tensor:
@@ -51,9 +76,7 @@ def functions(table: ArgumentTable) -> dict[str, Callable[..., Tensor]]:
 def every_kind() -> dict[str, Callable[..., Tensor]]:
     """The PyTorch function of every cost kind (codegen/costs.py ``KINDS``; what a fused step's twin
     holds for its composite form, made where the twin is loaded: outside torch.compile's graph)."""
-    from ..codegen.costs import KINDS
-
-    return {kind: pointwise(kind) for kind in KINDS}
+    return {kind: pointwise(kind) for kind in sources()}
 
 
 def term_values(table: ArgumentTable, states: Sequence[Tensor], named: dict[str, Optional[Tensor]],

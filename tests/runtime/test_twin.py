@@ -197,8 +197,8 @@ def test_the_twin_is_loaded_by_the_first_composite_call_and_gives_the_definition
 def test_a_fresh_cache_holds_no_plain_library_until_a_composite_call(tmp_path):
     """In a new process and an empty cache: loading a fused step and calling its kernels (forward,
     backward, out=) builds the fused libraries only; a dt gradient builds the twin's core, and the
-    dt kernels it runs. A second process, whose kernels are cached, imports no SymPy until that call
-    (the cost kinds' PyTorch functions are made with the twin)."""
+    dt kernels it runs. A second process, whose kernels are cached, imports no SymPy, that call included
+    (the cost kinds' PyTorch functions, made with the twin, are kept in the cache with the kernels)."""
     code = f"""
         import sys, torch, tensorstep as ts
         from tensorstep.runtime.cache import BuildCache
@@ -234,7 +234,7 @@ def test_a_fresh_cache_holds_no_plain_library_until_a_composite_call(tmp_path):
     assert lines[1].split() == ["fused-core", "fused-core-form1"], lines  # the form the call runs
     assert lines[3].split() == ["fused-core", "fused-core-form1", "plain-core", "plain-dt_vjp"], lines
     warm = runs[1].stdout.splitlines()
-    assert warm[2] == "False" and warm[4] == "True True", warm  # SymPy: with the twin, not with the step
+    assert lines[4] == "True True" and warm[2] == "False" and warm[4] == "False True", (lines, warm)
 
 
 def test_a_first_load_inside_a_cuda_graph_capture_raises_and_prepare_loads_it_ahead(monkeypatch, loads):
