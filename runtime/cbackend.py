@@ -238,11 +238,12 @@ def _artefact(spec: Any, part: str, cache: BuildCache, index_key: str, what: str
     notices = []
 
     def generate() -> tuple[str, dict]:
+        # timed from here: the generator's imports (SymPy, Jinja2) are part of the wait
+        notices.append(slow_notice(f"compiling {spec.name} ({what}, H={spec.horizon})"))
         from ..codegen.driver import generate  # SymPy and Jinja2 only on a cache miss
         from ..codegen.render import keep_templates
 
         keep_templates(cache.root / "templates")
-        notices.append(slow_notice(f"compiling {spec.name} ({what}, H={spec.horizon})"))
         generated = generate(spec, targets=("c",), parts=(part,), forms=forms)
         return generated.source("c", part), dict(generated.metadata)
 

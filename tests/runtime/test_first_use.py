@@ -150,3 +150,20 @@ def test_the_kept_cost_kinds_are_made_again_where_missing_or_damaged(kinds_cache
     expected = reference_costs.term("bound", y.numpy().reshape(1, -1, 1), np.array([w]), limit=np.array([[-1.0], [1.5]]),
                                     margin=np.array([margin]))
     assert got.sum() == pytest.approx(expected[0], rel=1e-14)
+
+
+def test_a_builds_notice_counts_the_generators_imports(tmp_path):
+    """A cache miss's 'tensorstep: compiling ...' notice is timed from before the generator's imports
+    (SymPy, Jinja2: the larger part of a short build's wait), not from after them."""
+    code = f"""
+        import sys, tensorstep as ts
+        from tensorstep.runtime import cbackend
+        seen, real = [], cbackend.slow_notice
+        cbackend.slow_notice = lambda what, after=None: (seen.append("sympy" in sys.modules), real(what, after))[1]
+        ts.load(ts.KernelSpec(horizon=5, dof=1, dtype="float64"))
+        print(*seen)
+    """
+    run = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=600,
+                         env=dict(os.environ, TENSORSTEP_CACHE_DIR=str(tmp_path), TENSORSTEP_NATIVE="0"))
+    assert run.returncode == 0, run.stderr[-4000:]
+    assert run.stdout.split() == ["False"]  # one build (the core), its notice started before SymPy came
