@@ -423,8 +423,8 @@ class Step(torch.nn.Module):
 class Twin:
     """The plain step of ``spec`` (a fused spec's twin) on ``device``, shared by the fused steps of that
     spec in a process (``twin_of``): loaded (or built) by the first call that needs it (``get``), with the
-    PyTorch function of each cost kind (``kinds``, runtime/costs.py ``every_kind``: SymPy's lambdify, so
-    SymPy is imported then, not by a load whose kernels are cached)."""
+    PyTorch function of each cost kind (``kinds``, runtime/costs.py ``every_kind``: SymPy's lambdify, kept
+    in the kernel cache, so SymPy is imported then only where that is not there)."""
 
     def __init__(self, spec: Any, device: torch.device):
         self.spec, self.device = spec, device
