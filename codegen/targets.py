@@ -147,12 +147,14 @@ def cuda_bhd_arrays(kernel: str, table: ArgumentTable) -> tuple[int, int, int, i
 
 
 def cuda_bhd_stage(table: ArgumentTable, layout: str, horizon: int, n_actions: int, dof: int,
-                   itemsize: int) -> dict[str, int]:
+                   itemsize: int, bspline: bool = False) -> dict[str, int]:
     """Layout "bhd": the most threads a block of each staged kernel (CUDA_BHD_STAGED) has, the
     largest multiple of the warp up to CUDA_BLOCK whose trajectories' staged rows (``cuda_bhd_stride``
     elements a trajectory and array) fit CUDA_STAGE_BYTES; a kernel whose block would have fewer than
-    CUDA_BHD_MIN_COLUMNS threads is not staged (left out)."""
-    if layout != "bhd" or dof > CUDA_WARP:  # a block of a warp holds a trajectory
+    CUDA_BHD_MIN_COLUMNS threads is not staged (left out). Nor are B-splines: a column reads its
+    few knots once each (not a new row an iteration), and their float32 fused forwards are at the
+    128-register cap already (staged, 8 knots of degree 3 spilled 16 bytes)."""
+    if layout != "bhd" or dof > CUDA_WARP or bspline:  # a block of a warp holds a trajectory
         return {}
     found = {}
     for kernel in CUDA_BHD_STAGED:
@@ -170,7 +172,8 @@ def cuda_bhd_stage(table: ArgumentTable, layout: str, horizon: int, n_actions: i
 def cuda_bhd_context(table: ArgumentTable, spec: Any, itemsize: int) -> dict[str, Any]:
     """The CUDA template's view of ``cuda_bhd_stage``: each staged kernel's most threads a block
     has, its arrays (``cuda_bhd_arrays``) and the most trajectories its block touches."""
-    stage = cuda_bhd_stage(table, spec.layout, spec.horizon, spec.n_actions, spec.dof, itemsize)
+    stage = cuda_bhd_stage(table, spec.layout, spec.horizon, spec.n_actions, spec.dof, itemsize,
+                           spec.control == "bspline")
     return dict(bhd_stage=stage, bhd_loads=CUDA_BHD_LOADS, bhd_arrays={k: cuda_bhd_arrays(k, table) for k in stage},
                 bhd_trajectories={k: cuda_bhd_trajectories(c, spec.dof) for k, c in stage.items()})
 
@@ -794,7 +797,8 @@ class CudaTarget(Target):
         shape = (spec.layout, spec.horizon, spec.n_actions, spec.order, ITEMSIZE[spec.dtype])
         tiles = tuple((kernel, rows, columns) for kernel, (rows, columns) in cuda_tiles(*shape).items())
         args = argument_table(spec)
-        bhd = cuda_bhd_stage(args, spec.layout, spec.horizon, spec.n_actions, spec.dof, ITEMSIZE[spec.dtype])
+        bhd = cuda_bhd_stage(args, spec.layout, spec.horizon, spec.n_actions, spec.dof, ITEMSIZE[spec.dtype],
+                             spec.control == "bspline")
         return CudaLaunchPlan(args, spec.dof, spec.dtype, int(metadata["n_coefficients"]),
                               str(metadata["coefficients"]), cuda_stage_columns(*shape), tiles, tuple(bhd.items()))
 

@@ -286,9 +286,9 @@ extern "C" __global__ __launch_bounds__(256, 2) void ts_h24_d10_vel_semi_dtu_idx
         for (; e0 < ts_n; e0 += ts_t) ts_su[e0 + e0 / (unsigned)TS_NU * (TS_SU - TS_NU)] = ts_from[e0];
     }
     __syncthreads();
-/* a column's element of a staged array: its trajectory's rows in the stage, then its dof */
-#define TS_AT_U(a, o) ts_s##a[(b - ts_b0) * TS_SU + d + (o)]
-#define TS_AT_Y(a, o) ts_s##a[(b - ts_b0) * TS_SY + d + (o)]
+/* a column's element of a staged array: its trajectory's rows in the stage, then its dof (ts_ou, ts_oy) */
+#define TS_AT_U(a, o) ts_s##a[ts_ou + (int)(o)]
+#define TS_AT_Y(a, o) ts_s##a[ts_oy + (int)(o)]
 #undef U
 #define U(j) TS_AT_U(u, (j) * U_SH)
 #undef SU
@@ -313,6 +313,9 @@ extern "C" __global__ __launch_bounds__(256, 2) void ts_h24_d10_vel_semi_dtu_idx
 #define SY3 TS_AT_Y(y3, sy - yo)
     if ((int)threadIdx.x < ts_nb * D_) {
         const int64_t b = col / D_, d = col % D_;
+        /* the column's first elements in the stages (32-bit offsets) */
+        const int ts_ou = (int)(b - ts_b0) * TS_SU + (int)d, ts_oy = (int)(b - ts_b0) * TS_SY + (int)d;
+        (void)ts_ou; (void)ts_oy;
         const int64_t srow = idx ? idx[b] : b;
         COLUMN_BASES(b, d)
         const T s0 = S0;
@@ -674,9 +677,9 @@ extern "C" __global__ __launch_bounds__(256, 2) void ts_h24_d10_vel_semi_dtu_idx
         for (; e0 < ts_n; e0 += ts_t) ts_sg3[e0 + e0 / (unsigned)TS_NY * (TS_SY - TS_NY)] = ts_from[e0];
     }
     __syncthreads();
-/* a column's element of a staged array: its trajectory's rows in the stage, then its dof */
-#define TS_AT_U(a, o) ts_s##a[(b - ts_b0) * TS_SU + d + (o)]
-#define TS_AT_Y(a, o) ts_s##a[(b - ts_b0) * TS_SY + d + (o)]
+/* a column's element of a staged array: its trajectory's rows in the stage, then its dof (ts_ou, ts_oy) */
+#define TS_AT_U(a, o) ts_s##a[ts_ou + (int)(o)]
+#define TS_AT_Y(a, o) ts_s##a[ts_oy + (int)(o)]
 #undef G0
 #define G0(h) (g0 ? TS_AT_Y(g0, (h) * Y_SH) : (T)0)
 #undef SG0
@@ -699,6 +702,9 @@ extern "C" __global__ __launch_bounds__(256, 2) void ts_h24_d10_vel_semi_dtu_idx
 #define SGU TS_AT_U(gu, su - uo)
     if ((int)threadIdx.x < ts_nb * D_) {
         const int64_t b = col / D_, d = col % D_;
+        /* the column's first elements in the stages (32-bit offsets) */
+        const int ts_ou = (int)(b - ts_b0) * TS_SU + (int)d, ts_oy = (int)(b - ts_b0) * TS_SY + (int)d;
+        (void)ts_ou; (void)ts_oy;
         const int64_t srow = idx ? idx[b] : b;
         COLUMN_BASES(b, d)
         const T yb3_23 = G3(23);
