@@ -173,7 +173,7 @@ def cuda_bhd_context(table: ArgumentTable, spec: Any, itemsize: int) -> dict[str
     """The CUDA template's view of ``cuda_bhd_stage``: each staged kernel's most threads a block
     has, its arrays (``cuda_bhd_arrays``) and the most trajectories its block touches."""
     stage = cuda_bhd_stage(table, spec.layout, spec.horizon, spec.n_actions, spec.dof, itemsize,
-                           spec.control == "bspline")
+                           getattr(spec, "control", "") == "bspline")
     return dict(bhd_stage=stage, bhd_loads=CUDA_BHD_LOADS, bhd_arrays={k: cuda_bhd_arrays(k, table) for k in stage},
                 bhd_trajectories={k: cuda_bhd_trajectories(c, spec.dof) for k, c in stage.items()})
 
@@ -798,7 +798,7 @@ class CudaTarget(Target):
         tiles = tuple((kernel, rows, columns) for kernel, (rows, columns) in cuda_tiles(*shape).items())
         args = argument_table(spec)
         bhd = cuda_bhd_stage(args, spec.layout, spec.horizon, spec.n_actions, spec.dof, ITEMSIZE[spec.dtype],
-                             spec.control == "bspline")
+                             getattr(spec, "control", "") == "bspline")
         return CudaLaunchPlan(args, spec.dof, spec.dtype, int(metadata["n_coefficients"]),
                               str(metadata["coefficients"]), cuda_stage_columns(*shape), tiles, tuple(bhd.items()))
 
