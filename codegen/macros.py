@@ -17,6 +17,7 @@ names an argument by hand: the templates print these lines.
 """
 from __future__ import annotations
 
+from . import abi
 from .arguments import Argument, ArgumentTable
 
 
@@ -165,27 +166,33 @@ def pair_bases(table: ArgumentTable) -> list[str]:
 
 
 def prefetches(table: ArgumentTable, kernel: str) -> list[str]:
-    """A fused C forward's or adjoint's requests for trajectory ``@``'s rows, ahead of their loads: the
-    actions, each per-trajectory input (the row its index picks, if given; a missing optional one
-    skipped), in the adjoint each output's gradient, and in the forward each output's row, to be
-    written (templates/kernel.c.j2 replaces ``@`` with the trajectory). The adjoint's gradient rows
-    are not asked for to be written: that was slower (BENCHMARKS.md, "The fused C kernels at
-    B=40000: rows asked for ahead"). Each row is whole lines but maybe its last, which the next
-    trajectory's row begins. The paired adjoint (codegen/render.py ``paired``), which runs on shares
-    whose rows stay in cache, asks for none."""
-    reads = [(table.action.c_name, "(@) * U_SB", "U_SB", False, "")]
+    """A C forward's or adjoint's requests for trajectory ``@``'s rows, ahead of their loads and stores:
+    every row the kernel is passed (codegen/abi.py ``arguments``). Those it reads: the actions and each
+    per-trajectory input (the row its index picks, if given; a missing optional one skipped), which a
+    forward and a fused adjoint read, and each output's gradient (adjoint; a missing one skipped).
+    Those it writes, asked for to be written: each output's row (forward) and each input's gradient row
+    (a plain adjoint; a missing one skipped). A fused adjoint's gradient rows are not: there that was
+    slower (BENCHMARKS.md, "The fused C kernels at B=40000: rows asked for ahead"; in a plain adjoint,
+    which reads only the output gradients, it was the larger part of the gain: "The plain step's C
+    kernels at B=40000: rows asked for ahead"). templates/kernel.c.j2 replaces ``@`` with the
+    trajectory. Each row is whole lines but maybe its last, which the next trajectory's row begins. The
+    paired adjoint (codegen/render.py ``paired``), which runs on shares whose rows stay in cache, asks
+    for none."""
+    passed = {name for _, name in abi.arguments(kernel, table)}
+    rows = [(table.action.c_name, "(@) * U_SB", "U_SB", False, "")]
     for a in table.columns:
         index = table.input(a.group).c_name if a.group else ""
         row = f"({index} ? {index}[@] : (@))" if index else "(@)"
-        reads.append((a.c_name, f"{row} * D_", "D_", a.nullable and not a.filled, ""))
+        rows.append((a.c_name, f"{row} * D_", "D_", a.nullable and not a.filled, ""))
     for a in table.outputs:
         stride = "T_" if a.role == "cost" else "Y_SB"
-        if kernel == "adjoint":
-            reads.append((a.grad_name, f"(@) * {stride}", stride, True, ""))
-        else:
-            reads.append((a.c_name, f"(@) * {stride}", stride, False, "_WRITE"))
+        rows.append((a.grad_name, f"(@) * {stride}", stride, True, ""))
+        rows.append((a.c_name, f"(@) * {stride}", stride, False, "_WRITE"))
+    if not table.fused:  # the adjoint's own rows: one per trajectory, the runtime sums an index's
+        rows += [(a.grad_name, f"(@) * {'U_SB' if a is table.action else 'D_'}", "U_SB" if a is table.action else "D_",
+                  a is not table.action, "_WRITE") for a in table.differentiable]
     return [f"{f'if ({p}) ' if nullable else ''}TS_PREFETCH_ROW{write}({p} + {at}, {n});"
-            for p, at, n, nullable, write in reads]
+            for p, at, n, nullable, write in rows if p in passed]
 
 
 def lane_pairs(table: ArgumentTable, outputs: int) -> list[tuple[str, str]]:

@@ -188,15 +188,16 @@ PREFETCH_AHEAD = 4
 PREFETCH_FROM_BYTES = 1 << 20
 
 
-def prefetches(table: ArgumentTable, kernels: tuple[str, ...]) -> dict[str, list[str]]:
-    """A fused C forward's and adjoint's requests for a later trajectory's rows (codegen/macros.py
-    ``prefetches``), by kernel. Their straight-line columns load each row of a trajectory from its own
-    instruction, a pattern the hardware's prefetchers may not follow: on rows from memory, each
-    trajectory then waited for its loads (BENCHMARKS.md, "The fused C kernels at B=40000: rows asked
-    for ahead"). The plain kernels, whose loops stream the rows, are left as they are."""
-    if not table.fused:
-        return {}
-    return {k: macros.prefetches(table, k) for k in ("forward", "adjoint") if k in kernels}
+def prefetches(table: ArgumentTable, codes: dict, kernels: tuple[str, ...]) -> dict[str, list[str]]:
+    """A C forward's and adjoint's requests for a later trajectory's rows (codegen/macros.py
+    ``prefetches``), by kernel, for each whose rows are all read and written by its column (a fused
+    kernel's, an integrator's, a B-spline's): a straight-line column loads and stores each row of a
+    trajectory from its own instructions, a pattern the hardware's prefetchers may not follow, and on
+    rows from memory each trajectory then waited for its loads (BENCHMARKS.md, "The fused C kernels at
+    B=40000: rows asked for ahead", "The plain step's C kernels at B=40000: rows asked for ahead"). A
+    kernel with loops over rows (a stencil's interior), which stream them, asks for none: there the
+    requests only took time."""
+    return {k: macros.prefetches(table, k) for k in ("forward", "adjoint") if k in kernels and not codes[k].loops}
 
 
 def _rereads_actions(statements: Any, n_actions: int) -> bool:
@@ -441,7 +442,7 @@ def render(spec: Any, code: LoweredOperator, table: ArgumentTable, target: Targe
         paired=pairs,
         late_loads=late,
         late_loads_max_bytes=LATE_LOADS_MAX_BYTES,
-        prefetch=prefetches(table, kernels),
+        prefetch=prefetches(table, codes, kernels),
         prefetch_ahead=PREFETCH_AHEAD,
         prefetch_from_bytes=PREFETCH_FROM_BYTES,
         pair=pair_vector(lane_form) if pairs else None,
