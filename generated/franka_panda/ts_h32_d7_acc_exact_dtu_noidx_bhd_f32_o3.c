@@ -272,6 +272,18 @@ typedef T VT __attribute__((vector_size(32)));
 #define VY3(h, v) VSTORE(y3 + yo + (h) * Y_SH, (v))
 #define VG3(h) VLOAD(gb3 + (h) * Y_SH)
 #endif
+/* TS_PREFETCH_ROW(p, n): the n elements from p asked for ahead of their loads (TS_PREFETCH_ROW_WRITE: of
+ * their stores), a 64-byte line at a time, TS_PREFETCH_AHEAD trajectories ahead (codegen/macros.py
+ * ``prefetches``): the hardware's prefetchers may not follow a fused column's many loads of each row */
+#if defined(__GNUC__)
+#define TS_PREFETCH_ROW(p, n) do { for (int64_t l_ = 0; l_ < (int64_t)((n) * sizeof(T)); l_ += 64) __builtin_prefetch((const char*)(p) + l_); } while (0)
+#define TS_PREFETCH_ROW_WRITE(p, n) do { for (int64_t l_ = 0; l_ < (int64_t)((n) * sizeof(T)); l_ += 64) __builtin_prefetch((char*)(p) + l_, 1); } while (0)
+#else
+#define TS_PREFETCH_ROW(p, n) do { } while (0)
+#define TS_PREFETCH_ROW_WRITE(p, n) do { } while (0)
+#endif
+#define TS_PREFETCH_AHEAD 4
+#define TS_PREFETCH_FROM_BYTES 1048576LL
 /* A missing output gradient (an unused output) reads zeros from this block, one batch
  * element in size (zero-initialised, never written): loads stay unconditional and
  * vectorise, and no full-size zero tensor is ever made. */
@@ -329,12 +341,29 @@ static void ts_h32_d7_acc_exact_dtu_noidx_bhd_f32_o3_coefficients(const T* restr
 static TS_BATCH_FUNCTION void ts_h32_d7_acc_exact_dtu_noidx_bhd_f32_o3_forward_batch(int64_t b_begin, int64_t b_end, int64_t B, const float* restrict u, const float* restrict p0, const float* restrict v0, const float* restrict a0, const float* restrict j0, const int64_t* restrict idx, const float* restrict dt_in, float* restrict y0, float* restrict y1, float* restrict y2, float* restrict y3, const T* restrict coef_in)
 {
     (void)B;
+    /* the trajectories that ask for a later one's rows: none in a share whose actions fit in a core's
+     * cache (there that only took time); volatile, read by each test: gcc otherwise split the loop in
+     * two at it, and the forward's part that asks ran as slowly as with no requests at all */
+    volatile const int64_t prefetch_end = (b_end - b_begin) * U_SB * (int64_t)sizeof(T) > TS_PREFETCH_FROM_BYTES
+                                 ? b_end - TS_PREFETCH_AHEAD : b_begin;
     /* this thread's own copy: gcc cannot tell a shared array from the outputs the loops store to,
      * so it would reload and broadcast every coefficient in every vector iteration */
     T coef[NC_];
     for (int i = 0; i < NC_; ++i) coef[i] = coef_in[i];
     for (int64_t b = b_begin; b < b_end; ++b) {
         const int64_t srow = idx ? idx[b] : b;
+        if (b < prefetch_end) {
+            const int64_t ahead = b + TS_PREFETCH_AHEAD;
+            TS_PREFETCH_ROW(u + (ahead) * U_SB, U_SB);
+            TS_PREFETCH_ROW(p0 + (idx ? idx[ahead] : (ahead)) * D_, D_);
+            TS_PREFETCH_ROW(v0 + (idx ? idx[ahead] : (ahead)) * D_, D_);
+            TS_PREFETCH_ROW(a0 + (idx ? idx[ahead] : (ahead)) * D_, D_);
+            if (j0) TS_PREFETCH_ROW(j0 + (idx ? idx[ahead] : (ahead)) * D_, D_);
+            TS_PREFETCH_ROW_WRITE(y0 + (ahead) * Y_SB, Y_SB);
+            TS_PREFETCH_ROW_WRITE(y1 + (ahead) * Y_SB, Y_SB);
+            TS_PREFETCH_ROW_WRITE(y2 + (ahead) * Y_SB, Y_SB);
+            TS_PREFETCH_ROW_WRITE(y3 + (ahead) * Y_SB, Y_SB);
+        }
 #if defined(TS_LANES)
         {
             COLUMN_BASES(b, 0)
@@ -883,6 +912,11 @@ void ts_h32_d7_acc_exact_dtu_noidx_bhd_f32_o3_forward(int64_t B, const float* re
 static TS_BATCH_FUNCTION void ts_h32_d7_acc_exact_dtu_noidx_bhd_f32_o3_adjoint_late_batch(int64_t b_begin, int64_t b_end, int64_t B, const float* restrict g0, const float* restrict g1, const float* restrict g2, const float* restrict g3, const float* restrict dt_in, float* restrict gu, float* restrict gp0, float* restrict gv0, float* restrict ga0, float* restrict gj0, const T* restrict coef_in)
 {
     (void)B;
+    /* the trajectories that ask for a later one's rows: none in a share whose actions fit in a core's
+     * cache (there that only took time); volatile, read by each test: gcc otherwise split the loop in
+     * two at it, and the forward's part that asks ran as slowly as with no requests at all */
+    volatile const int64_t prefetch_end = (b_end - b_begin) * U_SB * (int64_t)sizeof(T) > TS_PREFETCH_FROM_BYTES
+                                 ? b_end - TS_PREFETCH_AHEAD : b_begin;
     /* this thread's own copy: gcc cannot tell a shared array from the outputs the loops store to,
      * so it would reload and broadcast every coefficient in every vector iteration */
     T coef[NC_];
@@ -895,6 +929,18 @@ static TS_BATCH_FUNCTION void ts_h32_d7_acc_exact_dtu_noidx_bhd_f32_o3_adjoint_l
         const T* restrict gb1 = g1 ? g1 + b * Y_SB : ts_zero_outputs;
         const T* restrict gb2 = g2 ? g2 + b * Y_SB : ts_zero_outputs;
         const T* restrict gb3 = g3 ? g3 + b * Y_SB : ts_zero_outputs;
+        if (b < prefetch_end) {
+            const int64_t ahead = b + TS_PREFETCH_AHEAD;
+            if (g0) TS_PREFETCH_ROW(g0 + (ahead) * Y_SB, Y_SB);
+            if (g1) TS_PREFETCH_ROW(g1 + (ahead) * Y_SB, Y_SB);
+            if (g2) TS_PREFETCH_ROW(g2 + (ahead) * Y_SB, Y_SB);
+            if (g3) TS_PREFETCH_ROW(g3 + (ahead) * Y_SB, Y_SB);
+            TS_PREFETCH_ROW_WRITE(gu + (ahead) * U_SB, U_SB);
+            if (gp0) TS_PREFETCH_ROW_WRITE(gp0 + (ahead) * D_, D_);
+            if (gv0) TS_PREFETCH_ROW_WRITE(gv0 + (ahead) * D_, D_);
+            if (ga0) TS_PREFETCH_ROW_WRITE(ga0 + (ahead) * D_, D_);
+            if (gj0) TS_PREFETCH_ROW_WRITE(gj0 + (ahead) * D_, D_);
+        }
         {
             COLUMN_BASES(b, 0)
             const VT g3_31 = VG3(31);
@@ -1206,6 +1252,11 @@ static TS_BATCH_FUNCTION void ts_h32_d7_acc_exact_dtu_noidx_bhd_f32_o3_adjoint_b
     }
 #endif
     (void)B;
+    /* the trajectories that ask for a later one's rows: none in a share whose actions fit in a core's
+     * cache (there that only took time); volatile, read by each test: gcc otherwise split the loop in
+     * two at it, and the forward's part that asks ran as slowly as with no requests at all */
+    volatile const int64_t prefetch_end = (b_end - b_begin) * U_SB * (int64_t)sizeof(T) > TS_PREFETCH_FROM_BYTES
+                                 ? b_end - TS_PREFETCH_AHEAD : b_begin;
     /* this thread's own copy: gcc cannot tell a shared array from the outputs the loops store to,
      * so it would reload and broadcast every coefficient in every vector iteration */
     T coef[NC_];
@@ -1218,6 +1269,18 @@ static TS_BATCH_FUNCTION void ts_h32_d7_acc_exact_dtu_noidx_bhd_f32_o3_adjoint_b
         const T* restrict gb1 = g1 ? g1 + b * Y_SB : ts_zero_outputs;
         const T* restrict gb2 = g2 ? g2 + b * Y_SB : ts_zero_outputs;
         const T* restrict gb3 = g3 ? g3 + b * Y_SB : ts_zero_outputs;
+        if (b < prefetch_end) {
+            const int64_t ahead = b + TS_PREFETCH_AHEAD;
+            if (g0) TS_PREFETCH_ROW(g0 + (ahead) * Y_SB, Y_SB);
+            if (g1) TS_PREFETCH_ROW(g1 + (ahead) * Y_SB, Y_SB);
+            if (g2) TS_PREFETCH_ROW(g2 + (ahead) * Y_SB, Y_SB);
+            if (g3) TS_PREFETCH_ROW(g3 + (ahead) * Y_SB, Y_SB);
+            TS_PREFETCH_ROW_WRITE(gu + (ahead) * U_SB, U_SB);
+            if (gp0) TS_PREFETCH_ROW_WRITE(gp0 + (ahead) * D_, D_);
+            if (gv0) TS_PREFETCH_ROW_WRITE(gv0 + (ahead) * D_, D_);
+            if (ga0) TS_PREFETCH_ROW_WRITE(ga0 + (ahead) * D_, D_);
+            if (gj0) TS_PREFETCH_ROW_WRITE(gj0 + (ahead) * D_, D_);
+        }
 #if defined(TS_LANES)
         {
             COLUMN_BASES(b, 0)
