@@ -180,11 +180,12 @@ def pair_vector(lane_form: dict | None) -> dict | None:
                 vector=f"__m{bits}" + ("" if lane_form["suffix"] == "ps" else "d"))
 
 
-#: how many trajectories ahead a fused C kernel asks for the rows it reads (``prefetches``)
+#: how many trajectories ahead a C kernel asks for the rows it reads and writes (``prefetches``)
 PREFETCH_AHEAD = 4
 #: the fewest bytes of actions a thread's share has for which it asks (below, its rows stay in a core's
 #: cache from call to call, and the requests only took time: B=400's forward, BENCHMARKS.md, "The fused
-#: C kernels at B=40000: rows asked for ahead")
+#: C kernels at B=40000: rows asked for ahead"; a B-spline's rows, whose actions are few, are left
+#: unasked below it: "The plain step's C kernels at B=40000: rows asked for ahead")
 PREFETCH_FROM_BYTES = 1 << 20
 
 
