@@ -178,6 +178,18 @@ def prefetches(table: ArgumentTable, kernel: str) -> list[str]:
     trajectory. Each row is whole lines but maybe its last, which the next trajectory's row begins. The
     paired adjoint (codegen/render.py ``paired``), which runs on shares whose rows stay in cache, asks
     for none."""
+    return [f"{f'if ({p}) ' if nullable else ''}TS_PREFETCH_ROW{write}({p} + {at}, {n});"
+            for p, at, n, nullable, write in _prefetch_rows(table, kernel)]
+
+
+def prefetch_elements(table: ArgumentTable, kernel: str) -> str:
+    """The elements of one trajectory's rows that ``prefetches`` asks for (each optional one counted):
+    what the batch function's gate counts (templates/kernel.c.j2)."""
+    return " + ".join(n for _, _, n, _, _ in _prefetch_rows(table, kernel))
+
+
+def _prefetch_rows(table: ArgumentTable, kernel: str) -> list[tuple[str, str, str, bool, str]]:
+    """(pointer, offset of row ``@``, elements, optional, "" or "_WRITE") of each row ``prefetches`` asks for."""
     passed = {name for _, name in abi.arguments(kernel, table)}
     rows = [(table.action.c_name, "(@) * U_SB", "U_SB", False, "")]
     for a in table.columns:
@@ -191,8 +203,7 @@ def prefetches(table: ArgumentTable, kernel: str) -> list[str]:
     if not table.fused:  # the adjoint's own rows: one per trajectory, the runtime sums an index's
         rows += [(a.grad_name, f"(@) * {'U_SB' if a is table.action else 'D_'}", "U_SB" if a is table.action else "D_",
                   a is not table.action, "_WRITE") for a in table.differentiable]
-    return [f"{f'if ({p}) ' if nullable else ''}TS_PREFETCH_ROW{write}({p} + {at}, {n});"
-            for p, at, n, nullable, write in rows if p in passed]
+    return [row for row in rows if row[0] in passed]
 
 
 def lane_pairs(table: ArgumentTable, outputs: int) -> list[tuple[str, str]]:

@@ -182,11 +182,13 @@ def pair_vector(lane_form: dict | None) -> dict | None:
 
 #: how many trajectories ahead a C kernel asks for the rows it reads and writes (``prefetches``)
 PREFETCH_AHEAD = 4
-#: the fewest bytes of actions a thread's share has for which it asks (below, its rows stay in a core's
-#: cache from call to call, and the requests only took time: B=400's forward, BENCHMARKS.md, "The fused
-#: C kernels at B=40000: rows asked for ahead"; a B-spline's rows, whose actions are few, are left
-#: unasked below it: "The plain step's C kernels at B=40000: rows asked for ahead")
-PREFETCH_FROM_BYTES = 1 << 20
+#: the fewest bytes of the rows a kernel asks for (``macros.prefetch_elements``: every one it is passed)
+#: in a thread's share for which it asks: below, they stay in cache from call to call and the requests
+#: only took time (B=400: the fused forward's 0.8 MB, an integrator's 1.8 MB, a B-spline's 2.5 MB).
+#: Measured, BENCHMARKS.md "The fused C kernels at B=40000: rows asked for ahead" (then a gate on the
+#: actions' bytes at 1 MiB: the costs bench's fused step asked from 1209 trajectories, now from 1249) and "The plain
+#: step's C kernels at B=40000: rows asked for ahead"
+PREFETCH_FROM_BYTES = 5 << 19
 
 
 def prefetches(table: ArgumentTable, codes: dict, kernels: tuple[str, ...]) -> dict[str, list[str]]:
@@ -444,6 +446,7 @@ def render(spec: Any, code: LoweredOperator, table: ArgumentTable, target: Targe
         late_loads=late,
         late_loads_max_bytes=LATE_LOADS_MAX_BYTES,
         prefetch=prefetches(table, codes, kernels),
+        prefetch_elements={k: macros.prefetch_elements(table, k) for k in ("forward", "adjoint") if k in kernels},
         prefetch_ahead=PREFETCH_AHEAD,
         prefetch_from_bytes=PREFETCH_FROM_BYTES,
         pair=pair_vector(lane_form) if pairs else None,

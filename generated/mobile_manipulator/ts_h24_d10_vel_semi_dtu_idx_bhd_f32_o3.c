@@ -283,7 +283,7 @@ typedef T VT __attribute__((vector_size(64)));
 #define TS_PREFETCH_ROW_WRITE(p, n) do { } while (0)
 #endif
 #define TS_PREFETCH_AHEAD 4
-#define TS_PREFETCH_FROM_BYTES 1048576LL
+#define TS_PREFETCH_FROM_BYTES 2621440LL
 /* A missing output gradient (an unused output) reads zeros from this block, one batch
  * element in size (zero-initialised, never written): loads stay unconditional and
  * vectorise, and no full-size zero tensor is ever made. */
@@ -341,10 +341,10 @@ static void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_coefficients(const T* restric
 static TS_BATCH_FUNCTION void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_forward_batch(int64_t b_begin, int64_t b_end, int64_t B, const float* restrict u, const float* restrict p0, const float* restrict v0, const float* restrict a0, const float* restrict j0, const int64_t* restrict idx, const float* restrict dt_in, float* restrict y0, float* restrict y1, float* restrict y2, float* restrict y3, const T* restrict coef_in)
 {
     (void)B;
-    /* the trajectories that ask for a later one's rows: none in a share whose actions fit in a core's
-     * cache (there that only took time); volatile, read by each test: gcc otherwise split the loop in
+    /* the trajectories that ask for a later one's rows: none in a share whose rows stay in cache (there
+     * that only took time); volatile, read by each test: gcc otherwise split the loop in
      * two at it, and the forward's part that asks ran as slowly as with no requests at all */
-    volatile const int64_t prefetch_end = (b_end - b_begin) * U_SB * (int64_t)sizeof(T) > TS_PREFETCH_FROM_BYTES
+    volatile const int64_t prefetch_end = (b_end - b_begin) * (U_SB + D_ + D_ + D_ + D_ + Y_SB + Y_SB + Y_SB + Y_SB) * (int64_t)sizeof(T) > TS_PREFETCH_FROM_BYTES
                                  ? b_end - TS_PREFETCH_AHEAD : b_begin;
     /* this thread's own copy: gcc cannot tell a shared array from the outputs the loops store to,
      * so it would reload and broadcast every coefficient in every vector iteration */
@@ -784,10 +784,10 @@ void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_forward(int64_t B, const float* rest
 static TS_BATCH_FUNCTION void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_adjoint_late_batch(int64_t b_begin, int64_t b_end, int64_t B, const float* restrict g0, const float* restrict g1, const float* restrict g2, const float* restrict g3, const float* restrict dt_in, float* restrict gu, float* restrict gp0, float* restrict gv0, float* restrict ga0, float* restrict gj0, const T* restrict coef_in)
 {
     (void)B;
-    /* the trajectories that ask for a later one's rows: none in a share whose actions fit in a core's
-     * cache (there that only took time); volatile, read by each test: gcc otherwise split the loop in
+    /* the trajectories that ask for a later one's rows: none in a share whose rows stay in cache (there
+     * that only took time); volatile, read by each test: gcc otherwise split the loop in
      * two at it, and the forward's part that asks ran as slowly as with no requests at all */
-    volatile const int64_t prefetch_end = (b_end - b_begin) * U_SB * (int64_t)sizeof(T) > TS_PREFETCH_FROM_BYTES
+    volatile const int64_t prefetch_end = (b_end - b_begin) * (Y_SB + Y_SB + Y_SB + Y_SB + U_SB + D_ + D_ + D_ + D_) * (int64_t)sizeof(T) > TS_PREFETCH_FROM_BYTES
                                  ? b_end - TS_PREFETCH_AHEAD : b_begin;
     /* this thread's own copy: gcc cannot tell a shared array from the outputs the loops store to,
      * so it would reload and broadcast every coefficient in every vector iteration */
@@ -1052,10 +1052,10 @@ static TS_BATCH_FUNCTION void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_adjoint_bat
     }
 #endif
     (void)B;
-    /* the trajectories that ask for a later one's rows: none in a share whose actions fit in a core's
-     * cache (there that only took time); volatile, read by each test: gcc otherwise split the loop in
+    /* the trajectories that ask for a later one's rows: none in a share whose rows stay in cache (there
+     * that only took time); volatile, read by each test: gcc otherwise split the loop in
      * two at it, and the forward's part that asks ran as slowly as with no requests at all */
-    volatile const int64_t prefetch_end = (b_end - b_begin) * U_SB * (int64_t)sizeof(T) > TS_PREFETCH_FROM_BYTES
+    volatile const int64_t prefetch_end = (b_end - b_begin) * (Y_SB + Y_SB + Y_SB + Y_SB + U_SB + D_ + D_ + D_ + D_) * (int64_t)sizeof(T) > TS_PREFETCH_FROM_BYTES
                                  ? b_end - TS_PREFETCH_AHEAD : b_begin;
     /* this thread's own copy: gcc cannot tell a shared array from the outputs the loops store to,
      * so it would reload and broadcast every coefficient in every vector iteration */

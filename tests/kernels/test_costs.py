@@ -466,7 +466,7 @@ def test_rows_asked_for_ahead_leave_the_values(case, narrow):
     """C's fused forward and adjoint ask for the rows of the trajectory ``render.PREFETCH_AHEAD`` ahead
     (codegen/macros.py ``prefetches``): the actions, each per-trajectory input at the row its index
     picks, the outputs' rows to be written (forward), their gradients (adjoint), on a thread's share of
-    more than ``render.PREFETCH_FROM_BYTES`` of actions; the plain step's kernels too, but a stencil's. On one
+    more than ``render.PREFETCH_FROM_BYTES`` of those rows; the plain step's kernels too, but a stencil's. On one
     thread with such a share (the last trajectories, whose later ones are past the batch, ask for
     none), the values and gradients are the plain step's plus the terms' (float64, 1e-10): in the
     general form, and in the narrow form without row weights."""
@@ -484,7 +484,8 @@ def test_rows_asked_for_ahead_leave_the_values(case, narrow):
     assert "TS_PREFETCH_ROW(p0 + (idx ? idx[ahead] : (ahead)) * D_, D_);" in source
     plain = spec.replace(costs=(), outputs=None)  # a stencil's loops stream the rows (tests/kernels/test_rows_ahead.py)
     assert ("TS_PREFETCH_ROW(" in generate(plain, ("c",), ("core",)).source("c", "core")) == (spec.control != "position")
-    B = render.PREFETCH_FROM_BYTES // (spec.n_actions * spec.dof * 8) + 2 * render.PREFETCH_AHEAD + 3
+    # the gate counts every row a kernel asks for: the actions and P's at least
+    B = render.PREFETCH_FROM_BYTES // ((spec.n_actions + spec.horizon) * spec.dof * 8) + 2 * render.PREFETCH_AHEAD + 3
     x, params, dt = _data(spec, B=B)
     fused_params = None
     if narrow:

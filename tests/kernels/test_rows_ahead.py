@@ -57,8 +57,14 @@ def test_every_row_a_column_reads_or_writes_is_asked_for(spec):
         assert f"TS_PREFETCH_ROW_WRITE({table.action.grad_name} + (ahead) * U_SB, U_SB);" in batches[name]
         for a in table.differentiable[1:]:
             assert f"if ({a.grad_name}) TS_PREFETCH_ROW_WRITE({a.grad_name} + (ahead) * D_, D_);" in batches[name]
-    for name in ["forward_batch", *adjoints]:  # asked for only on a share of more than the gate's actions
-        assert "volatile const int64_t prefetch_end = (b_end - b_begin) * U_SB" in batches[name], name
+    # asked for only on a share with more than the gate's bytes of those rows, each optional one counted
+    rows = " + ".join(["U_SB", *["D_"] * len(table.columns), *["Y_SB"] * len(table.outputs)])
+    gate = "volatile const int64_t prefetch_end = (b_end - b_begin) * ({}) * (int64_t)sizeof(T) > TS_PREFETCH_FROM_BYTES"
+    assert gate.format(rows) in forward
+    adjoint_rows = " + ".join(["Y_SB"] * len(table.outputs) + ["U_SB"] + ["D_"] * (len(table.differentiable) - 1))
+    for name in adjoints:
+        assert gate.format(adjoint_rows) in batches[name], name
+    for name in ["forward_batch", *adjoints]:
         assert "if (b < prefetch_end) {" in batches[name], name
 
 
@@ -81,7 +87,7 @@ def _operator(spec: ts.KernelSpec, dt: torch.Tensor) -> tuple[np.ndarray, np.nda
 
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name)
 def test_rows_asked_for_ahead_leave_the_values(spec):
-    """One thread, a batch whose share asks for rows (more than the gate's bytes of actions) and, for an
+    """One thread, a batch whose share asks for rows (more than the gate's bytes of them) and, for an
     integrator, whose adjoint runs with every row loaded first when given every gradient (above
     ``LATE_LOADS_MAX_BYTES``) and each where used when given P's only: every output and the gradients of u and of
     the start rows (summed onto the rows the index picks) against the dense reference, every gradient
@@ -89,7 +95,8 @@ def test_rows_asked_for_ahead_leave_the_values(spec):
     itemsize = 8
     action_bytes = spec.n_actions * spec.dof * itemsize
     row_bytes = spec.horizon * spec.dof * itemsize
-    B = max(render.PREFETCH_FROM_BYTES // action_bytes + 2 * render.PREFETCH_AHEAD + 3,
+    asked = action_bytes + 4 * spec.dof * itemsize + (spec.order + 1) * row_bytes  # the forward's rows: u, the starts, the outputs
+    B = max(render.PREFETCH_FROM_BYTES // asked + 2 * render.PREFETCH_AHEAD + 3,
             render.LATE_LOADS_MAX_BYTES // ((spec.order + 1) * row_bytes + action_bytes) + 1)
     assert B * (row_bytes + action_bytes) <= render.LATE_LOADS_MAX_BYTES  # P's only: each row loaded where used
     gen = torch.Generator().manual_seed(1)
