@@ -19,7 +19,7 @@ from .printer import COLUMN, lane_printer
 from .statements import Read, Shift, walk
 from .targets import (CUDA_BLOCK, CUDA_STAGED, CUDA_WARPS, ITEMSIZE, TABLE_KERNELS, Target, cuda_coefficients,
                       cuda_float_powers, cuda_row_unroll, cuda_shared_powers, cuda_shared_slots, cuda_stage_columns,
-                      cuda_tiles, cuda_bhd_context, cuda_volatile_coefficients, cuda_warp_rows_shared, inline_coefficients, tape_files)
+                      cuda_tiles, cuda_volatile_coefficients, cuda_warp_rows_shared, inline_coefficients, tape_files)
 
 CTYPES = {"float32": "float", "float64": "double"}
 
@@ -500,6 +500,5 @@ def render(spec: Any, code: LoweredOperator, table: ArgumentTable, target: Targe
         # CUDA, layout "bdh" where a warp's whole rows do not fit: each warp stages row tiles, per kernel
         # (rows of a tile, most threads a block has)
         tiles=cuda_tiles(spec.layout, spec.horizon, spec.n_actions, spec.order, itemsize),
-        **cuda_bhd_context(table, spec, itemsize),
     )
     return _environment().get_template(target.template).render(**context)

@@ -106,78 +106,6 @@ def cuda_tiles(layout: str, horizon: int, n_actions: int, order: int, itemsize: 
     return found
 
 
-#: layout "bhd": a warp's 32 columns are about 32 / D trajectories' dof columns, so each load or store
-#: of a row by a thread per column touches a piece of D elements of each trajectory (8.7 sectors a
-#: float32 access at D = 7, where 4 would do), and a column's rolled loop loads a new row at a time
-#: (a warp about 128 bytes in flight). The per-element kernels here take blocks of whole
-#: trajectories (``cuda_bhd_trajectories``), copy the rows of the arrays they read into shared
-#: memory first, a pass of independent loads at neighbouring addresses, and stage the rows they
-#: write, which the block then stores in order (``cuda_bhd_arrays``: which arrays)
-CUDA_BHD_STAGED = ("forward", "adjoint")
-#: the fewest threads a block of a bhd-staged kernel has: below, the kernel is not staged (a block
-#: of one warp would leave an SM a few warps)
-CUDA_BHD_MIN_COLUMNS = 64
-#: the loads a thread of a bhd-staged kernel has in flight as its block copies the rows it reads
-CUDA_BHD_LOADS = 8
-
-
-def cuda_bhd_trajectories(columns: int, dof: int) -> int:
-    """The trajectories a block of a bhd-staged kernel holds: as many whole ones as its threads
-    have columns for (the threads past them idle but for the copies and stores)."""
-    return columns // dof
-
-
-def cuda_bhd_stride(rows: int, dof: int) -> int:
-    """Elements from one trajectory's staged rows to the next: its rows x dof, padded to a multiple
-    of 32 plus dof (banks), so that a warp's columns' elements of a row fall in distinct banks."""
-    return rows * dof + (dof - rows * dof % 32) % 32
-
-
-def cuda_bhd_arrays(kernel: str, table: ArgumentTable) -> tuple[int, int, int, int]:
-    """The arrays a bhd-staged kernel stages: (read with the actions' rows, read with the outputs'
-    rows, written with the actions' rows, written with the outputs' rows). The forward reads the
-    actions and writes the outputs; the adjoint reads the outputs' gradients (and the actions where
-    it recomputes the rows: ``table.fused``) and writes the actions' gradient."""
-    outputs = len(table.written)
-    if kernel == "forward":
-        return (1, 0, 0, outputs)
-    if kernel == "adjoint":
-        return (1 if table.fused else 0, outputs, 1, 0)
-    raise ValueError(f"kernel {kernel!r} is not staged with layout bhd: allowed {', '.join(CUDA_BHD_STAGED)}")
-
-
-def cuda_bhd_stage(table: ArgumentTable, layout: str, horizon: int, n_actions: int, dof: int,
-                   itemsize: int, bspline: bool = False) -> dict[str, int]:
-    """Layout "bhd": the most threads a block of each staged kernel (CUDA_BHD_STAGED) has, the
-    largest multiple of the warp up to CUDA_BLOCK whose trajectories' staged rows (``cuda_bhd_stride``
-    elements a trajectory and array) fit CUDA_STAGE_BYTES; a kernel whose block would have fewer than
-    CUDA_BHD_MIN_COLUMNS threads is not staged (left out). Nor are B-splines: a column reads its
-    few knots once each (not a new row an iteration), and their float32 fused forwards are at the
-    128-register cap already (staged, 8 knots of degree 3 spilled 16 bytes)."""
-    if layout != "bhd" or dof > CUDA_WARP or bspline:  # a block of a warp holds a trajectory
-        return {}
-    found = {}
-    for kernel in CUDA_BHD_STAGED:
-        read_u, read_y, write_u, write_y = cuda_bhd_arrays(kernel, table)
-        per = (read_u + write_u) * cuda_bhd_stride(n_actions, dof) + (read_y + write_y) * cuda_bhd_stride(horizon, dof)
-        columns = CUDA_BLOCK
-        while columns >= CUDA_BHD_MIN_COLUMNS:
-            if cuda_bhd_trajectories(columns, dof) * per * itemsize <= CUDA_STAGE_BYTES:
-                found[kernel] = columns
-                break
-            columns -= CUDA_WARP
-    return found
-
-
-def cuda_bhd_context(table: ArgumentTable, spec: Any, itemsize: int) -> dict[str, Any]:
-    """The CUDA template's view of ``cuda_bhd_stage``: each staged kernel's most threads a block
-    has, its arrays (``cuda_bhd_arrays``) and the most trajectories its block touches."""
-    stage = cuda_bhd_stage(table, spec.layout, spec.horizon, spec.n_actions, spec.dof, itemsize,
-                           getattr(spec, "control", "") == "bspline")
-    return dict(bhd_stage=stage, bhd_loads=CUDA_BHD_LOADS, bhd_arrays={k: cuda_bhd_arrays(k, table) for k in stage},
-                bhd_trajectories={k: cuda_bhd_trajectories(c, spec.dof) for k, c in stage.items()})
-
-
 def cuda_warp_rows_shared(n_coefficients: int) -> bool:
     """Whether dt_vjp's warps keep their rows of partial sums in shared memory (else in gc)."""
     return CUDA_WARPS * n_coefficients * 8 <= CUDA_WARP_ROWS_SHARED_BYTES
@@ -493,8 +421,6 @@ class CudaLaunchPlan:
     stage_columns: int = 0
     #: layout "bdh" with row tiles (``cuda_tiles``): (kernel, rows of a tile, most threads a block has)
     tiles: tuple[tuple[str, int, int], ...] = ()
-    #: layout "bhd" (``cuda_bhd_stage``): (kernel, most threads a block has) of each staged kernel
-    bhd_stage: tuple[tuple[str, int], ...] = ()
     # worked out once per plan (every call asks; the plan never changes): not part of its value
     _parameters: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict, init=False, repr=False,
                                                                 compare=False)
@@ -605,12 +531,7 @@ class CudaLaunchPlan:
         for tiled, _, columns in self.tiles:
             if kernel == tiled:
                 block = min(block, columns)
-        grid = None
-        for staged, columns in self.bhd_stage:
-            if kernel == staged:  # whole trajectories a block (``cuda_bhd_stage``)
-                block = min(block, columns)
-                grid = _blocks(B, cuda_bhd_trajectories(block, self.dof))
-        grid = _blocks(B * self.dof, block) if grid is None else grid
+        grid = _blocks(B * self.dof, block)
         if kernel == "dt_vjp":
             grid, block = self.dt_vjp_grid(B), self.dt_vjp_block(B)
         fill = abi.cuda_table(kernel, self.table)
@@ -796,11 +717,8 @@ class CudaTarget(Target):
     def launch_plan(self, spec: Any, metadata: Mapping[str, Any]) -> CudaLaunchPlan:
         shape = (spec.layout, spec.horizon, spec.n_actions, spec.order, ITEMSIZE[spec.dtype])
         tiles = tuple((kernel, rows, columns) for kernel, (rows, columns) in cuda_tiles(*shape).items())
-        args = argument_table(spec)
-        bhd = cuda_bhd_stage(args, spec.layout, spec.horizon, spec.n_actions, spec.dof, ITEMSIZE[spec.dtype],
-                             getattr(spec, "control", "") == "bspline")
-        return CudaLaunchPlan(args, spec.dof, spec.dtype, int(metadata["n_coefficients"]),
-                              str(metadata["coefficients"]), cuda_stage_columns(*shape), tiles, tuple(bhd.items()))
+        return CudaLaunchPlan(argument_table(spec), spec.dof, spec.dtype, int(metadata["n_coefficients"]),
+                              str(metadata["coefficients"]), cuda_stage_columns(*shape), tiles)
 
 
 C = CTarget("c", "kernel.c.j2", "c", lanes=True, split_programs=True, unit_guards=True)

@@ -35,10 +35,7 @@ With layout "bdh" the per-element kernels stage their rows in shared memory, and
 block then runs in two passes: in the first every thread runs up to the barrier and returns (its
 rows staged), in the second every thread runs again in full, restaging the same rows (the work
 before the barrier only reads inputs and writes the thread's own stage) and then storing its
-stride of the whole block's stage, which every thread of the block has written. With layout "bhd"
-the staged kernels (codegen/targets.py ``cuda_bhd_stage``) store the same way, a block of whole
-trajectories; the rows they read, which the block's threads copy into shared memory before a
-barrier on the GPU (each a stride: TS_THREAD), every thread copies in full here, in both passes.
+stride of the whole block's stage, which every thread of the block has written.
 
 Where a warp's whole rows do not fit, each warp stages row tiles (a window of rows per array) and
 stores a tile between two syncs of its lanes (TS_TILE_SYNC) whenever a store leaves the window:
@@ -338,11 +335,10 @@ class HostCudaBackend(CudaBackend):
         getattr(self.lib, abi.symbol(self.spec.name, kernel))(gx, bx, *values)
 
 
-def host_step(spec: Any, plan: Any = None) -> Step:
+def host_step(spec: Any) -> Step:
     """A CPU Step whose calls run the CUDA kernels on the host (the Python autograd path: the
-    native node calls C entry points, which the CUDA kernels are not), launched by the generated
-    launch plan or ``plan``."""
+    native node calls C entry points, which the CUDA kernels are not)."""
     with mock.patch.object(Step, "_take_native", lambda self: None):
-        step = Step(spec, torch.device("cpu"), Launcher(spec, HostCudaBackend(spec, plan)))
+        step = Step(spec, torch.device("cpu"), Launcher(spec, HostCudaBackend(spec)))
     step.native, step._native_pending = None, False
     return step

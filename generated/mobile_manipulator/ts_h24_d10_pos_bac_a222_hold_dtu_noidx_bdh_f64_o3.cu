@@ -22,7 +22,7 @@ typedef long long int64_t; /* NVRTC has no <stdint.h> */
 #define TS_THREADS ((int64_t)blockDim.x)
 #endif
 #define TS_BARRIER() __syncthreads()
-/* layouts "bdh" and "bhd": the barrier between a block's staging of its rows and their stores (the host test
+/* layout "bdh": the barrier between a block's staging of its rows and their stores (the host test
  * double defines its own, tests/cuda_on_host.py) */
 #ifndef TS_STAGE_BARRIER
 #define TS_STAGE_BARRIER() __syncthreads()

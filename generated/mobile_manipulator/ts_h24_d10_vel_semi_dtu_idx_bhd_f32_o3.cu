@@ -22,14 +22,6 @@ typedef long long int64_t; /* NVRTC has no <stdint.h> */
 #define TS_THREADS ((int64_t)blockDim.x)
 #endif
 #define TS_BARRIER() __syncthreads()
-/* layouts "bdh" and "bhd": the barrier between a block's staging of its rows and their stores (the host test
- * double defines its own, tests/cuda_on_host.py) */
-#ifndef TS_STAGE_BARRIER
-#define TS_STAGE_BARRIER() __syncthreads()
-#endif
-/* a stage's element i in shared memory: a word of padding every 32, so that a warp's columns,
- * a column's rows apart, fall in different banks */
-#define TS_STAGE_PAD(i) ((i) + ((i) >> 5))
 enum { H_ = 24, N_ = 23, D_ = 10, NDT_ = 1, NC_ = 3 };
 /* strides in elements: action u[b, j, d], outputs y[b, h, d] (layout "bhd") */
 #define U_SB 230LL
@@ -248,74 +240,10 @@ extern "C" __global__ __launch_bounds__(256, 2) void ts_h24_d10_vel_semi_dtu_idx
     __shared__ T coef[1 * NC_]; (void)coef_g;
     TS_MONOMIALS_VALUE();
     __syncthreads();
-    /* layout "bhd": a warp's columns are a few trajectories' dof columns, D_ neighbouring elements of
-     * each at every row. A block holds whole trajectories (blockDim.x / D_ of them, its first
-     * columns): it copies their rows of the arrays it reads into shared memory first (independent
-     * loads at neighbouring addresses, TS_BHD_LOADS in flight a thread), its threads read and write
-     * their rows there, and the block then stores the rows its trajectories wrote in order. A block
-     * has at most 64 threads (6 trajectories); a trajectory's rows are TS_SU / TS_SY
-     * elements apart in shared memory (a multiple of 32 banks plus D_: a warp's accesses of a row
-     * fall in distinct banks) */
-    enum { TS_BHD_TRAJ = 6, TS_BHD_LOADS = 8,
-           TS_NU = (int)U_SB, TS_NY = (int)Y_SB,
-           TS_SU = TS_NU + ((D_ - TS_NU % 32) % 32 + 32) % 32, TS_SY = TS_NY + ((D_ - TS_NY % 32) % 32 + 32) % 32 };
-    __shared__ T ts_su[TS_BHD_TRAJ * TS_SU];
-    __shared__ T ts_sy0[TS_BHD_TRAJ * TS_SY];
-    __shared__ T ts_sy1[TS_BHD_TRAJ * TS_SY];
-    __shared__ T ts_sy2[TS_BHD_TRAJ * TS_SY];
-    __shared__ T ts_sy3[TS_BHD_TRAJ * TS_SY];
-    /* the block's trajectories: ts_nb from ts_b0 */
-    const int ts_k = (int)blockDim.x / D_;
-    const int64_t ts_b0 = (int64_t)blockIdx.x * ts_k;
-    const int ts_nb = B - ts_b0 < ts_k ? (int)(B - ts_b0) : ts_k;
-    const int64_t col = ts_b0 * D_ + (int64_t)threadIdx.x;
-    if (u) {
-        const unsigned ts_n = (unsigned)(ts_nb * TS_NU), ts_t = (unsigned)TS_THREADS;
-        const T* __restrict__ const ts_from = u + ts_b0 * TS_NU;
-        unsigned e0 = (unsigned)TS_THREAD;
-        for (; e0 + (TS_BHD_LOADS - 1) * ts_t < ts_n; e0 += TS_BHD_LOADS * ts_t) {
-            T ts_v[TS_BHD_LOADS];
-#pragma unroll
-            for (unsigned k = 0; k < TS_BHD_LOADS; ++k) ts_v[k] = ts_from[e0 + k * ts_t];
-#pragma unroll
-            for (unsigned k = 0; k < TS_BHD_LOADS; ++k) {
-                const unsigned e = e0 + k * ts_t;
-                ts_su[e + e / (unsigned)TS_NU * (TS_SU - TS_NU)] = ts_v[k];
-            }
-        }
-        for (; e0 < ts_n; e0 += ts_t) ts_su[e0 + e0 / (unsigned)TS_NU * (TS_SU - TS_NU)] = ts_from[e0];
-    }
-    __syncthreads();
-/* a column's element of a staged array: its trajectory's rows in the stage, then its dof (ts_ou, ts_oy) */
-#define TS_AT_U(a, o) ts_s##a[ts_ou + (int)(o)]
-#define TS_AT_Y(a, o) ts_s##a[ts_oy + (int)(o)]
-#undef U
-#define U(j) TS_AT_U(u, (j) * U_SH)
-#undef SU
-#define SU(rel) TS_AT_U(u, su - uo + (rel) * U_SH)
-#undef RU
-#define RU(j) TS_AT_U(u, ts_ruo - uo + (j) * U_SH)
-#undef Y0
-#define Y0(h, v) TS_AT_Y(y0, (h) * Y_SH) = (v)
-#undef SY0
-#define SY0 TS_AT_Y(y0, sy - yo)
-#undef Y1
-#define Y1(h, v) TS_AT_Y(y1, (h) * Y_SH) = (v)
-#undef SY1
-#define SY1 TS_AT_Y(y1, sy - yo)
-#undef Y2
-#define Y2(h, v) TS_AT_Y(y2, (h) * Y_SH) = (v)
-#undef SY2
-#define SY2 TS_AT_Y(y2, sy - yo)
-#undef Y3
-#define Y3(h, v) TS_AT_Y(y3, (h) * Y_SH) = (v)
-#undef SY3
-#define SY3 TS_AT_Y(y3, sy - yo)
-    if ((int)threadIdx.x < ts_nb * D_) {
+    const int64_t col = (int64_t)blockIdx.x * (int64_t)blockDim.x + (int64_t)threadIdx.x;
+    if (col >= B * D_) return;
+    {
         const int64_t b = col / D_, d = col % D_;
-        /* the column's first elements in the stages (32-bit offsets) */
-        const int ts_ou = (int)(b - ts_b0) * TS_SU + (int)d, ts_oy = (int)(b - ts_b0) * TS_SY + (int)d;
-        (void)ts_ou; (void)ts_oy;
         const int64_t srow = idx ? idx[b] : b;
         COLUMN_BASES(b, d)
         const T s0 = S0;
@@ -515,73 +443,7 @@ extern "C" __global__ __launch_bounds__(256, 2) void ts_h24_d10_vel_semi_dtu_idx
         const T y3_23 = C(1)*y2_23+C(2)*y2_22;
         Y3(23, y3_23);
     }
-    TS_STAGE_BARRIER();
-    /* the rows the block's trajectories wrote, in order */
-    {
-        T* __restrict__ const ts_to = y0 + ts_b0 * TS_NY;
-#pragma unroll 4
-        for (unsigned e = threadIdx.x; e < (unsigned)(ts_nb * TS_NY); e += blockDim.x) ts_to[e] = ts_sy0[e + e / (unsigned)TS_NY * (TS_SY - TS_NY)];
-    }
-    {
-        T* __restrict__ const ts_to = y1 + ts_b0 * TS_NY;
-#pragma unroll 4
-        for (unsigned e = threadIdx.x; e < (unsigned)(ts_nb * TS_NY); e += blockDim.x) ts_to[e] = ts_sy1[e + e / (unsigned)TS_NY * (TS_SY - TS_NY)];
-    }
-    {
-        T* __restrict__ const ts_to = y2 + ts_b0 * TS_NY;
-#pragma unroll 4
-        for (unsigned e = threadIdx.x; e < (unsigned)(ts_nb * TS_NY); e += blockDim.x) ts_to[e] = ts_sy2[e + e / (unsigned)TS_NY * (TS_SY - TS_NY)];
-    }
-    {
-        T* __restrict__ const ts_to = y3 + ts_b0 * TS_NY;
-#pragma unroll 4
-        for (unsigned e = threadIdx.x; e < (unsigned)(ts_nb * TS_NY); e += blockDim.x) ts_to[e] = ts_sy3[e + e / (unsigned)TS_NY * (TS_SY - TS_NY)];
-    }
 }
-#undef TS_AT_U
-#undef TS_AT_Y
-#undef U
-#define U(j) u[uo + (j) * U_SH]
-#undef SU
-#define SU(rel) u[su + (rel) * U_SH]
-#undef RU
-#define RU(j) u[ts_ruo + (j) * U_SH]
-#undef GU
-#define GU(j, v) gu[uo + (j) * U_SH] = (v)
-#undef SGU
-#define SGU gu[su]
-#undef G0
-#define G0(h) (g0 ? g0[yo + (h) * Y_SH] : (T)0)
-#undef SG0
-#define SG0(rel) g0[sy + (rel) * Y_SH]
-#undef Y0
-#define Y0(h, v) y0[yo + (h) * Y_SH] = (v)
-#undef SY0
-#define SY0 y0[sy]
-#undef G1
-#define G1(h) (g1 ? g1[yo + (h) * Y_SH] : (T)0)
-#undef SG1
-#define SG1(rel) g1[sy + (rel) * Y_SH]
-#undef Y1
-#define Y1(h, v) y1[yo + (h) * Y_SH] = (v)
-#undef SY1
-#define SY1 y1[sy]
-#undef G2
-#define G2(h) (g2 ? g2[yo + (h) * Y_SH] : (T)0)
-#undef SG2
-#define SG2(rel) g2[sy + (rel) * Y_SH]
-#undef Y2
-#define Y2(h, v) y2[yo + (h) * Y_SH] = (v)
-#undef SY2
-#define SY2 y2[sy]
-#undef G3
-#define G3(h) (g3 ? g3[yo + (h) * Y_SH] : (T)0)
-#undef SG3
-#define SG3(rel) g3[sy + (rel) * Y_SH]
-#undef Y3
-#define Y3(h, v) y3[yo + (h) * Y_SH] = (v)
-#undef SY3
-#define SY3 y3[sy]
 
 extern "C" __global__ __launch_bounds__(256, 2) void ts_h24_d10_vel_semi_dtu_idx_bhd_f32_o3_adjoint(int64_t B, const float* __restrict__ g0, const float* __restrict__ g1, const float* __restrict__ g2, const float* __restrict__ g3, const float* __restrict__ dt_in, float* __restrict__ gu, float* __restrict__ gp0, float* __restrict__ gv0, float* __restrict__ ga0, float* __restrict__ gj0, const float* __restrict__ coef_g)
 {
@@ -591,120 +453,10 @@ extern "C" __global__ __launch_bounds__(256, 2) void ts_h24_d10_vel_semi_dtu_idx
     __shared__ T coef[1 * NC_]; (void)coef_g;
     TS_MONOMIALS_VALUE();
     __syncthreads();
-    /* layout "bhd": a warp's columns are a few trajectories' dof columns, D_ neighbouring elements of
-     * each at every row. A block holds whole trajectories (blockDim.x / D_ of them, its first
-     * columns): it copies their rows of the arrays it reads into shared memory first (independent
-     * loads at neighbouring addresses, TS_BHD_LOADS in flight a thread), its threads read and write
-     * their rows there, and the block then stores the rows its trajectories wrote in order. A block
-     * has at most 64 threads (6 trajectories); a trajectory's rows are TS_SU / TS_SY
-     * elements apart in shared memory (a multiple of 32 banks plus D_: a warp's accesses of a row
-     * fall in distinct banks) */
-    enum { TS_BHD_TRAJ = 6, TS_BHD_LOADS = 8,
-           TS_NU = (int)U_SB, TS_NY = (int)Y_SB,
-           TS_SU = TS_NU + ((D_ - TS_NU % 32) % 32 + 32) % 32, TS_SY = TS_NY + ((D_ - TS_NY % 32) % 32 + 32) % 32 };
-    __shared__ T ts_sgu[TS_BHD_TRAJ * TS_SU];
-    __shared__ T ts_sg0[TS_BHD_TRAJ * TS_SY];
-    __shared__ T ts_sg1[TS_BHD_TRAJ * TS_SY];
-    __shared__ T ts_sg2[TS_BHD_TRAJ * TS_SY];
-    __shared__ T ts_sg3[TS_BHD_TRAJ * TS_SY];
-    /* the block's trajectories: ts_nb from ts_b0 */
-    const int ts_k = (int)blockDim.x / D_;
-    const int64_t ts_b0 = (int64_t)blockIdx.x * ts_k;
-    const int ts_nb = B - ts_b0 < ts_k ? (int)(B - ts_b0) : ts_k;
-    const int64_t col = ts_b0 * D_ + (int64_t)threadIdx.x;
-    if (g0) {
-        const unsigned ts_n = (unsigned)(ts_nb * TS_NY), ts_t = (unsigned)TS_THREADS;
-        const T* __restrict__ const ts_from = g0 + ts_b0 * TS_NY;
-        unsigned e0 = (unsigned)TS_THREAD;
-        for (; e0 + (TS_BHD_LOADS - 1) * ts_t < ts_n; e0 += TS_BHD_LOADS * ts_t) {
-            T ts_v[TS_BHD_LOADS];
-#pragma unroll
-            for (unsigned k = 0; k < TS_BHD_LOADS; ++k) ts_v[k] = ts_from[e0 + k * ts_t];
-#pragma unroll
-            for (unsigned k = 0; k < TS_BHD_LOADS; ++k) {
-                const unsigned e = e0 + k * ts_t;
-                ts_sg0[e + e / (unsigned)TS_NY * (TS_SY - TS_NY)] = ts_v[k];
-            }
-        }
-        for (; e0 < ts_n; e0 += ts_t) ts_sg0[e0 + e0 / (unsigned)TS_NY * (TS_SY - TS_NY)] = ts_from[e0];
-    }
-    if (g1) {
-        const unsigned ts_n = (unsigned)(ts_nb * TS_NY), ts_t = (unsigned)TS_THREADS;
-        const T* __restrict__ const ts_from = g1 + ts_b0 * TS_NY;
-        unsigned e0 = (unsigned)TS_THREAD;
-        for (; e0 + (TS_BHD_LOADS - 1) * ts_t < ts_n; e0 += TS_BHD_LOADS * ts_t) {
-            T ts_v[TS_BHD_LOADS];
-#pragma unroll
-            for (unsigned k = 0; k < TS_BHD_LOADS; ++k) ts_v[k] = ts_from[e0 + k * ts_t];
-#pragma unroll
-            for (unsigned k = 0; k < TS_BHD_LOADS; ++k) {
-                const unsigned e = e0 + k * ts_t;
-                ts_sg1[e + e / (unsigned)TS_NY * (TS_SY - TS_NY)] = ts_v[k];
-            }
-        }
-        for (; e0 < ts_n; e0 += ts_t) ts_sg1[e0 + e0 / (unsigned)TS_NY * (TS_SY - TS_NY)] = ts_from[e0];
-    }
-    if (g2) {
-        const unsigned ts_n = (unsigned)(ts_nb * TS_NY), ts_t = (unsigned)TS_THREADS;
-        const T* __restrict__ const ts_from = g2 + ts_b0 * TS_NY;
-        unsigned e0 = (unsigned)TS_THREAD;
-        for (; e0 + (TS_BHD_LOADS - 1) * ts_t < ts_n; e0 += TS_BHD_LOADS * ts_t) {
-            T ts_v[TS_BHD_LOADS];
-#pragma unroll
-            for (unsigned k = 0; k < TS_BHD_LOADS; ++k) ts_v[k] = ts_from[e0 + k * ts_t];
-#pragma unroll
-            for (unsigned k = 0; k < TS_BHD_LOADS; ++k) {
-                const unsigned e = e0 + k * ts_t;
-                ts_sg2[e + e / (unsigned)TS_NY * (TS_SY - TS_NY)] = ts_v[k];
-            }
-        }
-        for (; e0 < ts_n; e0 += ts_t) ts_sg2[e0 + e0 / (unsigned)TS_NY * (TS_SY - TS_NY)] = ts_from[e0];
-    }
-    if (g3) {
-        const unsigned ts_n = (unsigned)(ts_nb * TS_NY), ts_t = (unsigned)TS_THREADS;
-        const T* __restrict__ const ts_from = g3 + ts_b0 * TS_NY;
-        unsigned e0 = (unsigned)TS_THREAD;
-        for (; e0 + (TS_BHD_LOADS - 1) * ts_t < ts_n; e0 += TS_BHD_LOADS * ts_t) {
-            T ts_v[TS_BHD_LOADS];
-#pragma unroll
-            for (unsigned k = 0; k < TS_BHD_LOADS; ++k) ts_v[k] = ts_from[e0 + k * ts_t];
-#pragma unroll
-            for (unsigned k = 0; k < TS_BHD_LOADS; ++k) {
-                const unsigned e = e0 + k * ts_t;
-                ts_sg3[e + e / (unsigned)TS_NY * (TS_SY - TS_NY)] = ts_v[k];
-            }
-        }
-        for (; e0 < ts_n; e0 += ts_t) ts_sg3[e0 + e0 / (unsigned)TS_NY * (TS_SY - TS_NY)] = ts_from[e0];
-    }
-    __syncthreads();
-/* a column's element of a staged array: its trajectory's rows in the stage, then its dof (ts_ou, ts_oy) */
-#define TS_AT_U(a, o) ts_s##a[ts_ou + (int)(o)]
-#define TS_AT_Y(a, o) ts_s##a[ts_oy + (int)(o)]
-#undef G0
-#define G0(h) (g0 ? TS_AT_Y(g0, (h) * Y_SH) : (T)0)
-#undef SG0
-#define SG0(rel) TS_AT_Y(g0, sy - yo + (rel) * Y_SH)
-#undef G1
-#define G1(h) (g1 ? TS_AT_Y(g1, (h) * Y_SH) : (T)0)
-#undef SG1
-#define SG1(rel) TS_AT_Y(g1, sy - yo + (rel) * Y_SH)
-#undef G2
-#define G2(h) (g2 ? TS_AT_Y(g2, (h) * Y_SH) : (T)0)
-#undef SG2
-#define SG2(rel) TS_AT_Y(g2, sy - yo + (rel) * Y_SH)
-#undef G3
-#define G3(h) (g3 ? TS_AT_Y(g3, (h) * Y_SH) : (T)0)
-#undef SG3
-#define SG3(rel) TS_AT_Y(g3, sy - yo + (rel) * Y_SH)
-#undef GU
-#define GU(j, v) TS_AT_U(gu, (j) * U_SH) = (v)
-#undef SGU
-#define SGU TS_AT_U(gu, su - uo)
-    if ((int)threadIdx.x < ts_nb * D_) {
+    const int64_t col = (int64_t)blockIdx.x * (int64_t)blockDim.x + (int64_t)threadIdx.x;
+    if (col >= B * D_) return;
+    {
         const int64_t b = col / D_, d = col % D_;
-        /* the column's first elements in the stages (32-bit offsets) */
-        const int ts_ou = (int)(b - ts_b0) * TS_SU + (int)d, ts_oy = (int)(b - ts_b0) * TS_SY + (int)d;
-        (void)ts_ou; (void)ts_oy;
         const int64_t srow = idx ? idx[b] : b;
         COLUMN_BASES(b, d)
         const T yb3_23 = G3(23);
@@ -737,58 +489,7 @@ extern "C" __global__ __launch_bounds__(256, 2) void ts_h24_d10_vel_semi_dtu_idx
         GS2(yb2_0+C(2)*yb3_1);
         GS3(yb3_0);
     }
-    TS_STAGE_BARRIER();
-    /* the rows the block's trajectories wrote, in order */
-    {
-        T* __restrict__ const ts_to = gu + ts_b0 * TS_NU;
-#pragma unroll 4
-        for (unsigned e = threadIdx.x; e < (unsigned)(ts_nb * TS_NU); e += blockDim.x) ts_to[e] = ts_sgu[e + e / (unsigned)TS_NU * (TS_SU - TS_NU)];
-    }
 }
-#undef TS_AT_U
-#undef TS_AT_Y
-#undef U
-#define U(j) u[uo + (j) * U_SH]
-#undef SU
-#define SU(rel) u[su + (rel) * U_SH]
-#undef RU
-#define RU(j) u[ts_ruo + (j) * U_SH]
-#undef GU
-#define GU(j, v) gu[uo + (j) * U_SH] = (v)
-#undef SGU
-#define SGU gu[su]
-#undef G0
-#define G0(h) (g0 ? g0[yo + (h) * Y_SH] : (T)0)
-#undef SG0
-#define SG0(rel) g0[sy + (rel) * Y_SH]
-#undef Y0
-#define Y0(h, v) y0[yo + (h) * Y_SH] = (v)
-#undef SY0
-#define SY0 y0[sy]
-#undef G1
-#define G1(h) (g1 ? g1[yo + (h) * Y_SH] : (T)0)
-#undef SG1
-#define SG1(rel) g1[sy + (rel) * Y_SH]
-#undef Y1
-#define Y1(h, v) y1[yo + (h) * Y_SH] = (v)
-#undef SY1
-#define SY1 y1[sy]
-#undef G2
-#define G2(h) (g2 ? g2[yo + (h) * Y_SH] : (T)0)
-#undef SG2
-#define SG2(rel) g2[sy + (rel) * Y_SH]
-#undef Y2
-#define Y2(h, v) y2[yo + (h) * Y_SH] = (v)
-#undef SY2
-#define SY2 y2[sy]
-#undef G3
-#define G3(h) (g3 ? g3[yo + (h) * Y_SH] : (T)0)
-#undef SG3
-#define SG3(rel) g3[sy + (rel) * Y_SH]
-#undef Y3
-#define Y3(h, v) y3[yo + (h) * Y_SH] = (v)
-#undef SY3
-#define SY3 y3[sy]
 
 /* dt_vjp's work on one column (active: inside the batch, else adding 0), a function of its own:
  * inlined into the loop over a thread's columns, ptxas kept values across iterations (spilling) */
