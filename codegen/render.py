@@ -12,7 +12,7 @@ import jinja2
 import jinja2.bccache
 
 from ..version import __version__
-from . import abi, fused, macros, monomials, tape
+from . import abi, fused, macros, monomials, roll, tape
 from .arguments import ArgumentTable
 from .lower import TABLE_CALL, KernelCode, LoweredOperator
 from .printer import COLUMN, lane_printer
@@ -239,8 +239,9 @@ def _lane_bodies(code: LoweredOperator, codes: dict, kernels: tuple, table: Argu
             statements = codes[k].statements  # the target's variant (codegen/targets.py ``codes``)
             if len(codes[k].body) > ROLL_ABOVE_LINES and k != "dt_jvp":
                 statements = getattr(code, f"{k}_rolled") or statements  # built on demand
-            lines = lane_printer(macros.lane_names(table)).lines(statements)
-            if len(lines) <= LANE_MAX_LINES:
+            printer = lane_printer(macros.lane_names(table))
+            lines = printer.lines(statements)
+            if len(lines) <= LANE_MAX_LINES or roll.longest_stretch(statements, printer.lines) <= LANE_MAX_LINES:
                 bodies[k] = statements, lines
     return bodies
 

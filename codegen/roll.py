@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 from collections import defaultdict
 from operator import itemgetter
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import sympy as sp
 
@@ -262,6 +262,20 @@ def rolled(run: list[Group], step: int, defined: set[str]) -> list[Statement]:
             out.append(Def(value, _carry(p, k, m, first)))
             defined.add(_name(value))
     return out
+
+
+def longest_stretch(statements: Iterable[Statement], lines: Callable[[list[Statement]], list[str]]) -> int:
+    """The printed lines (``lines``) of the longest stretch of ``statements`` outside their loops, each
+    loop's body counted as stretches of its own: a rolled column's first groups, its loop's body and its
+    last groups are separate blocks to the compiler, however long the column is in all."""
+    longest, stretch = 0, []
+    for s in statements:
+        if isinstance(s, For):
+            longest = max(longest, len(lines(stretch)), longest_stretch(s.body, lines))
+            stretch = []
+        else:
+            stretch.append(s)
+    return max(longest, len(lines(stretch)))
 
 
 def render(groups: list[Group], tail: list[Statement] = (), after: Mapping[int, list[Statement]] = {},

@@ -262,6 +262,32 @@ def test_c_rolled_float32_bspline_forwards_add_their_terms_in_float_runs_across_
     assert bodies[0] == bodies[1]
 
 
+@pytest.mark.parametrize("degree, knots, steps", [(5, 10, 4), (6, 12, 4), (5, 24, 4)])
+def test_c_lane_form_limits_a_rolled_columns_stretches_not_its_length(degree, knots, steps):
+    """codegen/render.py gives a column the lane form where its longest straight-line stretch is within
+    ``LANE_MAX_LINES`` (codegen/roll.py ``longest_stretch``: the statements before, inside and after each
+    loop apart; gcc's time grows with a block's length): a rolled B-spline adjoint with the bench's seven
+    terms at degree 5 and 6, longer in all than the limit (its first and last spans straight-line), has it
+    in every form, at any number of knots; the straight-line columns past the limit do not."""
+    from tensorstep.bench.costs import TERMS as BENCH_SEVEN
+    from tensorstep.codegen import macros, render, roll
+    from tensorstep.codegen.lower import _live
+    from tensorstep.codegen.printer import lane_printer
+
+    spec = ts.KernelSpec(control="bspline", degree=degree, knots=knots, steps=steps, dof=7, costs=BENCH_SEVEN,
+                         outputs=("P",))
+    code = lower(build_operator(spec), table(spec))
+    kernels = ("forward", "adjoint")
+    printer = lane_printer(macros.lane_names(code.arguments))
+    for codes in [C.codes(code, kernels, 4)] + list(C.form_codes(code, kernels, 4).values()):
+        adjoint = codes["adjoint"].statements
+        assert any(isinstance(s, For) and s.var == "kn" for s in adjoint)
+        assert roll.longest_stretch(adjoint, printer.lines) <= render.LANE_MAX_LINES < len(printer.lines(adjoint))
+        assert set(render._lane_bodies(code, codes, kernels, code.arguments)) == set(kernels)
+    straight = fused.adjoint(code.op, code.coefs, code.refs, code.arguments, fused.paired_rows, _live)
+    assert roll.longest_stretch(straight, printer.lines) == len(printer.lines(straight)) > render.LANE_MAX_LINES
+
+
 @pytest.mark.parametrize("degree, steps", [(3, 2), (3, 8), (5, 3)])
 def test_a_bsplines_rolled_columns_are_built_only_where_a_knot_loop_forms(degree, steps):
     """``fused_rolled`` decides from the operator's spans (``lower._knot_loop_possible``) whether a

@@ -1480,6 +1480,53 @@ def test_rolled_bspline_columns_match_the_definitions(case, knots, cuda):
                              fused_step=host_step(spec) if cuda else None)
 
 
+#: B-splines whose rolled C adjoint with the bench's seven terms (dof 7) is longer in all than
+#: codegen/render.py ``LANE_MAX_LINES``, its first spans, knot loop and last spans each within it
+LANE_ROLLED_BSPLINES = [(5, 10, 4)]
+
+
+def _batch_functions(source: str) -> dict[str, str]:
+    """A C source's batch functions by name, each with the text up to the next one."""
+    pieces = source.split("TS_BATCH_FUNCTION void ")[1:]
+    return {piece.split("(")[0]: piece for piece in pieces}
+
+
+@pytest.mark.parametrize("degree, knots, steps", LANE_ROLLED_BSPLINES)
+def test_long_rolled_bspline_adjoints_run_the_lane_form_and_match_the_definitions(degree, knots, steps):
+    """A rolled B-spline adjoint too long in all for the lane form's straight-line limit, but whose
+    stretches outside its knot loop are each within it (codegen/roll.py ``longest_stretch``), has the
+    lane form in every C form, as the forwards do (where it ran the per-dof loop, 1.4-1.5x the
+    straight-line columns' time at degree 5); float64 P, cost and the gradients of u and p0 of it and
+    of the straight-line columns (the threshold patched) within 1e-12 of the largest of the plain step
+    plus the terms from their definitions."""
+    from tensorstep.bench.costs import TERMS as BENCH_SEVEN
+    from tensorstep.codegen import driver
+    from tensorstep.runtime.api import Step
+    from tensorstep.runtime.launch import CpuBackend, Launcher
+
+    spec = ts.KernelSpec(control="bspline", degree=degree, knots=knots, steps=steps, dof=7, dtype="float64",
+                         costs=BENCH_SEVEN, outputs=("P",))
+    assert spec.horizon > fused.C_ROLL_ABOVE_H
+    functions = _batch_functions(generate(spec, ("c",), ("core",)).source("c", "core"))
+    adjoints = [name for name in functions if "_adjoint" in name]
+    assert len(adjoints) == 1 + len(fused.forms(argument_table(spec)))
+    assert all("defined(TS_LANES)" in functions[name] for name in functions)
+    x, params, dt = _data(spec)
+    _fused_against_composite(spec, x, params, dt, False, tol=1e-12)
+    saved = fused.C_ROLL_ABOVE_H
+    try:
+        fused.C_ROLL_ABOVE_H = 10 ** 6
+        driver.lowered.cache_clear()  # (the lowered operator keeps its columns)
+        g = generate(spec, ("c",), ("core",))
+        source = g.source("c", "core")
+        assert "for (int64_t kn = " not in source
+        straight = Step(spec, torch.device("cpu"), Launcher(spec, CpuBackend(spec, source, dict(g.metadata))))
+    finally:
+        fused.C_ROLL_ABOVE_H = saved
+        driver.lowered.cache_clear()
+    _fused_against_composite(spec, x, params, dt, False, fused_step=straight, tol=1e-12)
+
+
 #: the bench's seven terms and a target (the rows of tests/cuda/test_ptxas.py's B-splines): a span's
 #: rows add to the actions' and the start state's partial sums row by row, the row weights read where
 #: used (codegen/fused.py ``_span_partials``, ``_column_partials``, ``volatile_reads``)
