@@ -89,10 +89,13 @@ def strides(layout: str, rows: int, dof: int) -> tuple[int, int, int]:
 #: Vector widths (bits) tried for the all-dof lane form, smallest first: AVX-512 masked loads
 #: and stores (VL for 256 bits) cover D dof in one vector when D fits.
 LANE_BITS = (256, 512)
-#: Longer straight-line bodies keep the per-dof loop: gcc's RTL combiner is superlinear on
-#: long vector-typed blocks (accel H=256: 23 s against 2.5 s), while up to here the lane
+#: Bodies with a longer straight-line stretch keep the per-dof loop: gcc's RTL combiner is superlinear
+#: on long vector-typed blocks (accel H=256: 23 s against 2.5 s), while up to here the lane
 #: form compiles as fast as the loop (H=96: 2.4 s against 3.0 s). Longer integrator bodies
-#: are rolled (codegen/roll.py) instead, so they keep the lane form at any H.
+#: are rolled (codegen/roll.py) instead, so they keep the lane form at any H. A rolled column's
+#: stretches are counted apart (``roll.longest_stretch``): a fused B-spline's, its first spans, knot
+#: loop and last spans, is longer in all at degree 5 with 4 rows a span, and ran 10x slower in the
+#: per-dof loop (BENCHMARKS.md, issue 39, "C's rolled fused B-spline adjoints in the lane form")
 LANE_MAX_LINES = 1000
 #: Integrator bodies longer than this use their rolled form (codegen/roll.py) for the lanes.
 ROLL_ABOVE_LINES = LANE_MAX_LINES
@@ -227,7 +230,8 @@ def _lane_actions(bodies: dict[str, tuple[Any, list[str]]], n_actions: int) -> t
 def _lane_bodies(code: LoweredOperator, codes: dict, kernels: tuple, table: ArgumentTable
                  ) -> dict[str, tuple[Any, list[str]]]:
     """The forward and adjoint columns in the lane form: straight-line where that is short
-    enough, else (an integrator's long horizon) rolled into a loop over the rows. Straight-line
+    enough, else (an integrator's long horizon) rolled into a loop over the rows; a body whose
+    longest stretch outside its loops passes ``LANE_MAX_LINES`` keeps the per-dof loop. Straight-line
     is preferred: all of a column's loads are known up front, which keeps more memory traffic
     in flight (the rolled adjoint is 5-25% slower at B=4000-40000 for H=32, faster at B=400).
     A stencil's dt_jvp column too (its span loops over rows: GCC's vectoriser leaves the dof
