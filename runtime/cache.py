@@ -22,26 +22,104 @@ import contextlib
 import fcntl
 import hashlib
 import json
+import math
 import os
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
-from typing import Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from ..codegen.files import atomic_write
 
 ABI_VERSION = "2"  # 2: build metadata stored in meta.json
-SLOW_BUILD_S = 2.0  # a build still running after this long says what it is doing
+SLOW_BUILD_S = 2.0  # a wait on builds still running after this long says what it is doing
+#: builds that start less than this long after the last one ended are one wait (a load and its first
+#: call, a forward and its backward): ``building``'s notice is about the user's wait, not one build
+WAIT_GAP_S = 1.0
 
 
 def slow_notice(what: str, after: Optional[float] = None) -> threading.Timer:
     """A started timer that prints 'tensorstep: <what>...' on stderr unless cancelled within
-    ``after`` seconds: a first build that takes a while is not mistaken for a hang."""
+    ``after`` seconds (for a build's own notice; what is compiled is ``building``'s)."""
     timer = threading.Timer(SLOW_BUILD_S if after is None else after, lambda: print(f"tensorstep: {what}...", file=sys.stderr, flush=True))
     timer.daemon = True
     timer.start()
     return timer
+
+
+class _Wait:
+    """The builds the process has run since it last stood WAIT_GAP_S without one (``building``)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.running = 0
+        self.since = 0.0  # when the builds now running began
+        self.spent = 0.0  # how long some build ran in this wait before ``since``
+        self.ended = -math.inf  # when the last build ended
+        self.told = False  # this wait's notice printed
+        self.built: dict[tuple[str, Any], list[str]] = {}  # (name, horizon) → what, in order
+        self.timer: Optional[threading.Timer] = None
+
+
+_WAIT = _Wait()
+
+
+class Build:
+    """A build ``building`` counts, until ``cancel`` (it ended, or was found built)."""
+
+    def __init__(self) -> None:
+        self._open = True
+
+    def cancel(self) -> None:
+        with _WAIT.lock:
+            if not self._open:
+                return
+            self._open = False
+            _WAIT.running -= 1
+            if _WAIT.running == 0:
+                now = time.monotonic()
+                _WAIT.spent += now - _WAIT.since
+                _WAIT.ended = now
+                if _WAIT.timer is not None:
+                    _WAIT.timer.cancel()
+                    _WAIT.timer = None
+
+
+def building(name: str, what: str, horizon: Any = None) -> Build:
+    """Count a build of ``what`` (e.g. 'core kernels') of kernel ``name`` until its ``cancel``. Once the
+    builds of one wait (those less than WAIT_GAP_S apart: one call's, a load's and its first call's)
+    have run SLOW_BUILD_S in all, one line on stderr says what they build:
+    'tensorstep: compiling <name> (<what>, <what>..., H=<horizon>)...'; once a wait, not once a build."""
+    wait = _WAIT
+    with wait.lock:
+        now = time.monotonic()
+        if wait.running == 0:
+            if now - wait.ended >= WAIT_GAP_S:  # a new wait
+                wait.spent, wait.told, wait.built = 0.0, False, {}
+            wait.since = now
+            if not wait.told:
+                wait.timer = threading.Timer(max(SLOW_BUILD_S - wait.spent, 0.0), _tell)
+                wait.timer.daemon = True
+                wait.timer.start()
+        wait.running += 1
+        whats = wait.built.setdefault((name, horizon), [])
+        if what not in whats:
+            whats.append(what)
+    return Build()
+
+
+def _tell() -> None:
+    """The timer of the builds running now: this wait's notice, unless told or ended."""
+    wait = _WAIT
+    with wait.lock:
+        if threading.current_thread() is not wait.timer or wait.told or not wait.running:
+            return  # (a timer cancelled as it fired)
+        wait.told = True
+        kernels = "; ".join(f"{name} ({', '.join(whats)}{'' if horizon is None else f', H={horizon}'})"
+                            for (name, horizon), whats in wait.built.items())
+        print(f"tensorstep: compiling {kernels}...", file=sys.stderr, flush=True)
 
 
 def cache_root() -> Path:

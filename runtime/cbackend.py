@@ -22,7 +22,7 @@ import cffi
 
 from ..codegen import abi
 from ..codegen.arguments import table
-from .cache import ABI_VERSION, BuildCache, CacheError, digest, slow_notice
+from .cache import ABI_VERSION, BuildCache, CacheError, building, digest
 from .fingerprint import generator_fingerprint
 from .unbuilt import keep as keep_unbuilt
 
@@ -239,7 +239,7 @@ def _artefact(spec: Any, part: str, cache: BuildCache, index_key: str, what: str
 
     def generate() -> tuple[str, dict]:
         # timed from here: the generator's imports (SymPy, Jinja2) are part of the wait
-        notices.append(slow_notice(f"compiling {spec.name} ({what}, H={spec.horizon})"))
+        notices.append(building(spec.name, what, spec.horizon))
         from ..codegen.driver import generate  # SymPy and Jinja2 only on a cache miss
         from ..codegen.render import keep_templates
 

@@ -35,14 +35,14 @@ import shutil
 import threading
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, Union
 
 import torch
 
 from ..codegen import abi
 from ..codegen.arguments import ArgumentTable, table
 from ..codegen.targets import CUDA, CUDA_LAUNCHES_KEPT, Launches
-from .cache import ABI_VERSION, BuildCache, digest, slow_notice
+from .cache import ABI_VERSION, Build, BuildCache, building, digest, slow_notice
 from .fingerprint import generator_fingerprint
 from .launch import DTYPES, capturing, warm_up_first
 
@@ -213,11 +213,12 @@ def cuda_source(spec: Any, part: str) -> tuple[str, dict]:
 LONG_FUSED_BUILD_S = 30.0
 
 
-def build_notices(spec: Any, args: ArgumentTable, part: str) -> list[threading.Timer]:
-    """Started timers for a module's build (CuPy's disk cache serves a built one at once, and they are
-    cancelled unprinted): what is compiled, after ``cache.SLOW_BUILD_S``; for a fused B-spline step's
-    core module with few knots, after ``LONG_FUSED_BUILD_S``, why it takes long and that it ends."""
-    notices = [slow_notice(f"compiling {spec.name} (CUDA {part} kernels, H={spec.horizon}) with NVRTC")]
+def build_notices(spec: Any, args: ArgumentTable, part: str) -> list[Union[Build, threading.Timer]]:
+    """Started notices of a module's build (CuPy's disk cache serves a built one at once, and they are
+    cancelled unprinted): what is compiled, once the wait passes ``cache.SLOW_BUILD_S`` (``building``);
+    for a fused B-spline step's core module with few knots, after ``LONG_FUSED_BUILD_S``, why it takes long and that it ends."""
+    notices: list[Union[Build, threading.Timer]] = [building(spec.name, f"CUDA {part} kernels with NVRTC",
+                                                             spec.horizon)]
     straight = getattr(spec, "control", "") == "bspline" and spec.knots < spec.degree + 4
     if args.fused and part == "core" and straight:
         notices.append(slow_notice(

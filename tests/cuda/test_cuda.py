@@ -699,10 +699,11 @@ def test_a_slow_cuda_build_says_what_it_is_doing_and_a_fused_b_spline_one_why(mo
                             outputs=FUSED["outputs"])
     with monkeypatch.context() as m:
         m.setattr(cache, "SLOW_BUILD_S", 0.0)
+        m.setattr(cache, "WAIT_GAP_S", 0.0)  # each build a wait of its own, with its own notice
         m.setattr(cuda_backend, "LONG_FUSED_BUILD_S", 0.0)
         fake_cuda_backend(bspline, monkeypatch, cupy=SlowCupy)
         err = capfd.readouterr().err
-        assert f"tensorstep: compiling {bspline.name} (CUDA core kernels, H={bspline.horizon}) with NVRTC..." in err
+        assert f"tensorstep: compiling {bspline.name} (CUDA core kernels with NVRTC, H={bspline.horizon})..." in err
         assert f"tensorstep: still compiling {bspline.name}: a fused B-spline step's CUDA forward and adjoint" in err
         assert f"(H={bspline.horizon}, {bspline.dtype})" in err
         rolled = bspline.replace(knots=7, horizon=None)

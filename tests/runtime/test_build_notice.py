@@ -1,0 +1,95 @@
+"""The 'tensorstep: compiling ...' notice is about the user's wait: the builds of one wait (one call's,
+a load's and its first call's) print one line once they have run ``cache.SLOW_BUILD_S`` in all, naming
+what they build; a warm call prints nothing. Builds are faked with sleeps at a short threshold (the
+helper every build site uses), except one test's real cache misses, which print at once."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+import tensorstep as ts
+from tensorstep.runtime import cache, cbackend
+
+THRESHOLD_S = 0.6
+BUILD_S = 0.4  # two builds pass the threshold, one does not (0.2 s of slack either side)
+
+
+@pytest.fixture
+def wait(monkeypatch):
+    """A wait of this test's own, at a short threshold."""
+    monkeypatch.setattr(cache, "_WAIT", cache._Wait())
+    monkeypatch.setattr(cache, "SLOW_BUILD_S", THRESHOLD_S)
+    monkeypatch.setattr(cache, "WAIT_GAP_S", 1.0)
+
+
+def build(name: str, what: str, seconds: float = BUILD_S) -> None:
+    notice = cache.building(name, what, 8)
+    try:
+        time.sleep(seconds)
+    finally:
+        notice.cancel()
+
+
+def notices(err: str) -> list[str]:
+    return [line for line in err.splitlines() if line.startswith("tensorstep: compiling")]
+
+
+def test_a_chain_of_short_builds_says_once_what_it_builds(wait, capfd):
+    build("fused", "core kernels")
+    build("fused", "the general form of its core kernels")  # the wait passes the threshold in this one
+    build("plain", "dt_vjp kernels")
+    assert notices(capfd.readouterr().err) == [
+        "tensorstep: compiling fused (core kernels, the general form of its core kernels, H=8)..."]
+
+
+def test_a_single_long_build_says_so_once(wait, capfd):
+    build("fused", "core kernels", THRESHOLD_S + 0.3)
+    assert notices(capfd.readouterr().err) == ["tensorstep: compiling fused (core kernels, H=8)..."]
+
+
+def test_a_short_wait_and_a_warm_call_print_nothing(wait, capfd):
+    build("fused", "core kernels")
+    time.sleep(0.05)  # its timer, cancelled, does not print late
+    assert notices(capfd.readouterr().err) == []
+    cache.building("fused", "core kernels", 8).cancel()  # found built at once
+    time.sleep(THRESHOLD_S + 0.1)
+    assert notices(capfd.readouterr().err) == []
+
+
+def test_builds_apart_are_waits_of_their_own(wait, monkeypatch, capfd):
+    monkeypatch.setattr(cache, "WAIT_GAP_S", 0.1)
+    build("fused", "core kernels")
+    time.sleep(0.3)
+    build("fused", "the general form of its core kernels")
+    assert notices(capfd.readouterr().err) == []
+
+
+def test_builds_side_by_side_count_the_time_one_ran(wait, capfd):
+    """Threads building at once wait together: the time some build ran counts, not the sum."""
+    threads = [threading.Thread(target=build, args=("fused", f"form {i}")) for i in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert notices(capfd.readouterr().err) == []
+    build("fused", "form 3")  # the same wait: past the threshold now
+    assert notices(capfd.readouterr().err) == ["tensorstep: compiling fused (form 0, form 1, form 2, form 3, H=8)..."]
+
+
+def test_real_cache_misses_of_one_wait_print_one_line_and_warm_loads_none(monkeypatch, capfd, tmp_path):
+    """Two libraries built one after the other (as a dt gradient's backward builds them): one line,
+    printed at once here (threshold 0), naming what was being built; loaded again: nothing."""
+    monkeypatch.setattr(cache, "_WAIT", cache._Wait())
+    monkeypatch.setattr(cache, "SLOW_BUILD_S", 0.0)
+    spec = ts.KernelSpec(horizon=9, dof=1, dtype="float64", dt="per_step", difference="backward")
+    store = cache.BuildCache(tmp_path)
+    cbackend.load_library(spec, "dt_vjp", store)
+    cbackend.load_library(spec, "dt_jvp", store)
+    assert notices(capfd.readouterr().err) == [f"tensorstep: compiling {spec.name} (dt_vjp kernels, H=9)..."]
+    time.sleep(cache.WAIT_GAP_S)
+    cbackend.load_library(spec, "dt_vjp", store)
+    cbackend.load_library(spec, "dt_jvp", store)
+    time.sleep(0.05)
+    assert notices(capfd.readouterr().err) == []
