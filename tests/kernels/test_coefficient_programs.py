@@ -299,6 +299,7 @@ def test_a_slow_uncached_build_says_what_it_is_doing(monkeypatch, capfd, tmp_pat
     from tensorstep.runtime import cache, cbackend
 
     monkeypatch.setattr(cache, "SLOW_BUILD_S", 0.0)
+    monkeypatch.setattr(cache, "WAIT_GAP_S", 0.0)  # a wait of its own, whatever an earlier test built
     spec = ts.KernelSpec(horizon=9, dof=1, dtype="float64", dt="per_step", difference="backward")
     store = cache.BuildCache(tmp_path)
     cbackend.load_library(spec, "dt", store)
