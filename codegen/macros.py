@@ -201,8 +201,9 @@ def _prefetch_rows(table: ArgumentTable, kernel: str) -> list[tuple[str, str, st
         rows.append((a.grad_name, f"(@) * {stride}", stride, True, ""))
         rows.append((a.c_name, f"(@) * {stride}", stride, False, "_WRITE"))
     if not table.fused:  # the adjoint's own rows: one per trajectory, the runtime sums an index's
-        rows += [(a.grad_name, f"(@) * {'U_SB' if a is table.action else 'D_'}", "U_SB" if a is table.action else "D_",
-                  a is not table.action, "_WRITE") for a in table.differentiable]
+        for a in table.differentiable:
+            stride = "U_SB" if a is table.action else "D_"
+            rows.append((a.grad_name, f"(@) * {stride}", stride, a is not table.action, "_WRITE"))
     return [row for row in rows if row[0] in passed]
 
 

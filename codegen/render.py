@@ -188,9 +188,8 @@ PREFETCH_AHEAD = 4
 #: the fewest bytes of the rows a kernel asks for (``macros.prefetch_elements``: every one it is passed)
 #: in a thread's share for which it asks: below, they stay in cache from call to call and the requests
 #: only took time (B=400: the fused forward's 0.8 MB, an integrator's 1.8 MB, a B-spline's 2.5 MB).
-#: Measured, BENCHMARKS.md "The fused C kernels at B=40000: rows asked for ahead" (then a gate on the
-#: actions' bytes at 1 MiB: the costs bench's fused step asked from 1209 trajectories, now from 1249) and "The plain
-#: step's C kernels at B=40000: rows asked for ahead"
+#: Measured: BENCHMARKS.md "The fused C kernels at B=40000: rows asked for ahead" and "The plain step's
+#: C kernels at B=40000: rows asked for ahead"
 PREFETCH_FROM_BYTES = 5 << 19
 
 
@@ -394,6 +393,7 @@ def render(spec: Any, code: LoweredOperator, table: ArgumentTable, target: Targe
                    {**codes, **{k + suffix: c for suffix, v in variants.items() for k, c in v.items() if c is not None}},
                    code.stencil)
     late = late_loads(code, codes, lane_bodies) if lane_form else {}
+    prefetch = prefetches(table, codes, kernels)
     assert not (late and pairs), "an adjoint has one batch-chosen form"
     form_checks, form_tests = _form_checks(table, fused.forms(table)) if variants else ([], {})
     programs = _long_programs(code, kernels, table.dt.shape == ("B",)) if target.split_programs else {}
@@ -450,8 +450,8 @@ def render(spec: Any, code: LoweredOperator, table: ArgumentTable, target: Targe
         paired=pairs,
         late_loads=late,
         late_loads_max_bytes=LATE_LOADS_MAX_BYTES,
-        prefetch=prefetches(table, codes, kernels),
-        prefetch_elements={k: macros.prefetch_elements(table, k) for k in ("forward", "adjoint") if k in kernels},
+        prefetch=prefetch,
+        prefetch_elements={k: macros.prefetch_elements(table, k) for k in prefetch},
         prefetch_ahead=PREFETCH_AHEAD,
         prefetch_from_bytes=PREFETCH_FROM_BYTES,
         pair=pair_vector(lane_form) if pairs else None,
