@@ -274,7 +274,7 @@ typedef T VT __attribute__((vector_size(64)));
 #endif
 /* TS_PREFETCH_ROW(p, n): the n elements from p asked for ahead of their loads (TS_PREFETCH_ROW_WRITE: of
  * their stores), a 64-byte line at a time, TS_PREFETCH_AHEAD trajectories ahead (codegen/macros.py
- * ``prefetches``): the hardware's prefetchers may not follow a fused column's many loads of each row */
+ * ``prefetches``): the hardware's prefetchers may not follow a column's loads and stores of each row */
 #if defined(__GNUC__)
 #define TS_PREFETCH_ROW(p, n) do { for (int64_t l_ = 0; l_ < (int64_t)((n) * sizeof(T)); l_ += 64) __builtin_prefetch((const char*)(p) + l_); } while (0)
 #define TS_PREFETCH_ROW_WRITE(p, n) do { for (int64_t l_ = 0; l_ < (int64_t)((n) * sizeof(T)); l_ += 64) __builtin_prefetch((char*)(p) + l_, 1); } while (0)

@@ -1155,8 +1155,9 @@ def test_gpu_fused_costs_match_the_cpu(case, dtype):
 #: long shapes on the GPU (each also run on the host elsewhere in this file): rolled stencil and
 #: recurrence columns, float32 checkpoints, a dt per step or per trajectory, the wide float64 adjoint
 #: that keeps its scaled weights in shared memory (test_shared_column.py), and B-splines at 64 knots
-#: (their knot loops; the float32 forwards are the ptxas grid's three that spill a few bytes)
-SEVEN_TERMS = tuple(("bound", s) for s in ("position", "velocity", "acceleration", "jerk")) + tuple(
+#: (their knot loops; the float32 forwards are the ptxas grid's three that spill a few bytes); the
+#: last three with every term (EVERY_TERM: both kinds on P, V, A and J), the others with TERMS
+EVERY_TERM = tuple(("bound", s) for s in ("position", "velocity", "acceleration", "jerk")) + tuple(
     ("squared", s) for s in ("position", "velocity", "acceleration", "jerk"))
 GPU_LONG = {
     "central_h256": dict(horizon=256, dof=3),
@@ -1164,10 +1165,10 @@ GPU_LONG = {
     "velocity_per_step_h48": dict(horizon=48, dof=3, control="velocity", dt="per_step"),
     "acceleration_per_trajectory_h100": dict(horizon=100, dof=3, control="acceleration", dt="per_trajectory"),
     "wide_per_step_h64": dict(horizon=64, dof=7, difference="central", accuracy=8, order=4, dt="per_step",
-                              costs=SEVEN_TERMS),
-    "bspline_degree5_knots64": dict(control="bspline", degree=5, knots=64, steps=8, dof=7, costs=SEVEN_TERMS),
+                              costs=EVERY_TERM),
+    "bspline_degree5_knots64": dict(control="bspline", degree=5, knots=64, steps=8, dof=7, costs=EVERY_TERM),
     "bspline_degree3_knots64_per_trajectory": dict(control="bspline", degree=3, knots=64, steps=4, dof=7,
-                                                   dt="per_trajectory", costs=SEVEN_TERMS),
+                                                   dt="per_trajectory", costs=EVERY_TERM),
 }
 
 
