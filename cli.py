@@ -112,20 +112,27 @@ def generate(config: str, task: Optional[str], output: str, target: str, force: 
     from .codegen import emit
 
     cfg = load_config(config, task)
-    files: dict[str, bytes] = {}
-    for spec in progress(list(cfg.specs), "deriving"):
-        files.update({k: v for k, v in emit.plan(_single(cfg, spec), target).items() if k != emit.MANIFEST})
-    files[emit.MANIFEST] = emit.plan_manifest(cfg, target, files)
-    report = emit.write(Path(output), files, force=force)
+    report = emit.write(Path(output), _planned(cfg, target, progress(list(cfg.specs), "deriving")), force=force)
     click.echo(f"{report.summary()} for {cfg.robot} ({cfg.dof} dof, {len(cfg.specs)} kernels) in {output}/")
     for line in report.notes():
         click.echo(line)
 
 
-def _single(cfg: Any, spec: KernelSpec) -> Any:
+def _planned(cfg: Any, target: str, specs: Iterable[Any]) -> dict[str, bytes]:
+    """The files `generate` and `run` write for a config's ``specs`` (each kernel's sources and the
+    manifest), the sources as the kernel cache keeps them (runtime/sources.py: a warm process
+    writes the same bytes without running the generator)."""
     import dataclasses
 
-    return dataclasses.replace(cfg, specs=(spec,))
+    from .codegen import emit
+    from .runtime.sources import kept
+
+    files: dict[str, bytes] = {}
+    for spec in specs:
+        planned = emit.plan(dataclasses.replace(cfg, specs=(spec,)), target, kept)
+        files.update({k: v for k, v in planned.items() if k != emit.MANIFEST})
+    files[emit.MANIFEST] = emit.plan_manifest(cfg, target, files)
+    return files
 
 
 def spec_options(fn: Callable, skip: tuple[str, ...] = ()) -> Callable:
@@ -352,11 +359,7 @@ def run(config: str, task: Optional[str], output: str, batch: int, device: str) 
     from .codegen import emit
 
     cfg = load_config(config, task)
-    files: dict[str, bytes] = {}
-    for spec in cfg.specs:
-        files.update({k: v for k, v in emit.plan(_single(cfg, spec), "all").items() if k != emit.MANIFEST})
-    files[emit.MANIFEST] = emit.plan_manifest(cfg, "all", files)
-    for line in emit.write(Path(output), files).notes():
+    for line in emit.write(Path(output), _planned(cfg, "all", cfg.specs)).notes():
         click.echo(line)
     click.echo(f"{cfg.robot}: {cfg.dof} dof, dt={cfg.dt}, batch={batch}, device={device}")
     threads = torch.get_num_threads()  # the kernels' OpenMP threads too (one runtime)
@@ -383,12 +386,12 @@ def run(config: str, task: Optional[str], output: str, batch: int, device: str) 
         grads = [torch.randn_like(o) for o in outs]  # stand-in for a cost's output gradients
         if getattr(spec, "costs", ()):
             grads[-1] = torch.ones_like(outs[-1])  # the loss adds the cost terms up
-        torch.autograd.backward(outs, grads)
+        _backward(outs, grads)
         reps = 20
         t0 = time.perf_counter()
         for _ in range(reps):
             u.grad = None  # as optimizer.zero_grad() does
-            torch.autograd.backward(step(u, *start, dt, **kw), grads)
+            _backward(step(u, *start, dt, **kw), grads)
         if step.device.type == "cuda":
             torch.cuda.synchronize()
         per_call = (time.perf_counter() - t0) / reps * 1e6
@@ -402,6 +405,32 @@ def run(config: str, task: Optional[str], output: str, batch: int, device: str) 
             click.echo(f"    cost per term, mean over the {batch} trajectories: " + _cost_terms(spec.costs, outs[-1]))
         click.echo(f"    source: {Path(output) / (spec.name + '.c')} and {Path(output) / (spec.name + '.cu')}")
     click.echo(f"manifest: {Path(output) / emit.MANIFEST}")
+
+
+@functools.lru_cache(maxsize=1)
+def _seed() -> Any:
+    """An autograd function of (gradients, *outputs) whose value is a scalar 0 and whose backward hands
+    each output its gradient (``_backward``)."""
+    import torch
+
+    class Seed(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, grads: list, *outs: Any) -> Any:
+            ctx.grads = grads
+            return outs[0].new_zeros(())
+
+        @staticmethod
+        def backward(ctx: Any, _: Any) -> tuple:
+            return (None, *ctx.grads)
+
+    return Seed
+
+
+def _backward(outs: Any, grads: list) -> None:
+    """``torch.autograd.backward(outs, grads)``, but as a scalar's backward: PyTorch's check of given
+    output gradients imports torch.fx's symbolic shapes, and SymPy with them, which a warm `run`
+    otherwise never imports."""
+    _seed().apply(grads, *outs).backward()
 
 
 def _cost_tensors(cfg: Any, spec: Any, dtype: Any, device: Any) -> dict[str, Any]:

@@ -11,10 +11,9 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from ..version import __version__
-from .driver import generate
 from .files import atomic_write
 from .targets import target as target_of
 
@@ -49,13 +48,26 @@ def _owned_files(manifest: Optional[dict[str, Any]]) -> dict[str, str]:
     return owned
 
 
-def plan(config: Any, target: str) -> dict[str, bytes]:
-    """file name → bytes for every source of every kernel, and the manifest."""
+#: what ``plan`` asks for each spec's sources: (spec, targets) → target → source text
+Sources = Callable[[Any, tuple[str, ...]], dict[str, str]]
+
+
+def generated(spec: Any, targets: tuple[str, ...]) -> dict[str, str]:
+    """Each target's source of a spec's kernels, from the generator (codegen/driver.py ``generate``)."""
+    from .driver import generate
+
+    made = generate(spec, targets=targets)
+    return {t: made.source(t) for t in targets}
+
+
+def plan(config: Any, target: str, sources: Sources = generated) -> dict[str, bytes]:
+    """file name → bytes for every source of every kernel, and the manifest (``sources``: where the
+    text comes from, the generator or what a cache kept of it: runtime/sources.py ``kept``)."""
     files: dict[str, bytes] = {}
     for spec in config.specs:
-        generated = generate(spec, targets=TARGET_SETS[target])
+        texts = sources(spec, TARGET_SETS[target])
         for t in TARGET_SETS[target]:
-            files[f"{spec.name}.{target_of(t).extension}"] = generated.source(t).encode()
+            files[f"{spec.name}.{target_of(t).extension}"] = texts[t].encode()
     files[MANIFEST] = plan_manifest(config, target, files)
     return files
 

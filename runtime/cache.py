@@ -10,7 +10,8 @@ Layout under the cache root::
     templates/                           Jinja2's compiled templates, where the package's own
                                          templates/__pycache__ cannot be written (codegen/render.py)
     generated/<name>.json                other generated text a warm process reads instead of running
-                                         the generator (the cost kinds' PyTorch functions: runtime/costs.py)
+                                         the generator (the cost kinds' PyTorch functions: runtime/costs.py;
+                                         the sources `generate` and `run` write: runtime/sources.py)
 
 The content hash covers source + compiler identity + flags + ABI version. Builds take a
 per-hash file lock, write to a temporary name and rename, so concurrent processes build

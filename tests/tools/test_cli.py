@@ -380,3 +380,37 @@ def test_bad_limits_or_costs_are_one_line_in_every_command(tmp_path, old, new, f
     extra = ["-o", str(tmp_path / ("x.png" if command == "plot" else "out"))] if command != "check" else []
     line = error_line(run(command, str(config), *extra))
     assert fragment in line and line.startswith(f"error: {config}: ")
+
+
+def test_runs_backward_hands_each_output_its_gradient(tmp_path):
+    """`run`'s backward (a scalar's, which imports no SymPy) gives u the gradient PyTorch's backward given
+    the output gradients does, for a plain step and a fused one (its cost's gradient as run sets it)."""
+    import torch
+
+    from tensorstep.cli import _backward
+    from tensorstep.config import load_config
+
+    config = tmp_path / "costs.yml"
+    config.write_text(COSTS_CONFIG)
+    fused = load_config(str(config), None).specs[0]
+    for spec in (ts.KernelSpec(horizon=8, dof=2, dtype="float64"), fused):
+        step = ts.load(spec)
+        g = torch.Generator().manual_seed(3)
+        r = lambda *shape: torch.randn(*shape, generator=g, dtype=torch.float64)
+        u, start = r(3, 7, 2), [r(3, 2) for _ in range(3)]
+        kw = {"bound_position_weight": torch.tensor([2.0, 3.0], dtype=torch.float64),
+              "bound_position_limit": torch.tensor([[-0.5, -1], [0.5, 0.25]], dtype=torch.float64),
+              "bound_position_margin": torch.tensor([0.1, 0.1], dtype=torch.float64),
+              "bound_velocity_weight": torch.tensor([0.5, 0.5], dtype=torch.float64),
+              "bound_velocity_limit": torch.tensor([[-3.0, -2], [3, 2]], dtype=torch.float64),
+              "squared_jerk_weight": torch.tensor([1e-4, 1e-4], dtype=torch.float64)} if spec.costs else {}
+        grads = []
+        for backward in (_backward, torch.autograd.backward):
+            x = u.clone().requires_grad_()
+            outs = step(x, *start, 0.05, **kw)
+            grads = grads or [r(*o.shape) for o in outs]
+            backward(outs, grads)
+            if backward is _backward:
+                ours = x.grad
+        assert len(grads) == (2 if spec.costs else 4)
+        assert torch.equal(ours, x.grad)
