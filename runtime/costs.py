@@ -22,7 +22,7 @@ import torch
 
 from ..codegen.arguments import Argument, ArgumentTable
 from . import validate
-from .cache import BuildCache
+from .cache import BuildCache, building
 from .fingerprint import generator_fingerprint
 
 Tensor = torch.Tensor
@@ -45,12 +45,25 @@ def _lambdified() -> dict[str, str]:
             for name, kind in kinds.KINDS.items()}
 
 
+#: the cost kinds' making with SymPy (``_lambdified``) as the build notice names it (``cache.building``)
+KINDS_BUILD = ("the cost kinds", "their PyTorch functions, with SymPy")
+
+
+def _made() -> dict[str, str]:
+    """``_lambdified``, counted as a build of the user's wait (SymPy's import included)."""
+    notice = building(*KINDS_BUILD)
+    try:
+        return _lambdified()
+    finally:
+        notice.cancel()
+
+
 @functools.lru_cache(maxsize=1)
 def sources() -> dict[str, str]:
     """Every cost kind's function source (``_lambdified``), kept in the kernel cache by the generator's
     fingerprint as the kernels are: a process whose kernels and kinds are cached imports no SymPy."""
     valid = lambda found: all(isinstance(v, str) and v.startswith("def ") for v in found.values()) and bool(found)
-    return BuildCache().kept(f"cost-kinds-{generator_fingerprint()}", _lambdified, valid)
+    return BuildCache().kept(f"cost-kinds-{generator_fingerprint()}", _made, valid)
 
 
 @functools.lru_cache(maxsize=None)

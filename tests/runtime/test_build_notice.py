@@ -93,3 +93,54 @@ def test_real_cache_misses_of_one_wait_print_one_line_and_warm_loads_none(monkey
     cbackend.load_library(spec, "dt_jvp", store)
     time.sleep(0.05)
     assert notices(capfd.readouterr().err) == []
+
+
+def test_a_cuda_sources_generation_is_a_build_of_the_wait(wait, monkeypatch, tmp_path, capfd):
+    """A CUDA load's source generation (faked: BUILD_S) and its NVRTC build (faked: BUILD_S) are one wait
+    past the threshold, the line naming both; the source found in the cache is no build."""
+    import types
+
+    from tensorstep.codegen import arguments, driver
+    from tensorstep.runtime import cuda_backend
+
+    def generate(spec, targets, parts):
+        time.sleep(BUILD_S)
+        return types.SimpleNamespace(source=lambda target, part: f"// {spec.name} {part}\n", metadata={})
+
+    monkeypatch.setenv("TENSORSTEP_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(driver, "generate", generate)
+    spec = ts.KernelSpec(horizon=8, dof=1, dtype="float64")
+    for attempt in ("generated", "cached"):
+        cuda_backend.cuda_source.cache_clear()
+        assert cuda_backend.cuda_source(spec, "core")[0] == f"// {spec.name} core\n"
+        notices_ = cuda_backend.build_notices(spec, arguments.table(spec), "core")
+        time.sleep(BUILD_S)  # NVRTC
+        for notice in notices_:
+            notice.cancel()
+        expected = [f"tensorstep: compiling {spec.name} (the CUDA source of its core kernels, CUDA core kernels "
+                    "with NVRTC, H=8)..."] if attempt == "generated" else []
+        assert notices(capfd.readouterr().err) == expected, attempt
+        time.sleep(cache.WAIT_GAP_S)  # the next attempt is a wait of its own
+    cuda_backend.cuda_source.cache_clear()
+
+
+def test_the_cost_kinds_sympy_run_is_a_build_of_the_wait(wait, monkeypatch, tmp_path, capfd):
+    """The cost kinds' functions made with SymPy (faked: BUILD_S) and a library's build (BUILD_S) are one
+    wait past the threshold, the line naming both; kept kinds are no build."""
+    from tensorstep.runtime import costs
+
+    def lambdified():
+        time.sleep(BUILD_S)
+        return {"bound": "def _lambdifygenerated(y, w, lower, upper, margin, target):\n    return y\n"}
+
+    monkeypatch.setenv("TENSORSTEP_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(costs, "_lambdified", lambdified)
+    for attempt in ("made", "kept"):
+        costs.sources.cache_clear()
+        assert set(costs.sources()) == {"bound"}
+        build("fused", "core kernels")
+        kinds = "the cost kinds (their PyTorch functions, with SymPy); " if attempt == "made" else ""
+        expected = [f"tensorstep: compiling {kinds}fused (core kernels, H=8)..."] if attempt == "made" else []
+        assert notices(capfd.readouterr().err) == expected, attempt
+        time.sleep(cache.WAIT_GAP_S)
+    costs.sources.cache_clear(), costs.pointwise.cache_clear()
