@@ -202,6 +202,10 @@ GRID = [
           costs=COSTS[:4] + (("squared", "velocity"), ("squared", "jerk"))), 100, "float64", {}),
     (dict(dt="per_trajectory", costs=COSTS[1:4] + (("squared", "acceleration"), ("squared", "position")),
           outputs=("P",)), 64, "float32", {}),
+    # layout "bdh" above a warp's whole rows with the cost alone written: the forward stages no rows (its
+    # tile array had no element: nvcc failed)
+    (dict(control="jerk", dt="per_step", layout="bdh", costs=(("squared", "position"),), outputs=()), 100, "float64",
+     {}),
     # layout "bdh" above a warp's whole rows: row tiles of a sector's rows, 32 rows (the adjoint's
     # N = H - 1, an unaligned horizon) and 16 (float64 order 4, unaligned); straight-line and loops
     (dict(difference="central", layout="bdh"), 128, "float32", {}),

@@ -1037,6 +1037,26 @@ def test_cuda_kernels_run_on_the_host_match_c(case):
         torch.testing.assert_close(cuda, c, rtol=1e-13, atol=1e-13 * float(c.abs().max()))
 
 
+def test_cuda_row_tiles_with_no_output_written_run_on_the_host_match_c():
+    """Layout "bdh" past a warp's whole rows with the cost alone written: the forward stages no rows
+    (its tile array had no element, which nvcc refuses), and the host-run CUDA source gives C's cost
+    and gradients."""
+    from cuda_on_host import host_step
+
+    spec = _spec("bdh_row_tiles", outputs=())
+    assert "forward" in [kernel for kernel, *_ in generate(spec, targets=("cuda",)).launch_plan("cuda").tiles]
+    x, params, dt = _data(spec)
+    results = []
+    for step in (ts.load(spec), host_step(spec)):
+        u = x["u"].clone().requires_grad_()
+        target = params["squared_position_target"].clone().requires_grad_()
+        (cost,) = _call(step, spec, {**x, "u": u}, {**params, "squared_position_target": target}, dt)
+        cost.square().sum().backward()
+        results.append([cost.detach(), u.grad, target.grad])
+    for c, cuda in zip(*results):
+        torch.testing.assert_close(cuda, c, rtol=1e-13, atol=1e-13 * float(c.abs().max()))
+
+
 @pytest.mark.parametrize("case", THREAD_COEFFICIENTS)
 def test_cuda_coefficients_computed_by_each_thread_run_on_the_host_match_the_definitions(case):
     """The CUDA source run on the host (tests/cuda_on_host.py), its columns reading each monomial's
