@@ -1,0 +1,221 @@
+"""``python -m tensorstep.bench.launch_bounds N SEED [--where FIELD=VALUE,...] [--model DIR] [--json FILE]``: ptxas's figures for
+the fused forward and adjoint of N seeded fused specs at each register cap ``__launch_bounds__(256,
+n)`` gives (n = 2, 3, 4: 128, 80 and 64 registers), without a GPU.
+
+Each spec's core library is rendered once, then compiled by ``nvcc -cubin -arch=sm_90
+--ptxas-options=-v`` (bench/ptxas.py) once per n, with the forward's and the adjoint's bounds set to
+n (the other kernels as generated): registers, spill stores, stack frame. With ``--model DIR`` (the
+cuda_model tools: sim.py and sassraw.py beside a cuobjdump) each kernel also gets its SASS
+instructions and a one-warp issue model's cycles (a straight walk, loops once); the blocks an SM
+holds come from the registers. Estimates, which a GPU run decides. The draws cover every control and B-spline degree, end, dt mode and layout, float32
+and float64, orders 3 and 4, horizons 16 to 256, few and many cost terms.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+import re
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from . import ptxas
+
+#: the resident blocks asked for (``__launch_bounds__(256, n)``): caps of 128, 80 and 64 registers
+MIN_BLOCKS = (2, 3, 4)
+#: the kernels whose bounds are varied
+KERNELS = ("forward", "adjoint")
+HORIZONS = (16, 24, 32, 48, 64, 100, 128, 200, 256)
+DOF = 7
+
+
+def with_min_blocks(source: str, kernels: Sequence[str], blocks: int) -> str:
+    """The CUDA source with the named kernels' ``__launch_bounds__`` asking for ``blocks`` resident
+    blocks (their threads unchanged); the other kernels as they are."""
+    found = 0
+
+    def bound(match: re.Match) -> str:
+        nonlocal found
+        found += 1
+        return f"__launch_bounds__({match[1]}, {blocks}){match[2]}"
+
+    wanted = "|".join(re.escape(k) for k in kernels)
+    patched = re.sub(rf"__launch_bounds__\((\d+), \d+\)( void \w+_(?:{wanted})\()", bound, source)
+    if found != len(kernels):
+        raise ValueError(f"{found} of the kernels {', '.join(kernels)} have __launch_bounds__ in the source")
+    return patched
+
+
+def draw(rng: random.Random) -> dict[str, Any]:
+    """One fused spec's fields drawn at random (a spec may be invalid: the caller redraws)."""
+    from ..codegen.spec import (BSPLINE_DEGREES, BSPLINE_DT, BSPLINE_ENDS, CONTROLS, DERIVATIVE_NAMES, DT_MODES,
+                                ENDS, LAYOUTS, OUTPUT_NAMES, bspline_horizon)
+
+    control = rng.choice(CONTROLS)
+    order = rng.choice((3, 4))
+    fields: dict[str, Any] = dict(control=control, order=order, dof=DOF, dtype=rng.choice(("float32", "float64")),
+                                  layout=rng.choice(LAYOUTS), start_index=rng.random() < 0.3)
+    if control == "bspline":
+        degree = rng.randint(*BSPLINE_DEGREES)
+        end = rng.choice(BSPLINE_ENDS)
+        knots, steps = rng.choice((8, 16, 32, 64)), rng.choice((1, 2, 4, 8))
+        if not HORIZONS[0] <= bspline_horizon(degree, knots, steps, end) <= HORIZONS[-1]:
+            return {}
+        fields.update(degree=degree, knots=knots, steps=steps, end=end, dt=rng.choice(BSPLINE_DT))
+    else:
+        fields.update(horizon=rng.choice(HORIZONS), dt=rng.choice(DT_MODES), end=rng.choice(ENDS))
+        if control == "position":
+            fields["difference"] = rng.choice(("central", "backward"))
+        else:
+            fields["integrator"] = rng.choice(("semi_implicit_euler", "exact"))
+    terms = [(k, s) for k in ("bound", "squared") for s in DERIVATIVE_NAMES[: order + 1]]
+    many = rng.random() < 0.5  # few terms (1 or 2) or many (6 up to all)
+    costs = rng.sample(terms, rng.randint(6, len(terms)) if many else rng.randint(1, 2))
+    fields["costs"] = tuple(sorted(costs, key=terms.index))
+    fields["outputs"] = tuple(o for o in OUTPUT_NAMES[: order + 1] if rng.random() < 0.3)
+    return fields
+
+
+def specs(n: int, seed: int, where: Optional[dict[str, str]] = None) -> list[Any]:
+    """``n`` fused specs drawn with ``seed`` (invalid draws redrawn), those whose fields have the
+    values of ``where`` (as strings) where given."""
+    import tensorstep as ts
+
+    rng, drawn = random.Random(seed), []
+    while len(drawn) < n:
+        fields = draw(rng)
+        if not fields or any(str(fields.get(k)) != v for k, v in (where or {}).items()):
+            continue
+        try:
+            drawn.append(ts.KernelSpec(**fields))
+        except ValueError:
+            continue
+    return drawn
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One kernel of one spec at one cap: ptxas's figures and, with the model, its estimates."""
+
+    spec: str
+    kernel: str
+    blocks: int  # the resident blocks asked for
+    registers: int
+    spill_stores: int
+    stack: int
+    sm_blocks: int  # the blocks of 256 threads an SM holds (``sm_blocks``)
+    walk_cycles: Optional[int] = None  # one warp's straight walk (sim.py)
+    instructions: Optional[int] = None  # SASS instructions of the function
+    error: str = ""  # nvcc's error, where the module failed (no kernel)
+
+
+def sm_blocks(registers: int, shared: int, threads: int = 256) -> int:
+    """Blocks of ``threads`` an sm_90 SM holds by its 65,536 registers (allocated 256 a warp at a
+    time), 228 KB of shared memory (1 KB reserved a block) and 64 warps."""
+    warps = threads // 32
+    by_registers = 65536 // (-(-registers * 32 // 256) * 256 * warps)
+    by_shared = 233472 // (shared + 1024) if shared else 32
+    return min(by_registers, by_shared, 64 // warps, 32)
+
+
+def _model(tools: Path) -> dict[str, Any]:
+    """The cuda_model tools' sass reader and issue model (sassraw.py, sim.py in ``tools``)."""
+    sys.path.insert(0, str(tools))
+    return {name: __import__(name) for name in ("sassraw", "sim")}
+
+
+def measure(spec: Any, workdir: Path, model: Any = None, blocks: Sequence[int] = MIN_BLOCKS) -> list[Row]:
+    """The fused forward's and adjoint's figures at each of ``blocks``."""
+    source = ptxas.source_of(spec, "core")
+    rows = []
+    for n in blocks:
+        label = f"{spec.name}-n{n}"
+        module = ptxas.compile_module(label, with_min_blocks(source, KERNELS, n), workdir)
+        if module.error:  # a row that says so, and the next spec
+            first = next((line for line in module.error.splitlines() if "error" in line), module.error[:200])
+            return [Row(spec.name, "", n, 0, 0, 0, 0, error=first.split("error: ")[-1].strip())]
+        functions = model["sassraw"].functions(str(workdir / f"{label}.cubin")) if model else {}
+        for k in module.kernels:
+            kernel = k.name[len(spec.name) + 1:]
+            if kernel not in KERNELS:
+                continue
+            estimates: dict[str, Any] = {}
+            if model:
+                # the tools drop a name's prefix up to its order (``_o3_``): a fused spec's cost suffix stays
+                (ins,) = [f for name, f in functions.items() if name == kernel or name.endswith(f"_{kernel}")]
+                estimates = dict(instructions=len(ins), walk_cycles=model["sim"].simulate(ins, ins[0]["addr"], ins[-1]["addr"], 500)[0])
+            rows.append(Row(spec.name, kernel, n, k.registers, k.spill_stores, k.stack,
+                            sm_blocks(k.registers, k.shared), **estimates))
+    return rows
+
+
+HEADER = "| spec | kernel | " + " | ".join(f"n={n}: registers, spill (B)" for n in MIN_BLOCKS) + " |"
+
+
+def table(rows: Sequence[Row]) -> list[str]:
+    """A Markdown line per (spec, kernel): registers and spill stores at each n (and the model's
+    blocks per SM and walk cycles where measured)."""
+    by: dict[tuple[str, str], dict[int, Row]] = {}
+    for r in rows:
+        by.setdefault((r.spec, r.kernel), {})[r.blocks] = r
+    lines = [HEADER, "|---|---|" + "---:|" * len(MIN_BLOCKS)]
+    for (name, kernel), at in by.items():
+        if not kernel:
+            lines.append(f"| {name} | nvcc failed: {next(iter(at.values())).error} |" + " |" * (len(MIN_BLOCKS) - 1))
+            continue
+        cells = []
+        for n in MIN_BLOCKS:
+            r = at.get(n)
+            cell = "" if r is None else f"{r.registers}, {r.spill_stores}"
+            if r is not None and r.walk_cycles is not None:
+                cell += f" ({r.sm_blocks} blocks, {r.walk_cycles} cycles)"
+            cells.append(cell)
+        lines.append(f"| {name} | {kernel} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def main(argv: Sequence[str]) -> int:
+    args = list(argv)
+    model_dir = json_path = None
+    if "--model" in args:
+        at = args.index("--model")
+        model_dir = Path(args[at + 1])
+        del args[at:at + 2]
+    where = {}
+    if "--where" in args:  # field=value,...: only the draws with those values
+        at = args.index("--where")
+        where = dict(pair.split("=", 1) for pair in args[at + 1].split(","))
+        del args[at:at + 2]
+    if "--json" in args:
+        at = args.index("--json")
+        json_path = Path(args[at + 1])
+        del args[at:at + 2]
+    if ptxas.nvcc() is None:
+        print("launch_bounds: nvcc not found on PATH: no ptxas figures")
+        return 0
+    n, seed = (int(a) for a in args[:2])
+    model = _model(model_dir) if model_dir else None
+    workdir = Path(tempfile.mkdtemp(prefix="tensorstep-bounds-"))
+    rows: list[Row] = []
+    try:
+        done = {json.loads(line)["spec"] for line in json_path.open()} if json_path and json_path.exists() else set()
+        for spec in specs(n, seed, where):
+            if spec.name in done:  # measured by an earlier run into the same file
+                continue
+            found = measure(spec, workdir, model)
+            rows += found
+            if json_path:
+                with json_path.open("a") as out:
+                    out.writelines(json.dumps(dataclasses.asdict(r)) + "\n" for r in found)
+            print(table(found)[-1], table(found)[-2] if len(found) > 3 else "", file=sys.stderr, flush=True)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    print("\n".join(table(rows)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
