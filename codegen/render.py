@@ -496,6 +496,7 @@ def render(spec: Any, code: LoweredOperator, table: ArgumentTable, target: Targe
         block_tapes=target.block_tapes,
         device=target.device,
         launch_bounds=target.launch_bounds,
+        min_blocks=target.min_blocks(spec),  # CUDA: per-element kernels asking for more resident blocks
         dt_vjp_table=abi.cuda_table("dt_vjp", table) is not None,  # CUDA: dt_vjp reads the table
         warps=CUDA_WARPS,  # CUDA: dt_vjp's rows of partial sums, per warp, in shared memory or in gc
         warp_rows_shared=cuda_warp_rows_shared(code.n_coefficients),

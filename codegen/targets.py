@@ -38,6 +38,29 @@ CUDA_FILL_BLOCKS = 132
 CUDA_SM_REGISTERS = 65536
 CUDA_MAX_REGISTERS = 128
 CUDA_MIN_BLOCKS = CUDA_SM_REGISTERS // (CUDA_BLOCK * CUDA_MAX_REGISTERS)
+#: per-element kernels of a fused spec that ask for more resident blocks (a lower register cap: 80
+#: at 3 blocks of CUDA_BLOCK threads, 64 at 4), as data: (dtype, kernel, the most ``cuda_span_terms``
+#: of the spec, blocks), the first that holds. A fused float32 forward waits on L1 hits (its terms'
+#: weights and limits) at 2 blocks an SM; 3 took the costs bench's forward (H=32, seven terms) from
+#: 101.7 to 82.1 µs on an H200, 4 to 89.9. ptxas spills at 80 registers where a loop's body holds
+#: more terms' rows than this (B-spline spans of several rows): the survey of BENCHMARKS.md, "Launch
+#: bounds per kernel". The adjoint keeps 2 until a GPU times it (bench/cuda_kernels.py --min-blocks).
+CUDA_MORE_BLOCKS: tuple[tuple[str, str, int, int], ...] = (("float32", "forward", 8, 3),)
+
+
+def cuda_span_terms(n_costs: int, steps: Optional[int]) -> int:
+    """A fused column's size for CUDA_MORE_BLOCKS: its cost terms times the rows of its loop's
+    body (a B-spline's rows a span, ``steps``; one row otherwise). 0 for an unfused spec."""
+    return n_costs * (steps or 1)
+
+
+def cuda_min_blocks(kernel: str, dtype: str, span_terms: int) -> int:
+    """The resident blocks a per-element kernel's ``__launch_bounds__`` ask for: CUDA_MORE_BLOCKS'
+    first rule that holds for a fused spec (``span_terms`` > 0), else CUDA_MIN_BLOCKS."""
+    for rule_dtype, rule_kernel, most, blocks in CUDA_MORE_BLOCKS:
+        if (rule_dtype, rule_kernel) == (dtype, kernel) and 0 < span_terms <= most:
+            return blocks
+    return CUDA_MIN_BLOCKS
 
 #: CUDA keeps every row's gradients of a straight-line integrator adjoint live in registers
 #: (ptxas, sm_90: accel float32 160 registers at H=32, 254 at H=60 and spilling beyond;
@@ -421,6 +444,8 @@ class CudaLaunchPlan:
     stage_columns: int = 0
     #: layout "bdh" with row tiles (``cuda_tiles``): (kernel, rows of a tile, most threads a block has)
     tiles: tuple[tuple[str, int, int], ...] = ()
+    #: (kernel, resident blocks its ``__launch_bounds__`` ask for) where not CUDA_MIN_BLOCKS
+    more_blocks: tuple[tuple[str, int], ...] = ()
     # worked out once per plan (every call asks; the plan never changes): not part of its value
     _parameters: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict, init=False, repr=False,
                                                                 compare=False)
@@ -443,6 +468,11 @@ class CudaLaunchPlan:
         """Where a per-element kernel gets its step coefficients (``cuda_coefficients``)."""
         return cuda_coefficients(kernel, self.table, self.form, self.n_coefficients, ITEMSIZE[self.dtype])
 
+    def min_blocks(self, kernel: str) -> int:
+        """The resident blocks of CUDA_BLOCK threads a per-element kernel's ``__launch_bounds__``
+        ask for (``cuda_min_blocks``), which cap its registers at 65,536 / (CUDA_BLOCK x blocks)."""
+        return dict(self.more_blocks).get(kernel, CUDA_MIN_BLOCKS)
+
     def block(self, B: int) -> int:
         """Threads per block of the per-element kernels over a batch of B (one thread per column):
         CUDA_BLOCK, halved down to a warp while the grid would have fewer than CUDA_FILL_BLOCKS
@@ -460,11 +490,11 @@ class CudaLaunchPlan:
 
     def dt_vjp_grid(self, B: int) -> int:
         """Blocks of dt_vjp: one per block of threads with a dt per trajectory; else at most
-        CUDA_FILL_BLOCKS x CUDA_MIN_BLOCKS (as many as an H100 holds at once), whose threads stride
-        over the columns, so that the rows of partial sums do not grow with the batch."""
+        CUDA_FILL_BLOCKS x its resident blocks (as many as an H100 holds at once), whose threads
+        stride over the columns, so that the rows of partial sums do not grow with the batch."""
         if self.per_trajectory:
             return _blocks(B, self.dt_vjp_block(B))
-        return min(_blocks(B * self.dof, self.dt_vjp_block(B)), CUDA_FILL_BLOCKS * CUDA_MIN_BLOCKS)
+        return min(_blocks(B * self.dof, self.dt_vjp_block(B)), CUDA_FILL_BLOCKS * self.min_blocks("dt_vjp"))
 
     def dt_vjp_rows(self, B: int) -> int:
         """Rows of dt_vjp's partial sums: one per trajectory with its own dt (a row of one double,
@@ -638,6 +668,11 @@ class Target:
         """The launch plan of a spec's build from its metadata (codegen/driver.py ``metadata``)."""
         return None
 
+    def min_blocks(self, spec: Any) -> dict[str, int]:
+        """The per-element kernels whose ``launch_bounds`` ask for other than its resident blocks,
+        and theirs."""
+        return {}
+
 
 class CTarget(Target):
     """C: entry points looping over the batch, compiled by the C backend."""
@@ -718,7 +753,15 @@ class CudaTarget(Target):
         shape = (spec.layout, spec.horizon, spec.n_actions, spec.order, ITEMSIZE[spec.dtype])
         tiles = tuple((kernel, rows, columns) for kernel, (rows, columns) in cuda_tiles(*shape).items())
         return CudaLaunchPlan(argument_table(spec), spec.dof, spec.dtype, int(metadata["n_coefficients"]),
-                              str(metadata["coefficients"]), cuda_stage_columns(*shape), tiles)
+                              str(metadata["coefficients"]), cuda_stage_columns(*shape), tiles,
+                              tuple(self.min_blocks(spec).items()))
+
+    def min_blocks(self, spec: Any) -> dict[str, int]:
+        """The per-element kernels that ask for other than CUDA_MIN_BLOCKS (``cuda_min_blocks``)."""
+        costs = getattr(spec, "costs", ())  # the compat specs have no cost terms
+        size = cuda_span_terms(len(costs), getattr(spec, "steps", None)) if costs else 0
+        found = {k: cuda_min_blocks(k, spec.dtype, size) for k in ("forward", "adjoint", "dt_vjp", "dt_jvp")}
+        return {k: blocks for k, blocks in found.items() if blocks != CUDA_MIN_BLOCKS}
 
 
 C = CTarget("c", "kernel.c.j2", "c", lanes=True, split_programs=True, unit_guards=True)

@@ -1,0 +1,108 @@
+"""Each per-element CUDA kernel's ``__launch_bounds__``: the resident blocks the launch plan's rule
+gives it (codegen/targets.py ``cuda_min_blocks``, ``CUDA_MORE_BLOCKS``) are those its generated
+source asks for, and ptxas (sm_90) keeps a seeded sample of the kernels the rule gives more blocks
+within the lower register cap, with no spill."""
+from __future__ import annotations
+
+import re
+import tempfile
+from pathlib import Path
+
+import pytest
+
+import tensorstep as ts
+from tensorstep.bench import launch_bounds, ptxas
+from tensorstep.codegen import targets
+from tensorstep.codegen.driver import generate
+from tensorstep.codegen.targets import CUDA_BLOCK, CUDA_SM_REGISTERS
+
+#: bench/costs.py's seven terms: a bound on P, V, A, J and a squared V, A, J
+COSTS = tuple(("bound", s) for s in ("position", "velocity", "acceleration", "jerk")) + tuple(
+    ("squared", s) for s in ("velocity", "acceleration", "jerk"))
+PER_ELEMENT = ("forward", "adjoint", "dt_vjp", "dt_jvp")
+
+#: (spec fields, the forward's resident blocks): only a fused float32 forward whose loop body holds
+#: at most 8 terms' rows asks for 3; its adjoint, float64, the unfused kernels and B-spline spans of
+#: several rows with many terms keep 2
+CASES = [
+    (dict(horizon=32, costs=COSTS, outputs=("P",)), 3),  # the costs bench's step
+    (dict(horizon=32, costs=COSTS, outputs=("P",), dtype="float64"), 2),
+    (dict(horizon=64, control="jerk", integrator="exact", costs=COSTS + (("squared", "position"),), outputs=()), 3),
+    (dict(control="bspline", degree=3, knots=8, steps=1, costs=COSTS, outputs=("P",)), 3),  # 7 terms x 1 row
+    (dict(control="bspline", degree=3, knots=8, steps=2, costs=COSTS, outputs=("P",)), 2),  # 7 x 2 rows
+    (dict(control="bspline", degree=5, knots=8, steps=4, costs=(("squared", "velocity"),), outputs=("P",)), 3),
+    (dict(horizon=32, dt="per_step"), 2),  # unfused
+]
+
+
+def _bounds(source: str, name: str, kernel: str) -> tuple[int, int]:
+    found = re.search(rf"__global__ __launch_bounds__\((\d+), (\d+)\) void {name}_{kernel}\(", source)
+    assert found, kernel
+    return int(found[1]), int(found[2])
+
+
+@pytest.mark.parametrize("fields,forward", CASES, ids=[f"case{i}" for i in range(len(CASES))])
+def test_each_kernels_bounds_are_the_plans(fields, forward):
+    """The source's bounds per kernel are the plan's (``CudaLaunchPlan.min_blocks``), the plan
+    rebuilt from the build's metadata gives the same, and the rule gives the forward ``forward``
+    blocks (a cap of 85 registers at 3: ptxas takes 80) and every other kernel 2 (128)."""
+    spec = ts.KernelSpec(dof=7, **fields)
+    generated = generate(spec, targets=("cuda",))
+    source, plan = generated.source("cuda"), generated.launch_plan("cuda")
+    assert plan == targets.CUDA.launch_plan(spec, generated.metadata)
+    kernels = [k for k in PER_ELEMENT if f" void {spec.name}_{k}(" in source]
+    assert "forward" in kernels and "adjoint" in kernels
+    for kernel in kernels:
+        threads, blocks = _bounds(source, spec.name, kernel)
+        assert threads == CUDA_BLOCK and blocks == plan.min_blocks(kernel)
+        assert blocks == (forward if kernel == "forward" else 2), kernel
+        assert CUDA_SM_REGISTERS // (threads * blocks) == {2: 128, 3: 85}[blocks]
+
+
+def test_dt_vjp_keeps_its_grid():
+    """dt_vjp's grid of at most 132 x its resident blocks (2), whatever the forward asks for."""
+    spec = ts.KernelSpec(horizon=32, dof=7, dt="per_step")
+    plan = generate(spec, targets=("cuda",)).launch_plan("cuda")
+    assert plan.min_blocks("dt_vjp") == 2 and plan.dt_vjp_grid(40000) == 264
+
+
+def test_the_rule_is_data(monkeypatch):
+    """A rule added to CUDA_MORE_BLOCKS (the float64 adjoint at 4 blocks) is what the source asks for."""
+    spec = ts.KernelSpec(horizon=32, dof=7, dtype="float64", costs=COSTS, outputs=("P",))
+    monkeypatch.setattr(targets, "CUDA_MORE_BLOCKS", (("float64", "adjoint", 7, 4),))
+    source = generate(spec, targets=("cuda",)).source("cuda")
+    assert _bounds(source, spec.name, "adjoint") == (256, 4) and _bounds(source, spec.name, "forward") == (256, 2)
+
+
+def test_with_min_blocks_sets_the_named_kernels_only():
+    spec = ts.KernelSpec(horizon=16, dof=3, costs=COSTS, outputs=("P",), dtype="float64")
+    source = ptxas.source_of(spec, "core")
+    patched = launch_bounds.with_min_blocks(source, ("adjoint",), 4)
+    assert _bounds(patched, spec.name, "adjoint") == (256, 4) and _bounds(patched, spec.name, "forward") == (256, 2)
+    assert patched.replace("(256, 4) void", "(256, 2) void") == source
+    with pytest.raises(ValueError):
+        launch_bounds.with_min_blocks(source, ("dt_jvp",), 3)
+
+
+#: the seeded sample of fused specs (bench/launch_bounds.py's draws) whose forward the rule gives 3
+#: blocks, compiled by ptxas
+SAMPLE, SEED = 5, 11
+
+
+def _selected() -> list:
+    chosen = []
+    for spec in launch_bounds.specs(60, SEED, where={"dtype": "float32"}):
+        if targets.CUDA.min_blocks(spec).get("forward", 2) > 2 and len(chosen) < SAMPLE:
+            chosen.append(spec)
+    return chosen
+
+
+@pytest.mark.skipif(ptxas.nvcc() is None, reason="nvcc not found on PATH: CUDA resource use cannot be measured")
+@pytest.mark.parametrize("spec", _selected(), ids=lambda spec: spec.name)
+def test_the_kernels_given_more_blocks_do_not_spill(spec):
+    """ptxas keeps each forward the rule gives 3 blocks within 80 registers with no spill store."""
+    with tempfile.TemporaryDirectory() as workdir:
+        module = ptxas.compile_module(spec.name, ptxas.source_of(spec, "core"), Path(workdir))
+    assert not module.error, module.error
+    (forward,) = [k for k in module.kernels if k.name == f"{spec.name}_forward"]
+    assert forward.registers <= CUDA_SM_REGISTERS // (CUDA_BLOCK * 3) and forward.spill_stores == 0, forward
