@@ -11,13 +11,26 @@ call's interface (u, the start states, the per-trajectory cost weights, the outp
 and outgoing gradients; not the fused forward's per-column partial sums). The copy is
 ``torch.empty_like(x).copy_(x)`` of half those bytes (it reads and writes them), timed the same way.
 Without a GPU (or CuPy) it prints why and exits 0.
+
+``--min-blocks 2,3,4 [--rounds R]``: the same kernels with the fused forward's and adjoint's
+``__launch_bounds__(256, n)`` asking for n resident blocks (codegen/targets.py CUDA_MORE_BLOCKS set
+to n for both, both dtypes; the plain step's kernels keep theirs, a control for the noise): each n
+in a process of its own with a kernel cache of its own (the cache and the loaded libraries are keyed
+by spec, not by bounds), the n in turn, R rounds (default 2); each cell the median over the rounds,
+with their range.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import json
+import os
+import re
 import statistics
+import subprocess
 import sys
-from typing import Callable, Iterable, Optional, Sequence
+import tempfile
+from typing import Callable, Iterable, Iterator, Optional, Sequence
 
 import torch
 
@@ -125,20 +138,135 @@ def measure(batch: int, dtype: str, device: torch.device) -> list[Row]:
             for step, kernel, launch, nbytes in launches]
 
 
-def main(argv: Sequence[str]) -> int:
-    batches = [int(a) for a in argv] or [400, 40000]
+@contextlib.contextmanager
+def min_blocks(blocks: int) -> Iterator[None]:
+    """Every fused forward and adjoint generated inside asks for ``blocks`` resident blocks (the
+    rule of codegen/targets.py replaced; the unfused kernels keep CUDA_MIN_BLOCKS)."""
+    from ..codegen import targets
+
+    rule = tuple((dtype, kernel, sys.maxsize, blocks) for dtype in DTYPES for kernel in ("forward", "adjoint"))
+    kept = targets.CUDA_MORE_BLOCKS
+    targets.CUDA_MORE_BLOCKS = rule
+    try:
+        yield
+    finally:
+        targets.CUDA_MORE_BLOCKS = kept
+
+
+def fused_bounds(dtype: str) -> dict[str, tuple[int, int]]:
+    """The bench's fused forward's and adjoint's ``__launch_bounds__`` as generated now."""
+    from ..codegen.driver import generate
+    from .costs import CostCase
+
+    spec = CostCase(batch=1, dtype=dtype).fused
+    source = generate(spec, targets=("cuda",), parts=("core",)).source("cuda", "core")
+    found = {}
+    for kernel in ("forward", "adjoint"):
+        bound = re.search(rf"__launch_bounds__\((\d+), (\d+)\) void {spec.name}_{kernel}\(", source)
+        found[kernel] = (int(bound[1]), int(bound[2]))
+    return found
+
+
+def child_command(blocks: int, batches: Sequence[int]) -> list[str]:
+    """The command that times the kernels at ``blocks`` (``--at-min-blocks``) in a process of its own."""
+    return [sys.executable, "-m", "tensorstep.bench.cuda_kernels", "--at-min-blocks", str(blocks),
+            *(str(b) for b in batches)]
+
+
+#: the line a child prints its rows on (as JSON)
+ROWS = "cuda_kernels rows: "
+
+
+def at_min_blocks(blocks: int, batches: Sequence[int], device: torch.device) -> list[Row]:
+    """Each dtype's and batch's rows with the fused kernels at ``blocks`` (checked in the source)."""
+    with min_blocks(blocks):
+        for dtype in DTYPES:
+            found = fused_bounds(dtype)
+            if any(b != blocks for _, b in found.values()):
+                raise RuntimeError(f"the fused kernels' bounds are {found}, not {blocks} blocks")
+        return [row for dtype in DTYPES for batch in batches for row in measure(batch, dtype, device)]
+
+
+def run_child(blocks: int, batches: Sequence[int], cache: str) -> list[Row]:
+    """``child_command`` run with its own kernel cache; its rows."""
+    env = {**os.environ, "TENSORSTEP_CACHE_DIR": cache}
+    done = subprocess.run(child_command(blocks, batches), env=env, capture_output=True, text=True)
+    lines = [line for line in done.stdout.splitlines() if line.startswith(ROWS)]
+    if done.returncode or not lines:
+        raise RuntimeError(f"min blocks {blocks}: the child failed ({done.returncode}): {done.stderr[-2000:]}")
+    return [Row(**r) for r in json.loads(lines[-1][len(ROWS):])]
+
+
+def blocks_table(runs: dict[int, list[list[Row]]]) -> list[str]:
+    """A row per kernel, a column per n: the median over the rounds (µs) with their range, and
+    each n's time as a fraction of the first n's."""
+    ns = list(runs)
+    lines = ["| step | kernel | dtype | B | " + " | ".join(f"n={n} (µs)" for n in ns) + " | "
+             + " | ".join(f"n={n} / n={ns[0]}" for n in ns[1:]) + " |",
+             "|---|---|---|---:|" + "---:|" * (2 * len(ns) - 1)]
+    first = runs[ns[0]][0]
+    for i, r in enumerate(first):
+        medians, cells = [], []
+        for n in ns:
+            times = [rows[i].microseconds for rows in runs[n]]
+            medians.append(statistics.median(times))
+            cells.append(f"{medians[-1]:.1f} ({min(times):.1f}–{max(times):.1f})" if len(times) > 1
+                         else f"{medians[-1]:.1f}")
+        ratios = [f"{m / medians[0]:.2f}" for m in medians[1:]]
+        lines.append(f"| {r.step} | {r.kernel} | {r.dtype} | {r.batch} | " + " | ".join(cells + ratios) + " |")
+    return lines
+
+
+def _option(args: list[str], name: str) -> Optional[str]:
+    """The value after ``name`` in ``args`` (both removed), or None."""
+    if name not in args:
+        return None
+    at = args.index(name)
+    value = args[at + 1]
+    del args[at:at + 2]
+    return value
+
+
+def no_gpu() -> Optional[str]:
+    """Why nothing can be timed here, or None."""
     if not torch.cuda.is_available():
-        print("cuda_kernels: no CUDA device here (torch.cuda.is_available() is False): nothing timed")
-        return 0
+        return "cuda_kernels: no CUDA device here (torch.cuda.is_available() is False): nothing timed"
     try:
         import cupy  # noqa: F401  (the runtime's CUDA backend)
     except ImportError:
-        print("cuda_kernels: CuPy is not installed (the CUDA backend needs it): nothing timed")
+        return "cuda_kernels: CuPy is not installed (the CUDA backend needs it): nothing timed"
+    return None
+
+
+def main(argv: Sequence[str]) -> int:
+    args = list(argv)
+    child = _option(args, "--at-min-blocks")
+    blocks = _option(args, "--min-blocks")
+    rounds = int(_option(args, "--rounds") or 2)
+    batches = [int(a) for a in args] or [400, 40000]
+    why = no_gpu()
+    if why:
+        print(why)
         return 0
     device = torch.device("cuda")
+    header = (f"# {torch.cuda.get_device_name(device)}; median of {RUNS} launches after {WARMUPS} warm-ups, "
+              "CUDA events behind a spin kernel")
+    if child is not None:
+        rows = at_min_blocks(int(child), batches, device)
+        print(ROWS + json.dumps([dataclasses.asdict(r) for r in rows]))
+        return 0
+    if blocks is not None:
+        ns = [int(n) for n in blocks.split(",")]
+        runs: dict[int, list[list[Row]]] = {n: [] for n in ns}
+        with tempfile.TemporaryDirectory(prefix="tensorstep-min-blocks-") as caches:
+            for _ in range(rounds):
+                for n in ns:  # interleaved: each round every n in turn, each n's cache kept across rounds
+                    runs[n].append(run_child(n, batches, os.path.join(caches, f"n{n}")))
+        print(header + f"; fused forward and adjoint at n resident blocks, {rounds} rounds")
+        print("\n".join(blocks_table(runs)))
+        return 0
     rows = [row for dtype in DTYPES for batch in batches for row in measure(batch, dtype, device)]
-    print(f"# {torch.cuda.get_device_name(device)}; median of {RUNS} launches after {WARMUPS} warm-ups, "
-          "CUDA events behind a spin kernel")
+    print(header)
     print("\n".join(table(rows)))
     return 0
 
