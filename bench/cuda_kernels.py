@@ -144,7 +144,8 @@ def min_blocks(blocks: int) -> Iterator[None]:
     rule of codegen/targets.py replaced; the unfused kernels keep CUDA_MIN_BLOCKS)."""
     from ..codegen import targets
 
-    rule = tuple((dtype, kernel, sys.maxsize, blocks) for dtype in DTYPES for kernel in ("forward", "adjoint"))
+    rule = tuple((dtype, kernel, kind, sys.maxsize, blocks)
+                 for dtype in DTYPES for kernel in ("forward", "adjoint") for kind in ("rows", "spans"))
     kept = targets.CUDA_MORE_BLOCKS
     targets.CUDA_MORE_BLOCKS = rule
     try:

@@ -177,6 +177,49 @@ def table(rows: Sequence[Row]) -> list[str]:
     return lines
 
 
+def _ratio(at: dict[int, Row], n: int) -> Optional[float]:
+    """The model's time at n over its time at the first n: walk cycles over blocks an SM holds (the
+    warps in flight hiding one warp's latency), or None without the model."""
+    first, r = at.get(MIN_BLOCKS[0]), at.get(n)
+    if first is None or r is None or first.walk_cycles is None or r.walk_cycles is None:
+        return None
+    return (r.walk_cycles / r.sm_blocks) / (first.walk_cycles / first.sm_blocks)
+
+
+def summary(rows: Sequence[Row], drawn: Sequence[Any]) -> list[str]:
+    """Per dtype and kernel: the kernels, how many spill at each n, their registers at the first n,
+    the model's median time at each n over the first; then the same for the kernels the launch plan's
+    rule (codegen/targets.py ``cuda_min_blocks``) gives more blocks, and those it leaves."""
+    from ..codegen import targets
+
+    specs = {s.name: s for s in drawn}
+    by: dict[tuple[str, str], dict[int, Row]] = {}
+    for r in rows:
+        if r.kernel and r.spec in specs:
+            by.setdefault((r.spec, r.kernel), {})[r.blocks] = r
+    groups: dict[str, list[dict[int, Row]]] = {}
+    for (name, kernel), at in by.items():
+        spec = specs[name]
+        more = targets.CUDA.min_blocks(spec).get(kernel, targets.CUDA_MIN_BLOCKS) > targets.CUDA_MIN_BLOCKS
+        for group in (f"{spec.dtype} {kernel}", f"{spec.dtype} {kernel}, " + ("given more blocks" if more else "kept at 2")):
+            groups.setdefault(group, []).append(at)
+    ns = MIN_BLOCKS
+    lines = ["| kernels | count | " + " | ".join(f"spill at n={n}" for n in ns) + f" | registers at n={ns[0]} (median, most) | "
+             + " | ".join(f"model n={n} / n={ns[0]} (median)" for n in ns[1:]) + " |",
+             "|---|---:|" + "---:|" * (len(ns) + 1 + len(ns) - 1)]
+    for group in sorted(groups):
+        ats = groups[group]
+        spills = [sum(1 for at in ats if n in at and at[n].spill_stores) for n in ns]
+        registers = sorted(at[ns[0]].registers for at in ats if ns[0] in at)
+        models = []
+        for n in ns[1:]:
+            found = sorted(x for x in (_ratio(at, n) for at in ats) if x is not None)
+            models.append(f"{found[len(found) // 2]:.2f}" if found else "")
+        lines.append(f"| {group} | {len(ats)} | " + " | ".join(str(x) for x in spills)
+                     + f" | {registers[len(registers) // 2]}, {registers[-1]} | " + " | ".join(models) + " |")
+    return lines
+
+
 def main(argv: Sequence[str]) -> int:
     args = list(argv)
     model_dir = json_path = None
@@ -200,9 +243,12 @@ def main(argv: Sequence[str]) -> int:
     model = _model(model_dir) if model_dir else None
     workdir = Path(tempfile.mkdtemp(prefix="tensorstep-bounds-"))
     rows: list[Row] = []
+    drawn = specs(n, seed, where)
     try:
-        done = {json.loads(line)["spec"] for line in json_path.open()} if json_path and json_path.exists() else set()
-        for spec in specs(n, seed, where):
+        earlier = [Row(**json.loads(line)) for line in json_path.open()] if json_path and json_path.exists() else []
+        rows += [r for r in earlier if r.spec in {s.name for s in drawn}]
+        done = {r.spec for r in rows}
+        for spec in drawn:
             if spec.name in done:  # measured by an earlier run into the same file
                 continue
             found = measure(spec, workdir, model)
@@ -214,6 +260,8 @@ def main(argv: Sequence[str]) -> int:
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     print("\n".join(table(rows)))
+    print()
+    print("\n".join(summary(rows, drawn)))
     return 0
 
 

@@ -39,28 +39,43 @@ CUDA_SM_REGISTERS = 65536
 CUDA_MAX_REGISTERS = 128
 CUDA_MIN_BLOCKS = CUDA_SM_REGISTERS // (CUDA_BLOCK * CUDA_MAX_REGISTERS)
 #: per-element kernels of a fused spec that ask for more resident blocks (a lower register cap: 80
-#: at 3 blocks of CUDA_BLOCK threads, 64 at 4), as data: (dtype, kernel, the most ``cuda_span_terms``
-#: of the spec, blocks), the first that holds. A fused float32 forward waits on L1 hits (its terms'
-#: weights and limits) at 2 blocks an SM; 3 took the costs bench's forward (H=32, seven terms) from
-#: 101.7 to 82.1 µs on an H200, 4 to 89.9. ptxas spills at 80 registers where a loop's body holds
-#: more terms' rows than this (B-spline spans of several rows): the survey of BENCHMARKS.md, "Launch
-#: bounds per kernel". The adjoint keeps 2 until a GPU times it (bench/cuda_kernels.py --min-blocks).
-CUDA_MORE_BLOCKS: tuple[tuple[str, str, int, int], ...] = (("float32", "forward", 8, 3),)
+#: at 3 blocks of CUDA_BLOCK threads, 64 at 4), as data: (dtype, kernel, the kind of its column
+#: (``cuda_column_kind``), the most ``cuda_row_terms`` of the spec, blocks), the first that holds.
+#: A fused float32 forward waits on L1 hits (its terms' weights and limits) at 2 blocks an SM; 3
+#: took the costs bench's forward (a row loop, H=32, order 3, seven terms: 28) from 101.7 to 82.1 µs
+#: on an H200, 4 to 89.9. So forwards no larger than that one ask for 3 where ptxas keeps them
+#: within 80 registers: none of the surveyed row loops at 28 or less spilled there, while a
+#: B-spline's spans, each row a sum over its degree + 1 control points, spilled from 20 (degree 7;
+#: 8 to 24 bytes, most from 24) and none at 16 or less (BENCHMARKS.md, "Launch bounds per kernel").
+#: The adjoint keeps 2 until a GPU times it (bench/cuda_kernels.py --min-blocks).
+CUDA_MORE_BLOCKS: tuple[tuple[str, str, str, int, int], ...] = (
+    ("float32", "forward", "rows", 28, 3),
+    ("float32", "forward", "spans", 16, 3),
+)
 
 
-def cuda_span_terms(n_costs: int, steps: Optional[int]) -> int:
-    """A fused column's size for CUDA_MORE_BLOCKS: its cost terms times the rows of its loop's
-    body (a B-spline's rows a span, ``steps``; one row otherwise). 0 for an unfused spec."""
-    return n_costs * (steps or 1)
+def cuda_column_kind(control: str) -> str:
+    """The kind of a fused column's loop: a B-spline's over knot spans ("spans"), else over rows
+    (stencils and integrators: "rows")."""
+    return "spans" if control == "bspline" else "rows"
 
 
-def cuda_min_blocks(kernel: str, dtype: str, span_terms: int) -> int:
+def cuda_row_terms(n_costs: int, steps: Optional[int], order: int) -> int:
+    """A fused column's size for CUDA_MORE_BLOCKS: its cost terms, times the rows of its loop's
+    body (a B-spline's rows a span, ``steps``; one row otherwise), times the states a row holds
+    (order + 1)."""
+    return n_costs * (steps or 1) * (order + 1)
+
+
+def cuda_min_blocks(kernel: str, dtype: str, kind: str, row_terms: int) -> int:
     """The resident blocks a per-element kernel's ``__launch_bounds__`` ask for: CUDA_MORE_BLOCKS'
-    first rule that holds for a fused spec (``span_terms`` > 0), else CUDA_MIN_BLOCKS."""
-    for rule_dtype, rule_kernel, most, blocks in CUDA_MORE_BLOCKS:
-        if (rule_dtype, rule_kernel) == (dtype, kernel) and 0 < span_terms <= most:
+    first rule that holds for a fused spec (``row_terms`` > 0: ``cuda_row_terms``; ``kind``:
+    ``cuda_column_kind``), else CUDA_MIN_BLOCKS."""
+    for rule_dtype, rule_kernel, rule_kind, most, blocks in CUDA_MORE_BLOCKS:
+        if (rule_dtype, rule_kernel, rule_kind) == (dtype, kernel, kind) and 0 < row_terms <= most:
             return blocks
     return CUDA_MIN_BLOCKS
+
 
 #: CUDA keeps every row's gradients of a straight-line integrator adjoint live in registers
 #: (ptxas, sm_90: accel float32 160 registers at H=32, 254 at H=60 and spilling beyond;
@@ -759,8 +774,9 @@ class CudaTarget(Target):
     def min_blocks(self, spec: Any) -> dict[str, int]:
         """The per-element kernels that ask for other than CUDA_MIN_BLOCKS (``cuda_min_blocks``)."""
         costs = getattr(spec, "costs", ())  # the compat specs have no cost terms
-        size = cuda_span_terms(len(costs), getattr(spec, "steps", None)) if costs else 0
-        found = {k: cuda_min_blocks(k, spec.dtype, size) for k in ("forward", "adjoint", "dt_vjp", "dt_jvp")}
+        size = cuda_row_terms(len(costs), getattr(spec, "steps", None), spec.order) if costs else 0
+        kind = cuda_column_kind(getattr(spec, "control", ""))
+        found = {k: cuda_min_blocks(k, spec.dtype, kind, size) for k in ("forward", "adjoint", "dt_vjp", "dt_jvp")}
         return {k: blocks for k, blocks in found.items() if blocks != CUDA_MIN_BLOCKS}
 
 

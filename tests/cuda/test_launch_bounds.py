@@ -21,16 +21,20 @@ COSTS = tuple(("bound", s) for s in ("position", "velocity", "acceleration", "je
     ("squared", s) for s in ("velocity", "acceleration", "jerk"))
 PER_ELEMENT = ("forward", "adjoint", "dt_vjp", "dt_jvp")
 
-#: (spec fields, the forward's resident blocks): only a fused float32 forward whose loop body holds
-#: at most 8 terms' rows asks for 3; its adjoint, float64, the unfused kernels and B-spline spans of
-#: several rows with many terms keep 2
+#: (spec fields, the forward's resident blocks): only a fused float32 forward whose cost terms x
+#: rows of its loop's body x states (order + 1) are at most 28 (the costs bench's) asks for 3, at
+#: most 16 for a B-spline's spans; its adjoint, float64, the unfused kernels and larger ones keep 2
 CASES = [
-    (dict(horizon=32, costs=COSTS, outputs=("P",)), 3),  # the costs bench's step
+    (dict(horizon=32, costs=COSTS, outputs=("P",)), 3),  # the costs bench's step: 7 x 1 x 4
     (dict(horizon=32, costs=COSTS, outputs=("P",), dtype="float64"), 2),
-    (dict(horizon=64, control="jerk", integrator="exact", costs=COSTS + (("squared", "position"),), outputs=()), 3),
-    (dict(control="bspline", degree=3, knots=8, steps=1, costs=COSTS, outputs=("P",)), 3),  # 7 terms x 1 row
-    (dict(control="bspline", degree=3, knots=8, steps=2, costs=COSTS, outputs=("P",)), 2),  # 7 x 2 rows
+    (dict(horizon=64, control="jerk", integrator="exact", costs=COSTS, outputs=()), 3),
+    (dict(horizon=64, control="jerk", integrator="exact", costs=COSTS + (("squared", "position"),), outputs=()), 2),
+    (dict(horizon=64, order=4, costs=COSTS, outputs=("P",)), 2),  # 7 x 1 x 5
+    (dict(control="bspline", degree=7, knots=8, steps=1, costs=COSTS[:4], outputs=("P",)), 3),  # 4 x 1 x 4
+    (dict(control="bspline", degree=3, knots=8, steps=1, costs=COSTS[:5], outputs=("P",)), 2),  # 5 x 1 x 4
+    (dict(control="bspline", degree=3, knots=8, steps=2, costs=COSTS[:2], outputs=("P",)), 3),  # 2 x 2 x 4
     (dict(control="bspline", degree=5, knots=8, steps=4, costs=(("squared", "velocity"),), outputs=("P",)), 3),
+    (dict(control="bspline", degree=3, knots=8, steps=4, costs=COSTS[:2], outputs=("P",)), 2),  # 2 x 4 x 4
     (dict(horizon=32, dt="per_step"), 2),  # unfused
 ]
 
@@ -69,7 +73,7 @@ def test_dt_vjp_keeps_its_grid():
 def test_the_rule_is_data(monkeypatch):
     """A rule added to CUDA_MORE_BLOCKS (the float64 adjoint at 4 blocks) is what the source asks for."""
     spec = ts.KernelSpec(horizon=32, dof=7, dtype="float64", costs=COSTS, outputs=("P",))
-    monkeypatch.setattr(targets, "CUDA_MORE_BLOCKS", (("float64", "adjoint", 7, 4),))
+    monkeypatch.setattr(targets, "CUDA_MORE_BLOCKS", (("float64", "adjoint", "rows", 28, 4),))
     source = generate(spec, targets=("cuda",)).source("cuda")
     assert _bounds(source, spec.name, "adjoint") == (256, 4) and _bounds(source, spec.name, "forward") == (256, 2)
 
@@ -85,16 +89,17 @@ def test_with_min_blocks_sets_the_named_kernels_only():
 
 
 #: the seeded sample of fused specs (bench/launch_bounds.py's draws) whose forward the rule gives 3
-#: blocks, compiled by ptxas
-SAMPLE, SEED = 5, 11
+#: blocks, compiled by ptxas: this many of each kind of column (row loops, B-spline spans)
+SAMPLE, SEED = 3, 11
 
 
 def _selected() -> list:
-    chosen = []
-    for spec in launch_bounds.specs(60, SEED, where={"dtype": "float32"}):
-        if targets.CUDA.min_blocks(spec).get("forward", 2) > 2 and len(chosen) < SAMPLE:
-            chosen.append(spec)
-    return chosen
+    chosen: dict[str, list] = {"rows": [], "spans": []}
+    for spec in launch_bounds.specs(200, SEED, where={"dtype": "float32"}):
+        kind = targets.cuda_column_kind(spec.control)
+        if targets.CUDA.min_blocks(spec).get("forward", 2) > 2 and len(chosen[kind]) < SAMPLE:
+            chosen[kind].append(spec)
+    return chosen["rows"] + chosen["spans"]
 
 
 @pytest.mark.skipif(ptxas.nvcc() is None, reason="nvcc not found on PATH: CUDA resource use cannot be measured")
