@@ -1,6 +1,9 @@
-"""``python -m tensorstep.bench.launch_bounds N SEED [--where FIELD=VALUE,...] [--model DIR] [--json FILE]``: ptxas's figures for
-the fused forward and adjoint of N seeded fused specs at each register cap ``__launch_bounds__(256,
-n)`` gives (n = 2, 3, 4: 128, 80 and 64 registers), without a GPU.
+"""``python -m tensorstep.bench.launch_bounds N SEED [--where FIELD=VALUE,...] [--blocks 2,3,4]
+[--model DIR] [--json FILE]``: ptxas's figures for the fused forward and adjoint of N seeded fused
+specs at each register cap ``__launch_bounds__(256, n)`` gives (n = 2, 3, 4: 128, 80 and 64
+registers), without a GPU. ``--where`` keeps the draws whose spec fields, or ``terms``, ``kind``
+and ``row_terms`` (what the launch plan's rule reads), have those values; ``--json`` appends each
+spec's rows to FILE and skips the specs already there.
 
 Each spec's core library is rendered once, then compiled by ``nvcc -cubin -arch=sm_90
 --ptxas-options=-v`` (bench/ptxas.py) once per n, with the forward's and the adjoint's bounds set to
@@ -79,15 +82,24 @@ def draw(rng: random.Random) -> dict[str, Any]:
     return fields
 
 
+def described(fields: dict[str, Any]) -> dict[str, Any]:
+    """The fields, and what the launch plan's rule reads of them (codegen/targets.py): ``terms``,
+    ``kind`` (``cuda_column_kind``) and ``row_terms`` (``cuda_row_terms``)."""
+    from ..codegen import targets
+
+    return {**fields, "terms": len(fields["costs"]), "kind": targets.cuda_column_kind(fields["control"]),
+            "row_terms": targets.cuda_row_terms(len(fields["costs"]), fields.get("steps"), fields["order"])}
+
+
 def specs(n: int, seed: int, where: Optional[dict[str, str]] = None) -> list[Any]:
-    """``n`` fused specs drawn with ``seed`` (invalid draws redrawn), those whose fields have the
-    values of ``where`` (as strings) where given."""
+    """``n`` fused specs drawn with ``seed`` (invalid draws redrawn), those whose fields (and
+    ``described``'s) have the values of ``where`` (as strings) where given."""
     import tensorstep as ts
 
     rng, drawn = random.Random(seed), []
     while len(drawn) < n:
         fields = draw(rng)
-        if not fields or any(str(fields.get(k)) != v for k, v in (where or {}).items()):
+        if not fields or any(str(described(fields).get(k)) != v for k, v in (where or {}).items()):
             continue
         try:
             drawn.append(ts.KernelSpec(**fields))
@@ -152,22 +164,21 @@ def measure(spec: Any, workdir: Path, model: Any = None, blocks: Sequence[int] =
     return rows
 
 
-HEADER = "| spec | kernel | " + " | ".join(f"n={n}: registers, spill (B)" for n in MIN_BLOCKS) + " |"
-
-
 def table(rows: Sequence[Row]) -> list[str]:
     """A Markdown line per (spec, kernel): registers and spill stores at each n (and the model's
     blocks per SM and walk cycles where measured)."""
     by: dict[tuple[str, str], dict[int, Row]] = {}
     for r in rows:
         by.setdefault((r.spec, r.kernel), {})[r.blocks] = r
-    lines = [HEADER, "|---|---|" + "---:|" * len(MIN_BLOCKS)]
+    ns = sorted({r.blocks for r in rows})
+    lines = ["| spec | kernel | " + " | ".join(f"n={n}: registers, spill (B)" for n in ns) + " |",
+             "|---|---|" + "---:|" * len(ns)]
     for (name, kernel), at in by.items():
         if not kernel:
-            lines.append(f"| {name} | nvcc failed: {next(iter(at.values())).error} |" + " |" * (len(MIN_BLOCKS) - 1))
+            lines.append(f"| {name} | nvcc failed: {next(iter(at.values())).error} |" + " |" * (len(ns) - 1))
             continue
         cells = []
-        for n in MIN_BLOCKS:
+        for n in ns:
             r = at.get(n)
             cell = "" if r is None else f"{r.registers}, {r.spill_stores}"
             if r is not None and r.walk_cycles is not None:
@@ -177,10 +188,10 @@ def table(rows: Sequence[Row]) -> list[str]:
     return lines
 
 
-def _ratio(at: dict[int, Row], n: int) -> Optional[float]:
-    """The model's time at n over its time at the first n: walk cycles over blocks an SM holds (the
+def _ratio(at: dict[int, Row], first_n: int, n: int) -> Optional[float]:
+    """The model's time at n over its time at ``first_n``: walk cycles over blocks an SM holds (the
     warps in flight hiding one warp's latency), or None without the model."""
-    first, r = at.get(MIN_BLOCKS[0]), at.get(n)
+    first, r = at.get(first_n), at.get(n)
     if first is None or r is None or first.walk_cycles is None or r.walk_cycles is None:
         return None
     return (r.walk_cycles / r.sm_blocks) / (first.walk_cycles / first.sm_blocks)
@@ -203,7 +214,7 @@ def summary(rows: Sequence[Row], drawn: Sequence[Any]) -> list[str]:
         more = targets.CUDA.min_blocks(spec).get(kernel, targets.CUDA_MIN_BLOCKS) > targets.CUDA_MIN_BLOCKS
         for group in (f"{spec.dtype} {kernel}", f"{spec.dtype} {kernel}, " + ("given more blocks" if more else "kept at 2")):
             groups.setdefault(group, []).append(at)
-    ns = MIN_BLOCKS
+    ns = sorted({r.blocks for r in rows})
     lines = ["| kernels | count | " + " | ".join(f"spill at n={n}" for n in ns) + f" | registers at n={ns[0]} (median, most) | "
              + " | ".join(f"model n={n} / n={ns[0]} (median)" for n in ns[1:]) + " |",
              "|---|---:|" + "---:|" * (len(ns) + 1 + len(ns) - 1)]
@@ -213,7 +224,7 @@ def summary(rows: Sequence[Row], drawn: Sequence[Any]) -> list[str]:
         registers = sorted(at[ns[0]].registers for at in ats if ns[0] in at)
         models = []
         for n in ns[1:]:
-            found = sorted(x for x in (_ratio(at, n) for at in ats) if x is not None)
+            found = sorted(x for x in (_ratio(at, ns[0], n) for at in ats) if x is not None)
             models.append(f"{found[len(found) // 2]:.2f}" if found else "")
         lines.append(f"| {group} | {len(ats)} | " + " | ".join(str(x) for x in spills)
                      + f" | {registers[len(registers) // 2]}, {registers[-1]} | " + " | ".join(models) + " |")
@@ -231,6 +242,11 @@ def main(argv: Sequence[str]) -> int:
     if "--where" in args:  # field=value,...: only the draws with those values
         at = args.index("--where")
         where = dict(pair.split("=", 1) for pair in args[at + 1].split(","))
+        del args[at:at + 2]
+    blocks = MIN_BLOCKS
+    if "--blocks" in args:  # n,...: only these
+        at = args.index("--blocks")
+        blocks = tuple(int(b) for b in args[at + 1].split(","))
         del args[at:at + 2]
     if "--json" in args:
         at = args.index("--json")
@@ -251,7 +267,7 @@ def main(argv: Sequence[str]) -> int:
         for spec in drawn:
             if spec.name in done:  # measured by an earlier run into the same file
                 continue
-            found = measure(spec, workdir, model)
+            found = measure(spec, workdir, model, blocks)
             rows += found
             if json_path:
                 with json_path.open("a") as out:
