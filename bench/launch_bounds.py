@@ -231,6 +231,34 @@ def summary(rows: Sequence[Row], drawn: Sequence[Any]) -> list[str]:
     return lines
 
 
+def by_size(rows: Sequence[Row], drawn: Sequence[Any]) -> list[str]:
+    """Per dtype, kernel, kind of column and ``row_terms`` (what the launch plan's rule reads): the
+    kernels, and at each n how many spill (their most bytes), and the blocks the rule gives."""
+    from ..codegen import targets
+
+    specs = {s.name: s for s in drawn}
+    ns = sorted({r.blocks for r in rows})
+    groups: dict[tuple, dict[int, list[Row]]] = {}
+    for r in rows:
+        spec = specs.get(r.spec)
+        if not r.kernel or spec is None:
+            continue
+        size = targets.cuda_row_terms(len(spec.costs), spec.steps, spec.order)
+        kind = targets.cuda_column_kind(spec.control)
+        key = (spec.dtype, r.kernel, kind, size, targets.cuda_min_blocks(r.kernel, spec.dtype, kind, size))
+        groups.setdefault(key, {}).setdefault(r.blocks, []).append(r)
+    lines = ["| dtype | kernel | kind | row_terms | kernels | " + " | ".join(f"spill at n={n} (most B)" for n in ns)
+             + " | the rule's n |", "|---|---|---|---:|---:|" + "---:|" * (len(ns) + 1)]
+    for (dtype, kernel, kind, size, blocks), at in sorted(groups.items()):
+        count = max(len(v) for v in at.values())
+        cells = []
+        for n in ns:
+            spilled = [r.spill_stores for r in at.get(n, []) if r.spill_stores]
+            cells.append(f"{len(spilled)} ({max(spilled)})" if spilled else "0")
+        lines.append(f"| {dtype} | {kernel} | {kind} | {size} | {count} | " + " | ".join(cells) + f" | {blocks} |")
+    return lines
+
+
 def main(argv: Sequence[str]) -> int:
     args = list(argv)
     model_dir = json_path = None
@@ -278,6 +306,8 @@ def main(argv: Sequence[str]) -> int:
     print("\n".join(table(rows)))
     print()
     print("\n".join(summary(rows, drawn)))
+    print()
+    print("\n".join(by_size(rows, drawn)))
     return 0
 
 
