@@ -133,7 +133,7 @@ def sm_blocks(registers: int, shared: int, threads: int = 256) -> int:
     return min(by_registers, by_shared, 64 // warps, 32)
 
 
-def _model(tools: Path) -> dict[str, Any]:
+def model_tools(tools: Path) -> dict[str, Any]:
     """The cuda_model tools' sass reader and issue model (sassraw.py, sim.py in ``tools``)."""
     sys.path.insert(0, str(tools))
     return {name: __import__(name) for name in ("sassraw", "sim")}
@@ -158,7 +158,8 @@ def measure(spec: Any, workdir: Path, model: Any = None, blocks: Sequence[int] =
             if model:
                 # the tools drop a name's prefix up to its order (``_o3_``): a fused spec's cost suffix stays
                 (ins,) = [f for name, f in functions.items() if name == kernel or name.endswith(f"_{kernel}")]
-                estimates = dict(instructions=len(ins), walk_cycles=model["sim"].simulate(ins, ins[0]["addr"], ins[-1]["addr"], 500)[0])
+                walk = model["sim"].simulate(ins, ins[0]["addr"], ins[-1]["addr"], 500)[0]  # a cold load: 500 cycles
+                estimates = dict(instructions=len(ins), walk_cycles=walk)
             rows.append(Row(spec.name, kernel, n, k.registers, k.spill_stores, k.stack,
                             sm_blocks(k.registers, k.shared), **estimates))
     return rows
@@ -284,7 +285,7 @@ def main(argv: Sequence[str]) -> int:
         print("launch_bounds: nvcc not found on PATH: no ptxas figures")
         return 0
     n, seed = (int(a) for a in args[:2])
-    model = _model(model_dir) if model_dir else None
+    model = model_tools(model_dir) if model_dir else None
     workdir = Path(tempfile.mkdtemp(prefix="tensorstep-bounds-"))
     rows: list[Row] = []
     drawn = specs(n, seed, where)

@@ -88,6 +88,35 @@ def test_with_min_blocks_sets_the_named_kernels_only():
         launch_bounds.with_min_blocks(source, ("dt_jvp",), 3)
 
 
+def test_blocks_an_sm_holds_by_registers():
+    """65,536 registers, allocated 256 a warp: 128 and 95 registers hold 2 blocks of 256, 80 hold 3,
+    64 hold 4; shared memory limits too (228 KB, 1 KB reserved a block)."""
+    assert [launch_bounds.sm_blocks(r, 0) for r in (128, 111, 95, 80, 64, 32)] == [2, 2, 2, 3, 4, 8]
+    assert launch_bounds.sm_blocks(32, 48 * 1024) == 4
+
+
+def test_the_draws_cover_the_fields_and_where_keeps_what_the_rule_reads():
+    drawn = launch_bounds.specs(60, 3)
+    for field, values in (("dtype", {"float32", "float64"}), ("layout", {"bhd", "bdh"}), ("order", {3, 4}),
+                          ("control", {"position", "velocity", "acceleration", "jerk", "bspline"}),
+                          ("dt", {"uniform", "per_step", "per_trajectory"})):
+        assert {getattr(s, field) for s in drawn} == values, field
+    assert all(s.costs for s in drawn) and all(16 <= s.horizon <= 256 for s in drawn)
+    kept = launch_bounds.specs(4, 3, where={"dtype": "float32", "kind": "spans", "row_terms": "16"})
+    assert all(s.dtype == "float32" and s.control == "bspline" for s in kept)
+    assert all(targets.cuda_row_terms(len(s.costs), s.steps, s.order) == 16 for s in kept)
+
+
+def test_the_table_by_size_counts_the_spills_at_each_n():
+    spec = ts.KernelSpec(horizon=32, dof=7, costs=COSTS, outputs=("P",))
+    Row = launch_bounds.Row
+    rows = [Row(spec.name, "forward", 2, 111, 0, 0, 2), Row(spec.name, "forward", 3, 80, 12, 16, 3),
+            Row(spec.name, "adjoint", 2, 95, 0, 0, 2), Row(spec.name, "adjoint", 3, 80, 0, 0, 3)]
+    lines = launch_bounds.by_size(rows, [spec])
+    assert lines[2:] == ["| float32 | adjoint | rows | 28 | 1 | 0 | 0 | 2 |",
+                         "| float32 | forward | rows | 28 | 1 | 0 | 1 (12) | 3 |"]
+
+
 #: the seeded sample of fused specs (bench/launch_bounds.py's draws) whose forward the rule gives 3
 #: blocks, compiled by ptxas: this many of each kind of column (row loops, B-spline spans)
 SAMPLE, SEED = 3, 11
