@@ -43,14 +43,12 @@ CUDA_MIN_BLOCKS = CUDA_SM_REGISTERS // (CUDA_BLOCK * CUDA_MAX_REGISTERS)
 #: (``cuda_column_kind``), the most ``cuda_row_terms`` of the spec, blocks), the first that holds.
 #: A fused float32 forward waits on L1 hits (its terms' weights and limits) at 2 blocks an SM, and
 #: the costs bench's (a row loop, order 3, seven terms: 28) ran faster at 3 on a GPU, slower at 4
-#: than at 3. So forwards no larger than that one ask for 3 where ptxas keeps them within 80
-#: registers: none of the surveyed row loops at 28 or less spilled there, while a B-spline's spans,
-#: each row a sum over its degree + 1 control points, spilled from 20 (degree 7), most from 24, and
-#: none at 16 or less (BENCHMARKS.md, "Launch bounds per kernel"). The adjoint keeps 2 until a GPU
-#: times it (bench/cuda_kernels.py --min-blocks).
+#: than at 3. So row-loop forwards no larger than that one ask for 3: none of the surveyed ones
+#: spilled at 80 registers (BENCHMARKS.md, "Launch bounds per kernel"). Only what a GPU has timed
+#: is here: a B-spline forward (its spans kept within 80 registers up to 16, spilling from 20) and
+#: the adjoint keep 2 until bench/cuda_kernels.py --min-blocks times them.
 CUDA_MORE_BLOCKS: tuple[tuple[str, str, str, int, int], ...] = (
     ("float32", "forward", "rows", 28, 3),
-    ("float32", "forward", "spans", 16, 3),
 )
 
 
