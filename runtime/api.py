@@ -59,7 +59,7 @@ class Step(torch.nn.Module):
         self._keyword_set = frozenset(self._keywords) if self._keywords is not None else None
         self.op_key = registry.register(launcher, device)
         self._dt_cache: dict[float, Tensor] = {}
-        self.native: Optional[int] = None  # handle of the native autograd node (CPU), once built
+        self.native: Optional[int] = None  # handle of the native autograd node, once built
         self._native_step = self._native_step_out = None
         #: where the native node keeps a fused step's cost parameters that passed the Python checks
         #: (runtime/native.py Slot; -1: none): those of calls that pass them, and the held ones
@@ -68,7 +68,8 @@ class Step(torch.nn.Module):
         self._slot_id = -1
         self._held_slot: Any = None
         self._held_slot_id = -1
-        self._native_pending = device.type == "cpu"
+        # CUDA steps: opt-in (TENSORSTEP_CUDA_NATIVE=1) until a GPU run confirms the node's launches
+        self._native_pending = device.type == "cpu" or (device.type == "cuda" and native_cuda_enabled())
         if self._native_pending:
             self._take_native()
         #: a fused step's plain twin (every state, no cost) for its composite form: loaded when first
@@ -543,6 +544,13 @@ def _compiled_step(key: str, family: str, inputs: list, dt: Tensor) -> list[Tens
     """The forward as the custom op torch.compile traces."""
     _custom_ops(key)
     return getattr(torch.ops.tensorstep, family)(key, *inputs, dt)
+
+
+def native_cuda_enabled() -> bool:
+    """CUDA steps take the native node (runtime/native.py ``cuda_enabled``)."""
+    from . import native
+
+    return native.cuda_enabled()
 
 
 def _transformed() -> bool:

@@ -240,8 +240,16 @@ def entry_points(args: ArgumentTable, part: str, metadata: dict) -> tuple[str, .
     return CUDA.entry_points(abi.part_kernels(part, args), args, str(metadata["coefficients"]))
 
 
+#: the temporaries' dtypes as the native node reads them (``CudaBackend.native_plan``): their codes
+TEMPORARY_DTYPES = ("float32", "float64")
+
+
 class CudaBackend:
     """The kernels of a spec on one CUDA device."""
+
+    #: the native node's launch and stream functions (runtime/native_node.cpp, as addresses): 0 for the
+    #: driver's cuLaunchKernel and PyTorch's current stream (a test double gives its own)
+    native_launch = (0, 0)
 
     def __init__(self, spec: Any, device: torch.device):
         if not torch.cuda.is_available():
@@ -325,6 +333,24 @@ class CudaBackend:
             with self.cupy.cuda.Device(self.index):
                 self._launch(packed, stream, args, buffers)
         del buffers  # queued: the caching allocator reuses them in stream order
+
+    def native_plan(self, kernel: str, B: int) -> list[int]:
+        """What the native node launches for an entry point over a batch of B, as ``Packed`` launches
+        it, flattened into integers (runtime/native_node.cpp ``read_plan``): the number of arguments
+        after B; the temporaries (count, then each one's elements and dtype code, ``TEMPORARY_DTYPES``);
+        the plan's integers (count, then each); the launches (count, then each one's function handle,
+        grid, block, shared memory bytes, and its parameters' positions after B: count, then each)."""
+        if kernel not in self.functions:
+            self.load_part(abi.library(kernel))
+        launches = self.plan.launches(kernel, B)
+        placed, constants = launches.positions
+        rows = [len(launches.parameters), len(launches.temporaries)]
+        for t in launches.temporaries:
+            rows += [t.size, TEMPORARY_DTYPES.index(t.dtype)]
+        rows += [len(constants), *constants, len(placed)]
+        for name, grid, block, shared, positions in placed:
+            rows += [self.handles[name], grid, block, shared, len(positions), *positions]
+        return rows
 
     def _pack(self, kernel: str, B: int, launches: Launches) -> Packed:
         packed = self._packed[(kernel, B)] = Packed(launches, B, self.handles)

@@ -12,6 +12,13 @@ the same checks and kernels without entering Python. ``TENSORSTEP_NATIVE=0`` tur
 cannot be built (no C++ compiler, no PyTorch headers) steps run on the Python path with one
 warning.
 
+CUDA steps (opt-in: ``TENSORSTEP_CUDA_NATIVE=1``; off by default until a GPU run has confirmed the
+node's launches bit for bit against the Python path's, tests/cuda/test_cuda_native.py) take the same
+node: it launches their kernels itself, through the driver's ``cuLaunchKernel``, with the launches
+runtime/cuda_backend.py works out (``CudaBackend.native_plan``: asked once per entry point and batch
+size, then kept in C++), on PyTorch's current stream, the temporaries from PyTorch's caching
+allocator. Without it a CUDA call takes the Python path (autograd.Function, ``Packed``).
+
 Nothing waits for the build: when no node is built yet, a background process builds it
 (under its folder's lock, so it completes even if this process exits first) while steps
 run on the Python path; a daemon thread loads it when it is done, and steps take it on their
@@ -46,6 +53,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from ..codegen.arguments import ABSENT, INDEX, KERNEL, MESSAGES, OPTIONAL, REQUIRED, STEP, ArgumentTable
+from ..codegen.targets import CUDA_LAUNCHES_KEPT
 from . import registry, unbuilt, validate
 from .cache import ABI_VERSION, BuildCache, cache_root, digest
 
@@ -62,6 +70,16 @@ BACKGROUND = True
 def enabled() -> bool:
     """False when TENSORSTEP_NATIVE is 0/false/off/no."""
     return os.environ.get("TENSORSTEP_NATIVE", "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+#: the switch of CUDA steps' native node (read when a step is loaded)
+CUDA_SWITCH = "TENSORSTEP_CUDA_NATIVE"
+
+
+def cuda_enabled() -> bool:
+    """CUDA steps take the native node: TENSORSTEP_CUDA_NATIVE is 1/true/on/yes (off by default until
+    a GPU run confirms it: see the module docstring), and TENSORSTEP_NATIVE does not turn it off."""
+    return enabled() and os.environ.get(CUDA_SWITCH, "0").strip().lower() in ("1", "true", "on", "yes")
 
 
 def _torch_paths() -> tuple[Path, list[Path]]:
@@ -317,11 +335,17 @@ def _register_python_parts() -> None:
     _PYTHON_IMPL.impl("adjoint_graph", adjoint_graph, "CompositeImplicitAutograd")
     _PYTHON_IMPL.impl("adjoint_graph_fused", adjoint_graph_fused, "CompositeImplicitAutograd")
     _PYTHON_IMPL.impl("raise_unbuilt", unbuilt.raise_unbuilt, "CompositeImplicitAutograd")
+    _PYTHON_IMPL.impl("cuda_plan", lambda handle, entry, batch: _CUDA_BACKENDS[handle].native_plan(entry, batch),
+                      "CompositeImplicitAutograd")
 
 
 def handle(launcher: Any) -> Optional[int]:
-    """Register a CPU launcher's kernels with the node; None when the node is unavailable or still
-    building (never waits, unless BACKGROUND is False)."""
+    """Register a launcher's kernels with the node; None when the node is unavailable or still
+    building (never waits, unless BACKGROUND is False), and for CUDA kernels unless ``cuda_enabled``
+    and their backend launches them directly (``CudaBackend.direct``)."""
+    cuda = _is_cuda(launcher.backend)
+    if cuda and not (cuda_enabled() and launcher.backend.direct):
+        return None
     if not _DONE.is_set():
         start()
         if not BACKGROUND:
@@ -332,7 +356,7 @@ def handle(launcher: Any) -> Optional[int]:
     if _PATH is None:
         return None
     with _LOCK:
-        return _handle(launcher)
+        return _cuda_handle(launcher) if cuda else _handle(launcher)
 
 
 def bind(key: str, handle: int, family: str) -> None:
@@ -382,6 +406,40 @@ def _handle(launcher: Any) -> int:
     if _LAUNCHERS.get(h) is None:
         _LAUNCHERS[h] = launcher
     return h
+
+
+def _is_cuda(backend: Any) -> bool:
+    from .cuda_backend import CudaBackend  # (imported here: a CPU program never needs it)
+
+    return isinstance(backend, CudaBackend)
+
+
+# A CUDA handle's backend, kept for the process (as a CPU library is): the node keeps its kernels'
+# function handles, which its modules must outlive (an autograd graph may run after its step is gone).
+_CUDA_BACKENDS: dict[int, Any] = {}
+_CUDA_HANDLES: dict[int, int] = {}  # id of a kept backend → its handle
+
+
+def _cuda_handle(launcher: Any) -> int:
+    backend = launcher.backend
+    h = _CUDA_HANDLES.get(id(backend))
+    if h is None:
+        launch, stream = backend.native_launch
+        h = int(torch.ops.tensorstep_native.register_kernels(
+            0, 0, **table_rows(launcher.table), dtype=launcher.dtype, cuda=True, device=str(backend.device),
+            launch=launch, stream=stream, plans_kept=CUDA_LAUNCHES_KEPT))
+        _KEYS[h] = registry.key_for(launcher.spec, backend.device)
+        _CUDA_BACKENDS[h] = backend
+        _CUDA_HANDLES[id(backend)] = h
+    if _LAUNCHERS.get(h) is None:
+        _LAUNCHERS[h] = launcher
+    return h
+
+
+def cuda_plans(handle: int) -> tuple[int, int]:
+    """A CUDA handle's launches kept in the node, and how many times it asked Python for them."""
+    kept, asked = torch.ops.tensorstep_native.cuda_plans(handle)
+    return int(kept), int(asked)
 
 
 def launcher(handle: int) -> Any:

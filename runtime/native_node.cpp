@@ -28,6 +28,9 @@
 #define AT_PER_OPERATOR_HEADERS
 #endif
 #include <ATen/EmptyTensor.h>
+#include <ATen/ops/_assert_async.h>
+#include <c10/core/DeviceGuard.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
@@ -41,6 +44,7 @@
 #include <torch/library.h>
 
 #if defined(__linux__)
+#include <dlfcn.h>
 #include <pthread.h>
 #include <sys/mman.h>
 #endif
@@ -120,6 +124,31 @@ enum Presence : int64_t { REQUIRED = 0, OPTIONAL = 1, ABSENT = 2 };
 // message templates, in the order runtime/native.py passes them
 enum Message { MISSING, UNEXPECTED, LAYOUT, DIMS, SHAPE, DTYPE, INDEX_DTYPE, DEVICE, EMPTY, NO_ROWS, N_MESSAGES };
 
+// A CUDA handle's launches (see "CUDA launches" below)
+struct CudaRun {
+  int64_t function, grid, block, shared;
+  std::vector<int64_t> positions;  // of the launch's parameters after B, among the slots after B
+};
+
+struct CudaPlan {
+  int64_t arguments = 0;
+  std::vector<std::pair<int64_t, at::ScalarType>> temporaries;  // (elements, dtype)
+  std::vector<int64_t> constants;
+  std::vector<CudaRun> runs;
+};
+
+// the temporaries' dtypes, in the order of runtime/cuda_backend.py's TEMPORARY_DTYPES
+constexpr std::array<at::ScalarType, 2> TEMPORARY_DTYPES{at::kFloat, at::kDouble};
+
+struct CudaPlans {
+  explicit CudaPlans(size_t limit) : limit(limit) {}
+  std::mutex mutex;
+  std::map<std::pair<int64_t, int64_t>, std::shared_ptr<const CudaPlan>> kept;  // (entry point, B) →
+  std::deque<std::pair<int64_t, int64_t>> order;                               // oldest first
+  size_t limit;
+  int64_t asked = 0;  // how many times Python was asked (a test's count)
+};
+
 struct Row {
   std::string name, meaning;
   std::vector<int64_t> shape;  // sizes; a negative code -1-i stands for free symbol i (B, S, ...)
@@ -142,6 +171,14 @@ struct Kernels {
   // the free symbols their shapes use
   std::vector<int64_t> kept_rows, kept_symbols;
   std::vector<bool> kept;  // per row: one of kept_rows
+  // CUDA kernels (see "CUDA launches" below): the step's device, whose tensors alone are taken; the
+  // launches of each (entry point, B) as Python works them out once; the launch and stream functions
+  // (0: the driver's cuLaunchKernel, PyTorch's current stream)
+  bool cuda = false;
+  c10::Device device{c10::DeviceType::CPU};
+  int64_t handle = -1;
+  std::shared_ptr<CudaPlans> plans;
+  int64_t launch = 0, stream = 0;
 };
 
 // One entry per library of kernels registered (runtime/native.py reuses a library's handle), kept for
@@ -161,7 +198,8 @@ int64_t register_kernels(int64_t forward, int64_t adjoint, std::vector<std::stri
                          std::vector<int64_t> differentiable, std::vector<int64_t> output_shapes,
                          std::vector<int64_t> output_ranks, std::vector<std::string> symbols,
                          std::vector<std::string> messages, at::ScalarType dtype, bool fused,
-                         std::vector<int64_t> kept) {
+                         std::vector<int64_t> kept, bool cuda, const std::string& device, int64_t launch,
+                         int64_t stream, int64_t plans_kept) {
   TORCH_CHECK(messages.size() == N_MESSAGES, "tensorstep: expected ", N_MESSAGES, " message templates");
   Kernels k{forward, adjoint, {}, {}, static_cast<int64_t>(output_ranks.size()), std::move(symbols),
             std::move(messages), dtype};
@@ -186,7 +224,13 @@ int64_t register_kernels(int64_t forward, int64_t adjoint, std::vector<std::stri
     k.rows.push_back(Row{names[i], meanings[i], std::move(shape), rules[i], presences[i], indices[i],
                          differentiable[i] != 0});
   }
+  k.cuda = cuda;
+  k.device = c10::Device(device);
+  k.launch = launch;
+  k.stream = stream;
+  if (cuda) k.plans = std::make_shared<CudaPlans>(static_cast<size_t>(std::max<int64_t>(plans_kept, 1)));
   std::lock_guard<std::mutex> guard(registry_mutex);
+  k.handle = static_cast<int64_t>(registry.size());
   registry.push_back(std::move(k));
   return static_cast<int64_t>(registry.size()) - 1;
 }
@@ -294,10 +338,11 @@ bool check_row(const Kernels& k, const Row& row, const Tensor& t, std::vector<in
     // a fixed count, or one per trajectory (shape (B,): B is bound by the rows before dt)
     const int64_t n = row.shape[0] >= 0 ? row.shape[0] : sizes[-1 - row.shape[0]];
     if (n < 0) return false;
-    if (t.dim() > 1 || t.numel() != n || !t.is_floating_point() || !t.device().is_cpu()) return false;
+    if (t.dim() > 1 || t.numel() != n || !t.is_floating_point() || t.device() != k.device) return false;
     // the kernel's vector as it is (a float dt's cached tensor), else reshaped and converted
     const bool ready = t.dim() == 1 && t.scalar_type() == k.dtype && t.is_contiguous() && !t.is_neg();
     out = ready ? t : kernel_input(t.reshape({n}).to(k.dtype), false);
+    if (!out.device().is_cpu()) return true;  // a device's dt values are not read (no host synchronisation), as in Python
     const auto* x = out.const_data_ptr();
     for (int64_t i = 0; i < n; ++i) {
       const double v = k.dtype == at::kFloat ? static_cast<const float*>(x)[i] : static_cast<const double*>(x)[i];
@@ -330,18 +375,24 @@ bool check_row(const Kernels& k, const Row& row, const Tensor& t, std::vector<in
     TORCH_CHECK_TYPE(t.scalar_type() == k.dtype,
                      say(k, DTYPE, row, {{"expected", dtype_text(k.dtype)}, {"got", dtype_text(t.scalar_type())}}));
   }
-  TORCH_CHECK_VALUE(t.device().is_cpu(), say(k, DEVICE, row, {{"expected", "cpu"}, {"got", t.device().str()}}));
+  TORCH_CHECK_VALUE(t.device() == k.device, say(k, DEVICE, row, {{"expected", k.device.str()}, {"got", t.device().str()}}));
   out = kernel_input(t, row.rule == INDEX);
   return true;
 }
 
-// Every index entry names a row of the tables it picks from.
+// Every index entry names a row of the tables it picks from: read on the CPU; on a device, an
+// asynchronous device-side assert (runtime/validate.py check_index_values: no host synchronisation).
 bool indices_in_range(const Kernels& k, const std::vector<Tensor>& inputs) {
   for (size_t i = 0; i < k.rows.size(); ++i) {
     if (k.rows[i].rule != INDEX || !inputs[i].defined()) continue;
     int64_t rows = -1;
     for (size_t j = 0; j < k.rows.size() && rows < 0; ++j) {
       if (k.rows[j].index == static_cast<int64_t>(i) && inputs[j].defined()) rows = inputs[j].size(0);
+    }
+    if (!inputs[i].device().is_cpu()) {
+      const Tensor& x = inputs[i];
+      at::_assert_async(x.ge(0).logical_and_(x.lt(rows)).all(), k.rows[i].name + " out of range");
+      continue;
     }
     const int64_t* x = inputs[i].const_data_ptr<int64_t>();
     for (int64_t b = 0; b < inputs[i].numel(); ++b) {
@@ -724,12 +775,198 @@ std::vector<int64_t> output_cache(int64_t limit, bool release) {
 #endif
 }
 
+// ---- CUDA launches: what runtime/cuda_backend.py's Packed does, in C++ ---------------------------
+// A handle whose kernels are CUDA (Kernels::cuda) runs an entry point as the launches of the build's
+// launch plan (codegen/targets.py Launches): each launch's function handle, grid, block, shared bytes,
+// and its parameters as pointers into one array of 8-byte slots (B, the call's arguments, its
+// temporaries' addresses, the plan's integers), passed to cuLaunchKernel on PyTorch's current stream of
+// the step's device. Python works a (entry point, B) pair's launches out once, on its first call
+// (tensorstep_native::cuda_plan: runtime/cuda_backend.py CudaBackend.native_plan), and they are kept here, as Packed is kept. The
+// temporaries come from at::empty on the device (the caching allocator, in stream order, as Python's).
+using LaunchKernel = int (*)(void* function, unsigned grid_x, unsigned grid_y, unsigned grid_z, unsigned block_x,
+                             unsigned block_y, unsigned block_z, unsigned shared, void* stream, void** params,
+                             void** extra);
+using StreamOf = int64_t (*)(int64_t device);  // the raw handle of the current stream on a device
+
+const char* const ENTRY_POINTS[] = {"forward", "adjoint"};
+enum Entry : int64_t { FORWARD = 0, ADJOINT = 1 };
+
+// Python's answer, as CudaBackend.native_plan flattens it: arguments, temporaries (count, then
+// elements and dtype code each), constants (count, then each), launches (count, then function, grid,
+// block, shared bytes, parameter count and positions each).
+CudaPlan read_plan(const std::vector<int64_t>& v) {
+  CudaPlan plan;
+  size_t at = 0;
+  auto next = [&]() {
+    TORCH_CHECK(at < v.size(), "tensorstep: internal error: a truncated CUDA launch plan");
+    return v[at++];
+  };
+  plan.arguments = next();
+  for (int64_t n = next(); n > 0; --n) {
+    const int64_t size = next(), code = next();
+    TORCH_CHECK(code >= 0 && code < static_cast<int64_t>(TEMPORARY_DTYPES.size()), "tensorstep: a temporary's dtype code ", code);
+    plan.temporaries.emplace_back(size, TEMPORARY_DTYPES[code]);
+  }
+  for (int64_t n = next(); n > 0; --n) plan.constants.push_back(next());
+  const int64_t slots = plan.arguments + static_cast<int64_t>(plan.temporaries.size() + plan.constants.size());
+  for (int64_t n = next(); n > 0; --n) {
+    CudaRun run;
+    run.function = next();
+    run.grid = next();
+    run.block = next();
+    run.shared = next();
+    for (int64_t m = next(); m > 0; --m) {
+      run.positions.push_back(next());
+      TORCH_CHECK(run.positions.back() >= 0 && run.positions.back() < slots, "tensorstep: a launch parameter's position");
+    }
+    plan.runs.push_back(std::move(run));
+  }
+  TORCH_CHECK(at == v.size(), "tensorstep: internal error: a CUDA launch plan longer than its counts");
+  return plan;
+}
+
+std::shared_ptr<const CudaPlan> plan_for(const Kernels& k, Entry entry, int64_t B) {
+  CudaPlans& plans = *k.plans;
+  const std::pair<int64_t, int64_t> key{entry, B};
+  {
+    std::lock_guard<std::mutex> guard(plans.mutex);
+    const auto found = plans.kept.find(key);
+    if (found != plans.kept.end()) return found->second;
+    ++plans.asked;
+  }
+  // asked without the lock held: Python takes the GIL, which another thread may hold while it waits here
+  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("tensorstep_native::cuda_plan", "");
+  torch::jit::Stack stack{c10::IValue(k.handle), c10::IValue(std::string(ENTRY_POINTS[entry])), c10::IValue(B)};
+  op.callBoxed(stack);
+  auto plan = std::make_shared<const CudaPlan>(read_plan(stack[0].toIntVector()));
+  std::lock_guard<std::mutex> guard(plans.mutex);
+  if (plans.kept.emplace(key, plan).second) {
+    plans.order.push_back(key);
+    if (plans.order.size() > plans.limit) {  // the oldest
+      plans.kept.erase(plans.order.front());
+      plans.order.pop_front();
+    }
+  }
+  return plan;
+}
+
+// The driver's functions, found in libcuda.so.1 at first use (the node links no CUDA library: it is
+// built against the CPU headers of any PyTorch): cuLaunchKernel, and what makes a device's primary
+// context current on a thread where none is (as the runtime API does on its first call on a thread).
+struct Driver {
+  LaunchKernel launch = nullptr;
+  int (*current)(void**) = nullptr;                // cuCtxGetCurrent
+  int (*device)(int*, int) = nullptr;              // cuDeviceGet
+  int (*retain)(void**, int) = nullptr;            // cuDevicePrimaryCtxRetain
+  int (*make_current)(void*) = nullptr;            // cuCtxSetCurrent
+};
+
+const Driver& driver() {
+#if defined(__linux__)
+  static const Driver found = [] {
+    void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    TORCH_CHECK(lib, "tensorstep: the CUDA driver (libcuda.so.1) could not be loaded: ", dlerror());
+    Driver d;
+    auto symbol = [&](const char* name) {
+      void* f = dlsym(lib, name);
+      TORCH_CHECK(f, "tensorstep: the CUDA driver has no ", name);
+      return f;
+    };
+    d.launch = reinterpret_cast<LaunchKernel>(symbol("cuLaunchKernel"));
+    d.current = reinterpret_cast<int (*)(void**)>(symbol("cuCtxGetCurrent"));
+    d.device = reinterpret_cast<int (*)(int*, int)>(symbol("cuDeviceGet"));
+    d.retain = reinterpret_cast<int (*)(void**, int)>(symbol("cuDevicePrimaryCtxRetain"));
+    d.make_current = reinterpret_cast<int (*)(void*)>(symbol("cuCtxSetCurrent"));
+    return d;
+  }();
+  return found;
+#else
+  TORCH_CHECK(false, "tensorstep: the native node launches CUDA kernels on Linux only");
+#endif
+}
+
+void driver_check(int result, const char* what) {
+  TORCH_CHECK(result == 0, "tensorstep: ", what, " failed with CUDA driver error ", result);
+}
+
+// A thread whose first CUDA work on a device is this launch (an autograd engine thread, say) may have
+// no context current: the device's primary context, retained once per device for the process.
+void make_context_current(const Driver& d, c10::DeviceIndex index) {
+  void* context = nullptr;
+  driver_check(d.current(&context), "cuCtxGetCurrent");
+  if (context) return;
+  static std::mutex mutex;
+  static std::map<int, void*> primary;
+  {
+    std::lock_guard<std::mutex> guard(mutex);
+    void*& found = primary[index];
+    if (!found) {
+      int device = 0;
+      driver_check(d.device(&device, index), "cuDeviceGet");
+      driver_check(d.retain(&found, device), "cuDevicePrimaryCtxRetain");
+    }
+    context = found;
+  }
+  driver_check(d.make_current(context), "cuCtxSetCurrent");
+}
+
+void launch_cuda(const Kernels& k, Entry entry, int64_t B, const std::vector<void*>& args) {
+  const std::shared_ptr<const CudaPlan> plan = plan_for(k, entry, B);
+  TORCH_CHECK(static_cast<int64_t>(args.size()) == plan->arguments, "tensorstep: ", ENTRY_POINTS[entry], " takes ",
+              plan->arguments, " arguments after B, given ", args.size());
+  c10::OptionalDeviceGuard guard;
+  if (k.device.is_cuda()) guard.reset_device(k.device);
+  std::vector<Tensor> temporaries;  // kept until the launches are queued
+  temporaries.reserve(plan->temporaries.size());
+  for (const auto& [size, dtype] : plan->temporaries) {
+    temporaries.push_back(at::empty({size}, at::TensorOptions().dtype(dtype).device(k.device)));
+  }
+  c10::SmallVector<int64_t, 64> slots;  // B, then the values the launches' positions index
+  slots.push_back(B);
+  for (void* a : args) slots.push_back(static_cast<int64_t>(reinterpret_cast<intptr_t>(a)));
+  for (const auto& t : temporaries) slots.push_back(static_cast<int64_t>(reinterpret_cast<intptr_t>(ptr(t))));
+  slots.append(plan->constants.begin(), plan->constants.end());
+  LaunchKernel launch = reinterpret_cast<LaunchKernel>(k.launch);
+  if (!launch) {
+    const Driver& d = driver();
+    make_context_current(d, k.device.index());
+    launch = d.launch;
+  }
+  void* stream = k.stream ? reinterpret_cast<void*>(static_cast<intptr_t>(reinterpret_cast<StreamOf>(k.stream)(k.device.index())))
+                          : c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(k.device).native_handle();
+  c10::SmallVector<void*, 32> params;
+  for (const auto& run : plan->runs) {
+    params.clear();
+    params.push_back(&slots[0]);
+    for (const auto p : run.positions) params.push_back(&slots[1 + p]);
+    const int result = launch(reinterpret_cast<void*>(static_cast<intptr_t>(run.function)),
+                              static_cast<unsigned>(run.grid), 1, 1, static_cast<unsigned>(run.block), 1, 1,
+                              static_cast<unsigned>(run.shared), stream, params.data(), nullptr);
+    TORCH_CHECK(result == 0, "tensorstep: cuLaunchKernel failed with CUDA driver error ", result, " (",
+                ENTRY_POINTS[entry], ", B=", B, ")");
+  }
+}
+
+// A CUDA handle's launches kept, and how many times Python was asked for them.
+std::vector<int64_t> cuda_plans(int64_t handle) {
+  const Kernels& k = kernels(handle);
+  TORCH_CHECK(k.cuda, "tensorstep: handle ", handle, " runs no CUDA kernels");
+  std::lock_guard<std::mutex> guard(k.plans->mutex);
+  return {static_cast<int64_t>(k.plans->kept.size()), k.plans->asked};
+}
+
+// An entry point of a handle's kernels: the C kernel called by address, or the CUDA launches.
+void run_entry(const Kernels& k, Entry entry, int64_t B, std::vector<void*>& args) {
+  if (k.cuda) return launch_cuda(k, entry, B, args);
+  call(entry == FORWARD ? k.forward : k.adjoint, B, args);
+}
+
 void run_forward(const Kernels& k, const std::vector<Tensor>& inputs, const std::vector<Tensor>& ys) {
   std::vector<void*> args;
   args.reserve(inputs.size() + ys.size());
   for (const auto& t : inputs) args.push_back(ptr(t));
   for (const auto& y : ys) args.push_back(ptr(y));
-  call(k.forward, inputs[0].size(0), args);
+  run_entry(k, FORWARD, inputs[0].size(0), args);
 }
 
 // Every trajectory's adjoint is the same linear map: dt is one vector for the whole batch (not
@@ -765,7 +1002,7 @@ variable_list run_adjoint(const Kernels& k, const variable_list& grads, const Te
     per_batch.push_back(per_batch.empty() || needs(i) ? fresh(resolve(row.shape, sizes), like.options()) : Tensor());
     args.push_back(ptr(per_batch.back()));
   }
-  call(k.adjoint, B, args);
+  run_entry(k, ADJOINT, B, args);
   return per_batch;
 }
 
@@ -1002,7 +1239,7 @@ bool step_out(int64_t handle, const Given& given, const std::vector<Tensor>& out
   for (size_t i = 0; i < out.size(); ++i) {
     const Tensor& y = out[i];
     const auto shape = resolve(k.output_shapes[i], c.sizes);
-    if (!y.defined() || y.layout() != at::kStrided || !y.device().is_cpu() || y.scalar_type() != k.dtype ||
+    if (!y.defined() || y.layout() != at::kStrided || y.device() != k.device || y.scalar_type() != k.dtype ||
         !y.is_contiguous() || y.sizes() != at::IntArrayRef(shape) || (grad && y.requires_grad()) || y.is_inference() ||
         y.is_neg()) {
       return false;
@@ -1032,12 +1269,13 @@ std::vector<std::string> strings(const c10::IValue& v) {
 }
 
 void register_kernels_boxed(const c10::OperatorHandle&, Stack* stack) {
-  constexpr size_t n = 17;
+  constexpr size_t n = 22;
   const auto a = torch::jit::last(*stack, n);
   const int64_t h = register_kernels(a[0].toInt(), a[1].toInt(), strings(a[2]), strings(a[3]), a[4].toIntVector(),
                                      a[5].toIntVector(), a[6].toIntVector(), a[7].toIntVector(), a[8].toIntVector(),
                                      a[9].toIntVector(), a[10].toIntVector(), a[11].toIntVector(), strings(a[12]),
-                                     strings(a[13]), a[14].toScalarType(), a[15].toBool(), a[16].toIntVector());
+                                     strings(a[13]), a[14].toScalarType(), a[15].toBool(), a[16].toIntVector(),
+                                     a[17].toBool(), a[18].toStringRef(), a[19].toInt(), a[20].toInt(), a[21].toInt());
   torch::jit::drop(*stack, n);
   stack->emplace_back(h);
 }
@@ -1278,7 +1516,8 @@ extern "C" void tensorstep_unbuilt(int32_t kept) { unbuilt = kept != 0; }
 TORCH_LIBRARY(tensorstep_native, m) {
   m.def("register_kernels(int forward, int adjoint, str[] names, str[] meanings, int[] ranks, int[] shapes, "
         "int[] rules, int[] presences, int[] indices, int[] differentiable, int[] output_shapes, "
-        "int[] output_ranks, str[] symbols, str[] messages, ScalarType dtype, bool fused, int[] kept) -> int",
+        "int[] output_ranks, str[] symbols, str[] messages, ScalarType dtype, bool fused, int[] kept, "
+        "bool cuda=False, str device=\"cpu\", int launch=0, int stream=0, int plans_kept=0) -> int",
         torch::CppFunction::makeFromBoxedFunction<&register_kernels_boxed>());
   m.def("step(int handle, Tensor?[] inputs, int slot=-1, int held=-1) -> Tensor[]");
   m.def("step_out(int handle, Tensor?[] inputs, Tensor(a!)[] out, int slot=-1, int held=-1) -> bool");
@@ -1288,10 +1527,12 @@ TORCH_LIBRARY(tensorstep_native, m) {
   m.def("bind(str key, int handle, str family) -> ()", torch::CppFunction::makeFromBoxedFunction<&bind_boxed>());
   m.def("empty_output(int[] shape, ScalarType dtype) -> Tensor", &empty_output);
   m.def("output_cache(int limit=-1, bool release=False) -> int[]", &output_cache);
+  m.def("cuda_plans(int handle) -> int[]", &cuda_plans);
   // implemented in Python (runtime/native.py): the create_graph adjoint, and the ops' Python path
   m.def("adjoint_graph(int handle, Tensor?[] grads, Tensor dt, int batch) -> Tensor[]");
   m.def("adjoint_graph_fused(int handle, Tensor?[] inputs, Tensor?[] grads, Tensor dt) -> Tensor[]");
   m.def("raise_unbuilt() -> ()");
+  m.def("cuda_plan(int handle, str entry, int batch) -> int[]");
   m.def("forward_py(str key, Tensor?[] inputs) -> Tensor[]");
   m.def("adjoint_py(str key, int batch, Tensor?[] grads, Tensor dt, bool[]? needed) -> Tensor[]");
   m.def("forward_autograd_py(str key, Tensor?[] inputs) -> Tensor[]");

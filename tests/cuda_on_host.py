@@ -277,13 +277,23 @@ def _library(source: str, declarations: str) -> tuple[Any, Any]:
 
 #: the stream the host double's launches go on (any handle: the host runs them in turn)
 HOST_STREAM = 0x5EED
+#: the driver's cuLaunchKernel as a C function type (CUresult, CUfunction, grid xyz, block xyz, shared
+#: bytes, CUstream, kernelParams, extra), for the native node's launches (runtime/native_node.cpp)
+LAUNCH_KERNEL = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, *(ctypes.c_uint,) * 7, ctypes.c_void_p,
+                                 ctypes.c_void_p, ctypes.c_void_p)
+#: the node's stream function: the raw handle of the current stream on a device (by index)
+STREAM_OF = ctypes.CFUNCTYPE(ctypes.c_int64, ctypes.c_int64)
+#: what the launch double returns when a launch failed here (any CUresult but 0)
+LAUNCH_FAILED = 999
 
 
 class HostCudaBackend(CudaBackend):
     """The CUDA kernels run on the host, launched by the generated launch plan (or ``plan``)
     through the CUDA backend's own call (runtime/cuda_backend.py ``CudaBackend.call``): its
     parameters packed for the driver (``Packed``), and this double's ``cuLaunchKernel`` reading
-    each parameter back as the kernel's C signature declares it before it runs the kernel."""
+    each parameter back as the kernel's C signature declares it before it runs the kernel. The
+    native node (runtime/native_node.cpp) launches through the same double, as a C function
+    (``native_launch``: the launch and stream functions' addresses)."""
 
     def __init__(self, spec: Any, plan: Any = None):  # no CuPy, no GPU: CudaBackend's state set here
         self.spec = spec
@@ -305,6 +315,12 @@ class HostCudaBackend(CudaBackend):
         self._contexts = threading.local()
         self._contexts.__dict__[0] = True  # no context to make current
         self.direct = True
+        #: each launch's parameters after the grid and block, as the kernel read them (``launched``'s order)
+        self.parameters: list[tuple[int, ...]] = []
+        self.errors: list[BaseException] = []  # what failed in a launch from C (a callback cannot raise)
+        # kept: the node calls them by address
+        self._native_functions = (LAUNCH_KERNEL(self._native_host_launch), STREAM_OF(lambda index: HOST_STREAM))
+        self.native_launch = tuple(ctypes.cast(f, ctypes.c_void_p).value for f in self._native_functions)
 
     def load_part(self, part: str) -> None:
         """Every kernel is built at once."""
@@ -322,7 +338,8 @@ class HostCudaBackend(CudaBackend):
         assert shared == 0 and bx % 32 == 0 and 0 < bx <= MAX_BLOCK, "a launch the host run cannot model"
         declared = abi.cuda_arguments(kernel, self.table)
         lengths = {ctypes.addressof(p): len(p) for packed in self._packed.values() for p in packed._pointers}
-        assert lengths[params] == len(declared), f"{kernel}: {lengths[params]} parameters packed, {len(declared)} declared"
+        n = lengths.get(params, len(declared))  # (the native node's arrays are its own: one per declared parameter)
+        assert n == len(declared), f"{kernel}: {n} parameters packed, {len(declared)} declared"
         pointers = (ctypes.c_void_p * len(declared)).from_address(params)
         values = []
         for (ctype, _), at in zip(declared, pointers):
@@ -332,12 +349,27 @@ class HostCudaBackend(CudaBackend):
                 assert "*" in ctype, f"{kernel}: a parameter of type {ctype}"
                 values.append(ctypes.c_void_p.from_address(at).value or 0)
         self.launched.append((kernel, gx, bx))
+        self.parameters.append(tuple(values))
         getattr(self.lib, abi.symbol(self.spec.name, kernel))(gx, bx, *values)
 
+    def _native_host_launch(self, f: int, gx: int, gy: int, gz: int, bx: int, by: int, bz: int, shared: int,
+                            stream: Any, params: int, extra: Any) -> int:
+        """The launch double as the native node calls it (a C function): ``_host_launch``, a failure
+        kept in ``errors`` and returned as a CUresult (an exception cannot cross the C call)."""
+        try:
+            self._host_launch(f, gx, gy, gz, bx, by, bz, shared, stream or 0, params, extra or 0)
+            return 0
+        except BaseException as err:  # noqa: B036 (kept for the test, which raises it)
+            self.errors.append(err)
+            return LAUNCH_FAILED
 
-def host_step(spec: Any) -> Step:
-    """A CPU Step whose calls run the CUDA kernels on the host (the Python autograd path: the
-    native node calls C entry points, which the CUDA kernels are not)."""
+
+def host_step(spec: Any, native: bool = False) -> Step:
+    """A CPU Step whose calls run the CUDA kernels on the host: on the Python autograd path, or with
+    ``native`` on the native node's CUDA launches (which TENSORSTEP_CUDA_NATIVE=1 must turn on; the
+    step's ``native`` is None where the node is unavailable)."""
+    if native:
+        return Step(spec, torch.device("cpu"), Launcher(spec, HostCudaBackend(spec)))
     with mock.patch.object(Step, "_take_native", lambda self: None):
         step = Step(spec, torch.device("cpu"), Launcher(spec, HostCudaBackend(spec)))
     step.native, step._native_pending = None, False
