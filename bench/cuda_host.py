@@ -1,21 +1,27 @@
 """Host time of a CUDA step's call, by launch path (``python -m tensorstep.bench.cuda_host``).
 
 The costs bench's case (bench/costs.py: B=400, float32, H=32, D=7; fused: the seven terms, outputs
-P; plain: the step alone, gradient on P only), forward+backward, with the launches going straight
-to the driver ("direct", runtime/cuda_backend.py ``Packed``) and through CuPy's RawKernel call
-("cupy", what ``TENSORSTEP_CUDA_LAUNCH=cupy`` selects), the four (method, path) pairs taking turns
-in every round (a throughput loop of ``--calls`` calls after warm-up, synchronised, per call;
-the median over ``--rounds``). First the two paths' outputs and gradients are compared bit for
-bit (the same launches: they must be equal).
+P; plain: the step alone, gradient on P only), forward+backward, on three paths: the native node
+launching the kernels itself ("native", runtime/native_node.cpp, what ``TENSORSTEP_CUDA_NATIVE=1``
+selects), and the Python path with its launches going straight to the driver ("direct",
+runtime/cuda_backend.py ``Packed``) or through CuPy's RawKernel call ("cupy", what
+``TENSORSTEP_CUDA_LAUNCH=cupy`` selects), the six (method, path) pairs taking turns in every round
+(a throughput loop of ``--calls`` calls after warm-up, synchronised, per call; the median over
+``--rounds``). First the three paths' outputs and gradients are compared bit for bit (the same
+launches: they must be equal).
 
 ``--stub``: no GPU needed: the same calls on the CPU, every launch stubbed out (a stand-in CuPy
-whose launches do nothing, PyTorch's stream read stubbed in both paths), so only the Python path
-is timed; the CuPy call's own conversion of each argument is not in these figures.
+whose launches do nothing, PyTorch's stream read stubbed; the native node's launch and stream
+functions C functions that do nothing), so only the host's work is timed; the CuPy call's own
+conversion of each argument is not in these figures.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
+import functools
+import os
 import statistics
 import time
 import types
@@ -67,8 +73,36 @@ def _stubbed() -> Iterator[None]:
         yield
 
 
-def _stub_step(spec: Any) -> Any:
-    """A step on the CPU whose kernels are a CudaBackend on ``_StubCupy`` (the Python path, as on CUDA)."""
+#: a launch (cuLaunchKernel's signature) and a stream function that do nothing, for the native node
+_STUB_FUNCTIONS = """int ts_stub_launch(void* f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
+                   unsigned bz, unsigned shared, void* stream, void** params, void** extra) { return 0; }
+long long ts_stub_stream(long long device) { return 0; }
+"""
+
+
+@functools.lru_cache(maxsize=None)
+def _stub_functions() -> tuple[ctypes.CDLL, tuple[int, int]]:
+    """The stub functions built by the C backend's compiler (cached by content): (library, addresses)."""
+    from ..runtime import cbackend
+    from ..runtime.cache import BuildCache, digest
+
+    path = BuildCache().build(digest(_STUB_FUNCTIONS, cbackend.environment_key()), "so", _STUB_FUNCTIONS,
+                              cbackend._compile, {})
+    lib = ctypes.CDLL(str(path))
+    return lib, tuple(ctypes.cast(f, ctypes.c_void_p).value for f in (lib.ts_stub_launch, lib.ts_stub_stream))
+
+
+def _native_switch() -> Any:
+    """CUDA steps loaded inside take the native node (``TENSORSTEP_CUDA_NATIVE=1``)."""
+    from ..runtime.native import CUDA_SWITCH
+
+    return mock.patch.dict(os.environ, {CUDA_SWITCH: "1"})
+
+
+def _stub_step(spec: Any, native: bool = False) -> Any:
+    """A step on the CPU whose kernels are a CudaBackend on ``_StubCupy`` (the Python path, as on CUDA;
+    with ``native``, the native node's launches, through ``_stub_functions``)."""
+    from ..runtime import native as node
     from ..runtime.api import Step
     from ..runtime.cuda_backend import CudaBackend
     from ..runtime.launch import Launcher
@@ -76,14 +110,35 @@ def _stub_step(spec: Any) -> Any:
     backend = CudaBackend(spec, torch.device("cuda", 0))
     backend.device = torch.device("cpu")
     backend.empty = lambda size, dtype: torch.empty(size, dtype=dtype)
+    if native:
+        backend.native_launch = _stub_functions()[1]
+        node.wait()
+        with _native_switch():
+            step = Step(spec, torch.device("cpu"), Launcher(spec, backend))
+        if step.native is None:
+            raise SystemExit("the native autograd node is unavailable here (no C++ compiler?)")
+        return step
     with mock.patch.object(Step, "_take_native", lambda self: None):
         step = Step(spec, torch.device("cpu"), Launcher(spec, backend))
     step.native, step._native_pending = None, False
     return step
 
 
-def callables(case: CostCase, stub: bool) -> tuple[dict[str, Callable[[], Any]], dict[str, Any]]:
-    """(each method's forward+backward as a no-argument callable, each method's step)."""
+def _load_native(spec: Any, device: torch.device) -> Any:
+    import tensorstep as ts
+    from ..runtime import native as node
+
+    node.wait()
+    with _native_switch():
+        step = ts.load(spec, device)
+    if step.native is None:
+        raise SystemExit("the native autograd node is unavailable here (no C++ compiler?)")
+    return step
+
+
+def callables(case: CostCase, stub: bool, native: bool = False) -> tuple[dict[str, Callable[[], Any]], dict[str, Any]]:
+    """(each method's forward+backward as a no-argument callable, each method's step); ``native``:
+    steps on the native node (else the Python path)."""
     import tensorstep as ts
 
     dev = torch.device(case.device)
@@ -92,7 +147,10 @@ def callables(case: CostCase, stub: bool) -> tuple[dict[str, Callable[[], Any]],
     params = parameters(case, gen)
     W = torch.randn(case.batch, case.horizon, case.dof, generator=gen, dtype=case.torch_dtype).to(dev)
     ones = torch.ones(case.batch, len(TERMS), dtype=case.torch_dtype, device=dev)
-    load = _stub_step if stub else (lambda spec: ts.load(spec, dev))
+    if stub:
+        load = functools.partial(_stub_step, native=native)
+    else:
+        load = functools.partial(_load_native, device=dev) if native else (lambda spec: ts.load(spec, dev))
     fused, plain = load(case.fused), load(case.plain)
 
     def fused_call() -> tuple:
@@ -116,12 +174,16 @@ def _cupy_version() -> str:
     return str(cupy.__version__)
 
 
+#: the launch paths, in the order they are printed
+PATHS = ("native", "direct", "cupy")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch", type=int, default=400)
     parser.add_argument("--calls", type=int, default=300, help="calls per timed loop")
     parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--stub", action="store_true", help="no GPU: launches stubbed out, the CPU's Python path")
+    parser.add_argument("--stub", action="store_true", help="no GPU: launches stubbed out, the CPU's host work")
     args = parser.parse_args(argv)
     stub = args.stub or not torch.cuda.is_available()
     case = CostCase(batch=args.batch, device="cpu" if stub else "cuda")
@@ -129,24 +191,28 @@ def main(argv: list[str] | None = None) -> None:
     sync = torch.cuda.synchronize if not stub else (lambda: None)
     with context:
         methods, steps = callables(case, stub)
+        native_methods, _ = callables(case, stub, native=True)
 
-        def use(method: str, direct: bool) -> Callable[[], Any]:
+        def use(method: str, path: str) -> Callable[[], Any]:
+            if path == "native":
+                return native_methods[method]
             backend = steps[method].launcher.backend
-            if direct and not backend.handles:
+            if path == "direct" and not backend.handles:
                 raise SystemExit("no direct launches here: CuPy offers no function handles or no launchKernel "
                                  "(see the warning above)")
-            backend.direct = direct
+            backend.direct = path == "direct"
             return methods[method]
 
         if not stub:
             for method in methods:
-                got = [[t.detach().clone() for t in use(method, direct)()] for direct in (True, False)]
-                same = all(torch.equal(a, b) for a, b in zip(*got))
-                print(f"{method}: direct and cupy launches give the same outputs and gradients bit for bit: {same}")
+                got = [[t.detach().clone() for t in use(method, path)()] for path in PATHS]
+                same = all(torch.equal(a, b) for other in got[1:] for a, b in zip(got[0], other))
+                print(f"{method}: native, direct and cupy launches give the same outputs and gradients bit for bit: "
+                      f"{same}")
                 if not same:
-                    raise SystemExit(f"{method}: the two launch paths disagree")
-        pairs = [(m, d) for m in methods for d in (True, False)]
-        times: dict[tuple[str, bool], list[float]] = {p: [] for p in pairs}
+                    raise SystemExit(f"{method}: the launch paths disagree")
+        pairs = [(m, p) for m in methods for p in PATHS]
+        times: dict[tuple[str, str], list[float]] = {p: [] for p in pairs}
         for p in pairs:  # warm-up
             fn = use(*p)
             for _ in range(30):
@@ -164,10 +230,13 @@ def main(argv: list[str] | None = None) -> None:
                 times[p].append((time.perf_counter() - start) / args.calls * 1e6)
     where = "CPU, launches stubbed" if stub else f"{torch.cuda.get_device_name()}, CuPy {_cupy_version()}"
     print(f"B={args.batch} float32 H=32 D=7, {where}, torch {torch.__version__}: forward+backward, µs per call "
-          f"(median of {args.rounds} rounds of {args.calls} calls)")
+          f"(median of {args.rounds} rounds of {args.calls} calls; range)")
     for method in methods:
-        d, c = (statistics.median(times[(method, x)]) for x in (True, False))
-        print(f"  {method:5}: direct {d:7.1f}   cupy {c:7.1f}   cupy / direct {c / d:.2f}")
+        median = {p: statistics.median(times[(method, p)]) for p in PATHS}
+        ranges = "   ".join(f"{p} {min(times[(method, p)]):.1f}-{max(times[(method, p)]):.1f}" for p in PATHS)
+        print(f"  {method:5}: native {median['native']:7.1f}   direct {median['direct']:7.1f}   "
+              f"cupy {median['cupy']:7.1f}   direct / native {median['direct'] / median['native']:.2f}   "
+              f"cupy / direct {median['cupy'] / median['direct']:.2f}   ({ranges})")
 
 
 if __name__ == "__main__":

@@ -409,9 +409,8 @@ def _handle(launcher: Any) -> int:
 
 
 def _is_cuda(backend: Any) -> bool:
-    from .cuda_backend import CudaBackend  # (imported here: a CPU program never needs it)
-
-    return isinstance(backend, CudaBackend)
+    """A CUDA backend (runtime/cuda_backend.py, not imported: a CPU program never needs it)."""
+    return hasattr(backend, "native_plan")
 
 
 # A CUDA handle's backend, kept for the process (as a CPU library is): the node keeps its kernels'

@@ -1,4 +1,5 @@
-// tensorstep's native autograd node: one C++ op and autograd node for every generated CPU kernel.
+// tensorstep's native autograd node: one C++ op and autograd node for every generated kernel (CPU;
+// CUDA where TENSORSTEP_CUDA_NATIVE=1, see "CUDA launches" below).
 //
 // A Python autograd.Function costs tens of microseconds per call (Function.apply, and the
 // engine calling back into Python for backward), more than the kernels themselves at small
@@ -9,7 +10,7 @@
 // gradients onto indexed rows — follows those rows. Built once per PyTorch install
 // (runtime/native.py), never per variant.
 //
-// Scope: CPU, gradients to the tensor inputs, plain and fused steps (a fused step's adjoint reads
+// Scope: CPU (and CUDA, opt-in), gradients to the tensor inputs, plain and fused steps (a fused step's adjoint reads
 // the inputs; its cost parameters' values are checked in Python first). The Python side routes
 // everything else (dt gradients, forward mode, functorch transforms) to the Python Functions.
 // Under torch.compile, the graph's ops (runtime/ops.py) take this node's checks and kernels on

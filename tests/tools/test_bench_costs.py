@@ -199,14 +199,17 @@ def test_the_copy_bounds_read_written_memory(monkeypatch):
 
 
 def test_the_cuda_host_bench_runs_with_launches_stubbed(capsys):
-    """`python -m tensorstep.bench.cuda_host --stub` (the GPU script's CPU mode): it times both launch
-    paths for the fused and the plain step through the CUDA backend's Python path and prints a row
-    for each (speed is not asserted)."""
+    """`python -m tensorstep.bench.cuda_host --stub` (the GPU script's CPU mode): it times the three
+    launch paths (the native node's, and the CUDA backend's Python path's two) for the fused and the
+    plain step and prints a row for each (speed is not asserted)."""
     from tensorstep.bench import cuda_host
 
     cuda_host.main(["--stub", "--batch", "2", "--calls", "1", "--rounds", "1"])
     rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.strip().startswith(("fused:", "plain:"))]
     assert [r[0] for r in rows] == ["fused:", "plain:"]
     for r in rows:
-        direct, cupy, ratio = float(r[2]), float(r[4]), float(r[8])
-        assert direct > 0 and cupy > 0 and abs(ratio - cupy / direct) <= 0.01 + 0.01 * ratio
+        native, direct, cupy = float(r[2]), float(r[4]), float(r[6])
+        over_native, over_direct = float(r[10]), float(r[14])
+        assert native > 0 and direct > 0 and cupy > 0
+        assert abs(over_native - direct / native) <= 0.01 + 0.01 * over_native
+        assert abs(over_direct - cupy / direct) <= 0.01 + 0.01 * over_direct
