@@ -272,6 +272,7 @@ def test_on_a_gpu_native_launches_equal_the_python_paths(overrides, dtype):
         results = []
         for s in (step, python, step):
             stream = torch.cuda.Stream() if len(results) == 2 else torch.cuda.current_stream()
+            stream.wait_stream(torch.cuda.current_stream())  # (the keyword tensors were copied there)
             with torch.cuda.stream(stream):
                 u, p0 = (to(t).requires_grad_() for t in given[:2])
                 ys = s(u, p0, *(to(t) for t in given[2:]), to(dt), **kw)
