@@ -91,6 +91,35 @@ def test_native_launches_equal_the_python_path_and_the_reference(overrides):
     assert abs(total - dot) <= 1e-12 * size, (total, dot, size)
 
 
+@pytest.mark.parametrize("overrides", PLAIN[:2], ids=grid_id)
+def test_out_a_sum_s_gradient_and_double_backward_equal_the_python_path(overrides):
+    """The node's other calls on the CUDA launches: ``out=`` under no_grad (written in place), a
+    gradient of stride 0 along the batch (``.sum()``: the adjoint run for one trajectory and
+    broadcast, a plan at B=1), and a create_graph backward (AdjointFunction, called back from the
+    node) and its gradient: each equal to the Python path's bit for bit."""
+    spec = _spec(overrides)
+    case = ReferenceCase(spec, B=130, seed=2)
+    steps = (_native_step(spec), host_step(spec))
+    results = []
+    for step in steps:
+        with torch.no_grad():
+            out = [torch.full_like(y, float("nan")) for y in case.call(step, *case.tensors())]
+            got = case.call(step, *case.tensors(), out=out)
+        assert all(a is b for a, b in zip(got, out))
+        xs = [t.clone().requires_grad_(True) for t in case.tensors()[:-1]]
+        ys = case.call(step, *xs, case.dt)
+        summed = torch.autograd.grad(sum(y.sum() for y in ys), xs)
+        ys = case.call(step, *xs, case.dt)
+        first = torch.autograd.grad(sum((y * y).sum() for y in ys), xs, create_graph=True)
+        second = torch.autograd.grad(sum((g * g).sum() for g in first), xs)
+        results.append([*out, *summed, *(g.detach() for g in first), *second])
+        assert not step.launcher.backend.errors
+    assert steps[0].launcher.backend.launched != []
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+    assert native.cuda_plans(steps[0].native)[0] >= 3  # forward and adjoint at B=130, the adjoint at B=1
+
+
 def test_each_launch_is_packeds_with_as_many_temporaries_and_python_is_asked_once():
     """A per-step dt's coefficient table is a temporary: forward and adjoint launch the same kernels,
     grids and blocks as ``Packed``, the same integers at the same places, the arguments where Packed
