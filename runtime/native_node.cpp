@@ -343,7 +343,7 @@ bool check_row(const Kernels& k, const Row& row, const Tensor& t, std::vector<in
     // the kernel's vector as it is (a float dt's cached tensor), else reshaped and converted
     const bool ready = t.dim() == 1 && t.scalar_type() == k.dtype && t.is_contiguous() && !t.is_neg();
     out = ready ? t : kernel_input(t.reshape({n}).to(k.dtype), false);
-    if (!out.device().is_cpu()) return true;  // a device's dt values are not read (no host synchronisation), as in Python
+    if (!out.device().is_cpu()) return true;  // a device's values are not read (no host synchronisation), as in Python
     const auto* x = out.const_data_ptr();
     for (int64_t i = 0; i < n; ++i) {
       const double v = k.dtype == at::kFloat ? static_cast<const float*>(x)[i] : static_cast<const double*>(x)[i];
@@ -376,7 +376,8 @@ bool check_row(const Kernels& k, const Row& row, const Tensor& t, std::vector<in
     TORCH_CHECK_TYPE(t.scalar_type() == k.dtype,
                      say(k, DTYPE, row, {{"expected", dtype_text(k.dtype)}, {"got", dtype_text(t.scalar_type())}}));
   }
-  TORCH_CHECK_VALUE(t.device() == k.device, say(k, DEVICE, row, {{"expected", k.device.str()}, {"got", t.device().str()}}));
+  TORCH_CHECK_VALUE(t.device() == k.device,
+                    say(k, DEVICE, row, {{"expected", k.device.str()}, {"got", t.device().str()}}));
   out = kernel_input(t, row.rule == INDEX);
   return true;
 }
@@ -782,8 +783,10 @@ std::vector<int64_t> output_cache(int64_t limit, bool release) {
 // and its parameters as pointers into one array of 8-byte slots (B, the call's arguments, its
 // temporaries' addresses, the plan's integers), passed to cuLaunchKernel on PyTorch's current stream of
 // the step's device. Python works a (entry point, B) pair's launches out once, on its first call
-// (tensorstep_native::cuda_plan: runtime/cuda_backend.py CudaBackend.native_plan), and they are kept here, as Packed is kept. The
-// temporaries come from at::empty on the device (the caching allocator, in stream order, as Python's).
+// (tensorstep_native::cuda_plan: runtime/cuda_backend.py CudaBackend.native_plan), and they are kept
+// here, as Packed is kept. The temporaries come from at::empty on the device (the caching allocator,
+// in stream order, as Python's). The launch and stream functions are the handle's (Kernels::launch,
+// Kernels::stream: a test double's), else the driver's and PyTorch's current stream.
 using LaunchKernel = int (*)(void* function, unsigned grid_x, unsigned grid_y, unsigned grid_z, unsigned block_x,
                              unsigned block_y, unsigned block_z, unsigned shared, void* stream, void** params,
                              void** extra);
@@ -805,7 +808,8 @@ CudaPlan read_plan(const std::vector<int64_t>& v) {
   plan.arguments = next();
   for (int64_t n = next(); n > 0; --n) {
     const int64_t size = next(), code = next();
-    TORCH_CHECK(code >= 0 && code < static_cast<int64_t>(TEMPORARY_DTYPES.size()), "tensorstep: a temporary's dtype code ", code);
+    TORCH_CHECK(code >= 0 && code < static_cast<int64_t>(TEMPORARY_DTYPES.size()),
+                "tensorstep: a temporary's dtype code ", code);
     plan.temporaries.emplace_back(size, TEMPORARY_DTYPES[code]);
   }
   for (int64_t n = next(); n > 0; --n) plan.constants.push_back(next());
@@ -818,7 +822,8 @@ CudaPlan read_plan(const std::vector<int64_t>& v) {
     run.shared = next();
     for (int64_t m = next(); m > 0; --m) {
       run.positions.push_back(next());
-      TORCH_CHECK(run.positions.back() >= 0 && run.positions.back() < slots, "tensorstep: a launch parameter's position");
+      TORCH_CHECK(run.positions.back() >= 0 && run.positions.back() < slots,
+                  "tensorstep: internal error: a launch parameter's position past the slots");
     }
     plan.runs.push_back(std::move(run));
   }
@@ -933,8 +938,9 @@ void launch_cuda(const Kernels& k, Entry entry, int64_t B, const std::vector<voi
     make_context_current(d, k.device.index());
     launch = d.launch;
   }
-  void* stream = k.stream ? reinterpret_cast<void*>(static_cast<intptr_t>(reinterpret_cast<StreamOf>(k.stream)(k.device.index())))
-                          : c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(k.device).native_handle();
+  void* stream = k.stream
+      ? reinterpret_cast<void*>(static_cast<intptr_t>(reinterpret_cast<StreamOf>(k.stream)(k.device.index())))
+      : c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(k.device).native_handle();
   c10::SmallVector<void*, 32> params;
   for (const auto& run : plan->runs) {
     params.clear();
