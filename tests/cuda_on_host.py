@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 import threading
 from typing import Any
 from unittest import mock
@@ -366,10 +367,13 @@ class HostCudaBackend(CudaBackend):
 
 def host_step(spec: Any, native: bool = False) -> Step:
     """A CPU Step whose calls run the CUDA kernels on the host: on the Python autograd path, or with
-    ``native`` on the native node's CUDA launches (which TENSORSTEP_CUDA_NATIVE=1 must turn on; the
+    ``native`` on the native node's CUDA launches (TENSORSTEP_CUDA_NATIVE=1 while it is loaded; the
     step's ``native`` is None where the node is unavailable)."""
     if native:
-        return Step(spec, torch.device("cpu"), Launcher(spec, HostCudaBackend(spec)))
+        from tensorstep.runtime.native import CUDA_SWITCH
+
+        with mock.patch.dict(os.environ, {CUDA_SWITCH: "1"}):
+            return Step(spec, torch.device("cpu"), Launcher(spec, HostCudaBackend(spec)))
     with mock.patch.object(Step, "_take_native", lambda self: None):
         step = Step(spec, torch.device("cpu"), Launcher(spec, HostCudaBackend(spec)))
     step.native, step._native_pending = None, False

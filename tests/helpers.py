@@ -271,7 +271,10 @@ class BoundaryCase:
     def check_kernels(self, expect: np.ndarray) -> None:
         """Every kernel path's outputs against ``expect`` ([K, B, H, D], bhd; the first K outputs),
         and the gradients of every input by the dot test against that forward:
-        <M x, g> = <x, Mᵀ g>, at 1e-12 of Σ|g·Mx| (C, Python path, CUDA on the host)."""
+        <M x, g> = <x, Mᵀ g>, at 1e-12 of Σ|g·Mx| (C, Python path, CUDA on the host, on the Python
+        path and on the native node's CUDA launches)."""
+        from cuda_on_host import host_step
+
         spec, K = self.spec, len(expect)
         gen = torch.Generator().manual_seed(5)
         grads = [torch.randn(y.shape, generator=gen, dtype=torch.float64)
@@ -279,7 +282,7 @@ class BoundaryCase:
         dot = sum(float((as_bhd(g, spec) * e).sum()) for g, e in zip(grads, expect))
         # the sum's rounding is relative to its terms, which cancel heavily with wide stencils
         size = max(1.0, sum(float(np.abs(as_bhd(g, spec) * e).sum()) for g, e in zip(grads, expect)))
-        for name, step in kernel_paths(spec):
+        for name, step in [*kernel_paths(spec), ("cuda-on-host-native", host_step(spec, native=True))]:
             xs = [t.clone().requires_grad_(True) for t in self.tensors()[:-1]]
             ys = self.call(step, *xs, self.dt)
             assert len(ys) == spec.order + 1

@@ -263,8 +263,11 @@ def test_off_unless_asked(monkeypatch):
     """Without TENSORSTEP_CUDA_NATIVE=1 a CUDA step takes the Python path (the default until a GPU run
     confirms the node's launches)."""
     monkeypatch.delenv(native.CUDA_SWITCH)
-    assert host_step(_spec(PLAIN[0]), native=True).native is None
-    assert native.handle(Launcher(make_spec(PLAIN[0]), HostCudaBackend(make_spec(PLAIN[0])))) is None
+    spec = _spec(PLAIN[0])
+    assert Step(spec, torch.device("cpu"), Launcher(spec, HostCudaBackend(spec))).native is None
+    assert native.handle(Launcher(spec, HostCudaBackend(spec))) is None
+    monkeypatch.setenv(native.CUDA_SWITCH, "1")
+    assert native.handle(Launcher(spec, HostCudaBackend(spec))) is not None
 
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
