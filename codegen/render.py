@@ -5,6 +5,7 @@ import dataclasses
 import functools
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any, Collection, Optional
 
@@ -193,7 +194,8 @@ PREFETCH_AHEAD = 4
 PREFETCH_FROM_BYTES = 5 << 19
 
 
-def prefetches(table: ArgumentTable, codes: dict, kernels: tuple[str, ...]) -> dict[str, list[str]]:
+def prefetches(table: ArgumentTable, codes: dict, kernels: tuple[str, ...],
+               whole: Collection[str] = ()) -> dict[str, list[str]]:
     """A C forward's and adjoint's requests for a later trajectory's rows (codegen/macros.py
     ``prefetches``), by kernel, for each whose rows are all read and written by its column (a fused
     kernel's, an integrator's, a B-spline's): a straight-line column loads and stores each row of a
@@ -201,8 +203,35 @@ def prefetches(table: ArgumentTable, codes: dict, kernels: tuple[str, ...]) -> d
     rows from memory each trajectory then waited for its loads (BENCHMARKS.md, "The fused C kernels at
     B=40000: rows asked for ahead", "The plain step's C kernels at B=40000: rows asked for ahead"). A
     kernel with loops over rows (a stencil's interior), which stream them, asks for none: there the
-    requests only took time."""
-    return {k: macros.prefetches(table, k) for k in ("forward", "adjoint") if k in kernels and not codes[k].loops}
+    requests only took time. A forward in ``whole`` (``whole_rows``) does not ask for its outputs' rows to
+    be written: its whole-vector stores were faster without (BENCHMARKS.md, "The integrators' forward
+    at B=40000: rows stored as whole vectors")."""
+    return {k: [line for line in macros.prefetches(table, k) if not (k in whole and _output_write(table, line))]
+            for k in ("forward", "adjoint") if k in kernels and not codes[k].loops}
+
+
+def _output_write(table: ArgumentTable, line: str) -> bool:
+    """Whether a request (``macros.prefetches``) asks for an output's row to be written."""
+    return any(line.startswith(f"TS_PREFETCH_ROW_WRITE({y.c_name} + ") for y in table.outputs)
+
+
+_ROW_STORE = re.compile(r"\bVY(\d+)\(([^,]*),")
+
+
+def whole_rows(lines: list[str], horizon: int) -> bool:
+    """Whether a lane column may store a row as a whole vector, the lanes past its D dof included, where
+    that vector stays inside the trajectory's rows (templates/kernel.c.j2 ``VYW``): those lanes fall on
+    the output's next rows, which the same column stores after it. So each output's stores must be at
+    literal rows 0 .. H-1, each once, in that order (a straight-line integrator's forward; a rolled
+    column's rows are a loop's, a B-spline's in loops, a stencil's interior rows written by its loops).
+    A masked store's lanes past the row were each a separate partial write of a line: from memory the
+    integrators' forward took about 1.5x its time with them (BENCHMARKS.md, "The integrators' forward
+    at B=40000: rows stored as whole vectors")."""
+    rows: dict[str, list[str]] = {}
+    for line in lines:
+        for k, h in _ROW_STORE.findall(line):
+            rows.setdefault(k, []).append(h.strip())
+    return bool(rows) and all(r == [str(h) for h in range(horizon)] for r in rows.values())
 
 
 def _rereads_actions(statements: Any, n_actions: int) -> bool:
@@ -393,7 +422,9 @@ def render(spec: Any, code: LoweredOperator, table: ArgumentTable, target: Targe
                    {**codes, **{k + suffix: c for suffix, v in variants.items() for k, c in v.items() if c is not None}},
                    code.stencil)
     late = late_loads(code, codes, lane_bodies) if lane_form else {}
-    prefetch = prefetches(table, codes, kernels)
+    whole = {k for k in ("forward",) if k in lane_bodies and not code.fused and not codes[k].loops
+             and whole_rows(lane_bodies[k][1], spec.horizon)}
+    prefetch = prefetches(table, codes, kernels, whole)
     assert not (late and pairs), "an adjoint has one batch-chosen form"
     form_checks, form_tests = _form_checks(table, fused.forms(table)) if variants else ([], {})
     programs = _long_programs(code, kernels, table.dt.shape == ("B",)) if target.split_programs else {}
@@ -445,12 +476,14 @@ def render(spec: Any, code: LoweredOperator, table: ArgumentTable, target: Targe
         form_tests=form_tests,
         private_coefficients=table.dt.shape != ("B",) and code.n_coefficients <= C_PRIVATE_COEFFICIENTS,
         lanes=lane_form,
-        lane_bodies={k: lines for k, (_, lines) in lane_bodies.items()},
+        lane_bodies={k: [_ROW_STORE.sub(r"VYW\1(\2,", line) for line in lines] if k in whole else lines
+                     for k, (_, lines) in lane_bodies.items()},
         lane_actions=_lane_actions(lane_bodies, spec.n_actions),
         paired=pairs,
         late_loads=late,
         late_loads_max_bytes=LATE_LOADS_MAX_BYTES,
         prefetch=prefetch,
+        whole_rows=whole,
         prefetch_elements={k: macros.prefetch_elements(table, k) for k in prefetch},
         prefetch_ahead=PREFETCH_AHEAD,
         prefetch_from_bytes=PREFETCH_FROM_BYTES,
