@@ -38,8 +38,9 @@ def _batch_functions(spec: ts.KernelSpec) -> dict[str, str]:
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name)
 def test_every_row_a_column_reads_or_writes_is_asked_for(spec):
     """The forward asks for the actions' and each per-trajectory input's rows (at the row the index
-    picks) and its outputs' rows to be written; each form of the adjoint for the output gradients' rows
-    and its own gradient rows to be written (one per trajectory: the runtime sums an index's)."""
+    picks) and, unless it stores them as whole vectors, its outputs' rows to be written; each form of
+    the adjoint for the output gradients' rows and its own gradient rows to be written (one per
+    trajectory: the runtime sums an index's)."""
     table = argument_table(spec)
     batches = _batch_functions(spec)
     adjoints = [name for name in batches if name.startswith("adjoint")]
@@ -49,8 +50,11 @@ def test_every_row_a_column_reads_or_writes_is_asked_for(spec):
     for a in table.columns:
         index = f"({table.input(a.group).c_name} ? {table.input(a.group).c_name}[ahead] : (ahead))" if a.group else "(ahead)"
         assert f"TS_PREFETCH_ROW({a.c_name} + {index} * D_, D_);" in forward, a.name
+    # a straight-line forward that stores its rows whole (render.whole_rows; tests/kernels/test_whole_rows.py)
+    # does not ask for the outputs' rows to be written; the others do
+    whole = "VYW0(" in forward
     for y in table.outputs:
-        assert f"TS_PREFETCH_ROW_WRITE({y.c_name} + (ahead) * Y_SB, Y_SB);" in forward, y.name
+        assert (f"TS_PREFETCH_ROW_WRITE({y.c_name} + (ahead) * Y_SB, Y_SB);" in forward) != whole, y.name
     for name in adjoints:
         for y in table.outputs:
             assert f"if ({y.grad_name}) TS_PREFETCH_ROW({y.grad_name} + (ahead) * Y_SB, Y_SB);" in batches[name]

@@ -1,0 +1,100 @@
+"""A straight-line integrator's C forward stores each output row as a whole vector where that vector
+stays inside the trajectory's rows (codegen/render.py ``whole_rows``, templates/kernel.c.j2 ``VYW``):
+the lanes past a row's D dof land on the output's next rows, which the column stores after it, and
+the last rows, whose vector would reach past the trajectory, stay masked. Other forms keep their
+masked stores. The values are the dense float64 reference's, and nothing outside the outputs' rows
+is written, for vectors of one row and a bit (D=7) and of more than two rows (D=3, float32)."""
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+import torch
+
+import reference
+import tensorstep as ts
+from tensorstep.codegen import render
+from tensorstep.codegen.driver import generate
+from tensorstep.runtime.launch import CpuBackend
+from helpers import c_functions, require_avx512, scale_close
+
+WHOLE = [
+    ts.KernelSpec(horizon=32, dof=7, dtype="float32", control="velocity"),
+    ts.KernelSpec(horizon=24, dof=3, dtype="float32", control="acceleration", dt="per_step"),
+    ts.KernelSpec(horizon=20, dof=7, dtype="float64", control="jerk", integrator="exact", order=4,
+                  start_index=True),
+]
+MASKED = [
+    ts.KernelSpec(horizon=32, dof=7),  # a stencil: its loops write the interior rows
+    ts.KernelSpec(dof=7, control="bspline", knots=8, steps=4),  # rows in loops
+    ts.KernelSpec(horizon=128, dof=3, dtype="float64", control="acceleration"),  # the lane column rolled
+    ts.KernelSpec(horizon=32, dof=7, control="velocity", layout="bdh"),  # no lane form
+]
+
+
+def _forward(spec: ts.KernelSpec) -> str:
+    functions = c_functions(generate(spec, ("c",), ("core",)).source("c", "core"))
+    return functions[f"{spec.name}_forward"]
+
+
+def _lanes(forward: str) -> str:
+    """The lane form's column of a forward (its ``#if defined(TS_LANES)`` branch)."""
+    return forward.split("#if defined(TS_LANES)")[1].split("#else")[0]
+
+
+@pytest.mark.parametrize("spec", WHOLE, ids=lambda s: s.name)
+def test_a_straight_line_forward_stores_rows_whole_and_asks_for_none_to_be_written(spec):
+    source = generate(spec, ("c",), ("core",)).source("c", "core")
+    forward = _forward(spec)
+    column = _lanes(forward)
+    stores = re.findall(r"\bVY(W?)(\d+)\((\d+),", column)
+    assert {w for w, _, _ in stores} == {"W"}
+    for k in range(spec.order + 1):
+        assert [int(h) for _, j, h in stores if int(j) == k] == list(range(spec.horizon)), k
+        width = render.lanes(spec)["width"]
+        assert (f"#define VYW{k}(h, v) do {{ if ((h) * Y_SH + {width} <= Y_SB) VSTORE_WHOLE(y{k} + yo + (h) * Y_SH, (v)); "
+                f"else VY{k}(h, v); }} while (0)") in source
+    assert "TS_PREFETCH_ROW_WRITE" not in forward and "TS_PREFETCH_ROW(u + (ahead) * U_SB, U_SB);" in forward
+    assert "Y_SB + Y_SB" in forward  # the gate still counts the outputs' rows: the share's bytes in cache
+
+
+@pytest.mark.parametrize("spec", MASKED, ids=lambda s: s.name)
+def test_other_columns_keep_masked_stores(spec):
+    assert "VYW" not in generate(spec, ("c",), ("core",)).source("c", "core")
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("spec", WHOLE, ids=lambda s: s.name)
+def test_whole_rows_give_the_reference_values_and_write_nothing_else(spec, threads):
+    """The entry point on outputs inside a larger buffer of NaN, one trajectory's rows of it before
+    and after each: those stay NaN bit for bit, and the outputs are the dense float64 reference's."""
+    require_avx512()
+    B, H, D, N = 9, spec.horizon, spec.dof, spec.n_actions
+    dtype = torch.float32 if spec.dtype == "float32" else torch.float64
+    gen = torch.Generator().manual_seed(3)
+    S = B + 4 if spec.start_index else B
+    u = torch.randn(B, N, D, generator=gen, dtype=torch.float64)
+    starts = [torch.randn(S, D, generator=gen, dtype=torch.float64) for _ in range(4)]
+    idx = torch.randint(0, S, (B,), generator=gen) if spec.start_index else None
+    dt = (0.05 + 0.1 * torch.rand(H, generator=gen, dtype=torch.float64) if spec.dt == "per_step"
+          else torch.tensor(0.02, dtype=torch.float64))
+    K = spec.order + 1
+    buffers = [torch.full((B + 2, H, D), float("nan"), dtype=dtype) for _ in range(K)]
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        backend = CpuBackend(spec)
+        args = [u.to(dtype), *(x.to(dtype) for x in starts), dt.to(dtype)]
+        call = [*(a.data_ptr() for a in args[:5]), idx.data_ptr() if idx is not None else 0, args[5].data_ptr(),
+                *(y[1:B + 1].data_ptr() for y in buffers)]
+        backend.call("forward", B, call)
+    finally:
+        torch.set_num_threads(before)
+    M_u, M_s = reference.matrices(spec, dt.reshape(-1).tolist())
+    s = torch.stack(starts, 1)[idx if idx is not None else slice(None)].to(dtype).double().numpy()
+    expected = (np.einsum("khn,bnd->kbhd", M_u, u.to(dtype).double().numpy())
+                + np.einsum("khm,bmd->kbhd", M_s, s))
+    for k, y in enumerate(buffers):
+        assert torch.isnan(y[0]).all() and torch.isnan(y[B + 1]).all(), k
+        scale_close(y[1:B + 1].double().numpy(), expected[k], 1e-5 if dtype == torch.float32 else 1e-12)
