@@ -455,9 +455,9 @@ def adjoint(op: Operator, coefs: Coefficients, refs: References, table: Argument
 #: C's fused stencil columns with more rows than this are rolled (``forward_rolled``, ``adjoint_rolled``;
 #: codegen/lower.py ``c_fused``); up to it they stay straight-line, in their tuned form: at B=400 the
 #: faster there (the bench's spec at H=40: 0.73x the rolled time in float32, 0.91x in float64), and
-#: gcc's time on them within 2.5 s. Past it the straight-line adjoint's lane body passes
-#: codegen/render.py's ``LANE_MAX_LINES`` (the bench's spec: 988 lines at H=40, 1,084 at 44) and runs
-#: the per-dof loop (H=48: 1.8-1.9x the rolled time), and gcc's time grows faster than H (6 s at
+#: gcc's time on them within 2.5 s. Past it the straight-line adjoint's lane body passed the lane limit
+#: of the time, 1,000 lines (the bench's spec: 988 lines at H=40, 1,084 at 44), and ran the per-dof loop
+#: (H=48: 1.8-1.9x the rolled time), and gcc's time grows faster than H (6 s at
 #: H=48, 11 s at 64, 113 s at 128), where the rolled module's is the same at any H (BENCHMARKS.md,
 #: issue 39, "Rolled fused stencil columns"). A B-spline's columns (``Blocks``) follow the same threshold:
 #: up to it few spans repeat (degree + 4 knots roll), past it gcc's time on the straight-line columns

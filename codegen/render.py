@@ -90,16 +90,18 @@ def strides(layout: str, rows: int, dof: int) -> tuple[int, int, int]:
 #: Vector widths (bits) tried for the all-dof lane form, smallest first: AVX-512 masked loads
 #: and stores (VL for 256 bits) cover D dof in one vector when D fits.
 LANE_BITS = (256, 512)
-#: Bodies with a longer straight-line stretch keep the per-dof loop: gcc's RTL combiner is superlinear
-#: on long vector-typed blocks (accel H=256: 23 s against 2.5 s), while up to here the lane
-#: form compiles as fast as the loop (H=96: 2.4 s against 3.0 s). Longer integrator bodies
-#: are rolled (codegen/roll.py) instead, so they keep the lane form at any H. A rolled column's
-#: stretches are counted apart (``roll.longest_stretch``): a fused B-spline's, its first spans, knot
-#: loop and last spans, is longer in all at degree 5 with 4 rows a span, and ran 10x slower in the
-#: per-dof loop (BENCHMARKS.md, issue 39, "C's rolled fused B-spline adjoints in the lane form")
-LANE_MAX_LINES = 1000
-#: Integrator bodies longer than this use their rolled form (codegen/roll.py) for the lanes.
-ROLL_ABOVE_LINES = LANE_MAX_LINES
+#: Bodies with a longer straight-line stretch (``roll.longest_stretch``: a rolled column's stretches before,
+#: inside and after its loops counted apart) keep the per-dof loop: gcc's time on the lane form grows with a
+#: block's length, and superlinearly where a block holds every row's values at once (a plain integrator's
+#: straight-line adjoint, every gradient row loaded first: 17 s at 2,307 lines against 0.9 s per-dof), which
+#: ``ROLL_ABOVE_LINES`` rolls first. The fused columns past 1,000 lines (B-splines of degree 3-7 with up to 8
+#: rows a span, rolled or straight-line; stencils at H=40 with eight terms: to 4,512 lines) compiled in 0.2-0.6x
+#: the per-dof loop's gcc time (5.5 s at 3,908 lines against 24 s) and ran in 0.12-0.39x its time; past the
+#: longest measured, the per-dof loop (BENCHMARKS.md, issue 39, "C's lane form past 1,000 lines")
+LANE_MAX_LINES = 4600
+#: Integrator bodies longer than this use their rolled form (codegen/roll.py) for the lanes: straight-line,
+#: their lane form's gcc time grows superlinearly past it (above); up to it, straight-line is the faster
+ROLL_ABOVE_LINES = 1000
 
 
 def lanes(spec: Any) -> dict | None:

@@ -262,18 +262,24 @@ def test_c_rolled_float32_bspline_forwards_add_their_terms_in_float_runs_across_
     assert bodies[0] == bodies[1]
 
 
+#: the limit on a body's longest stretch that these rolled adjoints are longer than in all (the value it had
+#: when they were measured; LANE_MAX_LINES is longer now, past every rolled adjoint here)
+WHOLE_BODY_PAST = 1000
+
+
 @pytest.mark.parametrize("degree, knots, steps", [(5, 10, 4), (6, 12, 4), (5, 24, 4)])
-def test_c_lane_form_limits_a_rolled_columns_stretches_not_its_length(degree, knots, steps):
+def test_c_lane_form_limits_a_rolled_columns_stretches_not_its_length(degree, knots, steps, monkeypatch):
     """codegen/render.py gives a column the lane form where its longest straight-line stretch is within
     ``LANE_MAX_LINES`` (codegen/roll.py ``longest_stretch``: the statements before, inside and after each
     loop apart; gcc's time grows with a block's length): a rolled B-spline adjoint with the bench's seven
-    terms at degree 5 and 6, longer in all than the limit (its first and last spans straight-line), has it
-    in every form, at any number of knots; the straight-line columns past the limit do not."""
+    terms at degree 5 and 6, longer in all than the limit (here 1,000 lines), has it in every form, at any
+    number of knots; the straight-line columns past the limit do not."""
     from tensorstep.bench.costs import TERMS as BENCH_SEVEN
     from tensorstep.codegen import macros, render, roll
     from tensorstep.codegen.lower import _live
     from tensorstep.codegen.printer import lane_printer
 
+    monkeypatch.setattr(render, "LANE_MAX_LINES", WHOLE_BODY_PAST)
     spec = ts.KernelSpec(control="bspline", degree=degree, knots=knots, steps=steps, dof=7, costs=BENCH_SEVEN,
                          outputs=("P",))
     code = lower(build_operator(spec), table(spec))
@@ -286,6 +292,44 @@ def test_c_lane_form_limits_a_rolled_columns_stretches_not_its_length(degree, kn
         assert set(render._lane_bodies(code, codes, kernels, code.arguments)) == set(kernels)
     straight = fused.adjoint(code.op, code.coefs, code.refs, code.arguments, fused.paired_rows, _live)
     assert roll.longest_stretch(straight, printer.lines) == len(printer.lines(straight)) > render.LANE_MAX_LINES
+
+
+#: fused columns whose longest stretch passes 1,000 lines (the limit before gcc's time on them was surveyed),
+#: with the stretch and the kernels it is in: rolled B-spline adjoints (degree 7 with 4 rows a span: the first
+#: spans; degree 4 with 8), straight-line ones (too few knots for a loop: 3 rows a span at degree 3, 8 at
+#: degree 5, the forward too), a straight-line stencil (H=40) with the eight terms
+PAST_1000 = [
+    (dict(control="bspline", degree=7, knots=14, steps=4), ("adjoint",), 1190),
+    (dict(control="bspline", degree=4, knots=20, steps=8), ("adjoint",), 1237),
+    (dict(control="bspline", degree=3, knots=6, steps=6), ("adjoint",), 1392),
+    (dict(control="bspline", degree=5, knots=6, steps=8), ("forward", "adjoint"), 2534),
+    (dict(horizon=40), ("adjoint",), 1033),
+]
+
+
+@pytest.mark.parametrize("fields, kernels, stretch", PAST_1000, ids=lambda v: str(v) if isinstance(v, int) else None)
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_c_columns_past_1000_lines_have_the_lane_form(fields, kernels, stretch, dtype):
+    """Where a fused column's longest stretch is past 1,000 lines but within ``LANE_MAX_LINES``, every C
+    form's forward and adjoint have the lane form (they ran the per-dof loop: 3-8x the lane form's time and
+    1.5-20x its gcc time); the kernels named are the ones past 1,000 lines."""
+    from tensorstep.bench.costs import TERMS as BENCH_SEVEN
+    from tensorstep.codegen import macros, render, roll
+    from tensorstep.codegen.printer import lane_printer
+
+    every = tuple(("bound", s) for s in ("position", "velocity", "acceleration", "jerk")) + tuple(
+        ("squared", s) for s in ("position", "velocity", "acceleration", "jerk"))
+    spec = ts.KernelSpec(dof=7, dtype=dtype, costs=BENCH_SEVEN if "control" in fields else every, outputs=("P",), **fields)
+    code = lower(build_operator(spec), table(spec))
+    itemsize = 4 if dtype == "float32" else 8
+    printer = lane_printer(macros.lane_names(code.arguments))
+    for codes in [C.codes(code, ("forward", "adjoint"), itemsize)] + list(
+            C.form_codes(code, ("forward", "adjoint"), itemsize).values()):
+        stretches = {k: roll.longest_stretch(codes[k].statements, printer.lines) for k in ("forward", "adjoint")}
+        assert {k for k, n in stretches.items() if n > 1000} == set(kernels)
+        assert max(stretches.values()) <= render.LANE_MAX_LINES
+        assert set(render._lane_bodies(code, codes, ("forward", "adjoint"), code.arguments)) == {"forward", "adjoint"}
+    assert stretches["adjoint"] == stretch
 
 
 @pytest.mark.parametrize("degree, steps", [(3, 2), (3, 8), (5, 3)])

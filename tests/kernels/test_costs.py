@@ -1501,8 +1501,8 @@ def test_rolled_bspline_columns_match_the_definitions(case, knots, cuda):
                              fused_step=host_step(spec) if cuda else None)
 
 
-#: B-splines whose rolled C adjoint with the bench's seven terms (dof 7) is longer in all than
-#: codegen/render.py ``LANE_MAX_LINES``, its first spans, knot loop and last spans each within it
+#: B-splines whose rolled C adjoint with the bench's seven terms (dof 7) is longer in all than 1,000 lines
+#: (codegen/render.py ``LANE_MAX_LINES`` when it was written), its first spans, knot loop and last spans each within it
 LANE_ROLLED_BSPLINES = [(5, 10, 4)]
 
 
@@ -1546,6 +1546,85 @@ def test_long_rolled_bspline_adjoints_run_the_lane_form_and_match_the_definition
         fused.C_ROLL_ABOVE_H = saved
         driver.lowered.cache_clear()
     _fused_against_composite(spec, x, params, dt, False, fused_step=straight, tol=1e-12)
+
+
+#: fused columns whose longest straight-line stretch (codegen/roll.py ``longest_stretch``) passes 1,000 lines,
+#: the limit before ``LANE_MAX_LINES`` was set by gcc's time (BENCHMARKS.md, issue 39, "C's lane form past
+#: 1,000 lines"), with their stretch: a rolled B-spline adjoint's first spans (degree 7, 4 rows a span), a
+#: straight-line one's (3 rows a span: too few knots for a loop), and a straight-line stencil's (H=40, the eight
+#: bound and squared terms on P, V, A, J)
+PAST_OLD_LANE_LIMIT = {
+    "bspline_rolled": (dict(control="bspline", degree=7, knots=14, steps=4), 1190),
+    "bspline_straight": (dict(control="bspline", degree=3, knots=6, steps=6), 1392),
+    "position_straight": (dict(horizon=40), 1033),
+}
+
+
+def _dense_reference(spec, x, params, dt, wP, wcost):
+    """P [B, H, D], cost [B, T] and the gradients of Σ wP·P + Σ wcost·cost with respect to u and p0, in
+    float64 NumPy: the states from the dense references (a B-spline's from tests/reference_bspline.py,
+    SciPy; a stencil's from tests/reference.py), the terms and their slopes from their definitions
+    (tests/reference_costs.py)."""
+    from reference_bspline import trajectory
+
+    B, D = x["u"].shape[0], spec.dof
+    starts = [x[n].numpy() for n in ("p0", "v0", "a0", "j0")]
+    plain = spec.replace(costs=(), outputs=None)
+    if spec.control == "bspline":
+        jacobians = [trajectory(x["u"].numpy()[b], [s[b] for s in starts], None, spec.degree, spec.steps, dt)
+                     for b in range(B)]
+        M_u, M_s = jacobians[0].jac_knots, jacobians[0].jac_start  # [4, H, N], [4, H, 4]: the same for every b
+    else:
+        M_u, M_s = reference.matrices(plain, dt)
+    start = np.stack(starts, axis=1)  # [B, 4, D]
+    Y = np.einsum("khn,bnd->kbhd", M_u, x["u"].numpy()) + np.einsum("khm,bmd->kbhd", M_s, start)
+    named = {k: v.numpy() for k, v in params.items()}
+    cost = reference_costs.costs(spec.costs, {STATES[k]: Y[k] for k in range(len(Y))}, named)
+    G = np.zeros_like(Y)  # d (Σ wP·P + Σ wcost·cost) / d Y
+    G[0] += wP.numpy()
+    for t, (kind, state) in enumerate(spec.costs):
+        k = STATES.index(state)
+        w = wcost.numpy()[:, t, None, None] * named[f"{kind}_{state}_weight"][:, None, :] * \
+            named[f"{kind}_{state}_row_weight"][None, :, None]
+        if kind == "squared":
+            target = named["squared_position_target"][:, None, :] if state == "position" else 0.0
+            G[k] += 2 * w * (Y[k] - target)
+        else:
+            (lower, upper), m = named[f"bound_{state}_limit"], named[f"bound_{state}_margin"]
+            G[k] += 2 * w * (np.maximum(0.0, Y[k] - (upper - m)) - np.maximum(0.0, (lower + m) - Y[k]))
+    return Y[0], cost, np.einsum("khn,kbhd->bnd", M_u, G), np.einsum("kh,kbhd->bd", M_s[:, :, 0], G)
+
+
+@pytest.mark.parametrize("case", PAST_OLD_LANE_LIMIT)
+def test_columns_past_the_old_lane_limit_run_the_lane_form_and_match_the_dense_references(case):
+    """A fused column whose longest stretch passes the old limit of 1,000 lines but is within
+    ``LANE_MAX_LINES`` has the lane form in every batch function of its C source, every form (where it
+    ran the per-dof loop: 3-12x its time, gcc's time 1.5-3x); float64 P, cost and the gradients of u and
+    p0 within 1e-12 of the largest of the dense references'."""
+    from tensorstep.bench.costs import TERMS as BENCH_SEVEN
+    from tensorstep.codegen import driver, macros, roll
+    from tensorstep.codegen.printer import lane_printer
+
+    fields, stretch = PAST_OLD_LANE_LIMIT[case]
+    spec = ts.KernelSpec(dof=7, dtype="float64", costs=EVERY_TERM if case.startswith("position") else BENCH_SEVEN,
+                         outputs=("P",), **fields)
+    code = driver.lowered(spec)
+    printer = lane_printer(macros.lane_names(code.arguments))
+    assert roll.longest_stretch(code.c_fused("adjoint", 8).statements, printer.lines) == stretch
+    assert 1000 < stretch <= render.LANE_MAX_LINES
+    functions = _batch_functions(generate(spec, ("c",), ("core",)).source("c", "core"))
+    assert len([name for name in functions if "_adjoint" in name]) == 1 + len(fused.forms(argument_table(spec)))
+    assert all("defined(TS_LANES)" in functions[name] for name in functions)
+    x, params, dt = _data(spec)
+    gen = torch.Generator().manual_seed(5)
+    wP = torch.randn(3, spec.horizon, spec.dof, generator=gen, dtype=torch.float64)
+    wcost = torch.randn(3, len(spec.costs), generator=gen, dtype=torch.float64)
+    leaves = dict(u=x["u"].clone().requires_grad_(), p0=x["p0"].clone().requires_grad_())
+    P, cost = _call(ts.load(spec), spec, {**x, **leaves}, params, dt)
+    ((P * wP).sum() + (cost * wcost).sum()).backward()
+    expected = _dense_reference(spec, x, params, dt, wP, wcost)
+    for got, want in zip((P, cost, leaves["u"].grad, leaves["p0"].grad), expected):
+        np.testing.assert_allclose(got.detach().numpy(), want, rtol=0, atol=1e-12 * np.abs(want).max())
 
 
 #: the bench's seven terms and a target (the rows of tests/cuda/test_ptxas.py's B-splines): a span's
