@@ -311,8 +311,8 @@ PAST_1000 = [
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_c_columns_past_1000_lines_have_the_lane_form(fields, kernels, stretch, dtype):
     """Where a fused column's longest stretch is past 1,000 lines but within ``LANE_MAX_LINES``, every C
-    form's forward and adjoint have the lane form (they ran the per-dof loop: 3-8x the lane form's time and
-    1.5-20x its gcc time); the kernels named are the ones past 1,000 lines."""
+    form's forward and adjoint have the lane form (they ran the per-dof loop: 2.6-8x the lane form's time and
+    2-30x its gcc time); the kernels named are the ones past 1,000 lines."""
     from tensorstep.bench.costs import TERMS as BENCH_SEVEN
     from tensorstep.codegen import macros, render, roll
     from tensorstep.codegen.printer import lane_printer

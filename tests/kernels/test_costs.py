@@ -1599,7 +1599,7 @@ def _dense_reference(spec, x, params, dt, wP, wcost):
 def test_columns_past_the_old_lane_limit_run_the_lane_form_and_match_the_dense_references(case):
     """A fused column whose longest stretch passes the old limit of 1,000 lines but is within
     ``LANE_MAX_LINES`` has the lane form in every batch function of its C source, every form (where it
-    ran the per-dof loop: 3-12x its time, gcc's time 1.5-3x); float64 P, cost and the gradients of u and
+    ran the per-dof loop: its adjoint 2.6-8x the lane form's time, gcc's 2-5x); float64 P, cost and the gradients of u and
     p0 within 1e-12 of the largest of the dense references'."""
     from tensorstep.bench.costs import TERMS as BENCH_SEVEN
     from tensorstep.codegen import driver, macros, roll
