@@ -93,11 +93,12 @@ LANE_BITS = (256, 512)
 #: Bodies with a longer straight-line stretch (``roll.longest_stretch``: a rolled column's stretches before,
 #: inside and after its loops counted apart) keep the per-dof loop: gcc's time on the lane form grows with a
 #: block's length, on some blocks superlinearly (a plain integrator's straight-line adjoint, which loads every
-#: gradient row first: 17 s at 2,307 lines against 0.9 s per-dof; ``ROLL_ABOVE_LINES`` rolls those first). The fused columns past 1,000 lines (B-splines of degree 3-7 with up to 8
-#: rows a span, rolled or straight-line; stencils at H=40 with eight terms: to 4,512 lines) compiled in
-#: 0.21-0.49x the per-dof loop's gcc time on an adjoint (5.5 s at 3,908 lines against 24 s), 0.03-0.06x on a
-#: forward, and their adjoints ran in 0.12-0.39x its time; past the longest measured, the per-dof loop
-#: (BENCHMARKS.md, issue 39, "C's lane form past 1,000 lines")
+#: gradient row first: 17 s at 2,307 lines against 0.9 s per-dof; ``ROLL_ABOVE_LINES`` rolls those first).
+#: The fused columns past 1,000 lines (B-splines of degree 3-7 with up to 8 rows a span, rolled or
+#: straight-line; stencils at H=40 with eight terms: to 4,512 lines) compiled in 0.21-0.49x the per-dof
+#: loop's gcc time on an adjoint (5.5 s at 3,908 lines against 24 s), 0.03-0.06x on a forward, and their
+#: adjoints ran in 0.12-0.39x its time; past the longest measured, the per-dof loop (BENCHMARKS.md,
+#: issue 39, "C's lane form past 1,000 lines")
 LANE_MAX_LINES = 4600
 #: Integrator bodies longer than this use their rolled form (codegen/roll.py) for the lanes: straight-line,
 #: their lane form's gcc time grows superlinearly past it (above); up to it they stay straight-line

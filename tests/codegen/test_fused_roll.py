@@ -319,7 +319,8 @@ def test_c_columns_past_1000_lines_have_the_lane_form(fields, kernels, stretch, 
 
     every = tuple(("bound", s) for s in ("position", "velocity", "acceleration", "jerk")) + tuple(
         ("squared", s) for s in ("position", "velocity", "acceleration", "jerk"))
-    spec = ts.KernelSpec(dof=7, dtype=dtype, costs=BENCH_SEVEN if "control" in fields else every, outputs=("P",), **fields)
+    spec = ts.KernelSpec(dof=7, dtype=dtype, costs=BENCH_SEVEN if "control" in fields else every, outputs=("P",),
+                         **fields)
     code = lower(build_operator(spec), table(spec))
     itemsize = 4 if dtype == "float32" else 8
     printer = lane_printer(macros.lane_names(code.arguments))
