@@ -238,6 +238,27 @@ def whole_rows(lines: list[str], horizon: int) -> bool:
     return bool(rows) and all(r == [str(h) for h in range(horizon)] for r in rows.values())
 
 
+_ROW_LOAD = re.compile(r"\bVG(\d+)\(([^()]*)\)")
+
+
+def whole_loads(code: LoweredOperator, codes: dict, bodies: dict[str, tuple[Any, list[str]]]) -> set[str]:
+    """The lane bodies that load an output gradient's row as a whole vector, the lanes past its D dof
+    included, where that vector stays inside the trajectory's rows (templates/kernel.c.j2 ``VGW``): a
+    plain straight-line adjoint's, every row it loads a literal one (an integrator's). Those lanes hold
+    the next row's values, which only lane-wise arithmetic and masked stores meet, so no value changes;
+    the last rows, whose vector would reach past the trajectory's (and the buffer's) end, stay masked
+    loads. A masked load of part of a line was slow from memory (BENCHMARKS.md, "The plain C adjoint at
+    B=40000: gradient rows loaded as whole vectors"). Measured and left masked: the column that loads
+    each row where first used (``late_loads``: rows in cache; whole loads were slower there), a rolled
+    column's and a B-spline's loads at a loop's row (slower), and a stencil's, whose lane body loads its
+    boundary rows only (no change). A fused adjoint, whose cost terms join those rows, is not measured."""
+    def literal(lines: list[str]) -> bool:
+        rows = [h.strip() for line in lines for _, h in _ROW_LOAD.findall(line)]
+        return bool(rows) and all(h.isdigit() for h in rows)
+    return {k for k in ("adjoint",) if k in bodies and not code.fused and not codes[k].loops
+            and literal(bodies[k][1])}
+
+
 def _rereads_actions(statements: Any, n_actions: int) -> bool:
     """Whether a lane body reads most action rows several times each: a knot loop's rows (read at
     every knot), or straight-line reads of at least half of the rows, twice or more per row."""
@@ -429,6 +450,7 @@ def render(spec: Any, code: LoweredOperator, table: ArgumentTable, target: Targe
     whole = {k for k in ("forward",) if k in lane_bodies and not code.fused and not codes[k].loops
              and whole_rows(lane_bodies[k][1], spec.horizon)}
     prefetch = prefetches(table, codes, kernels, whole)
+    loads = whole_loads(code, codes, lane_bodies)
     assert not (late and pairs), "an adjoint has one batch-chosen form"
     form_checks, form_tests = _form_checks(table, fused.forms(table)) if variants else ([], {})
     programs = _long_programs(code, kernels, table.dt.shape == ("B",)) if target.split_programs else {}
@@ -480,7 +502,8 @@ def render(spec: Any, code: LoweredOperator, table: ArgumentTable, target: Targe
         form_tests=form_tests,
         private_coefficients=table.dt.shape != ("B",) and code.n_coefficients <= C_PRIVATE_COEFFICIENTS,
         lanes=lane_form,
-        lane_bodies={k: [_ROW_STORE.sub(r"VYW\1(\2,", line) for line in lines] if k in whole else lines
+        lane_bodies={k: [_ROW_STORE.sub(r"VYW\1(\2,", line) for line in lines] if k in whole
+                     else [_ROW_LOAD.sub(r"VGW\1(\2)", line) for line in lines] if k in loads else lines
                      for k, (_, lines) in lane_bodies.items()},
         lane_actions=_lane_actions(lane_bodies, spec.n_actions),
         paired=pairs,
@@ -488,6 +511,7 @@ def render(spec: Any, code: LoweredOperator, table: ArgumentTable, target: Targe
         late_loads_max_bytes=LATE_LOADS_MAX_BYTES,
         prefetch=prefetch,
         whole_rows=whole,
+        whole_loads=loads,
         prefetch_elements={k: macros.prefetch_elements(table, k) for k in prefetch},
         prefetch_ahead=PREFETCH_AHEAD,
         prefetch_from_bytes=PREFETCH_FROM_BYTES,
