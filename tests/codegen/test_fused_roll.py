@@ -297,19 +297,19 @@ def test_c_lane_form_limits_a_rolled_columns_stretches_not_its_length(degree, kn
 #: fused columns whose longest stretch passes 1,000 lines (the limit before gcc's time on them was surveyed),
 #: with the stretch and the kernels it is in: rolled B-spline adjoints (degree 7 with 4 rows a span: the first
 #: spans; degree 4 with 8), straight-line ones (too few knots for a loop: 3 rows a span at degree 3, 8 at
-#: degree 5, the forward too), a straight-line stencil (H=40) with the eight terms
+#: degree 5, the forward too), a straight-line stencil (H=40) with the eight terms; the dtypes taking turns
+#: (the lines are the same in either)
 PAST_1000 = [
-    (dict(control="bspline", degree=7, knots=14, steps=4), ("adjoint",), 1190),
-    (dict(control="bspline", degree=4, knots=20, steps=8), ("adjoint",), 1237),
-    (dict(control="bspline", degree=3, knots=6, steps=6), ("adjoint",), 1392),
-    (dict(control="bspline", degree=5, knots=6, steps=8), ("forward", "adjoint"), 2534),
-    (dict(horizon=40), ("adjoint",), 1033),
+    (dict(control="bspline", degree=7, knots=14, steps=4, dtype="float32"), ("adjoint",), 1190),
+    (dict(control="bspline", degree=4, knots=20, steps=8, dtype="float64"), ("adjoint",), 1237),
+    (dict(control="bspline", degree=3, knots=6, steps=6, dtype="float32"), ("adjoint",), 1392),
+    (dict(control="bspline", degree=5, knots=6, steps=8, dtype="float64"), ("forward", "adjoint"), 2534),
+    (dict(horizon=40, dtype="float32"), ("adjoint",), 1033),
 ]
 
 
 @pytest.mark.parametrize("fields, kernels, stretch", PAST_1000, ids=lambda v: str(v) if isinstance(v, int) else None)
-@pytest.mark.parametrize("dtype", ["float32", "float64"])
-def test_c_columns_past_1000_lines_have_the_lane_form(fields, kernels, stretch, dtype):
+def test_c_columns_past_1000_lines_have_the_lane_form(fields, kernels, stretch):
     """Where a fused column's longest stretch is past 1,000 lines but within ``LANE_MAX_LINES``, every C
     form's forward and adjoint have the lane form (they ran the per-dof loop: 2.6-8x the lane form's time and
     2-30x its gcc time); the kernels named are the ones past 1,000 lines."""
@@ -319,10 +319,9 @@ def test_c_columns_past_1000_lines_have_the_lane_form(fields, kernels, stretch, 
 
     every = tuple(("bound", s) for s in ("position", "velocity", "acceleration", "jerk")) + tuple(
         ("squared", s) for s in ("position", "velocity", "acceleration", "jerk"))
-    spec = ts.KernelSpec(dof=7, dtype=dtype, costs=BENCH_SEVEN if "control" in fields else every, outputs=("P",),
-                         **fields)
+    spec = ts.KernelSpec(dof=7, costs=BENCH_SEVEN if "control" in fields else every, outputs=("P",), **fields)
     code = lower(build_operator(spec), table(spec))
-    itemsize = 4 if dtype == "float32" else 8
+    itemsize = 4 if spec.dtype == "float32" else 8
     printer = lane_printer(macros.lane_names(code.arguments))
     for codes in [C.codes(code, ("forward", "adjoint"), itemsize)] + list(
             C.form_codes(code, ("forward", "adjoint"), itemsize).values()):
