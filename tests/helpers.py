@@ -89,6 +89,17 @@ def c_functions(source: str) -> dict[str, str]:
     return functions
 
 
+#: straight-line integrators, whose C lane columns store each output row and load each gradient row at a
+#: literal row (codegen/render.py ``whole_rows``, ``whole_loads``): float32 and float64, a dt per step,
+#: D=3 (two rows a vector), order 4 with a start index
+STRAIGHT_LINE_INTEGRATORS = [
+    ts.KernelSpec(horizon=32, dof=7, dtype="float32", control="velocity"),
+    ts.KernelSpec(horizon=24, dof=3, dtype="float32", control="acceleration", dt="per_step"),
+    ts.KernelSpec(horizon=20, dof=7, dtype="float64", control="jerk", integrator="exact", order=4,
+                  start_index=True),
+]
+
+
 def require_avx512() -> None:
     """Skip unless the C compiler, with the runtime's flags, targets AVX-512 (x86-64 only; the
     lane form compiles)."""

@@ -24,14 +24,8 @@ from tensorstep.codegen.driver import generate
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script (below): tests/ on the path
 import reference  # noqa: E402
-from helpers import c_functions, require_avx512, scale_close  # noqa: E402
+from helpers import STRAIGHT_LINE_INTEGRATORS as WHOLE, c_functions, require_avx512, scale_close  # noqa: E402
 
-WHOLE = [
-    ts.KernelSpec(horizon=32, dof=7, dtype="float32", control="velocity"),
-    ts.KernelSpec(horizon=24, dof=3, dtype="float32", control="acceleration", dt="per_step"),
-    ts.KernelSpec(horizon=20, dof=7, dtype="float64", control="jerk", integrator="exact", order=4,
-                  start_index=True),
-]
 MASKED = [
     ts.KernelSpec(horizon=32, dof=7),  # a stencil: its lane body loads the boundary rows only
     ts.KernelSpec(dof=7, control="bspline", knots=8, steps=4),  # rows loaded in loops

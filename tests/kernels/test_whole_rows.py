@@ -17,14 +17,8 @@ import tensorstep as ts
 from tensorstep.codegen import render
 from tensorstep.codegen.driver import generate
 from tensorstep.runtime.launch import CpuBackend
-from helpers import c_functions, require_avx512, scale_close
+from helpers import STRAIGHT_LINE_INTEGRATORS as WHOLE, c_functions, require_avx512, scale_close
 
-WHOLE = [
-    ts.KernelSpec(horizon=32, dof=7, dtype="float32", control="velocity"),
-    ts.KernelSpec(horizon=24, dof=3, dtype="float32", control="acceleration", dt="per_step"),
-    ts.KernelSpec(horizon=20, dof=7, dtype="float64", control="jerk", integrator="exact", order=4,
-                  start_index=True),
-]
 MASKED = [
     ts.KernelSpec(horizon=32, dof=7),  # a stencil: its loops write the interior rows
     ts.KernelSpec(dof=7, control="bspline", knots=8, steps=4),  # rows in loops
