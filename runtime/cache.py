@@ -68,10 +68,17 @@ _WAIT = _Wait()
 
 
 class Build:
-    """A build ``building`` counts, until ``cancel`` (it ended, or was found built)."""
+    """A build ``building`` counts, until ``cancel`` (it ended, or was found built); as a context
+    manager, until its block ends."""
 
     def __init__(self) -> None:
         self._open = True
+
+    def __enter__(self) -> "Build":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.cancel()
 
     def cancel(self) -> None:
         with _WAIT.lock:

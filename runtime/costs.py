@@ -51,11 +51,8 @@ KINDS_BUILD = ("the cost kinds", "their PyTorch functions, with SymPy")
 
 def _made() -> dict[str, str]:
     """``_lambdified``, counted as a build of the user's wait (SymPy's import included)."""
-    notice = building(*KINDS_BUILD)
-    try:
+    with building(*KINDS_BUILD):
         return _lambdified()
-    finally:
-        notice.cancel()
 
 
 @functools.lru_cache(maxsize=1)

@@ -194,14 +194,11 @@ def cuda_source(spec: Any, part: str) -> tuple[str, dict]:
     others are read from the cache again). Generating it is a build of the wait the load's notice
     is about (``cache.building``, as NVRTC's build that follows), its imports (SymPy, Jinja2) included."""
     def generate() -> tuple[str, dict]:
-        notice = building(spec.name, f"the CUDA source of its {part} kernels", spec.horizon)
-        try:
+        with building(spec.name, f"the CUDA source of its {part} kernels", spec.horizon):
             from ..codegen.driver import generate
 
             generated = generate(spec, targets=("cuda",), parts=(part,))
             return generated.source("cuda", part), dict(generated.metadata)
-        finally:
-            notice.cancel()
 
     env = digest("cuda", ABI_VERSION, generator_fingerprint())[:16]
     _, path, metadata = BuildCache().artefact_for(f"{spec.key}-{part}-cuda", env, "cu", generate, _copy)
