@@ -7,7 +7,7 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Any, Collection, Optional
+from typing import Any, Callable, Collection, Optional
 
 import jinja2
 import jinja2.bccache
@@ -255,8 +255,23 @@ def whole_loads(code: LoweredOperator, codes: dict, bodies: dict[str, tuple[Any,
     def literal(lines: list[str]) -> bool:
         rows = [h.strip() for line in lines for _, h in _ROW_LOAD.findall(line)]
         return bool(rows) and all(h.isdigit() for h in rows)
-    return {k for k in ("adjoint",) if k in bodies and not code.fused and not codes[k].loops
-            and literal(bodies[k][1])}
+    return _plain_straight_line("adjoint", code, codes, bodies, literal)
+
+
+def whole_stores(code: LoweredOperator, codes: dict, bodies: dict[str, tuple[Any, list[str]]],
+                 horizon: int) -> set[str]:
+    """The lane bodies that store each output row as a whole vector (``whole_rows``): a plain
+    straight-line forward's."""
+    return _plain_straight_line("forward", code, codes, bodies, lambda lines: whole_rows(lines, horizon))
+
+
+def _plain_straight_line(kernel: str, code: LoweredOperator, codes: dict, bodies: dict[str, tuple[Any, list[str]]],
+                         rows_whole: Callable[[list[str]], bool]) -> set[str]:
+    """{kernel} where its lane body is an unfused one with no loops over rows whose lines ``rows_whole``
+    accepts, else {}."""
+    if kernel in bodies and not code.fused and not codes[kernel].loops and rows_whole(bodies[kernel][1]):
+        return {kernel}
+    return set()
 
 
 def _rereads_actions(statements: Any, n_actions: int) -> bool:
@@ -447,8 +462,7 @@ def render(spec: Any, code: LoweredOperator, table: ArgumentTable, target: Targe
                    {**codes, **{k + suffix: c for suffix, v in variants.items() for k, c in v.items() if c is not None}},
                    code.stencil)
     late = late_loads(code, codes, lane_bodies) if lane_form else {}
-    whole = {k for k in ("forward",) if k in lane_bodies and not code.fused and not codes[k].loops
-             and whole_rows(lane_bodies[k][1], spec.horizon)}
+    whole = whole_stores(code, codes, lane_bodies, spec.horizon)
     prefetch = prefetches(table, codes, kernels, whole)
     loads = whole_loads(code, codes, lane_bodies)
     assert not (late and pairs), "an adjoint has one batch-chosen form"
