@@ -170,10 +170,20 @@ class Printer:
             args = [_index(a) for a in s.args]
             if s.value is not None:
                 args.append(self.expr(s.value))
-            return f"{self.macro(s.macro)}({', '.join(args)});"
+            return f"{self._name(s.macro, s.whole)}({', '.join(args)});"
         if isinstance(s, RunTape):
             return f"{s.tape.macro}({', '.join(_index(a) for a in s.args)});"
         raise TypeError(f"not a statement: {s!r}")
+
+    def _name(self, macro: str, whole: bool) -> str:
+        """A macro's name; a row moved whole (codegen/whole.py) by its whole form, W before the
+        name's number (``VYW0``, ``VGW1``, ``VGUW``: templates/kernel.c.j2), the lane form's only."""
+        name = self.macro(macro)
+        if not whole:
+            return name
+        assert self.vector, f"{macro}: a whole row in a scalar column"
+        stem = name.rstrip("0123456789")
+        return f"{stem}W{name[len(stem):]}"
 
     def _type(self, ctype: str) -> str:
         return self.element if ctype == "T" else "VD" if self.vector and ctype == "double" else ctype
@@ -187,7 +197,7 @@ class Printer:
         if isinstance(e, Val):
             return f"{e.prefix}{e.k}_{e.h}"
         if isinstance(e, Read):
-            name = self.macro(e.macro)
+            name = self._name(e.macro, e.whole)
             return f"{name}({', '.join(_index(a) for a in e.args)})" if e.args else name
         if isinstance(e, Sum):
             text = "".join(self._term(t) for t in e.terms)

@@ -5,7 +5,6 @@ import dataclasses
 import functools
 import json
 import os
-import re
 from pathlib import Path
 from typing import Any, Callable, Collection, Optional
 
@@ -13,7 +12,7 @@ import jinja2
 import jinja2.bccache
 
 from ..version import __version__
-from . import abi, fused, macros, monomials, roll, tape
+from . import abi, fused, macros, monomials, roll, tape, whole
 from .arguments import ArgumentTable
 from .lower import TABLE_CALL, KernelCode, LoweredOperator
 from .printer import COLUMN, lane_printer
@@ -219,59 +218,64 @@ def _output_write(table: ArgumentTable, line: str) -> bool:
     return any(line.startswith(f"TS_PREFETCH_ROW_WRITE({y.c_name} + ") for y in table.outputs)
 
 
-_ROW_STORE = re.compile(r"\bVY(\d+)\(([^,]*),")
+def _output_store(macro: str) -> bool:
+    """An output row's store (``Y<k>``; not a tangent's, ``TY<k>``)."""
+    return macro[:1] == "Y" and macro[1:].isdigit()
 
 
-def whole_rows(lines: list[str], horizon: int) -> bool:
-    """Whether a lane column may store a row as a whole vector, the lanes past its D dof included, where
-    that vector stays inside the trajectory's rows (templates/kernel.c.j2 ``VYW``): those lanes fall on
-    the output's next rows, which the same column stores after it. So each output's stores must be at
-    literal rows 0 .. H-1, each once, in that order (a straight-line integrator's forward; a rolled
-    column's rows are a loop's, a B-spline's in loops, a stencil's interior rows written by its loops).
-    A masked store's lanes past the row were each a separate partial write of a line: from memory the
-    integrators' forward took about 1.5x its time with them (BENCHMARKS.md, "The integrators' forward
-    at B=40000: rows stored as whole vectors")."""
-    rows: dict[str, list[str]] = {}
-    for line in lines:
-        for k, h in _ROW_STORE.findall(line):
-            rows.setdefault(k, []).append(h.strip())
-    return bool(rows) and all(r == [str(h) for h in range(horizon)] for r in rows.values())
+def _gradient_load(macro: str) -> bool:
+    """An output gradient row's load (``G<k>``)."""
+    return macro[:1] == "G" and macro[1:].isdigit()
 
 
-_ROW_LOAD = re.compile(r"\bVG(\d+)\(([^()]*)\)")
+def whole_rows(code: LoweredOperator, codes: dict, bodies: dict[str, tuple[Any, list[str]]], horizon: int) -> set[str]:
+    """The lane bodies that store each output row as a whole vector, the lanes past its D dof included,
+    where that vector stays inside the trajectory's rows (codegen/whole.py, templates/kernel.c.j2
+    ``VYW``): those lanes fall on the output's next rows, which the same column stores after it. So each
+    output's stores must be at literal rows 0 .. H-1, each once, in that order (``whole.stored_in_order``):
+    a plain straight-line integrator's forward (a rolled column's rows are a loop's, a B-spline's in
+    loops, a stencil's interior rows written by its loops). A masked store's lanes past the row were
+    each a separate partial write of a line: from memory the integrators' forward took about 1.5x its
+    time with them (BENCHMARKS.md, "The integrators' forward at B=40000: rows stored as whole vectors")."""
+    return _plain_straight_line("forward", code, codes, bodies,
+                                lambda statements: whole.stored_in_order(statements, _output_store, horizon))
 
 
 def whole_loads(code: LoweredOperator, codes: dict, bodies: dict[str, tuple[Any, list[str]]]) -> set[str]:
     """The lane bodies that load an output gradient's row as a whole vector, the lanes past its D dof
-    included, where that vector stays inside the trajectory's rows (templates/kernel.c.j2 ``VGW``): a
-    plain straight-line adjoint's, every row it loads a literal one (an integrator's). Those lanes hold
-    the next row's values, which only lane-wise arithmetic and masked stores meet, so no value changes;
-    the last rows, whose vector would reach past the trajectory's (and the buffer's) end, stay masked
-    loads. A masked load of part of a line was slow from memory (BENCHMARKS.md, "The plain C adjoint at
-    B=40000: gradient rows loaded as whole vectors"). Measured and left masked: the column that loads
-    each row where first used (``late_loads``: rows in cache; whole loads were slower there), a rolled
-    column's and a B-spline's loads at a loop's row (slower), and a stencil's, whose lane body loads its
-    boundary rows only (no change). A fused adjoint, whose cost terms join those rows, is not measured."""
-    def literal(lines: list[str]) -> bool:
-        rows = [h.strip() for line in lines for _, h in _ROW_LOAD.findall(line)]
-        return bool(rows) and all(h.isdigit() for h in rows)
-    return _plain_straight_line("adjoint", code, codes, bodies, literal)
-
-
-def whole_stores(code: LoweredOperator, codes: dict, bodies: dict[str, tuple[Any, list[str]]],
-                 horizon: int) -> set[str]:
-    """The lane bodies that store each output row as a whole vector (``whole_rows``): a plain
-    straight-line forward's."""
-    return _plain_straight_line("forward", code, codes, bodies, lambda lines: whole_rows(lines, horizon))
+    included, where that vector stays inside the trajectory's rows (codegen/whole.py,
+    templates/kernel.c.j2 ``VGW``): a plain straight-line adjoint's, every row it loads a literal one
+    (an integrator's; ``whole.loaded_literal``). Those lanes hold the next row's values, which only
+    lane-wise arithmetic and masked stores meet, so no value changes; the last rows, whose vector would
+    reach past the trajectory's (and the buffer's) end, stay masked loads. A masked load of part of a
+    line was slow from memory (BENCHMARKS.md, "The plain C adjoint at B=40000: gradient rows loaded as
+    whole vectors"). Measured and left masked: the column that loads each row where first used
+    (``late_loads``: rows in cache; whole loads were slower there), a rolled column's and a B-spline's
+    loads at a loop's row (slower), and a stencil's, whose lane body loads its boundary rows only (no
+    change). A fused adjoint, whose cost terms join those rows, is not measured."""
+    return _plain_straight_line("adjoint", code, codes, bodies,
+                                lambda statements: whole.loaded_literal(statements, _gradient_load))
 
 
 def _plain_straight_line(kernel: str, code: LoweredOperator, codes: dict, bodies: dict[str, tuple[Any, list[str]]],
-                         rows_whole: Callable[[list[str]], bool]) -> set[str]:
-    """{kernel} where its lane body is an unfused one with no loops over rows whose lines ``rows_whole``
-    accepts, else {}."""
-    if kernel in bodies and not code.fused and not codes[kernel].loops and rows_whole(bodies[kernel][1]):
+                         rows_whole: Callable[[Any], bool]) -> set[str]:
+    """{kernel} where its lane body is an unfused one with no loops over rows whose statements
+    ``rows_whole`` accepts, else {}."""
+    if kernel in bodies and not code.fused and not codes[kernel].loops and rows_whole(bodies[kernel][0]):
         return {kernel}
     return set()
+
+
+def _whole_lines(bodies: dict[str, tuple[Any, list[str]]], stores: Collection[str], loads: Collection[str],
+                 table: ArgumentTable) -> dict[str, list[str]]:
+    """The lines of each lane body, those in ``stores`` with their output rows' stores marked whole and
+    those in ``loads`` with their gradient rows' loads (codegen/whole.py)."""
+    printer = lane_printer(macros.lane_names(table))
+    none: Callable[[str], bool] = lambda _: False
+    return {k: printer.lines(whole.marked(statements, _output_store if k in stores else none,
+                                          _gradient_load if k in loads else none))
+            if k in stores or k in loads else lines
+            for k, (statements, lines) in bodies.items()}
 
 
 def _rereads_actions(statements: Any, n_actions: int) -> bool:
@@ -462,8 +466,8 @@ def render(spec: Any, code: LoweredOperator, table: ArgumentTable, target: Targe
                    {**codes, **{k + suffix: c for suffix, v in variants.items() for k, c in v.items() if c is not None}},
                    code.stencil)
     late = late_loads(code, codes, lane_bodies) if lane_form else {}
-    whole = whole_stores(code, codes, lane_bodies, spec.horizon)
-    prefetch = prefetches(table, codes, kernels, whole)
+    stores = whole_rows(code, codes, lane_bodies, spec.horizon)
+    prefetch = prefetches(table, codes, kernels, stores)
     loads = whole_loads(code, codes, lane_bodies)
     assert not (late and pairs), "an adjoint has one batch-chosen form"
     form_checks, form_tests = _form_checks(table, fused.forms(table)) if variants else ([], {})
@@ -516,15 +520,13 @@ def render(spec: Any, code: LoweredOperator, table: ArgumentTable, target: Targe
         form_tests=form_tests,
         private_coefficients=table.dt.shape != ("B",) and code.n_coefficients <= C_PRIVATE_COEFFICIENTS,
         lanes=lane_form,
-        lane_bodies={k: [_ROW_STORE.sub(r"VYW\1(\2,", line) for line in lines] if k in whole
-                     else [_ROW_LOAD.sub(r"VGW\1(\2)", line) for line in lines] if k in loads else lines
-                     for k, (_, lines) in lane_bodies.items()},
+        lane_bodies=_whole_lines(lane_bodies, stores, loads, table),
         lane_actions=_lane_actions(lane_bodies, spec.n_actions),
         paired=pairs,
         late_loads=late,
         late_loads_max_bytes=LATE_LOADS_MAX_BYTES,
         prefetch=prefetch,
-        whole_rows=whole,
+        whole_rows=stores,
         whole_loads=loads,
         prefetch_elements={k: macros.prefetch_elements(table, k) for k in prefetch},
         prefetch_ahead=PREFETCH_AHEAD,

@@ -62,10 +62,13 @@ class Val:
 
 @dataclasses.dataclass(frozen=True)
 class Read:
-    """A macro read: ``U(3)``, ``G0(h)``, ``C(q)``; without args the bare name (``S0``, ``SGU``)."""
+    """A macro read: ``U(3)``, ``G0(h)``, ``C(q)``; without args the bare name (``S0``, ``SGU``).
+    ``whole``: the lane form loads the row as a whole vector where that stays inside the trajectory's
+    rows (codegen/whole.py)."""
 
     macro: str
     args: tuple[Index, ...] = ()
+    whole: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,11 +185,14 @@ class Store:
 
 @dataclasses.dataclass(frozen=True)
 class Call:
-    """``macro(args..., value);``: a store through a macro (``Y0(h, v)``, ``GS1(v)``)."""
+    """``macro(args..., value);``: a store through a macro (``Y0(h, v)``, ``GS1(v)``). ``whole``: the
+    lane form stores the row as a whole vector where that stays inside the trajectory's rows
+    (codegen/whole.py)."""
 
     macro: str
     args: tuple[Union[Index, Var], ...] = ()
     value: Optional[Expr] = None
+    whole: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,62 @@
+"""Rows of the C lane form moved as whole vectors: a pass that marks lowered statements.
+
+The lane form (templates/kernel.c.j2) loads and stores a row of D dof as one vector masked to its D
+lanes. A masked store, or load, of part of a line was slow on rows from memory (BENCHMARKS.md, "The
+integrators' forward at B=40000: rows stored as whole vectors", "The plain C adjoint at B=40000:
+gradient rows loaded as whole vectors"). Where the lanes past a row land on the same trajectory's
+later rows, and nothing is harmed by them, the row may move as a whole vector. This pass marks such
+stores and loads (``Call.whole``, ``Read.whole``), and the lane printer prints them by the macros'
+whole forms (``VYW0``, ``VGW0``, ``VGUW``), which test the row: a vector that would reach past the
+trajectory's rows (its last rows) stays masked, so nothing outside them is read or written.
+
+- A store (``stored_in_order``): the lanes past a row are rewritten by the next rows' stores, so a
+  macro's stores must be at literal rows 0 .. n-1, each once, in that order.
+- A load (``loaded_literal``): the lanes past a row hold the next row's values, which lane-by-lane
+  arithmetic and stores that are masked or rewritten meet only; every load at a literal row (a
+  loop's row keeps its test at run time: measured slower).
+
+Which columns qualify, that no lane meets another (a fused column's cost sums over the dof do) and
+which was measured faster, is codegen/render.py's ``whole_rows``.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Sequence
+
+from .statements import Call, Read, Statement, transform, walk
+
+Names = Callable[[str], bool]
+
+
+def stored_in_order(statements: Sequence[Statement], stores: Names, rows: int) -> bool:
+    """Whether the stores through the macros ``stores`` accepts (some) are each macro's rows 0 ..
+    ``rows`` - 1 once each, in that order, every row a literal one."""
+    by_macro: dict[str, list[Any]] = {}
+    for node in walk(tuple(statements)):
+        if isinstance(node, Call) and stores(node.macro):
+            by_macro.setdefault(node.macro, []).append(node.args[0])
+    return bool(by_macro) and all(r == list(range(rows)) for r in by_macro.values())
+
+
+def loaded_literal(statements: Sequence[Statement], loads: Names) -> bool:
+    """Whether the reads through the macros ``loads`` accepts (some) are each at a literal row."""
+    rows = [n.args[0] for n in walk(tuple(statements)) if isinstance(n, Read) and loads(n.macro)]
+    return bool(rows) and all(type(h) is int for h in rows)
+
+
+def marked(statements: Sequence[Statement], stores: Names = lambda _: False, loads: Names = lambda _: False
+           ) -> tuple[Statement, ...]:
+    """``statements`` with the stores through ``stores``' macros and the reads through ``loads``' marked
+    whole."""
+    def mark(node: Any) -> Any:
+        if isinstance(node, Call) and stores(node.macro):
+            return dataclasses.replace(node, whole=True, value=transform(node.value, mark))
+        if isinstance(node, Read) and loads(node.macro):
+            return dataclasses.replace(node, whole=True)
+        return None
+    return transform(tuple(statements), mark)
+
+
+def whole_macros(statements: Sequence[Statement]) -> frozenset[str]:
+    """The macros of the stores and loads ``statements`` move whole."""
+    return frozenset(n.macro for n in walk(tuple(statements)) if isinstance(n, (Call, Read)) and n.whole)
