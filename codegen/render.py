@@ -266,14 +266,29 @@ def _plain_straight_line(kernel: str, code: LoweredOperator, codes: dict, bodies
     return set()
 
 
-def _whole_lines(bodies: dict[str, tuple[Any, list[str]]], stores: Collection[str], loads: Collection[str],
-                 table: ArgumentTable) -> dict[str, list[str]]:
-    """The lines of each lane body, those in ``stores`` with their output rows' stores marked whole and
-    those in ``loads`` with their gradient rows' loads (codegen/whole.py)."""
+def whole_actions(code: LoweredOperator, codes: dict, bodies: dict[str, tuple[Any, list[str]]],
+                  table: ArgumentTable, n_actions: int) -> set[str]:
+    """The lane bodies that store each action gradient's row as a whole vector where that vector stays
+    inside the trajectory's rows (codegen/whole.py, templates/kernel.c.j2 ``VGUW``), as ``whole_rows``
+    stores the forward's: a plain straight-line adjoint whose stores of them are at literal rows 0 ..
+    N-1, each once, in that order (an integrator's; a fused adjoint stores them as its reverse sweep
+    meets them, last row first)."""
+    return _plain_straight_line("adjoint", code, codes, bodies,
+                                lambda statements: whole.stored_in_order(statements, _action_store(table), n_actions))
+
+
+def _action_store(table: ArgumentTable) -> Callable[[str], bool]:
+    """An action gradient row's store (``GU``)."""
+    return lambda macro: macro == "G" + table.action.macro
+
+
+def _whole_lines(bodies: dict[str, tuple[Any, list[str]]], stores: dict[str, Callable[[str], bool]],
+                 loads: dict[str, Callable[[str], bool]], table: ArgumentTable) -> dict[str, list[str]]:
+    """The lines of each lane body, with the stores through its macros in ``stores`` and the loads
+    through those in ``loads`` marked whole (codegen/whole.py)."""
     printer = lane_printer(macros.lane_names(table))
     none: Callable[[str], bool] = lambda _: False
-    return {k: printer.lines(whole.marked(statements, _output_store if k in stores else none,
-                                          _gradient_load if k in loads else none))
+    return {k: printer.lines(whole.marked(statements, stores.get(k, none), loads.get(k, none)))
             if k in stores or k in loads else lines
             for k, (statements, lines) in bodies.items()}
 
@@ -469,6 +484,7 @@ def render(spec: Any, code: LoweredOperator, table: ArgumentTable, target: Targe
     stores = whole_rows(code, codes, lane_bodies, spec.horizon)
     prefetch = prefetches(table, codes, kernels, stores)
     loads = whole_loads(code, codes, lane_bodies)
+    actions = whole_actions(code, codes, lane_bodies, table, spec.n_actions)
     assert not (late and pairs), "an adjoint has one batch-chosen form"
     form_checks, form_tests = _form_checks(table, fused.forms(table)) if variants else ([], {})
     programs = _long_programs(code, kernels, table.dt.shape == ("B",)) if target.split_programs else {}
@@ -520,7 +536,9 @@ def render(spec: Any, code: LoweredOperator, table: ArgumentTable, target: Targe
         form_tests=form_tests,
         private_coefficients=table.dt.shape != ("B",) and code.n_coefficients <= C_PRIVATE_COEFFICIENTS,
         lanes=lane_form,
-        lane_bodies=_whole_lines(lane_bodies, stores, loads, table),
+        lane_bodies=_whole_lines(lane_bodies, {**{k: _output_store for k in stores},
+                                               **{k: _action_store(table) for k in actions}},
+                                 {k: _gradient_load for k in loads}, table),
         lane_actions=_lane_actions(lane_bodies, spec.n_actions),
         paired=pairs,
         late_loads=late,
@@ -528,6 +546,7 @@ def render(spec: Any, code: LoweredOperator, table: ArgumentTable, target: Targe
         prefetch=prefetch,
         whole_rows=stores,
         whole_loads=loads,
+        whole_actions=actions,
         prefetch_elements={k: macros.prefetch_elements(table, k) for k in prefetch},
         prefetch_ahead=PREFETCH_AHEAD,
         prefetch_from_bytes=PREFETCH_FROM_BYTES,

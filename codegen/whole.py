@@ -23,18 +23,22 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Sequence
 
-from .statements import Call, Read, Statement, transform, walk
+from .statements import Call, For, Read, RunEnd, Statement, transform, walk
 
 Names = Callable[[str], bool]
 
 
 def stored_in_order(statements: Sequence[Statement], stores: Names, rows: int) -> bool:
     """Whether the stores through the macros ``stores`` accepts (some) are each macro's rows 0 ..
-    ``rows`` - 1 once each, in that order, every row a literal one."""
+    ``rows`` - 1 once each, in that order, every row a literal one and none in a loop or a run's end
+    (run as often as they come)."""
     by_macro: dict[str, list[Any]] = {}
-    for node in walk(tuple(statements)):
-        if isinstance(node, Call) and stores(node.macro):
-            by_macro.setdefault(node.macro, []).append(node.args[0])
+    for s in statements:
+        if isinstance(s, (For, RunEnd)):
+            if any(isinstance(n, Call) and stores(n.macro) for n in walk(s)):
+                return False
+        elif isinstance(s, Call) and stores(s.macro):
+            by_macro.setdefault(s.macro, []).append(s.args[0])
     return bool(by_macro) and all(r == list(range(rows)) for r in by_macro.values())
 
 
