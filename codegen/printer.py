@@ -177,7 +177,7 @@ class Printer:
 
     def _name(self, macro: str, whole: bool) -> str:
         """A macro's name; a row moved whole (codegen/whole.py) by its whole form, W before the
-        name's number (``VYW0``, ``VGW1``, ``VGUW``: templates/kernel.c.j2), the lane form's only."""
+        name's number (``VYW0``, ``VGW1``: templates/kernel.c.j2), the lane form's only."""
         name = self.macro(macro)
         if not whole:
             return name

@@ -236,7 +236,10 @@ def whole_rows(code: LoweredOperator, codes: dict, bodies: dict[str, tuple[Any, 
     a plain straight-line integrator's forward (a rolled column's rows are a loop's, a B-spline's in
     loops, a stencil's interior rows written by its loops). A masked store's lanes past the row were
     each a separate partial write of a line: from memory the integrators' forward took about 1.5x its
-    time with them (BENCHMARKS.md, "The integrators' forward at B=40000: rows stored as whole vectors")."""
+    time with them (BENCHMARKS.md, "The integrators' forward at B=40000: rows stored as whole vectors").
+    Measured and left masked: a plain adjoint's stores of u's gradient rows, which it makes in the same
+    order (0 .. N-1), whole were as fast or slower (BENCHMARKS.md, "u's gradient rows stored whole, and
+    the fused adjoint's gradient rows loaded whole: measured")."""
     return _plain_straight_line("forward", code, codes, bodies,
                                 lambda statements: whole.stored_in_order(statements, _output_store, horizon))
 
@@ -252,7 +255,9 @@ def whole_loads(code: LoweredOperator, codes: dict, bodies: dict[str, tuple[Any,
     whole vectors"). Measured and left masked: the column that loads each row where first used
     (``late_loads``: rows in cache; whole loads were slower there), a rolled column's and a B-spline's
     loads at a loop's row (slower), and a stencil's, whose lane body loads its boundary rows only (no
-    change). A fused adjoint, whose cost terms join those rows, is not measured."""
+    change). A fused adjoint, whose cost terms join those rows, keeps them masked: its float32 loads whole
+    were faster from memory and its float64 ones not (BENCHMARKS.md, "u's gradient rows stored whole,
+    and the fused adjoint's gradient rows loaded whole: measured")."""
     return _plain_straight_line("adjoint", code, codes, bodies,
                                 lambda statements: whole.loaded_literal(statements, _gradient_load))
 
@@ -266,29 +271,14 @@ def _plain_straight_line(kernel: str, code: LoweredOperator, codes: dict, bodies
     return set()
 
 
-def whole_actions(code: LoweredOperator, codes: dict, bodies: dict[str, tuple[Any, list[str]]],
-                  table: ArgumentTable, n_actions: int) -> set[str]:
-    """The lane bodies that store each action gradient's row as a whole vector where that vector stays
-    inside the trajectory's rows (codegen/whole.py, templates/kernel.c.j2 ``VGUW``), as ``whole_rows``
-    stores the forward's: a plain straight-line adjoint whose stores of them are at literal rows 0 ..
-    N-1, each once, in that order (an integrator's; a fused adjoint stores them as its reverse sweep
-    meets them, last row first)."""
-    return _plain_straight_line("adjoint", code, codes, bodies,
-                                lambda statements: whole.stored_in_order(statements, _action_store(table), n_actions))
-
-
-def _action_store(table: ArgumentTable) -> Callable[[str], bool]:
-    """An action gradient row's store (``GU``)."""
-    return lambda macro: macro == "G" + table.action.macro
-
-
-def _whole_lines(bodies: dict[str, tuple[Any, list[str]]], stores: dict[str, Callable[[str], bool]],
-                 loads: dict[str, Callable[[str], bool]], table: ArgumentTable) -> dict[str, list[str]]:
-    """The lines of each lane body, with the stores through its macros in ``stores`` and the loads
-    through those in ``loads`` marked whole (codegen/whole.py)."""
+def _whole_lines(bodies: dict[str, tuple[Any, list[str]]], stores: Collection[str], loads: Collection[str],
+                 table: ArgumentTable) -> dict[str, list[str]]:
+    """The lines of each lane body, those in ``stores`` with their output rows' stores marked whole and
+    those in ``loads`` with their gradient rows' loads (codegen/whole.py)."""
     printer = lane_printer(macros.lane_names(table))
     none: Callable[[str], bool] = lambda _: False
-    return {k: printer.lines(whole.marked(statements, stores.get(k, none), loads.get(k, none)))
+    return {k: printer.lines(whole.marked(statements, _output_store if k in stores else none,
+                                          _gradient_load if k in loads else none))
             if k in stores or k in loads else lines
             for k, (statements, lines) in bodies.items()}
 
@@ -484,7 +474,6 @@ def render(spec: Any, code: LoweredOperator, table: ArgumentTable, target: Targe
     stores = whole_rows(code, codes, lane_bodies, spec.horizon)
     prefetch = prefetches(table, codes, kernels, stores)
     loads = whole_loads(code, codes, lane_bodies)
-    actions = whole_actions(code, codes, lane_bodies, table, spec.n_actions)
     assert not (late and pairs), "an adjoint has one batch-chosen form"
     form_checks, form_tests = _form_checks(table, fused.forms(table)) if variants else ([], {})
     programs = _long_programs(code, kernels, table.dt.shape == ("B",)) if target.split_programs else {}
@@ -536,9 +525,7 @@ def render(spec: Any, code: LoweredOperator, table: ArgumentTable, target: Targe
         form_tests=form_tests,
         private_coefficients=table.dt.shape != ("B",) and code.n_coefficients <= C_PRIVATE_COEFFICIENTS,
         lanes=lane_form,
-        lane_bodies=_whole_lines(lane_bodies, {**{k: _output_store for k in stores},
-                                               **{k: _action_store(table) for k in actions}},
-                                 {k: _gradient_load for k in loads}, table),
+        lane_bodies=_whole_lines(lane_bodies, stores, loads, table),
         lane_actions=_lane_actions(lane_bodies, spec.n_actions),
         paired=pairs,
         late_loads=late,
@@ -546,7 +533,6 @@ def render(spec: Any, code: LoweredOperator, table: ArgumentTable, target: Targe
         prefetch=prefetch,
         whole_rows=stores,
         whole_loads=loads,
-        whole_actions=actions,
         prefetch_elements={k: macros.prefetch_elements(table, k) for k in prefetch},
         prefetch_ahead=PREFETCH_AHEAD,
         prefetch_from_bytes=PREFETCH_FROM_BYTES,

@@ -6,7 +6,7 @@ integrators' forward at B=40000: rows stored as whole vectors", "The plain C adj
 gradient rows loaded as whole vectors"). Where the lanes past a row land on the same trajectory's
 later rows, and nothing is harmed by them, the row may move as a whole vector. This pass marks such
 stores and loads (``Call.whole``, ``Read.whole``), and the lane printer prints them by the macros'
-whole forms (``VYW0``, ``VGW0``, ``VGUW``), which test the row: a vector that would reach past the
+whole forms (``VYW0``, ``VGW0``), which test the row: a vector that would reach past the
 trajectory's rows (its last rows) stays masked, so nothing outside them is read or written.
 
 - A store (``stored_in_order``): the lanes past a row are rewritten by the next rows' stores, so a
@@ -15,8 +15,8 @@ trajectory's rows (its last rows) stays masked, so nothing outside them is read 
   arithmetic and stores that are masked or rewritten meet only; every load at a literal row (a
   loop's row keeps its test at run time: measured slower).
 
-Which columns qualify, that no lane meets another (a fused column's cost sums over the dof do) and
-which was measured faster, is codegen/render.py's ``whole_rows``.
+Which columns qualify (no lane meets another: a fused column's cost sums over the dof do) and were
+measured faster is codegen/render.py's choice (``whole_rows``, ``whole_loads``).
 """
 from __future__ import annotations
 
@@ -60,7 +60,3 @@ def marked(statements: Sequence[Statement], stores: Names = lambda _: False, loa
         return None
     return transform(tuple(statements), mark)
 
-
-def whole_macros(statements: Sequence[Statement]) -> frozenset[str]:
-    """The macros of the stores and loads ``statements`` move whole."""
-    return frozenset(n.macro for n in walk(tuple(statements)) if isinstance(n, (Call, Read)) and n.whole)
