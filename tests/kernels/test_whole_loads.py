@@ -69,8 +69,9 @@ def test_other_adjoints_keep_masked_loads(spec):
     assert "VGW" not in generate(spec, ("c",), ("core",)).source("c", "core")
 
 
-def _guarded(n: int, dtype: torch.dtype) -> tuple[mmap.mmap, torch.Tensor]:
-    """n elements ending exactly where an unreadable page begins, NaN before them in their pages."""
+def _guarded(n: int, dtype: torch.dtype) -> tuple[mmap.mmap, torch.Tensor, torch.Tensor]:
+    """n elements ending exactly where an unreadable (and unwritable) page begins, and the NaN before
+    them in their pages."""
     page = mmap.PAGESIZE
     size = -(-n * dtype.itemsize // page) * page + page
     block = mmap.mmap(-1, size + page)
@@ -80,7 +81,7 @@ def _guarded(n: int, dtype: torch.dtype) -> tuple[mmap.mmap, torch.Tensor]:
     assert libc.mprotect(base + size, page, 0) == 0, ctypes.get_errno()  # PROT_NONE
     whole = torch.frombuffer(block, dtype=dtype, count=size // dtype.itemsize)
     whole.fill_(float("nan"))
-    return block, whole[whole.numel() - n:]
+    return block, whole[whole.numel() - n:], whole[:whole.numel() - n]
 
 
 def _check(index: int, threads: int) -> None:
@@ -98,14 +99,16 @@ def _check(index: int, threads: int) -> None:
     dt = (0.05 + 0.1 * torch.rand(H, generator=gen, dtype=torch.float64) if spec.dt == "per_step"
           else torch.tensor(0.02, dtype=torch.float64)).to(dtype)
     M_u, M_s = reference.matrices(spec, dt.double().reshape(-1).tolist())
-    blocks, grads = zip(*(_guarded(B * H * D, dtype) for _ in range(K)))
+    blocks, grads, _ = zip(*(_guarded(B * H * D, dtype) for _ in range(K)))
     for g in grads:
         g.copy_(torch.randn(B * H * D, generator=gen, dtype=torch.float64))
     grads = [g.view(B, H, D) for g in grads]
     torch.set_num_threads(threads)
     backend = CpuBackend(spec)
+    block_u, gu, lead = _guarded(B * N * D, dtype)  # a store past u's gradient rows faults
+    gu = gu.view(B, N, D)
     for given in (K, K - 1):
-        gu = torch.full((B, N, D), float("nan"), dtype=dtype)
+        gu.fill_(float("nan"))
         gs = [torch.full((B, D), float("nan"), dtype=dtype) for _ in range(4)]
         backend.call("adjoint", B, [*(g.data_ptr() if k < given else 0 for k, g in enumerate(grads)),
                                     dt.data_ptr(), gu.data_ptr(), *(s.data_ptr() for s in gs)])
@@ -115,7 +118,8 @@ def _check(index: int, threads: int) -> None:
         per_row = np.einsum("khm,kbhd->bmd", M_s, g)
         for m in range(4):
             scale_close(gs[m].double().numpy(), per_row[:, m], tol)
-    del blocks
+        assert torch.isnan(lead).all(), "a store before u's gradient rows"
+    del blocks, block_u, lead
 
 
 @pytest.mark.parametrize("threads", [1, 2])

@@ -14,8 +14,9 @@ import torch
 
 import reference
 import tensorstep as ts
-from tensorstep.codegen import render
+from tensorstep.codegen import printer, render, whole
 from tensorstep.codegen.driver import generate
+from tensorstep.codegen.statements import Call, Def, For, Read, Rel, Val, Var
 from tensorstep.runtime.launch import CpuBackend
 from helpers import STRAIGHT_LINE_INTEGRATORS as WHOLE, c_functions, require_avx512, scale_close
 
@@ -92,3 +93,25 @@ def test_whole_rows_give_the_reference_values_and_write_nothing_else(spec, threa
     for k, y in enumerate(buffers):
         assert torch.isnan(y[0]).all() and torch.isnan(y[B + 1]).all(), k
         scale_close(y[1:B + 1].double().numpy(), expected[k], 1e-5 if dtype == torch.float32 else 1e-12)
+
+
+def test_the_pass_marks_stores_in_order_and_literal_loads_and_the_lane_printer_prints_them_whole():
+    """codegen/whole.py decides from the statements and marks them (``Call.whole``, ``Read.whole``); the
+    lane printer prints a marked store or load by its macro's whole form, the scalar column none."""
+    output = lambda macro: macro == "Y0"
+    y = [Call("Y0", (h,), Val("y", 0, h)) for h in range(3)]
+    assert whole.stored_in_order(y, output, 3)
+    assert not whole.stored_in_order(y[::-1], output, 3)  # last row first: a row's lanes past it lost
+    assert not whole.stored_in_order(y[:2], output, 3)  # a row never stored
+    assert not whole.stored_in_order([y[0], For(1, 2, 1, (Call("Y0", (Rel(0),), Val("y", 0, 1)),))], output, 3)
+    assert not whole.stored_in_order([Call("Y1", (0,), Val("y", 1, 0))], output, 1)  # no store of Y0
+    g = [Def(Val("g", 0, h), Read("G0", (h,))) for h in range(2)]
+    assert whole.loaded_literal(g, lambda macro: macro == "G0")
+    assert not whole.loaded_literal([*g, Def(Var("x"), Read("G0", (Rel(0),)))], lambda macro: macro == "G0")
+    lanes = printer.lane_printer(frozenset({"U", "GU"}))  # the lane macros of the actions and their gradient
+    body = whole.marked([*y, *g, Call("GU", (0,), Read("U", (0,)))], output, lambda macro: macro == "G0")
+    assert lanes.lines(body) == ["VYW0(0, y0_0);", "VYW0(1, y0_1);", "VYW0(2, y0_2);", "const VT g0_0 = VGW0(0);",
+                                 "const VT g0_1 = VGW0(1);", "VGU(0, VU(0));"]
+    assert lanes.lines(whole.marked(y[:1], lambda macro: macro == "Y0")) == ["VYW0(0, y0_0);"]
+    with pytest.raises(AssertionError):
+        printer.COLUMN.lines(body)
