@@ -4,7 +4,8 @@ whole vector where that vector stays inside the trajectory's rows (codegen/rende
 templates/kernel.c.j2 ``VGW``); the last rows, whose vector would reach past them, stay masked. The
 lanes past a row's D dof hold the next row's values and never reach a stored lane. Other columns keep
 masked loads. The gradients are the dense float64 reference's with each gradient tensor ending exactly
-at an unreadable page (a load past the rows faults) and NaN before it, one and two threads."""
+at an unreadable page (a load past the rows faults) and NaN before it, one and two threads; u's gradient
+tensor ends at one too (its rows are stored masked: a store past them faults) and the NaN before it stays."""
 from __future__ import annotations
 
 import ctypes
