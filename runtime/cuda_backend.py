@@ -35,7 +35,7 @@ import shutil
 import threading
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 
@@ -247,6 +247,8 @@ class CudaBackend:
     #: the native node's launch and stream functions (runtime/native_node.cpp, as addresses): 0 for the
     #: driver's cuLaunchKernel and PyTorch's current stream (a test double gives its own)
     native_launch = (0, 0)
+    #: the native node's handle of these kernels (runtime/native.py), once registered
+    native_handle: Optional[int] = None
 
     def __init__(self, spec: Any, device: torch.device):
         if not torch.cuda.is_available():

@@ -85,6 +85,9 @@ class Launcher:
         self.variable_places = tuple(i for i in range(len(self.table.tensors)) if i not in self.parameter_places)
         self._adjoint_shapes: dict[int, list[tuple[int, ...]]] = {}
         self._output_shapes: dict[int, list[tuple[int, ...]]] = {}
+        #: what keeps a CUDA backend's kernels loaded for the native node while this launcher lives
+        #: (runtime/native.py ``_cuda_handle``)
+        self.native_anchor: Optional[torch.Tensor] = None
 
     def prepare(self, dt_grad: bool) -> None:
         """Load now what later calls would load lazily (the dt kernels: gradients and tangents)."""

@@ -413,23 +413,42 @@ def _is_cuda(backend: Any) -> bool:
     return hasattr(backend, "native_plan")
 
 
-# A CUDA handle's backend, kept for the process (as a CPU library is): the node keeps its kernels'
-# function handles, which its modules must outlive (an autograd graph may run after its step is gone).
-_CUDA_BACKENDS: dict[int, Any] = {}
-_CUDA_HANDLES: dict[int, int] = {}  # id of a kept backend → its handle
+# A CUDA handle's backend, while its modules may be launched: the step's launcher holds its anchor,
+# and so does each autograd node of the handle until its backward ran (native_node.cpp
+# ``Kernels::anchor``); the anchor holds the backend. Freed with the last of them, its modules with it.
+_CUDA_BACKENDS: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
+_ANCHORS: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
+
+
+class _Holder(bytearray):
+    """The memory of a CUDA handle's anchor (a tensor on it, ``torch.frombuffer``, which holds this
+    object until its storage is freed), holding the backend whose modules the node launches. Not
+    held by the backend: a cycle through a tensor's storage is one the collector cannot see."""
+
+    backend: Any
+
+
+def _anchor(backend: Any) -> torch.Tensor:
+    holder = _Holder(1)
+    holder.backend = backend
+    return torch.frombuffer(holder, dtype=torch.uint8)
 
 
 def _cuda_handle(launcher: Any) -> int:
     backend = launcher.backend
-    h = _CUDA_HANDLES.get(id(backend))
-    if h is None:
+    h = getattr(backend, "native_handle", None)
+    anchor = _ANCHORS.get(h) if h is not None else None
+    if anchor is None:  # new, or every launcher and graph of its handle was freed: a handle afresh
+        anchor = _anchor(backend)
         launch, stream = backend.native_launch
         h = int(torch.ops.tensorstep_native.register_kernels(
             0, 0, **table_rows(launcher.table), dtype=launcher.dtype, cuda=True, device=str(backend.device),
-            launch=launch, stream=stream, plans_kept=CUDA_LAUNCHES_KEPT))
+            launch=launch, stream=stream, plans_kept=CUDA_LAUNCHES_KEPT, anchor=anchor))
         _KEYS[h] = registry.key_for(launcher.spec, backend.device)
         _CUDA_BACKENDS[h] = backend
-        _CUDA_HANDLES[id(backend)] = h
+        _ANCHORS[h] = anchor
+        backend.native_handle = h
+    launcher.native_anchor = anchor  # the step's launcher holds its kernels loaded
     if _LAUNCHERS.get(h) is None:
         _LAUNCHERS[h] = launcher
     return h

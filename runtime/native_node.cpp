@@ -61,6 +61,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <sstream>
 #include <string>
@@ -180,10 +181,15 @@ struct Kernels {
   int64_t handle = -1;
   std::shared_ptr<CudaPlans> plans;
   int64_t launch = 0, stream = 0;
+  // what keeps the CUDA kernels loaded (runtime/native.py: a tensor whose memory holds the backend that
+  // loaded their modules), held weakly: by the step's launcher while it lives, and by each autograd node
+  // until its backward ran (``hold``). Once it is gone, the modules may be unloaded: nothing launches.
+  std::optional<c10::weak_intrusive_ptr<c10::StorageImpl>> anchor;
 };
 
 // One entry per library of kernels registered (runtime/native.py reuses a library's handle), kept for
-// the process as the library is: a graph may call a handle's kernels after its step was freed.
+// the process as the library is: a graph may call a handle's kernels after its step was freed. (A CUDA
+// handle's modules are freed with the last of its step and graphs instead: Kernels::anchor.)
 std::mutex registry_mutex;
 std::deque<Kernels> registry;  // append-only; a deque never moves its elements, so references stay valid
 
@@ -200,7 +206,7 @@ int64_t register_kernels(int64_t forward, int64_t adjoint, std::vector<std::stri
                          std::vector<int64_t> output_ranks, std::vector<std::string> symbols,
                          std::vector<std::string> messages, at::ScalarType dtype, bool fused,
                          std::vector<int64_t> kept, bool cuda, const std::string& device, int64_t launch,
-                         int64_t stream, int64_t plans_kept) {
+                         int64_t stream, int64_t plans_kept, const std::optional<Tensor>& anchor) {
   TORCH_CHECK(messages.size() == N_MESSAGES, "tensorstep: expected ", N_MESSAGES, " message templates");
   Kernels k{forward, adjoint, {}, {}, static_cast<int64_t>(output_ranks.size()), std::move(symbols),
             std::move(messages), dtype};
@@ -230,6 +236,7 @@ int64_t register_kernels(int64_t forward, int64_t adjoint, std::vector<std::stri
   k.launch = launch;
   k.stream = stream;
   if (cuda) k.plans = std::make_shared<CudaPlans>(static_cast<size_t>(std::max<int64_t>(plans_kept, 1)));
+  if (anchor && anchor->defined()) k.anchor.emplace(anchor->storage().getWeakStorageImpl());
   std::lock_guard<std::mutex> guard(registry_mutex);
   k.handle = static_cast<int64_t>(registry.size());
   registry.push_back(std::move(k));
@@ -916,7 +923,17 @@ void make_context_current(const Driver& d, c10::DeviceIndex index) {
   driver_check(d.make_current(context), "cuCtxSetCurrent");
 }
 
+// The kernels' anchor (Kernels::anchor), held strongly while they are launched or a graph may launch
+// them; an empty storage where the handle has none (C kernels: their libraries stay loaded).
+c10::Storage hold(const Kernels& k) {
+  if (!k.anchor) return {};
+  c10::Storage held(k.anchor->lock());
+  TORCH_CHECK(held, "tensorstep: the CUDA kernels of handle ", k.handle, " were freed with their step");
+  return held;
+}
+
 void launch_cuda(const Kernels& k, Entry entry, int64_t B, const std::vector<void*>& args) {
+  const c10::Storage held = hold(k);
   const std::shared_ptr<const CudaPlan> plan = plan_for(k, entry, B);
   TORCH_CHECK(static_cast<int64_t>(args.size()) == plan->arguments, "tensorstep: ", ENTRY_POINTS[entry], " takes ",
               plan->arguments, " arguments after B, given ", args.size());
@@ -1039,6 +1056,9 @@ struct NativeStepBackward : public torch::autograd::Node {
   // a fused call's cost parameters as its slot kept them (shared, not saved one by one), each with
   // the version of the tensor given for it, compared again before the adjoint reads them
   KeptRows parameters;
+  // the CUDA kernels' anchor (Kernels::anchor): their modules stay loaded until this backward ran,
+  // however long the graph outlives its step
+  c10::Storage anchor;
 
   std::string name() const override { return "NativeStepBackward"; }
 
@@ -1066,6 +1086,7 @@ struct NativeStepBackward : public torch::autograd::Node {
   void release_variables() override {
     for (auto& v : kept) v.reset_data();
     parameters.reset();
+    anchor = c10::Storage();
   }
 
   variable_list apply(variable_list&& grads) override {
@@ -1196,6 +1217,7 @@ std::vector<Tensor> run_node(const Kernels& k, int64_t handle, const std::vector
   for (const auto& t : given) edges.push_back(torch::autograd::impl::gradient_edge(t));
   step->set_next_edges(std::move(edges));
   step->handle = handle;
+  step->anchor = hold(k);
   step->parameters = std::move(parameters);
   step->rows = std::move(rows);
   step->positions = std::move(positions);
@@ -1276,13 +1298,14 @@ std::vector<std::string> strings(const c10::IValue& v) {
 }
 
 void register_kernels_boxed(const c10::OperatorHandle&, Stack* stack) {
-  constexpr size_t n = 22;
+  constexpr size_t n = 23;
   const auto a = torch::jit::last(*stack, n);
   const int64_t h = register_kernels(a[0].toInt(), a[1].toInt(), strings(a[2]), strings(a[3]), a[4].toIntVector(),
                                      a[5].toIntVector(), a[6].toIntVector(), a[7].toIntVector(), a[8].toIntVector(),
                                      a[9].toIntVector(), a[10].toIntVector(), a[11].toIntVector(), strings(a[12]),
                                      strings(a[13]), a[14].toScalarType(), a[15].toBool(), a[16].toIntVector(),
-                                     a[17].toBool(), a[18].toStringRef(), a[19].toInt(), a[20].toInt(), a[21].toInt());
+                                     a[17].toBool(), a[18].toStringRef(), a[19].toInt(), a[20].toInt(), a[21].toInt(),
+                                     a[22].toOptional<Tensor>());
   torch::jit::drop(*stack, n);
   stack->emplace_back(h);
 }
@@ -1524,7 +1547,7 @@ TORCH_LIBRARY(tensorstep_native, m) {
   m.def("register_kernels(int forward, int adjoint, str[] names, str[] meanings, int[] ranks, int[] shapes, "
         "int[] rules, int[] presences, int[] indices, int[] differentiable, int[] output_shapes, "
         "int[] output_ranks, str[] symbols, str[] messages, ScalarType dtype, bool fused, int[] kept, "
-        "bool cuda=False, str device=\"cpu\", int launch=0, int stream=0, int plans_kept=0) -> int",
+        "bool cuda=False, str device=\"cpu\", int launch=0, int stream=0, int plans_kept=0, Tensor? anchor=None) -> int",
         torch::CppFunction::makeFromBoxedFunction<&register_kernels_boxed>());
   m.def("step(int handle, Tensor?[] inputs, int slot=-1, int held=-1) -> Tensor[]");
   m.def("step_out(int handle, Tensor?[] inputs, Tensor(a!)[] out, int slot=-1, int held=-1) -> bool");
