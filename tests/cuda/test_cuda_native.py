@@ -10,6 +10,12 @@ Python path's, bit for bit.
 """
 from __future__ import annotations
 
+import contextlib
+import gc
+import weakref
+from typing import Iterator
+from unittest import mock
+
 import numpy as np
 import pytest
 import torch
@@ -53,10 +59,27 @@ def _native_step(spec: ts.KernelSpec) -> Step:
     return step
 
 
+@contextlib.contextmanager
+def _python_checks() -> Iterator[list]:
+    """The steps whose calls ran the Python path's checks (``Step._checked``), one entry per call:
+    a call the node takes whole runs none."""
+    checked, calls = Step._checked, []
+
+    def counted(self, *args, **kwargs):
+        calls.append(self)
+        return checked(self, *args, **kwargs)
+
+    with mock.patch.object(Step, "_checked", counted):
+        yield calls
+
+
 def _run(step: Step, case: ReferenceCase, weights: list) -> tuple[list, list]:
-    """Outputs and the gradients of every tensor input for output gradients ``weights``."""
+    """Outputs and the gradients of every tensor input for output gradients ``weights``; a native
+    step's call (start and goal tables, goal=, a dt per trajectory) taken by the node whole."""
     xs = [t.clone().requires_grad_(True) for t in case.tensors()[:-1]]
-    ys = case.call(step, *xs, case.dt)
+    with _python_checks() as checked:
+        ys = case.call(step, *xs, case.dt)
+    assert not checked or step.native is None
     assert (ys[0].grad_fn.name() == "NativeStepBackward") == (step.native is not None)
     backend = step.launcher.backend
     assert not backend.errors, backend.errors
@@ -173,6 +196,51 @@ def test_each_launch_is_packeds_with_as_many_temporaries_and_python_is_asked_onc
     assert native.cuda_plans(fresh.native) == (3, 3)
 
 
+@pytest.mark.parametrize("overrides", [PLAIN[1], PLAIN[4]], ids=grid_id)
+def test_forward_mode_transforms_and_dt_gradients_take_the_python_path_and_equal_it(overrides):
+    """What the node leaves to the Python Functions, on a step with its CUDA launches: a jvp
+    (torch.func.jvp), a forward-mode dual, a vmap, a dt gradient (a dt per step, and one per
+    trajectory): each equals the Python path's bit for bit. With a dt per trajectory, an entry that is
+    not positive and a float dt are refused with the Python path's messages."""
+    spec = _spec(overrides)
+    case = ReferenceCase(spec, B=40, seed=2)
+    xs = case.tensors()[:-1]
+    places = [i for i, x in enumerate(xs) if x.is_floating_point()]
+    gen = torch.Generator().manual_seed(1)
+    tangents = [torch.randn(xs[i].shape, generator=gen, dtype=torch.float64) for i in places]
+    results, messages = [], []
+    for step in (_native_step(spec), host_step(spec)):
+        def call(*values, dt=case.dt):
+            given = list(xs)
+            for i, v in zip(places, values):
+                given[i] = v
+            return case.call(step, *given, dt)
+
+        got = []
+        _, tangent = torch.func.jvp(call, tuple(xs[i] for i in places), tuple(tangents))
+        got += tangent
+        with torch.autograd.forward_ad.dual_level():
+            ys = call(*(torch.autograd.forward_ad.make_dual(xs[i], t) for i, t in zip(places, tangents)))
+            got += [torch.autograd.forward_ad.unpack_dual(y).tangent for y in ys]
+        u = torch.stack([xs[0], 2 * xs[0]])
+        got += torch.func.vmap(lambda a: call(a, *(xs[i] for i in places[1:])))(u)
+        dt = case.dt.clone().requires_grad_()
+        got += torch.autograd.grad(sum((y * y).sum() for y in call(*(xs[i] for i in places), dt=dt)), dt)
+        if spec.dt == "per_trajectory":
+            bad = case.dt.clone()
+            bad[3] = 0.0
+            for dt, kind in ((bad, ValueError), (0.07, TypeError)):
+                with pytest.raises(kind) as error:
+                    call(*(xs[i] for i in places), dt=dt)
+                messages.append(str(error.value))
+        assert not step.launcher.backend.errors
+        results.append(got)
+    assert len(results[0]) == len(results[1]) > 0
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+    assert messages[:len(messages) // 2] == messages[len(messages) // 2:]
+
+
 @pytest.mark.parametrize("name", ["u", "p0", "a0", "j0", "start_index"])
 def test_a_tensor_on_another_device_is_refused_by_name(name):
     """A tensor on another device than the step's is refused before any launch, naming it, with the
@@ -259,6 +327,86 @@ def test_a_fused_step_equals_the_python_path_and_the_definitions():
         torch.testing.assert_close(a, c, rtol=1e-12, atol=1e-12 * float(c.abs().max()))
 
 
+def test_held_cost_parameters_take_the_nodes_launches_without_crossing_per_call():
+    """A fused step holding its cost parameters (``set_costs``; a planner's loop): the first call keeps
+    them in the step's slot after the Python checks; every later call passes forward's tensors only and
+    the node takes it whole (no Python check). Over four calls, P, the cost and the gradients of u and p0
+    equal the Python path's bit for bit, with the same launches; a held tensor written in place is seen
+    by the next call, on both paths."""
+    spec = make_spec(FUSED, dof=2)
+    B = 70
+    x, params, dt = _fused_data(spec, B)
+    gen = torch.Generator().manual_seed(5)
+    wP = torch.randn(B, spec.horizon, spec.dof, generator=gen, dtype=torch.float64)
+    wcost = torch.randn(B, len(spec.costs), generator=gen, dtype=torch.float64)
+    steps = (_native_step(spec), host_step(spec))
+    held = [{k: v.clone() for k, v in params.items()} for _ in steps]
+    for step, tensors in zip(steps, held):
+        step.set_costs(**tensors)
+    results, checks = [], []
+    for step, tensors in zip(steps, held):
+        got = []
+        with _python_checks() as checked:
+            for call in range(4):
+                if call == 3:  # written in place: no longer the node's stamp, so the Python checks run
+                    tensors["squared_velocity_weight"].mul_(1.5)
+                u, p0 = x["u"].clone().requires_grad_(), x["p0"].clone().requires_grad_()
+                P, cost = step(u, p0, x["v0"], x["a0"], dt, j0=x["j0"])
+                assert (P.grad_fn.name() == "NativeStepBackward") == (step.native is not None)
+                got += [P.detach(), cost.detach(), *torch.autograd.grad((P, cost), (u, p0), (wP, wcost))]
+        assert not step.launcher.backend.errors
+        results.append(got)
+        checks.append(len(checked))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+    assert not torch.equal(results[0][4 * 2 + 1], results[0][4 * 3 + 1])  # (the write was seen: the cost)
+    assert checks == [2, 4]  # the native step's first call and the one after the write
+    native_backend, python_backend = (s.launcher.backend for s in steps)
+    assert native_backend.launched == python_backend.launched
+
+
+def test_a_dropped_step_frees_its_backend_and_a_graph_that_outlives_it_runs_its_backward():
+    """The node holds a CUDA step's kernels loaded (its backend, through the anchor a launcher and each
+    autograd node hold) while the step or a graph whose backward has not run may launch them, no
+    longer. A graph that outlives its step runs its backward, a ``.sum()`` loss's adjoint at B=1 asked
+    of Python after the step was freed, and its gradients equal the Python path's bit for bit; the
+    backend is freed after that backward. A step dropped with no graph frees its backend at once, and
+    its handle refuses to launch afterwards."""
+    spec = _spec(PLAIN[0])
+    case = ReferenceCase(spec, B=130, seed=2)
+    expected = []
+    for native_path in (True, False):
+        step = _native_step(spec) if native_path else host_step(spec)
+        backend, handle = weakref.ref(step.launcher.backend), step.native
+        xs = [t.clone().requires_grad_(True) for t in case.tensors()[:-1]]
+        loss = sum(y.sum() for y in case.call(step, *xs, case.dt))
+        del step
+        gc.collect()
+        assert backend() is not None  # the graph holds it
+        if native_path:
+            assert native.cuda_plans(handle) == (1, 1)  # the forward's: the adjoint's at B=1 is asked below
+        expected.append(torch.autograd.grad(loss, xs))
+        assert not backend().errors
+        if native_path:
+            assert native.cuda_plans(handle) == (2, 2)
+            gc.collect()
+            assert backend() is None  # its backward ran: the graph (still alive) launches nothing more
+            given = [*case.tensors()[:-1], case.idx, torch.full((1,), 0.1, dtype=torch.float64)]
+            with pytest.raises(RuntimeError, match=f"kernels of handle {handle} were freed"):
+                torch.ops.tensorstep_native.step(handle, given)
+        del loss
+    for a, b in zip(*expected):
+        assert torch.equal(a, b)
+    step = _native_step(spec)
+    backend = weakref.ref(step.launcher.backend)
+    xs = [t.clone().requires_grad_(True) for t in case.tensors()[:-1]]
+    torch.autograd.grad(sum(y.sum() for y in case.call(step, *xs, case.dt)), xs)
+    ys = case.call(step, *xs, case.dt)  # a graph dropped without a backward
+    del step, ys
+    gc.collect()
+    assert backend() is None
+
+
 def test_off_unless_asked(monkeypatch):
     """Without TENSORSTEP_CUDA_NATIVE=1 a CUDA step takes the Python path (the default until a GPU run
     confirms the node's launches)."""
@@ -316,3 +464,77 @@ def test_on_a_gpu_native_launches_equal_the_python_paths(overrides, dtype):
         for run in (results[0], results[2]):
             for a, b in zip(run, results[1]):
                 assert torch.equal(a, b)
+
+
+def _held_calls(native_step: Step, python_step: Step, to) -> None:
+    """A fused step holding its cost parameters, three forward+backward calls on each path (``to``: onto
+    the steps' device and dtype): the native step's calls after the first taken by the node whole, and
+    every output and gradient equal to the Python path's bit for bit."""
+    spec = native_step.spec
+    x, params, dt = _fused_data(spec.replace(dtype="float64"), 400)
+    results, checks = [], []
+    for step in (native_step, python_step):
+        step.set_costs(**{k: to(v) for k, v in params.items()})
+        got = []
+        with _python_checks() as checked:
+            for _ in range(3):
+                u, p0 = to(x["u"]).requires_grad_(), to(x["p0"]).requires_grad_()
+                P, cost = step(u, p0, to(x["v0"]), to(x["a0"]), to(dt), j0=to(x["j0"]))
+                weights = (P.detach(), cost.detach())
+                got += [*weights, *torch.autograd.grad((P, cost), (u, p0), weights)]
+        results.append(got)
+        checks.append(len(checked))
+    assert checks == [1, 3]
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+def _outliving_graph(steps: list, case: ReferenceCase, to) -> None:
+    """A plain step's graph whose step is dropped before its backward (a ``.sum()`` loss: the adjoint at
+    B=1, asked of Python after the step is gone) gives the Python path's gradients bit for bit, and the
+    native step's backend is freed once that backward ran. ``steps``: [native step, Python path's step],
+    taken from the list (the caller keeps no reference)."""
+    case.idx = to(case.idx) if case.idx is not None else None
+    grads = []
+    while steps:
+        step = steps.pop(0)
+        backend = weakref.ref(step.launcher.backend)
+        xs = [to(t).requires_grad_(True) for t in case.tensors()[:-1]]
+        loss = sum(y.sum() for y in case.call(step, *xs, to(case.dt)))
+        native_path = step.native is not None
+        del step
+        gc.collect()
+        assert backend() is not None
+        grads.append(torch.autograd.grad(loss, xs))
+        if native_path:
+            gc.collect()
+            assert backend() is None
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+
+
+def test_the_device_checks_bodies_run_on_the_host():
+    """The bodies of the GPU test below, on the host double (where they are checked on every run)."""
+    _held_calls(_native_step(make_spec(FUSED, dof=2)), host_step(make_spec(FUSED, dof=2)), lambda t: t.clone())
+    spec = _spec(PLAIN[0])
+    _outliving_graph([_native_step(spec), host_step(spec)], ReferenceCase(spec, B=130, seed=2), lambda t: t.clone())
+
+
+@gpu
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_on_a_gpu_held_parameters_and_a_graph_that_outlives_its_step(dtype):
+    """On a GPU: a fused step's held cost parameters (set_costs) and a plain step's graph that outlives
+    its step (``_held_calls``, ``_outliving_graph``) against the Python path bit for bit, at B=400."""
+    loaded = []
+    for overrides in (FUSED, PLAIN[0]):
+        spec = make_spec(overrides, dof=2).replace(dtype=dtype)
+        steps = [ts.load(spec, "cuda"), ts.load(spec, "cuda")]
+        if steps[0].native is None:
+            pytest.skip("the native autograd node is unavailable here (no C++ compiler?)")
+        steps[1].native = None
+        loaded.append(steps)
+    del steps
+    to = lambda t: t.cuda().to(getattr(torch, dtype)) if t.is_floating_point() else t.cuda()
+    _held_calls(*loaded[0], to)
+    case = ReferenceCase(make_spec(PLAIN[0], dof=2), B=400, seed=2)
+    _outliving_graph(loaded.pop(), case, to)
