@@ -1,14 +1,15 @@
 """Host time of a CUDA step's call, by launch path (``python -m tensorstep.bench.cuda_host``).
 
 The costs bench's case (bench/costs.py: B=400, float32, H=32, D=7; fused: the seven terms, outputs
-P; plain: the step alone, gradient on P only), forward+backward, on three paths: the native node
-launching the kernels itself ("native", runtime/native_node.cpp, what ``TENSORSTEP_CUDA_NATIVE=1``
-selects), and the Python path with its launches going straight to the driver ("direct",
-runtime/cuda_backend.py ``Packed``) or through CuPy's RawKernel call ("cupy", what
-``TENSORSTEP_CUDA_LAUNCH=cupy`` selects), the six (method, path) pairs taking turns in every round
-(a throughput loop of ``--calls`` calls after warm-up, synchronised, per call; the median over
-``--rounds``). First the three paths' outputs and gradients are compared bit for bit (the same
-launches: they must be equal).
+P; held: the same with the cost parameters held by the step, ``set_costs``; plain: the step alone,
+gradient on P only), forward+backward, on three paths: the native node launching the kernels itself
+("native", runtime/native_node.cpp, what ``TENSORSTEP_CUDA_NATIVE=1`` selects), and the Python path
+with its launches going straight to the driver ("direct", runtime/cuda_backend.py ``Packed``) or
+through CuPy's RawKernel call ("cupy", what ``TENSORSTEP_CUDA_LAUNCH=cupy`` selects), the (method,
+path) pairs taking turns in every round (a throughput loop of ``--calls`` calls after warm-up,
+synchronised, per call; the median over ``--rounds``; ``--methods`` picks some of the methods).
+First the three paths' outputs and gradients are compared bit for bit (the same launches: they
+must be equal).
 
 ``--stub``: no GPU needed: the same calls on the CPU, every launch stubbed out (a stand-in CuPy
 whose launches do nothing, PyTorch's stream read stubbed; the native node's launch and stream
@@ -151,11 +152,18 @@ def callables(case: CostCase, stub: bool, native: bool = False) -> tuple[dict[st
         load = functools.partial(_stub_step, native=native)
     else:
         load = functools.partial(_load_native, device=dev) if native else (lambda spec: ts.load(spec, dev))
-    fused, plain = load(case.fused), load(case.plain)
+    fused, held, plain = load(case.fused), load(case.fused), load(case.plain)
+    held.set_costs(**params)
 
     def fused_call() -> tuple:
         u.grad = None
         outs = fused(u, *starts, DT, **params)
+        torch.autograd.backward(outs, (W, ones))
+        return (*outs, u.grad)
+
+    def held_call() -> tuple:
+        u.grad = None
+        outs = held(u, *starts, DT)
         torch.autograd.backward(outs, (W, ones))
         return (*outs, u.grad)
 
@@ -165,7 +173,8 @@ def callables(case: CostCase, stub: bool, native: bool = False) -> tuple[dict[st
         torch.autograd.backward((P,), (W,))
         return (P, u.grad)
 
-    return {"fused": fused_call, "plain": plain_call}, {"fused": fused, "plain": plain}
+    return ({"fused": fused_call, "held": held_call, "plain": plain_call},
+            {"fused": fused, "held": held, "plain": plain})
 
 
 def _cupy_version() -> str:
@@ -184,6 +193,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--calls", type=int, default=300, help="calls per timed loop")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--stub", action="store_true", help="no GPU: launches stubbed out, the CPU's host work")
+    parser.add_argument("--methods", default="fused,held,plain", help="comma-separated, of fused, held, plain")
     args = parser.parse_args(argv)
     stub = args.stub or not torch.cuda.is_available()
     case = CostCase(batch=args.batch, device="cpu" if stub else "cuda")
@@ -211,7 +221,8 @@ def main(argv: list[str] | None = None) -> None:
                       f"{same}")
                 if not same:
                     raise SystemExit(f"{method}: the launch paths disagree")
-        pairs = [(m, p) for m in methods for p in PATHS]
+        chosen = [m for m in args.methods.split(",") if m in methods]
+        pairs = [(m, p) for m in chosen for p in PATHS]
         times: dict[tuple[str, str], list[float]] = {p: [] for p in pairs}
         for p in pairs:  # warm-up
             fn = use(*p)
@@ -231,10 +242,10 @@ def main(argv: list[str] | None = None) -> None:
     where = "CPU, launches stubbed" if stub else f"{torch.cuda.get_device_name()}, CuPy {_cupy_version()}"
     print(f"B={args.batch} float32 H=32 D=7, {where}, torch {torch.__version__}: forward+backward, µs per call "
           f"(median of {args.rounds} rounds of {args.calls} calls; range)")
-    for method in methods:
+    for method in chosen:
         median = {p: statistics.median(times[(method, p)]) for p in PATHS}
         ranges = "   ".join(f"{p} {min(times[(method, p)]):.1f}-{max(times[(method, p)]):.1f}" for p in PATHS)
-        print(f"  {method:5}: native {median['native']:7.1f}   direct {median['direct']:7.1f}   "
+        print(f"  {method + ':':6} native {median['native']:7.1f}   direct {median['direct']:7.1f}   "
               f"cupy {median['cupy']:7.1f}   direct / native {median['direct'] / median['native']:.2f}   "
               f"cupy / direct {median['cupy'] / median['direct']:.2f}   ({ranges})")
 
