@@ -10,7 +10,7 @@ from typing import Any, Mapping, Optional, Sequence, Union
 import torch
 from torch.nn.modules import module as _nn_module
 
-from ..codegen.spec import KernelSpec
+from ..codegen.spec import KernelSpec, unknown_name
 from . import registry, validate
 from .autograd import step_function
 from .launch import DTYPES, CpuBackend, Launcher, capturing, warm_up_first
@@ -517,8 +517,8 @@ def _more_arguments(table: Any, more: dict[str, Any]) -> dict[str, Any]:
     known = {a.name for a in table.tensors}
     unknown = sorted(set(more) - known)
     if unknown:
-        raise TypeError(f"{unknown[0]}: this kernel takes no argument of that name; it takes "
-                        + ", ".join(a.name for a in table.inputs))
+        raise TypeError(f"{unknown[0]}: this kernel takes no argument of that name; "
+                        + unknown_name(unknown[0], [a.name for a in table.inputs]))
     return more
 
 

@@ -121,14 +121,18 @@ def _picked(rows: Tensor, index: Optional[Tensor]) -> Tensor:
 
 def check_parameter(arg: Argument, t: Tensor) -> None:
     """The checks on a fused step's cost parameter that the argument table cannot express: it
-    takes no gradient, weights and margins are not negative, limits are finite with lower <= upper."""
+    takes no gradient, weights and margins are finite and not negative, limits are finite with lower <= upper."""
     if t.requires_grad:
         raise ValueError(f"{arg.name}: cost parameters take no gradient (weights, limits and margins are "
                          "data); pass a tensor that does not require grad (.detach())")
     if torch.compiler.is_compiling():  # values are data-dependent: checked by eager calls only
         return
-    if arg.role in ("cost_weight", "cost_row_weight", "cost_margin") and bool((t < 0).any()):
-        raise ValueError(f"{arg.name}: expected values >= 0, got a minimum of {float(t.min())}")
+    if arg.role in ("cost_weight", "cost_row_weight", "cost_margin"):
+        if not bool(torch.isfinite(t).all()):  # a NaN is not < 0, and an infinite weight times 0 is NaN
+            bad = t[~torch.isfinite(t)].reshape(-1)[0]
+            raise ValueError(f"{arg.name}: expected finite values >= 0, got {float(bad)}")
+        if bool((t < 0).any()):
+            raise ValueError(f"{arg.name}: expected values >= 0, got a minimum of {float(t.min())}")
     if arg.role == "cost_limit":
         if not bool(torch.isfinite(t).all()):
             raise ValueError(f"{arg.name}: expected finite limits, got {t.tolist()}")

@@ -533,6 +533,11 @@ def test_gradcheck_and_gradgradcheck(case, cuda):
     (lambda p: p.update(bound_velocity_limit=p["bound_velocity_limit"] * float("inf")), "finite"),
     (lambda p: p.pop("bound_velocity_limit"), "bound_velocity_limit"),
     (lambda p: p.update(squared_jerk_weight=p["squared_jerk_weight"][:, :2]), "squared_jerk_weight"),
+    # a NaN is not < 0, an infinite weight times a zero term is NaN: weights and margins must be finite too
+    (lambda p: p["bound_velocity_weight"].__setitem__((1, 2), float("nan")), "bound_velocity_weight: expected finite"),
+    (lambda p: p["squared_jerk_row_weight"].__setitem__(4, float("inf")), "squared_jerk_row_weight: expected finite"),
+    (lambda p: p["bound_acceleration_margin"].__setitem__(0, float("inf")), "bound_acceleration_margin: expected finite"),
+    (lambda p: p.update(bound_velocity_limt=p.pop("bound_velocity_limit")), "did you mean 'bound_velocity_limit'"),
 ])
 def test_bad_parameters_are_named(bad, message):
     spec = _spec("central")
