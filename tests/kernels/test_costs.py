@@ -83,8 +83,11 @@ def _data(spec, B: int = 3, seed: int = 0):
     x = dict(u=r(B, spec.n_actions, D), p0=r(S, D), v0=r(S, D), a0=r(S, D), j0=r(S, D))
     if spec.start_index:
         x["start_index"] = torch.tensor([3, 0, 4][:B]) if B <= 3 else torch.randint(0, S, (B,), generator=gen)
+    G = B + 1 if spec.goal_index else B  # goal rows (and targets) picked by goal_index
     if spec.end == "goal":
-        x["goal"] = tuple(r(B, D) for _ in range(4))
+        x["goal"] = tuple(r(G, D) for _ in range(4))
+    if spec.goal_index:
+        x["goal_index"] = torch.tensor([1, 3, 0][:B]) if B <= 3 else torch.randint(0, G, (B,), generator=gen)
     params = {}
     for kind, state in spec.costs:
         params[f"{kind}_{state}_weight"] = r(B, D).abs() + 0.1
@@ -94,7 +97,7 @@ def _data(spec, B: int = 3, seed: int = 0):
             params[f"bound_{state}_limit"] = torch.stack([lo, lo + 0.5 + r(D).abs()])
             params[f"bound_{state}_margin"] = 0.05 * r(D).abs()
         if (kind, state) == ("squared", "position"):
-            params["squared_position_target"] = r(B, D)
+            params["squared_position_target"] = r(G, D)
     dt = (0.05 + 0.05 * torch.rand(spec.n_dt if spec.dt == "per_step" else B, generator=gen, dtype=torch.float64)
           if spec.dt != "uniform" else 0.1)
     return x, params, dt
@@ -102,7 +105,7 @@ def _data(spec, B: int = 3, seed: int = 0):
 
 def _call(step, spec, x, params, dt):
     u = x["u"].transpose(1, 2) if spec.layout == "bdh" else x["u"]
-    extra = {k: x[k] for k in ("start_index", "goal") if k in x}
+    extra = {k: x[k] for k in ("start_index", "goal", "goal_index") if k in x}
     return step(u, x["p0"], x["v0"], x["a0"], dt, j0=x["j0"], **extra, **params)
 
 
@@ -111,14 +114,18 @@ def _reference(spec, x, params, dt):
     B = x["u"].shape[0]
     rows = x["start_index"].numpy() if spec.start_index else np.arange(B)
     start = np.stack([x[n].numpy()[rows] for n in ("p0", "v0", "a0", "j0")], axis=1)
-    goal = np.stack([g.numpy() for g in x["goal"]], axis=1) if "goal" in x else None
+    picked = x["goal_index"].numpy() if "goal_index" in x else np.arange(B)
+    goal = np.stack([g.numpy()[picked] for g in x["goal"]], axis=1) if "goal" in x else None
+    params = {k: v[x["goal_index"]] if k == "squared_position_target" and "goal_index" in x else v
+              for k, v in params.items()}
     dts = dt.numpy() if isinstance(dt, torch.Tensor) else dt
+    dt_of = (lambda b: dts[b]) if spec.dt == "per_trajectory" else (lambda b: dts)
     K = spec.order + 1
     Y = np.zeros((K, B, spec.horizon, spec.dof))
     for b in range(B):
         for d in range(spec.dof):
             Y[:, b, :, d] = reference.column(spec.replace(costs=(), outputs=None), x["u"].numpy()[b, :, d],
-                                             start[b, :, d], dts, None if goal is None else goal[b, :, d])
+                                             start[b, :, d], dt_of(b), None if goal is None else goal[b, :, d])
     cost = reference_costs.costs(spec.costs, {STATES[k]: Y[k] for k in range(K)},
                                  {k: v.numpy() for k, v in params.items()})
     return Y, cost
@@ -146,6 +153,7 @@ def _torch_costs(spec, states, params, x):
         w = params[f"{kind}_{state}_weight"][:, None, :] * params[f"{kind}_{state}_row_weight"][None, :, None]
         if kind == "squared":
             t = params.get("squared_position_target") if state == "position" else None
+            t = t[x["goal_index"]] if t is not None and "goal_index" in x else t
             out.append((w * (y - (0 if t is None else t[:, None, :])) ** 2).sum((1, 2)))
         else:
             lo, hi = params[f"bound_{state}_limit"]
@@ -175,6 +183,69 @@ def test_margins_that_overlap_take_the_general_form(case):
             lo, hi = params[f"bound_{state}_limit"]
             params[f"bound_{state}_margin"][0] = 0.75 * (hi[0] - lo[0])
     _fused_against_composite(spec, x, params, dt, False)
+
+
+#: every value of every spec axis that CASES and BSPLINES leave out, straight-line columns (H ≤ 40):
+#: velocity control, the exact integrator of velocity and acceleration control, jerk control's
+#: semi-implicit Euler, end="one_sided" (C), a dt per trajectory on stencils and recurrences, layout "bdh"
+#: without start_index and start_index with "bhd", goal_index (the target picked per trajectory), snap
+#: on a recurrence, B-splines in "bdh" and with goal_index
+GRID = {
+    "velocity_bdh": dict(horizon=9, dof=3, control="velocity", layout="bdh"),
+    "velocity_exact_per_trajectory_indexed": dict(horizon=9, dof=3, control="velocity", integrator="exact",
+                                                  dt="per_trajectory", start_index=True),
+    "acceleration_exact_per_step_indexed_bdh": dict(horizon=9, dof=3, control="acceleration", integrator="exact",
+                                                    dt="per_step", start_index=True, layout="bdh"),
+    "jerk_euler_per_trajectory_snap": dict(horizon=9, dof=3, control="jerk", dt="per_trajectory", order=4),
+    "position_one_sided_per_trajectory_indexed_bdh": dict(horizon=9, dof=3, end="one_sided", dt="per_trajectory",
+                                                         start_index=True, layout="bdh"),
+    "position_backward_goal_index_per_step_indexed": dict(horizon=9, dof=3, difference="backward", accuracy=2,
+                                                          end="goal", goal_index=True, dt="per_step",
+                                                          start_index=True),
+    "bspline_bdh_indexed": dict(control="bspline", degree=3, knots=4, steps=2, dof=2, layout="bdh", start_index=True),
+    "bspline_goal_index_per_trajectory": dict(control="bspline", degree=3, knots=4, steps=2, dof=2, end="goal",
+                                              goal_index=True, dt="per_trajectory"),
+}
+
+
+def _grid_spec(case: str) -> ts.KernelSpec:
+    fields = GRID[case]
+    terms = TERMS + ((("bound", "snap"),) if fields.get("order") == 4 else ())
+    return ts.KernelSpec(dtype="float64", costs=terms, outputs=("P", "A"), **fields)
+
+
+@pytest.mark.parametrize("case", GRID)
+def test_every_spec_axis_against_the_definitions(case):
+    """Each GRID case in C, float64: P, A and the cost against the NumPy references (1e-12; not
+    B-splines), and P,
+    the cost and the gradients of u, p0 and the target against the plain step plus the terms in
+    PyTorch (1e-10), through the fused backward kernel; then the same in float32 against the
+    float64 definitions (1e-5)."""
+    spec = _grid_spec(case)
+    x, params, dt = _data(spec)
+    if spec.control != "bspline":  # (B-splines: against the plain step below, itself checked against SciPy)
+        P, A, cost = _call(ts.load(spec), spec, x, params, dt)
+        Y, expected = _reference(spec, x, params, dt)
+        bhd = (lambda t: t.transpose(1, 2)) if spec.layout == "bdh" else (lambda t: t)
+        np.testing.assert_allclose(bhd(P).numpy(), Y[0], rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(bhd(A).numpy(), Y[2], rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(cost.numpy(), expected, rtol=1e-12, atol=1e-12 * np.abs(expected).max())
+    spec = spec.replace(outputs=("P",))
+    _fused_against_composite(spec, x, params, dt, False)
+    single = spec.replace(dtype="float32")
+    _fused_against_composite(spec, x, params, dt, False, fused_step=ts.load(single), fused_dtype=torch.float32,
+                             tol=1e-5)
+
+
+@pytest.mark.parametrize("case", GRID)
+def test_every_spec_axis_in_cuda_run_on_the_host(case):
+    """The GRID cases' CUDA kernels (tests/cuda_on_host.py), float64: P, the cost and the gradients
+    against the plain step plus the terms in PyTorch (1e-10)."""
+    from cuda_on_host import host_step
+
+    spec = _grid_spec(case).replace(outputs=("P",))
+    x, params, dt = _data(spec)
+    _fused_against_composite(spec, x, params, dt, False, fused_step=host_step(spec))
 
 
 def test_paired_columns_give_the_plain_steps_states_to_rounding():
@@ -325,8 +396,8 @@ def _fused_against_composite(spec, x, params, dt, dt_grad, fused_params=None, fu
         dt_t = dt_t.reshape(-1)
     grads = []
     for fused in (True, False):
-        to = ((lambda t: t.to(fused_dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t)
-              if fused else (lambda t: t))
+        cast = lambda t: t.to(fused_dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+        to = (lambda t: tuple(map(cast, t)) if isinstance(t, tuple) else cast(t)) if fused else (lambda t: t)
         leaves = dict(u=to(x["u"]).clone().requires_grad_(), p0=to(x["p0"]).clone().requires_grad_())
         has_target = "squared_position_target" in params  # (a spec without a squared position term has none)
         target = to(params["squared_position_target"]).clone().requires_grad_() if has_target else None
