@@ -248,6 +248,17 @@ def test_every_spec_axis_in_cuda_run_on_the_host(case):
     _fused_against_composite(spec, x, params, dt, False, fused_step=host_step(spec))
 
 
+def test_no_fused_cuda_kernel_uses_atomics():
+    """The cost's sums (each term over its rows, then the dofs) and the target's and start state's
+    gradients are summed in a fixed order on CUDA: no atomic operation whose order the scheduler
+    would pick (the same bits on every run); every GRID, CASES and B-spline case, one dtype each,
+    turn about (the sums are the same statements in either)."""
+    for i, case in enumerate((*GRID, *CASES, *BSPLINES)):
+        spec = _grid_spec(case) if case in GRID else _spec(case, outputs=("P",))
+        dtype = ("float32", "float64")[i % 2]
+        assert "atomic" not in ts.source(spec.replace(dtype=dtype), "cuda"), (case, dtype)
+
+
 def test_paired_columns_give_the_plain_steps_states_to_rounding():
     """C's fused columns take a row's terms with coefficients of one magnitude as one product (a
     central stencil's c·(u[j+1] − u[j−1]); codegen/fused.py ``pairs``), so the states they write are the
