@@ -85,16 +85,17 @@ class RobotConfig:
 
     def cost_keywords(self, spec: Any) -> dict[str, list]:
         """The keyword arguments (as nested lists) a kernel with cost terms takes, by name:
-        ``<kind>_<state>_weight`` [D], ``bound_<state>_limit`` [2, D], ``bound_<state>_margin`` [D]."""
+        ``<kind>_<state>_weight`` [D], ``<kind>_<state>_limit`` [2, D] and ``<kind>_<state>_margin`` [D]
+        where the kind reads them (a bound's: spec.COST_KINDS)."""
         terms = {(t.kind, t.state): t for t in self.costs}
         keywords: dict[str, list] = {}
         for kind, state in getattr(spec, "costs", ()):
             term = terms[(kind, state)]  # load_native checked every spec's terms have parameters
             keywords[f"{kind}_{state}_weight"] = list(term.weight)
-            if kind == "bound":
-                keywords[f"bound_{state}_limit"] = [list(side) for side in self.limit(state)]
-                if term.margin is not None:
-                    keywords[f"bound_{state}_margin"] = list(term.margin)
+            if "limit" in COST_KINDS[kind]:
+                keywords[f"{kind}_{state}_limit"] = [list(side) for side in self.limit(state)]
+            if term.margin is not None:
+                keywords[f"{kind}_{state}_margin"] = list(term.margin)
         return keywords
 
 
@@ -246,13 +247,13 @@ def _read_costs(path: Path, value: Any, joints: tuple[str, ...], limits: tuple) 
             raise ConfigError(path, key, f"the term ({kind}, {state}) is listed twice")
         weight = _per_joint(path, f"{key}.weight", entry["weight"], joints, least=0.0)
         margin = None
-        if kind == "bound":
-            if state not in dict(limits):
-                raise ConfigError(path, key, f"a bound on {state} needs its limits: add limits.{state}")
-            if "margin" in entry:
-                margin = _per_joint(path, f"{key}.margin", entry["margin"], joints, least=0.0)
-        elif "margin" in entry:
-            raise ConfigError(path, f"{key}.margin", "only bound terms take a margin")
+        if "limit" in COST_KINDS[kind] and state not in dict(limits):
+            raise ConfigError(path, key, f"a {kind} on {state} needs its limits: add limits.{state}")
+        if "margin" in entry:
+            if "margin" not in COST_KINDS[kind]:
+                with_margin = " and ".join(k for k, p in COST_KINDS.items() if "margin" in p)
+                raise ConfigError(path, f"{key}.margin", f"only {with_margin} terms take a margin")
+            margin = _per_joint(path, f"{key}.margin", entry["margin"], joints, least=0.0)
         terms.append(CostTerm(kind, state, weight, margin))
     return tuple(terms)
 

@@ -24,6 +24,8 @@ import dataclasses
 import functools
 from typing import Any, Iterator, Mapping, Optional
 
+from .spec import COST_KINDS
+
 #: dtype rules: the kernel's floating type, an integer index, the kernel's type for dt
 KERNEL, INDEX, STEP = "kernel", "index", "dt"
 #: when an argument may be passed: always, may be None, or must be None (for this spec)
@@ -252,8 +254,8 @@ def step_table(spec: Any) -> ArgumentTable:
 def _cost_parameters(costs: tuple[tuple[str, str], ...], goal_index: bool) -> list[Argument]:
     """The keyword tensors of cost terms (kind, state), term t's with macro stems numbered t: its
     weight per dof ([B, D]; a [D] weight applies to every trajectory), an optional weight per row
-    ([H], default ones), a bound's limits ([2, D]: lower, upper) and optional margin ([D], default
-    0), and a squared position term's optional target ([B, D], or [G, D] picked by goal_index)."""
+    ([H], default ones), the limits ([2, D]: lower, upper) and optional margin ([D], default 0)
+    of a kind that reads them (spec.COST_KINDS: a bound's), and a squared position term's optional target ([B, D], or [G, D] picked by goal_index)."""
     rows: list[Argument] = []
     for t, (kind, state) in enumerate(costs):
         prefix = f"{kind}_{state}"
@@ -262,10 +264,11 @@ def _cost_parameters(costs: tuple[tuple[str, str], ...], goal_index: bool) -> li
         rows.append(Argument(f"{prefix}_row_weight", f"rw{t}", "cost_row_weight", ("H",), presence=OPTIONAL,
                              nullable=True, differentiable=False, meaning=f"the weight per row of cost term {prefix}",
                              stem=f"CRW{t}", default="1", filled=True))
-        if kind == "bound":
-            rows.append(Argument(f"bound_{state}_limit", f"lim{t}", "cost_limit", (2, "D"), differentiable=False,
+        if "limit" in COST_KINDS[kind]:
+            rows.append(Argument(f"{prefix}_limit", f"lim{t}", "cost_limit", (2, "D"), differentiable=False,
                                  meaning=f"the limits (lower, upper) of {state}", stem=f"CLIM{t}"))
-            rows.append(Argument(f"bound_{state}_margin", f"m{t}", "cost_margin", ("D",), presence=OPTIONAL,
+        if "margin" in COST_KINDS[kind]:
+            rows.append(Argument(f"{prefix}_margin", f"m{t}", "cost_margin", ("D",), presence=OPTIONAL,
                                  nullable=True, differentiable=False, meaning=f"the margin inside the limits of {state}",
                                  stem=f"CMAR{t}", filled=True))
         if (kind, state) == ("squared", "position"):

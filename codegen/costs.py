@@ -45,21 +45,26 @@ class DeadZone(sp.Function):
 
 @dataclasses.dataclass(frozen=True)
 class CostKind:
-    """One kind of cost term: its pointwise expression and the parameters it reads.
-
-    ``parameters``: the per-dof parameters besides the weight (``limit`` is the pair lower, upper),
-    each with whether a term must be given it; ``target_states``: the states for which the
-    ``target`` parameter exists (elsewhere it is 0)."""
+    """One kind of cost term: its pointwise expression, in ``Y``, ``W`` and any of ``LOWER``,
+    ``UPPER`` (a limit), ``MARGIN``; ``target_states``: the states for which ``TARGET`` exists
+    (elsewhere it is 0; the squared position term's only). A new kind is one entry of ``KINDS``
+    and its name with its ``parameters`` in spec.COST_KINDS (docs/costs.md, "A kind of your own")."""
 
     name: str
     expression: sp.Expr
-    parameters: tuple[tuple[str, bool], ...] = ()
     target_states: tuple[str, ...] = ()
     #: the same function in fewer operations where a condition on the parameters holds: (condition,
     #: the kind as that expression); a C call whose parameters meet it on every dof runs this form
     #: (codegen/fused.py ``narrow_check``). Equal values there, bit for bit, is the kind's to show
     #: (tests/codegen/test_cost_kinds.py, tests/kernels/test_costs.py).
     narrow: Optional[tuple[sp.Rel, "CostKind"]] = None
+
+    @functools.cached_property
+    def parameters(self) -> tuple[str, ...]:
+        """The per-dof parameters the expression reads besides its weight, as spec.COST_KINDS names
+        them: "limit" (lower, upper), "margin"."""
+        free = self.expression.free_symbols
+        return tuple(name for name, symbols in (("limit", {LOWER, UPPER}), ("margin", {MARGIN})) if free & symbols)
 
     @functools.cached_property
     def derivative(self) -> sp.Expr:
@@ -107,7 +112,8 @@ def _tidy(e: sp.Expr) -> sp.Expr:
 
     e = e.replace(lambda x: x.is_Mul, slope_one)
     e = sp.expand(e).replace(lambda x: x.is_Mul, product)
-    e = e.replace(lambda x: isinstance(x, sp.Heaviside) and len(x.args) == 1, lambda x: sp.Heaviside(x.args[0], 0))
+    # (SymPy ≥ 1.9 gives Heaviside(a) the value 1/2 at 0 as a second argument)
+    e = e.replace(lambda x: isinstance(x, sp.Heaviside) and x.args[1:] != (0,), lambda x: sp.Heaviside(x.args[0], 0))
     return sp.factor_terms(e)
 
 
@@ -115,7 +121,6 @@ KINDS: dict[str, CostKind] = {
     kind.name: kind for kind in (
         CostKind("squared", W * (Y - TARGET) ** 2, target_states=("position",)),
         CostKind("bound", W * (_ramp(Y - (UPPER - MARGIN)) ** 2 + _ramp((LOWER + MARGIN) - Y) ** 2),
-                 parameters=(("limit", True), ("margin", False)),
                  # where the margins leave lower' ≤ upper', y is beyond at most one of them
                  narrow=(sp.Le(LOWER + MARGIN, UPPER - MARGIN),
                          CostKind("bound", W * DeadZone(Y, LOWER + MARGIN, UPPER - MARGIN) ** 2))),

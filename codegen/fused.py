@@ -45,6 +45,7 @@ from .coefficients import Coefficients
 from . import roll
 from .operator import Operator, Ref, Row, action, is_action, is_row
 from .references import References
+from .spec import COST_KINDS
 from .renaming import RowExpressions
 from .statements import (Bind, Call, Cast, Def, For, Index, Mul, Paren, Read, Rel, RunEnd, Shift, Statement, Store, Sum,
                          Sym, Term, Val, Var, Volatile, bind, transform, walk)
@@ -96,12 +97,14 @@ class CostTerms:
         return [(t, kind) for t, kind, kk in self.terms if kk == k]
 
     def loads(self) -> list[Statement]:
-        """Each bound term's limits and margin at this column's dof (its weight is a column input)."""
+        """Each term's limits and margin at this column's dof, where its kind reads them (spec.COST_KINDS;
+        its weight is a column input)."""
         lines: list[Statement] = []
         for t, kind, _ in self.terms:
-            if kind == "bound":
-                lines += [Def(Var(f"clo{t}"), Read(f"CLIM{t}", (0,))), Def(Var(f"chi{t}"), Read(f"CLIM{t}", (1,))),
-                          Def(Var(f"cmar{t}"), Read(f"CMAR{t}"))]
+            if "limit" in COST_KINDS[kind]:
+                lines += [Def(Var(f"clo{t}"), Read(f"CLIM{t}", (0,))), Def(Var(f"chi{t}"), Read(f"CLIM{t}", (1,)))]
+            if "margin" in COST_KINDS[kind]:
+                lines.append(Def(Var(f"cmar{t}"), Read(f"CMAR{t}")))
         return lines
 
     def kind(self, kind: str) -> kinds.CostKind:

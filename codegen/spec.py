@@ -34,9 +34,14 @@ BSPLINE_DT = ("uniform", "per_trajectory")
 CONTROL_ORDER = {"position": 0, "velocity": 1, "acceleration": 2, "jerk": 3}
 DERIVATIVE_NAMES = ("position", "velocity", "acceleration", "jerk", "snap")
 DEFAULT_ACCURACY = {"backward": (1, 1, 1, 1), "central": (4, 4, 2, 2)}
-#: the outputs a step can write, in order (P V A J, S with order=4), and the cost kinds a term may have
+#: the outputs a step can write, in order (P V A J, S with order=4)
 OUTPUT_NAMES = ("P", "V", "A", "J", "S")
-COST_KINDS = ("squared", "bound")
+#: the cost kinds a term may have, each with the per-dof parameters it reads besides its weights:
+#: "limit" (keyword ``<kind>_<state>_limit``, [2, D]: lower, upper) and "margin" (``<kind>_<state>_margin``,
+#: [D]). A kind's expression is in codegen/costs.py ``KINDS``, which reads no other parameter than
+#: these (and the squared position term's target); kept here, without SymPy, for the spec's and
+#: the argument table's checks (tests/codegen/test_cost_kinds.py checks that the two agree)
+COST_KINDS: dict[str, tuple[str, ...]] = {"squared": (), "bound": ("limit", "margin")}
 
 
 def unknown_name(name: Any, allowed: Sequence[str]) -> str:

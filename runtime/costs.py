@@ -105,10 +105,10 @@ def term_values(table: ArgumentTable, states: Sequence[Tensor], named: dict[str,
         w = weight.reshape(-1, 1, D) * (row.reshape(1, H, 1) if row is not None else 1.0)
         zero = y.new_zeros(1, 1, D)
         lower = upper = margin = target = zero
-        if kind == "bound":
-            limit = p("limit")
-            lower, upper = limit[0].reshape(1, 1, D), limit[1].reshape(1, 1, D)
-            margin = p("margin").reshape(1, 1, D) if p("margin") is not None else zero
+        if p("limit") is not None:  # the kinds that read limits and a margin (spec.COST_KINDS)
+            lower, upper = p("limit")[0].reshape(1, 1, D), p("limit")[1].reshape(1, 1, D)
+        if p("margin") is not None:
+            margin = p("margin").reshape(1, 1, D)
         if (kind, state) == ("squared", "position") and named.get("squared_position_target") is not None:
             target = _picked(named["squared_position_target"], named.get("goal_index")).reshape(B, 1, D)
         out.append(kinds[kind](y, w, lower, upper, margin, target).sum(dim=(1, 2)))

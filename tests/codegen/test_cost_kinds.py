@@ -209,3 +209,18 @@ def test_spec_fields_round_trip_and_name_the_terms():
 def test_bad_costs_and_outputs_are_named(fields, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         KernelSpec(horizon=8, dof=2, **fields)
+
+
+def test_kinds_and_their_parameters_agree_with_the_spec():
+    """spec.COST_KINDS (kept without SymPy for the spec's and argument table's checks) names each kind
+    of ``KINDS`` with the parameters its expression reads; a target only where the kind has one; and
+    the derivatives' unit steps take 0 at 0, as the C kernels' TS_STEP does (SymPy's default is 1/2)."""
+    from tensorstep.codegen.spec import COST_KINDS
+
+    assert list(COST_KINDS) == list(KINDS)
+    for name, kind in KINDS.items():
+        assert COST_KINDS[name] == kind.parameters
+        assert (TARGET in kind.expression.free_symbols) == bool(kind.target_states)
+        steps = [h for e in (kind.derivative, kind.second_derivative) for h in e.atoms(sp.Heaviside)]
+        assert all(h.args[1:] == (0,) for h in steps), steps
+    assert KINDS["bound"].second_derivative.atoms(sp.Heaviside)
