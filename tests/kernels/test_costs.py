@@ -586,6 +586,7 @@ def test_rows_asked_for_ahead_leave_the_values(case, narrow):
 
 
 @pytest.mark.parametrize("case, cuda", [("central", False), ("acceleration", False), ("goal", False),
+                                        ("jerk_exact", False), ("bspline", False),
                                         ("central", True), ("one_sided", True), ("bspline", True)])
 def test_gradcheck_and_gradgradcheck(case, cuda):
     """With forward AD; ``cuda``: the CUDA source run on the host at H=16 (tests/cuda_on_host.py), a
