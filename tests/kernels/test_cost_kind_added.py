@@ -146,3 +146,20 @@ def test_an_added_kinds_parameters_are_checked(l1):
     del params["l1_velocity_limit"]
     with pytest.raises(TypeError, match="this kernel needs a l1_velocity_limit argument"):
         ts.load(spec)(x["u"], x["p0"], x["v0"], x["a0"], 0.1, **params)
+
+
+def test_an_added_kind_through_the_composite_forms(l1):
+    """dt's gradient, forward mode and double backward run the kind's expression in PyTorch (the
+    composite forms, runtime/costs.py): gradcheck with forward AD including a dt per trajectory, and
+    gradgradcheck, float64."""
+    from helpers import gradcheck64, gradgradcheck64
+
+    spec = ts.KernelSpec(horizon=9, dof=2, control="jerk", integrator="exact", dt="per_trajectory",
+                         dtype="float64", costs=TERMS, outputs=("P",))
+    x, params = _data(spec, B=2)
+    step = ts.load(spec)
+    dt = torch.tensor([0.1, 0.07], dtype=torch.float64)
+    u = x["u"].clone().requires_grad_()
+    f = lambda uu, dd: step(uu, x["p0"], x["v0"], x["a0"], dd, **params)
+    assert gradcheck64(f, [u, dt.clone().requires_grad_()], check_forward_ad=True)
+    assert gradgradcheck64(lambda uu: f(uu, dt), [u])
