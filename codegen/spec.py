@@ -258,7 +258,7 @@ class KernelSpec:
         return tuple(terms)
 
     def _normalise_outputs(self, outputs: Any) -> tuple[str, ...]:
-        """The written states, in output order (default: every state of the order)."""
+        """The written states, given in output order (default: every state of the order)."""
         allowed = OUTPUT_NAMES[: self.order + 1]
         if outputs is None:
             return allowed
@@ -274,7 +274,11 @@ class KernelSpec:
             raise _fail("outputs", outputs, "each output at most once")
         if not outputs and not self.costs:
             raise _fail("outputs", outputs, "a step without costs must write at least one output")
-        return tuple(o for o in allowed if o in outputs)
+        ordered = tuple(o for o in allowed if o in outputs)
+        if tuple(outputs) != ordered:  # the step returns them in this order: another would swap states on unpacking
+            raise _fail("outputs", outputs, f"give the states in the order the step returns them, {ordered!r}; "
+                        f"got {tuple(outputs)!r}")
+        return ordered
 
     # ---- derived properties -------------------------------------------------------------
     @property

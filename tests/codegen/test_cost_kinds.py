@@ -211,6 +211,20 @@ def test_bad_costs_and_outputs_are_named(fields, message):
         KernelSpec(horizon=8, dof=2, **fields)
 
 
+def test_outputs_out_of_order_are_refused():
+    """The step returns the written states in P, V, A, J (S) order: outputs given in another order
+    would swap them for a caller who unpacks in the order written, so the spec refuses it, naming
+    the order expected and the one given; a list in order is kept."""
+    expected = "KernelSpec.outputs=('A', 'P') is invalid: give the states in the order the step returns them, " \
+               "('P', 'A'); got ('A', 'P')"
+    with pytest.raises(ValueError) as err:
+        KernelSpec(horizon=8, dof=2, outputs=("A", "P"))
+    assert str(err.value) == expected
+    with pytest.raises(ValueError, match=r"\('V', 'J'\); got \('J', 'V'\)"):
+        KernelSpec(horizon=8, dof=2, costs=(("bound", "jerk"),), outputs=["J", "V"])
+    assert KernelSpec(horizon=8, dof=2, order=4, outputs=["P", "A", "S"]).outputs == ("P", "A", "S")
+
+
 def test_kinds_and_their_parameters_agree_with_the_spec():
     """spec.COST_KINDS (kept without SymPy for the spec's and argument table's checks) names each kind
     of ``KINDS`` with the parameters its expression reads; a target only where the kind has one; and

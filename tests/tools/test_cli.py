@@ -382,6 +382,14 @@ def test_bad_limits_or_costs_are_one_line_in_every_command(tmp_path, old, new, f
     assert fragment in line and line.startswith(f"error: {config}: ")
 
 
+def test_outputs_out_of_order_in_a_config_are_one_line_in_check(tmp_path):
+    """A config's outputs out of order: `check` prints the spec's message on one line, no traceback."""
+    config = tmp_path / "bad.yml"
+    config.write_text(COSTS_CONFIG.replace("outputs: [P]", "outputs: [A, P]"))
+    assert error_line(run("check", str(config))) == (f"error: {config}: kernels[0]: KernelSpec.outputs=('A', 'P') is invalid: give the "
+                                  "states in the order the step returns them, ('P', 'A'); got ('A', 'P')")
+
+
 def test_runs_backward_hands_each_output_its_gradient(tmp_path):
     """`run`'s backward (a scalar's, which imports no SymPy) gives u the gradient PyTorch's backward given
     the output gradients does, for a plain step and a fused one (its cost's gradient as run sets it)."""
