@@ -244,7 +244,15 @@ def whole_rows(code: LoweredOperator, codes: dict, bodies: dict[str, tuple[Any, 
                                 lambda statements: whole.stored_in_order(statements, _output_store, horizon))
 
 
-def whole_loads(code: LoweredOperator, codes: dict, bodies: dict[str, tuple[Any, list[str]]]) -> set[str]:
+#: the dtypes whose fused adjoint loads its gradient rows as whole vectors (``whole_loads``): float32's
+#: were faster on rows from memory, float64's not (BENCHMARKS.md, "u's gradient rows stored whole, and the
+#: fused adjoint's gradient rows loaded whole: measured", "The fused C adjoint at B=40000: gradient rows
+#: loaded whole")
+FUSED_WHOLE_LOADS = frozenset({"float32"})
+
+
+def whole_loads(code: LoweredOperator, codes: dict, bodies: dict[str, tuple[Any, list[str]]],
+                dtype: str = "float64") -> set[str]:
     """The lane bodies that load an output gradient's row as a whole vector, the lanes past its D dof
     included, where that vector stays inside the trajectory's rows (codegen/whole.py,
     templates/kernel.c.j2 ``VGW``): a plain straight-line adjoint's, every row it loads a literal one
@@ -255,11 +263,25 @@ def whole_loads(code: LoweredOperator, codes: dict, bodies: dict[str, tuple[Any,
     whole vectors"). Measured and left masked: the column that loads each row where first used
     (``late_loads``: rows in cache; whole loads were slower there), a rolled column's and a B-spline's
     loads at a loop's row (slower), and a stencil's, whose lane body loads its boundary rows only (no
-    change). A fused adjoint, whose cost terms join those rows, keeps them masked: its float32 loads whole
-    were faster from memory and its float64 ones not (BENCHMARKS.md, "u's gradient rows stored whole,
-    and the fused adjoint's gradient rows loaded whole: measured")."""
+    change). A fused adjoint's forms (``adjoint`` and each ``adjoint_<form>``, codegen/fused.py ``forms``)
+    in a dtype of ``FUSED_WHOLE_LOADS``, each with every gradient row loaded at a literal row: its cost
+    terms meet the gradient rows lane by lane too (their sums over the dof are the forward's). Its paired
+    function (two trajectories a vector, ``paired``) prints the same body with ``VGW`` as its own masked
+    ``VG`` (``_pair_macros``)."""
+    if code.fused:
+        literal = lambda k: not codes[k].loops and whole.loaded_literal(bodies[k][0], _gradient_load)
+        return ({k for k in bodies if (k == "adjoint" or k.startswith("adjoint_")) and literal(k)}
+                if dtype in FUSED_WHOLE_LOADS else set())
     return _plain_straight_line("adjoint", code, codes, bodies,
                                 lambda statements: whole.loaded_literal(statements, _gradient_load))
+
+
+def _pair_macros(table: ArgumentTable, outputs: int, loads: Collection[str]) -> list[tuple[str, str]]:
+    """The paired lane form's macros (``macros.lane_pairs``), with each gradient row's whole load (``VGW<k>``,
+    ``whole_loads``) its masked paired load: a paired vector's upper half is another trajectory's row."""
+    pairs = macros.lane_pairs(table, outputs)
+    return pairs + ([("VGW" + name[2:], definition) for name, definition in pairs if _gradient_load(name[1:])]
+                    if loads else [])
 
 
 def _plain_straight_line(kernel: str, code: LoweredOperator, codes: dict, bodies: dict[str, tuple[Any, list[str]]],
@@ -467,13 +489,12 @@ def render(spec: Any, code: LoweredOperator, table: ArgumentTable, target: Targe
     for suffix, variant in variants.items() if lane_form else ():
         held = {k: v for k, v in variant.items() if v is not None}
         lane_bodies.update({k + suffix: v for k, v in _lane_bodies(code, held, tuple(held), table).items()})
-    pairs = paired(lane_form, table, lane_bodies,
-                   {**codes, **{k + suffix: c for suffix, v in variants.items() for k, c in v.items() if c is not None}},
-                   code.stencil)
+    every_code = {**codes, **{k + suffix: c for suffix, v in variants.items() for k, c in v.items() if c is not None}}
+    pairs = paired(lane_form, table, lane_bodies, every_code, code.stencil)
     late = late_loads(code, codes, lane_bodies) if lane_form else {}
     stores = whole_rows(code, codes, lane_bodies, spec.horizon)
     prefetch = prefetches(table, codes, kernels, stores)
-    loads = whole_loads(code, codes, lane_bodies)
+    loads = whole_loads(code, every_code, lane_bodies, spec.dtype)
     assert not (late and pairs), "an adjoint has one batch-chosen form"
     form_checks, form_tests = _form_checks(table, fused.forms(table)) if variants else ([], {})
     programs = _long_programs(code, kernels, table.dt.shape == ("B",)) if target.split_programs else {}
@@ -537,7 +558,7 @@ def render(spec: Any, code: LoweredOperator, table: ArgumentTable, target: Targe
         prefetch_ahead=PREFETCH_AHEAD,
         prefetch_from_bytes=PREFETCH_FROM_BYTES,
         pair=pair_vector(lane_form) if pairs else None,
-        pair_macros=macros.lane_pairs(table, spec.order + 1) if pairs else [],
+        pair_macros=_pair_macros(table, spec.order + 1, loads) if pairs else [],
         pair_bases=macros.pair_bases(table) if pairs else [],
         coefficient_lines=((code.as_tapes if target.tape_programs else code).coefficient_lines
                            if set(kernels) & set(TABLE_KERNELS) else None),

@@ -15,8 +15,9 @@ trajectory's rows (its last rows) stays masked, so nothing outside them is read 
   arithmetic and stores that are masked or rewritten meet only; every load at a literal row (a
   loop's row keeps its test at run time: measured slower).
 
-Which columns qualify (no lane meets another: a fused column's cost sums over the dof do) and were
-measured faster is codegen/render.py's choice (``whole_rows``, ``whole_loads``).
+Which columns qualify (no lane meets another: a fused forward's cost sums over the dof do; a fused
+adjoint's terms meet the gradient rows lane by lane) and were measured faster is codegen/render.py's
+choice (``whole_rows``, ``whole_loads``).
 """
 from __future__ import annotations
 

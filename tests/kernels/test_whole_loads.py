@@ -25,6 +25,7 @@ from tensorstep.codegen.driver import generate
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script (below): tests/ on the path
 import reference  # noqa: E402
+import reference_costs  # noqa: E402
 from helpers import STRAIGHT_LINE_INTEGRATORS as WHOLE, c_functions, require_avx512, scale_close  # noqa: E402
 
 MASKED = [
@@ -32,9 +33,19 @@ MASKED = [
     ts.KernelSpec(dof=7, control="bspline", knots=8, steps=4),  # rows loaded in loops
     ts.KernelSpec(horizon=128, dof=3, dtype="float64", control="acceleration"),  # the lane column rolled
     ts.KernelSpec(horizon=32, dof=7, control="velocity", layout="bdh"),  # no lane form
-    ts.KernelSpec(horizon=9, dof=3, dtype="float64", control="velocity",  # fused
+    ts.KernelSpec(horizon=9, dof=3, dtype="float64", control="velocity",  # fused, float64
                   costs=(("squared", "position"), ("bound", "velocity")), outputs=("P",)),
 ]
+#: fused float32 adjoints (render.FUSED_WHOLE_LOADS): the central stencil with every state's bound and the
+#: squared terms (its paired form, too), and an integrator
+FUSED = [
+    ts.KernelSpec(horizon=9, dof=7, dtype="float32", outputs=("P",),
+                  costs=(("bound", "position"), ("bound", "velocity"), ("bound", "acceleration"), ("bound", "jerk"),
+                         ("squared", "position"), ("squared", "velocity"), ("squared", "jerk"))),
+    ts.KernelSpec(horizon=12, dof=3, dtype="float32", control="jerk", outputs=("P",),
+                  costs=(("squared", "position"), ("bound", "velocity"), ("bound", "acceleration"))),
+]
+STATES = ("position", "velocity", "acceleration", "jerk")
 
 
 def _batches(spec: ts.KernelSpec) -> tuple[str, dict[str, str]]:
@@ -68,6 +79,25 @@ def test_the_adjoint_loads_every_gradient_row_whole_where_inside_the_rows(spec):
 @pytest.mark.parametrize("spec", MASKED, ids=lambda s: s.name)
 def test_other_adjoints_keep_masked_loads(spec):
     assert "VGW" not in generate(spec, ("c",), ("core",)).source("c", "core")
+
+
+@pytest.mark.parametrize("spec", FUSED, ids=lambda s: s.name)
+def test_a_fused_float32_adjoint_loads_its_gradient_rows_whole_and_its_pairs_masked(spec):
+    assert spec.dtype in render.FUSED_WHOLE_LOADS
+    source, batches = _batches(spec)
+    adjoints = {name: text for name, text in batches.items() if name.startswith("adjoint")}
+    paired = {name for name, text in adjoints.items() if "TS_PAIR_MAX_BATCH" in text}
+    assert len(adjoints) > len(paired) and (paired or spec.control != "position")
+    for name, text in adjoints.items():
+        loads = re.findall(r"\bVG(W?)0\((\d+)\)", _lanes(text))
+        assert {w for w, _ in loads} == {"W"}, name
+        assert sorted(int(h) for _, h in loads) == list(range(spec.horizon)), name
+        # a paired function's VGW0 is its own masked load of both trajectories' rows
+        assert ("#define VGW0(h) VLOADP(gb0 + (h) * Y_SH, gb0_s)" in text) == (name in paired), name
+    width = render.lanes(spec)["width"]
+    assert f"#define VGW0(h) ((h) * Y_SH + {width} <= Y_SB ? ts_vload_whole(gb0 + (h) * Y_SH) : VG0(h))" in source
+    # float64 keeps its masked loads
+    assert "VGW" not in generate(spec.replace(dtype="float64"), ("c",), ("core",)).source("c", "core")
 
 
 def _guarded(n: int, dtype: torch.dtype) -> tuple[mmap.mmap, torch.Tensor, torch.Tensor]:
@@ -133,5 +163,97 @@ def test_whole_loads_read_nothing_past_the_rows_and_give_the_reference(index, th
     assert run.returncode == 0, (run.returncode, run.stdout[-2000:], run.stderr[-4000:])
 
 
+def _cost_gradients(spec: ts.KernelSpec, Y: np.ndarray, params: dict[str, np.ndarray]) -> np.ndarray:
+    """d cost[b, t] / d Y[k, b, h, d] [T, K, B, H, D]: central differences of tests/reference_costs.py's
+    definitions, each (h, d) of every trajectory at once (a term is piecewise quadratic in each element: the
+    difference is its derivative to rounding, away from a kink)."""
+    eps = 1e-6
+    out = np.zeros((len(spec.costs), *Y.shape))
+    for k in range(len(STATES)):
+        for h in range(spec.horizon):
+            for d in range(spec.dof):
+                step = np.zeros(Y.shape)
+                step[k, :, h, d] = eps
+                states = lambda s: {STATES[j]: (Y + s)[j] for j in range(len(STATES))}
+                out[:, k, :, h, d] = ((reference_costs.costs(spec.costs, states(step), params)
+                                       - reference_costs.costs(spec.costs, states(-step), params)) / (2 * eps)).T
+    return out
+
+
+def _check_fused(index: int, threads: int) -> None:
+    """A fused float32 adjoint's entry point with P's gradient tensor ending at an unreadable page (and NaN
+    before it), given and not (the zero block), on a batch whose thread shares run one trajectory a vector
+    (above ``PAIR_MAX_BATCH``) and on one small enough for two a vector, with row weights and without (the
+    forms with and without them): every gradient (u's, the start rows', the target's) against the dense
+    reference and the costs' definitions."""
+    from tensorstep.runtime.launch import CpuBackend
+
+    spec = FUSED[index]
+    K, H, D, N = spec.order + 1, spec.horizon, spec.dof, spec.n_actions
+    plain = spec.replace(costs=(), outputs=None)
+    dt = 0.1
+    M_u, M_s = reference.matrices(plain, [dt] * spec.n_dt if spec.dt == "per_step" else dt)
+    torch.set_num_threads(threads)
+    step = ts.load(spec)
+    backend = CpuBackend(spec)
+    gen = torch.Generator().manual_seed(11)
+    r = lambda *shape: torch.rand(*shape, generator=gen, dtype=torch.float64)
+    for B in (threads * (render.PAIR_MAX_BATCH + 1) + 1, 5):
+        u = (0.1 * torch.randn(B, N, D, generator=gen, dtype=torch.float64)).cumsum(1)
+        starts = [0.5 * torch.randn(B, D, generator=gen, dtype=torch.float64) for _ in range(4)]
+        for row_weights in (True, False):
+            params = {}
+            for kind, state in spec.costs:
+                params[f"{kind}_{state}_weight"] = 0.1 + r(B, D)
+                if row_weights:
+                    params[f"{kind}_{state}_row_weight"] = r(H)
+                if kind == "bound":  # limits the rows cross (the bound active on some rows, not on others)
+                    Y = np.einsum("hn,bnd->bhd", M_u[STATES.index(state)], u.numpy())
+                    hi = torch.from_numpy(np.quantile(np.abs(Y), 0.7, axis=(0, 1))) * (0.8 + 0.4 * r(D))
+                    params[f"bound_{state}_limit"] = torch.stack([-hi, hi])
+                    params[f"bound_{state}_margin"] = 0.05 * hi
+                if (kind, state) == ("squared", "position"):
+                    params["squared_position_target"] = 0.1 * r(B, D)
+            named = {"u": u, "p0": starts[0], "v0": starts[1], "a0": starts[2], "j0": starts[3], **params}
+            values = [None if named.get(a.name) is None else named[a.name].float() for a in step.table.tensors]
+            inputs, dt_k, _ = step._checked(values, dt)
+            block, g0, _ = _guarded(B * H * D, torch.float32)
+            g0.copy_(torch.randn(B * H * D, generator=gen, dtype=torch.float64))
+            g0 = g0.view(B, H, D)
+            gcost = 0.5 + torch.rand(B, len(spec.costs), generator=gen)
+            Y = (np.einsum("khn,bnd->kbhd", M_u, u.float().double().numpy())
+                 + np.einsum("khm,mbd->kbhd", M_s, torch.stack(starts).float().double().numpy()))
+            dcost = _cost_gradients(spec, Y, {k: v.float().double().numpy() for k, v in params.items()})
+            for given in (True, False):
+                outs = [torch.full(s, float("nan"), dtype=torch.float32) for s in step.launcher.adjoint_shapes(B)]
+                backend.call("adjoint", B, [x.data_ptr() if x is not None else 0 for x in
+                                            (*inputs, g0 if given else None, gcost, dt_k, *outs)])
+                gY = np.einsum("bt,tkbhd->kbhd", gcost.double().numpy(), dcost)
+                if given:
+                    gY[0] += g0.double().numpy()
+                scale_close(outs[0].double().numpy(), np.einsum("khn,kbhd->bnd", M_u, gY), 1e-5)
+                per_start = np.einsum("khm,kbhd->mbd", M_s, gY)
+                for m, o in enumerate(outs[1:5]):
+                    scale_close(o.double().numpy(), per_start[m], 1e-5)
+                # the target's gradient: each squared position term depends on y - target
+                t = spec.costs.index(("squared", "position"))
+                scale_close(outs[5].double().numpy(), -np.einsum("b,bhd->bd", gcost[:, t].double().numpy(), dcost[t, 0]),
+                            1e-5)
+            del block
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("index", range(len(FUSED)), ids=[s.name for s in FUSED])
+def test_fused_whole_loads_read_nothing_past_the_rows_and_give_the_definitions(index, threads):
+    """In a child process: a load past P's gradient tensor's last row faults there."""
+    require_avx512()
+    run = subprocess.run([sys.executable, __file__, "fused", str(index), str(threads)], capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, (run.returncode, run.stdout[-2000:], run.stderr[-4000:])
+
+
 if __name__ == "__main__":
-    _check(int(sys.argv[1]), int(sys.argv[2]))
+    if sys.argv[1] == "fused":
+        _check_fused(int(sys.argv[2]), int(sys.argv[3]))
+    else:
+        _check(int(sys.argv[1]), int(sys.argv[2]))
