@@ -276,12 +276,38 @@ def whole_loads(code: LoweredOperator, codes: dict, bodies: dict[str, tuple[Any,
                                 lambda statements: whole.loaded_literal(statements, _gradient_load))
 
 
-def _pair_macros(table: ArgumentTable, outputs: int, loads: Collection[str]) -> list[tuple[str, str]]:
+def whole_actions(code: LoweredOperator, codes: dict, bodies: dict[str, tuple[Any, list[str]]],
+                  table: ArgumentTable, n_actions: int) -> set[str]:
+    """The lane bodies that store each action gradient's row as a whole vector where that vector stays
+    inside the trajectory's rows (codegen/whole.py, templates/kernel.c.j2 ``VGUW``), as ``whole_rows``
+    stores the forward's outputs: a fused adjoint's forms (``adjoint``, ``adjoint_<form>``) whose stores of
+    them are at literal rows 0 .. N-1, each once, in that order, none in a loop (a stencil's, which adds
+    each row up and stores it once it is complete; a recurrence's reverse sweep stores them last row first).
+    From memory, whole stores were faster there in float32 and float64 (BENCHMARKS.md, "The fused C adjoint
+    at B=40000: gradient rows loaded whole"). A plain adjoint's stay masked: whole, they were as fast or
+    slower (BENCHMARKS.md, "u's gradient rows stored whole, and the fused adjoint's gradient rows loaded
+    whole: measured"). The paired function stores them masked (``_pair_macros``)."""
+    if not code.fused:
+        return set()
+    stores = _action_store(table)
+    return {k for k in bodies if (k == "adjoint" or k.startswith("adjoint_")) and not codes[k].loops
+            and whole.stored_in_order(bodies[k][0], stores, n_actions)}
+
+
+def _action_store(table: ArgumentTable) -> Callable[[str], bool]:
+    """An action gradient row's store (``GU``)."""
+    return lambda macro: macro == "G" + table.action.macro
+
+
+def _pair_macros(table: ArgumentTable, outputs: int, loads: Collection[str], actions: Collection[str]
+                 ) -> list[tuple[str, str]]:
     """The paired lane form's macros (``macros.lane_pairs``), with each gradient row's whole load (``VGW<k>``,
-    ``whole_loads``) its masked paired load: a paired vector's upper half is another trajectory's row."""
+    ``whole_loads``) its masked paired load and an action gradient row's whole store (``VGUW``,
+    ``whole_actions``) its masked paired store: a paired vector's upper half is another trajectory's row."""
     pairs = macros.lane_pairs(table, outputs)
-    return pairs + ([("VGW" + name[2:], definition) for name, definition in pairs if _gradient_load(name[1:])]
-                    if loads else [])
+    return (pairs + ([("VGW" + name[2:], definition) for name, definition in pairs if _gradient_load(name[1:])]
+                     if loads else [])
+            + ([("VGUW", definition) for name, definition in pairs if name == "VGU"] if actions else []))
 
 
 def _plain_straight_line(kernel: str, code: LoweredOperator, codes: dict, bodies: dict[str, tuple[Any, list[str]]],
@@ -293,14 +319,13 @@ def _plain_straight_line(kernel: str, code: LoweredOperator, codes: dict, bodies
     return set()
 
 
-def _whole_lines(bodies: dict[str, tuple[Any, list[str]]], stores: Collection[str], loads: Collection[str],
-                 table: ArgumentTable) -> dict[str, list[str]]:
-    """The lines of each lane body, those in ``stores`` with their output rows' stores marked whole and
-    those in ``loads`` with their gradient rows' loads (codegen/whole.py)."""
+def _whole_lines(bodies: dict[str, tuple[Any, list[str]]], stores: dict[str, Callable[[str], bool]],
+                 loads: dict[str, Callable[[str], bool]], table: ArgumentTable) -> dict[str, list[str]]:
+    """The lines of each lane body, with the stores through its macros in ``stores`` and the loads
+    through those in ``loads`` marked whole (codegen/whole.py)."""
     printer = lane_printer(macros.lane_names(table))
     none: Callable[[str], bool] = lambda _: False
-    return {k: printer.lines(whole.marked(statements, _output_store if k in stores else none,
-                                          _gradient_load if k in loads else none))
+    return {k: printer.lines(whole.marked(statements, stores.get(k, none), loads.get(k, none)))
             if k in stores or k in loads else lines
             for k, (statements, lines) in bodies.items()}
 
@@ -495,6 +520,7 @@ def render(spec: Any, code: LoweredOperator, table: ArgumentTable, target: Targe
     stores = whole_rows(code, codes, lane_bodies, spec.horizon)
     prefetch = prefetches(table, codes, kernels, stores)
     loads = whole_loads(code, every_code, lane_bodies, spec.dtype)
+    actions = whole_actions(code, every_code, lane_bodies, table, spec.n_actions)
     assert not (late and pairs), "an adjoint has one batch-chosen form"
     form_checks, form_tests = _form_checks(table, fused.forms(table)) if variants else ([], {})
     programs = _long_programs(code, kernels, table.dt.shape == ("B",)) if target.split_programs else {}
@@ -546,7 +572,9 @@ def render(spec: Any, code: LoweredOperator, table: ArgumentTable, target: Targe
         form_tests=form_tests,
         private_coefficients=table.dt.shape != ("B",) and code.n_coefficients <= C_PRIVATE_COEFFICIENTS,
         lanes=lane_form,
-        lane_bodies=_whole_lines(lane_bodies, stores, loads, table),
+        lane_bodies=_whole_lines(lane_bodies, {**{k: _output_store for k in stores},
+                                               **{k: _action_store(table) for k in actions}},
+                                 {k: _gradient_load for k in loads}, table),
         lane_actions=_lane_actions(lane_bodies, spec.n_actions),
         paired=pairs,
         late_loads=late,
@@ -554,11 +582,12 @@ def render(spec: Any, code: LoweredOperator, table: ArgumentTable, target: Targe
         prefetch=prefetch,
         whole_rows=stores,
         whole_loads=loads,
+        whole_actions=actions,
         prefetch_elements={k: macros.prefetch_elements(table, k) for k in prefetch},
         prefetch_ahead=PREFETCH_AHEAD,
         prefetch_from_bytes=PREFETCH_FROM_BYTES,
         pair=pair_vector(lane_form) if pairs else None,
-        pair_macros=_pair_macros(table, spec.order + 1, loads) if pairs else [],
+        pair_macros=_pair_macros(table, spec.order + 1, loads, actions) if pairs else [],
         pair_bases=macros.pair_bases(table) if pairs else [],
         coefficient_lines=((code.as_tapes if target.tape_programs else code).coefficient_lines
                            if set(kernels) & set(TABLE_KERNELS) else None),

@@ -36,15 +36,19 @@ MASKED = [
     ts.KernelSpec(horizon=9, dof=3, dtype="float64", control="velocity",  # fused, float64
                   costs=(("squared", "position"), ("bound", "velocity")), outputs=("P",)),
 ]
-#: fused float32 adjoints (render.FUSED_WHOLE_LOADS): the central stencil with every state's bound and the
-#: squared terms (its paired form, too), and an integrator
+_TERMS = (("bound", "position"), ("bound", "velocity"), ("bound", "acceleration"), ("bound", "jerk"),
+          ("squared", "position"), ("squared", "velocity"), ("squared", "jerk"))
+#: fused adjoints: float32 ones load P's gradient rows whole (render.FUSED_WHOLE_LOADS), float64 ones masked;
+#: the central stencil stores u's gradient rows in order, whole (render.whole_actions; its float32 paired
+#: form masked), a recurrence (jerk control) last row first, masked
 FUSED = [
-    ts.KernelSpec(horizon=9, dof=7, dtype="float32", outputs=("P",),
-                  costs=(("bound", "position"), ("bound", "velocity"), ("bound", "acceleration"), ("bound", "jerk"),
-                         ("squared", "position"), ("squared", "velocity"), ("squared", "jerk"))),
+    ts.KernelSpec(horizon=9, dof=7, dtype="float32", outputs=("P",), costs=_TERMS),
     ts.KernelSpec(horizon=12, dof=3, dtype="float32", control="jerk", outputs=("P",),
                   costs=(("squared", "position"), ("bound", "velocity"), ("bound", "acceleration"))),
+    ts.KernelSpec(horizon=9, dof=7, dtype="float64", outputs=("P",), costs=_TERMS),
 ]
+#: the specs of FUSED whose adjoint stores u's gradient rows whole
+WHOLE_ACTIONS = (0, 2)
 STATES = ("position", "velocity", "acceleration", "jerk")
 
 
@@ -81,23 +85,30 @@ def test_other_adjoints_keep_masked_loads(spec):
     assert "VGW" not in generate(spec, ("c",), ("core",)).source("c", "core")
 
 
-@pytest.mark.parametrize("spec", FUSED, ids=lambda s: s.name)
-def test_a_fused_float32_adjoint_loads_its_gradient_rows_whole_and_its_pairs_masked(spec):
-    assert spec.dtype in render.FUSED_WHOLE_LOADS
+@pytest.mark.parametrize("index", range(len(FUSED)), ids=[s.name for s in FUSED])
+def test_a_fused_adjoint_moves_its_gradient_rows_whole_where_chosen_and_its_pairs_masked(index):
+    spec = FUSED[index]
+    loads_whole, stores_whole = spec.dtype in render.FUSED_WHOLE_LOADS, index in WHOLE_ACTIONS
     source, batches = _batches(spec)
     adjoints = {name: text for name, text in batches.items() if name.startswith("adjoint")}
     paired = {name for name, text in adjoints.items() if "TS_PAIR_MAX_BATCH" in text}
-    assert len(adjoints) > len(paired) and (paired or spec.control != "position")
+    assert len(adjoints) > len(paired) and (paired or spec.control != "position" or spec.dtype == "float64")
     for name, text in adjoints.items():
         loads = re.findall(r"\bVG(W?)0\((\d+)\)", _lanes(text))
-        assert {w for w, _ in loads} == {"W"}, name
+        assert {w for w, _ in loads} == {"W" if loads_whole else ""}, name
         assert sorted(int(h) for _, h in loads) == list(range(spec.horizon)), name
-        # a paired function's VGW0 is its own masked load of both trajectories' rows
-        assert ("#define VGW0(h) VLOADP(gb0 + (h) * Y_SH, gb0_s)" in text) == (name in paired), name
+        stores = re.findall(r"\bVGU(W?)\((\d+),", _lanes(text))
+        assert {w for w, _ in stores} == {"W" if stores_whole else ""}, name
+        assert ([int(j) for _, j in stores] == list(range(spec.n_actions))) == stores_whole, name
+        # a paired function's VGW0 and VGUW are its own masked loads and stores of both trajectories' rows
+        assert ("#define VGW0(h) VLOADP(gb0 + (h) * Y_SH, gb0_s)" in text) == (name in paired and loads_whole), name
+        assert ("#define VGUW(j, v) VSTOREP(gu + uo + (j) * U_SH, uo_s, (v))" in text) == (
+            name in paired and stores_whole), name
     width = render.lanes(spec)["width"]
-    assert f"#define VGW0(h) ((h) * Y_SH + {width} <= Y_SB ? ts_vload_whole(gb0 + (h) * Y_SH) : VG0(h))" in source
-    # float64 keeps its masked loads
-    assert "VGW" not in generate(spec.replace(dtype="float64"), ("c",), ("core",)).source("c", "core")
+    assert (f"#define VGW0(h) ((h) * Y_SH + {width} <= Y_SB ? ts_vload_whole(gb0 + (h) * Y_SH) : VG0(h))"
+            in source) == loads_whole
+    assert (f"#define VGUW(j, v) do {{ if ((j) * U_SH + {width} <= U_SB) VSTORE_WHOLE(gu + uo + (j) * U_SH, (v)); "
+            "else VGU(j, v); } while (0)" in source) == stores_whole
 
 
 def _guarded(n: int, dtype: torch.dtype) -> tuple[mmap.mmap, torch.Tensor, torch.Tensor]:
@@ -164,9 +175,30 @@ def test_whole_loads_read_nothing_past_the_rows_and_give_the_reference(index, th
 
 
 def _cost_gradients(spec: ts.KernelSpec, Y: np.ndarray, params: dict[str, np.ndarray]) -> np.ndarray:
-    """d cost[b, t] / d Y[k, b, h, d] [T, K, B, H, D]: central differences of tests/reference_costs.py's
-    definitions, each (h, d) of every trajectory at once (a term is piecewise quadratic in each element: the
-    difference is its derivative to rounding, away from a kink)."""
+    """d cost[b, t] / d Y[k, b, h, d] [T, K, B, H, D], each term's derivative written from its definition
+    (tests/reference_costs.py): squared 2 w (y - target), bound 2 w (max(0, y - (upper - margin)) -
+    max(0, (lower + margin) - y)); checked against central differences of reference_costs.costs."""
+    H = spec.horizon
+    out = np.zeros((len(spec.costs), *Y.shape))
+    for t, (kind, state) in enumerate(spec.costs):
+        p = lambda suffix: params.get(f"{kind}_{state}_{suffix}")
+        w = p("weight")[:, None, :] * (np.ones(H) if p("row_weight") is None else p("row_weight"))[None, :, None]
+        y = Y[STATES.index(state)]
+        if kind == "squared":
+            target = params["squared_position_target"][:, None, :] if state == "position" else 0.0
+            out[t, STATES.index(state)] = 2 * w * (y - target)
+        else:
+            (lower, upper), margin = p("limit"), p("margin")
+            out[t, STATES.index(state)] = 2 * w * (np.maximum(0, y - (upper - margin)) - np.maximum(0, (lower + margin) - y))
+    differences = _cost_differences(spec, Y, params)
+    scale_close(differences, out, 1e-6)
+    return out
+
+
+def _cost_differences(spec: ts.KernelSpec, Y: np.ndarray, params: dict[str, np.ndarray]) -> np.ndarray:
+    """``_cost_gradients`` by central differences of tests/reference_costs.py's definitions, each (h, d) of
+    every trajectory at once (a term is piecewise quadratic in each element: the difference is its
+    derivative to rounding, away from a kink)."""
     eps = 1e-6
     out = np.zeros((len(spec.costs), *Y.shape))
     for k in range(len(STATES)):
@@ -181,14 +213,16 @@ def _cost_gradients(spec: ts.KernelSpec, Y: np.ndarray, params: dict[str, np.nda
 
 
 def _check_fused(index: int, threads: int) -> None:
-    """A fused float32 adjoint's entry point with P's gradient tensor ending at an unreadable page (and NaN
-    before it), given and not (the zero block), on a batch whose thread shares run one trajectory a vector
-    (above ``PAIR_MAX_BATCH``) and on one small enough for two a vector, with row weights and without (the
-    forms with and without them): every gradient (u's, the start rows', the target's) against the dense
-    reference and the costs' definitions."""
+    """A fused adjoint's entry point with P's gradient tensor and u's ending at an unreadable page (and NaN
+    before them), P's given and not (the zero block), on a batch whose thread shares run one trajectory a
+    vector (above ``PAIR_MAX_BATCH``) and on one small enough for two a vector (float32), with row weights
+    and without (the forms with and without them): every gradient (u's, the start rows', the target's)
+    against the dense reference and the costs' definitions, and the NaN before u's untouched."""
     from tensorstep.runtime.launch import CpuBackend
 
     spec = FUSED[index]
+    dtype = torch.float32 if spec.dtype == "float32" else torch.float64
+    tol = 1e-5 if dtype == torch.float32 else 1e-9  # float64: the central differences' rounding
     K, H, D, N = spec.order + 1, spec.horizon, spec.dof, spec.n_actions
     plain = spec.replace(costs=(), outputs=None)
     dt = 0.1
@@ -215,37 +249,41 @@ def _check_fused(index: int, threads: int) -> None:
                 if (kind, state) == ("squared", "position"):
                     params["squared_position_target"] = 0.1 * r(B, D)
             named = {"u": u, "p0": starts[0], "v0": starts[1], "a0": starts[2], "j0": starts[3], **params}
-            values = [None if named.get(a.name) is None else named[a.name].float() for a in step.table.tensors]
+            values = [None if named.get(a.name) is None else named[a.name].to(dtype) for a in step.table.tensors]
             inputs, dt_k, _ = step._checked(values, dt)
-            block, g0, _ = _guarded(B * H * D, torch.float32)
+            block, g0, _ = _guarded(B * H * D, dtype)
             g0.copy_(torch.randn(B * H * D, generator=gen, dtype=torch.float64))
             g0 = g0.view(B, H, D)
-            gcost = 0.5 + torch.rand(B, len(spec.costs), generator=gen)
-            Y = (np.einsum("khn,bnd->kbhd", M_u, u.float().double().numpy())
-                 + np.einsum("khm,mbd->kbhd", M_s, torch.stack(starts).float().double().numpy()))
-            dcost = _cost_gradients(spec, Y, {k: v.float().double().numpy() for k, v in params.items()})
+            gcost = 0.5 + torch.rand(B, len(spec.costs), generator=gen, dtype=dtype)
+            Y = (np.einsum("khn,bnd->kbhd", M_u, u.to(dtype).double().numpy())
+                 + np.einsum("khm,mbd->kbhd", M_s, torch.stack(starts).to(dtype).double().numpy()))
+            dcost = _cost_gradients(spec, Y, {k: v.to(dtype).double().numpy() for k, v in params.items()})
             for given in (True, False):
-                outs = [torch.full(s, float("nan"), dtype=torch.float32) for s in step.launcher.adjoint_shapes(B)]
+                outs = [torch.full(s, float("nan"), dtype=dtype) for s in step.launcher.adjoint_shapes(B)]
+                block_u, outs[0], lead = _guarded(B * N * D, dtype)  # a store past u's gradient rows faults
+                outs[0] = outs[0].fill_(float("nan")).view(B, N, D)
                 backend.call("adjoint", B, [x.data_ptr() if x is not None else 0 for x in
                                             (*inputs, g0 if given else None, gcost, dt_k, *outs)])
                 gY = np.einsum("bt,tkbhd->kbhd", gcost.double().numpy(), dcost)
                 if given:
                     gY[0] += g0.double().numpy()
-                scale_close(outs[0].double().numpy(), np.einsum("khn,kbhd->bnd", M_u, gY), 1e-5)
+                scale_close(outs[0].double().numpy(), np.einsum("khn,kbhd->bnd", M_u, gY), tol)
                 per_start = np.einsum("khm,kbhd->mbd", M_s, gY)
                 for m, o in enumerate(outs[1:5]):
-                    scale_close(o.double().numpy(), per_start[m], 1e-5)
+                    scale_close(o.double().numpy(), per_start[m], tol)
                 # the target's gradient: each squared position term depends on y - target
                 t = spec.costs.index(("squared", "position"))
                 scale_close(outs[5].double().numpy(), -np.einsum("b,bhd->bd", gcost[:, t].double().numpy(), dcost[t, 0]),
-                            1e-5)
+                            tol)
+                assert torch.isnan(lead).all(), "a store before u's gradient rows"
+                del block_u, lead
             del block
 
 
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("index", range(len(FUSED)), ids=[s.name for s in FUSED])
 def test_fused_whole_loads_read_nothing_past_the_rows_and_give_the_definitions(index, threads):
-    """In a child process: a load past P's gradient tensor's last row faults there."""
+    """In a child process: a load past P's gradient tensor's last row, or a store past u's, faults there."""
     require_avx512()
     run = subprocess.run([sys.executable, __file__, "fused", str(index), str(threads)], capture_output=True,
                          text=True, timeout=600)
