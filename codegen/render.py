@@ -247,7 +247,7 @@ def whole_rows(code: LoweredOperator, codes: dict, bodies: dict[str, tuple[Any, 
 #: the dtypes whose fused adjoint loads its gradient rows as whole vectors (``whole_loads``): float32's
 #: were faster on rows from memory, float64's not (BENCHMARKS.md, "u's gradient rows stored whole, and the
 #: fused adjoint's gradient rows loaded whole: measured", "The fused C adjoint at B=40000: gradient rows
-#: loaded whole")
+#: loaded whole, and u's gradient rows stored whole")
 FUSED_WHOLE_LOADS = frozenset({"float32"})
 
 
@@ -283,10 +283,11 @@ def whole_actions(code: LoweredOperator, codes: dict, bodies: dict[str, tuple[An
     stores the forward's outputs: a fused adjoint's forms (``adjoint``, ``adjoint_<form>``) whose stores of
     them are at literal rows 0 .. N-1, each once, in that order, none in a loop (a stencil's, which adds
     each row up and stores it once it is complete; a recurrence's reverse sweep stores them last row first).
-    From memory, whole stores were faster there in float32 and float64 (BENCHMARKS.md, "The fused C adjoint
-    at B=40000: gradient rows loaded whole"). A plain adjoint's stay masked: whole, they were as fast or
-    slower (BENCHMARKS.md, "u's gradient rows stored whole, and the fused adjoint's gradient rows loaded
-    whole: measured"). The paired function stores them masked (``_pair_macros``)."""
+    From memory, whole stores were faster there in float32 and float64 (BENCHMARKS.md, "The fused C
+    adjoint at B=40000: gradient rows loaded whole, and u's gradient rows stored whole"). A plain
+    adjoint's stay masked: whole, they were as fast or slower (BENCHMARKS.md, "u's gradient rows stored
+    whole, and the fused adjoint's gradient rows loaded whole: measured"). The paired function stores
+    them masked (``_pair_macros``)."""
     if not code.fused:
         return set()
     stores = _action_store(table)

@@ -5,7 +5,13 @@ templates/kernel.c.j2 ``VGW``); the last rows, whose vector would reach past the
 lanes past a row's D dof hold the next row's values and never reach a stored lane. Other columns keep
 masked loads. The gradients are the dense float64 reference's with each gradient tensor ending exactly
 at an unreadable page (a load past the rows faults) and NaN before it, one and two threads; u's gradient
-tensor ends at one too (its rows are stored masked: a store past them faults) and the NaN before it stays."""
+tensor ends at one too (its rows are stored masked: a store past them faults) and the NaN before it stays.
+
+A fused adjoint loads P's gradient rows whole in float32 (``render.FUSED_WHOLE_LOADS``) and, where it stores
+u's gradient rows in order (a stencil's), stores them whole (``render.whole_actions``, ``VGUW``); its paired
+function keeps both masked. Its gradients are the dense reference's and the cost terms' definitions'
+(tests/reference_costs.py) with both tensors ending at an unreadable page. With VGW's or VGUW's bound
+removed (every row whole) the fused specs faulted (SIGSEGV)."""
 from __future__ import annotations
 
 import ctypes
@@ -189,7 +195,8 @@ def _cost_gradients(spec: ts.KernelSpec, Y: np.ndarray, params: dict[str, np.nda
             out[t, STATES.index(state)] = 2 * w * (y - target)
         else:
             (lower, upper), margin = p("limit"), p("margin")
-            out[t, STATES.index(state)] = 2 * w * (np.maximum(0, y - (upper - margin)) - np.maximum(0, (lower + margin) - y))
+            over, under = np.maximum(0, y - (upper - margin)), np.maximum(0, (lower + margin) - y)
+            out[t, STATES.index(state)] = 2 * w * (over - under)
     differences = _cost_differences(spec, Y, params)
     scale_close(differences, out, 1e-6)
     return out
@@ -273,8 +280,8 @@ def _check_fused(index: int, threads: int) -> None:
                     scale_close(o.double().numpy(), per_start[m], tol)
                 # the target's gradient: each squared position term depends on y - target
                 t = spec.costs.index(("squared", "position"))
-                scale_close(outs[5].double().numpy(), -np.einsum("b,bhd->bd", gcost[:, t].double().numpy(), dcost[t, 0]),
-                            tol)
+                expected = -np.einsum("b,bhd->bd", gcost[:, t].double().numpy(), dcost[t, 0])
+                scale_close(outs[5].double().numpy(), expected, tol)
                 assert torch.isnan(lead).all(), "a store before u's gradient rows"
                 del block_u, lead
             del block
