@@ -24,6 +24,7 @@ from tensorstep.codegen import fused, render
 from tensorstep.codegen.arguments import table as argument_table
 from tensorstep.codegen.driver import generate
 from helpers import gradcheck64, gradgradcheck64
+from sweep import sample
 
 STATES = ("position", "velocity", "acceleration", "jerk", "snap")
 TERMS = (("bound", "velocity"), ("squared", "position"), ("squared", "jerk"), ("bound", "acceleration"))
@@ -1336,12 +1337,21 @@ torch.save([*(y.detach() for y in outs), u.grad, target.grad], sys.argv[3])
 """
 
 
-@pytest.mark.parametrize("form", [None, "-DTS_LANE_INTRINSICS", "-DTS_NO_LANES"],
-                         ids=["vector-lanes", "vector-lanes-immintrin", "per-dof-loop"])
-@pytest.mark.parametrize("dtype, dof, horizon, control", [
-    ("float32", 7, 9, "position"), ("float64", 7, 9, "position"), ("float32", 12, 9, "position"),
-    ("float32", 7, 41, "position"), ("float64", 4, 41, "position"), ("float32", 7, 41, "velocity"),
-    ("float64", 7, 41, "acceleration")])
+COLUMN_SHAPES = [("float32", 7, 9, "position"), ("float64", 7, 9, "position"), ("float32", 12, 9, "position"),
+                 ("float32", 7, 41, "position"), ("float64", 4, 41, "position"), ("float32", 7, 41, "velocity"),
+                 ("float64", 7, 41, "acceleration")]
+FLOAT32_SHAPES, FLOAT64_SHAPES = ([s for s in COLUMN_SHAPES if s[0] == t] for t in ("float32", "float64"))
+#: the vector lanes (GCC's vector types) at every shape; their intrinsics and the per-dof loop each at a
+#: seeded float32 and float64 shape: the column's statements are the lanes' at every shape, and these two
+#: forms change only the macros the statements are written in (per dtype), not which statements
+COLUMN_FORMS = [(*shape, None) for shape in COLUMN_SHAPES] + [
+    (*shape, form) for seed, form in ((7, "-DTS_LANE_INTRINSICS"), (8, "-DTS_NO_LANES"))
+    for shape in sample(FLOAT32_SHAPES, 1, seed) + sample(FLOAT64_SHAPES, 1, seed)]
+FORM_IDS = {None: "vector-lanes", "-DTS_LANE_INTRINSICS": "vector-lanes-immintrin", "-DTS_NO_LANES": "per-dof-loop"}
+
+
+@pytest.mark.parametrize("dtype, dof, horizon, control, form", COLUMN_FORMS,
+                         ids=[f"{t}-{d}-{h}-{c}-{FORM_IDS[f]}" for t, d, h, c, f in COLUMN_FORMS])
 def test_column_forms_match_the_plain_step_plus_costs(dtype, dof, horizon, control, form, tmp_path):
     """The C kernels' column forms (all dof in one masked vector, AVX-512; the per-dof loop): states,
     cost and gradients against the plain step (float64) plus the terms from their definitions.
@@ -1417,8 +1427,14 @@ def test_rolled_cuda_recurrences_run_on_the_host_match_the_definitions(case):
     _fused_against_composite(spec, x, params, dt_, False, fused_step=host_step(spec))
 
 
-@pytest.mark.parametrize("case", ["velocity_h33_per_trajectory", "jerk_h100_target_per_trajectory",
-                                  "acceleration_h256_target_per_trajectory"])
+#: recurrences whose rolled CUDA columns are checked further (bits, float32): one per integrator control
+ROLLED_FURTHER = ["velocity_h33_per_trajectory", "jerk_h100_target_per_trajectory",
+                  "acceleration_h256_target_per_trajectory"]
+
+
+# a seeded one of the three: the rolled and the straight-line columns come from one generic lowering
+# whatever the control (each control's rolled columns run against the definitions above at 13 shapes)
+@pytest.mark.parametrize("case", sample(ROLLED_FURTHER, 1, seed=1))
 def test_rolled_cuda_recurrences_give_the_straight_line_columns_bits(case, monkeypatch):
     """The rolled CUDA forward and adjoint (run on the host) give the bits of the straight-line columns
     they replace (``fused.forward``, ``_recurrence`` in segments): the same statements, in the same order.
@@ -1446,8 +1462,7 @@ def test_rolled_cuda_recurrences_give_the_straight_line_columns_bits(case, monke
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("case", ["velocity_h33_per_trajectory", "jerk_h100_target_per_trajectory",
-                                  "acceleration_h256_target_per_trajectory"])
+@pytest.mark.parametrize("case", ROLLED_FURTHER)
 def test_rolled_cuda_float32_recurrences_run_on_the_host_match_the_definitions(case):
     """float32: the rolled CUDA columns run on the host, within 1e-6 of the largest (float32 rounding) of the
     plain float64 step plus the terms from their definitions, on the values the kernel sees."""
@@ -1540,7 +1555,11 @@ ROLLED_FLOAT32_BITS = {"position_h48": dict(horizon=48), "velocity_h41": dict(ho
                        "bspline_p4_n8_s8": dict(control="bspline", degree=4, knots=8, steps=8)}
 
 
-@pytest.mark.parametrize("case", ROLLED_FLOAT32_BITS)
+# the stencil, and a seeded one of the recurrences and of the B-splines: within a family the rolled forward
+# is the same loop over float runs (a B-spline's spans test where a run ends whatever their rows), the
+# shapes differ only in where the runs end (each rolled float32 column also runs against the definitions)
+@pytest.mark.parametrize("case", ["position_h48", *sample(["velocity_h41", "jerk_h64"], 1, seed=2),
+                                  *sample(["bspline_p3_n12_s3", "bspline_p5_n10_s4", "bspline_p4_n8_s8"], 1, seed=3)])
 def test_rolled_c_float32_forwards_give_the_straight_line_bits(case, tmp_path):
     """A rolled float32 forward adds each term's rows in the straight-line form's runs and order (runs of
     fused.FLOAT_RUN_ROWS in float from the column's first row, each into the term's double sum; a
@@ -1726,7 +1745,10 @@ BENCH_BSPLINES = [(3, 64, 8, "uniform"), (3, 64, 4, "uniform"), (4, 16, 8, "per_
                   (5, 20, 4, "per_trajectory"), (3, 24, 8, "per_trajectory")]
 
 
-@pytest.mark.parametrize("degree, knots, steps, dt", BENCH_BSPLINES)
+# a seeded one with a dt shared and one with a dt per trajectory (the columns copy the factors they read):
+# the rolled span loops are one generic form at any degree, knots and rows a span
+@pytest.mark.parametrize("degree, knots, steps, dt", sample(BENCH_BSPLINES[:2] + BENCH_BSPLINES[3:4], 1, seed=4)
+                         + sample(BENCH_BSPLINES[2:3] + BENCH_BSPLINES[4:], 1, seed=5))
 def test_rolled_bspline_columns_with_the_bench_terms_run_on_the_host_match_the_definitions(degree, knots, steps, dt):
     """CUDA's rolled B-spline columns with the bench's terms, run on the host: P, cost and the
     gradients of u, p0 and the target against the plain step plus the terms from their definitions."""
