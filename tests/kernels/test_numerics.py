@@ -10,6 +10,7 @@ import tensorstep as ts
 import reference
 from helpers import (GRID, Inputs, dt_value, gradcheck64, gradgradcheck64, grid_id, make_spec, scale_close,
                      to_bhd)
+from sweep import FULL
 
 
 def test_operator_matrices_match_reference(spec):
@@ -55,6 +56,15 @@ def test_gradcheck_with_forward_ad(spec):
     assert gradcheck64(f, (x.u, x.p0, x.v0, x.a0, x.j0, dt), check_forward_ad=True)
 
 
+#: each grid row through one autograd path, the two taking turns (both under TENSORSTEP_FULL_SWEEP=1): either
+#: path's double backward is the same generic code at every row, and each path still meets stencils and
+#: integrators of every dt mode (the first derivatives run every row on both paths above)
+GRADGRAD = [(g, path) for i, g in enumerate(GRID) for path in ("native", "python")
+            if FULL or path == ("native", "python")[i % 2]]
+
+
+@pytest.mark.parametrize("spec, autograd_path", GRADGRAD, indirect=True,
+                         ids=[f"{grid_id(g)}-{path}" for g, path in GRADGRAD])
 def test_gradgradcheck(spec, autograd_path):
     step = autograd_path(ts.load(spec, "cpu"))
     x = Inputs(spec, batch=2, requires_grad=True)
