@@ -20,24 +20,29 @@ import tensorstep as ts
 from helpers import scale_close
 from tensorstep.cli import main
 
-# ---- runtime input errors, each in its own process (a crash would fail the test) -------------------
+# ---- runtime input errors, in processes of their own (a crash would fail the tests) ----------------
+# One process per kernel (plain, indexed, per-step dt) calls it once for each of its cases, each from fresh
+# inputs; a case's test reads its own line of that process's output.
 
 SETUP = """
-import torch, tensorstep as ts
+import json, torch, tensorstep as ts
 spec = ts.KernelSpec(horizon=6, dof=2, dtype="float64", start_index={indexed}, dt="{dt_mode}")
 step = ts.load(spec)
-B = 2
-u = torch.randn(B, 5, 2, dtype=torch.float64)
-p0 = torch.zeros(B + 1 if spec.start_index else B, 2, dtype=torch.float64); v0 = p0.clone(); a0 = p0.clone()
-dt = 0.1 if spec.dt == "uniform" else torch.full((6,), 0.1, dtype=torch.float64)
-kw = {{"start_index": torch.tensor([0, 2])}} if spec.start_index else {{}}
-{mutation}
-try:
-    step(u, p0, v0, a0, dt, **kw)
-except Exception as e:
-    print(type(e).__name__ + ": " + str(e))
-else:
-    print("NO ERROR")
+"""
+CASE = """
+def case():
+    B = 2
+    u = torch.randn(B, 5, 2, dtype=torch.float64)
+    p0 = torch.zeros(B + 1 if spec.start_index else B, 2, dtype=torch.float64); v0 = p0.clone(); a0 = p0.clone()
+    dt = 0.1 if spec.dt == "uniform" else torch.full((6,), 0.1, dtype=torch.float64)
+    kw = {{"start_index": torch.tensor([0, 2])}} if spec.start_index else {{}}
+    {mutation}
+    try:
+        step(u, p0, v0, a0, dt, **kw)
+    except Exception as e:
+        return type(e).__name__ + ": " + str(e)
+    return "NO ERROR"
+print(json.dumps([{name!r}, case()]), flush=True)
 """
 
 ERROR_CASES = {
@@ -66,28 +71,41 @@ INDEXED_CASES = {
     "index missing": ("kw = {}", "TypeError: start_index: this kernel needs a start_index argument (start_index=True), got None"),
 }
 PER_STEP_CASES = {"per-step dt given as scalar": ("dt = 0.1", "ValueError: dt: this kernel takes per-step durations, a tensor of shape (6,)")}
+#: (indexed, dt mode): the cases of each kernel
+KERNELS = {(False, "uniform"): {**ERROR_CASES, "valid call": ("pass", "NO ERROR")}, (True, "uniform"): INDEXED_CASES, (False, "per_step"): PER_STEP_CASES}
 
 
-def _run_case(mutation: str, indexed: bool = False, dt_mode: str = "uniform") -> subprocess.CompletedProcess:
-    code = SETUP.format(indexed=indexed, dt_mode=dt_mode, mutation=mutation)
+def _run_cases(indexed: bool, dt_mode: str, cases: dict) -> subprocess.CompletedProcess:
+    code = SETUP.format(indexed=indexed, dt_mode=dt_mode) + "".join(
+        CASE.format(name=name, mutation=mutation) for name, (mutation, _) in cases.items())
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
 
 
-ALL_CASES = [(k, *v, False, "uniform") for k, v in ERROR_CASES.items()] + \
-            [(k, *v, True, "uniform") for k, v in INDEXED_CASES.items()] + \
-            [(k, *v, False, "per_step") for k, v in PER_STEP_CASES.items()]
+@pytest.fixture(scope="module")
+def bad_input_runs() -> dict:
+    """Each kernel's process: its exit status, stderr and each case's outcome by name."""
+    runs = {}
+    for (indexed, dt_mode), cases in KERNELS.items():
+        proc = _run_cases(indexed, dt_mode, cases)
+        outcomes = dict(json.loads(line) for line in proc.stdout.splitlines() if line.startswith("["))
+        runs[indexed, dt_mode] = (proc.returncode, proc.stderr, outcomes)
+    return runs
 
 
-@pytest.mark.parametrize("name, mutation, expected, indexed, dt_mode", ALL_CASES, ids=[c[0] for c in ALL_CASES])
-def test_bad_input_raises_clear_error_in_subprocess(name, mutation, expected, indexed, dt_mode):
-    proc = _run_case(mutation, indexed, dt_mode)
-    assert proc.returncode == 0, f"process crashed ({proc.returncode}): {proc.stderr[-2000:]}"
-    assert expected in proc.stdout, proc.stdout
+ALL_CASES = [(name, expected, kernel) for kernel, cases in KERNELS.items() for name, (_, expected) in cases.items()
+             if name != "valid call"]
 
 
-def test_valid_call_in_subprocess_runs():
-    proc = _run_case("pass")
-    assert proc.returncode == 0 and "NO ERROR" in proc.stdout, proc.stdout + proc.stderr
+@pytest.mark.parametrize("name, expected, kernel", ALL_CASES, ids=[c[0] for c in ALL_CASES])
+def test_bad_input_raises_clear_error_in_subprocess(bad_input_runs, name, expected, kernel):
+    returncode, stderr, outcomes = bad_input_runs[kernel]
+    assert returncode == 0, f"process crashed ({returncode}): {stderr[-2000:]}"
+    assert expected in outcomes[name], outcomes[name]
+
+
+def test_valid_call_in_subprocess_runs(bad_input_runs):
+    returncode, stderr, outcomes = bad_input_runs[False, "uniform"]
+    assert returncode == 0 and outcomes["valid call"] == "NO ERROR", (outcomes, stderr[-2000:])
 
 
 # ---- hostile configs: nothing but validated numbers and derived identifiers reaches source --------
