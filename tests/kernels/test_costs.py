@@ -24,7 +24,7 @@ from tensorstep.codegen import fused, render
 from tensorstep.codegen.arguments import table as argument_table
 from tensorstep.codegen.driver import generate
 from helpers import gradcheck64, gradgradcheck64
-from sweep import sample
+from sweep import FULL, sample
 
 STATES = ("position", "velocity", "acceleration", "jerk", "snap")
 TERMS = (("bound", "velocity"), ("squared", "position"), ("squared", "jerk"), ("bound", "acceleration"))
@@ -1490,7 +1490,10 @@ C_ROLLED = {f"{control}_h{H}{'_target' if target else ''}_{dt}": (control, H, ta
                                             ("jerk", 256, True, "per_trajectory"))}
 
 
-@pytest.mark.parametrize("case", C_ROLLED)
+# each control, horizon and dt mode once (all nine under TENSORSTEP_FULL_SWEEP=1): the rolled recurrence is
+# one generic loop and scan whatever the control, and each of these three is the others' path at another shape
+@pytest.mark.parametrize("case", list(C_ROLLED) if FULL else ["jerk_h41_target_per_step", "velocity_h100_per_trajectory",
+                                                              "acceleration_h256_uniform"])
 def test_rolled_c_recurrences_match_the_definitions(case):
     """C's fused recurrence past fused.C_ROLL_RECURRENCE_ABOVE_H (codegen/lower.py ``c_recurrence_rolled``): P, the
     cost and the gradients of u, p0, the target (and dt where it has one per trajectory or per step) against the
