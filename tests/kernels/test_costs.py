@@ -1558,9 +1558,10 @@ ROLLED_FLOAT32_BITS = {"position_h48": dict(horizon=48), "velocity_h41": dict(ho
                        "bspline_p4_n8_s8": dict(control="bspline", degree=4, knots=8, steps=8)}
 
 
-# the stencil, and a seeded one of the recurrences and of the B-splines: within a family the rolled forward
-# is the same loop over float runs (a B-spline's spans test where a run ends whatever their rows), the
-# shapes differ only in where the runs end (each rolled float32 column also runs against the definitions)
+# the stencil, and a seeded one of the recurrences and of the B-splines (all six under TENSORSTEP_FULL_SWEEP=1):
+# within a family the rolled forward is the same loop over float runs (a B-spline's steps test where a run
+# ends whatever their rows a span), the shapes differ only in where the runs end; the rolled float32 stencil
+# and recurrence columns also run against the definitions (test_rolled_c_float32_columns_match_the_definitions)
 @pytest.mark.parametrize("case", ["position_h48", *sample(["velocity_h41", "jerk_h64"], 1, seed=2),
                                   *sample(["bspline_p3_n12_s3", "bspline_p5_n10_s4", "bspline_p4_n8_s8"], 1, seed=3)])
 def test_rolled_c_float32_forwards_give_the_straight_line_bits(case, tmp_path):
