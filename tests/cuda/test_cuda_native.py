@@ -287,6 +287,13 @@ def _fused_data(spec: ts.KernelSpec, B: int) -> tuple[dict, dict, torch.Tensor]:
     return x, params, dt
 
 
+
+def _fused_output_grads(spec, B: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random gradients of a fused step's P and cost."""
+    gen = torch.Generator().manual_seed(5)
+    return (torch.randn(B, spec.horizon, spec.dof, generator=gen, dtype=torch.float64),
+            torch.randn(B, len(spec.costs), generator=gen, dtype=torch.float64))
+
 def test_a_fused_step_equals_the_python_path_and_the_definitions():
     """A fused step (cost terms, P only; its adjoint reads the inputs): P, the cost and the gradients
     of u and p0 equal the Python path's bit for bit over three calls (the cost parameters kept in the
@@ -295,9 +302,7 @@ def test_a_fused_step_equals_the_python_path_and_the_definitions():
     spec = make_spec(FUSED, dof=2)
     B = 70
     x, params, dt = _fused_data(spec, B)
-    gen = torch.Generator().manual_seed(5)
-    wP = torch.randn(B, spec.horizon, spec.dof, generator=gen, dtype=torch.float64)
-    wcost = torch.randn(B, len(spec.costs), generator=gen, dtype=torch.float64)
+    wP, wcost = _fused_output_grads(spec, B)
 
     def run(step):
         u, p0 = x["u"].clone().requires_grad_(), x["p0"].clone().requires_grad_()
@@ -336,9 +341,7 @@ def test_held_cost_parameters_take_the_nodes_launches_without_crossing_per_call(
     spec = make_spec(FUSED, dof=2)
     B = 70
     x, params, dt = _fused_data(spec, B)
-    gen = torch.Generator().manual_seed(5)
-    wP = torch.randn(B, spec.horizon, spec.dof, generator=gen, dtype=torch.float64)
-    wcost = torch.randn(B, len(spec.costs), generator=gen, dtype=torch.float64)
+    wP, wcost = _fused_output_grads(spec, B)
     steps = (_native_step(spec), host_step(spec))
     held = [{k: v.clone() for k, v in params.items()} for _ in steps]
     for step, tensors in zip(steps, held):

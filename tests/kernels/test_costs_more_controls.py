@@ -1,6 +1,5 @@
 """Fused costs beyond position control: torch.compile(fullgraph=True), vmap and torch.export of a
-recurrence, a B-spline and an indexed "bdh" step; gradcheck and gradgradcheck of velocity control;
-float32 CUDA source run on the host for layout "bdh", goal_index, end="one_sided" and snap.
+recurrence, a B-spline and an indexed "bdh" step; float32 CUDA source run on the host for layout "bdh", goal_index, end="one_sided" and snap.
 
 The cases, data and references are test_costs.py's (the same specs, so their kernels are built once):
 the states from tests/reference.py (NumPy), the terms from their definitions (tests/reference_costs.py),
@@ -12,7 +11,6 @@ import pytest
 import torch
 
 import tensorstep as ts
-from helpers import gradcheck64, gradgradcheck64
 from test_costs import _call, _data, _fused_against_composite, _grid_spec, _reference, _spec
 
 
@@ -60,23 +58,6 @@ def test_compile_vmap_and_export_of_a_recurrence_a_bspline_and_bdh(case, backend
             return cost_of(u)
 
     close(torch.export.export(Cost(), (x["u"],)).module()(x["u"]), expected)
-
-
-def test_gradcheck_and_gradgradcheck_of_velocity_control():
-    """Velocity control in C (with the tests in test_costs.py: every control under gradcheck, forward
-    AD included, and gradgradcheck)."""
-    spec = ts.KernelSpec(dtype="float64", control="velocity", horizon=8, dof=2, outputs=("P",),
-                         costs=(("bound", "velocity"), ("squared", "position")))
-    x, params, dt = _data(spec, B=2)
-    step = ts.load(spec)
-
-    def f(u, p0, target):
-        return _call(step, spec, {**x, "u": u, "p0": p0}, {**params, "squared_position_target": target}, dt)
-
-    inputs = [x["u"].clone().requires_grad_(), x["p0"].clone().requires_grad_(),
-              params["squared_position_target"].clone().requires_grad_()]
-    assert gradcheck64(f, inputs, check_forward_ad=True)
-    assert gradgradcheck64(f, inputs)
 
 
 @pytest.mark.parametrize("case", ["position_one_sided_per_trajectory_indexed_bdh",
