@@ -233,7 +233,12 @@ WIDE = [(dict(difference="backward", accuracy=3, dt="per_step", order=4), 32),
         (dict(difference="central", accuracy=4, dt="per_step", order=4), 32)]
 
 
-@pytest.mark.parametrize("overrides, horizon", WIDE, ids=[grid_id(o) for o, _ in WIDE])
+# the backward stencil, and a seeded one of the two central (both under TENSORSTEP_FULL_SWEEP=1): the
+# central ones run one path, their widths differing only in how many rows each store accumulates
+WIDE_RUN = WIDE[:1] + sample(WIDE[1:], 1, seed=13)
+
+
+@pytest.mark.parametrize("overrides, horizon", WIDE_RUN, ids=[grid_id(o) for o, _ in WIDE_RUN])
 def test_wide_stencils_run_on_the_host_match_reference(overrides, horizon):
     """The CUDA kernels of wide stencils run on the host: forward against the dense float64
     operator and adjoint by the dot test at 1e-12, dt's gradient and tangent against differences
@@ -251,7 +256,9 @@ TWO_ROWS_A_SPAN = [dict(control="bspline", degree=4, knots=12, steps=2, dt="per_
                    dict(control="bspline", degree=5, knots=20, steps=2)]
 
 
-@pytest.mark.parametrize("overrides", TWO_ROWS_A_SPAN, ids=grid_id)
+# a seeded one of the two with a dt per trajectory (both under TENSORSTEP_FULL_SWEEP=1), and the uniform
+# one: the two run one path, their degree and knots differing only in the loop's trip count and width
+@pytest.mark.parametrize("overrides", sample(TWO_ROWS_A_SPAN[:2], 1, seed=12) + TWO_ROWS_A_SPAN[2:], ids=grid_id)
 def test_b_splines_of_two_rows_a_span_run_on_the_host_match_reference(overrides):
     """Their CUDA kernels run on the host: forward against the dense float64 operator and adjoint by
     the dot test at 1e-12, dt's gradient and tangent against differences of the reference in dt."""
