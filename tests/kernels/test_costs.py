@@ -1416,7 +1416,17 @@ ROLLED = {f"{control}_h{H}{'_target' if target else ''}_{dt}": (control, H, targ
                                           ("velocity", 48, True, "per_step"), ("jerk", 256, False, "per_step"))}
 
 
-@pytest.mark.parametrize("case", ROLLED)
+# the straight-line ones (H=8), the two with a dt per step, and per control a seeded one of its three rolled
+# ones with a dt shared or per trajectory (all 13 under TENSORSTEP_FULL_SWEEP=1): a control's three run its
+# one loop over segments, the horizon setting only how many segments it runs and recomputes (H=256 runs
+# with a dt per step); the target's term and the dt kinds are the same statements whatever the control
+ROLLED_LOOPS = {control: [case for case, (c, H, _, dt) in ROLLED.items() if c == control and H > 8 and dt != "per_step"]
+                for control in ("velocity", "acceleration", "jerk")}
+ROLLED_RUN = [case for case, (_, H, _, dt) in ROLLED.items() if H == 8 or dt == "per_step"] + [
+    case for seed, cases in enumerate(ROLLED_LOOPS.values(), start=14) for case in sample(cases, 1, seed)]
+
+
+@pytest.mark.parametrize("case", ROLLED_RUN)
 def test_rolled_cuda_recurrences_run_on_the_host_match_the_definitions(case):
     """The CUDA source run on the host (tests/cuda_on_host.py), a recurrence's forward a loop over its
     steps and its adjoint a reverse scan over segments recomputed from checkpoints: P, the cost and the
@@ -1437,7 +1447,7 @@ ROLLED_FURTHER = ["velocity_h33_per_trajectory", "jerk_h100_target_per_trajector
 
 
 # a seeded one of the three: the rolled and the straight-line columns come from one generic lowering
-# whatever the control (each control's rolled columns run against the definitions above at 13 shapes)
+# whatever the control (the recurrences' rolled columns run against the definitions above, every control)
 @pytest.mark.parametrize("case", sample(ROLLED_FURTHER, 1, seed=1))
 def test_rolled_cuda_recurrences_give_the_straight_line_columns_bits(case, monkeypatch):
     """The rolled CUDA forward and adjoint (run on the host) give the bits of the straight-line columns
