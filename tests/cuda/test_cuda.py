@@ -207,8 +207,19 @@ def test_cuda_rolled_adjoint_matches_reference(overrides):
     scale_close(to_bhd(gu.cpu(), spec), expect_u, 1e-12)
 
 
-@pytest.mark.parametrize("form", ["straight", "rolled", "global-coefficients"])
-@pytest.mark.parametrize("overrides", GRID, ids=[grid_id(g) for g in GRID])
+# every variant straight and rolled; with every table in global memory (CUDA_SHARED_COEF_BYTES = 0), a seeded
+# one of each of stencils and recurrences with a dt shared and per step (all 18 under TENSORSTEP_FULL_SWEEP=1):
+# that form changes only where a kernel reads its coefficients (codegen/targets.py cuda_coefficients: "global"
+# for every table), not the statements that read them; which table (monomials of one dt, a per-step program)
+# follows from the kinds of control and dt
+table_kind = lambda g: (g.get("control", "position") == "position", g.get("dt", "uniform"))
+GLOBAL_TABLES = [g for seed, kind in enumerate(sorted({table_kind(g) for g in GRID}), start=20)
+                 for g in sample([g for g in GRID if table_kind(g) == kind], 1, seed)]
+HOST_FORMS = [(g, form) for g in GRID for form in ("straight", "rolled")] + [
+    (g, "global-coefficients") for g in GLOBAL_TABLES]
+
+
+@pytest.mark.parametrize("overrides, form", HOST_FORMS, ids=[f"{grid_id(g)}-{form}" for g, form in HOST_FORMS])
 def test_cuda_source_run_on_the_host_matches_reference(overrides, form, monkeypatch):
     """The CUDA forward and adjoint, every thread of the grid run in turn on the host (no GPU
     needed): forward against the dense float64 operator, adjoint by the dot test."""
