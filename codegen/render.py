@@ -252,7 +252,7 @@ FUSED_WHOLE_LOADS = frozenset({"float32"})
 
 
 def whole_loads(code: LoweredOperator, codes: dict, bodies: dict[str, tuple[Any, list[str]]],
-                dtype: str = "float64") -> set[str]:
+                dtype: str) -> set[str]:
     """The lane bodies that load an output gradient's row as a whole vector, the lanes past its D dof
     included, where that vector stays inside the trajectory's rows (codegen/whole.py,
     templates/kernel.c.j2 ``VGW``): a plain straight-line adjoint's, every row it loads a literal one
@@ -268,12 +268,10 @@ def whole_loads(code: LoweredOperator, codes: dict, bodies: dict[str, tuple[Any,
     terms meet the gradient rows lane by lane too (their sums over the dof are the forward's). Its paired
     function (two trajectories a vector, ``paired``) prints the same body with ``VGW`` as its own masked
     ``VG`` (``_pair_macros``)."""
+    literal: Callable[[Any], bool] = lambda statements: whole.loaded_literal(statements, _gradient_load)
     if code.fused:
-        literal = lambda k: not codes[k].loops and whole.loaded_literal(bodies[k][0], _gradient_load)
-        return ({k for k in bodies if (k == "adjoint" or k.startswith("adjoint_")) and literal(k)}
-                if dtype in FUSED_WHOLE_LOADS else set())
-    return _plain_straight_line("adjoint", code, codes, bodies,
-                                lambda statements: whole.loaded_literal(statements, _gradient_load))
+        return _fused_adjoint_forms(codes, bodies, literal) if dtype in FUSED_WHOLE_LOADS else set()
+    return _plain_straight_line("adjoint", code, codes, bodies, literal)
 
 
 def whole_actions(code: LoweredOperator, codes: dict, bodies: dict[str, tuple[Any, list[str]]],
@@ -291,8 +289,7 @@ def whole_actions(code: LoweredOperator, codes: dict, bodies: dict[str, tuple[An
     if not code.fused:
         return set()
     stores = _action_store(table)
-    return {k for k in bodies if (k == "adjoint" or k.startswith("adjoint_")) and not codes[k].loops
-            and whole.stored_in_order(bodies[k][0], stores, n_actions)}
+    return _fused_adjoint_forms(codes, bodies, lambda statements: whole.stored_in_order(statements, stores, n_actions))
 
 
 def _action_store(table: ArgumentTable) -> Callable[[str], bool]:
@@ -309,6 +306,14 @@ def _pair_macros(table: ArgumentTable, outputs: int, loads: Collection[str], act
     return (pairs + ([("VGW" + name[2:], definition) for name, definition in pairs if _gradient_load(name[1:])]
                      if loads else [])
             + ([("VGUW", definition) for name, definition in pairs if name == "VGU"] if actions else []))
+
+
+def _fused_adjoint_forms(codes: dict, bodies: dict[str, tuple[Any, list[str]]],
+                         rows_whole: Callable[[Any], bool]) -> set[str]:
+    """A fused adjoint's forms (``adjoint``, ``adjoint_<form>``: codegen/fused.py ``forms``) whose lane
+    body has no loops over rows and whose statements ``rows_whole`` accepts."""
+    return {k for k in bodies if (k == "adjoint" or k.startswith("adjoint_")) and not codes[k].loops
+            and rows_whole(bodies[k][0])}
 
 
 def _plain_straight_line(kernel: str, code: LoweredOperator, codes: dict, bodies: dict[str, tuple[Any, list[str]]],
