@@ -213,8 +213,6 @@ def show(config: Optional[str], task: Optional[str], target: str, kernel: str, s
          **options: Any) -> None:
     """Print generated source for a CONFIG, or for the spec given by options (a B-spline's derived
     basis matrix and boundary coefficients first, as a comment); --stage prints another stage."""
-    from .codegen.driver import generate
-
     source = stage in (None, "c", "cuda")
     if stage in ("c", "cuda"):
         given = click.get_current_context().get_parameter_source("target") != click.core.ParameterSource.DEFAULT
@@ -228,8 +226,14 @@ def show(config: Optional[str], task: Optional[str], target: str, kernel: str, s
 
             click.echo("/*\n" + "\n".join(" * " + line for line in
                                            describe(spec.degree, spec.knots, spec.steps, spec.end)) + "\n */")
-        generated = generate(spec, targets=(target,), parts=(kernel,), keep=not source)
-        click.echo(generated.source(target, kernel) if source else generated.stages.text(stage), nl=source)
+        if source:  # as the kernel cache keeps it (runtime/sources.py: no generator where it does)
+            from .runtime.sources import kept
+
+            click.echo(kept(spec, (target,), kernel)[target])
+        else:
+            from .codegen.driver import generate
+
+            click.echo(generate(spec, targets=(target,), parts=(kernel,), keep=True).stages.text(stage), nl=False)
 
 
 @main.command()

@@ -21,10 +21,11 @@ Import-light (no SymPy, no PyTorch): the runtime reads the table on the cached-l
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
-from typing import Any, Iterator, Mapping, Optional
+from typing import Any, Iterator, Mapping, Optional, Sequence
 
-from .spec import COST_KINDS
+from .spec import COST_KINDS, DERIVATIVE_NAMES, unknown_name
 
 #: dtype rules: the kernel's floating type, an integer index, the kernel's type for dt
 KERNEL, INDEX, STEP = "kernel", "index", "dt"
@@ -277,6 +278,45 @@ def _cost_parameters(costs: tuple[tuple[str, str], ...], goal_index: bool) -> li
                                  group="goal_index" if goal_index else "", meaning="the target position",
                                  stem="CTGT"))
     return rows
+
+
+def term_keywords(kind: str, state: str) -> tuple[str, ...]:
+    """The keywords a cost term (kind, state) takes: the names of its rows (``_cost_parameters``)."""
+    return tuple(a.name for a in _cost_parameters(((kind, state),), False))
+
+
+def cost_term_of(name: str) -> Optional[tuple[str, str]]:
+    """The cost term a keyword ``<kind>_<state>_<parameter>`` is of, the kind one of spec.COST_KINDS and
+    the state one of spec.DERIVATIVE_NAMES (whatever the parameter); None for any other name."""
+    return next(((kind, state) for kind in COST_KINDS for state in DERIVATIVE_NAMES
+                 if name.startswith(f"{kind}_{state}_")), None)
+
+
+def unknown_keyword(name: str, allowed: Sequence[str], costs: Sequence[tuple[str, str]],
+                    order: Optional[int] = None) -> str:
+    """What to tell a caller who passed a keyword that is not one of ``allowed``: the closest allowed
+    (spec.unknown_name); for a cost term's keyword (``cost_term_of``), what that term takes, and where
+    the spec's ``costs`` (the terms, with the spec's ``order``) lack it, that, and where a term is added."""
+    term = cost_term_of(name)
+    if term is None:
+        return unknown_name(name, allowed)
+    kind, state = term
+    takes = term_keywords(kind, state)
+    parameter = name[len(f"{kind}_{state}_"):]
+    # a parameter some term takes (a bound's limit, a squared position's target): said, not guessed at
+    parameters = {n[len(f"{k}_{s}_"):] for k in COST_KINDS for s in DERIVATIVE_NAMES for n in term_keywords(k, s)}
+    if parameter in parameters and name not in takes:
+        what = f"the {term!r} term takes no {parameter}; it takes: {', '.join(takes)}"
+    else:
+        close = difflib.get_close_matches(name, takes, n=1) if name not in takes else []
+        what = (f"did you mean {close[0]!r}? " if close else "") + f"the {term!r} term takes: {', '.join(takes)}"
+    if term in costs:
+        return what
+    lacks = (f"the spec's costs have no {term!r} term (its terms: {', '.join(map(repr, costs))})" if costs
+             else f"the spec has no cost terms (no {term!r} term)")
+    needs = DERIVATIVE_NAMES.index(state)
+    beyond = f"; {state} needs order={needs}, the spec's order is {order}" if order is not None and needs > order else ""
+    return f"{lacks}; a term is added in KernelSpec.costs (or a YAML config's costs:){beyond}; {what}"
 
 
 #: kernel family → table builder (a spec names its family; native and legacy specs are steps)

@@ -52,6 +52,15 @@ def unknown_name(name: Any, allowed: Sequence[str]) -> str:
     return f"{hint}allowed: {', '.join(allowed)}"
 
 
+def _beyond_order(what: str, name: Any, names: Sequence[str], order: int) -> str:
+    """For a state (or output) of ``names`` (by derivative) past ``order``: that it needs a higher order,
+    the spec's order, and what that order allows ("" for any other name)."""
+    if name not in names[order + 1:]:
+        return ""
+    return (f"the {what} {name!r} needs order={names.index(name)}; the spec's order is {order}, "
+            f"which allows {', '.join(names[: order + 1])}")
+
+
 def _fail(field: str, value: Any, allowed: str) -> ValueError:
     return ValueError(f"KernelSpec.{field}={value!r} is invalid: {allowed}")
 
@@ -245,13 +254,15 @@ class KernelSpec:
         terms = []
         for term in costs:
             if not (isinstance(term, (tuple, list)) and len(term) == 2 and all(isinstance(x, str) for x in term)):
-                raise _fail("costs", costs, f"each term is a (kind, state) pair of strings, got {term!r}")
+                one = len(costs) == 2 and all(isinstance(x, str) for x in costs)  # one term, not in a tuple
+                hint = f" (one term is given as a tuple of it: costs=({tuple(costs)!r},))" if one else ""
+                raise _fail("costs", costs, f"each term is a (kind, state) pair of strings, got {term!r}{hint}")
             kind, state = term
             if kind not in COST_KINDS:
                 raise _fail("costs", costs, f"unknown kind {kind!r} ({unknown_name(kind, COST_KINDS)})")
             if state not in states:
-                hint = " (snap needs order=4)" if state == "snap" else ""
-                raise _fail("costs", costs, f"unknown state {state!r}{hint} ({unknown_name(state, states)})")
+                raise _fail("costs", costs, _beyond_order("state", state, DERIVATIVE_NAMES, self.order)
+                            or f"unknown state {state!r} ({unknown_name(state, states)})")
             if (kind, state) in terms:
                 raise _fail("costs", costs, f"the term ({kind!r}, {state!r}) is listed twice")
             terms.append((kind, state))
@@ -268,8 +279,8 @@ class KernelSpec:
             raise _fail("outputs", outputs, f"expected a tuple of output names from {', '.join(allowed)}")
         for o in outputs:
             if o not in allowed:
-                hint = " (S needs order=4)" if o == "S" else ""
-                raise _fail("outputs", outputs, f"unknown output {o!r}{hint} ({unknown_name(o, allowed)})")
+                raise _fail("outputs", outputs, _beyond_order("output", o, OUTPUT_NAMES, self.order)
+                            or f"unknown output {o!r} ({unknown_name(o, allowed)})")
         if len(set(outputs)) != len(outputs):
             raise _fail("outputs", outputs, "each output at most once")
         if not outputs and not self.costs:
@@ -370,6 +381,17 @@ class KernelSpec:
 
     def replace(self, **changes: Any) -> "KernelSpec":
         return dataclasses.replace(self, **changes)
+
+
+def as_spec(spec: Any, caller: str) -> Any:
+    """A KernelSpec from a dict of its fields (the argument of ``ts.<caller>``); a spec (a cuRobo kernel's
+    too) as it is; a TypeError saying what to pass for anything else."""
+    if isinstance(spec, Mapping):
+        return KernelSpec.from_dict(spec)
+    if not all(hasattr(spec, field) for field in ("name", "horizon", "dof", "dtype")):
+        raise TypeError(f"ts.{caller}: expected a KernelSpec, e.g. ts.{caller}(ts.KernelSpec(horizon=32, dof=7)), "
+                        f"or a dict of its fields, got {type(spec).__name__}")
+    return spec
 
 
 def spec_from_dict(data: Any) -> Any:

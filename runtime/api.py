@@ -10,10 +10,12 @@ from typing import Any, Mapping, Optional, Sequence, Union
 import torch
 from torch.nn.modules import module as _nn_module
 
-from ..codegen.spec import KernelSpec, unknown_name
+from ..codegen.arguments import unknown_keyword
+from ..codegen.spec import KernelSpec, as_spec
 from . import registry, validate
 from .autograd import step_function
 from .launch import DTYPES, CpuBackend, Launcher, capturing, warm_up_first
+from .sources import source  # ts.source: torch-free, so it lives there
 
 Tensor = torch.Tensor
 TENSOR_TYPES = validate.TENSOR_TYPES
@@ -163,7 +165,7 @@ class Step(torch.nn.Module):
             raise TypeError("set_costs: this step has no cost terms (its spec sets no costs or outputs)")
         from . import costs
 
-        costs.check_held(self.table, tensors, self.dtype, self.device)
+        costs.check_held(self.table, tensors, self.dtype, self.device, self.spec.order)
         for name in costs.holdable(self.table):  # in table order
             if name in tensors:
                 if tensors[name] is None:
@@ -284,7 +286,7 @@ class Step(torch.nn.Module):
             # the table's tensors are these parameters, then the keyword rows (a fused step's cost
             # parameters): read from the call's keywords by name, in table order
             if not known and not self._known.issuperset(more):
-                _more_arguments(self.table, more)  # raises, naming the first unknown one
+                _more_arguments(self.table, more, getattr(self.spec, "order", None))  # raises, naming the first unknown one
             held = self._buffers if self.table.fused else None
             if not held:
                 values = [u, p0, v0, a0, j0, start_index, *map(more.get, self._keywords)]
@@ -309,7 +311,7 @@ class Step(torch.nn.Module):
                 named.update(_goal_arguments(self.table, goal))
             if more:  # the kernel family's other arguments, by their names in the argument table
                 if not self._known.issuperset(more):
-                    _more_arguments(self.table, more)  # raises, naming the first unknown one
+                    _more_arguments(self.table, more, getattr(self.spec, "order", None))  # raises, naming the first unknown one
                 named.update(more)
             if self.table.fused and self._buffers:  # held cost parameters where the call gives none
                 named.update((n, t) for n, t in self._buffers.items() if n not in named)
@@ -513,12 +515,14 @@ def _goal_arguments(table: Any, goal: Any) -> dict[str, Any]:
     return dict(zip(rows, goal))
 
 
-def _more_arguments(table: Any, more: dict[str, Any]) -> dict[str, Any]:
+def _more_arguments(table: Any, more: dict[str, Any], order: Optional[int] = None) -> dict[str, Any]:
+    """``more`` where every name is one of the table's tensors; else a TypeError naming the first
+    unknown one, with what its spec (whose ``order`` is given) lacks where it names a cost term."""
     known = {a.name for a in table.tensors}
     unknown = sorted(set(more) - known)
     if unknown:
         raise TypeError(f"{unknown[0]}: this kernel takes no argument of that name; "
-                        + unknown_name(unknown[0], [a.name for a in table.inputs]))
+                        + unknown_keyword(unknown[0], [a.name for a in table.inputs], table.costs, order))
     return more
 
 
@@ -607,20 +611,9 @@ def _device(device: Union[str, torch.device]) -> torch.device:
     return dev
 
 
-def _spec(spec: Any, caller: str) -> Any:
-    """A KernelSpec from a dict of its fields; a TypeError saying what to pass for anything else
-    that is not a spec."""
-    if isinstance(spec, Mapping):
-        return KernelSpec.from_dict(spec)
-    if not all(hasattr(spec, field) for field in ("name", "horizon", "dof", "dtype")):
-        raise TypeError(f"ts.{caller}: expected a KernelSpec, e.g. ts.{caller}(ts.KernelSpec(horizon=32, dof=7)), "
-                        f"or a dict of its fields, got {type(spec).__name__}")
-    return spec
-
-
 def load(spec: Any, device: Union[str, torch.device] = "cpu") -> Step:
     """Compile (or load from the cache) the kernels of a spec (or a dict of its fields) for a device."""
-    spec = _spec(spec, "load")
+    spec = as_spec(spec, "load")
     dev = _device(device)
     if dev.type == "cpu":
         backend: Any = CpuBackend(spec)
@@ -649,13 +642,6 @@ def register_ops() -> None:
     ops.register_all()
 
 
-def source(spec: Any, target: str = "c") -> str:
-    """The generated source text ('c', 'cuda' or 'header')."""
-    from ..codegen.driver import generate
-
-    return generate(_spec(spec, "source"), targets=(target,)).source(target)
-
-
 def operator_matrices(spec: Any, dt: Union[float, Sequence[float]]) -> dict[str, Any]:
     """Dense float64 matrices of the operator at the given step durations.
 
@@ -669,7 +655,7 @@ def operator_matrices(spec: Any, dt: Union[float, Sequence[float]]) -> dict[str,
     from ..codegen.builders import build_operator
     from ..codegen.operator import ACTION, step_matrices
 
-    spec = _spec(spec, "operator_matrices")
+    spec = as_spec(spec, "operator_matrices")
     values = [float(dt)] if isinstance(dt, (int, float)) else [float(x) for x in dt]
     if len(values) != spec.n_dt:
         raise ValueError(f"dt: expected {spec.n_dt} value(s) for dt={getattr(spec, 'dt', '?')!r}, got {len(values)}")

@@ -292,20 +292,26 @@ class BuildCache:
             self.record(index_key, env_key, content_hash)
         return content_hash, path, self.metadata(content_hash)
 
-    def kept(self, name: str, make: Callable[[], dict], valid: Callable[[dict], bool]) -> dict:
-        """A generated JSON object kept as ``generated/<name>.json`` (``name`` says what it depends on): read
-        where it is there and ``valid``, else made (``make``) and written, best effort (a read-only cache
-        makes it again in each process)."""
-        path = self.root / "generated" / f"{name}.json"
+    def found(self, name: str, valid: Callable[[dict], bool]) -> Optional[dict]:
+        """The JSON object kept as ``generated/<name>.json`` where it is there and ``valid``, else None."""
         try:
-            found = json.loads(path.read_text())
+            found = json.loads((self.root / "generated" / f"{name}.json").read_text())
             if isinstance(found, dict) and valid(found):
                 return found
         except (OSError, ValueError):
             pass
+        return None
+
+    def kept(self, name: str, make: Callable[[], dict], valid: Callable[[dict], bool]) -> dict:
+        """A generated JSON object kept as ``generated/<name>.json`` (``name`` says what it depends on): read
+        where it is there and ``valid`` (``found``), else made (``make``) and written, best effort (a
+        read-only cache makes it again in each process)."""
+        found = self.found(name, valid)
+        if found is not None:
+            return found
         made = make()
         with contextlib.suppress(OSError):
-            atomic_write(path, json.dumps(made, sort_keys=True).encode())
+            atomic_write(self.root / "generated" / f"{name}.json", json.dumps(made, sort_keys=True).encode())
         return made
 
     def record(self, spec_key: str, env_key: str, content_hash: str) -> None:

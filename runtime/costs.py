@@ -20,7 +20,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from ..codegen.arguments import Argument, ArgumentTable
+from ..codegen.arguments import Argument, ArgumentTable, message, unknown_keyword
 from . import validate
 from .cache import BuildCache, building
 from .fingerprint import generator_fingerprint
@@ -99,18 +99,14 @@ def term_values(table: ArgumentTable, states: Sequence[Tensor], named: dict[str,
         k = STATES.index(state)
         y = _bhd(states[k], table.layout)
         B, H, D = y.shape
-        p = lambda suffix: named.get(f"{kind}_{state}_{suffix}")
-        weight = p("weight")
-        row = p("row_weight")
+        prefix = f"{kind}_{state}_"  # the term's keywords (codegen/arguments.py ``term_keywords``)
+        weight, row, limit, margin, target = (named.get(prefix + p)
+                                              for p in ("weight", "row_weight", "limit", "margin", "target"))
         w = weight.reshape(-1, 1, D) * (row.reshape(1, H, 1) if row is not None else 1.0)
         zero = y.new_zeros(1, 1, D)
-        lower = upper = margin = target = zero
-        if p("limit") is not None:  # the kinds that read limits and a margin (spec.COST_KINDS)
-            lower, upper = p("limit")[0].reshape(1, 1, D), p("limit")[1].reshape(1, 1, D)
-        if p("margin") is not None:
-            margin = p("margin").reshape(1, 1, D)
-        if (kind, state) == ("squared", "position") and named.get("squared_position_target") is not None:
-            target = _picked(named["squared_position_target"], named.get("goal_index")).reshape(B, 1, D)
+        lower, upper = (limit[0].reshape(1, 1, D), limit[1].reshape(1, 1, D)) if limit is not None else (zero, zero)
+        margin = margin.reshape(1, 1, D) if margin is not None else zero
+        target = _picked(target, named.get("goal_index")).reshape(B, 1, D) if target is not None else zero
         out.append(kinds[kind](y, w, lower, upper, margin, target).sum(dim=(1, 2)))
     return torch.stack(out, dim=1)
 
@@ -180,9 +176,8 @@ class CheckedParameters:
             if x is None:
                 x = self._defaults[arg.name] = torch.full(self.table.physical(arg, {}), float(arg.default),
                                                           dtype=self.dtype, device=self.device)
-        if (arg.role == "cost_weight" and isinstance(x, Tensor) and x.dim() == 1
-                and isinstance(u, Tensor) and u.dim() == 3):
-            x = x.expand(u.shape[0], x.shape[0])
+        if arg.role == "cost_weight" and isinstance(u, Tensor) and u.dim() == 3:
+            x = per_trajectory(self.table, arg, x, u.shape[0])
         return x
 
     def arguments(self, values: Sequence[Any]) -> list:
@@ -242,25 +237,37 @@ class CheckedParameters:
             self._kept = (stamps, given, [inputs[i] for i in self.positions])
 
 
+def per_trajectory(table: ArgumentTable, arg: Argument, x: Any, batch: int) -> Any:
+    """A [D] weight as the [B, D] rows the kernels read (a view); anything else as given. A 1-D
+    tensor of another length is refused here, naming the shape given, not its expansion's."""
+    if not (isinstance(x, Tensor) and x.dim() == 1):
+        return x
+    dof = table.size("D")
+    if x.shape[0] != dof:
+        raise ValueError(message("shape", name=arg.name, expected=f"({dof},) (one weight per dof) or (B, {dof})",
+                                 got=validate.shape_text(x.shape)))
+    return x.expand(batch, dof)
+
+
 def holdable(table: ArgumentTable) -> tuple[str, ...]:
     """The keyword rows a fused step can hold (``Step.set_costs``), in table order: its cost
     parameters and the target."""
     return tuple(a.name for a in table.tensors if a.role.startswith("cost_"))
 
 
-def check_held(table: ArgumentTable, given: dict[str, Any], dtype: torch.dtype, device: torch.device) -> None:
+def check_held(table: ArgumentTable, given: dict[str, Any], dtype: torch.dtype, device: torch.device,
+               order: Optional[int] = None) -> None:
     """``Step.set_costs``' checks, before anything is held, as a call checks the same keywords: each
-    name is one of ``holdable`` (else the closest one is named), then each tensor's type, shape,
-    dtype and device, then a cost parameter's values (``check_parameter``). A ``[D]`` weight stands
-    for every trajectory; ``[B, ...]`` tensors must agree on B (a call then checks it against u's)."""
-    from ..codegen.spec import unknown_name
-
+    name is one of ``holdable`` (else the closest one is named, or what the spec, of that ``order``,
+    lacks: arguments.py ``unknown_keyword``), then each tensor's type, shape, dtype and device, then a
+    cost parameter's values (``check_parameter``). A ``[D]`` weight stands for every trajectory;
+    ``[B, ...]`` tensors must agree on B (a call then checks it against u's)."""
     allowed = holdable(table)
     known = {a.name for a in table.tensors}
     for name in given:
         if name not in allowed:
             what = "a step holds its cost parameters only" if name in known else "no cost parameter of that name"
-            raise TypeError(f"{name}: {what}; {unknown_name(name, allowed)}")
+            raise TypeError(f"{name}: {what}; {unknown_keyword(name, allowed, table.costs, order)}")
     args = [a for a in table.tensors if a.name in given and given[a.name] is not None]
     # B from the first [B, ...] tensor of the right rank, so that a [D] weight checked before it agrees
     batch = next((given[a.name].shape[0] for a in args if a.shape and a.shape[0] == "B"
@@ -268,8 +275,8 @@ def check_held(table: ArgumentTable, given: dict[str, Any], dtype: torch.dtype, 
     dims: dict[str, int] = {}
     for arg in args:
         t = given[arg.name]
-        if arg.role == "cost_weight" and isinstance(t, Tensor) and t.dim() == 1:
-            t = t.expand(batch, t.shape[0])
+        if arg.role == "cost_weight":
+            t = per_trajectory(table, arg, t, batch)
         checked = validate.check_argument(table, arg, t, dims, dtype, device)
         if validate.cost_parameter(arg):
             check_parameter(arg, checked)

@@ -28,9 +28,10 @@ def entry_name(spec: Any, target: str, part: str = "all") -> str:
     return f"source-{spec.name}-{part}-{target}-{digest(spec.key, generator_fingerprint(), __version__)[:16]}"
 
 
-def kept(spec: Any, targets: tuple[str, ...], part: str = "all", cache: Optional[BuildCache] = None) -> dict[str, str]:
+def kept(spec: Any, targets: tuple[str, ...], part: str = "all", cache: Optional[BuildCache] = None,
+         keep: bool = True) -> dict[str, str]:
     """target → the source of ``part`` of a spec's kernels (codegen's driver ``generate(spec).source``):
-    the kept text where an intact entry holds it, else generated and kept."""
+    the kept text where an intact entry holds it, else generated, and kept unless ``keep`` is False."""
     cache = cache or BuildCache()
     described = json.loads(json.dumps(spec.to_dict()))  # as it reads back from JSON
 
@@ -53,4 +54,19 @@ def kept(spec: Any, targets: tuple[str, ...], part: str = "all", cache: Optional
 
         return check
 
-    return {t: cache.kept(entry_name(spec, t, part), make(t), valid(t))["source"] for t in targets}
+    if keep:
+        return {t: cache.kept(entry_name(spec, t, part), make(t), valid(t))["source"] for t in targets}
+    return {t: (cache.found(entry_name(spec, t, part), valid(t)) or make(t)())["source"] for t in targets}
+
+
+def source(spec: Any, target: str = "c") -> str:
+    """The generated source text ('c', 'cuda' or 'header') of a spec (or a dict of its fields): the text
+    the kernel cache keeps where an intact entry holds it (``kept``: what `tensorstep generate` and
+    `run` wrote; neither SymPy nor PyTorch is imported then), else the generator's, not kept (a
+    process that changes the generator's settings, as tests do, reads what it generates)."""
+    from ..codegen.spec import as_spec
+    from ..codegen.targets import target as target_of
+
+    spec = as_spec(spec, "source")
+    target_of(target)  # a name that is no target is refused before it names a cache entry
+    return kept(spec, (target,), keep=False)[target]

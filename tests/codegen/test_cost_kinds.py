@@ -198,17 +198,38 @@ def test_spec_fields_round_trip_and_name_the_terms():
 
 
 @pytest.mark.parametrize("fields, message", [
-    (dict(costs=(("bound", "snap"),)), "snap needs order=4"),
+    (dict(costs=(("bound", "snap"),)), "the state 'snap' needs order=4; the spec's order is 3, "
+                                        "which allows position, velocity, acceleration, jerk"),
+    (dict(costs=(("bound", "snp"),)), "unknown state 'snp' (allowed: position, velocity, acceleration, jerk)"),
+    (dict(costs=("bound", "velocity")), "got 'bound' (one term is given as a tuple of it: "
+                                        "costs=(('bound', 'velocity'),))"),
     (dict(costs=(("sqared", "jerk"),)), "did you mean 'squared'"),
     (dict(costs=(("bound", "jerk"), ("bound", "jerk"))), "listed twice"),
     (dict(costs="bound"), "expected a tuple of (kind, state) pairs"),
     (dict(outputs=("P", "X")), "unknown output 'X'"),
-    (dict(outputs=("S",)), "S needs order=4"),
+    (dict(outputs=("S",)), "the output 'S' needs order=4; the spec's order is 3, which allows P, V, A, J"),
     (dict(outputs=()), "at least one output"),
 ])
 def test_bad_costs_and_outputs_are_named(fields, message):
-    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(ValueError, match=re.escape(message)):
         KernelSpec(horizon=8, dof=2, **fields)
+
+
+def test_cost_keywords_parse_back_to_their_terms():
+    """Every keyword the argument table gives a term (each kind on each state) parses back to that term
+    (arguments.py ``cost_term_of``: the kinds, states and parameter names are the data's); a
+    misspelt parameter still names its term; forward's other arguments name none."""
+    from tensorstep.codegen.arguments import cost_term_of, term_keywords, unknown_keyword
+    from tensorstep.codegen.spec import COST_KINDS, DERIVATIVE_NAMES
+
+    for kind in COST_KINDS:
+        for state in DERIVATIVE_NAMES:
+            assert all(cost_term_of(name) == (kind, state) for name in term_keywords(kind, state))
+    assert term_keywords("squared", "position")[-1] == "squared_position_target"
+    assert cost_term_of("bound_jerk_limt") == ("bound", "jerk")
+    assert [cost_term_of(n) for n in ("u", "p0", "j0", "start_index", "goal_index", "dt", "bound_jerk")] == [None] * 7
+    # a name that is no cost keyword: the closest allowed, as before
+    assert unknown_keyword("p00", ("u", "p0"), ()) == "did you mean 'p0'? allowed: u, p0"
 
 
 def test_outputs_out_of_order_are_refused():

@@ -9,6 +9,7 @@ gradcheck and gradgradcheck with forward AD in float64.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -633,6 +634,66 @@ def test_bad_parameters_are_named(bad, message):
     bad(params)
     with pytest.raises((ValueError, TypeError), match=message):
         _call(ts.load(spec), spec, x, params, dt)
+
+
+def test_a_keyword_of_a_term_the_spec_lacks_names_the_term():
+    """A cost keyword of a term the spec's costs lack says so (the term, the spec's terms, where a term
+    is added, what it takes), not "did you mean" another term's keyword; a state past the spec's order
+    says the order it needs; a misspelt keyword of a term the spec has keeps its "did you mean"; a
+    parameter the term does not take is named. The same on every path that checks keywords: a call
+    (the native node's and the Python path's), forward, a goal spec's call, set_costs."""
+    lacks = ("the spec's costs have no ('bound', 'jerk') term (its terms: ('bound', 'velocity'), ('squared', "
+             "'position'), ('squared', 'jerk'), ('bound', 'acceleration')); a term is added in KernelSpec.costs "
+             "(or a YAML config's costs:); the ('bound', 'jerk') term takes: bound_jerk_weight, bound_jerk_row_weight, "
+             "bound_jerk_limit, bound_jerk_margin")
+    expected = {
+        "bound_jerk_limit": lacks,
+        "bound_velocity_limt": "did you mean 'bound_velocity_limit'? the ('bound', 'velocity') term takes: "
+                               "bound_velocity_weight, bound_velocity_row_weight, bound_velocity_limit, bound_velocity_margin",
+        "squared_jerk_limit": "the ('squared', 'jerk') term takes no limit; it takes: squared_jerk_weight, "
+                              "squared_jerk_row_weight",
+        "bound_snap_margin": "a term is added in KernelSpec.costs (or a YAML config's costs:); snap needs order=4, "
+                             "the spec's order is 3; the ('bound', 'snap') term takes: bound_snap_weight,",
+    }
+    for case in ("central", "goal"):
+        spec = _spec(case)
+        x, params, dt = _data(spec)
+        for path in ("native", "python"):
+            step = ts.load(spec)
+            if path == "python":
+                step.native = None
+            calls = {"call": lambda kw: _call(step, spec, x, {**params, **kw}, dt),
+                     "forward": lambda kw: step.forward(x["u"], x["p0"], x["v0"], x["a0"], dt, j0=x["j0"],
+                                                        **({"goal": x["goal"]} if "goal" in x else {}), **params, **kw),
+                     "set_costs": lambda kw: step.set_costs(**kw)}
+            for name, message in expected.items():
+                for how, call in calls.items():
+                    with pytest.raises(TypeError) as err:
+                        call({name: params["bound_velocity_limit"]})
+                    what = "no cost parameter of that name" if how == "set_costs" else \
+                        "this kernel takes no argument of that name"
+                    assert str(err.value).startswith(f"{name}: {what}; "), (case, path, how, str(err.value))
+                    assert message in str(err.value), (case, path, how, str(err.value))
+                    if name == "bound_jerk_limit":  # the whole message: nothing about another term's keyword
+                        assert str(err.value) == f"{name}: {what}; {lacks}"
+    plain = ts.load(ts.KernelSpec(horizon=9, dof=3, dtype="float64"))
+    with pytest.raises(TypeError, match=re.escape("squared_jerk_weight: this kernel takes no argument of that name; "
+                                                  "the spec has no cost terms (no ('squared', 'jerk') term); a term is "
+                                                  "added in KernelSpec.costs")):
+        plain(x["u"], x["p0"], x["v0"], x["a0"], dt, squared_jerk_weight=params["squared_jerk_weight"])
+
+
+def test_a_weight_per_dof_of_another_length_is_named_as_given():
+    """A [D] weight stands for every trajectory: one of another length is refused with the shape given
+    and the two shapes allowed, not the shape of its expansion to [B, D] (in a call and in set_costs)."""
+    spec = _spec("central")
+    x, params, dt = _data(spec)
+    step = ts.load(spec)
+    message = re.escape("squared_jerk_weight: expected shape (3,) (one weight per dof) or (B, 3), got shape (4,)")
+    with pytest.raises(ValueError, match=message):
+        _call(step, spec, x, {**params, "squared_jerk_weight": torch.ones(4, dtype=torch.float64)}, dt)
+    with pytest.raises(ValueError, match=message):
+        step.set_costs(squared_jerk_weight=torch.ones(4, dtype=torch.float64))
 
 
 def test_a_weight_per_dof_applies_to_every_trajectory():

@@ -112,3 +112,42 @@ def test_a_damaged_kept_source_is_generated_again(config, tmp_path, monkeypatch,
     assert kept.read_bytes() == whole
     assert folder(tmp_path / "again") == expected(config, "all")
     assert tensorstep(cache, "generate", str(config), "-o", str(tmp_path / "warm")) == []
+
+
+# ts.source(SPEC, TARGET) in a process of its own: its text, and the generator's modules (and PyTorch) it imported
+SOURCE = f"""
+import json, sys
+import tensorstep as ts
+text = ts.source(ts.KernelSpec.from_dict(json.loads(sys.argv[1])), sys.argv[2])
+print(json.dumps([text, [m for m in {GENERATOR + ("torch",)!r} if m in sys.modules]]))
+"""
+
+
+def test_source_and_show_read_the_kept_text(config, tmp_path, monkeypatch):
+    """Where the cache keeps a spec's source (as `generate` and `run` keep it), ``ts.source`` and `tensorstep
+    show` print it in a process that imports neither the generator (SymPy, Jinja2) nor PyTorch; the text
+    is the generator's. Where nothing is kept, ``ts.source`` generates and keeps nothing (so a process
+    that changes the generator's settings, as tests do, gets what it generates)."""
+    from tensorstep.codegen.driver import generate
+    from tensorstep.runtime.cache import BuildCache
+    from tensorstep.runtime.sources import kept
+
+    cache = tmp_path / "cache"
+    plain, fused = load_config(str(config), None).specs
+    for spec in (plain, fused):
+        kept(spec, ("c",), cache=BuildCache(cache))  # what `generate --target c` keeps
+    run = subprocess.run([sys.executable, "-c", textwrap.dedent(SOURCE), json.dumps(fused.to_dict()), "c"],
+                         capture_output=True, text=True, timeout=600, env=dict(os.environ, TENSORSTEP_CACHE_DIR=str(cache)))
+    assert run.returncode == 0, run.stderr[-4000:]
+    text, imported = json.loads(run.stdout.splitlines()[-1])
+    assert imported == []
+    assert text == generate(fused, targets=("c",)).source("c")
+    shown = subprocess.run([sys.executable, "-c", textwrap.dedent(CODE), "show", str(config)], capture_output=True,
+                           text=True, timeout=600, env=dict(os.environ, TENSORSTEP_CACHE_DIR=str(cache)))
+    assert shown.returncode == 0, shown.stderr[-4000:]
+    assert json.loads(shown.stdout.splitlines()[-1]) == []
+    assert shown.stdout.rsplit("\n", 2)[0] == "\n".join(generate(s, targets=("c",)).source("c") for s in (plain, fused))
+
+    monkeypatch.setenv("TENSORSTEP_CACHE_DIR", str(tmp_path / "empty"))
+    assert ts.source(fused, "header") == generate(fused, targets=("header",)).source("header")
+    assert not (tmp_path / "empty" / "generated").exists()

@@ -125,7 +125,9 @@ def test_bundled_costs_example_runs_its_terms(tmp_path, monkeypatch):
      r"costs\[2\]: a bound on acceleration needs its limits: add limits\.acceleration"),
     ("costs: [[squared, jerk]]", "costs: [[squared, velocity]]",
      r"kernels\[1\]\.costs: the term \(squared, velocity\) has no weight"),
-    ("state: jerk, weight: 0.5", "state: snap, weight: 0.5", r"kernels\[0\]: .*snap needs order=4"),
+    ("state: jerk, weight: 0.5", "state: snap, weight: 0.5",
+     r"kernels\[0\]: .*the state 'snap' needs order=4; the spec's order is 3, which allows position, velocity, "
+     r"acceleration, jerk$"),
 ])
 def test_bad_limits_and_costs_name_the_key(tmp_path, old, new, match):
     assert old in COSTS
