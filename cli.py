@@ -10,7 +10,8 @@ from typing import Any, Callable, Iterable, Optional
 
 import click
 
-from .codegen.spec import CONTROLS, DIFFERENCES, DT_MODES, DTYPES, ENDS, INTEGRATORS, LAYOUTS, KernelSpec
+from .codegen.spec import (CONTROLS, DERIVATIVE_NAMES, DIFFERENCES, DT_MODES, DTYPES, ENDS, INTEGRATORS, LAYOUTS,
+                           KernelSpec)
 
 
 TASK_HELP = ("cuRobo task file, with a cuRobo robot file as CONFIG: v0.7's (settings under model:) or v2's "
@@ -266,8 +267,14 @@ def plot(config: Optional[str], task: Optional[str], output: str, step_dt: Optio
     limits = dict(cfg.limits) if cfg else None
     pictures.trajectories(specs, dt, output, joints=cfg.joints if cfg else None, limits=limits,
                           keywords=cfg.cost_keywords if cfg else None)
+    # a state's panel is drawn where some kernel's order reaches it (snap: order=4)
+    drawn = DERIVATIVE_NAMES[: max(spec.order for spec in specs) + 1]
+    limited = [state for state, _ in cfg.limits] if cfg else []
+    unseen = [state for state in limited if state not in drawn]
     click.echo(f"{output}: {len(specs)} kernel(s), dt={dt} s"
-               + (f"; limits drawn on {', '.join(state for state, _ in cfg.limits)}" if cfg and cfg.limits else ""))
+               + (f"; limits drawn on {', '.join(s for s in limited if s in drawn)}" if len(unseen) < len(limited) else "")
+               + (f"; {', '.join(unseen)} limits not drawn (no kernel has order={DERIVATIVE_NAMES.index(unseen[0])})"
+                  if unseen else ""))
     for spec in specs:
         if getattr(spec, "costs", ()):
             click.echo(f"  {spec.name}: cost terms {', '.join(f'{k}_{s}' for k, s in spec.costs)} (their values on "

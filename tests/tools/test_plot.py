@@ -196,3 +196,14 @@ def test_run_sample_cost_matches_the_definitions_on_its_states():
     expected = reference_costs.costs(spec.costs, ys, {k: np.array(v) for k, v in keywords.items()})[0]
     np.testing.assert_allclose(cost, expected, rtol=1e-12)
     assert len(states) == 4 and expected[0] > 0  # every state drawn, the velocity bound active
+
+
+def test_plot_says_which_limits_it_cannot_draw(tmp_path):
+    """A config's snap limits with no kernel of order 4: no snap panel, so the line says they are not
+    drawn and why (it named snap among the limits drawn)."""
+    config = tmp_path / "arm.yml"
+    config.write_text("robot: arm\njoints: [a, b]\ndefaults: {horizon: 8}\nkernels: [{control: position}]\n"
+                      "limits: {velocity: [2, 3], snap: 4}\n")
+    result = invoke("plot", str(config), "-o", str(tmp_path / "x.png"))
+    assert result.exit_code == 0, result.output
+    assert "; limits drawn on velocity; snap limits not drawn (no kernel has order=4)\n" in result.output
