@@ -41,6 +41,7 @@ from typing import Any, Optional
 
 import yaml
 
+from .codegen.arguments import cost_parameter_names
 from .codegen.spec import COST_KINDS, DERIVATIVE_NAMES, RELEVANT, KernelSpec, unknown_name
 
 MAX_CONFIG_BYTES = 1 << 20
@@ -234,7 +235,10 @@ def _read_costs(path: Path, value: Any, joints: tuple[str, ...], limits: tuple) 
     terms: list[CostTerm] = []
     for i, entry in enumerate(value):
         key = f"costs[{i}]"
-        _mapping(path, key, entry, COST_KEYS, "expected a mapping with kind, state, weight (and margin for bounds)")
+        if not isinstance(entry, dict):
+            raise ConfigError(path, key, "expected a mapping with kind, state, weight (and margin for bounds)")
+        _given_elsewhere(path, key, entry)
+        _check_keys(path, key, entry, COST_KEYS)
         for name in ("kind", "state", "weight"):
             if name not in entry:
                 raise ConfigError(path, f"{key}.{name}", "missing key")
@@ -256,6 +260,21 @@ def _read_costs(path: Path, value: Any, joints: tuple[str, ...], limits: tuple) 
             margin = _per_joint(path, f"{key}.margin", entry["margin"], joints, least=0.0)
         terms.append(CostTerm(kind, state, weight, margin))
     return tuple(terms)
+
+
+def _given_elsewhere(path: Path, key: str, entry: dict) -> None:
+    """A cost term's key that names a parameter the config gives elsewhere (the limits, under ``limits:``)
+    or not at all (a parameter only a call passes: a row weight, a target) says where it goes."""
+    state = entry.get("state", "<state>")
+    for name in entry:
+        if name in COST_KEYS:
+            continue
+        if name in ("limit", "limits"):
+            raise ConfigError(path, f"{key}.{name}", f"a term's limits are given under limits: (limits.{state}: "
+                              "{lower: .., upper: ..}, or a bound b for -b, b)")
+        if name in cost_parameter_names():
+            raise ConfigError(path, f"{key}.{name}", f"a config gives no {name}: a call passes it, as the keyword "
+                              f"{entry.get('kind', '<kind>')}_{state}_{name} (config keys: {', '.join(COST_KEYS)})")
 
 
 def _check_terms(path: Path, specs: tuple, costs: tuple[CostTerm, ...]) -> None:

@@ -285,6 +285,12 @@ def term_keywords(kind: str, state: str) -> tuple[str, ...]:
     return tuple(a.name for a in _cost_parameters(((kind, state),), False))
 
 
+def cost_parameter_names() -> frozenset[str]:
+    """The parameter names a cost keyword can end with (weight, row_weight, limit, margin, target): those of
+    every kind's keywords on every state (``term_keywords``)."""
+    return frozenset(n[len(f"{k}_{s}_"):] for k in COST_KINDS for s in DERIVATIVE_NAMES for n in term_keywords(k, s))
+
+
 def cost_term_of(name: str) -> Optional[tuple[str, str]]:
     """The cost term a keyword ``<kind>_<state>_<parameter>`` is of, the kind one of spec.COST_KINDS and
     the state one of spec.DERIVATIVE_NAMES (whatever the parameter); None for any other name."""
@@ -304,8 +310,7 @@ def unknown_keyword(name: str, allowed: Sequence[str], costs: Sequence[tuple[str
     takes = term_keywords(kind, state)
     parameter = name[len(f"{kind}_{state}_"):]
     # a parameter some term takes (a bound's limit, a squared position's target): said, not guessed at
-    parameters = {n[len(f"{k}_{s}_"):] for k in COST_KINDS for s in DERIVATIVE_NAMES for n in term_keywords(k, s)}
-    if parameter in parameters and name not in takes:
+    if parameter in cost_parameter_names() and name not in takes:
         what = f"the {term!r} term takes no {parameter}; it takes: {', '.join(takes)}"
     else:
         close = difflib.get_close_matches(name, takes, n=1) if name not in takes else []

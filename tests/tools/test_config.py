@@ -119,6 +119,11 @@ def test_bundled_costs_example_runs_its_terms(tmp_path, monkeypatch):
     ("kind: squared, state: jerk", "kind: squared, state: jerks", r"costs\[1\]\.state: unknown state 'jerks' \(did you mean 'jerk'\?"),
     ("state: jerk, weight: 0.5", "state: jerk, wieght: 0.5", r"costs\[1\]\.wieght: unknown key \(did you mean 'weight'\?"),
     ("state: jerk, weight: 0.5", "state: jerk, weight: 0.5, margin: 1", r"costs\[1\]\.margin: only bound terms take a margin"),
+    # a parameter given elsewhere (the limits) or only by a call (row weights, the target): where it goes
+    ("margin: 0.25", "margin: 0.25, limit: 2",
+     r"costs\[0\]\.limit: a term's limits are given under limits: \(limits\.velocity: \{lower"),
+    ("state: jerk, weight: 0.5", "state: jerk, weight: 0.5, row_weight: 2",
+     r"costs\[1\]\.row_weight: a config gives no row_weight: a call passes it, as the keyword squared_jerk_row_weight"),
     ("state: position, weight: 3", "state: velocity, weight: 3", r"costs\[2\]: the term \(bound, velocity\) is listed twice"),
     ("  jerk: 40\n", "", None),  # no jerk limit: fine, no bound on jerk
     ("state: position, weight: 3", "state: acceleration, weight: 3",
