@@ -7,6 +7,7 @@ cache keeps the text, the generator (runtime/sources.py).
 """
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 from .codegen.spec import KernelSpec
@@ -22,8 +23,6 @@ _SOURCES = ("source",)
 def __getattr__(name: str) -> Any:
     for names, module in ((_RUNTIME, "api"), (_MEMORY, "memory"), (_SOURCES, "sources")):
         if name in names:
-            import importlib
-
             value = getattr(importlib.import_module(f".runtime.{module}", __name__), name)
             globals()[name] = value  # later look-ups skip this function
             return value

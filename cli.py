@@ -271,8 +271,9 @@ def plot(config: Optional[str], task: Optional[str], output: str, step_dt: Optio
     drawn = DERIVATIVE_NAMES[: max(spec.order for spec in specs) + 1]
     limited = [state for state, _ in cfg.limits] if cfg else []
     unseen = [state for state in limited if state not in drawn]
+    shown = [state for state in limited if state in drawn]
     click.echo(f"{output}: {len(specs)} kernel(s), dt={dt} s"
-               + (f"; limits drawn on {', '.join(s for s in limited if s in drawn)}" if len(unseen) < len(limited) else "")
+               + (f"; limits drawn on {', '.join(shown)}" if shown else "")
                + (f"; {', '.join(unseen)} limits not drawn (no kernel has order={DERIVATIVE_NAMES.index(unseen[0])})"
                   if unseen else ""))
     for spec in specs:

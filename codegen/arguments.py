@@ -320,7 +320,8 @@ def unknown_keyword(name: str, allowed: Sequence[str], costs: Sequence[tuple[str
     lacks = (f"the spec's costs have no {term!r} term (its terms: {', '.join(map(repr, costs))})" if costs
              else f"the spec has no cost terms (no {term!r} term)")
     needs = DERIVATIVE_NAMES.index(state)
-    beyond = f"; {state} needs order={needs}, the spec's order is {order}" if order is not None and needs > order else ""
+    beyond = f"; {state} needs order={needs}, the spec's order is {order}" if order is not None and needs > order \
+        else ""
     return f"{lacks}; a term is added in KernelSpec.costs (or a YAML config's costs:){beyond}; {what}"
 
 

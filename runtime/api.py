@@ -5,7 +5,7 @@ import dataclasses
 import functools
 import threading
 import weakref
-from typing import Any, Mapping, Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 import torch
 from torch.nn.modules import module as _nn_module
@@ -286,7 +286,7 @@ class Step(torch.nn.Module):
             # the table's tensors are these parameters, then the keyword rows (a fused step's cost
             # parameters): read from the call's keywords by name, in table order
             if not known and not self._known.issuperset(more):
-                _more_arguments(self.table, more, getattr(self.spec, "order", None))  # raises, naming the first unknown one
+                _more_arguments(self.table, more, self.spec)  # raises, naming the first unknown one
             held = self._buffers if self.table.fused else None
             if not held:
                 values = [u, p0, v0, a0, j0, start_index, *map(more.get, self._keywords)]
@@ -311,7 +311,7 @@ class Step(torch.nn.Module):
                 named.update(_goal_arguments(self.table, goal))
             if more:  # the kernel family's other arguments, by their names in the argument table
                 if not self._known.issuperset(more):
-                    _more_arguments(self.table, more, getattr(self.spec, "order", None))  # raises, naming the first unknown one
+                    _more_arguments(self.table, more, self.spec)  # raises, naming the first unknown one
                 named.update(more)
             if self.table.fused and self._buffers:  # held cost parameters where the call gives none
                 named.update((n, t) for n, t in self._buffers.items() if n not in named)
@@ -515,14 +515,15 @@ def _goal_arguments(table: Any, goal: Any) -> dict[str, Any]:
     return dict(zip(rows, goal))
 
 
-def _more_arguments(table: Any, more: dict[str, Any], order: Optional[int] = None) -> dict[str, Any]:
+def _more_arguments(table: Any, more: dict[str, Any], spec: Any = None) -> dict[str, Any]:
     """``more`` where every name is one of the table's tensors; else a TypeError naming the first
-    unknown one, with what its spec (whose ``order`` is given) lacks where it names a cost term."""
+    unknown one, and what the spec lacks where it names a cost term (arguments.py ``unknown_keyword``)."""
     known = {a.name for a in table.tensors}
     unknown = sorted(set(more) - known)
     if unknown:
         raise TypeError(f"{unknown[0]}: this kernel takes no argument of that name; "
-                        + unknown_keyword(unknown[0], [a.name for a in table.inputs], table.costs, order))
+                        + unknown_keyword(unknown[0], [a.name for a in table.inputs], table.costs,
+                                          getattr(spec, "order", None)))
     return more
 
 
