@@ -353,6 +353,49 @@ MIN_SEGMENTS = 2
 BLOCK_SEGMENTS = 8
 
 
+def _block(length: int, size: int, checkpoint: int, budget: int) -> int | None:
+    """The steps a checkpoint of ``segmented``'s first loop covers for a run of ``length`` steps in
+    segments of ``size`` (``checkpoint`` bytes a segment's): ``size`` where one level's checkpoints
+    fit ``budget``, else the fewest steps a block of two levels whose array fits it (the segments
+    before the blocks', the blocks', one block's segments'), None where none does."""
+    if (length // size) * checkpoint <= budget:
+        return size
+    block = size * BLOCK_SEGMENTS
+    while length // block >= 1:
+        n = length // block
+        if ((length - n * block) // size + n + block // size) * checkpoint <= budget:
+            return block
+        block += size
+    return None
+
+
+def _defines_row(s: Statement) -> bool:
+    return isinstance(s, Def) and isinstance(s.target, Val) and s.target.prefix == "y"
+
+
+def _reads_inputs_only(s: Def) -> bool:
+    """A row whose value reads no other row and no table slot: the same read at any step."""
+    return not any(isinstance(n, Val) or _is_slot(n) for n in walk(s.value))
+
+
+def _needed(values: list[Statement], reverse: list[Statement]) -> tuple[set[int], dict[int, int]]:
+    """Of a step's rows (``values``' definitions), those its reverse accumulation reads, with the
+    rows their values read in turn (a step's rows as every step's); and, of those, the rows read
+    from earlier steps, each with the most steps back it is read (the segment's checkpoint)."""
+    defs = {s.target.k: s for s in values if _defines_row(s)}
+    needed = {v.k for v in walk(tuple(reverse)) if isinstance(v, Val) and v.prefix == "y"}
+    todo, back = list(needed), {}
+    while todo:
+        for v in walk(defs[k].value) if (k := todo.pop()) in defs else ():
+            if isinstance(v, Val) and v.prefix == "y":
+                if v.h.rel < 0:
+                    back[v.k] = max(back.get(v.k, 0), -v.h.rel)
+                if v.k not in needed:
+                    needed.add(v.k)
+                    todo.append(v.k)
+    return needed, back
+
+
 def segmented(values: list[Group], reverse: list[Group], itemsize: int, rows: int, budget: int,
               again: Callable[[Any], Any]) -> list[Statement] | None:
     """A reverse accumulation whose rows' values are recomputed segment by segment. ``values[h]``:
@@ -363,9 +406,12 @@ def segmented(values: list[Group], reverse: list[Group], itemsize: int, rows: in
     runs the steps forward and stores each segment's incoming values (its checkpoint, ``TS_CK``);
     a second, from the last segment, loads them, recomputes the segment's rows (straight-line)
     and runs their reverse accumulation, the adjoints that the segment before reads carried.
-    Where those checkpoints would pass ``budget`` bytes (``itemsize`` a value), two levels:
-    blocks of ``BLOCK_SEGMENTS`` segments, the first loop keeping a checkpoint a block, the second
-    recomputing a block's segment checkpoints before its segments (one more forward pass).
+    A checkpoint holds the carried values a recomputed segment reads (its reverse accumulation's
+    rows and the rows those read, ``_needed``), but for rows that read only inputs (an action):
+    those are read again. Where the checkpoints would pass ``budget`` bytes (``itemsize`` a value),
+    two levels: blocks of ``BLOCK_SEGMENTS`` or more segments, the first loop keeping a checkpoint a
+    block, the second recomputing a block's segment checkpoints before its segments (one more
+    forward pass); where no block fits either, longer segments (``_block``).
     Steps before the run are straight-line in both passes (the second time through ``again``,
     which renames their values and rereads their inputs), steps after it too. Every statement is
     a group's, in the order of the straight-line column. None where fewer than ``MIN_SEGMENTS``
@@ -395,13 +441,20 @@ def segmented(values: list[Group], reverse: list[Group], itemsize: int, rows: in
     per_step = sum(isinstance(s, Def) for s in values[first].statements)
     size = max(1, rows // max(1, per_step), *back.values(), *ahead.values())
     carried = [(k, m) for k in sorted(back) for m in range(1, back[k] + 1)]
+    # the checkpoints: of the values carried, those a recomputed segment reads (the others the first
+    # loop carries to the steps after the run only)
+    needed, reads_back = _needed(values[first].statements, reverse[first].statements)
+    inputs = {s.target.k: s for s in values[first].statements if _defines_row(s) and _reads_inputs_only(s)}
+    again_read = [(k, m) for k in sorted(reads_back) if k in inputs for m in range(1, reads_back[k] + 1)]
+    kept = [(k, m) for k in sorted(reads_back) if k not in inputs for m in range(1, reads_back[k] + 1)]
     adjoints = [(k, m) for k in sorted(ahead) for m in range(1, ahead[k] + 1)]
     length = last - first + 1
-    block = size  # steps a checkpoint of the first loop covers
-    if (length // size) * len(carried) * itemsize > budget:
-        block = size * BLOCK_SEGMENTS
-        while length // block >= 1 and (length // block + 2 * block // size) * len(carried) * itemsize > budget:
-            block += size
+    block = _block(length, size, len(kept) * itemsize, budget)
+    while block is None and size < length // MIN_SEGMENTS:  # longer segments: fewer checkpoints
+        size += 1
+        block = _block(length, size, len(kept) * itemsize, budget)
+    if block is None:
+        return None
     n = length // block if block > size else 0  # blocks of the two-level scan, at the run's end
     single = (length - n * block) // size  # segments before them
     start = last + 1 - n * block - single * size  # the first segment's first step
@@ -425,28 +478,36 @@ def segmented(values: list[Group], reverse: list[Group], itemsize: int, rows: in
         return [transform(s, fn) for s in group.statements]
 
     # the checkpoint array: the single segments', the blocks', then a block's segments'
-    bases = (0, single * len(carried), (single + n) * len(carried))
+    bases = (0, single * len(kept), (single + n) * len(kept))
 
     def checkpoint(j: int, var: str, origin: Any, every: int, base: int) -> Read:
         """Checkpoint value j of the segment (or block) that starts at ``var``, counted from ``origin``."""
-        return Read("TS_CK", (Var(f"{base} + {len(carried)} * (({var} - {origin}) / {every}) + {j}"),))
+        return Read("TS_CK", (Var(f"{base} + {len(kept)} * (({var} - {origin}) / {every}) + {j}"),))
 
     held = lambda k, m: Var(f"y{k}_m{m}")  # the values the next segment reads, carried forward
     keep = lambda var, origin, every, base: [Store(checkpoint(j, var, origin, every, base), held(k, m))
-                                             for j, (k, m) in enumerate(carried)]
+                                             for j, (k, m) in enumerate(kept)]
+    # a segment's values: every row in the first loop, the rows a recomputation needs again
+    used = lambda group: Group(group.h, [s for s in group.statements if not _defines_row(s) or s.target.k in needed])
     forward = [s for i in range(size) for s in in_segment(values[start + i], i, "m", "f")]
     forward += [Store(held(k, m), Var(f"y{k}_f{size - m}")) for k, m in carried]
+    # a row that reads only inputs (an action) is read again m steps back, not kept
+    read_back = lambda k, m: in_segment(Group(first, [inputs[k]]), -m, "q")[0].value
+    forward_again = [Store(held(k, m), read_back(k, m)) for k, m in again_read]
+    forward_again += [s for i in range(size) for s in in_segment(used(values[start + i]), i, "m", "f")]
+    forward_again += [Store(held(k, m), Var(f"y{k}_f{size - m}")) for k, m in kept]
 
     def segment(origin: Any, base: int) -> list[Statement]:
         """A segment's values from its checkpoint, then its reverse accumulation."""
-        out = [Def(Var(f"y{k}_q{m}"), checkpoint(j, "r", origin, size, base)) for j, (k, m) in enumerate(carried)]
-        out += [s for i in range(size) for s in in_segment(values[start + i], i, "q")]
+        out = [Def(Var(f"y{k}_q{m}"), checkpoint(j, "r", origin, size, base)) for j, (k, m) in enumerate(kept)]
+        out += [Def(Var(f"y{k}_q{m}"), read_back(k, m)) for k, m in again_read]
+        out += [s for i in range(size) for s in in_segment(used(values[start + i]), i, "q")]
         out += [s for i in reversed(range(size)) for s in in_segment(reverse[start + i], i, "q")]
         return out + [Store(Var(f"yb{k}_n{m - 1}"), Var(f"yb{k}_s{m - 1}")) for k, m in adjoints]
 
     inner = lambda *statements: For(Var("rs"), Var(f"rs + {block - size}"), size, tuple(statements), unroll=False)
-    out: list[Statement] = [Call("TS_CHECKPOINTS", (bases[2] + (block // size if n else 0) * len(carried),))] \
-        if carried else []
+    out: list[Statement] = [Call("TS_CHECKPOINTS", (bases[2] + (block // size if n else 0) * len(kept),))] \
+        if kept else []
     out += [place(s, h) for h in range(start) for s in values[h].statements]
     out += [Def(held(k, m), Val("y", k, start - m), const=False) for k, m in carried]
     if single:
@@ -459,9 +520,9 @@ def segmented(values: list[Group], reverse: list[Group], itemsize: int, rows: in
     out += [place(s, h) for h in reversed(range(last + 1, steps)) for s in reverse[h].statements]
     out += [Def(Var(f"yb{k}_n{m - 1}"), Val("yb", k, last + m), const=False) for k, m in adjoints]
     if n:  # a block: its checkpoint, its segments' checkpoints recomputed, then its segments from the last
-        load = [Store(held(k, m), checkpoint(j, "rs", blocks, block, bases[1])) for j, (k, m) in enumerate(carried)]
+        load = [Store(held(k, m), checkpoint(j, "rs", blocks, block, bases[1])) for j, (k, m) in enumerate(kept)]
         again_ = For(Var(f"rs + {block - size}"), Var("rs"), -size, tuple(segment("rs", bases[2])), unroll=False)
-        out.append(For(last + 1 - block, blocks, -block, (*load, inner(*keep("r", "rs", size, bases[2]), *forward),
+        out.append(For(last + 1 - block, blocks, -block, (*load, inner(*keep("r", "rs", size, bases[2]), *forward_again),
                                                            again_), unroll=False, var="rs"))
     if single:
         out.append(For(blocks - size, start, -size, tuple(segment(start, bases[0])), unroll=False))
