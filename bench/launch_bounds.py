@@ -2,7 +2,7 @@
 [--model DIR] [--json FILE]``: ptxas's figures for the fused forward and adjoint of N seeded fused
 specs at each register cap ``__launch_bounds__(256, n)`` gives (n = 2, 3, 4: 128, 80 and 64
 registers), without a GPU. ``--where`` keeps the draws whose spec fields, or ``terms``, ``kind``
-and ``row_terms`` (what the launch plan's rule reads), have those values; ``--json`` appends each
+and ``row_terms`` (what the launch plan's rule reads), have those values (``control=velocity|jerk``: either); ``--json`` appends each
 spec's rows to FILE and skips the specs already there.
 
 Each spec's core library is rendered once, then compiled by ``nvcc -cubin -arch=sm_90
@@ -93,13 +93,13 @@ def described(fields: dict[str, Any]) -> dict[str, Any]:
 
 def specs(n: int, seed: int, where: Optional[dict[str, str]] = None) -> list[Any]:
     """``n`` fused specs drawn with ``seed`` (invalid draws redrawn), those whose fields (and
-    ``described``'s) have the values of ``where`` (as strings) where given."""
+    ``described``'s) have the values of ``where`` (as strings; ``a|b``: either) where given."""
     import tensorstep as ts
 
     rng, drawn = random.Random(seed), []
     while len(drawn) < n:
         fields = draw(rng)
-        if not fields or any(str(described(fields).get(k)) != v for k, v in (where or {}).items()):
+        if not fields or any(str(described(fields).get(k)) not in v.split("|") for k, v in (where or {}).items()):
             continue
         try:
             drawn.append(ts.KernelSpec(**fields))
