@@ -181,6 +181,28 @@ def test_c_recurrences_are_straight_line_to_their_threshold_and_as_long_at_any_h
         assert max(lines) <= 1.1 * lines[0], (control, dtype, lines)
 
 
+#: float64 order-4 recurrences, a step's five rows a segment (the ptxas survey's, BENCHMARKS.md): every
+#: carried row kept a step, their checkpoints were 6,304 and 4,000 bytes of the thread's stack frame
+FEW_CHECKPOINTS = [
+    dict(control="velocity", horizon=200, integrator="semi_implicit_euler", dt="per_step", layout="bhd",
+         outputs=("V",), costs=(("bound", "acceleration"), ("squared", "acceleration"))),
+    dict(control="velocity", horizon=128, integrator="exact", dt="per_step", layout="bdh", outputs=("J", "S"),
+         costs=(("squared", "jerk"),)),
+]
+
+
+@pytest.mark.parametrize("fields", FEW_CHECKPOINTS, ids=["velocity_h200", "velocity_exact_h128"])
+def test_a_recurrences_cuda_checkpoints_are_the_values_a_segment_reads_within_the_budget(fields):
+    """A recurrence's CUDA reverse scan (codegen/roll.py ``segmented``) keeps, a segment, only the values
+    its recomputation reads (not the position, nor the jerk a squared jerk term does not read back),
+    reads the action again, and its checkpoint array fits fused.CHECKPOINT_BYTES."""
+    spec = ts.KernelSpec(dof=7, dtype="float64", order=4, **fields)
+    source = source_of(spec, "core")
+    array = re.search(r"TS_CHECKPOINTS\((\d+)\)", source)
+    assert array is None or int(array[1]) * 8 <= fused.CHECKPOINT_BYTES, array[1]
+    assert "y0_q1" not in source and "y3_q1" not in source and "const T y1_q1 = U(" in source
+
+
 @pytest.mark.parametrize("control", ["velocity", "acceleration", "jerk"])
 def test_c_rolled_recurrence_adjoints_recompute_segments_of_the_same_rows_in_either_type(control):
     """C's rolled recurrence adjoint (a reverse scan over segments) recomputes fused.C_SCAN_ROWS rows a

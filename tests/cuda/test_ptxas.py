@@ -213,6 +213,12 @@ GRID = [
     (dict(control="acceleration", layout="bdh"), 70, "float32", {}),
     (dict(control="jerk", integrator="exact", dt="per_step", order=4, layout="bdh"), 70, "float64", {}),
     (dict(control="bspline", degree=4, knots=16, steps=8, layout="bdh"), None, "float32", {}),
+    # float64 order-4 recurrences: their reverse scan's checkpoints only the values a recomputed segment reads,
+    # the action read again, the two levels' whole array within the budget (stack frame before: 6,304, 4,000 B)
+    (dict(control="velocity", dt="per_step", order=4, outputs=("V",),
+          costs=(("bound", "acceleration"), ("squared", "acceleration"))), 200, "float64", {}),
+    (dict(control="velocity", integrator="exact", dt="per_step", layout="bdh", order=4, outputs=("J", "S"),
+          costs=(("squared", "jerk"),)), 128, "float64", {}),
 ]
 DOF = 7
 

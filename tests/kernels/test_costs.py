@@ -1554,6 +1554,33 @@ def test_rolled_cuda_float32_recurrences_run_on_the_host_match_the_definitions(c
                              fused_dtype=torch.float32, tol=1e-6)
 
 
+#: order-4 float64 recurrences whose CUDA reverse scan keeps few checkpoints (codegen/roll.py ``segmented``):
+#: with a squared jerk term the acceleration is the one value kept a segment, the velocity (the action) read
+#: again, position and jerk not read by a recomputed segment (two levels at H=128, a dt per step); jerk with
+#: every term keeps position, velocity and acceleration, the jerk (the action) read again (two levels at H=200)
+FEW_CHECKPOINTS = {
+    "velocity_h128_squared_jerk_per_step": dict(control="velocity", horizon=128, integrator="exact", dt="per_step",
+                                                costs=(("squared", "jerk"),)),
+    "jerk_h200_every_term_per_trajectory": dict(control="jerk", horizon=200, dt="per_trajectory", costs=tuple(
+        (kind, state) for kind in ("bound", "squared") for state in STATES)),
+}
+
+
+@pytest.mark.parametrize("case", FEW_CHECKPOINTS)
+def test_rolled_cuda_adjoints_with_few_checkpoints_run_on_the_host_match_the_definitions(case):
+    """The CUDA source run on the host (tests/cuda_on_host.py), its adjoint's checkpoints only the values a
+    recomputed segment reads and the actions read again: P, the cost and the gradients of u, p0 (and the
+    target) against the plain step plus the terms from their definitions (float64, 1e-10)."""
+    from cuda_on_host import host_step
+
+    spec = ts.KernelSpec(dof=2, order=4, dtype="float64", outputs=("P",), **FEW_CHECKPOINTS[case])
+    source = generate(spec, targets=("cuda",), parts=("core",)).source("cuda", "core")
+    action = STATES.index(spec.control)
+    assert "TS_CHECKPOINTS(" in source and f"const T y{action}_q1 = U(" in source  # (the action read again)
+    x, params, dt_ = _data(spec)
+    _fused_against_composite(spec, x, params, dt_, False, fused_step=host_step(spec))
+
+
 #: C's fused recurrence columns are rolled past fused.C_ROLL_RECURRENCE_ABOVE_H (the forward one loop, the
 #: adjoint a reverse scan over segments from checkpoints in a local array): each control, with and without a
 #: squared position term (the target's gradient), a dt shared, per trajectory or per step, up to H=256
