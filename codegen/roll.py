@@ -356,14 +356,14 @@ BLOCK_SEGMENTS = 8
 def _block(length: int, size: int, checkpoint: int, budget: int) -> int | None:
     """The steps a checkpoint of ``segmented``'s first loop covers for a run of ``length`` steps in
     segments of ``size`` (``checkpoint`` bytes a segment's): ``size`` where one level's checkpoints
-    fit ``budget``, else the fewest steps a block of two levels whose array fits it (the segments
-    before the blocks', the blocks', one block's segments'), None where none does."""
+    fit ``budget``, else the fewest steps a block of two levels whose array fits it (the blocks', one
+    for the segments before them, one block's segments'), None where none does."""
     if (length // size) * checkpoint <= budget:
         return size
     block = size * BLOCK_SEGMENTS
     while length // block >= 1:
         n = length // block
-        if ((length - n * block) // size + n + block // size) * checkpoint <= budget:
+        if (((length - n * block) // size > 0) + n + block // size) * checkpoint <= budget:
             return block
         block += size
     return None
@@ -409,9 +409,10 @@ def segmented(values: list[Group], reverse: list[Group], itemsize: int, rows: in
     A checkpoint holds the carried values a recomputed segment reads (its reverse accumulation's
     rows and the rows those read, ``_needed``), but for rows that read only inputs (an action):
     those are read again. Where the checkpoints would pass ``budget`` bytes (``itemsize`` a value),
-    two levels: blocks of ``BLOCK_SEGMENTS`` or more segments, the first loop keeping a checkpoint a
-    block, the second recomputing a block's segment checkpoints before its segments (one more
-    forward pass); where no block fits either, longer segments (``_block``).
+    two levels: blocks of ``BLOCK_SEGMENTS`` or more segments (the segments before them one shorter
+    block), the first loop keeping a checkpoint a block, the second recomputing a block's segment
+    checkpoints before its segments (one more forward pass); where no block fits either, longer
+    segments (``_block``).
     Steps before the run are straight-line in both passes (the second time through ``again``,
     which renames their values and rereads their inputs), steps after it too. Every statement is
     a group's, in the order of the straight-line column. None where fewer than ``MIN_SEGMENTS``
@@ -457,6 +458,7 @@ def segmented(values: list[Group], reverse: list[Group], itemsize: int, rows: in
         return None
     n = length // block if block > size else 0  # blocks of the two-level scan, at the run's end
     single = (length - n * block) // size  # segments before them
+    lead = bool(n and single)  # two levels: the segments before the blocks one more (shorter) block
     start = last + 1 - n * block - single * size  # the first segment's first step
     if n * block // size + single < MIN_SEGMENTS or start - max(back.values(), default=0) < 0 \
             or last + max(ahead.values(), default=0) >= steps:
@@ -477,8 +479,10 @@ def segmented(values: list[Group], reverse: list[Group], itemsize: int, rows: in
             return Rel(node.rel + i) if isinstance(node, Rel) else None
         return [transform(s, fn) for s in group.statements]
 
-    # the checkpoint array: the single segments', the blocks', then a block's segments'
-    bases = (0, single * len(kept), (single + n) * len(kept))
+    # the checkpoint array: the single segments' (with two levels, their one checkpoint), the
+    # blocks', then a block's segments'
+    firsts = 1 if lead else single
+    bases = (0, firsts * len(kept), (firsts + n) * len(kept))
 
     def checkpoint(j: int, var: str, origin: Any, every: int, base: int) -> Read:
         """Checkpoint value j of the segment (or block) that starts at ``var``, counted from ``origin``."""
@@ -510,8 +514,11 @@ def segmented(values: list[Group], reverse: list[Group], itemsize: int, rows: in
         if kept else []
     out += [place(s, h) for h in range(start) for s in values[h].statements]
     out += [Def(held(k, m), Val("y", k, start - m), const=False) for k, m in carried]
+    at_start = [Store(Read("TS_CK", (j,)), held(k, m)) for j, (k, m) in enumerate(kept)]
     if single:
-        out.append(For(start, blocks - size, size, tuple(keep("r", start, size, bases[0]) + forward), unroll=False))
+        out += at_start if lead else []
+        out.append(For(start, blocks - size, size, tuple(([] if lead else keep("r", start, size, bases[0])) + forward),
+                       unroll=False))
     if n:
         out.append(For(blocks, last + 1 - block, block, (*keep("rs", blocks, block, bases[1]), inner(*forward)),
                        unroll=False, var="rs"))
@@ -524,8 +531,13 @@ def segmented(values: list[Group], reverse: list[Group], itemsize: int, rows: in
         again_ = For(Var(f"rs + {block - size}"), Var("rs"), -size, tuple(segment("rs", bases[2])), unroll=False)
         out.append(For(last + 1 - block, blocks, -block, (*load, inner(*keep("r", "rs", size, bases[2]), *forward_again),
                                                            again_), unroll=False, var="rs"))
+    if lead:  # as a block: its segments' checkpoints recomputed from its own, then its segments
+        out += [Store(held(k, m), Read("TS_CK", (j,))) for j, (k, m) in enumerate(kept)]
+        out.append(For(start, blocks - size, size, tuple(keep("r", start, size, bases[2]) + forward_again),
+                       unroll=False))
     if single:
-        out.append(For(blocks - size, start, -size, tuple(segment(start, bases[0])), unroll=False))
+        out.append(For(blocks - size, start, -size, tuple(segment(start, bases[2] if lead else bases[0])),
+                       unroll=False))
     out += [Def(Val("yb", k, start + m - 1), Var(f"yb{k}_n{m - 1}")) for k, m in adjoints]
     if start:
         out.append(Call("TS_REREAD"))

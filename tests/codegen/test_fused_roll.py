@@ -203,6 +203,30 @@ def test_a_recurrences_cuda_checkpoints_are_the_values_a_segment_reads_within_th
     assert "y0_q1" not in source and "y3_q1" not in source and "const T y1_q1 = U(" in source
 
 
+def test_the_reverse_scans_plan_counts_its_whole_checkpoint_array():
+    """``roll._block`` against every block: one level where the segments' checkpoints fit the budget,
+    else the fewest steps a block whose array (the blocks', one for the segments before them, a block's
+    segments') fits, None where none does; at H=256 (253 steps) three float64 values a step fit
+    768 bytes in one-step segments, four do not."""
+    from tensorstep.codegen import roll
+
+    def array(length: int, size: int, block: int) -> int:
+        n = length // block
+        return n + ((length - n * block) // size > 0) + block // size
+
+    for length in range(2, 300, 7):
+        for size in (1, 2, 3):
+            for checkpoint in (8, 16, 24, 32):
+                got = roll._block(length, size, checkpoint, 768)
+                fits = [b for b in range(size * roll.BLOCK_SEGMENTS, length + 1, size)
+                        if array(length, size, b) * checkpoint <= 768]
+                if (length // size) * checkpoint <= 768:
+                    assert got == size
+                else:
+                    assert got == (fits[0] if fits else None), (length, size, checkpoint)
+    assert array(253, 1, roll._block(253, 1, 24, 768)) * 24 == 768 and roll._block(253, 1, 32, 768) is None
+
+
 @pytest.mark.parametrize("control", ["velocity", "acceleration", "jerk"])
 def test_c_rolled_recurrence_adjoints_recompute_segments_of_the_same_rows_in_either_type(control):
     """C's rolled recurrence adjoint (a reverse scan over segments) recomputes fused.C_SCAN_ROWS rows a
