@@ -105,6 +105,22 @@ def test_the_draws_cover_the_fields_and_where_keeps_what_the_rule_reads():
     kept = launch_bounds.specs(4, 3, where={"dtype": "float32", "kind": "spans", "row_terms": "16"})
     assert all(s.dtype == "float32" and s.control == "bspline" for s in kept)
     assert all(targets.cuda_row_terms(len(s.costs), s.steps, s.order) == 16 for s in kept)
+    either = launch_bounds.specs(12, 3, where={"control": "velocity|jerk"})  # (bench/frames.py's survey)
+    assert {s.control for s in either} == {"velocity", "jerk"}
+
+
+def test_the_frames_table_lists_the_kernels_above_the_limits():
+    from tensorstep.bench import frames
+
+    spec = ts.KernelSpec(horizon=200, dof=7, control="velocity", dt="per_step", dtype="float64", order=4,
+                         costs=(("squared", "acceleration"),), outputs=("V",))
+    rows = [frames.Row(spec.name, "forward", 64, 0, 0, 0.5), frames.Row(spec.name, "adjoint", 68, 0, 6304, 0.5),
+            frames.Row(spec.name, "dt_vjp", 129, 8, 1024, 0.5)]
+    assert [r.above() for r in rows] == [[], ["stack"], ["registers", "spills"]]
+    lines = frames.table(rows, [spec])
+    assert [line.split(" | ")[5:] for line in lines[2:4]] == [["adjoint", "68", "0", "6304", "stack |"],
+                                                               ["dt_vjp", "129", "8", "1024", "registers, spills |"]]
+    assert lines[-1].startswith("\n1 specs, 3 per-element kernels, 2 above the limits; largest stack 6304 B")
 
 
 def test_the_table_by_size_counts_the_spills_at_each_n():
