@@ -775,10 +775,35 @@ def loads_where_used(statements: list[Statement], loads: list[Statement]) -> lis
     rest = [s for s in statements if s not in loads]
     out: list[Statement] = []
     for s in rest:
-        names = {n for n in walk(s) if isinstance(n, (Var, Val))} | _sym_reads([s])
+        names = _reads(s)
         out += [moved.pop(v) for v in list(moved) if v in names]
         out.append(s)
     return out + list(moved.values())
+
+
+def inputs_where_used(statements: list[Statement], refs: References, table: ArgumentTable) -> list[Statement]:
+    """A fused forward's ``statements`` with the column inputs it reads only at its end read where first
+    used, through a volatile read (CUDA's): each term's per-dof weight (``cw<t>``, read where the
+    column's sum is scaled after its last row) and the inputs whose first reader follows the column's
+    first loop (a goal's state, read by the last spans). Loaded first, each held a register (two in
+    float64) through the column, and ptxas, free to load them anywhere before, did so early: at the
+    register cap that spilled (B-splines and a position stencil of many terms, BENCHMARKS.md "Fused
+    forwards' late inputs read where used"). The same values, read later."""
+    first = next((i for i, s in enumerate(statements) if isinstance(s, For)), len(statements))
+    reads = [_reads(s) for s in statements]
+    late = []
+    for a in table.columns:
+        (load,) = refs.loads((a.name,))
+        readers = [i for i, (s, r) in enumerate(zip(statements, reads)) if s != load and load.target in r]
+        # (an optional input's macro is a conditional, not an lvalue a volatile read can take)
+        if readers and not a.nullable and (a.role == "cost_weight" or readers[0] > first):
+            late.append(load)
+    return volatile_reads(loads_where_used(statements, late), {s.value.macro for s in late})
+
+
+def _reads(s: Statement) -> set:
+    """The variables, values and symbols a statement reads."""
+    return {n for n in walk(s) if isinstance(n, (Var, Val))} | _sym_reads([s])
 
 
 def _column_sums(inputs: list, readers: dict, refs: References) -> list[Statement]:

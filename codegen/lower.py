@@ -1161,6 +1161,12 @@ class LoweredOperator:
             statements = fused.loads_where_used(statements, self.refs.loads(a.name for a in self.arguments.columns))
         return dataclasses.replace(code, statements=fused.volatile_reads(statements, weights))
 
+    def inputs_where_used(self, code: KernelCode) -> KernelCode:
+        """A fused forward's ``code`` with the inputs it reads only at its end read where first used
+        (CUDA's: codegen/fused.py ``inputs_where_used``)."""
+        return dataclasses.replace(code, statements=fused.inputs_where_used(code.statements, self.refs,
+                                                                             self.arguments))
+
     def c_recurrence_rolled(self, kernel: str, itemsize: int, form: fused.Form = fused.Form()) -> KernelCode | None:
         """A fused recurrence's C forward or adjoint with its repeating steps as loops, as CUDA's: the
         forward one loop over the steps (codegen/fused.py ``forward_rolled``), the adjoint a reverse scan

@@ -726,7 +726,10 @@ class CudaTarget(Target):
         reads each output gradient where it is used (held in locals, the boundary rows of a wide
         per-step stencil took 144 registers, order 4, H=64, float32), its straight-line stores
         as accumulations that read each gradient once (codegen/reads.py); with a period above 1
-        (B-splines) the forward and adjoint are span loops only, as in C (lower._spans_only); the
+        (B-splines) the forward and adjoint are span loops only, as in C (lower._spans_only); a fused
+        forward reads the inputs it uses only at its end (each term's per-dof weight, a goal's state
+        after its loop) where it first uses them (``inputs_where_used``: loaded first, they held
+        registers through the column, and B-splines and stencils of many terms spilled at the cap); the
         tangent and reverse programs as tapes (``tape_programs``), dt_jvp's inputs read once."""
         from . import reads  # code generation only: this module stays importable without SymPy
         from .shared_column import in_shared_column
@@ -746,6 +749,8 @@ class CudaTarget(Target):
             rolled = code.adjoint_rolled  # None for stencils, whose columns hold few values
             if rolled:
                 codes["adjoint"] = dataclasses.replace(adjoint, statements=rolled)
+        if code.fused and "forward" in codes:
+            codes["forward"] = code.inputs_where_used(codes["forward"])
         if "dt_jvp" in codes:
             codes["dt_jvp"] = dataclasses.replace(codes["dt_jvp"], statements=reads.loaded_once(codes["dt_jvp"].statements))
         for k in (k for k in CUDA_SHARED_COLUMN if k in codes and code.fused):

@@ -134,6 +134,16 @@ GRID = [
      {"core": "forward: 8 bytes of spill stores"}),
     (dict(control="bspline", degree=5, knots=64, steps=8, costs=COSTS, outputs=("P",)), None, "float32",
      {"core": "forward: 28 bytes of spill stores"}),
+    # fused forwards read the inputs they use only at their end where they first use them (codegen/fused.py
+    # ``inputs_where_used``: each term's per-dof weight, a goal's state after the knots' loop); loaded first,
+    # at the cap: an order-4 float32 B-spline of six terms, two outputs, spilled 16 bytes, a float64
+    # one-sided stencil at H=200 with eight terms and start_index 8
+    (dict(control="bspline", degree=5, knots=32, steps=2, order=4, outputs=("P", "A"),
+          costs=(("bound", "position"), ("bound", "velocity"), ("bound", "jerk"), ("bound", "snap"),
+                 ("squared", "acceleration"), ("squared", "jerk"))), None, "float32", {}),
+    (dict(difference="central", accuracy=(4, 4, 2), end="one_sided", dt="per_step", start_index=True, layout="bdh",
+          outputs=("V",), costs=COSTS[:4] + tuple(("squared", s) for s in ("position", "velocity", "acceleration",
+                                                                              "jerk"))), 200, "float64", {}),
     # a dt per trajectory: each thread computes its coefficients, monomials of its dt, the factors read
     # where they are used from the block's copy in shared memory (104 and 244 bytes spilled before)
     (dict(control="bspline", degree=4, knots=6, steps=2, dt="per_trajectory", costs=COSTS, outputs=("P",)), None,

@@ -1880,3 +1880,28 @@ def test_cuda_adjoint_weights_in_shared_memory_run_on_the_host_match_the_definit
     assert "TS_CGW(0) = " in source and "double cacc0 = " in source
     x, params, dt = _data(spec)
     _fused_against_composite(spec, x, params, dt, False, fused_step=host_step(spec))
+
+
+def test_cuda_fused_forward_reads_its_late_inputs_where_used_and_matches_the_definitions():
+    """CUDA's fused forward reads the inputs it uses only at its end where it first uses them
+    (codegen/fused.py ``inputs_where_used``): each term's per-dof weight just before the column's sum
+    is scaled, a goal's state after the knots' loop, each through a volatile read (loaded first they
+    held registers through the column: spills at the cap). An order-4 B-spline with a goal, a dt per
+    trajectory, bounds and squares (a target), run on the host: P, cost and the gradients of u, p0 and the
+    target against the plain step plus the terms from their definitions. C's forward keeps them first."""
+    from cuda_on_host import host_step
+
+    terms = (("bound", "velocity"), ("bound", "snap"), ("squared", "position"), ("squared", "jerk"))
+    spec = ts.KernelSpec(control="bspline", degree=3, knots=8, steps=2, end="goal", dt="per_trajectory", order=4,
+                         dof=2, dtype="float64", costs=terms, outputs=("P",))
+    source = ts.source(spec, "cuda")
+    forward = source[source.index(f"{spec.name}_forward(int64_t B"):source.index(f"{spec.name}_adjoint(int64_t B")]
+    loop = forward.index("for (int64_t kn")
+    for t in range(len(terms)):
+        read = f"const T cw{t} = (*(volatile const T*)&(CW{t}));"
+        assert forward.count(read) == 1 and forward.index(read) > loop, t
+    for i in range(3):  # (the goal's jerk may be absent: no lvalue, read first)
+        assert forward.index(f"const T e{i} = (*(volatile const T*)&(E{i}));") > loop, i
+    assert "volatile const T*)&(CW0)" not in ts.source(spec, "c")
+    x, params, dt = _data(spec)
+    _fused_against_composite(spec, x, params, dt, False, fused_step=host_step(spec))
