@@ -35,7 +35,7 @@ import dataclasses
 import functools
 import re
 from collections import defaultdict
-from typing import Callable, Iterable
+from typing import Callable, Collection, Iterable
 
 import sympy as sp
 
@@ -781,24 +781,27 @@ def loads_where_used(statements: list[Statement], loads: list[Statement]) -> lis
     return out + list(moved.values())
 
 
-def inputs_where_used(statements: list[Statement], refs: References, table: ArgumentTable) -> list[Statement]:
+def inputs_where_used(statements: list[Statement], refs: References, table: ArgumentTable,
+                      late: Collection[str]) -> list[Statement]:
     """A fused forward's ``statements`` with the column inputs it reads only at its end read where first
-    used, through a volatile read (CUDA's): each term's per-dof weight (``cw<t>``, read where the
-    column's sum is scaled after its last row) and the inputs whose first reader follows the column's
-    first loop (a goal's state, read by the last spans). Loaded first, each held a register (two in
-    float64) through the column, and ptxas, free to load them anywhere before, did so early: at the
-    register cap that spilled (B-splines and a position stencil of many terms, BENCHMARKS.md "Fused
-    forwards' late inputs read where used"). The same values, read later."""
+    used, through a volatile read (CUDA's), of the kinds in ``late``: "weights", each term's per-dof
+    weight (``cw<t>``, read where the column's sum is scaled after its last row); "after_loop", the
+    inputs whose first reader follows the column's first loop (a goal's state, read by the last spans).
+    Loaded first, each held a register (two in float64) through the column, and ptxas, free to load
+    them anywhere before, did so early: at the register cap that spilled (B-splines and a position
+    stencil of many terms, BENCHMARKS.md "Fused forwards' late inputs read where used"). The same
+    values, read later."""
     first = next((i for i, s in enumerate(statements) if isinstance(s, For)), len(statements))
     reads = [_reads(s) for s in statements]
-    late = []
+    moved = []
     for a in table.columns:
         (load,) = refs.loads((a.name,))
         readers = [i for i, (s, r) in enumerate(zip(statements, reads)) if s != load and load.target in r]
+        kind = "weights" if a.role == "cost_weight" else "after_loop" if readers and readers[0] > first else ""
         # (an optional input's macro is a conditional, not an lvalue a volatile read can take)
-        if readers and not a.nullable and (a.role == "cost_weight" or readers[0] > first):
-            late.append(load)
-    return volatile_reads(loads_where_used(statements, late), {s.value.macro for s in late})
+        if readers and not a.nullable and kind in late:
+            moved.append(load)
+    return volatile_reads(loads_where_used(statements, moved), {s.value.macro for s in moved})
 
 
 def _reads(s: Statement) -> set:

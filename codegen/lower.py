@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections import Counter, defaultdict
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Collection, Iterable
 
 import sympy as sp
 
@@ -1161,11 +1161,11 @@ class LoweredOperator:
             statements = fused.loads_where_used(statements, self.refs.loads(a.name for a in self.arguments.columns))
         return dataclasses.replace(code, statements=fused.volatile_reads(statements, weights))
 
-    def inputs_where_used(self, code: KernelCode) -> KernelCode:
-        """A fused forward's ``code`` with the inputs it reads only at its end read where first used
-        (CUDA's: codegen/fused.py ``inputs_where_used``)."""
+    def inputs_where_used(self, code: KernelCode, late: Collection[str]) -> KernelCode:
+        """A fused forward's ``code`` with the inputs it reads only at its end (of the kinds ``late``)
+        read where first used (CUDA's: codegen/fused.py ``inputs_where_used``)."""
         return dataclasses.replace(code, statements=fused.inputs_where_used(code.statements, self.refs,
-                                                                             self.arguments))
+                                                                             self.arguments, late))
 
     def c_recurrence_rolled(self, kernel: str, itemsize: int, form: fused.Form = fused.Form()) -> KernelCode | None:
         """A fused recurrence's C forward or adjoint with its repeating steps as loops, as CUDA's: the

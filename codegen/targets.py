@@ -244,6 +244,16 @@ def cuda_volatile_coefficients(kernel: str, where: str, fused: bool, stencil: bo
     return "body" if spans and (itemsize == 8 and kernel == "adjoint" or kernel == "forward") else ""
 
 
+#: the column inputs a fused CUDA forward reads where it first uses them, through a volatile read
+#: (codegen/fused.py ``inputs_where_used``), by element size: each term's per-dof weight ("weights",
+#: read once, where the column's sum is scaled after its last row), and in float64 the inputs first read
+#: after the column's loop ("after_loop": a goal's state, two registers a value). Loaded first they
+#: held registers through the column, and ptxas loaded them early: at the 128 cap, B-splines of many
+#: terms spilled up to 96 bytes (BENCHMARKS.md "Fused forwards' late inputs read where used"). A
+#: float32 goal's state stays first: moved, a surveyed B-spline went from 0 to 16 bytes.
+CUDA_LATE_INPUTS = {4: ("weights",), 8: ("weights", "after_loop")}
+
+
 #: float32's unfused per-element kernels whose coefficients of a dt per trajectory are float products
 #: (``cuda_float_powers``), and the unroll factor of their interior row loops (0: ptxas's choice)
 CUDA_FLOAT_POWER_KERNELS = {"adjoint": 0, "dt_jvp": 2}
@@ -727,10 +737,8 @@ class CudaTarget(Target):
         per-step stencil took 144 registers, order 4, H=64, float32), its straight-line stores
         as accumulations that read each gradient once (codegen/reads.py); with a period above 1
         (B-splines) the forward and adjoint are span loops only, as in C (lower._spans_only); a fused
-        forward reads the inputs it uses only at its end (each term's per-dof weight, a goal's state
-        after its loop) where it first uses them (``inputs_where_used``: loaded first, they held
-        registers through the column, and B-splines and stencils of many terms spilled at the cap); the
-        tangent and reverse programs as tapes (``tape_programs``), dt_jvp's inputs read once."""
+        forward reads the inputs it uses only at its end where it first uses them (``CUDA_LATE_INPUTS``);
+        the tangent and reverse programs as tapes (``tape_programs``), dt_jvp's inputs read once."""
         from . import reads  # code generation only: this module stays importable without SymPy
         from .shared_column import in_shared_column
 
@@ -750,7 +758,7 @@ class CudaTarget(Target):
             if rolled:
                 codes["adjoint"] = dataclasses.replace(adjoint, statements=rolled)
         if code.fused and "forward" in codes:
-            codes["forward"] = code.inputs_where_used(codes["forward"])
+            codes["forward"] = code.inputs_where_used(codes["forward"], CUDA_LATE_INPUTS[itemsize])
         if "dt_jvp" in codes:
             codes["dt_jvp"] = dataclasses.replace(codes["dt_jvp"], statements=reads.loaded_once(codes["dt_jvp"].statements))
         for k in (k for k in CUDA_SHARED_COLUMN if k in codes and code.fused):
