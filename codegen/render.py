@@ -279,17 +279,20 @@ def whole_actions(code: LoweredOperator, codes: dict, bodies: dict[str, tuple[An
     """The lane bodies that store each action gradient's row as a whole vector where that vector stays
     inside the trajectory's rows (codegen/whole.py, templates/kernel.c.j2 ``VGUW``), as ``whole_rows``
     stores the forward's outputs: a fused adjoint's forms (``adjoint``, ``adjoint_<form>``) whose stores of
-    them are at literal rows 0 .. N-1, each once, in that order, none in a loop (a stencil's, which adds
-    each row up and stores it once it is complete; a recurrence's reverse sweep stores them last row first).
-    From memory, whole stores were faster there in float32 and float64 (BENCHMARKS.md, "The fused C
-    adjoint at B=40000: gradient rows loaded whole, and u's gradient rows stored whole"). A plain
-    adjoint's stay masked: whole, they were as fast or slower (BENCHMARKS.md, "u's gradient rows stored
-    whole, and the fused adjoint's gradient rows loaded whole: measured"). The paired function stores
-    them masked (``_pair_macros``)."""
+    them are at literal rows 0 .. N-1, each once, none in a loop, in that order once held back to the last
+    of them (``whole.in_row_order``, which ``_whole_lines`` applies too): a stencil adds each row up and
+    stores it once it is complete, in order; a recurrence's reverse sweep completes them last row first,
+    and holds them until row 0 is. From memory, whole stores were faster there in float32 and float64
+    (BENCHMARKS.md, "The fused C adjoint at B=40000: gradient rows loaded whole, and u's gradient rows
+    stored whole", "A recurrence's fused C adjoint: u's gradient rows held and stored whole"), the held
+    rows as fast in cache. A plain adjoint's stay masked: whole, they were as fast or slower
+    (BENCHMARKS.md, "u's gradient rows stored whole, and the fused adjoint's gradient rows loaded whole:
+    measured"). The paired function stores them masked (``_pair_macros``)."""
     if not code.fused:
         return set()
     stores = _action_store(table)
-    return _fused_adjoint_forms(codes, bodies, lambda statements: whole.stored_in_order(statements, stores, n_actions))
+    return _fused_adjoint_forms(codes, bodies, lambda statements: whole.stored_in_order(
+        whole.in_row_order(statements, stores), stores, n_actions))
 
 
 def _action_store(table: ArgumentTable) -> Callable[[str], bool]:
@@ -327,11 +330,13 @@ def _plain_straight_line(kernel: str, code: LoweredOperator, codes: dict, bodies
 
 def _whole_lines(bodies: dict[str, tuple[Any, list[str]]], stores: dict[str, Callable[[str], bool]],
                  loads: dict[str, Callable[[str], bool]], table: ArgumentTable) -> dict[str, list[str]]:
-    """The lines of each lane body, with the stores through its macros in ``stores`` and the loads
-    through those in ``loads`` marked whole (codegen/whole.py)."""
+    """The lines of each lane body, with the stores through its macros in ``stores`` marked whole, in row
+    order (``whole.in_row_order``: the order ``whole_rows`` and ``whole_actions`` chose them in), and the
+    loads through those in ``loads`` marked whole (codegen/whole.py)."""
     printer = lane_printer(macros.lane_names(table))
     none: Callable[[str], bool] = lambda _: False
-    return {k: printer.lines(whole.marked(statements, stores.get(k, none), loads.get(k, none)))
+    return {k: printer.lines(whole.marked(whole.in_row_order(statements, stores[k]) if k in stores else statements,
+                                          stores.get(k, none), loads.get(k, none)))
             if k in stores or k in loads else lines
             for k, (statements, lines) in bodies.items()}
 

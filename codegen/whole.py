@@ -10,7 +10,10 @@ whole forms (``VYW0``, ``VGW0``), which test the row: a vector that would reach 
 trajectory's rows (its last rows) stays masked, so nothing outside them is read or written.
 
 - A store (``stored_in_order``): the lanes past a row are rewritten by the next rows' stores, so a
-  macro's stores must be at literal rows 0 .. n-1, each once, in that order.
+  macro's stores must be at literal rows 0 .. n-1, each once, in that order. A column that makes them
+  in another order (a recurrence's reverse sweep, last row first) may hold them back to where the
+  last of them is made and make them there in row order (``in_row_order``), their values kept in
+  registers meanwhile.
 - A load (``loaded_literal``): the lanes past a row hold the next row's values, which lane-by-lane
   arithmetic and stores that are masked or rewritten meet only; every load at a literal row (a
   loop's row keeps its test at run time: measured slower).
@@ -24,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Sequence
 
-from .statements import Call, For, Read, RunEnd, Statement, transform, walk
+from .statements import Call, Def, For, Read, RunEnd, Statement, Store, transform, walk
 
 Names = Callable[[str], bool]
 
@@ -41,6 +44,30 @@ def stored_in_order(statements: Sequence[Statement], stores: Names, rows: int) -
         elif isinstance(s, Call) and stores(s.macro):
             by_macro.setdefault(s.macro, []).append(s.args[0])
     return bool(by_macro) and all(r == list(range(rows)) for r in by_macro.values())
+
+
+def in_row_order(statements: Sequence[Statement], stores: Names) -> tuple[Statement, ...]:
+    """``statements`` with the stores through the macros ``stores`` accepts held back to the place of the
+    last of them and made there, each macro's in row order, where each is at a literal row, none twice,
+    none in a loop or a run's end, and no statement assigns a variable, or stores through a macro, that
+    their rows or values read (a value moved later is then the same value); else ``statements`` as they
+    are."""
+    at = [i for i, s in enumerate(statements) if isinstance(s, Call) and stores(s.macro)]
+    nested = any(isinstance(n, Call) and stores(n.macro) for s in statements if isinstance(s, (For, RunEnd))
+                 for n in walk(s))
+    calls = [statements[i] for i in at]
+    keys = [(c.macro, c.args[0]) for c in calls]
+    if not at or nested or any(type(r) is not int for _, r in keys) or len(set(keys)) < len(keys):
+        return tuple(statements)
+    assigned = {n.target for n in walk(tuple(statements)) if isinstance(n, Store) or isinstance(n, Def) and not n.const}
+    written = {t.macro for t in assigned if isinstance(t, Read)}
+    if any(n in assigned or isinstance(n, Read) and n.macro in written for c in calls for n in walk((c.args, c.value))):
+        return tuple(statements)
+    first = {m: i for i, m in reversed(list(enumerate(m for m, _ in keys)))}
+    ordered = sorted(calls, key=lambda c: (first[c.macro], c.args[0]))
+    held = set(at)
+    return tuple(x for i, s in enumerate(statements) if i not in held or i == at[-1]
+                 for x in (ordered if i == at[-1] else (s,)))
 
 
 def loaded_literal(statements: Sequence[Statement], loads: Names) -> bool:

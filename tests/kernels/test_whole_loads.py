@@ -7,11 +7,14 @@ masked loads. The gradients are the dense float64 reference's with each gradient
 at an unreadable page (a load past the rows faults) and NaN before it, one and two threads; u's gradient
 tensor ends at one too (its rows are stored masked: a store past them faults) and the NaN before it stays.
 
-A fused adjoint loads P's gradient rows whole in float32 (``render.FUSED_WHOLE_LOADS``) and, where it stores
-u's gradient rows in order (a stencil's), stores them whole (``render.whole_actions``, ``VGUW``); its paired
-function keeps both masked. Its gradients are the dense reference's and the cost terms' definitions'
+A fused adjoint loads P's gradient rows whole in float32 (``render.FUSED_WHOLE_LOADS``) and stores u's
+gradient rows whole (``render.whole_actions``, ``VGUW``): a stencil's in the order it completes them, a
+recurrence's, which its reverse sweep completes last row first, held until row 0 is and stored in row order
+(``whole.in_row_order``); its paired function keeps both masked. Its gradients are the dense reference's and the cost terms' definitions'
 (tests/reference_costs.py) with both tensors ending at an unreadable page. With VGW's or VGUW's bound
-removed (every row whole) the fused specs faulted (SIGSEGV)."""
+removed (every row whole) the fused specs faulted (SIGSEGV); with the recurrences' rows stored whole as the
+sweep completes them (last row first), each row's vector overwrote the next row's first dof and u's
+gradient differed from the reference."""
 from __future__ import annotations
 
 import ctypes
@@ -45,16 +48,21 @@ MASKED = [
 _TERMS = (("bound", "position"), ("bound", "velocity"), ("bound", "acceleration"), ("bound", "jerk"),
           ("squared", "position"), ("squared", "velocity"), ("squared", "jerk"))
 #: fused adjoints: float32 ones load P's gradient rows whole (render.FUSED_WHOLE_LOADS), float64 ones masked;
-#: the central stencil stores u's gradient rows in order, whole (render.whole_actions; its float32 paired
-#: form masked), a recurrence (jerk control) last row first, masked
+#: each stores u's gradient rows whole in row order (render.whole_actions; the central stencil's float32
+#: paired form masked): the stencils as they complete them, the recurrences (jerk control, semi-implicit
+#: Euler; velocity control, exact) held until their reverse sweep completes row 0
 FUSED = [
     ts.KernelSpec(horizon=9, dof=7, dtype="float32", outputs=("P",), costs=_TERMS),
     ts.KernelSpec(horizon=12, dof=3, dtype="float32", control="jerk", outputs=("P",),
                   costs=(("squared", "position"), ("bound", "velocity"), ("bound", "acceleration"))),
     ts.KernelSpec(horizon=9, dof=7, dtype="float64", outputs=("P",), costs=_TERMS),
+    ts.KernelSpec(horizon=7, dof=3, dtype="float64", control="velocity", integrator="exact", outputs=("P",),
+                  costs=(("squared", "position"), ("bound", "acceleration"))),
 ]
-#: the specs of FUSED whose adjoint stores u's gradient rows whole
-WHOLE_ACTIONS = (0, 2)
+#: the specs of FUSED whose reverse sweep completes u's gradient rows last row first
+RECURRENCES = (1, 3)
+#: the specs of FUSED whose values are checked on one thread only (the others' two threads share one path)
+ONE_THREAD = (3,)
 STATES = ("position", "velocity", "acceleration", "jerk")
 
 
@@ -94,7 +102,7 @@ def test_other_adjoints_keep_masked_loads(spec):
 @pytest.mark.parametrize("index", range(len(FUSED)), ids=[s.name for s in FUSED])
 def test_a_fused_adjoint_moves_its_gradient_rows_whole_where_chosen_and_its_pairs_masked(index):
     spec = FUSED[index]
-    loads_whole, stores_whole = spec.dtype in render.FUSED_WHOLE_LOADS, index in WHOLE_ACTIONS
+    loads_whole = spec.dtype in render.FUSED_WHOLE_LOADS
     source, batches = _batches(spec)
     adjoints = {name: text for name, text in batches.items() if name.startswith("adjoint")}
     paired = {name for name, text in adjoints.items() if "TS_PAIR_MAX_BATCH" in text}
@@ -104,17 +112,34 @@ def test_a_fused_adjoint_moves_its_gradient_rows_whole_where_chosen_and_its_pair
         assert {w for w, _ in loads} == {"W" if loads_whole else ""}, name
         assert sorted(int(h) for _, h in loads) == list(range(spec.horizon)), name
         stores = re.findall(r"\bVGU(W?)\((\d+),", _lanes(text))
-        assert {w for w, _ in stores} == {"W" if stores_whole else ""}, name
-        assert ([int(j) for _, j in stores] == list(range(spec.n_actions))) == stores_whole, name
+        assert [(w, int(j)) for w, j in stores] == [("W", j) for j in range(spec.n_actions)], name
+        if index in RECURRENCES:  # held: the column's last statements (row 0's start rows' gradients after them)
+            assert re.search(r"VGUW\(0, \w+\);(\s*VGUW\(\d+, \w+\);){%d}\s*(const VT |VGS)" % (spec.n_actions - 1),
+                             _lanes(text)), name
         # a paired function's VGW0 and VGUW are its own masked loads and stores of both trajectories' rows
         assert ("#define VGW0(h) VLOADP(gb0 + (h) * Y_SH, gb0_s)" in text) == (name in paired and loads_whole), name
-        assert ("#define VGUW(j, v) VSTOREP(gu + uo + (j) * U_SH, uo_s, (v))" in text) == (
-            name in paired and stores_whole), name
+        assert ("#define VGUW(j, v) VSTOREP(gu + uo + (j) * U_SH, uo_s, (v))" in text) == (name in paired), name
     width = render.lanes(spec)["width"]
     assert (f"#define VGW0(h) ((h) * Y_SH + {width} <= Y_SB ? ts_vload_whole(gb0 + (h) * Y_SH) : VG0(h))"
             in source) == loads_whole
     assert (f"#define VGUW(j, v) do {{ if ((j) * U_SH + {width} <= U_SB) VSTORE_WHOLE(gu + uo + (j) * U_SH, (v)); "
-            "else VGU(j, v); } while (0)" in source) == stores_whole
+            "else VGU(j, v); } while (0)" in source)
+
+
+@pytest.mark.parametrize("integrator", ["semi_implicit_euler", "exact"])
+def test_every_recurrence_holds_u_gradient_rows_and_stores_them_whole_in_row_order(integrator):
+    """Each control a recurrence integrates, in both dtypes: every fused adjoint form's lane column stores u's
+    gradient rows whole, rows 0 .. N-1 one after another."""
+    for control, dtype in (("velocity", "float32"), ("acceleration", "float64"), ("jerk", "float32")):
+        spec = ts.KernelSpec(horizon=5, dof=3, dtype=dtype, control=control, integrator=integrator, outputs=("P",),
+                             costs=(("squared", "velocity"),))
+        _, batches = _batches(spec)
+        adjoints = [text for name, text in batches.items() if name.startswith("adjoint")]
+        assert adjoints
+        for text in adjoints:
+            stores = re.findall(r"\bVGU(W?)\((\d+), \w+\);", _lanes(text))
+            assert stores == [("W", str(j)) for j in range(spec.n_actions)], spec.name
+            assert re.search(r"(\s*VGUW\(\d+, \w+\);){%d}" % spec.n_actions, _lanes(text)), spec.name
 
 
 def _guarded(n: int, dtype: torch.dtype) -> tuple[mmap.mmap, torch.Tensor, torch.Tensor]:
@@ -287,8 +312,8 @@ def _check_fused(index: int, threads: int) -> None:
             del block
 
 
-@pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("index", range(len(FUSED)), ids=[s.name for s in FUSED])
+@pytest.mark.parametrize("index, threads", [pytest.param(i, t, id=f"{s.name}-{t}") for i, s in enumerate(FUSED)
+                                            for t in (1, 2) if t == 1 or i not in ONE_THREAD])
 def test_fused_whole_loads_read_nothing_past_the_rows_and_give_the_definitions(index, threads):
     """In a child process: a load past P's gradient tensor's last row, or a store past u's, faults there."""
     require_avx512()

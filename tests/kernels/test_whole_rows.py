@@ -16,7 +16,7 @@ import reference
 import tensorstep as ts
 from tensorstep.codegen import printer, render, whole
 from tensorstep.codegen.driver import generate
-from tensorstep.codegen.statements import Call, Def, For, Read, Rel, Val, Var
+from tensorstep.codegen.statements import Call, Def, For, Read, Rel, Store, Val, Var
 from tensorstep.runtime.launch import CpuBackend
 from helpers import STRAIGHT_LINE_INTEGRATORS as WHOLE, c_functions, require_avx512, scale_close
 
@@ -115,3 +115,28 @@ def test_the_pass_marks_stores_in_order_and_literal_loads_and_the_lane_printer_p
     assert lanes.lines(whole.marked(y[:1], lambda macro: macro == "Y0")) == ["VYW0(0, y0_0);"]
     with pytest.raises(AssertionError):
         printer.COLUMN.lines(body)
+
+
+def test_stores_made_last_row_first_are_held_to_the_last_and_made_in_row_order():
+    """``whole.in_row_order``: a reverse sweep's stores (row 2, 1, 0) move to where row 0's was, in row
+    order, and then pass ``stored_in_order``; stores it cannot move stay where they are."""
+    gu = lambda macro: macro == "GU"
+    sweep = [Def(Val("yb", 0, 3), Read("G0", (3,))), Call("GU", (2,), Val("yb", 0, 3)),
+             Def(Val("yb", 0, 2), Read("G0", (2,))), Call("GU", (1,), Val("yb", 0, 2)),
+             Def(Val("yb", 0, 1), Read("G0", (1,))), Call("GU", (0,), Val("yb", 0, 1)),
+             Call("GS0", (), Val("yb", 0, 1))]
+    held = whole.in_row_order(sweep, gu)
+    assert held == (sweep[0], sweep[2], sweep[4], sweep[5], sweep[3], sweep[1], sweep[6])
+    assert whole.stored_in_order(held, gu, 3) and not whole.stored_in_order(sweep, gu, 3)
+    assert whole.in_row_order(held, gu) == held
+    kept = [
+        [*sweep, Call("GU", (1,), Val("yb", 0, 1))],  # a row stored twice
+        [*sweep, For(3, 4, 1, (Call("GU", (Rel(0),), Val("yb", 0, 1)),))],  # a store in a loop
+        [Call("GU", (Rel(0),), Val("yb", 0, 1)), *sweep[2:]],  # a row not literal
+        [Def(Var("x"), Read("G0", (0,)), const=False), Call("GU", (1,), Var("x")),  # its value assigned later
+         Store(Var("x"), Read("G0", (1,)), "+="), Call("GU", (0,), Var("x"))],
+        [Call("GU", (1,), Read("X", (0,))), Store(Read("X", (0,)), Val("yb", 0, 1)),  # its value stored through
+         Call("GU", (0,), Val("yb", 0, 1))],
+    ]
+    for statements in kept:
+        assert whole.in_row_order(statements, gu) == tuple(statements)
