@@ -48,26 +48,29 @@ def stored_in_order(statements: Sequence[Statement], stores: Names, rows: int) -
 
 def in_row_order(statements: Sequence[Statement], stores: Names) -> tuple[Statement, ...]:
     """``statements`` with the stores through the macros ``stores`` accepts held back to the place of the
-    last of them and made there, each macro's in row order, where each is at a literal row, none twice,
-    none in a loop or a run's end, and no statement assigns a variable, or stores through a macro, that
-    their rows or values read (a value moved later is then the same value); else ``statements`` as they
-    are."""
+    last of them and made there, each macro's in row order, where some macro's are not in that order
+    (a reverse sweep's), each is at a literal row, none twice, none in a loop or a run's end, and no
+    statement assigns a variable, or stores through a macro, that their rows or values read (a value
+    moved later is then the same value); else ``statements`` as they are (stores each macro makes in
+    row order already, interleaved or not, stay where they are)."""
     at = [i for i, s in enumerate(statements) if isinstance(s, Call) and stores(s.macro)]
+    calls = [statements[i] for i in at]
+    rows: dict[str, list[Any]] = {}
+    for c in calls:
+        rows.setdefault(c.macro, []).append(c.args[0])
     nested = any(isinstance(n, Call) and stores(n.macro) for s in statements if isinstance(s, (For, RunEnd))
                  for n in walk(s))
-    calls = [statements[i] for i in at]
-    keys = [(c.macro, c.args[0]) for c in calls]
-    if not at or nested or any(type(r) is not int for _, r in keys) or len(set(keys)) < len(keys):
+    if (not calls or nested or any(type(r) is not int or len(set(r_)) < len(r_) for r_ in rows.values() for r in r_)
+            or all(r_ == sorted(r_) for r_ in rows.values())):
         return tuple(statements)
     assigned = {n.target for n in walk(tuple(statements)) if isinstance(n, Store) or isinstance(n, Def) and not n.const}
     written = {t.macro for t in assigned if isinstance(t, Read)}
     if any(n in assigned or isinstance(n, Read) and n.macro in written for c in calls for n in walk((c.args, c.value))):
         return tuple(statements)
-    first = {m: i for i, m in reversed(list(enumerate(m for m, _ in keys)))}
-    ordered = sorted(calls, key=lambda c: (first[c.macro], c.args[0]))
-    held = set(at)
-    return tuple(x for i, s in enumerate(statements) if i not in held or i == at[-1]
-                 for x in (ordered if i == at[-1] else (s,)))
+    macro_order = list(rows)
+    held = sorted(calls, key=lambda c: (macro_order.index(c.macro), c.args[0]))
+    return tuple(x for i, s in enumerate(statements) if i == at[-1] or i not in at
+                 for x in (held if i == at[-1] else (s,)))
 
 
 def loaded_literal(statements: Sequence[Statement], loads: Names) -> bool:
