@@ -140,3 +140,6 @@ def test_stores_made_last_row_first_are_held_to_the_last_and_made_in_row_order()
     ]
     for statements in kept:
         assert whole.in_row_order(statements, gu) == tuple(statements)
+    # a forward's outputs, each in row order, interleaved: as they are
+    outputs = [Call(f"Y{k}", (h,), Val("y", k, h)) for h in range(2) for k in range(2)]
+    assert whole.in_row_order(outputs, lambda macro: macro in ("Y0", "Y1")) == tuple(outputs)
