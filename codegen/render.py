@@ -274,15 +274,24 @@ def whole_loads(code: LoweredOperator, codes: dict, bodies: dict[str, tuple[Any,
     return _plain_straight_line("adjoint", code, codes, bodies, literal)
 
 
+#: the rows of u's gradient a fused adjoint holds before it stores them in row order, by dtype
+#: (``whole.in_row_order``'s block; None: every row, until its reverse sweep completes row 0): float32 in
+#: blocks of 8 rows, each block's last row masked, was faster from memory than holding every row and as
+#: fast in cache; float64's blocks were slower in cache (BENCHMARKS.md, "A recurrence's fused C adjoint:
+#: u's gradient rows held and stored whole")
+HELD_ROWS: dict[str, Optional[int]] = {"float32": 8, "float64": None}
+
+
 def whole_actions(code: LoweredOperator, codes: dict, bodies: dict[str, tuple[Any, list[str]]],
                   table: ArgumentTable, n_actions: int) -> set[str]:
     """The lane bodies that store each action gradient's row as a whole vector where that vector stays
     inside the trajectory's rows (codegen/whole.py, templates/kernel.c.j2 ``VGUW``), as ``whole_rows``
     stores the forward's outputs: a fused adjoint's forms (``adjoint``, ``adjoint_<form>``) whose stores of
-    them are at literal rows 0 .. N-1, each once, none in a loop, in that order once held back to the last
-    of them (``whole.in_row_order``, which ``_whole_lines`` applies too): a stencil adds each row up and
-    stores it once it is complete, in order; a recurrence's reverse sweep completes them last row first,
-    and holds them until row 0 is. From memory, whole stores were faster there in float32 and float64
+    them are at literal rows 0 .. N-1, each once, none in a loop (``whole.stored_once``). A stencil adds
+    each row up and stores it once it is complete, in order; a recurrence's reverse sweep completes them
+    last row first, and holds them (``HELD_ROWS``, ``whole.in_row_order``, which ``_whole_lines``
+    applies) to store them in row order. A row is whole where the rows its lanes past reach are stored
+    after it (``whole.marked``). From memory, whole stores were faster there in float32 and float64
     (BENCHMARKS.md, "The fused C adjoint at B=40000: gradient rows loaded whole, and u's gradient rows
     stored whole", "A recurrence's fused C adjoint: u's gradient rows held and stored whole"), the held
     rows as fast in cache. A plain adjoint's stay masked: whole, they were as fast or slower
@@ -291,8 +300,7 @@ def whole_actions(code: LoweredOperator, codes: dict, bodies: dict[str, tuple[An
     if not code.fused:
         return set()
     stores = _action_store(table)
-    return _fused_adjoint_forms(codes, bodies, lambda statements: whole.stored_in_order(
-        whole.in_row_order(statements, stores), stores, n_actions))
+    return _fused_adjoint_forms(codes, bodies, lambda statements: whole.stored_once(statements, stores, n_actions))
 
 
 def _action_store(table: ArgumentTable) -> Callable[[str], bool]:
@@ -329,14 +337,16 @@ def _plain_straight_line(kernel: str, code: LoweredOperator, codes: dict, bodies
 
 
 def _whole_lines(bodies: dict[str, tuple[Any, list[str]]], stores: dict[str, Callable[[str], bool]],
-                 loads: dict[str, Callable[[str], bool]], table: ArgumentTable) -> dict[str, list[str]]:
-    """The lines of each lane body, with the stores through its macros in ``stores`` marked whole, in row
-    order (``whole.in_row_order``: the order ``whole_rows`` and ``whole_actions`` chose them in), and the
-    loads through those in ``loads`` marked whole (codegen/whole.py)."""
+                 loads: dict[str, Callable[[str], bool]], table: ArgumentTable, held: Optional[int], reach: int
+                 ) -> dict[str, list[str]]:
+    """The lines of each lane body, with the stores through its macros in ``stores`` in row order (held in
+    blocks of ``held`` rows where made in another order: ``whole.in_row_order``) and marked whole where
+    the ``reach`` rows after theirs are stored later, and the loads through those in ``loads`` marked
+    whole (codegen/whole.py)."""
     printer = lane_printer(macros.lane_names(table))
     none: Callable[[str], bool] = lambda _: False
-    return {k: printer.lines(whole.marked(whole.in_row_order(statements, stores[k]) if k in stores else statements,
-                                          stores.get(k, none), loads.get(k, none)))
+    return {k: printer.lines(whole.marked(whole.in_row_order(statements, stores[k], held) if k in stores else statements,
+                                          stores.get(k, none), loads.get(k, none), reach))
             if k in stores or k in loads else lines
             for k, (statements, lines) in bodies.items()}
 
@@ -585,7 +595,8 @@ def render(spec: Any, code: LoweredOperator, table: ArgumentTable, target: Targe
         lanes=lane_form,
         lane_bodies=_whole_lines(lane_bodies, {**{k: _output_store for k in stores},
                                                **{k: _action_store(table) for k in actions}},
-                                 {k: _gradient_load for k in loads}, table),
+                                 {k: _gradient_load for k in loads}, table, HELD_ROWS[spec.dtype],
+                                 -(-(lane_form["width"] - spec.dof) // spec.dof) if lane_form else 1),
         lane_actions=_lane_actions(lane_bodies, spec.n_actions),
         paired=pairs,
         late_loads=late,

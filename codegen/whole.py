@@ -11,9 +11,11 @@ trajectory's rows (its last rows) stays masked, so nothing outside them is read 
 
 - A store (``stored_in_order``): the lanes past a row are rewritten by the next rows' stores, so a
   macro's stores must be at literal rows 0 .. n-1, each once, in that order. A column that makes them
-  in another order (a recurrence's reverse sweep, last row first) may hold them back to where the
-  last of them is made and make them there in row order (``in_row_order``), their values kept in
-  registers meanwhile.
+  in another order (a recurrence's reverse sweep, last row first) may hold them back and make them in
+  row order (``in_row_order``), all where the last of them is made or in blocks of rows, each block
+  where its last is made, their values kept in registers meanwhile. ``marked`` marks a store whole
+  only where the rows its lanes past reach are stored after it (a block's last row, whose next row
+  an earlier block stored, stays masked).
 - A load (``loaded_literal``): the lanes past a row hold the next row's values, which lane-by-lane
   arithmetic and stores that are masked or rewritten meet only; every load at a literal row (a
   loop's row keeps its test at run time: measured slower).
@@ -25,7 +27,7 @@ choice (``whole_rows``, ``whole_loads``).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from .statements import Call, Def, For, Read, RunEnd, Statement, Store, transform, walk
 
@@ -36,41 +38,59 @@ def stored_in_order(statements: Sequence[Statement], stores: Names, rows: int) -
     """Whether the stores through the macros ``stores`` accepts (some) are each macro's rows 0 ..
     ``rows`` - 1 once each, in that order, every row a literal one and none in a loop or a run's end
     (run as often as they come)."""
+    made = _rows_made(statements, stores)
+    return bool(made) and all(r == list(range(rows)) for r in made.values())
+
+
+def stored_once(statements: Sequence[Statement], stores: Names, rows: int) -> bool:
+    """``stored_in_order`` in any order."""
+    made = _rows_made(statements, stores)
+    return bool(made) and all(all(type(h) is int for h in r) and sorted(r) == list(range(rows)) for r in made.values())
+
+
+def _rows_made(statements: Sequence[Statement], stores: Names) -> dict[str, list[Any]]:
+    """The rows of each macro's stores (through the macros ``stores`` accepts) in the order made; {} where
+    one is in a loop or a run's end."""
     by_macro: dict[str, list[Any]] = {}
     for s in statements:
         if isinstance(s, (For, RunEnd)):
             if any(isinstance(n, Call) and stores(n.macro) for n in walk(s)):
-                return False
+                return {}
         elif isinstance(s, Call) and stores(s.macro):
             by_macro.setdefault(s.macro, []).append(s.args[0])
-    return bool(by_macro) and all(r == list(range(rows)) for r in by_macro.values())
+    return by_macro
 
 
-def in_row_order(statements: Sequence[Statement], stores: Names) -> tuple[Statement, ...]:
-    """``statements`` with the stores through the macros ``stores`` accepts held back to the place of the
-    last of them and made there, each macro's in row order, where some macro's are not in that order
-    (a reverse sweep's), each is at a literal row, none twice, none in a loop or a run's end, and no
-    statement assigns a variable, or stores through a macro, that their rows or values read (a value
-    moved later is then the same value); else ``statements`` as they are (stores each macro makes in
-    row order already, interleaved or not, stay where they are)."""
+def in_row_order(statements: Sequence[Statement], stores: Names, block: Optional[int] = None
+                 ) -> tuple[Statement, ...]:
+    """``statements`` with the stores through the macros ``stores`` accepts held back and made in row
+    order, each macro's, in blocks of ``block`` rows (rows 0 .. block - 1, block .. 2 block - 1, ...; None:
+    one block of every row), each block at the place of the last of its stores, where some macro's are not
+    in row order (a reverse sweep's), each is at a literal row, none twice, none in a loop or a run's end,
+    and no statement assigns a variable, or stores through a macro, that their rows or values read (a
+    value moved later is then the same value); else ``statements`` as they are (stores each macro makes
+    in row order already, interleaved or not, stay where they are)."""
+    made = _rows_made(statements, stores)
+    if (not made or any(any(type(h) is not int for h in r) or len(set(r)) < len(r) for r in made.values())
+            or all(r == sorted(r) for r in made.values())):
+        return tuple(statements)
     at = [i for i, s in enumerate(statements) if isinstance(s, Call) and stores(s.macro)]
     calls = [statements[i] for i in at]
-    rows: dict[str, list[Any]] = {}
-    for c in calls:
-        rows.setdefault(c.macro, []).append(c.args[0])
-    nested = any(isinstance(n, Call) and stores(n.macro) for s in statements if isinstance(s, (For, RunEnd))
-                 for n in walk(s))
-    if (not calls or nested or any(type(r) is not int or len(set(r_)) < len(r_) for r_ in rows.values() for r in r_)
-            or all(r_ == sorted(r_) for r_ in rows.values())):
-        return tuple(statements)
     assigned = {n.target for n in walk(tuple(statements)) if isinstance(n, Store) or isinstance(n, Def) and not n.const}
     written = {t.macro for t in assigned if isinstance(t, Read)}
     if any(n in assigned or isinstance(n, Read) and n.macro in written for c in calls for n in walk((c.args, c.value))):
         return tuple(statements)
-    macro_order = list(rows)
-    held = sorted(calls, key=lambda c: (macro_order.index(c.macro), c.args[0]))
-    return tuple(x for i, s in enumerate(statements) if i == at[-1] or i not in at
-                 for x in (held if i == at[-1] else (s,)))
+    of = (lambda row: 0) if block is None else (lambda row: row // block)
+    place: dict[int, int] = {}  # a block's rows // block -> the place of its last store
+    for i, c in zip(at, calls):
+        place[of(c.args[0])] = i
+    macro_order = list(made)
+    held: dict[int, list[Call]] = {}
+    for c in sorted(calls, key=lambda c: (macro_order.index(c.macro), c.args[0])):
+        held.setdefault(place[of(c.args[0])], []).append(c)
+    moved = set(at)
+    return tuple(x for i, s in enumerate(statements) if i in held or i not in moved
+                 for x in (held[i] if i in held else (s,)))
 
 
 def loaded_literal(statements: Sequence[Statement], loads: Names) -> bool:
@@ -79,15 +99,24 @@ def loaded_literal(statements: Sequence[Statement], loads: Names) -> bool:
     return bool(rows) and all(type(h) is int for h in rows)
 
 
-def marked(statements: Sequence[Statement], stores: Names = lambda _: False, loads: Names = lambda _: False
-           ) -> tuple[Statement, ...]:
-    """``statements`` with the stores through ``stores``' macros and the reads through ``loads``' marked
-    whole."""
+def marked(statements: Sequence[Statement], stores: Names = lambda _: False, loads: Names = lambda _: False,
+           reach: int = 1) -> tuple[Statement, ...]:
+    """``statements`` with the reads through ``loads``' macros marked whole, and the stores through
+    ``stores``' macros at literal rows, each where the ``reach`` rows after its row (those its vector's
+    lanes past the row fall on) are stored after it by the same macro or not at all (rows past the last:
+    the whole form's own test keeps those lanes; a caller checks that every row is stored, ``stored_once``)."""
+    last = {(s.macro, s.args[0]): i for i, s in enumerate(statements) if isinstance(s, Call) and stores(s.macro)}
+
+    def rewritten(node: Call, i: int) -> bool:
+        h = node.args[0]
+        return type(h) is int and last.get((node.macro, h)) == i and all(
+            last.get((node.macro, h + k), i + 1) > i for k in range(1, reach + 1))
+
     def mark(node: Any) -> Any:
-        if isinstance(node, Call) and stores(node.macro):
-            return dataclasses.replace(node, whole=True, value=transform(node.value, mark))
         if isinstance(node, Read) and loads(node.macro):
             return dataclasses.replace(node, whole=True)
         return None
-    return transform(tuple(statements), mark)
 
+    return tuple(dataclasses.replace(s, whole=True, value=transform(s.value, mark))
+                 if isinstance(s, Call) and stores(s.macro) and rewritten(s, i) else transform(s, mark)
+                 for i, s in enumerate(statements))

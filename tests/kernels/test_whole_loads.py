@@ -112,10 +112,7 @@ def test_a_fused_adjoint_moves_its_gradient_rows_whole_where_chosen_and_its_pair
         assert {w for w, _ in loads} == {"W" if loads_whole else ""}, name
         assert sorted(int(h) for _, h in loads) == list(range(spec.horizon)), name
         stores = re.findall(r"\bVGU(W?)\((\d+),", _lanes(text))
-        assert [(w, int(j)) for w, j in stores] == [("W", j) for j in range(spec.n_actions)], name
-        if index in RECURRENCES:  # held: the column's last statements (row 0's start rows' gradients after them)
-            assert re.search(r"VGUW\(0, \w+\);(\s*VGUW\(\d+, \w+\);){%d}\s*(const VT |VGS)" % (spec.n_actions - 1),
-                             _lanes(text)), name
+        assert [(w, int(j)) for w, j in stores] == _action_stores(spec, index in RECURRENCES), name
         # a paired function's VGW0 and VGUW are its own masked loads and stores of both trajectories' rows
         assert ("#define VGW0(h) VLOADP(gb0 + (h) * Y_SH, gb0_s)" in text) == (name in paired and loads_whole), name
         assert ("#define VGUW(j, v) VSTOREP(gu + uo + (j) * U_SH, uo_s, (v))" in text) == (name in paired), name
@@ -126,20 +123,33 @@ def test_a_fused_adjoint_moves_its_gradient_rows_whole_where_chosen_and_its_pair
             "else VGU(j, v); } while (0)" in source)
 
 
+def _action_stores(spec: ts.KernelSpec, held: bool) -> list[tuple[str, int]]:
+    """A fused adjoint's stores of u's gradient rows as its lane column makes them, ("W" whole or "", row): a
+    stencil's in row order, all whole; a recurrence's held in blocks of ``render.HELD_ROWS`` rows, the last
+    block first, each in row order, whole but a block's last rows, whose vectors' lanes past the row reach
+    a row an earlier block stored."""
+    N = spec.n_actions
+    size = (render.HELD_ROWS[spec.dtype] or N) if held else N
+    reach = -(-(render.lanes(spec)["width"] - spec.dof) // spec.dof)  # the rows a row's lanes past it fall on
+    return [("" if j + reach >= min(first + size, N) < N else "W", j)
+            for first in reversed(range(0, N, size)) for j in range(first, min(first + size, N))]
+
+
 @pytest.mark.parametrize("integrator", ["semi_implicit_euler", "exact"])
 def test_every_recurrence_holds_u_gradient_rows_and_stores_them_whole_in_row_order(integrator):
-    """Each control a recurrence integrates, in both dtypes: every fused adjoint form's lane column stores u's
-    gradient rows whole, rows 0 .. N-1 one after another."""
+    """Each control a recurrence integrates, in both dtypes: every fused adjoint form's lane column holds u's
+    gradient rows and stores them in row order (in blocks, ``_action_stores``), one after another."""
     for control, dtype in (("velocity", "float32"), ("acceleration", "float64"), ("jerk", "float32")):
-        spec = ts.KernelSpec(horizon=5, dof=3, dtype=dtype, control=control, integrator=integrator, outputs=("P",),
+        spec = ts.KernelSpec(horizon=11, dof=3, dtype=dtype, control=control, integrator=integrator, outputs=("P",),
                              costs=(("squared", "velocity"),))
         _, batches = _batches(spec)
         adjoints = [text for name, text in batches.items() if name.startswith("adjoint")]
         assert adjoints
         for text in adjoints:
             stores = re.findall(r"\bVGU(W?)\((\d+), \w+\);", _lanes(text))
-            assert stores == [("W", str(j)) for j in range(spec.n_actions)], spec.name
-            assert re.search(r"(\s*VGUW\(\d+, \w+\);){%d}" % spec.n_actions, _lanes(text)), spec.name
+            assert [(w, int(j)) for w, j in stores] == _action_stores(spec, True), spec.name
+            size = render.HELD_ROWS[dtype] or spec.n_actions  # each block's rows one after another
+            assert len(re.findall(r"(?:\s*VGUW?\(\d+, \w+\);)+", _lanes(text))) == -(-spec.n_actions // size)
 
 
 def _guarded(n: int, dtype: torch.dtype) -> tuple[mmap.mmap, torch.Tensor, torch.Tensor]:

@@ -140,6 +140,16 @@ def test_stores_made_last_row_first_are_held_to_the_last_and_made_in_row_order()
     ]
     for statements in kept:
         assert whole.in_row_order(statements, gu) == tuple(statements)
+    # in blocks of 2 rows, each where its last store was; a row whole where the rows its lanes past reach
+    # are stored after it (row 1's next row, 2, is stored before it; row 3's is past the rows)
+    sweep = [Call("GU", (h,), Val("yb", 0, h + 1)) for h in reversed(range(4))]
+    blocks = whole.in_row_order(sweep, gu, 2)
+    assert blocks == (sweep[1], sweep[0], sweep[3], sweep[2]) and whole.stored_once(blocks, gu, 4)
+    lanes = printer.lane_printer(frozenset({"U", "GU"}))
+    assert lanes.lines(whole.marked(blocks, gu)) == ["VGUW(2, yb0_3);", "VGUW(3, yb0_4);", "VGUW(0, yb0_1);",
+                                                     "VGU(1, yb0_2);"]
+    assert lanes.lines(whole.marked(blocks, gu, reach=2))[2:] == ["VGU(0, yb0_1);", "VGU(1, yb0_2);"]
+    assert [c.whole for c in whole.marked(sweep, gu)] == [True, False, False, False]  # last row first: the last only
     # a forward's outputs, each in row order, interleaved: as they are
     outputs = [Call(f"Y{k}", (h,), Val("y", k, h)) for h in range(2) for k in range(2)]
     assert whole.in_row_order(outputs, lambda macro: macro in ("Y0", "Y1")) == tuple(outputs)
