@@ -276,7 +276,7 @@ def whole_loads(code: LoweredOperator, codes: dict, bodies: dict[str, tuple[Any,
 
 #: the rows of u's gradient a fused adjoint holds before it stores them in row order, by dtype
 #: (``whole.in_row_order``'s block; None: every row, until its reverse sweep completes row 0): float32 in
-#: blocks of 8 rows, each block's last row masked, was faster from memory than holding every row and as
+#: blocks of 8 rows, each block's last rows masked, was faster from memory than holding every row and as
 #: fast in cache; float64's blocks were slower in cache (BENCHMARKS.md, "A recurrence's fused C adjoint:
 #: u's gradient rows held and stored whole")
 HELD_ROWS: dict[str, Optional[int]] = {"float32": 8, "float64": None}

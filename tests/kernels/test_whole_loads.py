@@ -9,12 +9,13 @@ tensor ends at one too (its rows are stored masked: a store past them faults) an
 
 A fused adjoint loads P's gradient rows whole in float32 (``render.FUSED_WHOLE_LOADS``) and stores u's
 gradient rows whole (``render.whole_actions``, ``VGUW``): a stencil's in the order it completes them, a
-recurrence's, which its reverse sweep completes last row first, held until row 0 is and stored in row order
-(``whole.in_row_order``); its paired function keeps both masked. Its gradients are the dense reference's and the cost terms' definitions'
+recurrence's, which its reverse sweep completes last row first, held and stored in row order in blocks
+(``render.HELD_ROWS``, ``whole.in_row_order``), a block's last rows masked where their lanes past the row
+reach a row an earlier block stored; its paired function keeps both masked. Its gradients are the dense reference's and the cost terms' definitions'
 (tests/reference_costs.py) with both tensors ending at an unreadable page. With VGW's or VGUW's bound
 removed (every row whole) the fused specs faulted (SIGSEGV); with the recurrences' rows stored whole as the
-sweep completes them (last row first), each row's vector overwrote the next row's first dof and u's
-gradient differed from the reference."""
+sweep completes them (last row first), or every held row whole (a block's last rows too), a row's vector
+overwrote the next row's first dof and u's gradient differed from the reference."""
 from __future__ import annotations
 
 import ctypes
@@ -50,7 +51,7 @@ _TERMS = (("bound", "position"), ("bound", "velocity"), ("bound", "acceleration"
 #: fused adjoints: float32 ones load P's gradient rows whole (render.FUSED_WHOLE_LOADS), float64 ones masked;
 #: each stores u's gradient rows whole in row order (render.whole_actions; the central stencil's float32
 #: paired form masked): the stencils as they complete them, the recurrences (jerk control, semi-implicit
-#: Euler; velocity control, exact) held until their reverse sweep completes row 0
+#: Euler; velocity control, exact) held by their reverse sweep (``_action_stores``)
 FUSED = [
     ts.KernelSpec(horizon=9, dof=7, dtype="float32", outputs=("P",), costs=_TERMS),
     ts.KernelSpec(horizon=12, dof=3, dtype="float32", control="jerk", outputs=("P",),
