@@ -105,6 +105,7 @@ static int ts_region, ts_regions;
 #define TS_TILE_SYNC(lanes) ((void)(lanes), ++ts_region)
 #define TS_TILE_LIVE (ts_region == ts_pass)
 #define TS_TILE_ELEMENT(t, i) (TS_TILE_LIVE ? &(t)->tile[(i)] : &(t)->spare)
+#define TS_TILE_LANE() ((int)(threadIdx.x & 31))
 /* each store of a tile, where ts_stores_kept: (block, thread, region, the warp's k-th store, address, bytes) */
 typedef struct {{ long long block, thread, region, k, address, bytes; }} ts_store;
 static ts_store* ts_stores;
