@@ -736,19 +736,12 @@ def _span_column_partials(h: int, rows: list[Row], inputs: list, readers: dict, 
             continue
         coef = {(k, hh): c for c, k, hh in readers[ref]}
         reading = [i for i, row in enumerate(rows) if (row.k, row.h) in coef]
-        part: Val | None = None
+        total = Var(f"a{refs.local(ref)}")
         for i in reading:
             row = rows[i]
             term = coefs.term(coef[row.k, row.h], Val("g", row.k, blocks.row(row.h, h)))
-            if i != reading[-1]:
-                own = Val(f"gc{row.k}_", n, blocks.row(row.h, h))
-                out[i].append(Def(own, Sum(((Term(None, part),) if part else ()) + (term,))))
-                part = own
-                continue
-            total = Var(f"a{refs.local(ref)}")
-            # ``+=``: the span's terms summed, then added to the total (as one sum of them was)
-            out[i].append(Store(total, Sum(((Term(None, part),) if part else ()) + (term,)), "+="))
-            if h == spans[-1]:
+            out[i].append(Store(total, Sum((term,)), "+="))
+            if i == reading[-1] and h == spans[-1]:
                 out[i].append(refs.gradient(ref, (Term(None, total),)))
     return out
 
