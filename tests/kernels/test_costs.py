@@ -1905,3 +1905,45 @@ def test_cuda_fused_forward_reads_its_late_inputs_where_used_and_matches_the_def
     assert "volatile const T*)&(CW0)" not in ts.source(spec, "c")
     x, params, dt = _data(spec)
     _fused_against_composite(spec, x, params, dt, False, fused_step=host_step(spec))
+
+
+def test_cuda_bspline_adjoint_with_row_tiles_and_row_by_row_start_and_goal_sums_matches_the_definitions():
+    """A fused float64 order-4 B-spline with a goal and nine terms, layout "bdh" (issue 39's adjoint
+    that spilled 168 bytes, at 2 dof): its adjoint adds each row's term to the start state's and the
+    goal's gradient sums as the row is done (codegen/fused.py ``_span_column_partials``: no span's
+    chain of partials, ``gc<k>_<i>``), and stores u's gradient through row tiles in a fixed count of
+    stores, the lane read where a tile is stored (templates/kernel.cu.j2). Run on the host
+    (tests/cuda_on_host.py; 3 trajectories: one partial warp of 6 lanes): the cost and the gradients
+    of u, the start state, the goal and the target within 1e-10 of the plain step plus the terms
+    from their definitions."""
+    from cuda_on_host import host_step
+
+    terms = tuple(("bound", s) for s in STATES) + tuple(("squared", s) for s in ("position", "acceleration", "jerk", "snap"))
+    spec = ts.KernelSpec(control="bspline", degree=4, knots=8, steps=2, end="goal", dt="per_trajectory", order=4,
+                         layout="bdh", dof=2, dtype="float64", costs=terms, outputs=())
+    source = ts.source(spec, "cuda")
+    adjoint = source[source.index(f"{spec.name}_adjoint(int64_t B"):]
+    assert "ts_tile ts_t0" in adjoint and "TS_TILE_LANE()" in source and "ts_tile_lane()" in source
+    assert re.search(r"for \(int k = 0; k < \d+; \+\+k\)", source)
+    assert not re.search(r"\bgc\d+_\d+", adjoint)
+    assert adjoint.count("as0 += ") > 2 and adjoint.count("ae0 += ") > 2
+    x, params, dt = _data(spec)
+    gen = torch.Generator().manual_seed(5)
+    wcost = torch.randn(3, len(terms), generator=gen, dtype=torch.float64)
+    grads = []
+    for fused_step in (True, False):
+        leaves = {k: x[k].clone().requires_grad_() for k in ("u", "p0", "v0", "a0", "j0")}
+        goal = tuple(g.clone().requires_grad_() for g in x["goal"])
+        target = params["squared_position_target"].clone().requires_grad_()
+        xx, pp = {**x, **leaves, "goal": goal}, {**params, "squared_position_target": target}
+        if fused_step:
+            out = _call(host_step(spec), spec, xx, pp, dt)
+            cost = out[-1] if isinstance(out, tuple) else out
+        else:
+            plain = spec.replace(costs=(), outputs=None)
+            cost = _torch_costs(spec, _call(ts.load(plain), plain, xx, {}, dt), pp, xx)
+        (cost * wcost).sum().backward()
+        grads.append([cost.detach()] + [t.grad for t in (*leaves.values(), *goal, target)])
+    for got, expected in zip(*grads):
+        assert got is not None and expected is not None and expected.abs().max() > 0
+        torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-10 * float(expected.abs().max()))
