@@ -34,6 +34,8 @@ from typing import Callable, Iterable, Iterator, Optional, Sequence
 
 import torch
 
+from .launch_bounds import take_option
+
 #: launches timed, after the warm-ups
 RUNS = 50
 WARMUPS = 5
@@ -218,16 +220,6 @@ def blocks_table(runs: dict[int, list[list[Row]]]) -> list[str]:
     return lines
 
 
-def _option(args: list[str], name: str) -> Optional[str]:
-    """The value after ``name`` in ``args`` (both removed), or None."""
-    if name not in args:
-        return None
-    at = args.index(name)
-    value = args[at + 1]
-    del args[at:at + 2]
-    return value
-
-
 def no_gpu() -> Optional[str]:
     """Why nothing can be timed here, or None."""
     if not torch.cuda.is_available():
@@ -241,9 +233,9 @@ def no_gpu() -> Optional[str]:
 
 def main(argv: Sequence[str]) -> int:
     args = list(argv)
-    child = _option(args, "--at-min-blocks")
-    blocks = _option(args, "--min-blocks")
-    rounds = int(_option(args, "--rounds") or 2)
+    child = take_option(args, "--at-min-blocks")
+    blocks = take_option(args, "--min-blocks")
+    rounds = int(take_option(args, "--rounds") or 2)
     batches = [int(a) for a in args] or [400, 40000]
     why = no_gpu()
     if why:

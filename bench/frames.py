@@ -71,15 +71,8 @@ def table(rows: Sequence[Row], drawn: Sequence[Any]) -> list[str]:
 
 def main(argv: Sequence[str]) -> int:
     args = list(argv)
-    where, json_path = {}, None
-    if "--where" in args:
-        at = args.index("--where")
-        where = dict(pair.split("=", 1) for pair in args[at + 1].split(","))
-        del args[at:at + 2]
-    if "--json" in args:
-        at = args.index("--json")
-        json_path = Path(args[at + 1])
-        del args[at:at + 2]
+    where, json_given = launch_bounds.where_option(args), launch_bounds.take_option(args, "--json")
+    json_path = Path(json_given) if json_given else None
     if ptxas.nvcc() is None:
         print("frames: nvcc not found on PATH: no ptxas figures")
         return 0

@@ -260,32 +260,33 @@ def by_size(rows: Sequence[Row], drawn: Sequence[Any]) -> list[str]:
     return lines
 
 
+def take_option(args: list[str], flag: str) -> Optional[str]:
+    """The value after ``flag`` in ``args``, both removed from ``args``; None where ``flag`` is absent."""
+    if flag not in args:
+        return None
+    at = args.index(flag)
+    value = args[at + 1]
+    del args[at:at + 2]
+    return value
+
+
+def where_option(args: list[str]) -> dict[str, str]:
+    """``--where field=value,...`` taken from ``args``: only the draws with those values (``specs``)."""
+    where = take_option(args, "--where")
+    return dict(pair.split("=", 1) for pair in where.split(",")) if where else {}
+
+
 def main(argv: Sequence[str]) -> int:
     args = list(argv)
-    model_dir = json_path = None
-    if "--model" in args:
-        at = args.index("--model")
-        model_dir = Path(args[at + 1])
-        del args[at:at + 2]
-    where = {}
-    if "--where" in args:  # field=value,...: only the draws with those values
-        at = args.index("--where")
-        where = dict(pair.split("=", 1) for pair in args[at + 1].split(","))
-        del args[at:at + 2]
-    blocks = MIN_BLOCKS
-    if "--blocks" in args:  # n,...: only these
-        at = args.index("--blocks")
-        blocks = tuple(int(b) for b in args[at + 1].split(","))
-        del args[at:at + 2]
-    if "--json" in args:
-        at = args.index("--json")
-        json_path = Path(args[at + 1])
-        del args[at:at + 2]
+    model_dir, where = take_option(args, "--model"), where_option(args)
+    blocks_given, json_given = take_option(args, "--blocks"), take_option(args, "--json")
+    blocks = tuple(int(b) for b in blocks_given.split(",")) if blocks_given else MIN_BLOCKS  # n,...: only these
+    json_path = Path(json_given) if json_given else None
     if ptxas.nvcc() is None:
         print("launch_bounds: nvcc not found on PATH: no ptxas figures")
         return 0
     n, seed = (int(a) for a in args[:2])
-    model = model_tools(model_dir) if model_dir else None
+    model = model_tools(Path(model_dir)) if model_dir else None
     workdir = Path(tempfile.mkdtemp(prefix="tensorstep-bounds-"))
     rows: list[Row] = []
     drawn = specs(n, seed, where)
