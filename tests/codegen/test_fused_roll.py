@@ -12,7 +12,7 @@ import sympy as sp
 
 import tensorstep as ts
 from tensorstep.bench.ptxas import source_of
-from tensorstep.codegen import fused
+from tensorstep.codegen import fused, roll
 from tensorstep.codegen.arguments import table
 from tensorstep.codegen.lower import lower
 from tensorstep.codegen.printer import COLUMN
@@ -214,17 +214,57 @@ def test_the_reverse_scans_plan_counts_its_whole_checkpoint_array():
         n = length // block
         return n + ((length - n * block) // size > 0) + block // size
 
-    for length in range(2, 300, 7):
-        for size in (1, 2, 3):
-            for checkpoint in (8, 16, 24, 32):
-                got = roll._block(length, size, checkpoint, 768)
-                fits = [b for b in range(size * roll.BLOCK_SEGMENTS, length + 1, size)
-                        if array(length, size, b) * checkpoint <= 768]
-                if (length // size) * checkpoint <= 768:
-                    assert got == size
-                else:
-                    assert got == (fits[0] if fits else None), (length, size, checkpoint)
+    # (and the longer segments ``segmented`` tries where none fits, against a budget of a few checkpoints)
+    for budget in (48, 768):
+        for length in range(2, 300, 7):
+            for size in (1, 2, 3, 7):
+                for checkpoint in (8, 16, 24, 32):
+                    got = roll._block(length, size, checkpoint, budget)
+                    fits = [b for b in range(size * roll.BLOCK_SEGMENTS, length + 1, size)
+                            if array(length, size, b) * checkpoint <= budget]
+                    if (length // size) * checkpoint <= budget:
+                        assert got == size
+                    else:
+                        assert got == (fits[0] if fits else None), (length, size, checkpoint, budget)
     assert array(253, 1, roll._block(253, 1, 24, 768)) * 24 == 768 and roll._block(253, 1, 32, 768) is None
+
+
+#: the reverse scan's plan as defined (``_cuda_adjoint`` gives it another budget)
+SEGMENTED = roll.segmented
+
+
+def _cuda_adjoint(spec: ts.KernelSpec, budget: int, monkeypatch) -> tuple[int | None, int | None, bool]:
+    """CUDA's float64 adjoint of ``spec`` with ``budget`` bytes of checkpoints (``fused.CHECKPOINT_BYTES``,
+    given to the reverse scan, ``roll.segmented``, too: ``fused.rolled_adjoint``'s default holds the
+    value it had at import): its checkpoint array's values (``TS_CHECKPOINTS``, None where it has none),
+    the steps of its segments (the shortest stride of its loops, None where it has none) and whether
+    it has two levels (loops over blocks of segments, ``rs``)."""
+    from tensorstep.codegen.statements import Call, walk
+
+    monkeypatch.setattr(fused, "CHECKPOINT_BYTES", budget)
+    monkeypatch.setattr(roll, "segmented", lambda values, reverse, itemsize, rows, _, again: SEGMENTED(
+        values, reverse, itemsize, rows, budget, again))
+    statements = CUDA.codes(lower(build_operator(spec), table(spec)), ("adjoint",), 8)["adjoint"].statements
+    array = [n.args[0] for n in walk(tuple(statements)) if isinstance(n, Call) and n.macro == "TS_CHECKPOINTS"]
+    loops = [s for s in statements if isinstance(s, For)]
+    return (array[0] if array else None, min((abs(s.step) for s in loops if s.var == "r"), default=None),
+            any(s.var == "rs" for s in loops))
+
+
+def test_a_reverse_scan_past_its_budget_takes_longer_segments_or_none_and_never_more_bytes(monkeypatch):
+    """Where no block of ``roll.segmented``'s segments keeps checkpoints within the budget, the segments grow a
+    step at a time until one level or two fit; where not even two segments' checkpoints fit, no scan, and
+    CUDA's adjoint is the straight-line column. Its checkpoint array is within the budget at every one: a
+    velocity recurrence at H=40 (two float64 values kept a segment) runs 2-step segments at 768 bytes (36
+    checkpoints), 3-step ones in blocks of 24 steps at 160 (blocks of 2-step ones need 22 checkpoints, 176
+    bytes), 10-step ones at 48 (9-step ones would need 64 bytes); at 16 bytes the straight-line column keeps
+    none. (Their values: host runs in tests/kernels/test_costs.py.)"""
+    spec = _spec(horizon=40, control="velocity", integrator="semi_implicit_euler", dtype="float64")
+    expected = {fused.CHECKPOINT_BYTES: (36, 2, False), 160: (20, 3, True), 48: (6, 10, False), 16: (None, None, False)}
+    for budget, (values, steps, blocks) in expected.items():
+        got = _cuda_adjoint(spec, budget, monkeypatch)
+        assert got[0] is None or got[0] * 8 <= budget, (budget, got)
+        assert got == (values, steps, blocks), (budget, got)
 
 
 @pytest.mark.parametrize("control", ["velocity", "acceleration", "jerk"])
