@@ -1582,6 +1582,46 @@ def test_rolled_cuda_adjoints_with_few_checkpoints_run_on_the_host_match_the_def
     _fused_against_composite(spec, x, params, dt_, False, fused_step=host_step(spec))
 
 
+#: CUDA checkpoint budgets (fused.CHECKPOINT_BYTES) below the default where no block of a recurrence's
+#: segments fits (codegen/roll.py ``segmented``; tests/codegen/test_fused_roll.py sweeps them): jerk at H=48
+#: in 3-step segments (2 by default) in two levels, 30 checkpoints of 8 bytes, a dt per step (its table
+#: slots advancing by the longer segments); velocity at H=40 with 16 bytes, not two segments' checkpoints:
+#: no scan, the straight-line column keeping none
+SMALL_BUDGETS = {
+    "jerk_h48_256_bytes_per_step": (dict(control="jerk", horizon=48, integrator="exact", dt="per_step"), 256, 30),
+    "velocity_h40_16_bytes": (dict(control="velocity", horizon=40, integrator="semi_implicit_euler"), 16, None),
+}
+
+
+@pytest.mark.parametrize("case", SMALL_BUDGETS)
+def test_cuda_adjoints_within_a_small_checkpoint_budget_run_on_the_host_match_the_definitions(case, monkeypatch):
+    """The CUDA source run on the host (tests/cuda_on_host.py) with a checkpoint budget too small for blocks of
+    the reverse scan's segments: longer segments, or none (the straight-line column), the checkpoint array
+    within the budget either way; P, the cost and the gradients of u, p0 and the target against the plain
+    step plus the terms from their definitions (float64, 1e-10)."""
+    from cuda_on_host import host_step
+    from tensorstep.codegen import driver, roll
+
+    fields, budget, checkpoints = SMALL_BUDGETS[case]
+    spec = ts.KernelSpec(dof=2, dtype="float64", costs=TERMS, outputs=("P",), **fields)
+    segmented = roll.segmented  # given the budget too (fused.rolled_adjoint's default is the value at import)
+    monkeypatch.setattr(fused, "CHECKPOINT_BYTES", budget)
+    monkeypatch.setattr(roll, "segmented", lambda values, reverse, itemsize, rows, _, again: segmented(
+        values, reverse, itemsize, rows, budget, again))
+    driver.lowered.cache_clear()  # (its lowering, kept per spec, holds the columns)
+    try:
+        source = generate(spec, targets=("cuda",), parts=("core",)).source("cuda", "core")
+        array = re.search(r"TS_CHECKPOINTS\((\d+)\)", source)
+        kept = int(array[1]) if array else None
+        assert kept is None or kept * 8 <= budget, kept
+        # (yb0_s0: a segment's adjoint of P, the scan's)
+        assert (kept, "yb0_s0" in source) == (checkpoints, checkpoints is not None)
+        x, params, dt_ = _data(spec)
+        _fused_against_composite(spec, x, params, dt_, False, fused_step=host_step(spec))
+    finally:
+        driver.lowered.cache_clear()
+
+
 #: C's fused recurrence columns are rolled past fused.C_ROLL_RECURRENCE_ABOVE_H (the forward one loop, the
 #: adjoint a reverse scan over segments from checkpoints in a local array): each control, with and without a
 #: squared position term (the target's gradient), a dt shared, per trajectory or per step, up to H=256
