@@ -152,7 +152,7 @@ GRID = [
     (dict(control="bspline", degree=4, knots=8, steps=2, end="goal", dt="per_trajectory", order=4, layout="bdh",
           outputs=(), costs=tuple(("bound", s) for s in ("position", "velocity", "acceleration", "jerk", "snap"))
           + tuple(("squared", s) for s in ("position", "acceleration", "jerk", "snap"))), None, "float64",
-     {"core": "adjoint: 40 bytes of spill stores"}),
+     {"core": "adjoint: 24 bytes of spill stores"}),
     # a dt per trajectory: each thread computes its coefficients, monomials of its dt, the factors read
     # where they are used from the block's copy in shared memory (104 and 244 bytes spilled before)
     (dict(control="bspline", degree=4, knots=6, steps=2, dt="per_trajectory", costs=COSTS, outputs=("P",)), None,

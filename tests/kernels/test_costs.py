@@ -1965,6 +1965,12 @@ def test_cuda_bspline_adjoint_with_row_tiles_and_row_by_row_start_and_goal_sums_
     adjoint = source[source.index(f"{spec.name}_adjoint(int64_t B"):]
     assert "ts_tile ts_t0" in adjoint and "TS_TILE_LANE()" in source and "ts_tile_lane()" in source
     assert re.search(r"for \(int k = 0; k < \d+; \+\+k\)", source)
+    # the warp's n and first column are read where a tile is stored, not held in the tile (the host
+    # run reads n from the same shared array)
+    start = source.index("void ts_tile_store_")
+    store = source[start:source.index("ts_tile_at_", start)]
+    assert "TS_TILE_N()" in store and "TS_TILE_FIRST()" in store and "t->n" not in store
+    assert "ts_tile_ns[threadIdx.x >> 5] = n;" in adjoint and "first * " not in adjoint.split("ts_tile ts_t0")[1].split(";")[0]
     assert not re.search(r"\bgc\d+_\d+", adjoint)
     assert adjoint.count("as0 += ") > 2 and adjoint.count("ae0 += ") > 2
     x, params, dt = _data(spec)
