@@ -148,7 +148,8 @@ GRID = [
     # a float64 order-4 B-spline adjoint with a goal, nine terms and row tiles (layout "bdh"): 168 bytes
     # spilled, the tiles' store values hoisted out of the knots' loop and the start state's and goal's
     # sums kept as a chain and a total; the store reading its lane where it runs and the sums added row
-    # by row leave 40 (the tile's n and lanes, addresses live across the loop)
+    # by row leave 40 (the tile's n and lanes, addresses live across the loop); the store reading the
+    # warp's n and first column where it runs, 24 (float64 values live across the knots' loop)
     (dict(control="bspline", degree=4, knots=8, steps=2, end="goal", dt="per_trajectory", order=4, layout="bdh",
           outputs=(), costs=tuple(("bound", s) for s in ("position", "velocity", "acceleration", "jerk", "snap"))
           + tuple(("squared", s) for s in ("position", "acceleration", "jerk", "snap"))), None, "float64",
