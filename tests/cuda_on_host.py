@@ -107,6 +107,7 @@ static int ts_region, ts_regions;
 #define TS_TILE_ELEMENT(t, i) (TS_TILE_LIVE ? &(t)->tile[(i)] : &(t)->spare)
 #define TS_TILE_LANE() ((int)(threadIdx.x & 31))
 #define TS_TILE_WARP() ((int)(threadIdx.x >> 5))
+#define TS_MONO_KEEP(v) ((void)(v))
 #define TS_TILE_FIRST() ((int64_t)(blockIdx.x * blockDim.x + (threadIdx.x & ~31LL)))
 /* each store of a tile, where ts_stores_kept: (block, thread, region, the warp's k-th store, address, bytes) */
 typedef struct {{ long long block, thread, region, k, address, bytes; }} ts_store;

@@ -149,11 +149,12 @@ GRID = [
     # spilled, the tiles' store values hoisted out of the knots' loop and the start state's and goal's
     # sums kept as a chain and a total; the store reading its lane where it runs and the sums added row
     # by row leave 40 (the tile's n and lanes, addresses live across the loop); the store reading the
-    # warp's n and first column where it runs, 24 (float64 values live across the knots' loop)
+    # warp's n and first column where it runs, 24; the dt powers kept as computed (not again from
+    # dt, which stayed live), none
     (dict(control="bspline", degree=4, knots=8, steps=2, end="goal", dt="per_trajectory", order=4, layout="bdh",
           outputs=(), costs=tuple(("bound", s) for s in ("position", "velocity", "acceleration", "jerk", "snap"))
           + tuple(("squared", s) for s in ("position", "acceleration", "jerk", "snap"))), None, "float64",
-     {"core": "adjoint: 24 bytes of spill stores"}),
+     {}),
     # a dt per trajectory: each thread computes its coefficients, monomials of its dt, the factors read
     # where they are used from the block's copy in shared memory (104 and 244 bytes spilled before)
     (dict(control="bspline", degree=4, knots=6, steps=2, dt="per_trajectory", costs=COSTS, outputs=("P",)), None,
