@@ -1970,6 +1970,8 @@ def test_cuda_bspline_adjoint_with_row_tiles_and_row_by_row_start_and_goal_sums_
     start = source.index("void ts_tile_store_")
     store = source[start:source.index("ts_tile_at_", start)]
     assert "TS_TILE_N()" in store and "TS_TILE_FIRST()" in store and "t->n" not in store
+    # each power of the trajectory's dt kept as computed, not computed again from dt where used
+    assert "TS_MONO_KEEP(ts_pw[ts_e])" in source and 'asm volatile("" : "+d"(v))' in source
     assert "ts_tile_ns[threadIdx.x >> 5] = n;" in adjoint and "first * " not in adjoint.split("ts_tile ts_t0")[1].split(";")[0]
     assert not re.search(r"\bgc\d+_\d+", adjoint)
     assert adjoint.count("as0 += ") > 2 and adjoint.count("ae0 += ") > 2
