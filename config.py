@@ -235,10 +235,8 @@ def _read_costs(path: Path, value: Any, joints: tuple[str, ...], limits: tuple) 
     terms: list[CostTerm] = []
     for i, entry in enumerate(value):
         key = f"costs[{i}]"
-        if not isinstance(entry, dict):
-            raise ConfigError(path, key, "expected a mapping with kind, state, weight (and margin for bounds)")
         _given_elsewhere(path, key, entry)
-        _check_keys(path, key, entry, COST_KEYS)
+        _mapping(path, key, entry, COST_KEYS, "expected a mapping with kind, state, weight (and margin for bounds)")
         for name in ("kind", "state", "weight"):
             if name not in entry:
                 raise ConfigError(path, f"{key}.{name}", "missing key")
@@ -262,9 +260,12 @@ def _read_costs(path: Path, value: Any, joints: tuple[str, ...], limits: tuple) 
     return tuple(terms)
 
 
-def _given_elsewhere(path: Path, key: str, entry: dict) -> None:
+def _given_elsewhere(path: Path, key: str, entry: Any) -> None:
     """A cost term's key that names a parameter the config gives elsewhere (the limits, under ``limits:``)
-    or not at all (a parameter only a call passes: a row weight, a target) says where it goes."""
+    or not at all (a parameter only a call passes: a row weight, a target) says where it goes (an entry
+    that is no mapping is ``_mapping``'s to refuse)."""
+    if not isinstance(entry, dict):
+        return
     state = entry.get("state", "<state>")
     for name in entry:
         if name in COST_KEYS:
