@@ -569,8 +569,9 @@ def render(spec: Any, code: LoweredOperator, table: ArgumentTable, target: Targe
         parameter_macros=macros.parameters(table),
         costs=len(table.costs),
         fused=code.fused,
-        # C: a fused recurrence's rolled adjoint keeps its checkpoints in a local array (TS_CK)
-        checkpoints=any("TS_CHECKPOINTS(" in line for c in [*codes.values(), *(c for v in variants.values()
+        # C: a fused recurrence's rolled adjoint keeps its checkpoints in a local array (TS_CK) and reads
+        # actions again (TS_REREAD), either without the other (no checkpoint where only actions are reread)
+        checkpoints=any(("TS_CHECKPOINTS(" in line or "TS_REREAD(" in line) for c in [*codes.values(), *(c for v in variants.values()
                                                                                   for c in v.values())]
                         if c is not None and hasattr(c, "body") for line in c.body),
         written=list(table.written),

@@ -239,6 +239,24 @@ def test_every_spec_axis_against_the_definitions(case):
                              tol=1e-5)
 
 
+#: float64 order-4 recurrences whose rolled adjoint reads its actions again but keeps no checkpoint in C
+#: (each segment's recomputed rows read only the action): C's template had defined the reread's macro only
+#: with a checkpoint array, so these failed to load
+REREAD_ONLY = [
+    dict(control="velocity", horizon=200, dt="per_step", costs=(("bound", "acceleration"), ("squared", "acceleration"))),
+    dict(control="velocity", horizon=128, integrator="exact", dt="per_step", layout="bdh",
+         costs=(("squared", "jerk"),)),
+]
+
+
+@pytest.mark.parametrize("fields", REREAD_ONLY, ids=["velocity_h200", "velocity_exact_h128_bdh"])
+def test_c_rolled_recurrences_that_only_reread_actions_match_the_definitions(fields):
+    """C's adjoint of those specs (float64, order 4, P written) against the plain step plus the terms (1e-10)."""
+    spec = ts.KernelSpec(dof=7, dtype="float64", order=4, outputs=("P",), **fields)
+    x, params, dt = _data(spec)
+    _fused_against_composite(spec, x, params, dt, False)
+
+
 @pytest.mark.parametrize("case", GRID)
 def test_every_spec_axis_in_cuda_run_on_the_host(case):
     """The GRID cases' CUDA kernels (tests/cuda_on_host.py), float64: P, the cost and the gradients
@@ -1343,6 +1361,19 @@ GPU_LONG = {
     "bspline_degree5_knots64": dict(control="bspline", degree=5, knots=64, steps=8, dof=7, costs=EVERY_TERM),
     "bspline_degree3_knots64_per_trajectory": dict(control="bspline", degree=3, knots=64, steps=4, dof=7,
                                                    dt="per_trajectory", costs=EVERY_TERM),
+    # float64 order-4 recurrences whose reverse scan keeps two levels of checkpoints (codegen/roll.py
+    # ``segmented``); an order-4 B-spline with a goal and row tiles, whose tile stores read the warp's n from
+    # shared memory; a B-spline forward that reads its per-dof weights where they are used
+    "velocity_order4_h200": dict(horizon=200, dof=7, control="velocity", dt="per_step", order=4),
+    "velocity_exact_order4_h128_bdh": dict(horizon=128, dof=7, control="velocity", integrator="exact",
+                                           dt="per_step", order=4, layout="bdh"),
+    "bspline_degree4_knots8_goal_bdh": dict(control="bspline", degree=4, knots=8, steps=2, end="goal", dof=7,
+                                            dt="per_trajectory", order=4, layout="bdh",
+                                            costs=EVERY_TERM + (("bound", "snap"), ("squared", "snap"))),
+    "bspline_degree5_knots32_order4": dict(control="bspline", degree=5, knots=32, steps=2, order=4, dof=7,
+                                           costs=(("bound", "position"), ("bound", "velocity"), ("bound", "jerk"),
+                                                  ("bound", "snap"), ("squared", "acceleration"),
+                                                  ("squared", "position"), ("squared", "jerk"))),
 }
 
 
