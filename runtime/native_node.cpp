@@ -1176,7 +1176,11 @@ struct NativeStepBackward : public torch::autograd::Node {
       } else {
         auto shape = g.sizes().vec();
         shape[0] = rows[i];
-        out[edge[i]] = at::zeros(shape, g.options()).index_add(0, saved[row.index], g);
+        // (as runtime/rules.py scatter_rows: CUDA's index_add adds with atomics in no fixed order;
+        // index_put with accumulate sorts the index stably, the same bits every call)
+        Tensor table = at::zeros(shape, g.options());
+        out[edge[i]] = g.is_cuda() ? table.index_put({saved[row.index]}, g, /*accumulate=*/true)
+                                   : table.index_add(0, saved[row.index], g);
       }
     }
     return out;

@@ -26,10 +26,16 @@ OptTensor = Optional[Tensor]
 
 
 def scatter_rows(per_batch: Tensor, index: OptTensor, rows: int) -> Tensor:
-    """Per-trajectory gradients [B, ...] → table rows [rows, ...] (summed where rows are shared)."""
+    """Per-trajectory gradients [B, ...] → table rows [rows, ...] (summed where rows are shared), the
+    same bits on every call: on CUDA ``index_add`` adds with atomics, in an order that changes from
+    run to run, where ``index_put`` with ``accumulate`` sorts the index stably and adds a row's
+    entries in batch order."""
     if index is None:
         return per_batch
-    return per_batch.new_zeros((rows, *per_batch.shape[1:])).index_add(0, index, per_batch)
+    table = per_batch.new_zeros((rows, *per_batch.shape[1:]))
+    if per_batch.is_cuda:
+        return table.index_put((index,), per_batch, accumulate=True)
+    return table.index_add(0, index, per_batch)
 
 
 def backward(table: ArgumentTable, inputs: Sequence[OptTensor], grads: Sequence[OptTensor],

@@ -1081,6 +1081,42 @@ def test_cuda_dt_gradient_is_bitwise_reproducible(overrides):
     assert all(torch.equal(runs[0], r) for r in runs[1:])
 
 
+@gpu
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_cuda_start_state_gradient_of_shared_rows_is_bitwise_reproducible(dtype):
+    """start_index with 40000 trajectories picking 3 start rows: the rows' gradients (each a sum of
+    about 13,000 trajectories' gradients) are the same to the last bit on every call, and match the
+    float64 sums of the per-trajectory gradients (runtime/rules.py ``scatter_rows``: CUDA's
+    index_add added them with atomics, in an order that changed from run to run)."""
+    B, rows = 40000, 3
+    spec = make_spec(dict(start_index=True), horizon=16, dof=7).replace(dtype=dtype)
+    gen = torch.Generator().manual_seed(4)
+    T = getattr(torch, dtype)
+    u = torch.randn(B, spec.n_actions, spec.dof, generator=gen, dtype=torch.float64)
+    starts = [torch.randn(rows, spec.dof, generator=gen, dtype=torch.float64) for _ in range(3)]
+    index = torch.randint(0, rows, (B,), generator=gen)
+    step = ts.load(spec, "cuda")
+
+    def p0_gradient() -> torch.Tensor:
+        p0 = starts[0].cuda().to(T).requires_grad_()
+        ys = step(u.cuda().to(T), p0, *(s.cuda().to(T) for s in starts[1:]), 0.1, start_index=index.cuda())
+        (grad,) = torch.autograd.grad(ys, (p0,), [torch.ones_like(y) for y in ys])
+        return grad.cpu()
+
+    runs = [p0_gradient() for _ in range(4)]
+    assert all(torch.equal(runs[0], r) for r in runs[1:])
+    # every trajectory's p0 gradient is the same here (ones for every output), so the row's sum is
+    # that gradient times how many trajectories picked it
+    ones = torch.ones(1, spec.n_actions, spec.dof, dtype=torch.float64)
+    cpu = ts.load(spec.replace(dtype="float64", start_index=False), "cpu")
+    p0 = starts[0][:1].clone().requires_grad_()
+    ys = cpu(ones, p0, *(s[:1] for s in starts[1:]), 0.1)
+    (per_trajectory,) = torch.autograd.grad(ys, (p0,), [torch.ones_like(y) for y in ys])
+    counts = torch.bincount(index, minlength=rows).double()[:, None]
+    tol = 1e-12 if dtype == "float64" else 2e-3  # (float32: a sum of ~13,000 equal terms)
+    torch.testing.assert_close(runs[0].double(), counts * per_trajectory, rtol=tol, atol=0)
+
+
 @pytest.mark.parametrize("torch_cuda, runtime, nvrtc, fix", [
     ("13.0", 12080, (12, 8), "tensorstep[cuda13]"),       # cupy-cuda12x beside a CUDA 13 PyTorch
     ("12.8", 13000, (13, 0), "tensorstep[cuda12]"),
