@@ -369,6 +369,16 @@ def _block(length: int, size: int, checkpoint: int, budget: int) -> int | None:
     return None
 
 
+def _plan(length: int, size: int, longest: int, checkpoint: int, budget: int) -> tuple[int, int | None]:
+    """The segments' steps and ``_block``'s steps a checkpoint for a run of ``length`` steps: one level
+    where segments of ``size`` to ``longest`` steps (the most whose recomputed rows fit a segment's
+    registers) fit ``budget``, the shortest such; else ``_block``'s at ``size``. Two levels run the
+    blocks' steps forward once more (their rows recomputed, their inputs read again) to save
+    checkpoints that longer segments save as well, for registers only."""
+    one = next((s for s in range(size, longest + 1) if _block(length, s, checkpoint, budget) == s), None)
+    return (one, one) if one is not None else (size, _block(length, size, checkpoint, budget))
+
+
 def _defines_row(s: Statement) -> bool:
     return isinstance(s, Def) and isinstance(s.target, Val) and s.target.prefix == "y"
 
@@ -445,12 +455,13 @@ def segmented(values: list[Group], reverse: list[Group], itemsize: int, rows: in
     # the checkpoints: of the values carried, those a recomputed segment reads (the others the first
     # loop carries to the steps after the run only)
     needed, reads_back = _needed(values[first].statements, reverse[first].statements)
+    recomputed = sum(_defines_row(s) and s.target.k in needed for s in values[first].statements)
     inputs = {s.target.k: s for s in values[first].statements if _defines_row(s) and _reads_inputs_only(s)}
     again_read = [(k, m) for k in sorted(reads_back) if k in inputs for m in range(1, reads_back[k] + 1)]
     kept = [(k, m) for k in sorted(reads_back) if k not in inputs for m in range(1, reads_back[k] + 1)]
     adjoints = [(k, m) for k in sorted(ahead) for m in range(1, ahead[k] + 1)]
     length = last - first + 1
-    block = _block(length, size, len(kept) * itemsize, budget)
+    size, block = _plan(length, size, max(size, rows // max(1, recomputed)), len(kept) * itemsize, budget)
     while block is None and size < length // MIN_SEGMENTS:  # longer segments: fewer checkpoints
         size += 1
         block = _block(length, size, len(kept) * itemsize, budget)

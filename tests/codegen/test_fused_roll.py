@@ -182,25 +182,41 @@ def test_c_recurrences_are_straight_line_to_their_threshold_and_as_long_at_any_h
 
 
 #: float64 order-4 recurrences, a step's five rows a segment (the ptxas survey's, BENCHMARKS.md): every
-#: carried row kept a step, their checkpoints were 6,304 and 4,000 bytes of the thread's stack frame
+#: carried row kept a step, their checkpoints were 6,304 and 4,000 bytes of the thread's stack frame; with
+#: each the reverse scan's plan (``_scan_plan``): H=200 keeps no checkpoint in one-step segments, H=128 keeps
+#: the acceleration in one level of 2-step segments (6 recomputed rows, within SCAN_REGISTERS' 8), not in two
+#: levels of one-step ones (24 checkpoints, the blocks' steps run forward once more)
 FEW_CHECKPOINTS = [
-    dict(control="velocity", horizon=200, integrator="semi_implicit_euler", dt="per_step", layout="bhd",
-         outputs=("V",), costs=(("bound", "acceleration"), ("squared", "acceleration"))),
-    dict(control="velocity", horizon=128, integrator="exact", dt="per_step", layout="bdh", outputs=("J", "S"),
-         costs=(("squared", "jerk"),)),
+    (dict(control="velocity", horizon=200, integrator="semi_implicit_euler", dt="per_step", layout="bhd",
+          outputs=("V",), costs=(("bound", "acceleration"), ("squared", "acceleration"))), (None, 1, False)),
+    (dict(control="velocity", horizon=128, integrator="exact", dt="per_step", layout="bdh", outputs=("J", "S"),
+          costs=(("squared", "jerk"),)), (62, 2, False)),
 ]
 
 
-@pytest.mark.parametrize("fields", FEW_CHECKPOINTS, ids=["velocity_h200", "velocity_exact_h128"])
-def test_a_recurrences_cuda_checkpoints_are_the_values_a_segment_reads_within_the_budget(fields):
+def _scan_plan(source: str) -> tuple[int | None, int, bool]:
+    """A CUDA source's reverse scan (its adjoint's): the checkpoint array's values (None where it has none), the
+    steps of its segments (the stride of its loops down) and whether it has two levels (loops over blocks, ``rs``)."""
+    start = source.index("_adjoint(int64_t")
+    adjoint = source[start:source.index("\n}\n", start)]
+    array = re.search(r"TS_CHECKPOINTS\((\d+)\)", adjoint)
+    down = {int(m[1] or 1) for m in re.finditer(r"for \(int64_t r = [^;]*; r >= [^;]*; (?:--r|r -= (\d+))\)", adjoint)}
+    assert len(down) == 1, down
+    return int(array[1]) if array else None, down.pop(), "int64_t rs" in adjoint
+
+
+@pytest.mark.parametrize("fields, plan", FEW_CHECKPOINTS, ids=["velocity_h200", "velocity_exact_h128"])
+def test_a_recurrences_cuda_checkpoints_are_the_values_a_segment_reads_within_the_budget(fields, plan):
     """A recurrence's CUDA reverse scan (codegen/roll.py ``segmented``) keeps, a segment, only the values
     its recomputation reads (not the position, nor the jerk a squared jerk term does not read back),
-    reads the action again, and its checkpoint array fits fused.CHECKPOINT_BYTES."""
+    reads the action again, and its checkpoint array fits fused.CHECKPOINT_BYTES; one level of segments
+    as long as a segment's recomputed rows allow before two levels (``roll._plan``): the plan pinned."""
     spec = ts.KernelSpec(dof=7, dtype="float64", order=4, **fields)
     source = source_of(spec, "core")
     array = re.search(r"TS_CHECKPOINTS\((\d+)\)", source)
     assert array is None or int(array[1]) * 8 <= fused.CHECKPOINT_BYTES, array[1]
     assert "y0_q1" not in source and "y3_q1" not in source and "const T y1_q1 = U(" in source
+    assert _scan_plan(source) == plan
 
 
 def test_the_reverse_scans_plan_counts_its_whole_checkpoint_array():
@@ -227,6 +243,19 @@ def test_the_reverse_scans_plan_counts_its_whole_checkpoint_array():
                     else:
                         assert got == (fits[0] if fits else None), (length, size, checkpoint, budget)
     assert array(253, 1, roll._block(253, 1, 24, 768)) * 24 == 768 and roll._block(253, 1, 32, 768) is None
+
+
+def test_the_reverse_scans_plan_takes_one_level_of_longer_segments_before_two_levels():
+    """``roll._plan`` against its definition: the shortest segments from ``size`` to ``longest`` steps whose one
+    level of checkpoints (a segment's) fits the budget, else ``_block``'s at ``size`` (two levels or None); the
+    issue's H=128 run (125 steps, one float64 value a segment) in one level of 2-step segments, 496 bytes."""
+    for length in range(2, 300, 7):
+        for size, longest in ((1, 1), (1, 2), (1, 4), (2, 3)):
+            for checkpoint in (8, 16, 24):
+                got = roll._plan(length, size, longest, checkpoint, 768)
+                one = [s for s in range(size, longest + 1) if (length // s) * checkpoint <= 768]
+                assert got == ((one[0], one[0]) if one else (size, roll._block(length, size, checkpoint, 768)))
+    assert roll._plan(125, 1, 2, 8, 768) == (2, 2) and roll._plan(125, 1, 1, 8, 768) == (1, 8)
 
 
 #: the reverse scan's plan as defined (``_cuda_adjoint`` gives it another budget)

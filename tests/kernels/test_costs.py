@@ -1587,9 +1587,10 @@ def test_rolled_cuda_float32_recurrences_run_on_the_host_match_the_definitions(c
 
 #: order-4 float64 recurrences whose CUDA reverse scan keeps few checkpoints (codegen/roll.py ``segmented``):
 #: with a squared jerk term the acceleration is the one value kept a segment, the velocity (the action) read
-#: again, position and jerk not read by a recomputed segment (two levels at H=128, a dt per step); jerk with
-#: every term keeps position, velocity and acceleration, the jerk (the action) read again (two levels at H=200,
-#: the segments before the blocks one shorter block)
+#: again, position and jerk not read by a recomputed segment (one level of 2-step segments at H=128, a dt per
+#: step: a segment recomputes 3 of a step's rows); jerk with every term keeps position, velocity and
+#: acceleration, the jerk (the action) read again (two levels at H=200, the segments before the blocks one
+#: shorter block)
 FEW_CHECKPOINTS = {
     "velocity_h128_squared_jerk_per_step": dict(control="velocity", horizon=128, integrator="exact", dt="per_step",
                                                 costs=(("squared", "jerk"),)),
