@@ -419,6 +419,7 @@ def segmented(values: list[Group], reverse: list[Group], itemsize: int, rows: in
     A checkpoint holds the carried values a recomputed segment reads (its reverse accumulation's
     rows and the rows those read, ``_needed``), but for rows that read only inputs (an action):
     those are read again. Where the checkpoints would pass ``budget`` bytes (``itemsize`` a value),
+    longer segments first, while a segment's recomputed rows stay within ``rows`` (``_plan``); else
     two levels: blocks of ``BLOCK_SEGMENTS`` or more segments (the segments before them one shorter
     block), the first loop keeping a checkpoint a block, the second recomputing a block's segment
     checkpoints before its segments (one more forward pass); where no block fits either, longer
