@@ -412,13 +412,13 @@ def factors_read(kernel: KernelCode, size: int) -> int:
 
 
 def _codes(code: LoweredOperator, kernels: tuple[str, ...], itemsize: int, target: Target,
-           variants: dict[str, dict[str, Any]], general: bool) -> dict[str, Any]:
+           variants: dict[str, dict[str, Any]], general: bool, spec: Any) -> dict[str, Any]:
     """Each kernel's lowered general form (codegen/targets.py ``codes``); where the source leaves the
     general form out (``general`` false), a kernel with variants gets a column without statements,
     its entry point's setup alone (every C fused column's is the table call): its batch functions are
     not compiled, and lowering the column was most of a fused core's codegen."""
     formed = {k for v in variants.values() for k in v} if not general else set()
-    codes = target.codes(code, tuple(k for k in kernels if k not in formed), itemsize)
+    codes = target.codes(code, tuple(k for k in kernels if k not in formed), itemsize, spec)
     return {k: KernelCode(TABLE_CALL, []) if k in formed else codes[k] for k in kernels}
 
 
@@ -530,7 +530,7 @@ def render(spec: Any, code: LoweredOperator, table: ArgumentTable, target: Targe
     y = strides(spec.layout, spec.horizon, spec.dof)
     lane_form = lanes(spec) if target.lanes else None
     variants = target.form_codes(code, kernels, itemsize, forms)  # by suffix (codegen/fused.py ``forms``)
-    codes = _codes(code, kernels, itemsize, target, variants, forms is None or 0 in forms)
+    codes = _codes(code, kernels, itemsize, target, variants, forms is None or 0 in forms, spec)
     lane_bodies = _lane_bodies(code, codes, kernels, table) if lane_form else {}
     for suffix, variant in variants.items() if lane_form else ():
         held = {k: v for k, v in variant.items() if v is not None}

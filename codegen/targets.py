@@ -65,6 +65,22 @@ def cuda_row_terms(n_costs: int, steps: Optional[int], order: int) -> int:
     return n_costs * (steps or 1) * (order + 1)
 
 
+def cuda_column_size(spec: Any) -> tuple[str, int]:
+    """A spec's fused column as the CUDA rules read it: its kind (``cuda_column_kind``) and
+    ``cuda_row_terms`` (0 without cost terms: the compat specs have none)."""
+    costs = getattr(spec, "costs", ())
+    size = cuda_row_terms(len(costs), getattr(spec, "steps", None), spec.order) if costs else 0
+    return cuda_column_kind(getattr(spec, "control", "")), size
+
+
+def cuda_late_inputs(itemsize: int, spec: Any) -> tuple[str, ...]:
+    """The kinds of input a spec's fused forward reads where first used: CUDA_LATE_INPUTS' of its
+    element size, none where CUDA_INPUTS_FIRST keeps its column's inputs first."""
+    kind, size = cuda_column_size(spec)
+    first = CUDA_INPUTS_FIRST.get((kind, getattr(spec, "layout", "bhd")), -1)
+    return () if size <= first else tuple(CUDA_LATE_INPUTS[itemsize])
+
+
 def cuda_min_blocks(kernel: str, dtype: str, kind: str, row_terms: int) -> int:
     """The resident blocks a per-element kernel's ``__launch_bounds__`` ask for: CUDA_MORE_BLOCKS'
     first rule that holds for a fused spec (``row_terms`` > 0: ``cuda_row_terms``; ``kind``:
@@ -252,6 +268,14 @@ def cuda_volatile_coefficients(kernel: str, where: str, fused: bool, stencil: bo
 #: terms spilled up to 96 bytes (BENCHMARKS.md "Fused forwards' late inputs read where used"). A
 #: float32 goal's state stays first: moved, a surveyed B-spline went from 0 to 16 bytes.
 CUDA_LATE_INPUTS = {4: ("weights",), 8: ("weights", "after_loop")}
+#: the fused forwards that keep every input first, as data: (kind of column (``cuda_column_kind``),
+#: layout) -> the most ``cuda_row_terms`` (CUDA_LATE_INPUTS applies to the others). A volatile read at
+#: the column's end is a trip to L2 after the loop where a load first rode with the others: a GPU ran
+#: the costs bench's forwards (rows, bhd, 28; no spill either way) slower read late. With every input
+#: first, surveyed row-loop forwards in layout bhd up to 28 kept within their caps (float32's 80 at 3
+#: blocks, float64's 128), where in layout bdh (row tiles) float32 ones of 28 spilled at 80 unless read
+#: late (BENCHMARKS.md, "Thirteenth run"); B-splines spilled at 128 from 24 (degree 6, a row a span).
+CUDA_INPUTS_FIRST: dict[tuple[str, str], int] = {("rows", "bhd"): 28}
 
 
 #: float32's unfused per-element kernels whose coefficients of a dt per trajectory are float products
@@ -669,9 +693,10 @@ class Target:
         """The kernels that run the coefficient table's program (each library its own)."""
         return TABLE_KERNELS
 
-    def codes(self, code: Any, kernels: tuple[str, ...], itemsize: int) -> dict[str, Any]:
+    def codes(self, code: Any, kernels: tuple[str, ...], itemsize: int, spec: Any = None) -> dict[str, Any]:
         """Each kernel's lowered variant: the adjoint's gathers each in one pass; a fused forward and
-        adjoint in C's form (``LoweredOperator.c_fused``)."""
+        adjoint in C's form (``LoweredOperator.c_fused``). ``spec``: the spec the code is of (CUDA's
+        choices read its size)."""
         if code.fused:
             return {k: code.c_fused(k, itemsize) if k in ("forward", "adjoint") else getattr(code, k) for k in kernels}
         return {k: code.gathered_adjoint if k == "adjoint" else getattr(code, k) for k in kernels}
@@ -725,7 +750,7 @@ class CudaTarget(Target):
         """The core module's table kernel fills it; a dt module's dt_vjp reads it."""
         return ("forward", "adjoint")
 
-    def codes(self, code: Any, kernels: tuple[str, ...], itemsize: int) -> dict[str, Any]:
+    def codes(self, code: Any, kernels: tuple[str, ...], itemsize: int, spec: Any = None) -> dict[str, Any]:
         """A fused stencil's forward and adjoint with their interior steps (a B-spline's: knot spans)
         one loop each at every horizon (``fused_rolled``: NVVM's time on a straight-line column grows
         about as H², and the adjoint's passed 3 s at H=32), the adjoint's start-state gradients summed
@@ -737,8 +762,9 @@ class CudaTarget(Target):
         per-step stencil took 144 registers, order 4, H=64, float32), its straight-line stores
         as accumulations that read each gradient once (codegen/reads.py); with a period above 1
         (B-splines) the forward and adjoint are span loops only, as in C (lower._spans_only); a fused
-        forward reads the inputs it uses only at its end where it first uses them (``CUDA_LATE_INPUTS``);
-        the tangent and reverse programs as tapes (``tape_programs``), dt_jvp's inputs read once."""
+        forward reads the inputs it uses only at its end where it first uses them (``CUDA_LATE_INPUTS``;
+        not one whose column CUDA_INPUTS_FIRST keeps first, ``spec``'s; every one without ``spec``); the
+        tangent and reverse programs as tapes (``tape_programs``), dt_jvp's inputs read once."""
         from . import reads  # code generation only: this module stays importable without SymPy
         from .shared_column import in_shared_column
 
@@ -757,8 +783,9 @@ class CudaTarget(Target):
             rolled = code.adjoint_rolled  # None for stencils, whose columns hold few values
             if rolled:
                 codes["adjoint"] = dataclasses.replace(adjoint, statements=rolled)
-        if code.fused and "forward" in codes:
-            codes["forward"] = code.inputs_where_used(codes["forward"], CUDA_LATE_INPUTS[itemsize])
+        late = CUDA_LATE_INPUTS[itemsize] if spec is None else cuda_late_inputs(itemsize, spec)
+        if code.fused and "forward" in codes and late:
+            codes["forward"] = code.inputs_where_used(codes["forward"], late)
         if "dt_jvp" in codes:
             codes["dt_jvp"] = dataclasses.replace(codes["dt_jvp"], statements=reads.loaded_once(codes["dt_jvp"].statements))
         for k in (k for k in CUDA_SHARED_COLUMN if k in codes and code.fused):
@@ -784,9 +811,7 @@ class CudaTarget(Target):
 
     def min_blocks(self, spec: Any) -> dict[str, int]:
         """The per-element kernels that ask for other than CUDA_MIN_BLOCKS (``cuda_min_blocks``)."""
-        costs = getattr(spec, "costs", ())  # the compat specs have no cost terms
-        size = cuda_row_terms(len(costs), getattr(spec, "steps", None), spec.order) if costs else 0
-        kind = cuda_column_kind(getattr(spec, "control", ""))
+        kind, size = cuda_column_size(spec)
         found = {k: cuda_min_blocks(k, spec.dtype, kind, size) for k in ("forward", "adjoint", "dt_vjp", "dt_jvp")}
         return {k: blocks for k, blocks in found.items() if blocks != CUDA_MIN_BLOCKS}
 

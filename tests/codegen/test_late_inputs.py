@@ -1,7 +1,8 @@
 """CUDA's fused forwards read the column inputs they use only at their end where they first use them
 (codegen/targets.py ``CUDA_LATE_INPUTS``, codegen/fused.py ``inputs_where_used``): each term's per-dof
 weight where the column's sum is scaled, and in float64 a goal's state after the knots' loop, each
-through a volatile read. C's forwards and every adjoint keep them first."""
+through a volatile read; a row loop in layout bhd no larger than the costs bench's (``CUDA_INPUTS_FIRST``),
+C's forwards and every adjoint keep them first."""
 from __future__ import annotations
 
 import pytest
@@ -45,3 +46,31 @@ def test_the_late_inputs_are_data(monkeypatch):
     forward = _forward(_spec("float64"))
     assert "const T cw0 = CW0;" in forward and "const T e0 = E0;" in forward
     assert forward.index("const T cw0 = CW0;") < forward.index("for (int64_t kn")
+
+
+#: the costs bench's step (bench/costs.py: seven terms, P written; rows, 7 x 1 x 4 = 28)
+BENCH = dict(horizon=32, dof=7, outputs=("P",), costs=tuple(("bound", s) for s in (
+    "position", "velocity", "acceleration", "jerk")) + tuple(("squared", s) for s in ("velocity", "acceleration", "jerk")))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_a_row_loop_in_layout_bhd_up_to_the_bench_keeps_its_inputs_first(dtype):
+    """CUDA_INPUTS_FIRST: the bench's forward (rows, bhd, 28) loads its weights first, as C does;
+    with a squared position added (32) or in layout bdh it reads them where it scales its sums."""
+    spec = ts.KernelSpec(dtype=dtype, **BENCH)
+    forward = _forward(spec)
+    assert "const T cw0 = CW0;" in forward and "(*(volatile const T*)&(CW" not in forward
+    assert forward.index("const T cw0 = CW0;") < forward.index("CPART(0,")
+    larger = dict(BENCH, costs=BENCH["costs"] + (("squared", "position"),))
+    for late in (ts.KernelSpec(dtype=dtype, **larger), ts.KernelSpec(dtype=dtype, layout="bdh", **BENCH)):
+        assert "const T cw0 = (*(volatile const T*)&(CW0));" in _forward(late), late.name
+
+
+def test_the_inputs_kept_first_are_data(monkeypatch):
+    """Emptied, the bench's forward reads its weights late again; widened to B-splines, the B-spline of
+    the first test keeps them first."""
+    monkeypatch.setattr(targets, "CUDA_INPUTS_FIRST", {})
+    assert "const T cw0 = (*(volatile const T*)&(CW0));" in _forward(ts.KernelSpec(**BENCH))
+    monkeypatch.setattr(targets, "CUDA_INPUTS_FIRST", {("spans", "bhd"): 24})  # 3 terms x 2 rows x 4
+    forward = _forward(_spec("float64"))
+    assert "const T cw0 = CW0;" in forward and "const T e0 = E0;" in forward
