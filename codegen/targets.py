@@ -41,14 +41,18 @@ CUDA_MIN_BLOCKS = CUDA_SM_REGISTERS // (CUDA_BLOCK * CUDA_MAX_REGISTERS)
 #: per-element kernels of a fused spec that ask for more resident blocks (a lower register cap: 80
 #: at 3 blocks of CUDA_BLOCK threads, 64 at 4), as data: (dtype, kernel, the kind of its column
 #: (``cuda_column_kind``), the most ``cuda_row_terms`` of the spec, blocks), the first that holds.
-#: A fused float32 forward waits on L1 hits (its terms' weights and limits) at 2 blocks an SM, and
-#: the costs bench's (a row loop, order 3, seven terms: 28) ran faster at 3 on a GPU, slower at 4
-#: than at 3. So row-loop forwards no larger than that one ask for 3: none of the surveyed ones
-#: spilled at 80 registers (BENCHMARKS.md, "Launch bounds per kernel"). Only what a GPU has timed
-#: is here: a B-spline forward (its spans kept within 80 registers up to 16, spilling from 20) and
-#: the adjoint keep 2 until bench/cuda_kernels.py --min-blocks times them.
+#: The fused kernels wait on L1 hits (their terms' weights and limits) at 2 blocks an SM: a GPU ran
+#: the costs bench's (a row loop, order 3, seven terms: 28) faster at 3, forward and adjoint in both
+#: dtypes, its forward slower at 4 than at 3. A kernel asks for 3 only where ptxas kept every surveyed
+#: one of its dtype, kind and size within 80 registers unspilled (BENCHMARKS.md, "Launch bounds per
+#: kernel" and "Thirteenth run"): float32 row-loop forwards up to 28; float32 row-loop adjoints and
+#: float64 row-loop forwards up to 10, as some of 24 and 28 spilled at 80 (the bench's did not). Float64
+#: adjoints (spilling at 80 from 24, the bench's too) and B-spline forwards (their spans within 80
+#: registers up to 16, spilling from 20; not timed on a GPU) keep 2.
 CUDA_MORE_BLOCKS: tuple[tuple[str, str, str, int, int], ...] = (
     ("float32", "forward", "rows", 28, 3),
+    ("float32", "adjoint", "rows", 10, 3),
+    ("float64", "forward", "rows", 10, 3),
 )
 
 
