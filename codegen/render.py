@@ -287,11 +287,14 @@ def whole_actions(code: LoweredOperator, codes: dict, bodies: dict[str, tuple[An
     """The lane bodies that store each action gradient's row as a whole vector where that vector stays
     inside the trajectory's rows (codegen/whole.py, templates/kernel.c.j2 ``VGUW``), as ``whole_rows``
     stores the forward's outputs: a fused adjoint's forms (``adjoint``, ``adjoint_<form>``) whose stores of
-    them are at literal rows 0 .. N-1, each once, none in a loop (``whole.stored_once``). A stencil adds
-    each row up and stores it once it is complete, in order; a recurrence's reverse sweep completes them
-    last row first, and holds them (``HELD_ROWS``, ``whole.in_row_order``, which ``_whole_lines``
-    applies) to store them in row order. A row is whole where the rows its lanes past reach are stored
-    after it (``whole.marked``). From memory, whole stores were faster there in float32 and float64
+    them make rows 0 .. N-1, each once, at literal rows or a loop's rows relative to r (``whole.stored_once``).
+    A stencil adds each row up and stores it once it is complete, in order; a recurrence's reverse sweep
+    completes them last row first, and holds them (``HELD_ROWS``, ``whole.in_row_order``, which
+    ``_whole_lines`` applies) to store them in row order; a rolled one (above C's straight-line horizon)
+    holds each loop iteration's rows (two) and the rows between loops. A row is whole where the rows its
+    lanes past reach are stored after it (``whole.marked``): a rolled sweep's iteration stores its top row
+    masked (BENCHMARKS.md, "A rolled recurrence's fused C adjoint: each iteration's rows stored in row
+    order"). From memory, whole stores were faster there in float32 and float64
     (BENCHMARKS.md, "The fused C adjoint at B=40000: gradient rows loaded whole, and u's gradient rows
     stored whole", "A recurrence's fused C adjoint: u's gradient rows held and stored whole"), the held
     rows as fast in cache. A plain adjoint's stay masked: whole, they were as fast or slower

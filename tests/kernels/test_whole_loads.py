@@ -62,6 +62,16 @@ FUSED = [
 ]
 #: the specs of FUSED whose reverse sweep completes u's gradient rows last row first
 RECURRENCES = (1, 3)
+#: recurrences above C's straight-line horizon (codegen/fused.py ``C_ROLL_RECURRENCE_ABOVE_H``): the reverse
+#: sweep a loop over r, two rows an iteration (r, then r - 1), between row H - 2 and rows 1 and 0; and u's
+#: gradient stores its lane columns make (``_rolled_stores``): D=5 in 8 float64 lanes reach the next row, D=3
+#: in 8 float32 lanes the next two
+ROLLED = [
+    ts.KernelSpec(horizon=44, dof=5, dtype="float64", control="velocity", outputs=("P",),
+                  costs=(("squared", "position"), ("bound", "acceleration"))),
+    ts.KernelSpec(horizon=44, dof=3, dtype="float32", control="jerk", outputs=("P",),
+                  costs=(("squared", "position"), ("bound", "velocity"))),
+]
 #: the specs of FUSED whose values are checked on one thread only (the others' two threads share one path)
 ONE_THREAD = (3,)
 STATES = ("position", "velocity", "acceleration", "jerk")
@@ -255,7 +265,7 @@ def _cost_differences(spec: ts.KernelSpec, Y: np.ndarray, params: dict[str, np.n
     return out
 
 
-def _check_fused(index: int, threads: int) -> None:
+def _check_fused(spec: ts.KernelSpec, threads: int, batches: tuple[int, ...] = ()) -> None:
     """A fused adjoint's entry point with P's gradient tensor and u's ending at an unreadable page (and NaN
     before them), P's given and not (the zero block), on a batch whose thread shares run one trajectory a
     vector (above ``PAIR_MAX_BATCH``) and on one small enough for two a vector (float32), with row weights
@@ -263,7 +273,6 @@ def _check_fused(index: int, threads: int) -> None:
     against the dense reference and the costs' definitions, and the NaN before u's untouched."""
     from tensorstep.runtime.launch import CpuBackend
 
-    spec = FUSED[index]
     dtype = torch.float32 if spec.dtype == "float32" else torch.float64
     tol = 1e-5 if dtype == torch.float32 else 1e-9  # float64: the central differences' rounding
     K, H, D, N = spec.order + 1, spec.horizon, spec.dof, spec.n_actions
@@ -275,7 +284,7 @@ def _check_fused(index: int, threads: int) -> None:
     backend = CpuBackend(spec)
     gen = torch.Generator().manual_seed(11)
     r = lambda *shape: torch.rand(*shape, generator=gen, dtype=torch.float64)
-    for B in (threads * (render.PAIR_MAX_BATCH + 1) + 1, 5):
+    for B in batches or (threads * (render.PAIR_MAX_BATCH + 1) + 1, 5):
         u = (0.1 * torch.randn(B, N, D, generator=gen, dtype=torch.float64)).cumsum(1)
         starts = [0.5 * torch.randn(B, D, generator=gen, dtype=torch.float64) for _ in range(4)]
         for row_weights in (True, False):
@@ -333,8 +342,43 @@ def test_fused_whole_loads_read_nothing_past_the_rows_and_give_the_definitions(i
     assert run.returncode == 0, (run.returncode, run.stdout[-2000:], run.stderr[-4000:])
 
 
+@pytest.mark.parametrize("index", range(len(ROLLED)), ids=[s.name for s in ROLLED])
+def test_a_rolled_sweep_stores_each_iteration_s_rows_in_row_order_its_top_row_masked(index):
+    """A rolled recurrence's fused adjoint (``ROLLED``): each reverse loop iteration stores its rows in row
+    order, r - 1 whole where its lanes past the row reach row r only (stored next), r masked (row r + 1 was
+    stored by the iteration before); rows 1 and 0 after the loop in row order likewise, row H - 2 before it
+    by the whole form (its test masks the last row)."""
+    spec = ROLLED[index]
+    _, batches = _batches(spec)
+    adjoints = [text for name, text in batches.items() if name.startswith("adjoint")]
+    assert adjoints
+    for text in adjoints:
+        column = _lanes(text)
+        sweep = column.index(f"for (int64_t r = {spec.horizon - 3}; r >= 3; r -= 2) {{")
+        assert re.findall(r"\bVGU(W?)\(([^,]+),", column[:sweep]) == [("W", str(spec.n_actions - 1))]
+        assert re.findall(r"\bVGU(W?)\(([^,]+),", column[sweep:]) == _rolled_stores(spec)
+
+
+def _rolled_stores(spec: ts.KernelSpec) -> list[tuple[str, str]]:
+    """u's gradient stores a ``ROLLED`` spec's lane column makes from its reverse loop on: "W" where the row's
+    vector reaches the next row only."""
+    w = "W" if render.lanes(spec)["width"] - spec.dof <= spec.dof else ""
+    return [(w, "r - 1"), ("", "r"), (w, "0"), ("", "1")]
+
+
+@pytest.mark.parametrize("index", [0])
+def test_a_rolled_sweep_s_whole_rows_give_the_definitions_and_store_nothing_past_the_rows(index):
+    """In a child process: ``_check_fused`` of a ``ROLLED`` spec, one thread, B=7 (with the whole stores'
+    rule undone, every row whole, an iteration's top row overwrites the next row's first dof)."""
+    require_avx512()
+    run = subprocess.run([sys.executable, __file__, "rolled", str(index)], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, (run.returncode, run.stdout[-2000:], run.stderr[-4000:])
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "fused":
-        _check_fused(int(sys.argv[2]), int(sys.argv[3]))
+        _check_fused(FUSED[int(sys.argv[2])], int(sys.argv[3]))
+    elif sys.argv[1] == "rolled":
+        _check_fused(ROLLED[int(sys.argv[2])], 1, (7,))
     else:
         _check(int(sys.argv[1]), int(sys.argv[2]))

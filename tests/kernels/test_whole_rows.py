@@ -6,6 +6,7 @@ masked stores. The values are the dense float64 reference's, and nothing outside
 is written, for vectors of one row and a bit (D=7) and of more than two rows (D=3, float32)."""
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import numpy as np
@@ -16,7 +17,7 @@ import reference
 import tensorstep as ts
 from tensorstep.codegen import printer, render, whole
 from tensorstep.codegen.driver import generate
-from tensorstep.codegen.statements import Call, Def, For, Read, Rel, Store, Val, Var
+from tensorstep.codegen.statements import Call, Def, For, Read, Rel, Store, Val, Var, walk
 from tensorstep.runtime.launch import CpuBackend
 from helpers import STRAIGHT_LINE_INTEGRATORS as WHOLE, c_functions, require_avx512, scale_close
 
@@ -131,14 +132,14 @@ def test_stores_made_last_row_first_are_held_to_the_last_and_made_in_row_order()
     assert whole.in_row_order(held, gu) == held
     kept = [
         [*sweep, Call("GU", (1,), Val("yb", 0, 1))],  # a row stored twice
-        [*sweep, For(3, 4, 1, (Call("GU", (Rel(0),), Val("yb", 0, 1)),))],  # a store in a loop
+        [For(3, 4, 1, (For(0, 1, 1, (Call("GU", (Rel(0),), Val("yb", 0, 1)),)), Call("GU", (Rel(-1),), Val("yb", 0, 1))))],
         [Call("GU", (Rel(0),), Val("yb", 0, 1)), *sweep[2:]],  # a row not literal
         [Def(Var("x"), Read("G0", (0,)), const=False), Call("GU", (1,), Var("x")),  # its value assigned later
          Store(Var("x"), Read("G0", (1,)), "+="), Call("GU", (0,), Var("x"))],
         [Call("GU", (1,), Read("X", (0,))), Store(Read("X", (0,)), Val("yb", 0, 1)),  # its value stored through
          Call("GU", (0,), Val("yb", 0, 1))],
     ]
-    for statements in kept:
+    for statements in kept:  # (the loop's: a store in a nested loop)
         assert whole.in_row_order(statements, gu) == tuple(statements)
     # in blocks of 2 rows, each where its last store was; a row whole where the rows its lanes past reach
     # are stored after it (row 1's next row, 2, is stored before it; row 3's is past the rows)
@@ -153,3 +154,38 @@ def test_stores_made_last_row_first_are_held_to_the_last_and_made_in_row_order()
     # a forward's outputs, each in row order, interleaved: as they are
     outputs = [Call(f"Y{k}", (h,), Val("y", k, h)) for h in range(2) for k in range(2)]
     assert whole.in_row_order(outputs, lambda macro: macro in ("Y0", "Y1")) == tuple(outputs)
+
+
+def test_a_rolled_sweep_holds_each_iteration_s_rows_and_the_rows_between_loops_and_masks_each_top_row():
+    """A rolled reverse sweep: row 6, a loop over r = 5, 3 (rows r and r - 1 each iteration, r first), rows 1
+    and 0. Each iteration's stores are made in row order at the place of its last, and so are the rows after
+    the loop; a row is whole where the rows its lanes past reach are stored after it in every iteration
+    (``whole._made``): r - 1 (r follows), not r (r + 1 was stored by the iteration before), 0 and not 1 (row
+    2 was stored in the loop), 6 (past the last row: the whole form's test masks it)."""
+    gu = lambda macro: macro == "GU"
+    loop = For(5, 3, -2, (Def(Val("yb", 0, Rel(0)), Read("G0", (Rel(0),))), Call("GU", (Rel(0),), Val("yb", 0, Rel(0))),
+                          Def(Val("yb", 0, Rel(-1)), Read("G0", (Rel(-1),))),
+                          Call("GU", (Rel(-1),), Val("yb", 0, Rel(-1))), Store(Var("c"), Val("yb", 0, Rel(-1)))),
+               unroll=False)
+    sweep = [Call("GU", (6,), Val("yb", 0, 7)), loop, Call("GU", (1,), Val("yb", 0, 2)), Def(Var("x"), Read("G0", (0,))),
+             Call("GU", (0,), Var("x")), Call("GS0", (), Var("x"))]
+    held = whole.in_row_order(sweep, gu, 8)
+    body = (loop.body[0], loop.body[2], loop.body[3], loop.body[1], loop.body[4])
+    assert held == (sweep[0], dataclasses.replace(loop, body=body), sweep[3], sweep[4], sweep[2], sweep[5])
+    assert whole.in_row_order(held, gu, 8) == held
+    assert whole.stored_once(held, gu, 7) and whole.stored_once(sweep, gu, 7) and not whole.stored_once(sweep, gu, 8)
+    stores = lambda statements: [(c.args[0] if c.args else (), c.whole) for c in walk(statements) if isinstance(c, Call)]
+    assert stores(whole.marked(held, gu)) == [(6, True), (Rel(-1), True), (Rel(0), False), (0, True), (1, False),
+                                             ((), False)]
+    assert stores(whole.marked(sweep, gu)) == [(6, True), (Rel(0), False), (Rel(-1), False), (1, False), (0, False),
+                                              ((), False)]
+    # lanes past the row reaching two rows: r - 1's reach r + 1, stored before; 0's reach 2
+    assert [w for _, w in stores(whole.marked(held, gu, reach=2))] == [True] + [False] * 5
+    lanes = printer.lane_printer(frozenset({"U", "GU"}))
+    text = "\n".join(lanes.lines(whole.marked(held, gu)))
+    assert re.search(r"for \(int64_t r = 5; r >= 3; r -= 2\) \{\n.*\n.*\n *VGUW\(r - 1, .*\n *VGU\(r, ", text), text
+    # a loop over rows that are not literal (a knot loop's), or one its threads share: nothing whole
+    for other in (dataclasses.replace(loop, first=Var("k0")), dataclasses.replace(loop, shared=True)):
+        statements = [sweep[0], other, *sweep[2:]]
+        assert not whole.stored_once(statements, gu, 7)
+        assert [w for _, w in stores(whole.marked(whole.in_row_order(statements, gu), gu))] == [False] * 6
