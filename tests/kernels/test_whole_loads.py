@@ -11,7 +11,8 @@ A fused adjoint loads P's gradient rows whole in float32 (``render.FUSED_WHOLE_L
 gradient rows whole (``render.whole_actions``, ``VGUW``): a stencil's in the order it completes them, a
 recurrence's, which its reverse sweep completes last row first, held and stored in row order in blocks
 (``render.HELD_ROWS``, ``whole.in_row_order``), a block's last rows masked where their lanes past the row
-reach a row an earlier block stored; its paired function keeps both masked. Its gradients are the dense reference's and the cost terms' definitions'
+reach a row an earlier block stored; its paired function keeps both masked. A rolled recurrence's
+(``ROLLED``) reverse loop holds each iteration's rows and stores them in row order, its top row masked. Its gradients are the dense reference's and the cost terms' definitions'
 (tests/reference_costs.py) with both tensors ending at an unreadable page. With VGW's or VGUW's bound
 removed (every row whole) the fused specs faulted (SIGSEGV); with the recurrences' rows stored whole as the
 sweep completes them (last row first), or every held row whole (a block's last rows too), a row's vector
