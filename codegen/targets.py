@@ -282,6 +282,15 @@ CUDA_LATE_INPUTS = {4: ("weights",), 8: ("weights", "after_loop")}
 CUDA_INPUTS_FIRST: dict[tuple[str, str], int] = {("rows", "bhd"): 28}
 
 
+#: the fused CUDA kernels, by element size, whose column works out its bases anew after its first loop
+#: (codegen/fused.py ``column_again``): held through the loop, the bases a float64 B-spline adjoint of
+#: many terms uses after it (the action's, the gradients', a goal's row) were spilled at the 128 cap
+#: (BENCHMARKS.md "Float64 B-spline adjoints: the column's bases worked out again after the knots' loop")
+CUDA_COLUMN_AGAIN = {8: ("adjoint",)}
+#: the loops (by their variable) after which it does: a B-spline's over its knot spans
+CUDA_COLUMN_AGAIN_LOOPS = ("kn",)
+
+
 #: float32's unfused per-element kernels whose coefficients of a dt per trajectory are float products
 #: (``cuda_float_powers``), and the unroll factor of their interior row loops (0: ptxas's choice)
 CUDA_FLOAT_POWER_KERNELS = {"adjoint": 0, "dt_jvp": 2}
@@ -767,9 +776,11 @@ class CudaTarget(Target):
         as accumulations that read each gradient once (codegen/reads.py); with a period above 1
         (B-splines) the forward and adjoint are span loops only, as in C (lower._spans_only); a fused
         forward reads the inputs it uses only at its end where it first uses them (``CUDA_LATE_INPUTS``;
-        not one whose column CUDA_INPUTS_FIRST keeps first, ``spec``'s; every one without ``spec``); the
-        tangent and reverse programs as tapes (``tape_programs``), dt_jvp's inputs read once."""
-        from . import reads  # code generation only: this module stays importable without SymPy
+        not one whose column CUDA_INPUTS_FIRST keeps first, ``spec``'s; every one without ``spec``); a
+        float64 fused adjoint works out its column's bases again after its knots' loop
+        (``CUDA_COLUMN_AGAIN``); the tangent and reverse programs as tapes (``tape_programs``), dt_jvp's
+        inputs read once."""
+        from . import fused, reads  # code generation only: this module stays importable without SymPy
         from .shared_column import in_shared_column
 
         codes = {k: getattr(code.as_tapes, k) if k in ("dt_jvp", "dt_vjp_finish") else getattr(code, k)
@@ -795,6 +806,9 @@ class CudaTarget(Target):
         for k in (k for k in CUDA_SHARED_COLUMN if k in codes and code.fused):
             for value, slot, _ in cuda_shared_column(k, codes[k].statements, itemsize):
                 codes[k] = dataclasses.replace(codes[k], statements=in_shared_column(codes[k].statements, value, slot))
+        for k in (k for k in CUDA_COLUMN_AGAIN.get(itemsize, ()) if k in codes and code.fused):
+            codes[k] = dataclasses.replace(codes[k], statements=fused.column_again(codes[k].statements,
+                                                                                           CUDA_COLUMN_AGAIN_LOOPS))
         return codes
 
     def check(self, spec: Any, tapes: list) -> None:

@@ -2027,3 +2027,46 @@ def test_cuda_bspline_adjoint_with_row_tiles_and_row_by_row_start_and_goal_sums_
     for got, expected in zip(*grads):
         assert got is not None and expected is not None and expected.abs().max() > 0
         torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-10 * float(expected.abs().max()))
+
+
+def test_cuda_bspline_adjoint_works_out_its_column_again_after_the_knots_loop_and_matches_the_definitions():
+    """A fused float64 order-4 B-spline adjoint with a goal and ten terms (issue 39's that spilled 4
+    bytes, degree 5, here at 2 dof, 9 knots, 2 rows a span, with start and goal indices): after
+    its knots' loop it works out the thread's column, the rows its indices pick and its bases again
+    (codegen/fused.py ``column_again``: ``TS_COLUMN_AGAIN``), not holding them through the loop. Run
+    on the host (tests/cuda_on_host.py, 3 trajectories): the cost and the gradients of u, the start
+    state, the goal and the target within 1e-10 of the plain step plus the terms from their definitions."""
+    from cuda_on_host import host_step
+
+    terms = tuple((k, s) for k in ("bound", "squared") for s in STATES)
+    spec = ts.KernelSpec(control="bspline", degree=5, knots=9, steps=2, end="goal", dt="per_trajectory", order=4,
+                         dof=2, dtype="float64", costs=terms, outputs=(), start_index=True, goal_index=True)
+    source = ts.source(spec, "cuda")
+    adjoint = source[source.index(f"{spec.name}_adjoint(int64_t B"):]
+    after = adjoint[adjoint.index("for (int64_t kn"):]
+    # once, after the knots' loop (its closing brace first), to the column's end; the forward keeps its form
+    assert adjoint.count("TS_COLUMN_AGAIN();") == 1 and after.index("}") < after.index("TS_COLUMN_AGAIN();")
+    assert after.index("TS_COLUMN_AGAIN_END();") > after.index("GE0(")
+    assert "const int64_t grow = gidx ? gidx[b] : b;" in source.split("#define TS_COLUMN_AGAIN()")[1]
+    forward = source[source.index(f"{spec.name}_forward(int64_t B"):source.index(f"{spec.name}_adjoint(int64_t B")]
+    assert "TS_COLUMN_AGAIN" not in forward and "TS_COLUMN_AGAIN" not in ts.source(spec, "c")
+    x, params, dt = _data(spec)
+    gen = torch.Generator().manual_seed(7)
+    wcost = torch.randn(3, len(terms), generator=gen, dtype=torch.float64)
+    grads = []
+    for fused_step in (True, False):
+        leaves = {k: x[k].clone().requires_grad_() for k in ("u", "p0", "v0", "a0", "j0")}
+        goal = tuple(g.clone().requires_grad_() for g in x["goal"])
+        target = params["squared_position_target"].clone().requires_grad_()
+        xx, pp = {**x, **leaves, "goal": goal}, {**params, "squared_position_target": target}
+        if fused_step:
+            out = _call(host_step(spec), spec, xx, pp, dt)
+            cost = out[-1] if isinstance(out, tuple) else out
+        else:
+            plain = spec.replace(costs=(), outputs=None)
+            cost = _torch_costs(spec, _call(ts.load(plain), plain, xx, {}, dt), pp, xx)
+        (cost * wcost).sum().backward()
+        grads.append([cost.detach()] + [t.grad for t in (*leaves.values(), *goal, target)])
+    for got, expected in zip(*grads):
+        assert got is not None and expected is not None and expected.abs().max() > 0
+        torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-10 * float(expected.abs().max()))
