@@ -155,6 +155,12 @@ GRID = [
           outputs=(), costs=tuple(("bound", s) for s in ("position", "velocity", "acceleration", "jerk", "snap"))
           + tuple(("squared", s) for s in ("position", "acceleration", "jerk", "snap"))), None, "float64",
      {}),
+    # a float64 order-4 B-spline adjoint with a goal and ten terms, layout "bhd": 4 bytes spilled, the
+    # goal's row (64-bit) held through the knots' loop; none with the column's bases worked out again
+    # after it (codegen/fused.py column_again)
+    (dict(control="bspline", degree=5, knots=32, steps=4, end="goal", dt="per_trajectory", order=4, outputs=(),
+          costs=tuple((k, s) for k in ("bound", "squared") for s in ("position", "velocity", "acceleration", "jerk",
+                                                                      "snap"))), None, "float64", {}),
     # a dt per trajectory: each thread computes its coefficients, monomials of its dt, the factors read
     # where they are used from the block's copy in shared memory (104 and 244 bytes spilled before)
     (dict(control="bspline", degree=4, knots=6, steps=2, dt="per_trajectory", costs=COSTS, outputs=("P",)), None,
