@@ -283,6 +283,7 @@ CUDA_INPUTS_FIRST: dict[tuple[str, str], int] = {("rows", "bhd"): 28}
 
 
 #: the fused CUDA kernels, by element size, whose column works out its bases anew after its first loop
+#: of CUDA_COLUMN_AGAIN_LOOPS
 #: (codegen/fused.py ``column_again``): held through the loop, the bases a float64 B-spline adjoint of
 #: many terms uses after it (the action's, the gradients', a goal's row) were spilled at the 128 cap
 #: (BENCHMARKS.md "Float64 B-spline adjoints: the column's bases worked out again after the knots' loop")
