@@ -14,7 +14,7 @@ import sympy as sp
 from sympy.printing.c import C99CodePrinter
 
 from .renaming import renamed_text
-from .statements import (Add, Bind, Call, Cast, Def, For, Literal, Mul, Paren, Read, Rel, RunEnd, RunTape, Shift,
+from .statements import (Add, Bind, Call, Cast, Def, Fenced, For, Literal, Mul, Paren, Read, Rel, RunEnd, RunTape, Shift,
                          Statement, Store, Strided, Sum, Sym, Term, Val, Var, Volatile)
 
 INDENT = "    "
@@ -143,6 +143,10 @@ class Printer:
                 if not s.unroll:
                     out.append(f"{indent}TS_ROLLED")  # each template says what keeps a loop rolled
                 out.append(f"{indent}for (int64_t {v} = {first}; {cond}; {advance}) {{")
+                out += self.lines(s.body, indent + INDENT)
+                out.append(f"{indent}}}")
+            elif isinstance(s, Fenced):
+                out.append(f"{indent}if (TS_FENCE({s.n})) {{")
                 out += self.lines(s.body, indent + INDENT)
                 out.append(f"{indent}}}")
             elif isinstance(s, RunEnd):

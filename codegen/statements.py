@@ -242,7 +242,17 @@ class RunTape:
         return hash(self.tape.name)
 
 
-Statement = Union[Def, Store, Call, For, RunEnd, RunTape]
+@dataclasses.dataclass(frozen=True)
+class Fenced:
+    """``body`` as a block of its own, ``if (TS_FENCE(n)) { ... }``: a condition always true that the
+    compiler cannot prove, each block's its own (n), so that nothing of the block is scheduled with
+    its neighbours' statements (CUDA's: codegen/fences.py). What the body defines stays inside."""
+
+    n: int
+    body: tuple
+
+
+Statement = Union[Def, Store, Call, For, RunEnd, RunTape, Fenced]
 
 
 def transform(node: Any, fn: Callable[[Any], Any]) -> Any:
