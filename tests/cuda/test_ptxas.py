@@ -126,15 +126,12 @@ GRID = [
     (dict(control="bspline", degree=3, knots=64, steps=4, costs=COSTS, outputs=("P",)), None, "float64", {}),
     (dict(control="bspline", degree=5, knots=64, steps=8, costs=COSTS, outputs=("P",)), None, "float64", {}),
     (dict(control="bspline", degree=3, knots=64, steps=8, costs=COSTS, outputs=("P",)), None, "float32", {}),
-    # float32 forwards at the 128-register cap (bytes of spill stores, outside the knots' loop). Their cost
-    # sums kept in shared memory clear them (80 and 87 registers) but put a shared load and store into each
-    # add's chain: 2.5 times the row's cycles by the SASS model, so the sums stay in registers (BENCHMARKS.md,
-    # "The last four CUDA spills: ..."); with the per-dof weights read where used (codegen/targets.py
-    # CUDA_LATE_INPUTS) 16 and 24 bytes (8 and 28 with them loaded first)
-    (dict(control="bspline", degree=3, knots=64, steps=4, costs=COSTS, outputs=("P",)), None, "float32",
-     {"core": "forward: 16 bytes of spill stores"}),
-    (dict(control="bspline", degree=5, knots=64, steps=8, costs=COSTS, outputs=("P",)), None, "float32",
-     {"core": "forward: 24 bytes of spill stores"}),
+    # float32 forwards at the 128-register cap: the rows after the knots' loop in blocks of two
+    # (codegen/targets.py CUDA_FENCED_ROWS; bytes of spill stores before, in the last spans and, degree 5,
+    # across the loop: 16 and 24 with the per-dof weights read where used, 8 and 28 with them loaded first;
+    # the cost sums in shared memory cleared them at 2.5 times the row's cycles by the SASS model)
+    (dict(control="bspline", degree=3, knots=64, steps=4, costs=COSTS, outputs=("P",)), None, "float32", {}),
+    (dict(control="bspline", degree=5, knots=64, steps=8, costs=COSTS, outputs=("P",)), None, "float32", {}),
     # fused forwards read the inputs they use only at their end where they first use them (codegen/fused.py
     # ``inputs_where_used``: each term's per-dof weight, a goal's state after the knots' loop); loaded first,
     # at the cap: an order-4 float32 B-spline of six terms, two outputs, spilled 16 bytes, a float64
@@ -179,10 +176,10 @@ GRID = [
      "float64", {}),
     (dict(control="bspline", degree=5, knots=64, steps=8, dt="per_trajectory", costs=COSTS, outputs=("P",)), None,
      "float64", {}),
+    # (float32 forward: 8 bytes before its last spans were fenced, 32 with the weights loaded first, 332 before
+    # the copy of the factors read; adjoint 504 before the copy)
     (dict(control="bspline", degree=3, knots=64, steps=8, dt="per_trajectory", costs=COSTS, outputs=("P",)), None,
-     "float32", {"core": "forward: 8 bytes of spill stores (32 with the weights loaded first, 332 before the copy "
-                         "of the factors read; adjoint 504 before, 0 now; the sums in shared memory clear it at "
-                         "2.5 times the row's cycles)"}),
+     "float32", {}),
     # unfused, a dt per trajectory: the adjoint, dt_jvp and dt_vjp read the factors where they use them
     # from the block's copy, float64's dt_jvp its coefficients' powers from the thread's column in
     # shared memory, float32's dt_vjp the factors only (spilled before, bytes: B-spline degree 3 dt_jvp

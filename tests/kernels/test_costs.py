@@ -1979,6 +1979,27 @@ def test_cuda_fused_forward_reads_its_late_inputs_where_used_and_matches_the_def
     _fused_against_composite(spec, x, params, dt, False, fused_step=host_step(spec))
 
 
+def test_cuda_float32_bspline_forward_with_its_last_spans_fenced_runs_on_the_host_and_matches_the_definitions():
+    """CUDA's fused float32 B-spline forward holds the rows after its knots' loop in blocks of two
+    (codegen/fences.py ``tail_fenced``, ``if (TS_FENCE(n)) { ... }``: at the 128 cap they spilled
+    unfenced). The bench's terms and a target, run on the host: P, cost and the gradients of u, p0 and
+    the target within 1e-6 of the largest (float32 rounding) of the plain float64 step plus the terms
+    from their definitions, on the values the kernel sees."""
+    from cuda_on_host import host_step
+
+    spec = ts.KernelSpec(control="bspline", degree=3, knots=12, steps=4, dof=2, dtype="float64", costs=BENCH_TERMS,
+                         outputs=("P",))
+    single = spec.replace(dtype="float32")
+    source = ts.source(single, "cuda")
+    forward = source[source.index(f"{single.name}_forward(int64_t B"):source.index(f"{single.name}_adjoint(int64_t B")]
+    assert forward.index("if (TS_FENCE(0)) {") > forward.index("for (int64_t kn") and "TS_FENCE(3)" in forward
+    x, params, dt = _data(spec)
+    seen = lambda t: t.float().double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+    x, params = {k: seen(v) for k, v in x.items()}, {k: seen(v) for k, v in params.items()}
+    _fused_against_composite(spec, x, params, float(torch.tensor(dt).float()), False, fused_step=host_step(single),
+                             fused_dtype=torch.float32, tol=1e-6)
+
+
 def test_cuda_bspline_adjoint_with_row_tiles_and_row_by_row_start_and_goal_sums_matches_the_definitions():
     """A fused float64 order-4 B-spline with a goal and nine terms, layout "bdh" (issue 39's adjoint
     that spilled 168 bytes, at 2 dof): its adjoint adds each row's term to the start state's and the
