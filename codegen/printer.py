@@ -14,7 +14,7 @@ import sympy as sp
 from sympy.printing.c import C99CodePrinter
 
 from .renaming import renamed_text
-from .statements import (Add, Bind, Call, Cast, Def, Fenced, For, Literal, Mul, Paren, Read, Rel, RunEnd, RunTape, Shift,
+from .statements import (Add, Bind, Call, Cast, Def, Fence, For, Literal, Mul, Paren, Read, Rel, RunEnd, RunTape, Shift,
                          Statement, Store, Strided, Sum, Sym, Term, Val, Var, Volatile)
 
 INDENT = "    "
@@ -145,10 +145,6 @@ class Printer:
                 out.append(f"{indent}for (int64_t {v} = {first}; {cond}; {advance}) {{")
                 out += self.lines(s.body, indent + INDENT)
                 out.append(f"{indent}}}")
-            elif isinstance(s, Fenced):
-                out.append(f"{indent}if (TS_FENCE({s.n})) {{")
-                out += self.lines(s.body, indent + INDENT)
-                out.append(f"{indent}}}")
             elif isinstance(s, RunEnd):
                 if isinstance(s.at, int):
                     out += self.lines(s.body, indent) if s.holds() else []
@@ -175,6 +171,8 @@ class Printer:
             if s.value is not None:
                 args.append(self.expr(s.value))
             return f"{self._name(s.macro, s.whole)}({', '.join(args)});"
+        if isinstance(s, Fence):
+            return "TS_FENCE();"
         if isinstance(s, RunTape):
             return f"{s.tape.macro}({', '.join(_index(a) for a in s.args)});"
         raise TypeError(f"not a statement: {s!r}")

@@ -577,7 +577,7 @@ def render(spec: Any, code: LoweredOperator, table: ArgumentTable, target: Targe
         checkpoints=any(("TS_CHECKPOINTS(" in line or "TS_REREAD(" in line) for c in [*codes.values(), *(c for v in variants.values()
                                                                                   for c in v.values())]
                         if c is not None and hasattr(c, "body") for line in c.body),
-        # CUDA: blocks of rows kept apart (codegen/fences.py) test TS_FENCE
+        # CUDA: fences between rows (codegen/fences.py)
         fences=any("TS_FENCE(" in line for c in codes.values() if c is not None and hasattr(c, "body") for line in c.body),
         written=list(table.written),
         lane_macros=macros.lanes(table) + macros.lane_parameters(table),

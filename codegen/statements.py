@@ -243,16 +243,13 @@ class RunTape:
 
 
 @dataclasses.dataclass(frozen=True)
-class Fenced:
-    """``body`` as a block of its own, ``if (TS_FENCE(n)) { ... }``: a condition always true that the
-    compiler cannot prove, each block's its own (n), so that nothing of the block is scheduled with
-    its neighbours' statements (CUDA's: codegen/fences.py). What the body defines stays inside."""
-
-    n: int
-    body: tuple
+class Fence:
+    """``TS_FENCE();``: where ptxas schedules nothing across (CUDA's: a trap predicated on the block
+    size being 0, in inline PTX, which ptxas turns into a branch and NVVM sees as straight-line code;
+    codegen/fences.py)."""
 
 
-Statement = Union[Def, Store, Call, For, RunEnd, RunTape, Fenced]
+Statement = Union[Def, Store, Call, For, RunEnd, RunTape, Fence]
 
 
 def transform(node: Any, fn: Callable[[Any], Any]) -> Any:

@@ -281,12 +281,11 @@ CUDA_LATE_INPUTS = {4: ("weights",), 8: ("weights", "after_loop")}
 #: late (BENCHMARKS.md, "Thirteenth run"); B-splines spilled at 128 from 24 (degree 6, a row a span).
 CUDA_INPUTS_FIRST: dict[tuple[str, str], int] = {("rows", "bhd"): 28}
 
-#: the rows a block holds of a fused CUDA forward's straight-line rows after its knots' loop (a clamped
-#: B-spline's last spans; codegen/fences.py ``tail_fenced``), by element size (0: not fenced). Unfenced,
-#: ptxas interleaved many rows' loads there and float32 B-splines of 64 knots with seven terms spilled 8
-#: to 24 bytes at the 128 cap; blocks of 1 or 2 rows cleared them, 3 or 4 and whole spans did not all, and
-#: fencing the first spans as well spilled more (BENCHMARKS.md "The last spans fenced"). float64's
-#: forwards fit (not tried).
+#: the rows between fences of a fused CUDA forward's straight-line spans around its knots' loop (a clamped
+#: B-spline's first and last spans; codegen/fences.py ``rows_fenced``), by element size (0: none).
+#: Unfenced, ptxas interleaved many rows' loads there and float32 B-splines of 64 knots with seven terms
+#: spilled 8 to 24 bytes at the 128 cap; fences every 2 rows cleared them, every 4, by span or the last
+#: spans only did not all (BENCHMARKS.md "The straight-line spans fenced"). float64's forwards fit (not tried).
 CUDA_FENCED_ROWS = {4: 2, 8: 0}
 
 
@@ -786,11 +785,11 @@ class CudaTarget(Target):
         (B-splines) the forward and adjoint are span loops only, as in C (lower._spans_only); a fused
         forward reads the inputs it uses only at its end where it first uses them (``CUDA_LATE_INPUTS``;
         not one whose column CUDA_INPUTS_FIRST keeps first, ``spec``'s; every one without ``spec``), its
-        rows after its knots' loop in blocks of a few (``CUDA_FENCED_ROWS``); a float64 fused adjoint
-        works out its column's bases again after its knots' loop (``CUDA_COLUMN_AGAIN``); the tangent and
-        reverse programs as tapes (``tape_programs``), dt_jvp's inputs read once."""
+        straight-line spans fenced every few rows (``CUDA_FENCED_ROWS``); a float64 fused adjoint works out
+        its column's bases again after its knots' loop (``CUDA_COLUMN_AGAIN``); the tangent and reverse
+        programs as tapes (``tape_programs``), dt_jvp's inputs read once."""
         from . import fused, reads  # code generation only: this module stays importable without SymPy
-        from .fences import tail_fenced
+        from .fences import rows_fenced
         from .shared_column import in_shared_column
 
         codes = {k: getattr(code.as_tapes, k) if k in ("dt_jvp", "dt_vjp_finish") else getattr(code, k)
@@ -813,7 +812,7 @@ class CudaTarget(Target):
             codes["forward"] = code.inputs_where_used(codes["forward"], late)
         if code.fused and "forward" in codes:
             codes["forward"] = dataclasses.replace(
-                codes["forward"], statements=tail_fenced(codes["forward"].statements, CUDA_FENCED_ROWS[itemsize]))
+                codes["forward"], statements=rows_fenced(codes["forward"].statements, CUDA_FENCED_ROWS[itemsize]))
         if "dt_jvp" in codes:
             codes["dt_jvp"] = dataclasses.replace(codes["dt_jvp"], statements=reads.loaded_once(codes["dt_jvp"].statements))
         for k in (k for k in CUDA_SHARED_COLUMN if k in codes and code.fused):

@@ -1,14 +1,14 @@
-"""CUDA's fused float32 forwards with a knots' loop hold the straight-line rows after it in blocks of a
-few rows (codegen/targets.py ``CUDA_FENCED_ROWS``, codegen/fences.py ``tail_fenced``): each block
-``if (TS_FENCE(n)) { ... }``, the loop and the first spans as they were; float64 and C unfenced."""
+"""CUDA's fused float32 forwards with a knots' loop fence their straight-line spans every few rows
+(codegen/targets.py ``CUDA_FENCED_ROWS``, codegen/fences.py ``rows_fenced``): ``TS_FENCE();`` before
+each two rows of the first spans and of the last, the loop as it was; float64 and C unfenced."""
 from __future__ import annotations
 
 import re
 
 import tensorstep as ts
 from tensorstep.codegen import targets
-from tensorstep.codegen.fences import tail_fenced
-from tensorstep.codegen.statements import Call, Def, Fenced, For, Read, Store, Sum, Term, Val, Var
+from tensorstep.codegen.fences import rows_fenced
+from tensorstep.codegen.statements import Call, Def, Fence, For, Read, Store, Sum, Term, Val, Var
 
 TERMS = (("bound", "velocity"), ("squared", "jerk"))
 
@@ -30,38 +30,29 @@ def _row(h: int) -> list:
             Store(Var("cacc0"), Sum((Term(None, y),)), "+=")]
 
 
-def test_the_rows_after_the_knots_loop_are_fenced_two_by_two_and_the_rest_kept():
+def test_a_fence_before_each_two_rows_around_the_knots_loop():
+    head = [Def(Var("s0"), Read("S0")), Def(Var("cacc0"), Sum(()), ctype="double", const=False)]
     loop = For(4, 6, 1, tuple(_row(0)), var="kn")
     end = [Def(Var("cw0"), Read("CW0")), Call("CPART", (0,), Var("cacc0"))]
-    statements = _row(0) + [loop] + _row(8) + _row(9) + _row(10) + end
-    out = tail_fenced(statements, 2)
-    assert out[:4] == statements[:4] and out[-2:] == end
-    assert out[4:-2] == [Fenced(0, tuple(_row(8) + _row(9))), Fenced(1, tuple(_row(10)))]
-    assert tail_fenced(statements, 0) == statements
-    assert tail_fenced([s for s in statements if s is not loop], 2) == [s for s in statements if s is not loop]
+    statements = head + _row(0) + _row(1) + _row(2) + [loop] + _row(8) + _row(9) + _row(10) + end
+    assert rows_fenced(statements, 2) == (head + [Fence()] + _row(0) + _row(1) + [Fence()] + _row(2) + [loop]
+                                          + [Fence()] + _row(8) + _row(9) + [Fence()] + _row(10) + end)
+    assert rows_fenced(statements, 0) == statements
+    assert rows_fenced([s for s in statements if s is not loop], 2) == [s for s in statements if s is not loop]
 
 
-def test_a_block_whose_value_is_read_later_is_joined_to_the_next():
-    loop = For(4, 6, 1, tuple(_row(0)), var="kn")
-    later = Store(Var("cacc1"), Sum((Term(None, Val("y", 0, 8)),)), "+=")
-    statements = [loop] + _row(8) + _row(10) + [later]
-    out = tail_fenced(statements, 2)
-    assert out == [loop, Fenced(0, tuple(_row(8) + _row(10) + [later]))]
-
-
-def test_a_float32_cuda_forward_fences_its_last_spans_only():
+def test_a_float32_cuda_forward_fences_its_straight_line_spans_only():
     forward = _forward(_spec("float32"))
-    loop = forward.index("for (int64_t kn")
-    blocks = re.findall(r"if \(TS_FENCE\((\d+)\)\) \{(.*?)\n        \}", forward, re.S)
-    assert [int(n) for n, _ in blocks] == list(range(len(blocks))) and len(blocks) >= 4
-    assert forward.index("if (TS_FENCE(0))") > forward.index("\n        }", loop)  # after the loop's end
-    for _, body in blocks:  # at most two rows a block, each row's stores and sums with it
-        assert 1 <= body.count("Y0(") <= 2 and body.count("const T y0_") == body.count("Y0(")
-    assert forward.index("const T cw0 = ") > forward.rindex("TS_FENCE(")
+    start, end = forward.index("for (int64_t kn"), forward.index("const T cw0 = ")
+    loop = forward[start:forward.index("\n        }", start)]
+    assert "TS_FENCE" not in loop and "TS_FENCE" not in forward[end:]
+    for stretch in (forward[:start], forward[start + len(loop):end]):
+        pieces = stretch.split("TS_FENCE();")
+        assert len(pieces) >= 3 and "Y0(" not in pieces[0]
+        assert all(re.findall(r"Y0\((\d+)", p) and len(re.findall(r"Y0\((\d+)", p)) <= 2 for p in pieces[1:])
     assert "TS_FENCE" not in _forward(_spec("float64")) and "TS_FENCE" not in ts.source(_spec("float32"), "c")
 
 
 def test_the_fenced_rows_are_data(monkeypatch):
     monkeypatch.setitem(targets.CUDA_FENCED_ROWS, 4, 0)
     assert "TS_FENCE" not in ts.source(_spec("float32"), "cuda")
-

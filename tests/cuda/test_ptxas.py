@@ -126,7 +126,7 @@ GRID = [
     (dict(control="bspline", degree=3, knots=64, steps=4, costs=COSTS, outputs=("P",)), None, "float64", {}),
     (dict(control="bspline", degree=5, knots=64, steps=8, costs=COSTS, outputs=("P",)), None, "float64", {}),
     (dict(control="bspline", degree=3, knots=64, steps=8, costs=COSTS, outputs=("P",)), None, "float32", {}),
-    # float32 forwards at the 128-register cap: the rows after the knots' loop in blocks of two
+    # float32 forwards at the 128-register cap: their first and last spans fenced every two rows
     # (codegen/targets.py CUDA_FENCED_ROWS; bytes of spill stores before, in the last spans and, degree 5,
     # across the loop: 16 and 24 with the per-dof weights read where used, 8 and 28 with them loaded first;
     # the cost sums in shared memory cleared them at 2.5 times the row's cycles by the SASS model)
@@ -176,7 +176,7 @@ GRID = [
      "float64", {}),
     (dict(control="bspline", degree=5, knots=64, steps=8, dt="per_trajectory", costs=COSTS, outputs=("P",)), None,
      "float64", {}),
-    # (float32 forward: 8 bytes before its last spans were fenced, 32 with the weights loaded first, 332 before
+    # (float32 forward: 8 bytes before its spans were fenced, 32 with the weights loaded first, 332 before
     # the copy of the factors read; adjoint 504 before the copy)
     (dict(control="bspline", degree=3, knots=64, steps=8, dt="per_trajectory", costs=COSTS, outputs=("P",)), None,
      "float32", {}),
