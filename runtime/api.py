@@ -70,7 +70,7 @@ class Step(torch.nn.Module):
         self._slot_id = -1
         self._held_slot: Any = None
         self._held_slot_id = -1
-        # CUDA steps: opt-in (TENSORSTEP_CUDA_NATIVE=1) until a GPU run confirms the node's launches
+        # (CUDA steps: unless TENSORSTEP_CUDA_NATIVE=0)
         self._native_pending = device.type == "cpu" or (device.type == "cuda" and native_cuda_enabled())
         if self._native_pending:
             self._take_native()

@@ -12,9 +12,8 @@ the same checks and kernels without entering Python. ``TENSORSTEP_NATIVE=0`` tur
 cannot be built (no C++ compiler, no PyTorch headers) steps run on the Python path with one
 warning.
 
-CUDA steps (opt-in: ``TENSORSTEP_CUDA_NATIVE=1``; off by default until a GPU run has confirmed the
-node's launches bit for bit against the Python path's, tests/cuda/test_cuda_native.py) take the same
-node: it launches their kernels itself, through the driver's ``cuLaunchKernel``, with the launches
+CUDA steps take the same node (``TENSORSTEP_CUDA_NATIVE=0`` turns it off for them alone; a GPU run
+checks its launches bit for bit against the Python path's, tests/cuda/test_cuda_native.py): it launches their kernels itself, through the driver's ``cuLaunchKernel``, with the launches
 runtime/cuda_backend.py works out (``CudaBackend.native_plan``: asked once per entry point and batch
 size, then kept in C++), on PyTorch's current stream, the temporaries from PyTorch's caching
 allocator. Without it a CUDA call takes the Python path (autograd.Function, ``Packed``).
@@ -77,9 +76,9 @@ CUDA_SWITCH = "TENSORSTEP_CUDA_NATIVE"
 
 
 def cuda_enabled() -> bool:
-    """CUDA steps take the native node: TENSORSTEP_CUDA_NATIVE is 1/true/on/yes (off by default until
-    a GPU run confirms it: see the module docstring), and TENSORSTEP_NATIVE does not turn it off."""
-    return enabled() and os.environ.get(CUDA_SWITCH, "0").strip().lower() in ("1", "true", "on", "yes")
+    """CUDA steps take the native node unless TENSORSTEP_CUDA_NATIVE or TENSORSTEP_NATIVE is
+    0/false/off/no."""
+    return enabled() and os.environ.get(CUDA_SWITCH, "1").strip().lower() not in ("0", "false", "off", "no")
 
 
 def _torch_paths() -> tuple[Path, list[Path]]:

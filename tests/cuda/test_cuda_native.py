@@ -1,4 +1,4 @@
-"""The native node's CUDA launches (runtime/native_node.cpp, TENSORSTEP_CUDA_NATIVE=1).
+"""The native node's CUDA launches (runtime/native_node.cpp; TENSORSTEP_CUDA_NATIVE=0 turns them off).
 
 Without a GPU, the node launches the CUDA kernels run on the host (tests/cuda_on_host.py) through
 the driver double given to it as a C function: outputs and gradients equal the Python path's (the
@@ -410,15 +410,15 @@ def test_a_dropped_step_frees_its_backend_and_a_graph_that_outlives_it_runs_its_
     assert backend() is None
 
 
-def test_off_unless_asked(monkeypatch):
-    """Without TENSORSTEP_CUDA_NATIVE=1 a CUDA step takes the Python path (the default until a GPU run
-    confirms the node's launches)."""
+@pytest.mark.parametrize("off", ["0", "off", "False"])
+def test_on_unless_turned_off(monkeypatch, off):
+    """A CUDA launcher gets a native handle by default; TENSORSTEP_CUDA_NATIVE=0 (or off/false/no, any
+    case) keeps CUDA steps on the Python path."""
     monkeypatch.delenv(native.CUDA_SWITCH)
     spec = _spec(PLAIN[0])
-    assert Step(spec, torch.device("cpu"), Launcher(spec, HostCudaBackend(spec))).native is None
-    assert native.handle(Launcher(spec, HostCudaBackend(spec))) is None
-    monkeypatch.setenv(native.CUDA_SWITCH, "1")
     assert native.handle(Launcher(spec, HostCudaBackend(spec))) is not None
+    monkeypatch.setenv(native.CUDA_SWITCH, off)
+    assert native.handle(Launcher(spec, HostCudaBackend(spec))) is None
 
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
