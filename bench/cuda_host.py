@@ -3,7 +3,7 @@
 The costs bench's case (bench/costs.py: B=400, float32, H=32, D=7; fused: the seven terms, outputs
 P; held: the same with the cost parameters held by the step, ``set_costs``; plain: the step alone,
 gradient on P only), forward+backward, on three paths: the native node launching the kernels itself
-("native", runtime/native_node.cpp, what ``TENSORSTEP_CUDA_NATIVE=1`` selects), and the Python path
+("native", runtime/native_node.cpp, a CUDA step's default), and the Python path (``TENSORSTEP_CUDA_NATIVE=0``)
 with its launches going straight to the driver ("direct", runtime/cuda_backend.py ``Packed``) or
 through CuPy's RawKernel call ("cupy", what ``TENSORSTEP_CUDA_LAUNCH=cupy`` selects), the (method,
 path) pairs taking turns in every round (a throughput loop of ``--calls`` calls after warm-up,
@@ -93,11 +93,19 @@ def _stub_functions() -> tuple[ctypes.CDLL, tuple[int, int]]:
     return lib, tuple(ctypes.cast(f, ctypes.c_void_p).value for f in (lib.ts_stub_launch, lib.ts_stub_stream))
 
 
-def _native_switch() -> Any:
-    """CUDA steps loaded inside take the native node (``TENSORSTEP_CUDA_NATIVE=1``)."""
+def _native_switch(on: bool = True) -> Any:
+    """CUDA steps loaded inside take the native node (``on``) or the Python path (``TENSORSTEP_CUDA_NATIVE``)."""
     from ..runtime.native import CUDA_SWITCH
 
-    return mock.patch.dict(os.environ, {CUDA_SWITCH: "1"})
+    return mock.patch.dict(os.environ, {CUDA_SWITCH: "1" if on else "0"})
+
+
+def _load_python(spec: Any, device: torch.device) -> Any:
+    """A CUDA step on the Python path (the node is the default)."""
+    import tensorstep as ts
+
+    with _native_switch(False):
+        return ts.load(spec, device)
 
 
 def _stub_step(spec: Any, native: bool = False) -> Any:
@@ -140,8 +148,6 @@ def _load_native(spec: Any, device: torch.device) -> Any:
 def callables(case: CostCase, stub: bool, native: bool = False) -> tuple[dict[str, Callable[[], Any]], dict[str, Any]]:
     """(each method's forward+backward as a no-argument callable, each method's step); ``native``:
     steps on the native node (else the Python path)."""
-    import tensorstep as ts
-
     dev = torch.device(case.device)
     gen, u, starts = _inputs(case)
     u.requires_grad_(True)
@@ -151,7 +157,7 @@ def callables(case: CostCase, stub: bool, native: bool = False) -> tuple[dict[st
     if stub:
         load = functools.partial(_stub_step, native=native)
     else:
-        load = functools.partial(_load_native, device=dev) if native else (lambda spec: ts.load(spec, dev))
+        load = functools.partial(_load_native if native else _load_python, device=dev)
     fused, held, plain = load(case.fused), load(case.fused), load(case.plain)
     held.set_costs(**params)
 
