@@ -23,7 +23,7 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from . import ptxas
 
@@ -91,14 +91,15 @@ def described(fields: dict[str, Any]) -> dict[str, Any]:
             "row_terms": targets.cuda_row_terms(len(fields["costs"]), fields.get("steps"), fields["order"])}
 
 
-def specs(n: int, seed: int, where: Optional[dict[str, str]] = None) -> list[Any]:
-    """``n`` fused specs drawn with ``seed`` (invalid draws redrawn), those whose fields (and
+def specs(n: int, seed: int, where: Optional[dict[str, str]] = None,
+          drawing: Callable[[random.Random], dict[str, Any]] = draw) -> list[Any]:
+    """``n`` fused specs drawn with ``seed`` by ``drawing`` (invalid draws redrawn), those whose fields (and
     ``described``'s) have the values of ``where`` (as strings; ``a|b``: either) where given."""
     import tensorstep as ts
 
     rng, drawn = random.Random(seed), []
     while len(drawn) < n:
-        fields = draw(rng)
+        fields = drawing(rng)
         if not fields or any(str(described(fields).get(k)) not in v.split("|") for k, v in (where or {}).items()):
             continue
         try:
