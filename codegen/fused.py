@@ -995,7 +995,7 @@ def _recurrence(op: Operator, coefs: Coefficients, refs: References, inputs: lis
 
 # -- a recurrence's adjoint rolled (codegen/roll.py ``segmented``): CUDA's at every horizon ------
 def rolled_adjoint(op: Operator, coefs: Coefficients, refs: References, table: ArgumentTable, live: Callable,
-                   itemsize: int, form: Form = Form(), budget: int = CHECKPOINT_BYTES,
+                   itemsize: int, form: Form = Form(), budget: int | None = None,
                    reread: bool = True, segment_rows: int | None = None) -> list[Statement] | None:
     """``adjoint`` of a recurrence as a reverse scan over segments of steps (codegen/roll.py
     ``segmented``): a first loop runs the steps forward and keeps each segment's incoming values
@@ -1005,7 +1005,8 @@ def rolled_adjoint(op: Operator, coefs: Coefficients, refs: References, table: A
     after the repeating ones are straight-line. Each sum has ``_recurrence``'s terms in its order,
     whatever the segments (FMA contraction aside, the straight-line column's bits). None where fewer
     than two segments repeat. ``form``: what a call's parameters allow (C's variants); ``budget``: the
-    most bytes of one level's checkpoints (``CHECKPOINT_BYTES``, CUDA's stack; C's, ``C_CHECKPOINT_BYTES``);
+    most bytes of one level's checkpoints (None: ``CHECKPOINT_BYTES`` as it is at the call, CUDA's stack; C's,
+    ``C_CHECKPOINT_BYTES``);
     ``reread``: the actions of the steps before the scan read again through ``R<U>`` (CUDA's registers);
     ``segment_rows``: the row values a segment recomputes (None: ``SCAN_REGISTERS``' worth; C's ``C_SCAN_ROWS``)."""
     steps = list(_steps(op).values())
@@ -1053,6 +1054,7 @@ def rolled_adjoint(op: Operator, coefs: Coefficients, refs: References, table: A
         return Read("R" + action, x.args) if reread and isinstance(x, Read) and x.macro == action else None
 
     segment_rows = SCAN_REGISTERS * 4 // itemsize if segment_rows is None else segment_rows
+    budget = CHECKPOINT_BYTES if budget is None else budget
     scan = roll.segmented(values, reverse, itemsize, segment_rows, budget, again)
     if scan is None:
         return None

@@ -258,21 +258,14 @@ def test_the_reverse_scans_plan_takes_one_level_of_longer_segments_before_two_le
     assert roll._plan(125, 1, 2, 8, 768) == (2, 2) and roll._plan(125, 1, 1, 8, 768) == (1, 8)
 
 
-#: the reverse scan's plan as defined (``_cuda_adjoint`` gives it another budget)
-SEGMENTED = roll.segmented
-
-
 def _cuda_adjoint(spec: ts.KernelSpec, budget: int, monkeypatch) -> tuple[int | None, int | None, bool]:
     """CUDA's float64 adjoint of ``spec`` with ``budget`` bytes of checkpoints (``fused.CHECKPOINT_BYTES``,
-    given to the reverse scan, ``roll.segmented``, too: ``fused.rolled_adjoint``'s default holds the
-    value it had at import): its checkpoint array's values (``TS_CHECKPOINTS``, None where it has none),
-    the steps of its segments (the shortest stride of its loops, None where it has none) and whether
+    which ``fused.rolled_adjoint`` reads at each call): its checkpoint array's values (``TS_CHECKPOINTS``,
+    None where it has none), the steps of its segments (the shortest stride of its loops, None where it has none) and whether
     it has two levels (loops over blocks of segments, ``rs``)."""
     from tensorstep.codegen.statements import Call, walk
 
     monkeypatch.setattr(fused, "CHECKPOINT_BYTES", budget)
-    monkeypatch.setattr(roll, "segmented", lambda values, reverse, itemsize, rows, _, again: SEGMENTED(
-        values, reverse, itemsize, rows, budget, again))
     statements = CUDA.codes(lower(build_operator(spec), table(spec)), ("adjoint",), 8)["adjoint"].statements
     array = [n.args[0] for n in walk(tuple(statements)) if isinstance(n, Call) and n.macro == "TS_CHECKPOINTS"]
     loops = [s for s in statements if isinstance(s, For)]

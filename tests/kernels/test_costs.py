@@ -1632,14 +1632,11 @@ def test_cuda_adjoints_within_a_small_checkpoint_budget_run_on_the_host_match_th
     within the budget either way; P, the cost and the gradients of u, p0 and the target against the plain
     step plus the terms from their definitions (float64, 1e-10)."""
     from cuda_on_host import host_step
-    from tensorstep.codegen import driver, roll
+    from tensorstep.codegen import driver
 
     fields, budget, checkpoints = SMALL_BUDGETS[case]
     spec = ts.KernelSpec(dof=2, dtype="float64", costs=TERMS, outputs=("P",), **fields)
-    segmented = roll.segmented  # given the budget too (fused.rolled_adjoint's default is the value at import)
     monkeypatch.setattr(fused, "CHECKPOINT_BYTES", budget)
-    monkeypatch.setattr(roll, "segmented", lambda values, reverse, itemsize, rows, _, again: segmented(
-        values, reverse, itemsize, rows, budget, again))
     driver.lowered.cache_clear()  # (its lowering, kept per spec, holds the columns)
     try:
         source = generate(spec, targets=("cuda",), parts=("core",)).source("cuda", "core")
