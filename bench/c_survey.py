@@ -1,18 +1,18 @@
 """``python -m tensorstep.bench.c_survey N SEED [--where FIELD=VALUE|VALUE,...] [--json FILE]``: N seeded
-fused specs (bench/launch_bounds.py ``specs``, and here also a goal index and a stencil's accuracy)
-generated, compiled and loaded in C, each run at B=3 and checked against the plain step plus the
-cost terms in PyTorch (runtime/costs.py ``term_values``: the runtime's composite form).
+fused specs (bench/launch_bounds.py ``specs``, here with other dofs, goal indices and a stencil's
+accuracy) generated, compiled and loaded in C, each run at B=3 and checked against the plain step
+plus the cost terms in PyTorch (runtime/costs.py ``term_values``: the runtime's composite form).
 
-Each spec runs in a process of its own (a crash is a row, not the end of the survey), one at a time:
-its C core compiles as two units side by side, so at most two compilers run. Each spec makes two
-calls, which run the C entry points' general form (row weights given, margins wider than the
-limits) and their most specific one (no row weights, margins within the limits: ``narrow``,
-``unit_rows`` where the spec's terms have them). A call's written states, cost and the gradients
-of the actions, the start and goal states and the target (from random output weights) are
-compared with the composite's, in float64, on the same inputs (a float32 spec's rounded to
-float32): the largest difference over the largest value of each. A spec fails on a build, load
-or run error, a form the runtime could not build (its warning), or a difference above
-``TOLERANCE``. ``--json`` appends each spec's row to FILE and skips the specs already there.
+Each spec runs in a process of its own (a crash is a row, not the end of the survey), one at a
+time: its C core compiles as two units side by side, so at most two compilers run. Each spec makes
+a call per form of the C entry points (``CALLS``: row weights given or left out, margins past the
+middle of the limits or within them), each form built by the call that first runs it. A call's
+written states, cost and the gradients of the actions, the start and goal states and the target
+(from random output weights) are compared with the composite's, in float64, on the same inputs (a
+float32 spec's rounded to float32): the largest difference over the largest value of each. A spec
+fails on a build, load or run error, a form the runtime could not build (its warning), or a
+difference above ``TOLERANCE``. ``--json`` appends each spec's row to FILE and skips the specs
+already there.
 """
 from __future__ import annotations
 
@@ -32,14 +32,26 @@ from . import launch_bounds
 #: step's rounding grows with the horizon and the derivative a term reads)
 TOLERANCE = {"float64": 1e-10, "float32": 1e-4}
 B = 3
+#: each call's name, and whether its margins are within the limits and its row weights left out: the C
+#: entry points' general form, then each variant (codegen/fused.py ``forms``) where the terms have it
+CALLS = (("general", False, False), ("narrow", True, False), ("unit_rows", False, True),
+         ("narrow_unit_rows", True, True))
 #: one spec's process at most this long (generation and compiles of a long order-4 spec included)
 SPEC_TIMEOUT_S = 1200
 
 
+#: the dofs drawn: C's lanes hold a row of 7 in one vector, of 1 or 3 two trajectories' rows in one
+#: (codegen/render.py ``paired``), of 9 or 16 more than one vector in float64
+DOFS = (1, 3, 7, 7, 9, 16)
+
+
 def draw(rng: random.Random) -> dict[str, Any]:
-    """``launch_bounds.draw``'s fields, then with end="goal" a goal index (half the draws) and for
-    a stencil an accuracy (a third of the draws; a central one's odd values are redrawn)."""
+    """``launch_bounds.draw``'s fields, then a dof (``DOFS``), with end="goal" a goal index (half the
+    draws) and for a stencil an accuracy (a third of the draws; a central one's odd values are redrawn)."""
     fields = launch_bounds.draw(rng)
+    if not fields:
+        return fields
+    fields["dof"] = rng.choice(DOFS)
     if fields.get("end") == "goal":
         fields["goal_index"] = rng.random() < 0.5
     if fields.get("control") == "position" and rng.random() < 1 / 3:
@@ -170,7 +182,7 @@ def check(spec: Any) -> Row:
         return row("load", f"{type(err).__name__}: {err}"[:500])
     errors: dict[str, float] = {}
     gen = torch.Generator().manual_seed(0)
-    for call, narrow, unit_rows in (("general", False, False), ("narrow_unit_rows", True, True)):
+    for call, narrow, unit_rows in CALLS:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             try:
@@ -220,7 +232,8 @@ def table(rows: Sequence[Row]) -> list[str]:
             median = sorted(worst)[len(worst) // 2]
             lines.append(f"{dtype}: {len(worst)} specs run, largest difference {max(worst):.1e} (median of each "
                          f"spec's largest {median:.1e}; tolerance {TOLERANCE[dtype]:.0e})")
-    lines.append(f"{sum(r.seconds for r in rows) / 60:.1f} min in all, slowest spec {max(r.seconds for r in rows):.0f} s")
+    seconds = [r.seconds for r in rows]
+    lines.append(f"{sum(seconds) / 60:.1f} min in all, slowest spec {max(seconds):.0f} s")
     return lines
 
 

@@ -5,8 +5,9 @@ import tensorstep as ts
 from tensorstep.bench import c_survey, launch_bounds
 
 
-def test_the_draws_add_goal_indices_and_accuracies_to_the_ptxas_surveys():
+def test_the_draws_add_dofs_goal_indices_and_accuracies_to_the_ptxas_surveys():
     drawn = c_survey.specs(60, 39)
+    assert {s.dof for s in drawn} == set(c_survey.DOFS)
     assert any(s.goal_index for s in drawn) and any(s.end == "goal" and not s.goal_index for s in drawn)
     defaults = {(4, 4, 2), (4, 4, 2, 2), (1, 1, 1), (1, 1, 1, 1)}  # spec.py DEFAULT_ACCURACY, orders 3 and 4
     assert {s.accuracy for s in drawn if s.control == "position"} - defaults
@@ -17,14 +18,15 @@ def test_the_draws_add_goal_indices_and_accuracies_to_the_ptxas_surveys():
 
 
 def test_one_spec_passes_and_a_wrong_cost_is_found(monkeypatch):
-    """A short spec's C step against the plain step plus the terms: within the tolerance; with the
-    terms' reference off by a part in 1e9, the spec fails on its values."""
+    """A short spec's C step, each form, against the plain step plus the terms: within the tolerance;
+    with the terms' reference off by a part in 1e9, the spec fails on its values."""
     from tensorstep.runtime import costs
 
     spec = ts.KernelSpec(horizon=12, dof=3, dtype="float64", end="goal", goal_index=True, start_index=True,
                          costs=(("bound", "velocity"), ("squared", "position")), outputs=("P",))
     row = c_survey.check(spec)
-    assert row.failure == "" and {"general cost", "narrow_unit_rows dtarget", "general dgoal0"} <= set(row.errors)
+    assert row.failure == "" and {f"{call} {name}" for call, _, _ in c_survey.CALLS
+                                  for name in ("P", "cost", "du", "dp0", "dgoal0", "dtarget")} <= set(row.errors)
     assert max(row.errors.values()) <= c_survey.TOLERANCE["float64"]
     term_values = costs.term_values
     monkeypatch.setattr(costs, "term_values", lambda *a, **k: term_values(*a, **k) * (1 + 1e-9))
