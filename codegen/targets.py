@@ -285,8 +285,10 @@ CUDA_INPUTS_FIRST: dict[tuple[str, str], int] = {("rows", "bhd"): 28}
 #: B-spline's first and last spans; codegen/fences.py ``rows_fenced``), by element size (0: none).
 #: Unfenced, ptxas interleaved many rows' loads there and float32 B-splines of 64 knots with seven terms
 #: spilled 8 to 24 bytes at the 128 cap; fences every 2 rows cleared them, every 4, by span or the last
-#: spans only did not all (BENCHMARKS.md "The straight-line spans fenced"). float64's forwards fit (not tried).
-CUDA_FENCED_ROWS = {4: 2, 8: 0}
+#: spans only did not all (BENCHMARKS.md "The straight-line spans fenced"). float64: an order-4 forward of
+#: eight terms spilled 4 bytes (a word of b * D + d held through the loop); fenced every 2 rows, none
+#: (BENCHMARKS.md "The last float64 B-spline forward that spilled").
+CUDA_FENCED_ROWS = {4: 2, 8: 2}
 
 
 #: the fused CUDA kernels, by element size, whose column works out its bases anew after its first loop

@@ -1,9 +1,11 @@
-"""CUDA's fused float32 forwards with a knots' loop fence their straight-line spans every few rows
-(codegen/targets.py ``CUDA_FENCED_ROWS``, codegen/fences.py ``rows_fenced``): ``TS_FENCE();`` before
-each two rows of the first spans and of the last, the loop as it was; float64 and C unfenced."""
+"""CUDA's fused float32 and float64 forwards with a knots' loop fence their straight-line spans every few
+rows (codegen/targets.py ``CUDA_FENCED_ROWS``, codegen/fences.py ``rows_fenced``): ``TS_FENCE();`` before
+each two rows of the first spans and of the last, the loop as it was; C unfenced."""
 from __future__ import annotations
 
 import re
+
+import pytest
 
 import tensorstep as ts
 from tensorstep.codegen import targets
@@ -41,8 +43,9 @@ def test_a_fence_before_each_two_rows_around_the_knots_loop():
     assert rows_fenced([s for s in statements if s is not loop], 2) == [s for s in statements if s is not loop]
 
 
-def test_a_float32_cuda_forward_fences_its_straight_line_spans_only():
-    forward = _forward(_spec("float32"))
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_a_cuda_forward_fences_its_straight_line_spans_only(dtype):
+    forward = _forward(_spec(dtype))
     start, end = forward.index("for (int64_t kn"), forward.index("const T cw0 = ")
     loop = forward[start:forward.index("\n        }", start)]
     assert "TS_FENCE" not in loop and "TS_FENCE" not in forward[end:]
@@ -50,9 +53,12 @@ def test_a_float32_cuda_forward_fences_its_straight_line_spans_only():
         pieces = stretch.split("TS_FENCE();")
         assert len(pieces) >= 3 and "Y0(" not in pieces[0]
         assert all(re.findall(r"Y0\((\d+)", p) and len(re.findall(r"Y0\((\d+)", p)) <= 2 for p in pieces[1:])
-    assert "TS_FENCE" not in _forward(_spec("float64")) and "TS_FENCE" not in ts.source(_spec("float32"), "c")
+    assert "TS_FENCE" not in ts.source(_spec(dtype), "c")
 
 
 def test_the_fenced_rows_are_data(monkeypatch):
+    assert targets.CUDA_FENCED_ROWS == {4: 2, 8: 2}
     monkeypatch.setitem(targets.CUDA_FENCED_ROWS, 4, 0)
-    assert "TS_FENCE" not in ts.source(_spec("float32"), "cuda")
+    assert "TS_FENCE" not in ts.source(_spec("float32"), "cuda") and "TS_FENCE" in _forward(_spec("float64"))
+    monkeypatch.setitem(targets.CUDA_FENCED_ROWS, 8, 0)
+    assert "TS_FENCE" not in ts.source(_spec("float64"), "cuda")
