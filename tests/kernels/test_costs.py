@@ -2007,8 +2007,6 @@ def test_cuda_bspline_adjoint_with_row_tiles_and_row_by_row_start_and_goal_sums_
     (tests/cuda_on_host.py; 3 trajectories: one partial warp of 6 lanes): the cost and the gradients
     of u, the start state, the goal and the target within 1e-10 of the plain step plus the terms
     from their definitions."""
-    from cuda_on_host import host_step
-
     terms = tuple(("bound", s) for s in STATES) + tuple(("squared", s) for s in ("position", "acceleration", "jerk", "snap"))
     spec = ts.KernelSpec(control="bspline", degree=4, knots=8, steps=2, end="goal", dt="per_trajectory", order=4,
                          layout="bdh", dof=2, dtype="float64", costs=terms, outputs=())
@@ -2026,9 +2024,18 @@ def test_cuda_bspline_adjoint_with_row_tiles_and_row_by_row_start_and_goal_sums_
     assert "ts_tile_ns[threadIdx.x >> 5] = n;" in adjoint and "first * " not in adjoint.split("ts_tile ts_t0")[1].split(";")[0]
     assert not re.search(r"\bgc\d+_\d+", adjoint)
     assert adjoint.count("as0 += ") > 2 and adjoint.count("ae0 += ") > 2
+    _host_goal_step_against_the_definitions(spec, seed=5)
+
+
+def _host_goal_step_against_the_definitions(spec, seed: int) -> None:
+    """``spec``'s CUDA kernels run on the host (3 trajectories, a goal, a squared position term): the
+    cost and the gradients of u, the start state, the goal and the target within 1e-10 of the plain
+    step plus the terms from their definitions, under a random weighting of the cost's terms."""
+    from cuda_on_host import host_step
+
     x, params, dt = _data(spec)
-    gen = torch.Generator().manual_seed(5)
-    wcost = torch.randn(3, len(terms), generator=gen, dtype=torch.float64)
+    gen = torch.Generator().manual_seed(seed)
+    wcost = torch.randn(3, len(spec.costs), generator=gen, dtype=torch.float64)
     grads = []
     for fused_step in (True, False):
         leaves = {k: x[k].clone().requires_grad_() for k in ("u", "p0", "v0", "a0", "j0")}
@@ -2055,8 +2062,6 @@ def test_cuda_bspline_adjoint_works_out_its_column_again_after_the_knots_loop_an
     (codegen/fused.py ``column_again``: ``TS_COLUMN_AGAIN``), not holding them through the loop. Run
     on the host (tests/cuda_on_host.py, 3 trajectories): the cost and the gradients of u, the start
     state, the goal and the target within 1e-10 of the plain step plus the terms from their definitions."""
-    from cuda_on_host import host_step
-
     terms = (("bound", "position"), ("squared", "position"), ("squared", "snap"))
     spec = ts.KernelSpec(control="bspline", degree=4, knots=8, steps=2, end="goal", dt="per_trajectory", order=4,
                          dof=2, dtype="float64", costs=terms, outputs=(), start_index=True, goal_index=True)
@@ -2069,23 +2074,4 @@ def test_cuda_bspline_adjoint_works_out_its_column_again_after_the_knots_loop_an
     assert "const int64_t grow = gidx ? gidx[b] : b;" in source.split("#define TS_COLUMN_AGAIN()")[1]
     forward = source[source.index(f"{spec.name}_forward(int64_t B"):source.index(f"{spec.name}_adjoint(int64_t B")]
     assert "TS_COLUMN_AGAIN" not in forward and "TS_COLUMN_AGAIN" not in ts.source(spec, "c")
-    x, params, dt = _data(spec)
-    gen = torch.Generator().manual_seed(7)
-    wcost = torch.randn(3, len(terms), generator=gen, dtype=torch.float64)
-    grads = []
-    for fused_step in (True, False):
-        leaves = {k: x[k].clone().requires_grad_() for k in ("u", "p0", "v0", "a0", "j0")}
-        goal = tuple(g.clone().requires_grad_() for g in x["goal"])
-        target = params["squared_position_target"].clone().requires_grad_()
-        xx, pp = {**x, **leaves, "goal": goal}, {**params, "squared_position_target": target}
-        if fused_step:
-            out = _call(host_step(spec), spec, xx, pp, dt)
-            cost = out[-1] if isinstance(out, tuple) else out
-        else:
-            plain = spec.replace(costs=(), outputs=None)
-            cost = _torch_costs(spec, _call(ts.load(plain), plain, xx, {}, dt), pp, xx)
-        (cost * wcost).sum().backward()
-        grads.append([cost.detach()] + [t.grad for t in (*leaves.values(), *goal, target)])
-    for got, expected in zip(*grads):
-        assert got is not None and expected is not None and expected.abs().max() > 0
-        torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-10 * float(expected.abs().max()))
+    _host_goal_step_against_the_definitions(spec, seed=7)
