@@ -666,7 +666,7 @@ def render(spec: Any, code: LoweredOperator, table: ArgumentTable, target: Targe
         # CUDA, layout "bdh" where a warp's whole rows do not fit: each warp stages row tiles, per kernel
         # (rows of a tile, most threads a block has)
         tiles=cuda_tiles(spec.layout, spec.horizon, spec.n_actions, spec.order, itemsize),
-        # CUDA: a kernel works out its column again after its knots' loop (codegen/fused.py column_again)
+        # CUDA: a kernel works out its column again after its knots' loop (codegen/column_again.py)
         column_again=any("TS_COLUMN_AGAIN();" in line for c in codes.values() if c is not None and hasattr(c, "body")
                          for line in c.body),
     )

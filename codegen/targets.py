@@ -293,7 +293,7 @@ CUDA_FENCED_ROWS = {4: 2, 8: 2}
 
 #: the fused CUDA kernels, by element size, whose column works out its bases anew after its first loop
 #: of CUDA_COLUMN_AGAIN_LOOPS
-#: (codegen/fused.py ``column_again``): held through the loop, the bases a float64 B-spline adjoint of
+#: (codegen/column_again.py): held through the loop, the bases a float64 B-spline adjoint of
 #: many terms uses after it (the action's, the gradients', a goal's row) were spilled at the 128 cap
 #: (BENCHMARKS.md "Float64 B-spline adjoints: the column's bases worked out again after the knots' loop")
 CUDA_COLUMN_AGAIN = {8: ("adjoint",)}
@@ -790,7 +790,8 @@ class CudaTarget(Target):
         straight-line spans fenced every few rows (``CUDA_FENCED_ROWS``); a float64 fused adjoint works out
         its column's bases again after its knots' loop (``CUDA_COLUMN_AGAIN``); the tangent and reverse
         programs as tapes (``tape_programs``), dt_jvp's inputs read once."""
-        from . import fused, reads  # code generation only: this module stays importable without SymPy
+        from . import reads  # code generation only: this module stays importable without SymPy
+        from .column_again import column_again
         from .fences import rows_fenced
         from .shared_column import in_shared_column
 
@@ -821,8 +822,8 @@ class CudaTarget(Target):
             for value, slot, _ in cuda_shared_column(k, codes[k].statements, itemsize):
                 codes[k] = dataclasses.replace(codes[k], statements=in_shared_column(codes[k].statements, value, slot))
         for k in (k for k in CUDA_COLUMN_AGAIN.get(itemsize, ()) if k in codes and code.fused):
-            codes[k] = dataclasses.replace(codes[k], statements=fused.column_again(codes[k].statements,
-                                                                                           CUDA_COLUMN_AGAIN_LOOPS))
+            codes[k] = dataclasses.replace(codes[k], statements=column_again(codes[k].statements,
+                                                                             CUDA_COLUMN_AGAIN_LOOPS))
         return codes
 
     def check(self, spec: Any, tapes: list) -> None:

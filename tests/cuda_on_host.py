@@ -109,7 +109,7 @@ static int ts_region, ts_regions;
 #define TS_TILE_WARP() ((int)(threadIdx.x >> 5))
 #define TS_MONO_KEEP(v) ((void)(v))
 #define TS_TILE_FIRST() ((int64_t)(blockIdx.x * blockDim.x + (threadIdx.x & ~31LL)))
-/* a column's thread read again after its first loop (codegen/fused.py column_again) */
+/* a column's thread read again after its first loop (codegen/column_again.py) */
 #define TS_COLUMN() ((int64_t)(blockIdx.x * blockDim.x + threadIdx.x))
 /* each store of a tile, where ts_stores_kept: (block, thread, region, the warp's k-th store, address, bytes) */
 typedef struct {{ long long block, thread, region, k, address, bytes; }} ts_store;

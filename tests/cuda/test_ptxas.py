@@ -154,7 +154,7 @@ GRID = [
      {}),
     # a float64 order-4 B-spline adjoint with a goal and ten terms, layout "bhd": 4 bytes spilled, the
     # goal's row (64-bit) held through the knots' loop; none with the column's bases worked out again
-    # after it (codegen/fused.py column_again)
+    # after it (codegen/column_again.py)
     (dict(control="bspline", degree=5, knots=32, steps=4, end="goal", dt="per_trajectory", order=4, outputs=(),
           costs=tuple((k, s) for k in ("bound", "squared") for s in ("position", "velocity", "acceleration", "jerk",
                                                                       "snap"))), None, "float64", {}),
