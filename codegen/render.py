@@ -414,6 +414,12 @@ def factors_read(kernel: KernelCode, size: int) -> int:
     return highest + 1
 
 
+def _uses(codes: Any, *macros: str) -> bool:
+    """Whether a line of the kernels' bodies (``codes``: KernelCodes, None for a kernel left out) calls
+    one of ``macros`` (each given with its opening parenthesis): the template defines them only then."""
+    return any(m in line for c in codes if c is not None and hasattr(c, "body") for line in c.body for m in macros)
+
+
 def _codes(code: LoweredOperator, kernels: tuple[str, ...], itemsize: int, target: Target,
            variants: dict[str, dict[str, Any]], general: bool, spec: Any) -> dict[str, Any]:
     """Each kernel's lowered general form (codegen/targets.py ``codes``); where the source leaves the
@@ -574,11 +580,10 @@ def render(spec: Any, code: LoweredOperator, table: ArgumentTable, target: Targe
         fused=code.fused,
         # C: a fused recurrence's rolled adjoint keeps its checkpoints in a local array (TS_CK) and reads
         # actions again (TS_REREAD), either without the other (no checkpoint where only actions are reread)
-        checkpoints=any(("TS_CHECKPOINTS(" in line or "TS_REREAD(" in line) for c in [*codes.values(), *(c for v in variants.values()
-                                                                                  for c in v.values())]
-                        if c is not None and hasattr(c, "body") for line in c.body),
+        checkpoints=_uses([*codes.values(), *(c for v in variants.values() for c in v.values())],
+                          "TS_CHECKPOINTS(", "TS_REREAD("),
         # CUDA: fences between rows (codegen/fences.py)
-        fences=any("TS_FENCE(" in line for c in codes.values() if c is not None and hasattr(c, "body") for line in c.body),
+        fences=_uses(codes.values(), "TS_FENCE("),
         written=list(table.written),
         lane_macros=macros.lanes(table) + macros.lane_parameters(table),
         zero_tangent_macros=macros.zero_tangents(table),
@@ -667,7 +672,6 @@ def render(spec: Any, code: LoweredOperator, table: ArgumentTable, target: Targe
         # (rows of a tile, most threads a block has)
         tiles=cuda_tiles(spec.layout, spec.horizon, spec.n_actions, spec.order, itemsize),
         # CUDA: a kernel works out its column again after its knots' loop (codegen/column_again.py)
-        column_again=any("TS_COLUMN_AGAIN();" in line for c in codes.values() if c is not None and hasattr(c, "body")
-                         for line in c.body),
+        column_again=_uses(codes.values(), "TS_COLUMN_AGAIN();"),
     )
     return _environment().get_template(target.template).render(**context)
