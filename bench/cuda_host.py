@@ -100,14 +100,6 @@ def _native_switch(on: bool = True) -> Any:
     return mock.patch.dict(os.environ, {CUDA_SWITCH: "1" if on else "0"})
 
 
-def _load_python(spec: Any, device: torch.device) -> Any:
-    """A CUDA step on the Python path (the node is the default)."""
-    import tensorstep as ts
-
-    with _native_switch(False):
-        return ts.load(spec, device)
-
-
 def _stub_step(spec: Any, native: bool = False) -> Any:
     """A step on the CPU whose kernels are a CudaBackend on ``_StubCupy`` (the Python path, as on CUDA;
     with ``native``, the native node's launches, through ``_stub_functions``)."""
@@ -133,14 +125,16 @@ def _stub_step(spec: Any, native: bool = False) -> Any:
     return step
 
 
-def _load_native(spec: Any, device: torch.device) -> Any:
+def _load(spec: Any, device: torch.device, native: bool) -> Any:
+    """A CUDA step on the native node (``native``, waiting for its build) or on the Python path."""
     import tensorstep as ts
     from ..runtime import native as node
 
-    node.wait()
-    with _native_switch():
+    if native:
+        node.wait()
+    with _native_switch(native):
         step = ts.load(spec, device)
-    if step.native is None:
+    if native and step.native is None:
         raise SystemExit("the native autograd node is unavailable here (no C++ compiler?)")
     return step
 
@@ -157,7 +151,7 @@ def callables(case: CostCase, stub: bool, native: bool = False) -> tuple[dict[st
     if stub:
         load = functools.partial(_stub_step, native=native)
     else:
-        load = functools.partial(_load_native if native else _load_python, device=dev)
+        load = functools.partial(_load, device=dev, native=native)
     fused, held, plain = load(case.fused), load(case.fused), load(case.plain)
     held.set_costs(**params)
 
